@@ -1,0 +1,104 @@
+"""``SessionContext``: the state every stage of one session shares."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from opentelemetry import trace
+
+from pipeline.policies import ToolPolicies
+from pipeline.replacement import ReplacementState
+from pipeline.storage import FileToolResultStore, ToolResultStore, validate_session_id
+from pipeline.tokens import TokenTracker
+from pipeline.tracing import get_logger, get_tracer
+from pipeline.transcript import TranscriptWriter
+
+__all__ = ["PassReport", "PersistedResult", "SessionContext"]
+
+
+@dataclass(frozen=True, slots=True)
+class PersistedResult:
+    """A tool result newly written to the store in this pass."""
+
+    tool_use_id: str
+    tool_name: str | None
+    chars: int
+    path: str
+    reason: str  # "per_tool" or "per_message"
+
+
+@dataclass(slots=True)
+class PassReport:
+    """What the stages did in the latest pipeline pass (reset at the start of each pass)."""
+
+    persisted: list[PersistedResult] = field(default_factory=list)
+    reapplied: int = 0
+    persist_failed: list[str] = field(default_factory=list)
+    """tool_use_ids whose persist failed (original content kept)."""
+    notes: dict[str, Any] = field(default_factory=dict)
+    """Free-form per-stage facts (e.g. tokens freed), keyed by stage name."""
+
+
+class SessionContext:
+    """One session's shared state: replacement ledger, token tracker, store, transcript,
+    per-tool policies, tracer and logger.
+
+    A session's turns are serialised: :meth:`pipeline.core.Pipeline.run` holds ``lock`` for the
+    whole pass. Many sessions (many contexts) may run concurrently in one process.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        root: str | os.PathLike[str] = ".sluicegate",
+        *,
+        store: ToolResultStore | None = None,
+        replacement_state: ReplacementState | None = None,
+        token_tracker: TokenTracker | None = None,
+        transcript: TranscriptWriter | None = None,
+        tool_policies: ToolPolicies | None = None,
+        tracer: trace.Tracer | None = None,
+        logger: Any = None,
+        agent_id: str | None = None,
+    ) -> None:
+        self.session_id = validate_session_id(session_id)
+        self.root = Path(root)
+        self.agent_id = agent_id
+        self.store: ToolResultStore = store or FileToolResultStore(self.root, self.session_id)
+        self.replacement_state = replacement_state or ReplacementState()
+        self.token_tracker = token_tracker or TokenTracker()
+        self.transcript = transcript
+        self.tool_policies = tool_policies or ToolPolicies()
+        self.tracer = tracer or get_tracer()
+        self.logger = logger or get_logger(session_id=self.session_id)
+        self.lock = anyio.Lock()
+        self.report = PassReport()
+
+    def begin_pass(self) -> PassReport:
+        """Start a new pass report; called by the pipeline at the start of every run."""
+        self.report = PassReport()
+        return self.report
+
+    def for_subagent(
+        self, agent_id: str, transcript: TranscriptWriter | None = None
+    ) -> SessionContext:
+        """A context for a sub-agent: same session, store and policies; a COPY of the ledger."""
+        return SessionContext(
+            self.session_id,
+            self.root,
+            store=self.store,
+            replacement_state=self.replacement_state.copy(),
+            token_tracker=TokenTracker(self.token_tracker.method),
+            transcript=transcript,
+            tool_policies=self.tool_policies,
+            tracer=self.tracer,
+            logger=self.logger.bind(agent_id=agent_id),
+            agent_id=agent_id,
+        )
+
+    def __repr__(self) -> str:
+        return f"SessionContext(session_id={self.session_id!r}, root={str(self.root)!r})"

@@ -1,0 +1,176 @@
+"""Stages and the pipeline that runs them in order, with a span per pass and per stage."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+from opentelemetry.trace import Status, StatusCode
+
+from pipeline.context import SessionContext
+from pipeline.messages import Message
+from pipeline.tracing import ATTR, SPAN_PIPELINE_RUN, stage_span_name
+
+__all__ = ["FunctionStage", "Pipeline", "Stage", "StageError", "stage"]
+
+StageFn = Callable[[list[Message], SessionContext], Awaitable[list[Message]]]
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """A named async step: messages in, messages out.
+
+    A stage never mutates its input; untouched messages pass through by reference. A stage may
+    set ``may_break_cache = True`` when it can change content the model has already seen.
+    """
+
+    name: str
+
+    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+        """Return the projected messages."""
+        ...
+
+
+class StageError(RuntimeError):
+    """A stage raised or returned something that is not a message list; names the stage."""
+
+
+class FunctionStage:
+    """Adapter: a plain ``async def f(messages, ctx)`` becomes a named stage."""
+
+    def __init__(self, name: str, fn: StageFn, *, may_break_cache: bool = False) -> None:
+        if not name:
+            raise ValueError("a stage needs a non-empty name")
+        self.name = name
+        self.fn = fn
+        self.may_break_cache = may_break_cache
+
+    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+        return await self.fn(messages, ctx)
+
+    def __repr__(self) -> str:
+        return f"FunctionStage({self.name!r})"
+
+
+def stage(name: str, *, may_break_cache: bool = False) -> Callable[[StageFn], FunctionStage]:
+    """Decorator form of :class:`FunctionStage`: ``@stage("redact")``."""
+
+    def wrap(fn: StageFn) -> FunctionStage:
+        return FunctionStage(name, fn, may_break_cache=may_break_cache)
+
+    return wrap
+
+
+class Pipeline:
+    """An ordered, immutable list of stages. Editing methods return a new pipeline.
+
+    ``repr`` shows the order: ``Pipeline(tool_result_budget → history_snip → ...)``.
+    """
+
+    def __init__(self, stages: Iterable[Stage]) -> None:
+        self._stages: tuple[Stage, ...] = tuple(stages)
+        names = [s.name for s in self._stages]
+        for s in self._stages:
+            if not isinstance(getattr(s, "name", None), str) or not callable(s):
+                raise TypeError(f"{s!r} is not a stage (needs a str .name and async __call__)")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate stage names: {', '.join(dupes)}")
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages, in order."""
+        return self._stages
+
+    @property
+    def names(self) -> list[str]:
+        """The stage names, in order."""
+        return [s.name for s in self._stages]
+
+    def __getitem__(self, name: str) -> Stage:
+        return self._stages[self._index(name)]
+
+    def __len__(self) -> int:
+        return len(self._stages)
+
+    def __repr__(self) -> str:
+        return f"Pipeline({' → '.join(self.names)})"
+
+    def _index(self, name: str) -> int:
+        for i, s in enumerate(self._stages):
+            if s.name == name:
+                return i
+        raise KeyError(f"no stage named {name!r}; stages are: {', '.join(self.names)}")
+
+    def replace(self, name: str, new: Stage) -> Pipeline:
+        """Swap the stage called ``name`` for ``new`` (which may carry another name)."""
+        i = self._index(name)
+        return Pipeline((*self._stages[:i], new, *self._stages[i + 1 :]))
+
+    def insert_before(self, name: str, new: Stage) -> Pipeline:
+        """Insert ``new`` right before the stage called ``name``."""
+        i = self._index(name)
+        return Pipeline((*self._stages[:i], new, *self._stages[i:]))
+
+    def insert_after(self, name: str, new: Stage) -> Pipeline:
+        """Insert ``new`` right after the stage called ``name``."""
+        i = self._index(name)
+        return Pipeline((*self._stages[: i + 1], new, *self._stages[i + 1 :]))
+
+    def append(self, new: Stage) -> Pipeline:
+        """Add ``new`` at the end."""
+        return Pipeline((*self._stages, new))
+
+    def remove(self, name: str) -> Pipeline:
+        """Drop the stage called ``name``."""
+        i = self._index(name)
+        return Pipeline((*self._stages[:i], *self._stages[i + 1 :]))
+
+    async def run(self, messages: Sequence[Message], ctx: SessionContext) -> list[Message]:
+        """Run every stage in order on ``messages`` for one turn of ``ctx``'s session.
+
+        Turns of one session are serialised on ``ctx.lock`` (do not call ``run`` from inside a
+        stage with the same context). Returns the projected messages; the input is untouched.
+        """
+        current = messages if isinstance(messages, list) else list(messages)
+        async with ctx.lock:
+            ctx.begin_pass()
+            with ctx.tracer.start_as_current_span(
+                SPAN_PIPELINE_RUN,
+                attributes={
+                    ATTR.CONVERSATION_ID: ctx.session_id,
+                    ATTR.MESSAGES_IN: len(current),
+                    ATTR.TOKENS_BEFORE: ctx.token_tracker.estimate(current),
+                },
+            ) as run_span:
+                for st in self._stages:
+                    current = await self._run_stage(st, current, ctx)
+                run_span.set_attribute(ATTR.MESSAGES_OUT, len(current))
+                run_span.set_attribute(ATTR.TOKENS_AFTER, ctx.token_tracker.estimate(current))
+        return current
+
+    @staticmethod
+    async def _run_stage(st: Stage, messages: list[Message], ctx: SessionContext) -> list[Message]:
+        breaks = bool(getattr(st, "may_break_cache", False))
+        with ctx.tracer.start_as_current_span(
+            stage_span_name(st.name),
+            attributes={
+                ATTR.CONVERSATION_ID: ctx.session_id,
+                ATTR.STAGE: st.name,
+                ATTR.BREAKS_CACHE: breaks,
+            },
+            record_exception=False,  # exception text may quote message content
+            set_status_on_exception=True,
+        ) as span:
+            try:
+                out = await st(messages, ctx)
+            except Exception as exc:
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                raise StageError(f"stage {st.name!r} failed: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(out, list):
+                raise StageError(
+                    f"stage {st.name!r} returned {type(out).__name__}, expected list[Message]"
+                )
+            span.set_attribute(ATTR.STAGE_CHANGED, out is not messages)
+            span.set_attribute(ATTR.MESSAGES_OUT, len(out))
+        return out

@@ -1,0 +1,186 @@
+"""The per-tool gate (SPEC §1.2) and the replacement text of a persisted result (SPEC §3).
+
+``gate_tool_result`` is what an agent loop calls when a tool returns; the budget stage uses the
+same pieces for results it is the first to see.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any, Literal
+
+from pipeline.replacement import (
+    PERSISTED_OUTPUT_CLOSING_TAG,
+    PERSISTED_OUTPUT_TAG,
+    candidate_size,
+    content_is_empty,
+)
+from pipeline.storage import ToolResultStore
+
+__all__ = [
+    "PREVIEW_SIZE_CHARS",
+    "GateOutcome",
+    "Persisted",
+    "build_replacement",
+    "empty_result_text",
+    "format_size",
+    "gate_tool_result",
+    "generate_preview",
+    "is_persistable",
+    "persist_content",
+]
+
+PREVIEW_SIZE_CHARS = 2_000
+
+
+def _js_fixed1(x: float) -> str:
+    """``Number.prototype.toFixed(1)`` with a trailing ``.0`` dropped.
+
+    JS rounds the exact binary value half-up; Python's ``format`` rounds half-even, which
+    differs on exact ties such as 0.25 KB.
+    """
+    text = str(Decimal(x).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def format_size(chars: int) -> str:
+    """``N bytes`` under 1024, else KB / MB / GB with one decimal, ``.0`` dropped."""
+    kb = chars / 1024
+    if kb < 1:
+        return f"{chars} bytes"
+    if kb < 1024:
+        return f"{_js_fixed1(kb)}KB"
+    mb = kb / 1024
+    if mb < 1024:
+        return f"{_js_fixed1(mb)}MB"
+    return f"{_js_fixed1(mb / 1024)}GB"
+
+
+def generate_preview(text: str, max_chars: int = PREVIEW_SIZE_CHARS) -> tuple[str, bool]:
+    """The first ``max_chars``, cut back to the last newline when it lies past the half."""
+    if len(text) <= max_chars:
+        return text, False
+    head = text[:max_chars]
+    last_newline = head.rfind("\n")
+    cut = last_newline if last_newline > max_chars * 0.5 else max_chars
+    return text[:cut], True
+
+
+def build_replacement(path: str, original_chars: int, preview: str, has_more: bool) -> str:
+    """The exact text the model sees instead of a persisted result."""
+    return (
+        f"{PERSISTED_OUTPUT_TAG}\n"
+        f"Output too large ({format_size(original_chars)}). Full output saved to: {path}\n\n"
+        f"Preview (first 2KB):\n{preview}"
+        + ("\n...\n" if has_more else "\n")
+        + PERSISTED_OUTPUT_CLOSING_TAG
+    )
+
+
+def empty_result_text(tool_name: str | None) -> str:
+    """What an empty result becomes: an empty tool_result can make a model end its turn."""
+    return f"({tool_name or 'tool'} completed with no output)"
+
+
+def is_persistable(content: Any) -> bool:
+    """A string, or a block list of text blocks only."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(b, Mapping) and b.get("type") == "text" for b in content
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Persisted:
+    """A result written to the store, and the text the model sees in its place."""
+
+    path: str
+    chars: int
+    replacement: str
+
+
+async def persist_content(store: ToolResultStore, tool_use_id: str, content: Any) -> Persisted:
+    """Write ``content`` to the store and build its replacement text.
+
+    Strings go to ``.txt`` as they are; text-block lists to ``.json``, pretty-printed with a
+    2-space indent. Raises ``ValueError`` for non-persistable content and whatever the store
+    raises when the write fails.
+    """
+    if not is_persistable(content):
+        raise ValueError("only strings and lists of text blocks can be persisted")
+    if isinstance(content, str):
+        text, ext = content, "txt"
+    else:
+        text, ext = json.dumps(content, indent=2, ensure_ascii=False), "json"
+    path = await store.persist(tool_use_id, text, ext)
+    preview, has_more = generate_preview(text)
+    return Persisted(
+        path=path,
+        chars=len(text),
+        replacement=build_replacement(path, len(text), preview, has_more),
+    )
+
+
+GateDecision = Literal[
+    "empty", "image", "keep", "not_persistable", "persist", "persist_failed", "unbounded"
+]
+
+
+@dataclass(frozen=True, slots=True)
+class GateOutcome:
+    """What the per-tool gate did to one tool_result block."""
+
+    block: dict[str, Any]
+    """The block to send: the input block itself when unchanged."""
+    decision: GateDecision
+    size: int
+    threshold: float
+    path: str | None = None
+    error: str | None = None
+
+
+def _has_image(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(b, Mapping) and b.get("type") == "image" for b in content
+    )
+
+
+async def gate_tool_result(
+    block: dict[str, Any],
+    *,
+    tool_name: str | None,
+    threshold: float,
+    store: ToolResultStore,
+) -> GateOutcome:
+    """Apply the per-tool gate to a fresh tool_result block (SPEC §1.2, in that order)."""
+    content = block.get("content")
+    if content_is_empty(content):
+        return GateOutcome(
+            {**block, "content": empty_result_text(tool_name)}, "empty", 0, threshold
+        )
+    if _has_image(content):
+        return GateOutcome(block, "image", 0, threshold)
+    size = candidate_size(content)
+    if isinstance(content, str) and content.startswith(PERSISTED_OUTPUT_TAG):
+        return GateOutcome(block, "keep", size, threshold)
+    if math.isinf(threshold):
+        return GateOutcome(block, "unbounded", size, threshold)
+    if size <= threshold:
+        return GateOutcome(block, "keep", size, threshold)
+    if not is_persistable(content):
+        return GateOutcome(block, "not_persistable", size, threshold)
+    tool_use_id = str(block.get("tool_use_id"))
+    try:
+        persisted = await persist_content(store, tool_use_id, content)
+    except Exception as exc:  # any storage failure: send the original, report it
+        return GateOutcome(
+            block, "persist_failed", size, threshold, error=type(exc).__name__ + ": " + str(exc)
+        )
+    return GateOutcome(
+        {**block, "content": persisted.replacement}, "persist", size, threshold, path=persisted.path
+    )

@@ -1,0 +1,96 @@
+"""Every span name and attribute key sluicegate emits, the tracer, and the structlog glue.
+
+The library depends on ``opentelemetry-api`` only: with no SDK installed (or none configured)
+every span is a no-op. No span attribute ever holds message content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+from opentelemetry import trace
+
+__all__ = [
+    "ATTR",
+    "SPAN_AGENT_TURN",
+    "SPAN_BUDGET_DECISION",
+    "SPAN_BUDGET_GROUP",
+    "SPAN_PIPELINE_RUN",
+    "SPAN_TOOL_EXECUTE",
+    "SPAN_TOOL_GATE",
+    "TRACER_NAME",
+    "add_trace_ids",
+    "get_logger",
+    "get_tracer",
+    "stage_span_name",
+]
+
+TRACER_NAME = "sluicegate"
+
+SPAN_PIPELINE_RUN = "pipeline.run"
+SPAN_BUDGET_GROUP = "tool_result_budget.group"
+SPAN_BUDGET_DECISION = "tool_result_budget.decision"
+SPAN_TOOL_GATE = "tool_result_gate"
+SPAN_AGENT_TURN = "agent.turn"
+SPAN_TOOL_EXECUTE = "execute_tool"
+
+
+def stage_span_name(stage_name: str) -> str:
+    """The span of one stage's pass: ``stage.<name>``."""
+    return f"stage.{stage_name}"
+
+
+class ATTR:
+    """Span attribute keys (OpenTelemetry gen_ai conventions where one exists)."""
+
+    CONVERSATION_ID = "gen_ai.conversation.id"
+    TOOL_NAME = "gen_ai.tool.name"
+    TOOL_CALL_ID = "gen_ai.tool.call.id"
+    MESSAGES_IN = "sluicegate.messages.in"
+    MESSAGES_OUT = "sluicegate.messages.out"
+    TOKENS_BEFORE = "sluicegate.tokens.estimated_before"
+    TOKENS_AFTER = "sluicegate.tokens.estimated_after"
+    STAGE = "sluicegate.stage"
+    STAGE_CHANGED = "sluicegate.stage.changed"
+    BREAKS_CACHE = "sluicegate.stage.may_break_cache"
+    DECISION = "sluicegate.decision"
+    REASON = "sluicegate.reason"
+    CHARS = "sluicegate.chars"
+    LIMIT = "sluicegate.limit"
+    PATH = "sluicegate.path"
+    ERROR = "sluicegate.error"
+    GROUP_INDEX = "sluicegate.group.index"
+    GROUP_CANDIDATES = "sluicegate.group.candidates"
+    FROZEN_CHARS = "sluicegate.group.frozen_chars"
+    FRESH_CHARS = "sluicegate.group.fresh_chars"
+    OUTCOME = "sluicegate.group.outcome"
+    REAPPLIED = "sluicegate.budget.reapplied"
+    PERSISTED = "sluicegate.budget.persisted"
+
+
+def get_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
+    """The ``sluicegate`` tracer from ``provider`` (default: the global provider)."""
+    return trace.get_tracer(TRACER_NAME, tracer_provider=provider)
+
+
+def add_trace_ids(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog processor: add ``trace_id``/``span_id`` of the current span, if any."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event_dict.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event_dict
+
+
+def get_logger(**initial: Any) -> Any:
+    """A structlog logger whose events carry the current trace and span ids.
+
+    The processor is bound to this logger, so it works whatever the app's structlog setup is.
+    """
+    return structlog.wrap_logger(
+        None, processors=[add_trace_ids, *structlog.get_config()["processors"]]
+    ).bind(**initial)

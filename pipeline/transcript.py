@@ -1,0 +1,325 @@
+"""Read and append session transcripts in Claude Code's JSONL format.
+
+Reading keeps what the API saw (``message.content``) and drops what it did not (the structured
+``toolUseResult``, progress payloads, file-history snapshots). Older Claude Code files interleave
+sub-agent records (``isSidechain: true``) with the main thread; a sub-agent's own file holds only
+sidechain records. The loaded thread is the non-sidechain records where there are any, else all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline.messages import Block, Content, Message, Usage, new_uuid
+from pipeline.replacement import ReplacementRecord
+
+__all__ = [
+    "LineProblem",
+    "Transcript",
+    "TranscriptError",
+    "TranscriptWriter",
+    "load_transcript",
+    "message_to_record",
+]
+
+# Record types that are part of a transcript but never of the prompt: skipped silently.
+_NON_PROMPT_TYPES = frozenset(
+    {"file-history-snapshot", "summary", "queue-operation", "custom-title", "tag"}
+)
+_MESSAGE_RECORD_TYPES = frozenset({"user", "assistant", "progress", "attachment", "system"})
+CONTENT_REPLACEMENT = "content-replacement"
+
+
+class TranscriptError(ValueError):
+    """A transcript line that cannot be read; names the file and the 1-based line number."""
+
+    def __init__(self, path: Path | str, line: int, reason: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{path}:{line}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class LineProblem:
+    """A line skipped by a non-strict load."""
+
+    line: int
+    reason: str
+
+
+@dataclass(slots=True)
+class Transcript:
+    """A loaded session: the thread's messages, replacement records and what was skipped."""
+
+    path: Path
+    messages: list[Message]
+    replacement_records: list[ReplacementRecord] = field(default_factory=list)
+    session_id: str | None = None
+    skipped_types: Counter[str] = field(default_factory=Counter)
+    """Records not part of the prompt or of an unknown type, by type (never fatal)."""
+    sidechain_skipped: int = 0
+    """Sub-agent records interleaved with the main thread and left out of it."""
+    problems: list[LineProblem] = field(default_factory=list)
+    """Malformed lines skipped by a ``strict=False`` load."""
+
+
+def _require_str(raw: Mapping[str, Any], key: str, *, optional: bool = True) -> str | None:
+    value = raw.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _parse_blocks(content: Any, where: str) -> Content:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of blocks")
+    blocks: list[Block] = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise ValueError(f"{where}[{i}] is not a content block with a string 'type'")
+        btype = block["type"]
+        if btype == "tool_use" and not isinstance(block.get("id"), str):
+            raise ValueError(f"{where}[{i}]: tool_use without a string 'id'")
+        if btype == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise ValueError(f"{where}[{i}]: tool_result without a string 'tool_use_id'")
+            inner = block.get("content")
+            if inner is not None and not isinstance(inner, str | list):
+                raise ValueError(f"{where}[{i}]: tool_result content must be a string or a list")
+            if isinstance(inner, list) and not all(
+                isinstance(b, dict) and isinstance(b.get("type"), str) for b in inner
+            ):
+                raise ValueError(f"{where}[{i}]: tool_result content holds a non-block")
+        blocks.append(block)
+    return blocks
+
+
+def _parse_message(raw: Mapping[str, Any]) -> Message:
+    rtype = raw["type"]
+    common: dict[str, Any] = {
+        "uuid": _require_str(raw, "uuid") or new_uuid(),
+        "timestamp": _require_str(raw, "timestamp"),
+        "is_sidechain": bool(raw.get("isSidechain", False)),
+        "is_meta": bool(raw.get("isMeta", False)),
+    }
+    if rtype in ("user", "assistant"):
+        body = raw.get("message")
+        if not isinstance(body, Mapping):
+            raise ValueError(f"{rtype} record without a 'message' object")
+        content = _parse_blocks(body.get("content"), "message.content")
+        if rtype == "user":
+            return Message(
+                type="user",
+                content=content,
+                is_compact_summary=bool(raw.get("isCompactSummary", False)),
+                **common,
+            )
+        usage_raw = body.get("usage")
+        if usage_raw is not None and not isinstance(usage_raw, Mapping):
+            raise ValueError("message.usage must be an object")
+        return Message(
+            type="assistant",
+            content=content,
+            message_id=_require_str(body, "id"),
+            model=_require_str(body, "model"),
+            usage=Usage.from_mapping(usage_raw) if usage_raw is not None else None,
+            stop_reason=_require_str(body, "stop_reason"),
+            **common,
+        )
+    if rtype == "system":
+        content_raw = raw.get("content")
+        return Message(
+            type="system",
+            content=content_raw if isinstance(content_raw, str) else "",
+            subtype=_require_str(raw, "subtype"),
+            **common,
+        )
+    if rtype == "attachment":
+        att = raw.get("attachment")
+        att_content: Any = att.get("content") if isinstance(att, Mapping) else None
+        content = _parse_blocks(att_content, "attachment.content") if att_content else ""
+        return Message(type="attachment", content=content, **common)
+    return Message(type="progress", **common)  # progress payloads are UI-only: not kept
+
+
+def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Transcript:
+    """Read a Claude Code session JSONL file.
+
+    A malformed line raises :class:`TranscriptError` naming the file and line; with
+    ``strict=False`` it is skipped and listed in ``Transcript.problems`` instead. Unknown record
+    types are skipped and counted in ``Transcript.skipped_types``, never fatal.
+    """
+    p = Path(path)
+    main: list[Message] = []
+    side: list[Message] = []
+    records: list[ReplacementRecord] = []
+    result = Transcript(path=p, messages=main)
+    with p.open("r", encoding="utf-8", errors="surrogateescape") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+                if not isinstance(raw, dict):
+                    raise ValueError("a record must be a JSON object")
+                rtype = raw.get("type")
+                if not isinstance(rtype, str):
+                    raise ValueError("record without a string 'type'")
+                if result.session_id is None and isinstance(raw.get("sessionId"), str):
+                    result.session_id = raw["sessionId"]
+                if rtype == CONTENT_REPLACEMENT:
+                    reps = raw.get("replacements")
+                    if not isinstance(reps, list):
+                        raise ValueError("content-replacement without a 'replacements' list")
+                    for rep in reps:
+                        if not isinstance(rep, Mapping):
+                            raise ValueError("content-replacement entry is not an object")
+                        records.append(ReplacementRecord.from_json(rep))
+                    continue
+                if rtype not in _MESSAGE_RECORD_TYPES:
+                    result.skipped_types[rtype] += 1
+                    continue
+                msg = _parse_message(raw)
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
+                reason = f"malformed record: {exc}"
+                if strict:
+                    raise TranscriptError(p, lineno, reason) from None
+                result.problems.append(LineProblem(lineno, reason))
+                continue
+            (side if msg.is_sidechain else main).append(msg)
+    if not main and side:
+        result.messages = side
+    else:
+        result.sidechain_skipped = len(side)
+    result.replacement_records = records
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def message_to_record(
+    m: Message, *, session_id: str, parent_uuid: str | None, agent_id: str | None = None
+) -> dict[str, Any]:
+    """The Claude Code JSONL record for one message."""
+    rec: dict[str, Any] = {
+        "parentUuid": parent_uuid,
+        "isSidechain": m.is_sidechain,
+        "type": m.type,
+        "sessionId": session_id,
+        "uuid": m.uuid,
+        "timestamp": m.timestamp or _now(),
+    }
+    if agent_id is not None:
+        rec["agentId"] = agent_id
+    if m.is_meta:
+        rec["isMeta"] = True
+    if m.type == "user":
+        rec["message"] = {"role": "user", "content": m.content}
+        if m.is_compact_summary:
+            rec["isCompactSummary"] = True
+    elif m.type == "assistant":
+        rec["message"] = {
+            "id": m.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": m.model,
+            "content": m.content,
+            "stop_reason": m.stop_reason,
+            "stop_sequence": None,
+            "usage": m.usage.to_mapping() if m.usage is not None else None,
+        }
+    elif m.type == "system":
+        rec["subtype"] = m.subtype
+        rec["content"] = m.content if isinstance(m.content, str) else ""
+    elif m.type == "attachment":
+        rec["attachment"] = {"type": "content", "content": m.content}
+    else:
+        rec["data"] = {}
+    return rec
+
+
+class TranscriptWriter:
+    """Appends messages and ``content-replacement`` records to a session JSONL file.
+
+    Each append is one ``write`` of whole lines followed by a flush and ``fsync``, so a crash
+    leaves at most a torn last line, which a ``strict=False`` load skips and reports.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], session_id: str, *, agent_id: str | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.session_id = session_id
+        self.agent_id = agent_id
+        self._last_uuid: str | None = None
+        if self.path.exists():
+            self._last_uuid = _last_uuid(self.path)
+
+    def _write_lines(self, records: Iterable[Mapping[str, Any]]) -> None:
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        if not data:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, data.encode("utf-8", errors="surrogateescape"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def append_messages(self, messages: Sequence[Message]) -> None:
+        """Append messages, chaining ``parentUuid`` from the last one written."""
+        records = []
+        for m in messages:
+            records.append(
+                message_to_record(
+                    m,
+                    session_id=self.session_id,
+                    parent_uuid=self._last_uuid,
+                    agent_id=self.agent_id,
+                )
+            )
+            self._last_uuid = m.uuid
+        self._write_lines(records)
+
+    def append_replacements(self, records: Sequence[ReplacementRecord]) -> None:
+        """Append one ``content-replacement`` entry holding ``records`` (no-op when empty)."""
+        if not records:
+            return
+        entry: dict[str, Any] = {"type": CONTENT_REPLACEMENT, "sessionId": self.session_id}
+        if self.agent_id is not None:
+            entry["agentId"] = self.agent_id
+        entry["replacements"] = [r.to_json() for r in records]
+        self._write_lines([entry])
+
+
+def _last_uuid(path: Path) -> str | None:
+    last: str | None = None
+    with path.open("r", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            try:
+                raw = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(raw, dict) and isinstance(raw.get("uuid"), str):
+                last = raw["uuid"]
+    return last
