@@ -1,0 +1,35 @@
+"""Shared fixtures: where the corpus is, and small builders for conversations."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CORPUS = Path(
+    os.environ.get("SLUICEGATE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")
+)
+
+
+def corpus_sessions() -> list[Path]:
+    """Every Claude Code session file of the corpus (main sessions and sub-agent files)."""
+    if not CORPUS.is_dir():
+        return []
+    return sorted(CORPUS.glob("claude-code_*/**/*.jsonl"))
+
+
+def corpus_params() -> list[object]:
+    """``pytest.mark.parametrize`` values over the corpus, or one skipped value without it."""
+    files = corpus_sessions()
+    if not files:
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no corpus at {CORPUS}"))]
+    return [pytest.param(f, id=str(f.relative_to(CORPUS))) for f in files]
+
+
+@pytest.fixture
+def store_root(tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory for a session store."""
+    root = tmp_path / "store"
+    yield root
