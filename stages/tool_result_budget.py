@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from opentelemetry import trace
 
 from pipeline import Message, SessionContext
 from pipeline.context import PersistedResult
@@ -171,6 +172,8 @@ class ToolResultBudget:
                     apply[c.tool_use_id] = replacement
                     reapplied += 1
         ctx.report.reapplied += reapplied
+        stage_span = trace.get_current_span()  # the pipeline's span for this stage
+        stage_span.set_attribute(ATTR.REAPPLIED, reapplied)
 
         new_records: list[ReplacementRecord] = []
         for index, group in enumerate(scan.groups):
@@ -183,6 +186,7 @@ class ToolResultBudget:
             except OSError as exc:
                 # the decisions stand (they are in the state); only resume would lose them
                 ctx.logger.error("replacement_record_write_failed", error=type(exc).__name__)
+        stage_span.set_attribute(ATTR.PERSISTED, len(new_records))
         return _apply_replacements(messages, apply)
 
     async def _decide_group(
