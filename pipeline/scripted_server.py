@@ -1,0 +1,179 @@
+"""A scripted local stand-in for the Anthropic Messages API, for demos and tests.
+
+It listens on 127.0.0.1 on a random port and speaks enough of the HTTP API for the real
+``anthropic`` SDK: ``POST /v1/messages`` (non-streaming) and ``POST /v1/messages/count_tokens``.
+A *script* decides each reply from the request body, so a demo or a test drives the real client
+code path over real HTTP with no key and no network. Every request body is recorded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["Reply", "ScriptError", "ScriptedMessagesServer", "count_request_tokens"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One scripted assistant response. Usage is filled in by the server when not given."""
+
+    content: list[dict[str, Any]]
+    stop_reason: str = "end_turn"
+    usage: Mapping[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptError:
+    """A scripted API error: HTTP status, error type and message (as the real API sends them)."""
+
+    status: int
+    type: str
+    message: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+Script = Callable[[dict[str, Any]], Reply | ScriptError]
+
+
+def count_request_tokens(body: Mapping[str, Any]) -> int:
+    """A deterministic token count for a request: one token per 3 characters of its JSON.
+
+    Not a tokenizer — a stable stand-in so usage figures move the way real ones do.
+    """
+    parts = {k: body.get(k) for k in ("system", "tools", "messages") if body.get(k) is not None}
+    return max(1, math.ceil(len(json.dumps(parts, ensure_ascii=False)) / 3))
+
+
+def _common_prefix_tokens(previous: Mapping[str, Any] | None, body: Mapping[str, Any]) -> int:
+    """Tokens of the longest message prefix this request shares with the previous one."""
+    if previous is None:
+        return 0
+    shared = []
+    for a, b in zip(previous.get("messages", []), body.get("messages", []), strict=False):
+        if a != b:
+            break
+        shared.append(a)
+    if not shared:
+        return 0
+    prefix = {k: body.get(k) for k in ("system", "tools")}
+    prefix["messages"] = shared
+    return count_request_tokens(prefix)
+
+
+class ScriptedMessagesServer:
+    """Serve scripted replies on ``base_url`` until :meth:`close` (also a context manager).
+
+    ``requests`` holds every ``/v1/messages`` request body, in order; ``count_requests`` the
+    ``count_tokens`` ones. Usage mimics prompt caching: the prefix shared with the previous
+    request is reported as ``cache_read_input_tokens``, the rest as cache writes and input.
+    """
+
+    def __init__(self, script: Script, *, model: str = "claude-scripted") -> None:
+        self.script = script
+        self.model = model
+        self.requests: list[dict[str, Any]] = []
+        self.count_requests: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT`` — pass as ``AsyncAnthropic(base_url=...)``."""
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> ScriptedMessagesServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- request handling -------------------------------------------------------------------
+    def _reply(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        request_id = f"req_scripted_{next(self._ids):06d}"
+        headers = {"request-id": request_id}
+        if path.rstrip("/").endswith("/v1/messages/count_tokens"):
+            with self._lock:
+                self.count_requests.append(body)
+            return 200, {"input_tokens": count_request_tokens(body)}, headers
+        if not path.rstrip("/").endswith("/v1/messages"):
+            return 404, _error("not_found_error", f"no route {path}"), headers
+        with self._lock:
+            previous = self.requests[-1] if self.requests else None
+            self.requests.append(body)
+            number = len(self.requests)
+        try:
+            outcome = self.script(body)
+        except Exception as exc:  # a broken script is a server error, as a real outage would be
+            return 500, _error("api_error", f"script failed: {type(exc).__name__}"), headers
+        if isinstance(outcome, ScriptError):
+            return outcome.status, _error(outcome.type, outcome.message), {**headers, **outcome.headers}
+        total = count_request_tokens(body)
+        cached = min(_common_prefix_tokens(previous, body), total)
+        usage = dict(outcome.usage) if outcome.usage is not None else {
+            "input_tokens": min(total - cached, 50),
+            "cache_creation_input_tokens": max(0, total - cached - 50),
+            "cache_read_input_tokens": cached,
+            "output_tokens": max(1, math.ceil(len(json.dumps(outcome.content)) / 3)),
+        }
+        message = {
+            "id": f"msg_scripted_{number:04d}",
+            "type": "message",
+            "role": "assistant",
+            "model": str(body.get("model") or self.model),
+            "content": outcome.content,
+            "stop_reason": outcome.stop_reason,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        return 200, message, headers
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                length = int(self.headers.get("content-length") or 0)
+                raw = self.rfile.read(length)
+                try:
+                    body = json.loads(raw or b"{}")
+                    if not isinstance(body, dict):
+                        raise ValueError("body is not an object")
+                except ValueError:
+                    status, payload, headers = 400, _error("invalid_request_error", "bad JSON"), {}
+                else:
+                    status, payload, headers = server._reply(self.path, body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return  # keep test and demo output clean
+
+        return Handler
+
+
+def _error(kind: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": message}}
