@@ -99,6 +99,8 @@ class TokenTracker:
         if method != "reference":
             raise NotImplementedError(f"token estimation method {method!r} is not implemented")
         self.method = method
+        self.last_error: int | None = None
+        """Estimate minus actual input tokens of the latest observed call."""
 
     def estimate(self, messages: Sequence[Message]) -> int:
         """Tokens the context holds if ``messages`` were sent now."""
@@ -107,6 +109,10 @@ class TokenTracker:
             return rough_tokens_for_messages(messages)
         i, usage = anchor
         return usage.total + rough_tokens_for_messages(messages[i + 1 :])
+
+    def observe(self, messages_before: Sequence[Message], usage: Usage) -> None:
+        """Feed the usage of a response to the call made with ``messages_before``."""
+        self.last_error = self.estimate(messages_before) - usage.input_side
 
     def estimate_after_anchor(self, messages: Sequence[Message]) -> int:
         """Only the estimated part: what came after the last response."""

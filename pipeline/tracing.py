@@ -25,6 +25,7 @@ __all__ = [
     "get_logger",
     "get_tracer",
     "stage_span_name",
+    "tool_span_name",
 ]
 
 TRACER_NAME = "sluicegate"
@@ -35,6 +36,11 @@ SPAN_BUDGET_DECISION = "tool_result_budget.decision"
 SPAN_TOOL_GATE = "tool_result_gate"
 SPAN_AGENT_TURN = "agent.turn"
 SPAN_TOOL_EXECUTE = "execute_tool"
+
+
+def tool_span_name(tool_name: str) -> str:
+    """The span of one tool execution (gen_ai convention): ``execute_tool <name>``."""
+    return f"{SPAN_TOOL_EXECUTE} {tool_name}"
 
 
 def stage_span_name(stage_name: str) -> str:

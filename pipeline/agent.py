@@ -1,0 +1,352 @@
+"""An agent loop on ``anthropic.AsyncAnthropic`` that runs the pipeline before every call.
+
+Each turn: the pipeline projects the history, ``to_api`` builds the request, the model answers,
+its usage feeds the token tracker, every ``tool_use`` runs (parallel ones concurrently), each
+result passes the per-tool gate as it is produced, and the results are appended in tool_use
+order. The transcript (Claude Code JSONL) is appended as the loop goes, so a session can be
+resumed with byte-identical budget decisions. The loop takes a :class:`Pipeline`; it never names
+a concrete stage.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import anyio
+import anyio.to_thread
+from anthropic.types import MessageParam, ToolParam
+
+from pipeline.context import SessionContext
+from pipeline.core import Pipeline
+from pipeline.gate import gate_tool_result
+from pipeline.messages import Block, Message, Usage, ensure_paired, to_api
+from pipeline.readback import PersistedOutputReader
+from pipeline.replacement import ReplacementState
+from pipeline.storage import FileToolResultStore
+from pipeline.tools import Tool
+from pipeline.tracing import ATTR, SPAN_AGENT_TURN, tool_span_name
+from pipeline.transcript import TranscriptWriter, load_transcript
+
+__all__ = ["Agent", "AgentAPIError", "AgentResult"]
+
+CANCELLED_RESULT = "Tool execution was cancelled before it finished."
+INTERRUPTED_RESULT = "Tool execution was interrupted (the session stopped before it finished)."
+
+
+class AgentAPIError(RuntimeError):
+    """The Messages API refused a call. Everything recorded before the call is kept.
+
+    ``kind``: ``overloaded``, ``prompt_too_long``, ``bad_request``, ``rate_limited``,
+    ``authentication``, ``permission``, ``not_found``, ``server``, ``connection``, ``timeout``.
+    """
+
+    def __init__(
+        self, kind: str, message: str, *, status: int | None, request_id: str | None
+    ) -> None:
+        self.kind = kind
+        self.status = status
+        self.request_id = request_id
+        super().__init__(f"{kind} (status {status}, request id {request_id}): {message}")
+
+    @classmethod
+    def from_sdk(cls, exc: anthropic.APIError) -> AgentAPIError:
+        """Classify an SDK exception."""
+        if isinstance(exc, anthropic.APITimeoutError):
+            return cls("timeout", str(exc), status=None, request_id=None)
+        if isinstance(exc, anthropic.APIConnectionError):
+            return cls("connection", str(exc), status=None, request_id=None)
+        status = getattr(exc, "status_code", None)
+        request_id = getattr(exc, "request_id", None)
+        body = getattr(exc, "body", None)
+        detail = ""
+        if isinstance(body, Mapping):
+            err = body.get("error")
+            if isinstance(err, Mapping):
+                detail = str(err.get("message") or "")
+        message = detail or str(exc)
+        kinds = {
+            529: "overloaded",
+            429: "rate_limited",
+            401: "authentication",
+            403: "permission",
+            404: "not_found",
+        }
+        kind = kinds.get(status or 0, "server" if (status or 0) >= 500 else "bad_request")
+        if status in (400, 413) and "prompt is too long" in message.lower():
+            kind = "prompt_too_long"
+        return cls(kind, message, status=status, request_id=request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentResult:
+    """How a run ended."""
+
+    stop_reason: str
+    """The model's last ``stop_reason``, or ``max_turns``."""
+    turns: int
+    """Model calls made in this run."""
+    text: str
+    """Text of the last assistant response."""
+
+
+def _blocks_of(response: anthropic.types.Message) -> list[Block]:
+    return [b.model_dump(mode="json", exclude_none=True) for b in response.content]
+
+
+class Agent:
+    """A tool-using agent whose every request goes through ``pipeline``.
+
+    ``ctx`` carries the session: its store, ledger, transcript and tracer. Tools' declared
+    ``max_result_size_chars`` are added to ``ctx.tool_policies``. With a file store, the
+    read-back tool for persisted outputs is registered automatically (never persisted itself).
+    """
+
+    def __init__(
+        self,
+        client: anthropic.AsyncAnthropic,
+        *,
+        model: str,
+        pipeline: Pipeline,
+        ctx: SessionContext,
+        tools: Iterable[Tool] = (),
+        system: str | None = None,
+        max_tokens: int = 4096,
+        max_turns: int = 25,
+        history: Sequence[Message] = (),
+        readback: bool = True,
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.pipeline = pipeline
+        self.ctx = ctx
+        self.system = system
+        self.max_tokens = max_tokens
+        self.max_turns = max_turns
+        self.history: list[Message] = list(history)
+        self.tools: dict[str, Tool] = {}
+        all_tools = list(tools)
+        if readback and isinstance(ctx.store, FileToolResultStore):
+            reader = PersistedOutputReader(ctx.store.directory)
+            all_tools.append(
+                Tool(
+                    reader.name,
+                    reader.definition["description"],  # type: ignore[typeddict-item]
+                    reader.definition["input_schema"],
+                    reader,
+                    reader.max_result_size_chars,
+                )
+            )
+        for t in all_tools:
+            if t.name in self.tools:
+                raise ValueError(f"two tools are named {t.name!r}")
+            self.tools[t.name] = t
+            ctx.tool_policies = ctx.tool_policies.with_declared(t.name, t.max_result_size_chars)
+
+    # -- resume -----------------------------------------------------------------------------
+    @classmethod
+    def resume(
+        cls,
+        transcript_path: str | os.PathLike[str],
+        client: anthropic.AsyncAnthropic,
+        *,
+        model: str,
+        pipeline: Pipeline,
+        root: str | os.PathLike[str] = ".sluicegate",
+        tools: Iterable[Tool] = (),
+        **kwargs: Any,
+    ) -> Agent:
+        """Continue a session from its transcript with byte-identical budget decisions.
+
+        The ledger is rebuilt from the transcript (SPEC §2.5); a torn last line (a crash
+        mid-write) is skipped; tool calls the crash left unanswered get an error result.
+        """
+        loaded = load_transcript(transcript_path, strict=False)
+        if loaded.session_id is None:
+            raise ValueError(f"{transcript_path}: no session id in the transcript")
+        state = ReplacementState.reconstruct(loaded.messages, loaded.replacement_records)
+        ctx = SessionContext(
+            loaded.session_id,
+            root,
+            replacement_state=state,
+            transcript=TranscriptWriter(transcript_path, loaded.session_id),
+        )
+        agent = cls(client, model=model, pipeline=pipeline, ctx=ctx, tools=tools, **kwargs)
+        agent.history = list(loaded.messages)
+        missing = agent._unanswered_tool_uses()
+        if missing:
+            repair = Message.user(
+                [
+                    {"type": "tool_result", "tool_use_id": tid, "content": INTERRUPTED_RESULT, "is_error": True}
+                    for tid in missing
+                ]
+            )
+            agent.history.append(repair)
+            if ctx.transcript is not None:
+                ctx.transcript.append_messages([repair])
+        return agent
+
+    def _unanswered_tool_uses(self) -> list[str]:
+        """tool_use ids of the last response that no later tool_result answers."""
+        request = to_api(self.history)
+        if not request or request[-1]["role"] != "assistant":
+            return []
+        content: Any = request[-1]["content"]
+        if isinstance(content, str):
+            return []
+        return [b["id"] for b in content if b.get("type") == "tool_use"]
+
+    # -- the loop ---------------------------------------------------------------------------
+    @property
+    def tool_definitions(self) -> list[ToolParam]:
+        """What goes in ``tools=[...]``."""
+        return [t.definition for t in self.tools.values()]
+
+    async def run(self, prompt: str | None = None) -> AgentResult:
+        """Add ``prompt`` (if any) and loop until ``end_turn``, ``max_turns`` or cancellation."""
+        if prompt is not None:
+            await self._record([Message.user(prompt)])
+        stop_reason = "max_turns"
+        text = ""
+        turns = 0
+        while turns < self.max_turns:
+            turns += 1
+            response_msg = await self.turn()
+            stop_reason = response_msg.stop_reason or "end_turn"
+            text = "".join(b.get("text", "") for b in response_msg.blocks if b.get("type") == "text")
+            if not any(b.get("type") == "tool_use" for b in response_msg.blocks):
+                break
+        else:
+            stop_reason = "max_turns"
+        return AgentResult(stop_reason=stop_reason, turns=turns, text=text)
+
+    async def build_request(self) -> list[MessageParam]:
+        """Run the pipeline on the history and normalise it to a request's ``messages``."""
+        projected = await self.pipeline.run(self.history, self.ctx)
+        request = to_api(projected)
+        ensure_paired(request)
+        return request
+
+    async def turn(self) -> Message:
+        """One model call and the tool calls it asks for. Returns the assistant message."""
+        ctx = self.ctx
+        with ctx.tracer.start_as_current_span(
+            SPAN_AGENT_TURN,
+            attributes={ATTR.CONVERSATION_ID: ctx.session_id, "gen_ai.request.model": self.model},
+        ) as span:
+            before = list(self.history)
+            request = await self.build_request()
+            kwargs: dict[str, Any] = {}
+            if self.system is not None:
+                kwargs["system"] = self.system
+            if self.tools:
+                kwargs["tools"] = self.tool_definitions
+            try:
+                response = await self.client.messages.create(
+                    model=self.model, max_tokens=self.max_tokens, messages=request, **kwargs
+                )
+            except anthropic.APIError as exc:
+                error = AgentAPIError.from_sdk(exc)
+                span.set_attribute(ATTR.ERROR, error.kind)
+                ctx.logger.error(
+                    "api_error", kind=error.kind, status=error.status, request_id=error.request_id
+                )
+                raise error from exc
+            usage = Usage.from_mapping(response.usage.model_dump())
+            message = Message.assistant(
+                _blocks_of(response),
+                message_id=response.id,
+                usage=usage,
+                model=response.model,
+                stop_reason=response.stop_reason,
+            )
+            ctx.token_tracker.observe(before, usage)
+            span.set_attribute("gen_ai.response.id", response.id)
+            span.set_attribute("gen_ai.usage.input_tokens", usage.input_side)
+            span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
+            await self._record([message])
+            tool_uses = [b for b in message.blocks if b.get("type") == "tool_use"]
+            if tool_uses:
+                await self._run_tools(tool_uses)
+            return message
+
+    async def _record(self, messages: list[Message]) -> None:
+        self.history.extend(messages)
+        if self.ctx.transcript is not None:
+            await anyio.to_thread.run_sync(self.ctx.transcript.append_messages, messages)
+
+    async def _run_tools(self, tool_uses: list[Block]) -> None:
+        """Run every tool call concurrently; always answer each one, even on cancellation."""
+        done: dict[str, Block] = {}
+        try:
+            async with anyio.create_task_group() as tg:
+                for tu in tool_uses:
+                    tg.start_soon(self._run_one, tu, done)
+        finally:
+            blocks = [
+                done.get(tu["id"])
+                or {
+                    "type": "tool_result",
+                    "tool_use_id": tu["id"],
+                    "content": CANCELLED_RESULT,
+                    "is_error": True,
+                }
+                for tu in tool_uses
+            ]
+            with anyio.CancelScope(shield=True):
+                await self._record([Message.user(blocks)])
+
+    async def _run_one(self, tool_use: Block, done: dict[str, Block]) -> None:
+        ctx = self.ctx
+        name = str(tool_use.get("name"))
+        tool_use_id = str(tool_use["id"])
+        with ctx.tracer.start_as_current_span(
+            tool_span_name(name),
+            attributes={
+                ATTR.CONVERSATION_ID: ctx.session_id,
+                "gen_ai.operation.name": "execute_tool",
+                ATTR.TOOL_NAME: name,
+                ATTR.TOOL_CALL_ID: tool_use_id,
+            },
+        ) as span:
+            block: Block = {"type": "tool_result", "tool_use_id": tool_use_id}
+            t = self.tools.get(name)
+            tool_input = tool_use.get("input")
+            if t is None:
+                block |= {"content": f"Error: there is no tool named {name!r}.", "is_error": True}
+            elif not isinstance(tool_input, dict):
+                block |= {"content": "Error: tool input must be a JSON object.", "is_error": True}
+            else:
+                try:
+                    block["content"] = await t.handler(tool_input)
+                except Exception as exc:  # the model sees the error; the loop goes on
+                    block |= {"content": f"Error: {type(exc).__name__}: {exc}", "is_error": True}
+                    span.set_attribute(ATTR.ERROR, type(exc).__name__)
+            gated = await gate_tool_result(
+                block, tool_name=name, threshold=ctx.tool_policies.threshold(name), store=ctx.store
+            )
+            span.set_attribute(ATTR.DECISION, gated.decision)
+            span.set_attribute(ATTR.CHARS, gated.size)
+            if gated.path is not None:
+                span.set_attribute(ATTR.PATH, gated.path)
+            if gated.decision in ("persist", "persist_failed"):
+                log = ctx.logger.info if gated.decision == "persist" else ctx.logger.warning
+                log(
+                    "tool_result_gate",
+                    decision=gated.decision,
+                    tool_use_id=tool_use_id,
+                    tool_name=name,
+                    chars=gated.size,
+                    path=gated.path,
+                    error=gated.error,
+                )
+            done[tool_use_id] = gated.block
+
+
+def transcript_path_for(root: str | os.PathLike[str], session_id: str) -> Path:
+    """Where a session's transcript lives by default: ``<root>/<session>/transcript.jsonl``."""
+    return Path(root) / session_id / "transcript.jsonl"
