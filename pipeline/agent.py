@@ -135,7 +135,7 @@ class Agent:
             all_tools.append(
                 Tool(
                     reader.name,
-                    reader.definition["description"],  # type: ignore[typeddict-item]
+                    reader.definition.get("description", ""),
                     reader.definition["input_schema"],
                     reader,
                     reader.max_result_size_chars,
@@ -181,7 +181,12 @@ class Agent:
         if missing:
             repair = Message.user(
                 [
-                    {"type": "tool_result", "tool_use_id": tid, "content": INTERRUPTED_RESULT, "is_error": True}
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": tid,
+                        "content": INTERRUPTED_RESULT,
+                        "is_error": True,
+                    }
                     for tid in missing
                 ]
             )
@@ -217,7 +222,9 @@ class Agent:
             turns += 1
             response_msg = await self.turn()
             stop_reason = response_msg.stop_reason or "end_turn"
-            text = "".join(b.get("text", "") for b in response_msg.blocks if b.get("type") == "text")
+            text = "".join(
+                b.get("text", "") for b in response_msg.blocks if b.get("type") == "text"
+            )
             if not any(b.get("type") == "tool_use" for b in response_msg.blocks):
                 break
         else:

@@ -17,7 +17,7 @@ from typing import Any
 import anyio.to_thread
 from anthropic.types import ToolParam
 
-__all__ = ["READBACK_TOOL_NAME", "PersistedOutputReader", "ReadbackError"]
+__all__ = ["READBACK_TOOL_NAME", "LineReader", "PersistedOutputReader", "ReadbackError"]
 
 READBACK_TOOL_NAME = "read_persisted_output"
 DEFAULT_LIMIT_LINES = 2_000
@@ -28,24 +28,28 @@ class ReadbackError(ValueError):
     """A read-back request that cannot be served; the message is safe to show the model."""
 
 
-class PersistedOutputReader:
-    """The read-back tool: its definition for the API and an async handler.
+class LineReader:
+    """A file-reading tool confined to some directories: definition + async handler.
 
-    ``directory`` is the store directory the replacement paths point into (for the file store,
-    ``FileToolResultStore.directory``).
+    Reads ``limit`` lines from line ``offset`` (1-based) of a file under one of ``roots``
+    (symlinks are resolved first, so a link cannot lead outside). Never persisted
+    (``max_result_size_chars = math.inf``); ``max_chars`` bounds one call's output instead.
     """
 
-    name = READBACK_TOOL_NAME
     max_result_size_chars: float = math.inf
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        roots: list[Path],
         *,
+        name: str,
+        description: str,
         default_limit: int = DEFAULT_LIMIT_LINES,
         max_chars: int = DEFAULT_MAX_CHARS,
     ) -> None:
-        self.directory = Path(directory)
+        self.roots = [Path(r) for r in roots]
+        self.name = name
+        self.description = description
         self.default_limit = default_limit
         self.max_chars = max_chars
 
@@ -55,10 +59,9 @@ class PersistedOutputReader:
         return {
             "name": self.name,
             "description": (
-                "Read a tool output that was too large to show in full and was saved to a file "
-                "(the path after 'Full output saved to:' in a <persisted-output> block). "
-                f"Returns up to `limit` lines (default {self.default_limit}) starting at line "
-                "`offset` (1-based, default 1); call again with a larger offset for more."
+                f"{self.description} Returns up to `limit` lines (default {self.default_limit}) "
+                "starting at line `offset` (1-based, default 1); call again with a larger "
+                "offset for more."
             ),
             "input_schema": {
                 "type": "object",
@@ -85,16 +88,21 @@ class PersistedOutputReader:
         return await anyio.to_thread.run_sync(self._read, path, offset, limit)
 
     def resolve(self, path: str) -> Path:
-        """The real file ``path`` names, refused unless it lies inside the store directory."""
+        """The real file ``path`` names, refused unless it lies inside one of the roots.
+
+        A relative path is taken relative to the first root.
+        """
         if "\x00" in path:
             raise ReadbackError("path contains a NUL character")
-        base = self.directory.resolve()
+        bases = [r.resolve() for r in self.roots]
         candidate = Path(path)
         if not candidate.is_absolute():
-            candidate = base / candidate
+            candidate = bases[0] / candidate
         real = candidate.resolve()
-        if real.parent != base or not real.is_file():
-            raise ReadbackError(f"no persisted output at {path!r} (only saved outputs can be read)")
+        if not any(real.is_relative_to(b) for b in bases) or not real.is_file():
+            raise ReadbackError(
+                f"no readable file at {path!r} (only files under the allowed directories)"
+            )
         return real
 
     def _read(self, path: str, offset: int, limit: int) -> str:
@@ -127,3 +135,31 @@ class PersistedOutputReader:
         if last < total:
             return text + f"\n[lines {offset}-{last} of {total}; next: offset={last + 1}]"
         return text
+
+
+class PersistedOutputReader(LineReader):
+    """The read-back tool for persisted outputs, confined to one store directory.
+
+    ``directory`` is where the replacement paths point (``FileToolResultStore.directory``).
+    """
+
+    name = READBACK_TOOL_NAME
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        default_limit: int = DEFAULT_LIMIT_LINES,
+        max_chars: int = DEFAULT_MAX_CHARS,
+    ) -> None:
+        super().__init__(
+            [Path(directory)],
+            name=READBACK_TOOL_NAME,
+            description=(
+                "Read a tool output that was too large to show in full and was saved to a "
+                "file (the path after 'Full output saved to:' in a <persisted-output> block)."
+            ),
+            default_limit=default_limit,
+            max_chars=max_chars,
+        )
+        self.directory = Path(directory)

@@ -84,7 +84,9 @@ class ScriptedMessagesServer:
         self._ids = itertools.count(1)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
 
     @property
@@ -124,15 +126,23 @@ class ScriptedMessagesServer:
         except Exception as exc:  # a broken script is a server error, as a real outage would be
             return 500, _error("api_error", f"script failed: {type(exc).__name__}"), headers
         if isinstance(outcome, ScriptError):
-            return outcome.status, _error(outcome.type, outcome.message), {**headers, **outcome.headers}
+            return (
+                outcome.status,
+                _error(outcome.type, outcome.message),
+                {**headers, **outcome.headers},
+            )
         total = count_request_tokens(body)
         cached = min(_common_prefix_tokens(previous, body), total)
-        usage = dict(outcome.usage) if outcome.usage is not None else {
-            "input_tokens": min(total - cached, 50),
-            "cache_creation_input_tokens": max(0, total - cached - 50),
-            "cache_read_input_tokens": cached,
-            "output_tokens": max(1, math.ceil(len(json.dumps(outcome.content)) / 3)),
-        }
+        usage = (
+            dict(outcome.usage)
+            if outcome.usage is not None
+            else {
+                "input_tokens": min(total - cached, 50),
+                "cache_creation_input_tokens": max(0, total - cached - 50),
+                "cache_read_input_tokens": cached,
+                "output_tokens": max(1, math.ceil(len(json.dumps(outcome.content)) / 3)),
+            }
+        )
         message = {
             "id": f"msg_scripted_{number:04d}",
             "type": "message",
@@ -149,7 +159,7 @@ class ScriptedMessagesServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 raw = self.rfile.read(length)
                 try:
@@ -157,7 +167,8 @@ class ScriptedMessagesServer:
                     if not isinstance(body, dict):
                         raise ValueError("body is not an object")
                 except ValueError:
-                    status, payload, headers = 400, _error("invalid_request_error", "bad JSON"), {}
+                    headers: dict[str, str] = {}
+                    status, payload = 400, _error("invalid_request_error", "bad JSON")
                 else:
                     status, payload, headers = server._reply(self.path, body)
                 data = json.dumps(payload).encode()

@@ -40,7 +40,7 @@ class Tool:
         return {
             "name": self.name,
             "description": self.description,
-            "input_schema": dict(self.input_schema),  # type: ignore[typeddict-item]
+            "input_schema": dict(self.input_schema),
         }
 
 

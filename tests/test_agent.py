@@ -1,0 +1,335 @@
+"""The agent loop, on the real anthropic SDK against the local scripted Messages server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import anyio
+import pytest
+
+from pipeline import (
+    Message,
+    Pipeline,
+    SessionContext,
+    TranscriptWriter,
+    check_pairing,
+    load_transcript,
+    to_api,
+)
+from pipeline.agent import CANCELLED_RESULT, INTERRUPTED_RESULT, Agent, AgentAPIError
+from pipeline.scripted_server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.tools import Tool, tool
+from stages import ToolResultBudget, default_stages
+
+MARK = "OUTPUT-MARK "
+
+
+@tool(
+    input_schema={
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "delay": {"type": "number"}},
+    }
+)
+async def emit(n: int, delay: float = 0.0) -> str:
+    """Emit about n characters of output."""
+    await anyio.sleep(delay)
+    return (MARK * (n // len(MARK) + 1))[:n]
+
+
+@tool(input_schema={"type": "object", "properties": {}})
+async def boom() -> str:
+    """Always fails."""
+    raise RuntimeError("disk on fire")
+
+
+@tool(input_schema={"type": "object", "properties": {}})
+async def hang() -> str:
+    """Never returns."""
+    await anyio.sleep_forever()
+    return ""
+
+
+def tool_call(tid: str, name: str, **inp: Any) -> dict[str, Any]:
+    return {"type": "tool_use", "id": tid, "name": name, "input": inp}
+
+
+def scripted(*turns: list[dict[str, Any]]) -> Callable[[dict[str, Any]], Reply | ScriptError]:
+    """Reply with ``turns[k]`` on the k-th call (by assistant messages sent so far)."""
+
+    def script(body: dict[str, Any]) -> Reply | ScriptError:
+        k = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        if k < len(turns):
+            return Reply(turns[k], stop_reason="tool_use")
+        return Reply([{"type": "text", "text": "all done"}])
+
+    return script
+
+
+@pytest.fixture
+def server_factory() -> Iterator[Callable[..., ScriptedMessagesServer]]:
+    servers: list[ScriptedMessagesServer] = []
+
+    def make(script: Callable[[dict[str, Any]], Reply | ScriptError]) -> ScriptedMessagesServer:
+        s = ScriptedMessagesServer(script)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def client_for(server: ScriptedMessagesServer) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=server.base_url, api_key="test-key", max_retries=0)
+
+
+def new_agent(
+    server: ScriptedMessagesServer,
+    tmp_path: Path,
+    *,
+    tools: list[Tool],
+    pipeline: Pipeline | None = None,
+    session: str = "sess",
+) -> Agent:
+    log = tmp_path / f"{session}.jsonl"
+    ctx = SessionContext(session, tmp_path / "store", transcript=TranscriptWriter(log, session))
+    return Agent(
+        client_for(server),
+        model="claude-test",
+        pipeline=pipeline or Pipeline(default_stages()),
+        ctx=ctx,
+        tools=tools,
+    )
+
+
+@pytest.mark.asyncio
+async def test_large_result_is_persisted_before_the_next_request(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    server = server_factory(
+        scripted(
+            [tool_call("toolu_big", "emit", n=60_000), tool_call("toolu_small", "emit", n=500)]
+        )
+    )
+    agent = new_agent(server, tmp_path, tools=[emit])
+    result = await agent.run("go")
+    assert (result.stop_reason, result.turns, result.text) == ("end_turn", 2, "all done")
+    second = server.requests[1]["messages"]
+    blocks = second[2]["content"]
+    assert [b["tool_use_id"] for b in blocks] == ["toolu_big", "toolu_small"]
+    big = blocks[0]["content"]
+    assert big.startswith("<persisted-output>\nOutput too large (58.6KB). Full output saved to: ")
+    path = big.split("Full output saved to: ")[1].split("\n")[0]
+    assert Path(path).read_text() == (MARK * 5000)[:60_000]
+    assert blocks[1]["content"] == (MARK * 100)[:500]
+    assert check_pairing(second) == []
+    # the tools sent include the automatic read-back tool
+    assert [t["name"] for t in server.requests[0]["tools"]] == ["emit", "read_persisted_output"]
+
+
+@pytest.mark.asyncio
+async def test_parallel_tools_run_concurrently_and_answer_in_call_order(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    arrived: list[str] = []
+    all_in = anyio.Event()
+
+    @tool(input_schema={"type": "object", "properties": {"tag": {"type": "string"}}})
+    async def meet(tag: str) -> str:
+        """Wait until all three calls are running: sequential execution would never finish."""
+        arrived.append(tag)
+        if len(arrived) == 3:
+            all_in.set()
+        await all_in.wait()
+        return tag * (3 - len(arrived) + 1)
+
+    server = server_factory(
+        scripted(
+            [
+                tool_call("t1", "meet", tag="a"),
+                tool_call("t2", "meet", tag="b"),
+                tool_call("t3", "meet", tag="c"),
+            ]
+        )
+    )
+    agent = new_agent(server, tmp_path, tools=[meet])
+    with anyio.fail_after(10):
+        await agent.run("go")
+    assert sorted(arrived) == ["a", "b", "c"]
+    sent = server.requests[1]["messages"][2]["content"]
+    assert [b["tool_use_id"] for b in sent] == ["t1", "t2", "t3"]  # call order, not finish order
+
+
+@pytest.mark.asyncio
+async def test_usage_feeds_the_tracker(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    server = server_factory(scripted([tool_call("t1", "emit", n=4_000)]))
+    agent = new_agent(server, tmp_path, tools=[emit])
+    await agent.run("go")
+    assistant = [m for m in agent.history if m.type == "assistant"]
+    assert assistant[0].usage is not None and assistant[0].usage.input_side > 0
+    tracker = agent.ctx.token_tracker
+    assert tracker.last_error is not None
+    # the estimate is anchored on the last response's real usage
+    last = assistant[-1].usage
+    assert last is not None and tracker.estimate(agent.history) == last.total
+
+
+@pytest.mark.asyncio
+async def test_tool_exception_becomes_an_error_result(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    server = server_factory(scripted([tool_call("t1", "boom"), tool_call("t2", "nope")]))
+    agent = new_agent(server, tmp_path, tools=[boom])
+    await agent.run("go")
+    sent = server.requests[1]["messages"][2]["content"]
+    assert sent[0] == {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": "Error: RuntimeError: disk on fire",
+        "is_error": True,
+    }
+    assert sent[1]["is_error"] is True and "no tool named 'nope'" in sent[1]["content"]
+
+
+@pytest.mark.asyncio
+async def test_cancellation_mid_tools_leaves_a_valid_history(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    server = server_factory(scripted([tool_call("fast", "emit", n=5), tool_call("slow", "hang")]))
+    agent = new_agent(server, tmp_path, tools=[emit, hang])
+    with anyio.move_on_after(0.5) as scope:
+        await agent.run("go")
+    assert scope.cancelled_caught
+    results = agent.history[-1].content
+    assert isinstance(results, list)
+    assert [(b["tool_use_id"], b.get("is_error", False)) for b in results] == [
+        ("fast", False),
+        ("slow", True),
+    ]
+    assert results[1]["content"] == CANCELLED_RESULT
+    assert check_pairing(to_api(agent.history)) == []
+    # the transcript holds the same valid history
+    loaded = load_transcript(tmp_path / "sess.jsonl")
+    assert check_pairing(to_api(loaded.messages)) == []
+    assert [m.uuid for m in loaded.messages] == [m.uuid for m in agent.history]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (ScriptError(529, "overloaded_error", "Overloaded"), "overloaded"),
+        (
+            ScriptError(
+                400, "invalid_request_error", "prompt is too long: 210000 tokens > 200000 maximum"
+            ),
+            "prompt_too_long",
+        ),
+        (ScriptError(400, "invalid_request_error", "messages: bad"), "bad_request"),
+    ],
+)
+async def test_api_errors_are_clear_and_lose_nothing(
+    server_factory: Callable[..., ScriptedMessagesServer],
+    tmp_path: Path,
+    error: ScriptError,
+    kind: str,
+) -> None:
+    server = server_factory(lambda body: error)
+    agent = new_agent(server, tmp_path, tools=[emit])
+    with pytest.raises(AgentAPIError) as info:
+        await agent.run("hello")
+    assert info.value.kind == kind and info.value.status == error.status
+    assert info.value.request_id == "req_scripted_000001"
+    assert error.message in str(info.value)
+    loaded = load_transcript(tmp_path / "sess.jsonl")
+    assert [m.content for m in loaded.messages] == ["hello"]
+
+
+def _turns() -> list[list[dict[str, Any]]]:
+    return [
+        [tool_call(f"a{i}", "emit", n=9_000) for i in range(4)],
+        [tool_call("b0", "emit", n=60_000), tool_call("b1", "emit", n=300)],
+        [tool_call(f"c{i}", "emit", n=7_000) for i in range(3)],
+        [tool_call("d0", "emit", n=100)],
+    ]
+
+
+@pytest.mark.asyncio
+async def test_resume_gives_byte_identical_requests(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    pipeline = Pipeline([ToolResultBudget(limit=20_000)])
+    live_server = server_factory(scripted(*_turns()))
+    live = new_agent(live_server, tmp_path / "live", tools=[emit], pipeline=pipeline)
+    await live.run("go")
+
+    # a second session stops after two model calls, then resumes from its transcript
+    part_server = server_factory(scripted(*_turns()))
+    part = new_agent(part_server, tmp_path / "part", tools=[emit], pipeline=pipeline)
+    part.max_turns = 2
+    await part.run("go")
+    resumed = Agent.resume(
+        tmp_path / "part" / "sess.jsonl",
+        client_for(part_server),
+        model="claude-test",
+        pipeline=pipeline,
+        root=tmp_path / "part" / "store",
+        tools=[emit],
+    )
+    await resumed.run()
+
+    def normalise(body: dict[str, Any], root: Path) -> str:
+        return json.dumps(body["messages"]).replace(str(root), "<ROOT>")
+
+    live_reqs = [normalise(b, tmp_path / "live") for b in live_server.requests]
+    part_reqs = [normalise(b, tmp_path / "part") for b in part_server.requests]
+    assert len(live_reqs) == len(part_reqs) == 5
+    assert part_reqs == live_reqs
+    assert "<persisted-output>" in live_reqs[-1]  # the budget really replaced something
+
+
+@pytest.mark.asyncio
+async def test_resume_answers_tool_calls_a_crash_left_open(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    log = tmp_path / "crashed.jsonl"
+    writer = TranscriptWriter(log, "crashed")
+    writer.append_messages(
+        [
+            Message.user("go"),
+            Message.assistant([tool_call("x1", "emit", n=5)], message_id="msg_1", model="m"),
+        ]
+    )
+    with log.open("a") as fh:
+        fh.write('{"type": "user", "message": {"role": "us')  # torn by the crash
+    server = server_factory(scripted())
+    agent = Agent.resume(
+        log,
+        client_for(server),
+        model="m",
+        pipeline=Pipeline(default_stages()),
+        root=tmp_path,
+        tools=[emit],
+    )
+    await agent.run()
+    sent = server.requests[0]["messages"]
+    assert sent[-1]["content"] == [
+        {
+            "type": "tool_result",
+            "tool_use_id": "x1",
+            "content": INTERRUPTED_RESULT,
+            "is_error": True,
+        }
+    ]
+    assert check_pairing(sent) == []
+    reloaded = load_transcript(log, strict=False)
+    # only the torn line is lost: the repair and the new turn were appended on a fresh line
+    assert len(reloaded.problems) == 1
+    assert [m.type for m in reloaded.messages] == ["user", "assistant", "user", "assistant"]
+    assert reloaded.messages[2].content == sent[-1]["content"]
