@@ -1,0 +1,35 @@
+"""Quickstart: compose the pipeline, run it before a call, send what it returns."""
+
+import asyncio
+import os
+
+import anthropic
+
+from pipeline import Message, Pipeline, SessionContext, to_api
+from stages import default_stages
+
+
+async def main() -> None:
+    client = anthropic.AsyncAnthropic()  # key and base URL from ANTHROPIC_* env vars
+    pipe = Pipeline(default_stages())
+    ctx = SessionContext(session_id="quickstart", root=".sluicegate")
+    history = [
+        Message.user("Why did the build fail?"),
+        Message.assistant(
+            [{"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "make"}}],
+            message_id="msg_1",
+        ),
+        Message.user(
+            [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "cc -O2 ...\n" * 20_000}]
+        ),
+    ]
+    projected = await pipe.run(history, ctx)  # the 220K-char log is persisted, a preview is sent
+    reply = await client.messages.create(
+        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-5"),
+        max_tokens=512,
+        messages=to_api(projected),
+    )
+    print(reply.content[0].text if reply.content and reply.content[0].type == "text" else reply)
+
+
+asyncio.run(main())

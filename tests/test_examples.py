@@ -1,0 +1,111 @@
+"""Every example runs, on the real SDK, against the local scripted Messages server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.scripted_server import Reply, ScriptedMessagesServer
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def script(body: dict[str, Any]) -> Reply:
+    calls = sum(1 for m in body["messages"] if m["role"] == "assistant")
+    tools = {t["name"] for t in body.get("tools", [])}
+    if "fetch_logs" in tools and calls == 0:
+        return Reply(
+            [
+                {
+                    "type": "tool_use",
+                    "id": "toolu_logs",
+                    "name": "fetch_logs",
+                    "input": {"service": "checkout"},
+                },
+                {
+                    "type": "tool_use",
+                    "id": "toolu_cfg",
+                    "name": "get_config",
+                    "input": {"name": "timeout_ms"},
+                },
+            ],
+            stop_reason="tool_use",
+        )
+    return Reply([{"type": "text", "text": "SCRIPTED ANSWER"}])
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedMessagesServer]:
+    with ScriptedMessagesServer(script) as s:
+        yield s
+
+
+def run_example(name: str, server: ScriptedMessagesServer, cwd: Path) -> str:
+    env = {
+        **os.environ,
+        "ANTHROPIC_BASE_URL": server.base_url,
+        "ANTHROPIC_API_KEY": "test-key",
+        "ANTHROPIC_MODEL": "claude-scripted",
+    }
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def tool_results(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        b["tool_use_id"]: b["content"]
+        for m in body["messages"]
+        if m["role"] == "user" and isinstance(m["content"], list)
+        for b in m["content"]
+        if b["type"] == "tool_result"
+    }
+
+
+def test_quickstart(server: ScriptedMessagesServer, tmp_path: Path) -> None:
+    out = run_example("quickstart.py", server, tmp_path)
+    assert "SCRIPTED ANSWER" in out
+    (body,) = server.requests
+    sent = tool_results(body)["toolu_1"]
+    assert sent.startswith("<persisted-output>\nOutput too large (214.8KB).")
+    assert (
+        tmp_path / ".sluicegate" / "quickstart" / "tool-results" / "toolu_1.txt"
+    ).stat().st_size == 220_000
+
+
+def test_custom_stage(server: ScriptedMessagesServer, tmp_path: Path) -> None:
+    out = run_example("custom_stage.py", server, tmp_path)
+    assert "Pipeline(tool_result_budget → redact_secrets → history_snip" in out
+    (body,) = server.requests
+    assert tool_results(body)["toolu_1"] == "API_KEY=sk-***"
+
+
+def test_swap_strategy(server: ScriptedMessagesServer, tmp_path: Path) -> None:
+    out = run_example("swap_strategy.py", server, tmp_path)
+    assert "cleared 3 of 5 tool results" in out
+    results = tool_results(server.requests[0])
+    cleared = [tid for tid, c in results.items() if c == "[Old tool result content cleared]"]
+    assert cleared == ["toolu_0", "toolu_1", "toolu_2"]
+
+
+def test_agent_with_tools(server: ScriptedMessagesServer, tmp_path: Path) -> None:
+    out = run_example("agent_with_tools.py", server, tmp_path)
+    assert "end_turn after 2 calls: SCRIPTED ANSWER" in out
+    results = tool_results(server.requests[1])
+    assert results["toolu_logs"].startswith("<persisted-output>")
+    assert results["toolu_cfg"] == "250"
+    assert "persisted: toolu_logs.txt" in out
+    assert (tmp_path / ".sluicegate" / "agent-example.jsonl").exists()
