@@ -20,6 +20,7 @@ import anthropic
 import anyio
 import anyio.to_thread
 from anthropic.types import MessageParam, ToolParam
+from opentelemetry.trace import Status, StatusCode
 
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
@@ -244,6 +245,8 @@ class Agent:
         with ctx.tracer.start_as_current_span(
             SPAN_AGENT_TURN,
             attributes={ATTR.CONVERSATION_ID: ctx.session_id, "gen_ai.request.model": self.model},
+            record_exception=False,  # exception text may quote content: status set by hand
+            set_status_on_exception=False,
         ) as span:
             before = list(self.history)
             request = await self.build_request()
@@ -259,6 +262,7 @@ class Agent:
             except anthropic.APIError as exc:
                 error = AgentAPIError.from_sdk(exc)
                 span.set_attribute(ATTR.ERROR, error.kind)
+                span.set_status(Status(StatusCode.ERROR, error.kind))
                 ctx.logger.error(
                     "api_error", kind=error.kind, status=error.status, request_id=error.request_id
                 )

@@ -69,10 +69,10 @@ class Pipeline:
 
     def __init__(self, stages: Iterable[Stage]) -> None:
         self._stages: tuple[Stage, ...] = tuple(stages)
-        names = [s.name for s in self._stages]
         for s in self._stages:
             if not isinstance(getattr(s, "name", None), str) or not callable(s):
                 raise TypeError(f"{s!r} is not a stage (needs a str .name and async __call__)")
+        names = [s.name for s in self._stages]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"duplicate stage names: {', '.join(dupes)}")
@@ -135,6 +135,8 @@ class Pipeline:
         current = messages if isinstance(messages, list) else list(messages)
         async with ctx.lock:
             ctx.begin_pass()
+            # The SDK's default exception handling would put the exception text (which may
+            # quote message content) into the span's status and an event: set the status here.
             with ctx.tracer.start_as_current_span(
                 SPAN_PIPELINE_RUN,
                 attributes={
@@ -142,9 +144,15 @@ class Pipeline:
                     ATTR.MESSAGES_IN: len(current),
                     ATTR.TOKENS_BEFORE: ctx.token_tracker.estimate(current),
                 },
+                record_exception=False,
+                set_status_on_exception=False,
             ) as run_span:
-                for st in self._stages:
-                    current = await self._run_stage(st, current, ctx)
+                try:
+                    for st in self._stages:
+                        current = await self._run_stage(st, current, ctx)
+                except Exception as exc:
+                    run_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                    raise
                 run_span.set_attribute(ATTR.MESSAGES_OUT, len(current))
                 run_span.set_attribute(ATTR.TOKENS_AFTER, ctx.token_tracker.estimate(current))
         return current
@@ -159,8 +167,9 @@ class Pipeline:
                 ATTR.STAGE: st.name,
                 ATTR.BREAKS_CACHE: breaks,
             },
-            record_exception=False,  # exception text may quote message content
-            set_status_on_exception=True,
+            # exception text may quote message content: never let the SDK record it
+            record_exception=False,
+            set_status_on_exception=False,
         ) as span:
             try:
                 out = await st(messages, ctx)
@@ -168,6 +177,7 @@ class Pipeline:
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 raise StageError(f"stage {st.name!r} failed: {type(exc).__name__}: {exc}") from exc
             if not isinstance(out, list):
+                span.set_status(Status(StatusCode.ERROR, "StageError"))
                 raise StageError(
                     f"stage {st.name!r} returned {type(out).__name__}, expected list[Message]"
                 )

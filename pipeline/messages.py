@@ -252,7 +252,7 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
             continue
         # user, attachment, local_command: all become user content
         blocks = _user_blocks(m)
-        if not blocks and m.type != "user":
+        if not blocks:  # the API rejects empty content; an empty record adds nothing
             continue
         if out and out[-1].role == "user":
             prev = out[-1]

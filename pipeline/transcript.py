@@ -29,10 +29,6 @@ __all__ = [
     "message_to_record",
 ]
 
-# Record types that are part of a transcript but never of the prompt: skipped silently.
-_NON_PROMPT_TYPES = frozenset(
-    {"file-history-snapshot", "summary", "queue-operation", "custom-title", "tag"}
-)
 _MESSAGE_RECORD_TYPES = frozenset({"user", "assistant", "progress", "attachment", "system"})
 CONTENT_REPLACEMENT = "content-replacement"
 
@@ -278,10 +274,16 @@ class TranscriptWriter:
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         if not data:
             return
+        payload = data.encode("utf-8", errors="surrogateescape")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, data.encode("utf-8", errors="surrogateescape"))
+            # After a crash the file may end in a torn line: start on a fresh line, or the
+            # first record appended now would be glued to it and lost with it.
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                payload = b"\n" + payload
+            os.write(fd, payload)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -289,17 +291,16 @@ class TranscriptWriter:
     def append_messages(self, messages: Sequence[Message]) -> None:
         """Append messages, chaining ``parentUuid`` from the last one written."""
         records = []
+        parent = self._last_uuid
         for m in messages:
             records.append(
                 message_to_record(
-                    m,
-                    session_id=self.session_id,
-                    parent_uuid=self._last_uuid,
-                    agent_id=self.agent_id,
+                    m, session_id=self.session_id, parent_uuid=parent, agent_id=self.agent_id
                 )
             )
-            self._last_uuid = m.uuid
+            parent = m.uuid
         self._write_lines(records)
+        self._last_uuid = parent  # only once written: a failed write must not break the chain
 
     def append_replacements(self, records: Sequence[ReplacementRecord]) -> None:
         """Append one ``content-replacement`` entry holding ``records`` (no-op when empty)."""

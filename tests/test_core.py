@@ -1,0 +1,448 @@
+"""The pipeline machinery: ordering, editing, errors, concurrency, trio, tracing, logging."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import sniffio
+import structlog
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+import stages
+from pipeline import FunctionStage, Message, Pipeline, SessionContext, Stage, StageError, stage
+from pipeline.tracing import ATTR, get_tracer
+from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact
+from tests.builders import assistant, results, tool_result, tool_use, user_text
+
+SPEC_ORDER = [
+    "tool_result_budget",
+    "history_snip",
+    "microcompact",
+    "context_collapse",
+    "autocompact",
+]
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def named(name: str) -> FunctionStage:
+    async def identity(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        return messages
+
+    return FunctionStage(name, identity)
+
+
+def ctx_for(tmp_path: Path, session_id: str = "s1", **kw: Any) -> SessionContext:
+    return SessionContext(session_id, tmp_path / "store", **kw)
+
+
+def small_conversation() -> list[Message]:
+    return [
+        user_text("list files"),
+        assistant("msg_1", tool_use("t1")),
+        results(tool_result("t1", "a.txt\nb.txt")),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Composition
+# --------------------------------------------------------------------------------------------
+
+
+def test_order_names_and_repr() -> None:
+    a, b, c = named("a"), named("b"), named("c")
+    pipe = Pipeline([a, b, c])
+    assert pipe.names == ["a", "b", "c"]
+    assert pipe.stages == (a, b, c)
+    assert repr(pipe) == "Pipeline(a → b → c)"
+    assert len(pipe) == 3
+    assert pipe["b"] is b
+    assert repr(Pipeline([])) == "Pipeline()"
+
+
+def test_editing_returns_new_pipelines_and_leaves_the_original() -> None:
+    a, b, c, d = named("a"), named("b"), named("c"), named("d")
+    pipe = Pipeline([a, b, c])
+    edits = {
+        "replace": (pipe.replace("b", d), ["a", "d", "c"]),
+        "insert_before": (pipe.insert_before("b", d), ["a", "d", "b", "c"]),
+        "insert_after": (pipe.insert_after("b", d), ["a", "b", "d", "c"]),
+        "insert_before_first": (pipe.insert_before("a", d), ["d", "a", "b", "c"]),
+        "insert_after_last": (pipe.insert_after("c", d), ["a", "b", "c", "d"]),
+        "remove": (pipe.remove("b"), ["a", "c"]),
+        "append": (pipe.append(d), ["a", "b", "c", "d"]),
+    }
+    for what, (edited, names) in edits.items():
+        assert isinstance(edited, Pipeline), what
+        assert edited is not pipe, what
+        assert edited.names == names, what
+    assert pipe.names == ["a", "b", "c"]
+    assert pipe.stages == (a, b, c)
+    assert pipe.replace("b", d)["d"] is d
+
+
+def test_replace_may_rename_and_keeps_position() -> None:
+    pipe = Pipeline(stages.default_stages()).replace("microcompact", named("my_micro"))
+    assert pipe.names == [
+        "tool_result_budget",
+        "history_snip",
+        "my_micro",
+        "context_collapse",
+        "autocompact",
+    ]
+
+
+def test_duplicate_names_raise_value_error_naming_the_duplicate() -> None:
+    with pytest.raises(ValueError, match=r"duplicate stage names: b$"):
+        Pipeline([named("a"), named("b"), named("b")])
+    pipe = Pipeline([named("a"), named("b")])
+    with pytest.raises(ValueError, match=r"duplicate stage names: a$"):
+        pipe.append(named("a"))
+    with pytest.raises(ValueError, match=r"duplicate stage names: b$"):
+        pipe.insert_before("a", named("b"))
+    with pytest.raises(ValueError, match=r"duplicate stage names: a$"):
+        pipe.replace("b", named("a"))
+    # replacing a stage by one of the same name is not a duplicate
+    assert pipe.replace("b", named("b")).names == ["a", "b"]
+
+
+@pytest.mark.parametrize("op", ["replace", "insert_before", "insert_after", "remove", "getitem"])
+def test_unknown_name_raises_key_error_listing_stages(op: str) -> None:
+    pipe = Pipeline([named("a"), named("b")])
+    with pytest.raises(KeyError) as info:
+        if op == "remove":
+            pipe.remove("nope")
+        elif op == "getitem":
+            pipe["nope"]
+        else:
+            getattr(pipe, op)("nope", named("c"))
+    message = str(info.value)
+    assert "'nope'" in message
+    assert "stages are: a, b" in message
+
+
+def test_non_stages_are_rejected() -> None:
+    class NoName:
+        async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+            return messages
+
+    class NotCallable:
+        name = "x"
+
+    for bad in (object(), NoName(), NotCallable()):
+        with pytest.raises(TypeError, match="is not a stage"):
+            Pipeline([bad])  # type: ignore[list-item]
+
+
+def test_function_stage_and_decorator() -> None:
+    async def f(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        return messages
+
+    wrapped = FunctionStage("f", f)
+    assert wrapped.name == "f" and wrapped.fn is f and wrapped.may_break_cache is False
+    assert isinstance(wrapped, Stage)
+
+    @stage("redact", may_break_cache=True)
+    async def redact(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        return messages
+
+    assert isinstance(redact, FunctionStage)
+    assert (redact.name, redact.may_break_cache) == ("redact", True)
+    assert repr(redact) == "FunctionStage('redact')"
+    with pytest.raises(ValueError, match="non-empty name"):
+        FunctionStage("", f)
+
+
+def test_default_stages_are_the_five_in_spec_order() -> None:
+    default = stages.default_stages()
+    assert [s.name for s in default] == SPEC_ORDER
+    assert Pipeline(default).names == SPEC_ORDER
+    assert repr(Pipeline(default)) == f"Pipeline({' → '.join(SPEC_ORDER)})"
+    assert all(isinstance(s, Stage) for s in default)
+    assert stages.default_stages() is not default  # a fresh list of fresh stages each time
+    assert stages.default_stages()[0] is not default[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_plain_async_functions_run_in_order(anyio_backend: str, tmp_path: Path) -> None:
+    seen: list[tuple[str, int]] = []
+
+    async def add_note(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        seen.append(("add_note", len(messages)))
+        return [*messages, Message.user("note")]
+
+    @stage("count")
+    async def count(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        seen.append(("count", len(messages)))
+        assert sniffio.current_async_library() == anyio_backend
+        return messages
+
+    msgs = small_conversation()
+    out = await Pipeline([FunctionStage("add_note", add_note), count]).run(msgs, ctx_for(tmp_path))
+    assert seen == [("add_note", 3), ("count", 4)]
+    assert out[:3] == msgs and out[3].content == "note"
+    assert len(msgs) == 3  # the input list is untouched
+    assert out[0] is msgs[0]  # untouched messages pass by reference
+
+
+@pytest.mark.anyio
+async def test_a_tuple_input_is_accepted(anyio_backend: str, tmp_path: Path) -> None:
+    msgs = tuple(small_conversation())
+    out = await Pipeline([named("a")]).run(msgs, ctx_for(tmp_path))
+    assert isinstance(out, list) and out == list(msgs)
+
+
+@pytest.mark.anyio
+async def test_a_raising_stage_surfaces_as_stage_error(anyio_backend: str, tmp_path: Path) -> None:
+    async def boom(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        raise ZeroDivisionError("bad math")
+
+    pipe = Pipeline([named("first"), FunctionStage("boom", boom), named("never")])
+    with pytest.raises(StageError) as info:
+        await pipe.run(small_conversation(), ctx_for(tmp_path))
+    assert "'boom'" in str(info.value)
+    assert "ZeroDivisionError" in str(info.value)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("bad", [None, (), "text", {"messages": []}])
+async def test_a_stage_returning_a_non_list_is_a_stage_error(
+    anyio_backend: str, tmp_path: Path, bad: Any
+) -> None:
+    async def wrong(messages: list[Message], ctx: SessionContext) -> Any:
+        return bad
+
+    with pytest.raises(StageError, match=rf"stage 'wrong' returned {type(bad).__name__}"):
+        await Pipeline([FunctionStage("wrong", wrong)]).run([], ctx_for(tmp_path))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cls", [HistorySnip, Microcompact, ContextCollapse, Autocompact])
+async def test_pass_through_stages_return_the_same_list(
+    anyio_backend: str, tmp_path: Path, cls: type
+) -> None:
+    st = cls()
+    msgs = small_conversation()
+    assert await st(msgs, ctx_for(tmp_path)) is msgs
+    assert await st([], ctx_for(tmp_path)) == []
+
+
+@pytest.mark.anyio
+async def test_default_pipeline_leaves_a_small_conversation_as_is(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    msgs = small_conversation()
+    out = await Pipeline(stages.default_stages()).run(msgs, ctx_for(tmp_path))
+    assert out is msgs  # nothing to do: every stage returns its input itself
+
+
+# --------------------------------------------------------------------------------------------
+# Concurrency
+# --------------------------------------------------------------------------------------------
+
+
+def recording_stage(log: list[tuple[str, str]]) -> FunctionStage:
+    async def record(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        tag = str(messages[0].content)
+        log.append(("enter", tag))
+        await anyio.sleep(0.05)
+        log.append(("exit", tag))
+        return messages
+
+    return FunctionStage("record", record)
+
+
+@pytest.mark.anyio
+async def test_turns_of_one_session_are_serialised(anyio_backend: str, tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    pipe = Pipeline([recording_stage(log), named("after")])
+    ctx = ctx_for(tmp_path)
+    async with anyio.create_task_group() as tg:
+        for tag in ("t1", "t2", "t3"):
+            tg.start_soon(pipe.run, [Message.user(tag)], ctx)
+    assert len(log) == 6
+    for i in range(0, 6, 2):  # every enter is immediately followed by its own exit
+        assert log[i][0] == "enter" and log[i + 1] == ("exit", log[i][1])
+    assert sorted(tag for what, tag in log if what == "enter") == ["t1", "t2", "t3"]
+
+
+@pytest.mark.anyio
+async def test_different_sessions_run_concurrently(anyio_backend: str, tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    pipe = Pipeline([recording_stage(log)])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pipe.run, [Message.user("a")], ctx_for(tmp_path, "sa"))
+        tg.start_soon(pipe.run, [Message.user("b")], ctx_for(tmp_path, "sb"))
+    assert [what for what, _ in log] == ["enter", "enter", "exit", "exit"]
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing and logging
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def _by_name(finished: tuple[ReadableSpan, ...], name: str) -> ReadableSpan:
+    (span,) = [s for s in finished if s.name == name]
+    return span
+
+
+@pytest.mark.anyio
+async def test_spans_for_a_run_and_each_stage(
+    anyio_backend: str,
+    tmp_path: Path,
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+
+    @stage("keep_last", may_break_cache=True)
+    async def keep_last(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        return messages[-1:]
+
+    # reference estimate, no usage anywhere: round(len / 4) per text block
+    msgs = [
+        Message(type="progress"),  # never counted
+        Message.user("x" * 400),  # 100 tokens
+        Message.assistant([{"type": "text", "text": "y" * 40}], message_id="m1"),  # 10
+        Message.user("z" * 80),  # 20
+    ]
+    pipe = Pipeline([named("first"), keep_last, named("last")])
+    ctx = ctx_for(tmp_path, "conv-42", tracer=get_tracer(provider))
+    out = await pipe.run(msgs, ctx)
+    assert out == msgs[-1:]
+
+    finished = exporter.get_finished_spans()
+    assert sorted(s.name for s in finished) == sorted(
+        ["pipeline.run", "stage.first", "stage.keep_last", "stage.last"]
+    )
+    run = _by_name(finished, "pipeline.run")
+    assert run.parent is None
+    assert run.instrumentation_scope is not None
+    assert run.instrumentation_scope.name == "sluicegate"
+    assert dict(run.attributes or {}) == {
+        ATTR.CONVERSATION_ID: "conv-42",
+        ATTR.MESSAGES_IN: 4,
+        ATTR.MESSAGES_OUT: 1,
+        ATTR.TOKENS_BEFORE: 130,
+        ATTR.TOKENS_AFTER: 20,
+    }
+    assert "gen_ai.operation.name" not in (run.attributes or {})
+
+    children = sorted(
+        (s for s in finished if s.parent is not None), key=lambda s: s.start_time or 0
+    )
+    assert [s.name for s in children] == ["stage.first", "stage.keep_last", "stage.last"]
+    for child in children:
+        assert child.parent is not None
+        assert child.parent.span_id == run.context.span_id
+        assert child.context.trace_id == run.context.trace_id
+        assert (child.attributes or {})[ATTR.CONVERSATION_ID] == "conv-42"
+        assert child.status.status_code is StatusCode.UNSET
+    first, middle, last = (dict(c.attributes or {}) for c in children)
+    assert (first[ATTR.STAGE], first[ATTR.STAGE_CHANGED], first[ATTR.MESSAGES_OUT]) == (
+        "first",
+        False,
+        4,
+    )
+    assert (middle[ATTR.STAGE_CHANGED], middle[ATTR.MESSAGES_OUT]) == (True, 1)
+    assert (middle[ATTR.BREAKS_CACHE], first[ATTR.BREAKS_CACHE]) == (True, False)
+    assert last[ATTR.MESSAGES_OUT] == 1
+
+
+@pytest.mark.anyio
+async def test_spans_of_the_default_pipeline(
+    anyio_backend: str,
+    tmp_path: Path,
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    ctx = ctx_for(tmp_path, tracer=get_tracer(provider))
+    await Pipeline(stages.default_stages()).run(small_conversation(), ctx)
+    finished = exporter.get_finished_spans()
+    run = _by_name(finished, "pipeline.run")
+    children = sorted(
+        (s for s in finished if s.parent is not None and s.parent.span_id == run.context.span_id),
+        key=lambda s: s.start_time or 0,
+    )
+    assert [s.name for s in children] == [f"stage.{n}" for n in SPEC_ORDER]
+
+
+@pytest.mark.anyio
+async def test_failing_stage_marks_spans_without_leaking_content(
+    anyio_backend: str,
+    tmp_path: Path,
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    secret = "SECRET-user-text-4711"
+
+    @stage("leaky")
+    async def leaky(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        raise ValueError(f"could not handle {secret}")
+
+    ctx = ctx_for(tmp_path, tracer=get_tracer(provider))
+    with pytest.raises(StageError, match=secret):  # the exception itself may say it
+        await Pipeline([leaky]).run([Message.user(secret)], ctx)
+
+    finished = exporter.get_finished_spans()
+    assert {s.name for s in finished} == {"pipeline.run", "stage.leaky"}
+    for s in finished:
+        assert s.status.status_code is StatusCode.ERROR
+        dumped = s.to_json()
+        assert secret not in dumped, f"span {s.name} carries message content"
+    assert _by_name(finished, "stage.leaky").status.description == "ValueError"
+
+
+@pytest.mark.anyio
+async def test_log_events_carry_the_current_trace_and_span_ids(
+    anyio_backend: str,
+    tmp_path: Path,
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    inside: list[trace.SpanContext] = []
+
+    @stage("chatty")
+    async def chatty(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        inside.append(trace.get_current_span().get_span_context())
+        ctx.logger.info("inside_stage", n=len(messages))
+        return messages
+
+    with structlog.testing.capture_logs() as logs:
+        ctx = ctx_for(tmp_path, "log-session", tracer=get_tracer(provider))
+        await Pipeline([chatty]).run(small_conversation(), ctx)
+        ctx.logger.info("outside_any_span")
+
+    stage_span = _by_name(exporter.get_finished_spans(), "stage.chatty")
+    assert inside == [stage_span.context]
+    (event,) = [e for e in logs if e["event"] == "inside_stage"]
+    assert event["trace_id"] == format(stage_span.context.trace_id, "032x")
+    assert event["span_id"] == format(stage_span.context.span_id, "016x")
+    assert event["session_id"] == "log-session" and event["n"] == 3
+    (outside,) = [e for e in logs if e["event"] == "outside_any_span"]
+    assert "trace_id" not in outside and "span_id" not in outside
