@@ -175,6 +175,7 @@ class Agent:
             root,
             replacement_state=state,
             transcript=TranscriptWriter(transcript_path, loaded.session_id),
+            stage_records=loaded.stage_records,
         )
         agent = cls(client, model=model, pipeline=pipeline, ctx=ctx, tools=tools, **kwargs)
         agent.history = list(loaded.messages)

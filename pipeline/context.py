@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore, ToolResultStore, validate_session_id
 from pipeline.tokens import TokenTracker
 from pipeline.tracing import get_logger, get_tracer
-from pipeline.transcript import TranscriptWriter
+from pipeline.transcript import StageRecord, TranscriptWriter
 
 __all__ = ["PassReport", "PersistedResult", "SessionContext"]
 
@@ -39,8 +40,13 @@ class PassReport:
     reapplied: int = 0
     persist_failed: list[str] = field(default_factory=list)
     """tool_use_ids whose persist failed (original content kept)."""
+    tokens_freed: int = 0
+    """Tokens that stages removed in this pass from content the last response's usage counted.
+
+    The token estimate anchors on that usage, so later stages subtract this to see the size the
+    request will really have (history snip and microcompact add to it)."""
     notes: dict[str, Any] = field(default_factory=dict)
-    """Free-form per-stage facts (e.g. tokens freed), keyed by stage name."""
+    """Free-form per-stage facts, keyed by stage name."""
 
 
 class SessionContext:
@@ -64,6 +70,7 @@ class SessionContext:
         tracer: trace.Tracer | None = None,
         logger: Any = None,
         agent_id: str | None = None,
+        stage_records: Sequence[StageRecord] = (),
     ) -> None:
         self.session_id = validate_session_id(session_id)
         self.root = Path(root)
@@ -75,6 +82,8 @@ class SessionContext:
         self.tool_policies = tool_policies or ToolPolicies()
         self.tracer = tracer or get_tracer()
         self.logger = logger or get_logger(session_id=self.session_id)
+        self.stage_records: list[StageRecord] = list(stage_records)
+        """Records a resumed session's stages restore their decisions from."""
         self.lock = anyio.Lock()
         self.report = PassReport()
 
@@ -82,6 +91,17 @@ class SessionContext:
         """Start a new pass report; called by the pipeline at the start of every run."""
         self.report = PassReport()
         return self.report
+
+    def records_for(self, stage: str) -> list[Mapping[str, Any]]:
+        """The data of every restored record of stage ``stage``, in transcript order."""
+        return [r.data for r in self.stage_records if r.stage == stage]
+
+    def record(self, stage: str, data: Mapping[str, Any]) -> None:
+        """Keep a stage decision for resume: in memory and, when there is one, the transcript."""
+        record = StageRecord(stage, dict(data))
+        self.stage_records.append(record)
+        if self.transcript is not None:
+            self.transcript.append_stage_record(stage, record.data)
 
     def for_subagent(
         self, agent_id: str, transcript: TranscriptWriter | None = None

@@ -22,6 +22,8 @@ __all__ = [
     "SPAN_TOOL_GATE",
     "TRACER_NAME",
     "add_trace_ids",
+    "decision_span_name",
+    "emit_decision",
     "get_logger",
     "get_tracer",
     "stage_span_name",
@@ -41,6 +43,41 @@ SPAN_TOOL_EXECUTE = "execute_tool"
 def tool_span_name(tool_name: str) -> str:
     """The span of one tool execution (gen_ai convention): ``execute_tool <name>``."""
     return f"{SPAN_TOOL_EXECUTE} {tool_name}"
+
+
+def decision_span_name(stage_name: str) -> str:
+    """The span of one decision of a stage, "not now" included: ``<stage>.decision``."""
+    return f"{stage_name}.decision"
+
+
+def emit_decision(
+    tracer: trace.Tracer,
+    stage_name: str,
+    *,
+    conversation_id: str,
+    decision: str,
+    reason: str,
+    tokens_before: int | None = None,
+    tokens_after: int | None = None,
+    **attributes: str | int | float | bool,
+) -> None:
+    """Emit one decision span (a child of the current span) with reason code and token counts.
+
+    ``attributes`` are added under ``sluicegate.<key>``. Never pass content.
+    """
+    attrs: dict[str, str | int | float | bool] = {
+        ATTR.CONVERSATION_ID: conversation_id,
+        ATTR.STAGE: stage_name,
+        ATTR.DECISION: decision,
+        ATTR.REASON: reason,
+    }
+    if tokens_before is not None:
+        attrs[ATTR.TOKENS_BEFORE] = tokens_before
+    if tokens_after is not None:
+        attrs[ATTR.TOKENS_AFTER] = tokens_after
+    for key, value in attributes.items():
+        attrs[f"sluicegate.{key}"] = value
+    tracer.start_span(decision_span_name(stage_name), attributes=attrs).end()
 
 
 def stage_span_name(stage_name: str) -> str:

@@ -22,6 +22,7 @@ from pipeline.replacement import ReplacementRecord
 
 __all__ = [
     "LineProblem",
+    "StageRecord",
     "Transcript",
     "TranscriptError",
     "TranscriptWriter",
@@ -31,6 +32,15 @@ __all__ = [
 
 _MESSAGE_RECORD_TYPES = frozenset({"user", "assistant", "progress", "attachment", "system"})
 CONTENT_REPLACEMENT = "content-replacement"
+STAGE_RECORD = "stage-record"
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    """A decision a stage wrote to the transcript so that a resumed session can repeat it."""
+
+    stage: str
+    data: Mapping[str, Any]
 
 
 class TranscriptError(ValueError):
@@ -65,6 +75,12 @@ class Transcript:
     """Sub-agent records interleaved with the main thread and left out of it."""
     problems: list[LineProblem] = field(default_factory=list)
     """Malformed lines skipped by a ``strict=False`` load."""
+    stage_records: list[StageRecord] = field(default_factory=list)
+    """``stage-record`` entries in file order (:meth:`TranscriptWriter.append_stage_record`)."""
+
+    def records_for(self, stage: str) -> list[Mapping[str, Any]]:
+        """The data of every record stage ``stage`` wrote, in order."""
+        return [r.data for r in self.stage_records if r.stage == stage]
 
 
 def _require_str(raw: Mapping[str, Any], key: str, *, optional: bool = True) -> str | None:
@@ -183,6 +199,12 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
                         if not isinstance(rep, Mapping):
                             raise ValueError("content-replacement entry is not an object")
                         records.append(ReplacementRecord.from_json(rep))
+                    continue
+                if rtype == STAGE_RECORD:
+                    stage, data = raw.get("stage"), raw.get("data")
+                    if not isinstance(stage, str) or not isinstance(data, dict):
+                        raise ValueError("stage-record needs a string 'stage' and an object 'data'")
+                    result.stage_records.append(StageRecord(stage, data))
                     continue
                 if rtype not in _MESSAGE_RECORD_TYPES:
                     result.skipped_types[rtype] += 1
@@ -310,6 +332,15 @@ class TranscriptWriter:
         if self.agent_id is not None:
             entry["agentId"] = self.agent_id
         entry["replacements"] = [r.to_json() for r in records]
+        self._write_lines([entry])
+
+    def append_stage_record(self, stage: str, data: Mapping[str, Any]) -> None:
+        """Append a ``stage-record``: a stage's decision a resumed session must repeat."""
+        entry: dict[str, Any] = {"type": STAGE_RECORD, "sessionId": self.session_id}
+        if self.agent_id is not None:
+            entry["agentId"] = self.agent_id
+        entry["stage"] = stage
+        entry["data"] = dict(data)
         self._write_lines([entry])
 
 
