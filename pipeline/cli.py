@@ -40,7 +40,7 @@ from pipeline.policies import (
 )
 from pipeline.replay import CallResult, find_calls, replay_messages
 from pipeline.storage import TOOL_RESULTS_SUBDIR, validate_session_id
-from pipeline.tracing import get_logger, get_tracer
+from pipeline.tracing import ATTR, SPAN_REPLAY, get_logger, get_tracer
 from pipeline.transcript import Transcript, TranscriptError, load_transcript
 
 if TYPE_CHECKING:
@@ -641,14 +641,18 @@ async def _replay_calls(
     summary: ReplaySummary,
     progress: Progress,
 ) -> None:
-    async for result in replay_messages(transcript.messages, pipe, ctx):
-        chars = result.request_chars
-        summary.add(result, chars)
-        if options.dump_requests is not None:
-            _dump_request(options.dump_requests, result)
-        progress.clear()
-        output.call(result, chars)
-        progress.advance()
+    # one trace per replay: every call's pipeline.run is a child of this span
+    with ctx.tracer.start_as_current_span(
+        SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
+    ):
+        async for result in replay_messages(transcript.messages, pipe, ctx):
+            chars = result.request_chars
+            summary.add(result, chars)
+            if options.dump_requests is not None:
+                _dump_request(options.dump_requests, result)
+            progress.clear()
+            output.call(result, chars)
+            progress.advance()
     progress.clear()
     output.summary(summary)
 

@@ -12,9 +12,11 @@ import dataclasses
 import uuid as _uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
-from anthropic.types import MessageParam
+if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
+    from anthropic.types import MessageParam
+
 
 __all__ = [
     "Block",
@@ -282,8 +284,8 @@ def _add_assistant(out: list[_WireEntry], m: Message) -> None:
 
 def _entry_to_param(e: _WireEntry) -> MessageParam:
     if e.raw_text is not None and not e.merged:
-        return cast(MessageParam, {"role": e.role, "content": e.raw_text})
-    return cast(MessageParam, {"role": e.role, "content": e.blocks})
+        return cast("MessageParam", {"role": e.role, "content": e.raw_text})
+    return cast("MessageParam", {"role": e.role, "content": e.blocks})
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,10 +12,12 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
-from anthropic.types import ToolParam
+
+if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
+    from anthropic.types import ToolParam
 
 __all__ = ["READBACK_TOOL_NAME", "LineReader", "PersistedOutputReader", "ReadbackError"]
 

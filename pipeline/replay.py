@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from anthropic.types import MessageParam
+from typing import TYPE_CHECKING, Any
 
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message, Usage, to_api
+
+if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
+    from anthropic.types import MessageParam
 
 __all__ = ["Call", "CallResult", "find_calls", "replay_messages", "request_chars"]
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from anthropic.types import ToolParam
+from typing import TYPE_CHECKING, Any
 
 from pipeline.messages import Block
 from pipeline.policies import UNDECLARED_MAX_RESULT_SIZE_CHARS
+
+if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
+    from anthropic.types import ToolParam
 
 __all__ = ["Tool", "ToolOutput", "tool"]
 

@@ -18,6 +18,7 @@ __all__ = [
     "SPAN_BUDGET_DECISION",
     "SPAN_BUDGET_GROUP",
     "SPAN_PIPELINE_RUN",
+    "SPAN_REPLAY",
     "SPAN_TOOL_EXECUTE",
     "SPAN_TOOL_GATE",
     "TRACER_NAME",
@@ -33,6 +34,7 @@ __all__ = [
 TRACER_NAME = "sluicegate"
 
 SPAN_PIPELINE_RUN = "pipeline.run"
+SPAN_REPLAY = "replay.session"
 SPAN_BUDGET_GROUP = "tool_result_budget.group"
 SPAN_BUDGET_DECISION = "tool_result_budget.decision"
 SPAN_TOOL_GATE = "tool_result_gate"

@@ -338,20 +338,21 @@ class ToolResultBudget:
             attributes[ATTR.REASON] = reason
         if error is not None:
             attributes[ATTR.ERROR] = error
-        ctx.tracer.start_span(SPAN_BUDGET_DECISION, attributes=attributes).end()
         log = {"persist": ctx.logger.info, "persist_failed": ctx.logger.warning}.get(
             decision, ctx.logger.debug
         )
-        log(
-            "tool_result_budget.decision",
-            decision=decision,
-            tool_use_id=c.tool_use_id,
-            tool_name=c.tool_name,
-            chars=c.size,
-            path=path,
-            reason=reason,
-            error=error,
-        )
+        # log inside the span so the event carries the decision span's id
+        with ctx.tracer.start_as_current_span(SPAN_BUDGET_DECISION, attributes=attributes):
+            log(
+                "tool_result_budget.decision",
+                decision=decision,
+                tool_use_id=c.tool_use_id,
+                tool_name=c.tool_name,
+                chars=c.size,
+                path=path,
+                reason=reason,
+                error=error,
+            )
 
 
 def _apply_replacements(messages: list[Message], apply: Mapping[str, str]) -> list[Message]:

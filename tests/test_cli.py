@@ -566,8 +566,10 @@ def test_spans_exported_over_otlp_form_the_documented_tree(tmp_path: Path) -> No
     runs = [s for s in spans if s.name == "pipeline.run"]
     assert len(runs) == len(calls)
     by_id = {s.span_id: s for s in spans}
+    (replay,) = [s for s in spans if s.name == "replay.session"]
+    assert replay.parent_span_id == ""  # one trace per replay
     for run in runs:
-        assert run.parent_span_id == ""
+        assert run.parent_span_id == replay.span_id
         assert run.attributes["gen_ai.conversation.id"] == summary["session_id"]
         assert "gen_ai.operation.name" not in run.attributes
         stage_spans = _children(spans, run)
