@@ -45,6 +45,12 @@ class PassReport:
 
     The token estimate anchors on that usage, so later stages subtract this to see the size the
     request will really have (history snip and microcompact add to it)."""
+    request_extras: dict[str, Any] = field(default_factory=dict)
+    """Extra top-level request fields a stage asks for (e.g. ``context_management``)."""
+    betas: list[str] = field(default_factory=list)
+    """Beta features those extras need (sent as the ``anthropic-beta`` header)."""
+    suppress_autocompact: bool = False
+    """Set by a stage that manages the window itself this pass (context collapse)."""
     notes: dict[str, Any] = field(default_factory=dict)
     """Free-form per-stage facts, keyed by stage name."""
 
@@ -82,6 +88,9 @@ class SessionContext:
         self.tool_policies = tool_policies or ToolPolicies()
         self.tracer = tracer or get_tracer()
         self.logger = logger or get_logger(session_id=self.session_id)
+        self.stage_state: dict[str, Any] = {}
+        """Per-session state of stages, by stage name: stage objects are shared by sessions,
+        so whatever a stage remembers about one session lives here."""
         self.stage_records: list[StageRecord] = list(stage_records)
         """Records a resumed session's stages restore their decisions from."""
         self.lock = anyio.Lock()
