@@ -256,6 +256,11 @@ class Agent:
                 kwargs["system"] = self.system
             if self.tools:
                 kwargs["tools"] = self.tool_definitions
+            report = ctx.report  # what the stages asked of this request beyond its messages
+            if report.request_extras:
+                kwargs["extra_body"] = dict(report.request_extras)
+            if report.betas:
+                kwargs["extra_headers"] = {"anthropic-beta": ",".join(sorted(set(report.betas)))}
             try:
                 response = await self.client.messages.create(
                     model=self.model, max_tokens=self.max_tokens, messages=request, **kwargs
