@@ -1,0 +1,264 @@
+"""What a replay reports: totals and estimate error, a progress bar, a table or JSON lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from pipeline.replay import CallResult
+
+__all__ = ["JsonOutput", "Output", "Progress", "ReplaySummary", "TableOutput"]
+
+UNDERCOUNT_TOLERANCE = 0.10
+
+
+def _nearest_rank(sorted_values: Sequence[float], q: float) -> float:
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+@dataclasses.dataclass(slots=True)
+class ReplaySummary:
+    """Totals over a replay, and how far the token estimate was from the API's count."""
+
+    session_id: str
+    store: Path
+    per_message_chars: int
+    per_tool_chars: int
+    calls: int = 0
+    persisted: int = 0
+    persisted_chars: int = 0
+    reapplied: int = 0
+    persist_failed: int = 0
+    peak_request_chars: int = 0
+    calls_with_actual_tokens: int = 0
+    relative_errors: list[float] = dataclasses.field(default_factory=list)
+    """(estimated − actual) / actual, for calls whose actual count is known and > 0."""
+
+    def add(self, result: CallResult, request_chars: int) -> None:
+        """Count one call."""
+        self.calls += 1
+        self.persisted += len(result.persisted)
+        self.persisted_chars += sum(p.chars for p in result.persisted)
+        self.reapplied += result.reapplied
+        self.persist_failed += len(result.persist_failed)
+        self.peak_request_chars = max(self.peak_request_chars, request_chars)
+        actual = result.actual_tokens
+        if actual is not None:
+            self.calls_with_actual_tokens += 1
+            if actual > 0:
+                self.relative_errors.append((result.estimated_tokens - actual) / actual)
+
+    @property
+    def median_abs_error(self) -> float | None:
+        """Median of |estimated − actual| / actual."""
+        errors = [abs(e) for e in self.relative_errors]
+        return statistics.median(errors) if errors else None
+
+    @property
+    def p95_abs_error(self) -> float | None:
+        """95th percentile (nearest rank) of |estimated − actual| / actual."""
+        errors = sorted(abs(e) for e in self.relative_errors)
+        return _nearest_rank(errors, 0.95) if errors else None
+
+    @property
+    def undercount_share(self) -> float | None:
+        """Share of calls whose estimate was more than 10% below the actual count."""
+        if not self.relative_errors:
+            return None
+        under = sum(1 for e in self.relative_errors if e < -UNDERCOUNT_TOLERANCE)
+        return under / len(self.relative_errors)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``summary`` object of the final ``--json`` line."""
+
+        def rounded(x: float | None) -> float | None:
+            return None if x is None else round(x, 4)
+
+        return {
+            "session_id": self.session_id,
+            "calls": self.calls,
+            "persisted": self.persisted,
+            "persisted_chars": self.persisted_chars,
+            "reapplied": self.reapplied,
+            "persist_failed": self.persist_failed,
+            "peak_request_chars": self.peak_request_chars,
+            "calls_with_actual_tokens": self.calls_with_actual_tokens,
+            "abs_rel_error_median": rounded(self.median_abs_error),
+            "abs_rel_error_p95": rounded(self.p95_abs_error),
+            "undercount_gt_10pct_share": rounded(self.undercount_share),
+            "per_message_chars": self.per_message_chars,
+            "per_tool_chars": self.per_tool_chars,
+            "store": str(self.store),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: progress on stderr; a table or JSON lines on stdout
+# ---------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn in place; inert when disabled."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
+        self.total = total
+        self.stream = stream
+        self.enabled = enabled and total > 0
+        self.done = 0
+        self._drawn = False
+
+    def advance(self) -> None:
+        """One more call replayed."""
+        self.done += 1
+        self.draw()
+
+    def draw(self) -> None:
+        """(Re)draw the bar."""
+        if not self.enabled:
+            return
+        filled = self.WIDTH * self.done // self.total
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        self.stream.write(f"\rreplaying [{bar}] {self.done}/{self.total} calls")
+        self.stream.flush()
+        self._drawn = True
+
+    def clear(self) -> None:
+        """Erase the bar so other output does not land on its line."""
+        if self._drawn:
+            self.stream.write("\r" + " " * (self.WIDTH + 40) + "\r")
+            self.stream.flush()
+            self._drawn = False
+
+
+class Output(Protocol):
+    """Where per-call results and the summary go."""
+
+    def call(self, result: CallResult, request_chars: int) -> None:
+        """Report one call."""
+
+    def summary(self, summary: ReplaySummary) -> None:
+        """Report the totals."""
+
+
+class JsonOutput:
+    """The ``--json`` contract: one object per call, then ``{"summary": {...}}``."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def call(self, result: CallResult, request_chars: int) -> None:
+        """Write ``CallResult.to_json()`` as one line."""
+        self._line(result.to_json())
+
+    def summary(self, summary: ReplaySummary) -> None:
+        """Write the summary line."""
+        self._line({"summary": summary.to_json()})
+
+    def _line(self, obj: dict[str, Any]) -> None:
+        self.stream.write(json.dumps(obj) + "\n")
+        self.stream.flush()
+
+
+def _fmt_int(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+class TableOutput:
+    """An aligned table: a row per call, a line per newly persisted result, then totals."""
+
+    COLUMNS = (
+        ("call", 5),
+        ("message_id", 30),
+        ("est.tokens", 11),
+        ("act.tokens", 11),
+        ("error", 8),
+        ("persisted", 10),
+        ("reapplied", 10),
+        ("req.chars", 12),
+    )
+
+    def __init__(self, stream: IO[str], results_dir: Path) -> None:
+        self.stream = stream
+        self.results_dir = results_dir.absolute()
+        self._header_written = False
+
+    def _row(self, cells: Sequence[str]) -> str:
+        parts = []
+        for (name, width), cell in zip(self.COLUMNS, cells, strict=True):
+            parts.append(cell.ljust(width) if name == "message_id" else cell.rjust(width))
+        return " ".join(parts).rstrip()
+
+    def _show_path(self, path: str) -> str:
+        # the directory is printed once in the summary; rows show file names only
+        try:
+            return str(Path(path).relative_to(self.results_dir))
+        except ValueError:
+            return path
+
+    def call(self, result: CallResult, request_chars: int) -> None:
+        """Write the call's row and its persisted results."""
+        lines = []
+        if not self._header_written:
+            lines.append(self._row([name for name, _ in self.COLUMNS]))
+            self._header_written = True
+        actual = result.actual_tokens
+        error = (result.estimated_tokens - actual) / actual if actual else None
+        lines.append(
+            self._row(
+                [
+                    str(result.call.number),
+                    result.call.message_id,
+                    _fmt_int(result.estimated_tokens),
+                    _fmt_int(actual),
+                    "-" if error is None else f"{error * 100:+.1f}%",
+                    str(len(result.persisted)),
+                    str(result.reapplied),
+                    _fmt_int(request_chars),
+                ]
+            )
+        )
+        for p in result.persisted:
+            lines.append(
+                f"      + persisted {self._show_path(p.path)}  {p.tool_name or '?'}, "
+                f"{p.chars:,} chars, {p.reason}"
+            )
+        for tool_use_id in result.persist_failed:
+            lines.append(f"      ! persist failed for {tool_use_id}: original content sent")
+        self.stream.write("\n".join(lines) + "\n")
+        self.stream.flush()
+
+    def summary(self, s: ReplaySummary) -> None:
+        """Write the totals."""
+        lines = [""] if self._header_written else []
+        lines += [
+            f"session {s.session_id}: {s.calls} calls, {s.persisted} persisted "
+            f"({s.persisted_chars:,} chars), {s.reapplied} re-applied, "
+            f"{s.persist_failed} persist failures, peak request {s.peak_request_chars:,} chars",
+        ]
+        if s.relative_errors:
+            under = s.undercount_share or 0.0
+            lines.append(
+                f"token estimate vs API usage ({s.calls_with_actual_tokens}/{s.calls} calls "
+                f"known): median |error| {_fmt_pct(s.median_abs_error)}, "
+                f"p95 {_fmt_pct(s.p95_abs_error)}, under-counted by >10% in "
+                f"{round(under * len(s.relative_errors))} ({_fmt_pct(under)})"
+            )
+        else:
+            lines.append("token estimate vs API usage: no call with known usage")
+        lines.append(
+            f"limits: {s.per_message_chars:,} chars per message, {s.per_tool_chars:,} per tool"
+        )
+        lines.append(f"persisted results: {self.results_dir}")
+        self.stream.write("\n".join(lines) + "\n")
+        self.stream.flush()
