@@ -52,7 +52,7 @@ async def main() -> None:
     )
     agent = Agent(
         anthropic.AsyncAnthropic(),
-        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-5"),
+        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6"),
         pipeline=Pipeline(default_stages()),
         ctx=ctx,
         tools=[fetch_logs, get_config],

@@ -65,7 +65,7 @@ async def main() -> None:
     ]
     projected = await pipe.run(history, SessionContext("custom-stage", ".sluicegate"))
     reply = await anthropic.AsyncAnthropic().messages.create(
-        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-5"),
+        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6"),
         max_tokens=256,
         messages=to_api(projected),
     )

@@ -25,7 +25,7 @@ async def main() -> None:
     ]
     projected = await pipe.run(history, ctx)  # the 220K-char log is persisted, a preview is sent
     reply = await client.messages.create(
-        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-5"),
+        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6"),
         max_tokens=512,
         messages=to_api(projected),
     )

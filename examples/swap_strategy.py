@@ -89,7 +89,7 @@ async def main() -> None:
     )
     print(f"cleared {cleared} of 5 tool results")
     reply = await anthropic.AsyncAnthropic().messages.create(
-        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-5"),
+        model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6"),
         max_tokens=256,
         messages=to_api(projected),
     )

@@ -11,7 +11,7 @@ a concrete stage.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ import anyio.to_thread
 from anthropic.types import MessageParam, ToolParam
 from opentelemetry.trace import Status, StatusCode
 
-from pipeline.context import SessionContext
+from pipeline.context import PassReport, SessionContext
 from pipeline.core import Pipeline
 from pipeline.gate import gate_tool_result
 from pipeline.messages import Block, Message, Usage, ensure_paired, to_api
@@ -33,7 +33,7 @@ from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
 
-__all__ = ["Agent", "AgentAPIError", "AgentResult"]
+__all__ = ["Agent", "AgentAPIError", "AgentResult", "GatedResult", "TurnLog"]
 
 CANCELLED_RESULT = "Tool execution was cancelled before it finished."
 INTERRUPTED_RESULT = "Tool execution was interrupted (the session stopped before it finished)."
@@ -84,6 +84,34 @@ class AgentAPIError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class GatedResult:
+    """What the per-tool gate did to one tool result as it was produced."""
+
+    tool_use_id: str
+    tool_name: str
+    decision: str
+    chars: int
+    path: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnLog:
+    """One model call, as an observer (``Agent(on_turn=...)``) sees it."""
+
+    number: int
+    message_id: str
+    request: list[MessageParam]
+    """The exact ``messages`` sent."""
+    estimated_tokens: int
+    """The tracker's estimate of the request before it was sent."""
+    usage: Usage
+    report: PassReport
+    """What the pipeline's stages did in the pass that built the request."""
+    gated: list[GatedResult]
+    """The per-tool gate's decisions on the tool results this response asked for."""
+
+
+@dataclass(frozen=True, slots=True)
 class AgentResult:
     """How a run ended."""
 
@@ -120,8 +148,17 @@ class Agent:
         max_turns: int = 25,
         history: Sequence[Message] = (),
         readback: bool = True,
+        on_turn: Callable[[TurnLog], None] | None = None,
     ) -> None:
+        options = getattr(client, "open_telemetry", None)
+        if isinstance(options, Mapping):
+            # the SDK's own client span then carries gen_ai.conversation.id too
+            client = client.with_options(
+                open_telemetry={**options, "conversation_id": ctx.session_id}  # type: ignore[arg-type]
+            )
         self.client = client
+        self.on_turn = on_turn
+        self.turns_done = 0
         self.model = model
         self.pipeline = pipeline
         self.ctx = ctx
@@ -250,7 +287,10 @@ class Agent:
             set_status_on_exception=False,
         ) as span:
             before = list(self.history)
-            request = await self.build_request()
+            projected = await self.pipeline.run(self.history, ctx)
+            request = to_api(projected)
+            ensure_paired(request)
+            estimated = ctx.token_tracker.estimate(projected)
             kwargs: dict[str, Any] = {}
             if self.system is not None:
                 kwargs["system"] = self.system
@@ -287,8 +327,22 @@ class Agent:
             span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
             await self._record([message])
             tool_uses = [b for b in message.blocks if b.get("type") == "tool_use"]
+            gated: list[GatedResult] = []
             if tool_uses:
-                await self._run_tools(tool_uses)
+                await self._run_tools(tool_uses, gated)
+            if self.on_turn is not None:
+                self.on_turn(
+                    TurnLog(
+                        number=self.turns_done,
+                        message_id=response.id,
+                        request=request,
+                        estimated_tokens=estimated,
+                        usage=usage,
+                        report=report,
+                        gated=gated,
+                    )
+                )
+            self.turns_done += 1
             return message
 
     async def _record(self, messages: list[Message]) -> None:
@@ -296,13 +350,13 @@ class Agent:
         if self.ctx.transcript is not None:
             await anyio.to_thread.run_sync(self.ctx.transcript.append_messages, messages)
 
-    async def _run_tools(self, tool_uses: list[Block]) -> None:
+    async def _run_tools(self, tool_uses: list[Block], gated: list[GatedResult]) -> None:
         """Run every tool call concurrently; always answer each one, even on cancellation."""
         done: dict[str, Block] = {}
         try:
             async with anyio.create_task_group() as tg:
                 for tu in tool_uses:
-                    tg.start_soon(self._run_one, tu, done)
+                    tg.start_soon(self._run_one, tu, done, gated)
         finally:
             blocks = [
                 done.get(tu["id"])
@@ -317,7 +371,9 @@ class Agent:
             with anyio.CancelScope(shield=True):
                 await self._record([Message.user(blocks)])
 
-    async def _run_one(self, tool_use: Block, done: dict[str, Block]) -> None:
+    async def _run_one(
+        self, tool_use: Block, done: dict[str, Block], gated_log: list[GatedResult]
+    ) -> None:
         ctx = self.ctx
         name = str(tool_use.get("name"))
         tool_use_id = str(tool_use["id"])
@@ -361,6 +417,7 @@ class Agent:
                     path=gated.path,
                     error=gated.error,
                 )
+            gated_log.append(GatedResult(tool_use_id, name, gated.decision, gated.size, gated.path))
             done[tool_use_id] = gated.block
 
 

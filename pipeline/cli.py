@@ -20,7 +20,7 @@ import tempfile
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -40,7 +40,7 @@ from pipeline.report import JsonOutput, Output, Progress, ReplaySummary, TableOu
 from pipeline.storage import TOOL_RESULTS_SUBDIR, validate_session_id
 from pipeline.telemetry import TelemetrySetupError, configure_logging, setup_tracing
 from pipeline.tracing import ATTR, SPAN_REPLAY, get_logger, get_tracer
-from pipeline.transcript import Transcript, TranscriptError, load_transcript
+from pipeline.transcript import Transcript, TranscriptError, TranscriptWriter, load_transcript
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -211,12 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_p = sub.add_parser(
         "demo",
-        help="generate a realistic session and replay it (no API key, no network)",
+        help="run the agent loop against a scripted local server (no API key, no network)",
         description=_para(
-            "Generate a Claude Code session deterministically (ten parallel ~40K-char "
-            "tool outputs in one turn, a ~56K Read, a single ~80K Bash output, small results), "
-            "write it as a JSONL transcript, and replay it through the default pipeline, showing "
-            "per call what the budget persisted and re-applied."
+            "Run the agent loop on the real anthropic SDK against a scripted Messages server on "
+            "127.0.0.1 (random port) that asks for what a real coding session asked for: ten "
+            "parallel ~40K-char job logs in one turn, a ~56K Read, a single ~80K Bash output, "
+            "small results. Every request goes through the default pipeline; each tool result "
+            "passes the per-tool gate as it is produced; the transcript is written as the loop "
+            "goes. Shows per call what the budget persisted and re-applied. With --replay, the "
+            "same session is written as a transcript and replayed instead."
         ),
         epilog=_TRACING_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -225,8 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         metavar="FILE",
-        help="write the generated transcript here (replaced if it exists); default: "
+        help="the session's transcript (replaced if it exists); default: "
         "demo-session.jsonl in the store directory",
+    )
+    demo_p.add_argument(
+        "--replay",
+        action="store_true",
+        help="write the session as a Claude Code transcript and replay it (no live loop)",
     )
     demo_p.add_argument(
         "--seed",
@@ -372,7 +380,9 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
     return EXIT_OK
 
 
-def _with_tracing(args: argparse.Namespace, run: Callable[[trace.Tracer | None], int]) -> int:
+def _with_tracing(
+    args: argparse.Namespace, run: Callable[[trace.Tracer | None, TracerProvider | None], int]
+) -> int:
     """Set up logging and tracing, run, and always flush spans before returning.
 
     The global structlog configuration is restored afterwards, so ``main()`` can be called
@@ -387,7 +397,7 @@ def _with_tracing(args: argparse.Namespace, run: Callable[[trace.Tracer | None],
         except TelemetrySetupError as exc:
             raise CliError(str(exc)) from None
         tracer = get_tracer(provider) if provider is not None else None
-        return run(tracer)
+        return run(tracer, provider)
     finally:
         if provider is not None:
             provider.shutdown()  # flushes the batch processor
@@ -397,7 +407,7 @@ def _with_tracing(args: argparse.Namespace, run: Callable[[trace.Tracer | None],
 def _cmd_replay(args: argparse.Namespace) -> int:
     options = ReplayOptions.from_args(args)
 
-    def go(tracer: trace.Tracer | None) -> int:
+    def go(tracer: trace.Tracer | None, _provider: TracerProvider | None) -> int:
         transcript = load(args.transcript, lenient=args.lenient)
         return run_replay(transcript, options, tracer)
 
@@ -409,16 +419,72 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     options = dataclasses.replace(ReplayOptions.from_args(args), store=store)
     path: Path = args.out or store / "demo-session.jsonl"
 
-    def go(tracer: trace.Tracer | None) -> int:
-        try:
-            demo.write_session(path, seed=args.seed)
-        except OSError as exc:
-            raise CliError(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED) from None
-        if not options.json:
-            print(f"generated a Claude Code session (seed {args.seed}): {path}")
-        return run_replay(load(path, lenient=False), options, tracer)
+    def go(tracer: trace.Tracer | None, provider: TracerProvider | None) -> int:
+        if args.replay:
+            try:
+                demo.write_session(path, seed=args.seed)
+            except OSError as exc:
+                raise CliError(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED) from None
+            if not options.json:
+                print(f"generated a Claude Code session (seed {args.seed}): {path}")
+            return run_replay(load(path, lenient=False), options, tracer)
+        return run_live_demo(demo.generate_session(args.seed), path, options, tracer, provider)
 
     return _with_tracing(args, go)
+
+
+def run_live_demo(
+    session: demo.DemoSession,
+    transcript_path: Path,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+    provider: TracerProvider | None,
+) -> int:
+    """Run the demo session live: agent loop, real SDK, scripted local server."""
+    import anthropic  # heavy: only the live commands need the SDK at run time
+
+    from pipeline.demo_agent import LiveDemo
+
+    transcript_path.unlink(missing_ok=True)
+    ctx = SessionContext(
+        session.session_id,
+        root=options.store or _store_root(options),
+        tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
+        tracer=tracer,
+        transcript=TranscriptWriter(transcript_path, session.session_id),
+    )
+    pipe = Pipeline(stages.default_stages(per_message_chars=options.per_message_chars))
+    summary = ReplaySummary(
+        session.session_id, ctx.root, options.per_message_chars, options.per_tool_chars
+    )
+    output: Output = (
+        JsonOutput(sys.stdout)
+        if options.json
+        else TableOutput(sys.stdout, ctx.root / session.session_id / TOOL_RESULTS_SUBDIR)
+    )
+    if not options.json:
+        print(f"live agent session {session.session_id} (transcript: {transcript_path})")
+
+    def on_call(result: CallResult) -> None:
+        chars = result.request_chars
+        summary.add(result, chars)
+        if options.dump_requests is not None:
+            options.dump_requests.mkdir(parents=True, exist_ok=True)
+            _dump_request(options.dump_requests, result)
+        output.call(result, chars)
+
+    def client(base_url: str) -> anthropic.AsyncAnthropic:
+        telemetry: Any = {"tracer_provider": provider} if provider is not None else None
+        return anthropic.AsyncAnthropic(
+            base_url=base_url, api_key="sluicegate-demo", max_retries=0, open_telemetry=telemetry
+        )
+
+    try:
+        anyio.run(LiveDemo(session, pipe, ctx, on_call).run, client)
+    except StageError as exc:
+        raise CliError(f"demo: call {summary.calls}: {exc}", EXIT_FAILED) from None
+    output.summary(summary)
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

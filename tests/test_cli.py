@@ -108,7 +108,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("demo")
     store, dumps, transcript = base / "store", base / "requests", base / "session.jsonl"
     proc = run_cli(
-        "demo", "--json", "--store", store, "--dump-requests", dumps, "--out", transcript
+        "demo", "--replay", "--json", "--store", store, "--dump-requests", dumps, "--out", transcript
     )
     assert proc.returncode == 0, proc.stderr
     calls, summary = parse_json_lines(proc.stdout)
@@ -270,6 +270,7 @@ def test_smaller_limits_persist_more(
     code, out, err = run_main(
         capsys,
         "demo",
+        "--replay",
         "--json",
         "--store",
         tmp_path,
@@ -293,7 +294,7 @@ def test_smaller_limits_persist_more(
 def test_demo_table_is_short_and_names_what_was_persisted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = run_main(capsys, "demo", "--store", tmp_path)
+    code, out, err = run_main(capsys, "demo", "--replay", "--store", tmp_path)
     assert code == 0, err
     lines = out.splitlines()
     assert len(lines) < 40
@@ -333,7 +334,7 @@ def test_demo_transcript_is_deterministic(tmp_path: Path) -> None:
 
 def test_main_in_process_demo_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "s.jsonl"
-    assert main(["demo", "--json", "--store", str(tmp_path), "--out", str(out)]) == 0
+    assert main(["demo", "--replay", "--json", "--store", str(tmp_path), "--out", str(out)]) == 0
     captured = capsys.readouterr()
     calls, summary = parse_json_lines(captured.out)
     assert summary["persisted"] == sum(len(c["persisted"]) for c in calls) > 0
@@ -351,7 +352,7 @@ def test_main_in_process_demo_json(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_progress_goes_to_stderr_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_main(capsys, "demo", "--json", "--progress", "--store", tmp_path)
+    code, out, err = run_main(capsys, "demo", "--replay", "--json", "--progress", "--store", tmp_path)
     assert code == 0, err
     assert "replaying [" in err and "5/5 calls" in err
     assert "replaying" not in out
@@ -555,7 +556,7 @@ def _children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[ReceivedS
 def test_spans_exported_over_otlp_form_the_documented_tree(tmp_path: Path) -> None:
     with OtlpReceiver() as rx:
         env = _clean_env(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rx.traces_endpoint)
-        proc = run_cli("demo", "--json", "--store", tmp_path, env=env)
+        proc = run_cli("demo", "--replay", "--json", "--store", tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr
         calls, summary = parse_json_lines(proc.stdout)
         # the CLI shuts the provider down before exiting, so everything has arrived
