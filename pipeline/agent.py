@@ -180,10 +180,16 @@ class Agent:
                 )
             )
         for t in all_tools:
-            if t.name in self.tools:
-                raise ValueError(f"two tools are named {t.name!r}")
-            self.tools[t.name] = t
-            ctx.tool_policies = ctx.tool_policies.with_declared(t.name, t.max_result_size_chars)
+            self.add_tool(t)
+
+    def add_tool(self, t: Tool) -> None:
+        """Offer one more tool; its declared limit joins the session's tool policies."""
+        if t.name in self.tools:
+            raise ValueError(f"two tools are named {t.name!r}")
+        self.tools[t.name] = t
+        self.ctx.tool_policies = self.ctx.tool_policies.with_declared(
+            t.name, t.max_result_size_chars
+        )
 
     # -- resume -----------------------------------------------------------------------------
     @classmethod

@@ -244,7 +244,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_replay_options(demo_p)
     demo_p.set_defaults(handler=_cmd_demo)
+    _add_agent_parser(sub)
     return parser
+
+
+def _add_agent_parser(sub: Any) -> None:
+    agent_p = sub.add_parser(
+        "agent",
+        help="run a small coding agent in the current directory (needs an API key)",
+        description=_para(
+            "Run a small coding agent in the current directory on the Anthropic API, every "
+            "request going through the default pipeline. Tools: read_file (files under the "
+            "current directory and persisted outputs; never persisted itself) and, only with "
+            "--allow-bash, bash. Key and base URL come from the SDK's usual environment "
+            "variables (ANTHROPIC_API_KEY, ANTHROPIC_BASE_URL). The session (transcript and "
+            "persisted outputs) goes under --store (default .sluicegate)."
+        ),
+        epilog=_TRACING_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    agent_p.add_argument("prompt", nargs="?", help="what to do (optional with --resume)")
+    agent_p.add_argument(
+        "--model",
+        default=os.environ.get("ANTHROPIC_MODEL"),
+        help="model name (default: $ANTHROPIC_MODEL)",
+    )
+    agent_p.add_argument(
+        "--allow-bash", action="store_true", help="offer the bash tool (runs what the model writes)"
+    )
+    agent_p.add_argument("--max-turns", type=_positive_int, default=25, metavar="N")
+    agent_p.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        metavar="N",
+        help="the SDK's retries of a failed call (default %(default)s)",
+    )
+    agent_p.add_argument("--max-tokens", type=_positive_int, default=8_192, metavar="N")
+    agent_p.add_argument(
+        "--resume", type=Path, metavar="TRANSCRIPT", help="continue the session of this transcript"
+    )
+    agent_p.add_argument("--session-id", help="id of a new session (default: random)")
+    _add_replay_options(agent_p)
+    agent_p.set_defaults(handler=_cmd_agent, store=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,6 +526,105 @@ def run_live_demo(
     except StageError as exc:
         raise CliError(f"demo: call {summary.calls}: {exc}", EXIT_FAILED) from None
     output.summary(summary)
+    return EXIT_OK
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    if not args.model:
+        raise CliError("no model: pass --model or set ANTHROPIC_MODEL")
+    if args.prompt is None and args.resume is None:
+        raise CliError("nothing to do: give a PROMPT, or --resume TRANSCRIPT")
+    options = ReplayOptions.from_args(args)
+
+    def go(tracer: trace.Tracer | None, provider: TracerProvider | None) -> int:
+        return run_agent(args, options, tracer, provider)
+
+    return _with_tracing(args, go)
+
+
+def run_agent(
+    args: argparse.Namespace,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+    provider: TracerProvider | None,
+) -> int:
+    """The ``agent`` command: a coding agent in the current directory."""
+    import uuid
+
+    import anthropic
+
+    from pipeline.agent import Agent, AgentAPIError, TurnLog
+    from pipeline.coding_tools import bash_tool, read_file_tool
+
+    root = options.store or Path(".sluicegate")
+    cwd = Path.cwd()
+    telemetry: Any = {"tracer_provider": provider} if provider is not None else None
+    try:
+        client = anthropic.AsyncAnthropic(open_telemetry=telemetry, max_retries=args.max_retries)
+    except anthropic.AnthropicError as exc:
+        raise CliError(f"cannot create the API client: {exc}") from None
+    pipe = Pipeline(stages.default_stages(per_message_chars=options.per_message_chars))
+    policies = ToolPolicies(cap=options.per_tool_chars)
+
+    def report(log: TurnLog) -> None:
+        done = [g for g in log.gated if g.decision == "persist"]
+        print(
+            f"[call {log.number}] {log.usage.input_side:,} input tokens "
+            f"(estimated {log.estimated_tokens:,}); persisted {len(log.report.persisted)} by "
+            f"the budget, {len(done)} by the gate; re-applied {log.report.reapplied}",
+            file=sys.stderr,
+        )
+
+    if args.resume is not None:
+        agent = Agent.resume(
+            load(args.resume, lenient=True).path,
+            client,
+            model=args.model,
+            pipeline=pipe,
+            root=root,
+            readback=False,
+            max_tokens=args.max_tokens,
+            max_turns=args.max_turns,
+            on_turn=report,
+        )
+        agent.ctx.tool_policies = policies
+        if tracer is not None:
+            agent.ctx.tracer = tracer
+        transcript = args.resume
+    else:
+        try:
+            session_id = validate_session_id(args.session_id or str(uuid.uuid4()))
+        except ValueError as exc:
+            raise CliError(f"--session-id: {exc}") from None
+        transcript = root / session_id / "transcript.jsonl"
+        ctx = SessionContext(
+            session_id,
+            root,
+            tool_policies=policies,
+            tracer=tracer,
+            transcript=TranscriptWriter(transcript, session_id),
+        )
+        agent = Agent(
+            client,
+            model=args.model,
+            pipeline=pipe,
+            ctx=ctx,
+            readback=False,
+            max_tokens=args.max_tokens,
+            max_turns=args.max_turns,
+            on_turn=report,
+        )
+    store_dir = root / agent.ctx.session_id / TOOL_RESULTS_SUBDIR
+    agent.add_tool(read_file_tool(cwd, store_dir))
+    if args.allow_bash:
+        agent.add_tool(bash_tool(cwd))
+    print(f"session {agent.ctx.session_id}: transcript {transcript}", file=sys.stderr)
+    try:
+        result = anyio.run(agent.run, args.prompt)
+    except AgentAPIError as exc:
+        raise CliError(f"API error: {exc}", EXIT_FAILED) from None
+    print(result.text)
+    print(f"[{result.stop_reason} after {result.turns} calls]", file=sys.stderr)
     return EXIT_OK
 
 
