@@ -93,7 +93,7 @@ def is_candidate(block: Mapping[str, Any]) -> bool:
     if block.get("type") != "tool_result":
         return False
     content = block.get("content")
-    if content is None or content == "" or content == []:
+    if content_is_empty(content):  # blank results get the placeholder, never a decision
         return False
     if isinstance(content, str) and content.startswith(PERSISTED_OUTPUT_TAG):
         return False
