@@ -6,6 +6,7 @@ every span is a no-op. No span attribute ever holds message content.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -135,7 +136,12 @@ def get_logger(**initial: Any) -> Any:
     """A structlog logger whose events carry the current trace and span ids.
 
     The processor is bound to this logger, so it works whatever the app's structlog setup is.
+    An app that configured structlog gets its own levels and output; an app that did not gets
+    warnings and errors only — a library must not fill stdout with per-decision debug lines.
     """
+    extra: dict[str, Any] = {}
+    if not structlog.is_configured():
+        extra["wrapper_class"] = structlog.make_filtering_bound_logger(logging.WARNING)
     return structlog.wrap_logger(
-        None, processors=[add_trace_ids, *structlog.get_config()["processors"]]
+        None, processors=[add_trace_ids, *structlog.get_config()["processors"]], **extra
     ).bind(**initial)
