@@ -2,7 +2,7 @@
 ledger. Concrete stages live in the ``stages`` package."""
 
 from pipeline.context import PassReport, PersistedResult, SessionContext
-from pipeline.core import FunctionStage, Pipeline, Stage, StageError, stage
+from pipeline.core import FunctionStage, Pipeline, PipelineHalt, Stage, StageError, stage
 from pipeline.gate import GateOutcome, gate_tool_result
 from pipeline.messages import (
     Message,
@@ -29,6 +29,7 @@ __all__ = [
     "PassReport",
     "PersistedResult",
     "Pipeline",
+    "PipelineHalt",
     "ReplacementRecord",
     "ReplacementState",
     "SessionContext",

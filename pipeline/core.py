@@ -11,7 +11,7 @@ from pipeline.context import SessionContext
 from pipeline.messages import Message
 from pipeline.tracing import ATTR, SPAN_PIPELINE_RUN, stage_span_name
 
-__all__ = ["FunctionStage", "Pipeline", "Stage", "StageError", "stage"]
+__all__ = ["FunctionStage", "Pipeline", "PipelineHalt", "Stage", "StageError", "stage"]
 
 StageFn = Callable[[list[Message], SessionContext], Awaitable[list[Message]]]
 
@@ -33,6 +33,11 @@ class Stage(Protocol):
 
 class StageError(RuntimeError):
     """A stage raised or returned something that is not a message list; names the stage."""
+
+
+class PipelineHalt(RuntimeError):
+    """A stage's deliberate refusal to let this request go (e.g. the context is over the
+    blocking limit). Passed through unwrapped, so callers can catch it by type."""
 
 
 class FunctionStage:
@@ -173,6 +178,9 @@ class Pipeline:
         ) as span:
             try:
                 out = await st(messages, ctx)
+            except PipelineHalt as exc:
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                raise
             except Exception as exc:
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 raise StageError(f"stage {st.name!r} failed: {type(exc).__name__}: {exc}") from exc

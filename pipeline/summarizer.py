@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-import anthropic
-from anthropic.types import MessageParam
+if TYPE_CHECKING:  # the SDK is heavy to import: only AnthropicSummarizer needs it, at run time
+    import anthropic
+    from anthropic.types import MessageParam
+
 
 __all__ = [
     "DEFAULT_SUMMARY_PROMPT",
@@ -49,7 +51,7 @@ def _with_instruction(messages: Sequence[MessageParam], prompt: str) -> list[Mes
         content: Any = last["content"]
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
         out[-1] = cast(
-            MessageParam, {"role": "user", "content": [*blocks, {"type": "text", "text": prompt}]}
+            "MessageParam", {"role": "user", "content": [*blocks, {"type": "text", "text": prompt}]}
         )
     else:
         out.append({"role": "user", "content": prompt})
@@ -74,6 +76,8 @@ class AnthropicSummarizer:
 
     async def summarize(self, messages: Sequence[MessageParam]) -> str:
         """One ``messages.create`` call; the text of the reply is the summary."""
+        import anthropic
+
         try:
             reply = await self.client.messages.create(
                 model=self.model,

@@ -1,23 +1,390 @@
-"""The ``autocompact`` stage slot: summarises the conversation near the window (SPEC §5).
+"""The ``autocompact`` stage: summarise the older conversation when it nears the window (SPEC §5).
 
-Not implemented yet: this is an explicit pass-through that returns its input unchanged, so the
-stage order is in place and a user can already swap in their own strategy by name.
+Compaction is a projection, never an edit of the history: everything before a kept tail becomes
+``[compact_boundary, summary]`` (Claude Code's shapes); the tail starts at a round boundary at or
+before the latest user request, kept verbatim with all that follows it. The projection is kept per
+session and recorded in the transcript, and re-applied byte for byte on every later pass and after
+resume, so the new cached prefix stays stable. A later compaction summarises the previous summary
+together with the messages after it.
 """
 
 from __future__ import annotations
 
-from pipeline import Message, SessionContext
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import anyio.to_thread
+
+from pipeline import Message, PipelineHalt, SessionContext, to_api
+from pipeline.messages import new_uuid
+from pipeline.tokens import find_anchor
+from pipeline.tracing import emit_decision
+
+if TYPE_CHECKING:  # pipeline.summarizer imports the (slow) SDK: types only here
+    from anthropic.types import MessageParam
+
+    from pipeline.summarizer import Summarizer
+
+__all__ = ["SUMMARY_PREFIX", "Autocompact", "ContextWindowExceeded", "Thresholds"]
+
+SUMMARY_PREFIX = (
+    "This session is being continued from a previous conversation that ran out of context. "
+    "The summary below covers the earlier portion of the conversation.\n\n"
+)
+"""Claude Code's opening of a compact summary message (read from its transcripts)."""
+BOUNDARY_TEXT = "Conversation compacted"
+RETRY_MARKER = "[earlier conversation truncated for compaction retry]"
+MAX_OUTPUT_RESERVE = 20_000  # window kept for the reply: at most this much of max_output_tokens
+WARNING_BUFFER = 20_000  # warn this far below the compact threshold
+BLOCKING_BUFFER = 3_000  # block this close to the effective window
+
+
+class ContextWindowExceeded(PipelineHalt):
+    """The context is at or over the blocking limit and compaction could not bring it below.
+
+    Raised by :class:`Autocompact` (``block=True``) instead of sending a request the API would
+    reject; it is a ``PipelineHalt``, so the pipeline passes it through unwrapped.
+    """
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"context is ~{size} tokens (estimated), at or over the blocking limit of {limit}, "
+            "and compaction could not bring it below"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """The token levels of one configuration (SPEC §5)."""
+
+    effective: int
+    compact: int
+    warning: int
+    blocking: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Projection:
+    """One compaction, as recorded: everything needed to rebuild it byte for byte."""
+
+    summary: str  # the full summary message text, prefix included
+    first_kept_uuid: str
+    last_summarized_uuid: str
+    anchor_uuid: str | None  # the usage anchor at compaction time: stale afterwards
+    boundary_uuid: str
+    summary_uuid: str
+
+    @classmethod
+    def from_record(cls, data: Mapping[str, Any]) -> _Projection | None:
+        """The projection a record describes, or None for a malformed record."""
+        values = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        ok = all(
+            isinstance(v, str) or (v is None and k == "anchor_uuid") for k, v in values.items()
+        )
+        return cls(**values) if ok else None  # type: ignore[arg-type]  # checked just above
+
+
+@dataclass(slots=True)
+class _State:
+    projection: _Projection | None = None
+    head: list[Message] = dataclasses.field(default_factory=list)  # the same objects every pass
+    failures: int = 0  # consecutive; in memory only, so a resumed session gets a fresh chance
+
+    def adopt(self, p: _Projection | None) -> None:
+        self.projection, self.head = p, []
+        if p is not None:
+            self.head = [
+                Message("system", BOUNDARY_TEXT, p.boundary_uuid, subtype="compact_boundary"),
+                Message.user(p.summary, uuid=p.summary_uuid, is_compact_summary=True),
+            ]
 
 
 class Autocompact:
-    """PASS-THROUGH until a real strategy lands: returns the input list itself, unchanged."""
+    """Stage: near the window limit, summarise all but the latest request and what follows it.
+
+    - Size: the token tracker's estimate minus ``ctx.report.tokens_freed``. Right after a
+      compaction the last response's usage counted the uncompacted conversation, so until a
+      new response arrives the projection is estimated from its content alone.
+    - ``summarizer``: any object with ``async summarize(wire_messages) -> str`` (see
+      ``pipeline.summarizer``); it gets the span in wire form (``to_api``). Without one the
+      stage never compacts but still warns and blocks. On "prompt too long" the oldest rounds
+      are dropped from the request (a previous summary is kept), at most ``max_retries`` times.
+    - A summary is discarded when empty or not smaller, in the token tracker's estimate (the
+      one the thresholds use), than the span it replaces. Errors and discards count as
+      failures; after ``max_failures`` in a row the session stops trying (``circuit_open``);
+      a success resets the count.
+    - ``block``: raise :class:`ContextWindowExceeded` when the size is still at the blocking
+      limit after this pass (compaction impossible or failed); never while context collapse
+      has suppressed this stage.
+    - Every pass emits one ``autocompact.decision`` span with a reason code; never content.
+    """
 
     name = "autocompact"
     may_break_cache = True
-    implemented = False
+    strategy = "summarize"
 
-    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        return messages
+    def __init__(
+        self,
+        summarizer: Summarizer | None = None,
+        *,
+        context_window: int = 200_000,
+        max_output_tokens: int = 32_000,
+        buffer_tokens: int = 13_000,
+        max_failures: int = 3,
+        max_retries: int = 3,
+        block: bool = True,
+    ) -> None:
+        ints = {
+            "context_window": (context_window, 1),
+            "max_output_tokens": (max_output_tokens, 0),
+            "buffer_tokens": (buffer_tokens, BLOCKING_BUFFER),  # compact before blocking
+            "max_failures": (max_failures, 1),
+            "max_retries": (max_retries, 0),
+        }
+        for arg, (value, low) in ints.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+        if not isinstance(block, bool):
+            raise ValueError(f"block must be a bool, got {block!r}")
+        if summarizer is not None and not callable(getattr(summarizer, "summarize", None)):
+            raise TypeError(f"summarizer must have an async summarize() method: {summarizer!r}")
+        effective = context_window - min(max_output_tokens, MAX_OUTPUT_RESERVE)
+        compact = effective - buffer_tokens
+        if compact <= 0:
+            raise ValueError(f"context_window {context_window} leaves no room to compact")
+        warning = max(0, compact - WARNING_BUFFER)
+        self.thresholds = Thresholds(effective, compact, warning, effective - BLOCKING_BUFFER)
+        self.summarizer = summarizer
+        self.max_failures = max_failures
+        self.max_retries = max_retries
+        self.block = block
 
     def __repr__(self) -> str:
-        return "Autocompact()"
+        return f"Autocompact(summarizer={self.summarizer!r}, thresholds={self.thresholds})"
+
+    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+        st = self._state(ctx)
+        view = self._project(messages, st, ctx)
+        size = before = self._size(view, st, ctx)
+        th = self.thresholds
+        suppressed = ctx.report.suppress_autocompact
+        decision, extra = "keep", dict[str, str | int]()
+        if suppressed:
+            decision, reason = "skip", "suppressed_by_collapse"
+        elif size < th.warning:
+            reason = "reapplied" if view is not messages else "below_warning"
+        elif size < th.compact:
+            decision, reason = "warn", "warning"
+        elif self.summarizer is None:
+            decision, reason = "skip", "no_summarizer"
+        elif st.failures >= self.max_failures:
+            decision, reason = "skip", "circuit_open"
+        else:
+            decision, reason, extra = await self._compact(view, st, ctx, self.summarizer)
+            if decision == "compact":
+                view = self._project(messages, st, ctx)
+                size = self._size(view, st, ctx)
+        blocked = self.block and not suppressed and size >= th.blocking
+        if blocked:
+            extra["cause"] = reason
+            decision, reason = "block", "blocked"
+        emit_decision(
+            ctx.tracer,
+            self.name,
+            conversation_id=ctx.session_id,
+            decision=decision,
+            reason=reason,
+            tokens_before=before,
+            tokens_after=size,
+            threshold=th.compact,
+            warning=th.warning,
+            blocking=th.blocking,
+            reapplied=view is not messages,
+            failures=st.failures,
+            **extra,
+        )
+        if decision != "keep":
+            ctx.logger.info("autocompact.decision", decision=decision, reason=reason, tokens=size)
+        if blocked:
+            raise ContextWindowExceeded(size, th.blocking)
+        return view
+
+    # -- state and projection ----------------------------------------------------------------
+    def _state(self, ctx: SessionContext) -> _State:
+        st = ctx.stage_state.get(self.name)
+        if not isinstance(st, _State):
+            st = _State()
+            for data in reversed(ctx.records_for(self.name)):  # a resumed session: latest wins
+                p = _Projection.from_record(data)
+                if p is not None:
+                    st.adopt(p)
+                    break
+            ctx.stage_state[self.name] = st
+        return st
+
+    def _project(self, messages: list[Message], st: _State, ctx: SessionContext) -> list[Message]:
+        """``[boundary, summary, *kept tail]``; the input itself when nothing is compacted."""
+        p = st.projection
+        if p is None:
+            return messages
+        uuids = [m.uuid for m in messages]
+        if p.first_kept_uuid in uuids:
+            return [*st.head, *messages[uuids.index(p.first_kept_uuid) :]]
+        if p.last_summarized_uuid in uuids:  # the kept head was removed by an earlier stage
+            return [*st.head, *messages[uuids.index(p.last_summarized_uuid) + 1 :]]
+        # neither end of the cut is left: the projection cannot be placed; send what there is
+        ctx.logger.warning("autocompact.projection_lost")
+        st.adopt(None)
+        return messages
+
+    def _size(self, view: list[Message], st: _State, ctx: SessionContext) -> int:
+        anchor = find_anchor(view)
+        p = st.projection
+        if p is not None and (anchor is None or view[anchor[0]].uuid == p.anchor_uuid):
+            # that usage counted the conversation before compaction: price the projection itself
+            return ctx.token_tracker.estimate(_without_usage(view))
+        return max(0, ctx.token_tracker.estimate(view) - ctx.report.tokens_freed)
+
+    # -- compaction --------------------------------------------------------------------------
+    async def _compact(
+        self, view: list[Message], st: _State, ctx: SessionContext, summarizer: Summarizer
+    ) -> tuple[str, str, dict[str, str | int]]:
+        start = _wire_start(view)
+        cuts = _safe_cuts(view, start)
+        limit = _latest_request(view, start)
+        limit = len(view) - 1 if limit is None else limit
+        real = [i for i in range(start, limit) if _summarisable(view[i])]
+        # summarise something besides a previous summary; keep the latest request
+        usable = [c for c in cuts if real and real[0] < c <= limit]
+        if not usable:
+            return "skip", "nothing_to_summarize", {}
+        cut = usable[-1]
+        span = view[start:cut]
+        from pipeline.summarizer import SummaryPromptTooLong  # imports the SDK: only when used
+
+        try:
+            text, retries = await self._summarize(summarizer, view, start, cut, cuts)
+        except Exception as exc:  # a failed summary must never fail the turn
+            st.failures += 1
+            reason = (
+                "prompt_too_long" if isinstance(exc, SummaryPromptTooLong) else "summary_failed"
+            )
+            return "fail", reason, {"error": type(exc).__name__}
+        summary = SUMMARY_PREFIX + text.strip()
+        # in the tracker's units, both priced alike (no anchor): the summary must save something
+        replaced = ctx.token_tracker.estimate(_without_usage(span))
+        if not text.strip() or ctx.token_tracker.estimate([Message.user(summary)]) >= replaced:
+            st.failures += 1
+            return "discard", "summary_larger" if text.strip() else "summary_empty", {}
+        anchor = find_anchor(view)
+        p = _Projection(
+            summary=summary,
+            first_kept_uuid=view[cut].uuid,
+            last_summarized_uuid=view[cut - 1].uuid,
+            anchor_uuid=view[anchor[0]].uuid if anchor is not None else None,
+            boundary_uuid=new_uuid(),
+            summary_uuid=new_uuid(),
+        )
+        st.adopt(p)
+        st.failures = 0
+        try:
+            await anyio.to_thread.run_sync(ctx.record, self.name, dataclasses.asdict(p))
+        except OSError as exc:  # the projection stands for this process; only resume loses it
+            ctx.logger.error("autocompact.record_write_failed", error=type(exc).__name__)
+        reason = "prompt_too_long_retry" if retries else "compacted"
+        return "compact", reason, {"retries": retries, "summarized_tokens": replaced}
+
+    async def _summarize(
+        self, summarizer: Summarizer, view: list[Message], start: int, cut: int, cuts: list[int]
+    ) -> tuple[str, int]:
+        """The summary of ``view[start:cut]``, and how many "prompt too long" retries it took.
+
+        Each retry drops the oldest rounds; a previous summary at the head is kept, as it stands
+        for everything older still.
+        """
+        from pipeline.summarizer import SummaryError, SummaryPromptTooLong
+
+        head = view[start : start + 1] if view[start].is_compact_summary else []
+        begin = start + len(head)
+        for retry in range(self.max_retries + 1):
+            wire = to_api([*head, *view[begin:cut]])
+            if wire and wire[0]["role"] == "assistant":
+                wire.insert(0, cast("MessageParam", {"role": "user", "content": RETRY_MARKER}))
+            try:
+                text = await summarizer.summarize(wire)
+            except SummaryPromptTooLong:
+                later = [c for c in cuts if begin < c < cut]
+                if retry == self.max_retries or not later:
+                    raise
+                # drop at least one round, a fifth of what is left (reference: 20%)
+                begin = later[max(1, len(later) // 5) - 1]
+                continue
+            if not isinstance(text, str):
+                raise SummaryError(f"summarizer returned {type(text).__name__}, not str")
+            return text, retry
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _without_usage(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` with no usage: the tracker then estimates every message (no anchor)."""
+    return [dataclasses.replace(m, usage=None) if m.usage is not None else m for m in messages]
+
+
+def _summarisable(m: Message) -> bool:
+    return m.type in ("user", "assistant") and not m.is_compact_summary
+
+
+def _wire_start(view: Sequence[Message]) -> int:
+    """First index the API sees: after the last compact boundary (as ``to_api`` slices)."""
+    for i in range(len(view) - 1, -1, -1):
+        if view[i].is_compact_boundary:
+            return i + 1
+        if view[i].type == "user" and view[i].is_compact_summary:
+            return i
+    return 0
+
+
+def _latest_request(view: Sequence[Message], start: int) -> int | None:
+    """Index of the last user message that is a request: not only tool_results, not meta."""
+    for i in range(len(view) - 1, start - 1, -1):
+        m = view[i]
+        if m.type != "user" or m.is_compact_summary or m.is_meta:
+            continue
+        if any(b.get("type") != "tool_result" for b in m.blocks):
+            return i
+    return None
+
+
+def _safe_cuts(view: Sequence[Message], start: int) -> list[int]:
+    """Indices ``i`` in ``(start, len)`` where ``view[:i]`` / ``view[i:]`` splits no API round.
+
+    A cut may not fall between a tool_use and its tool_result, nor between two fragments of
+    one response (``to_api`` merges them), and only before a user or assistant message.
+    """
+    last: dict[str, int] = {}  # where each tool id / response id is seen for the last time
+    for i in range(start, len(view)):
+        for key in _round_keys(view[i]):
+            last[key] = i
+    cuts: list[int] = []
+    reach = -1  # the furthest index that something opened before i still needs
+    for i in range(start, len(view)):
+        if start < i and reach < i and view[i].type in ("user", "assistant"):
+            cuts.append(i)
+        reach = max([reach, *(last[key] for key in _round_keys(view[i]))])
+    return cuts
+
+
+def _round_keys(m: Message) -> list[str]:
+    """The ids that tie ``m`` to other messages of its round."""
+    if m.type not in ("user", "assistant"):
+        return []
+    keys = [f"r:{m.message_id}"] if m.type == "assistant" and m.message_id is not None else []
+    for b in m.blocks:
+        ref = b.get("id") if b.get("type") == "tool_use" else b.get("tool_use_id")
+        if b.get("type") in ("tool_use", "tool_result") and isinstance(ref, str):
+            keys.append(f"t:{ref}")
+    return keys
