@@ -12,6 +12,7 @@ import dataclasses
 import uuid as _uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
@@ -29,6 +30,7 @@ __all__ = [
     "check_pairing",
     "ensure_paired",
     "new_uuid",
+    "now_timestamp",
     "to_api",
 ]
 
@@ -84,6 +86,11 @@ class Usage:
     def to_mapping(self) -> dict[str, int]:
         """The API's ``usage`` shape."""
         return dataclasses.asdict(self)
+
+
+def now_timestamp() -> str:
+    """The current UTC time as transcripts write it (ISO 8601, milliseconds, ``Z``)."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def new_uuid() -> str:

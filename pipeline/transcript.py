@@ -13,11 +13,10 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.messages import Block, Content, Message, Usage, new_uuid
+from pipeline.messages import Block, Content, Message, Usage, new_uuid, now_timestamp
 from pipeline.replacement import ReplacementRecord
 
 __all__ = [
@@ -230,10 +229,6 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
 # --------------------------------------------------------------------------------------------
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
 def message_to_record(
     m: Message, *, session_id: str, parent_uuid: str | None, agent_id: str | None = None
 ) -> dict[str, Any]:
@@ -244,7 +239,7 @@ def message_to_record(
         "type": m.type,
         "sessionId": session_id,
         "uuid": m.uuid,
-        "timestamp": m.timestamp or _now(),
+        "timestamp": m.timestamp or now_timestamp(),
     }
     if agent_id is not None:
         rec["agentId"] = agent_id
