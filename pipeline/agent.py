@@ -25,10 +25,11 @@ from opentelemetry.trace import Status, StatusCode
 from pipeline.context import PassReport, SessionContext
 from pipeline.core import Pipeline
 from pipeline.gate import gate_tool_result
-from pipeline.messages import Block, Message, Usage, ensure_paired, to_api
+from pipeline.messages import Block, Message, Usage, ensure_paired, now_timestamp, to_api
 from pipeline.readback import PersistedOutputReader
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore
+from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
@@ -217,6 +218,8 @@ class Agent:
             loaded.session_id,
             root,
             replacement_state=state,
+            # the calibration saved with the session: a resumed session does not start cold
+            token_tracker=TokenTracker.load(calibration_path_for(root, loaded.session_id)),
             transcript=TranscriptWriter(transcript_path, loaded.session_id),
             stage_records=loaded.stage_records,
         )
@@ -225,7 +228,8 @@ class Agent:
         missing = agent._unanswered_tool_uses()
         if missing:
             repair = Message.user(
-                [
+                timestamp=now_timestamp(),
+                content=[
                     {
                         "type": "tool_result",
                         "tool_use_id": tid,
@@ -233,7 +237,7 @@ class Agent:
                         "is_error": True,
                     }
                     for tid in missing
-                ]
+                ],
             )
             agent.history.append(repair)
             if ctx.transcript is not None:
@@ -259,7 +263,7 @@ class Agent:
     async def run(self, prompt: str | None = None) -> AgentResult:
         """Add ``prompt`` (if any) and loop until ``end_turn``, ``max_turns`` or cancellation."""
         if prompt is not None:
-            await self._record([Message.user(prompt)])
+            await self._record([Message.user(prompt, timestamp=now_timestamp())])
         stop_reason = "max_turns"
         text = ""
         turns = 0
@@ -292,7 +296,6 @@ class Agent:
             record_exception=False,  # exception text may quote content: status set by hand
             set_status_on_exception=False,
         ) as span:
-            before = list(self.history)
             projected = await self.pipeline.run(self.history, ctx)
             request = to_api(projected)
             ensure_paired(request)
@@ -326,8 +329,15 @@ class Agent:
                 usage=usage,
                 model=response.model,
                 stop_reason=response.stop_reason,
+                timestamp=now_timestamp(),  # the idle-gap triggers read these
             )
-            ctx.token_tracker.observe(before, usage)
+            # the usage is of the request as sent (projected), not of the raw history
+            ctx.token_tracker.observe(
+                projected, usage, model=response.model, tokens_freed=report.tokens_freed
+            )
+            if ctx.transcript is not None:  # resumable: keep the calibration with the session
+                path = calibration_path_for(ctx.root, ctx.session_id, ctx.agent_id)
+                await anyio.to_thread.run_sync(ctx.token_tracker.save, path)
             span.set_attribute("gen_ai.response.id", response.id)
             span.set_attribute("gen_ai.usage.input_tokens", usage.input_side)
             span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
@@ -375,7 +385,7 @@ class Agent:
                 for tu in tool_uses
             ]
             with anyio.CancelScope(shield=True):
-                await self._record([Message.user(blocks)])
+                await self._record([Message.user(blocks, timestamp=now_timestamp())])
 
     async def _run_one(
         self, tool_use: Block, done: dict[str, Block], gated_log: list[GatedResult]

@@ -26,7 +26,6 @@ import anyio
 import structlog
 from opentelemetry import trace
 
-import stages
 from pipeline import demo
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline, StageError
@@ -41,6 +40,7 @@ from pipeline.storage import TOOL_RESULTS_SUBDIR, validate_session_id
 from pipeline.telemetry import TelemetrySetupError, configure_logging, setup_tracing
 from pipeline.tracing import ATTR, SPAN_REPLAY, get_logger, get_tracer
 from pipeline.transcript import Transcript, TranscriptError, TranscriptWriter, load_transcript
+from stages import registry as stage_registry
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -74,6 +74,22 @@ class ReplayOptions:
     progress: bool | None = None
     """None: shown when stderr is a terminal."""
     console_spans: bool = False
+    stage_specs: tuple[str, ...] = ()
+    """``SLOT=STRATEGY[:k=v...]`` choices applied to the default pipeline."""
+
+    def pipeline(self) -> Pipeline:
+        """The pipeline these options describe (the default one, with ``--stage`` choices)."""
+        config = {}
+        for spec in self.stage_specs:
+            try:
+                slot, _, _ = stage_registry.parse_stage_spec(spec)
+            except ValueError as exc:
+                raise CliError(f"--stage: {exc}") from None
+            config[slot] = spec.partition("=")[2]
+        try:
+            return stage_registry.build_pipeline(config, per_message_chars=self.per_message_chars)
+        except ValueError as exc:
+            raise CliError(f"--stage: {exc}") from None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplayOptions:
@@ -86,6 +102,7 @@ class ReplayOptions:
             dump_requests=args.dump_requests,
             progress=args.progress,
             console_spans=args.console_spans,
+            stage_specs=tuple(getattr(args, "stage", None) or ()),
         )
 
 
@@ -143,6 +160,13 @@ def _add_replay_options(p: argparse.ArgumentParser) -> None:
         "apply (Bash 30000, Grep 20000, ...) and Read is never persisted",
     )
     budget.add_argument("--store", type=Path, metavar="DIR", help=_STORE_HELP)
+    budget.add_argument(
+        "--stage",
+        action="append",
+        metavar="SLOT=STRATEGY[:k=v...]",
+        help="choose a strategy for a stage slot, e.g. microcompact=clear-oldest:keep=5 or "
+        "history_snip=off (repeatable)",
+    )
 
     out = p.add_argument_group("output")
     out.add_argument(
@@ -207,6 +231,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip malformed lines (listed on stderr) instead of failing on the first",
     )
     _add_replay_options(replay)
+    compare = replay.add_argument_group("comparing pipelines")
+    compare.add_argument(
+        "--compare",
+        metavar="A,B,...",
+        help="replay under several pipelines and print a cost table instead: built-in "
+        f"{', '.join(stage_registry.COMPARISON_POINTS)}, or SLOT=STRATEGY[:k=v] for the "
+        "default pipeline with that change",
+    )
+    compare.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="with --compare: draw request size per call"
+    )
+    compare.add_argument(
+        "--prices",
+        type=Path,
+        metavar="FILE.json",
+        help='with --compare: price table {"sonnet": {"input": 3, "output": 15}, ...}',
+    )
     replay.set_defaults(handler=_cmd_replay)
 
     demo_p = sub.add_parser(
@@ -403,7 +444,7 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
         tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
         tracer=tracer,
     )
-    pipe = Pipeline(stages.default_stages(per_message_chars=options.per_message_chars))
+    pipe = options.pipeline()
     summary = ReplaySummary(session_id, store, options.per_message_chars, options.per_tool_chars)
     results_dir = store / session_id / TOOL_RESULTS_SUBDIR
     output: Output = (
@@ -419,6 +460,56 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
         progress.clear()
         raise CliError(f"{transcript.path}: call {summary.calls}: {exc}", EXIT_FAILED) from None
     log.info("replay.done", calls=summary.calls, persisted=summary.persisted)
+    return EXIT_OK
+
+
+def run_compare(
+    transcript: Transcript,
+    args: argparse.Namespace,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+) -> int:
+    """``replay --compare``: one table row per pipeline."""
+    from pipeline import compare
+
+    pipelines: dict[str, Pipeline] = {}
+    for name in (n.strip() for n in args.compare.split(",") if n.strip()):
+        try:
+            if "=" in name:
+                with_change = dataclasses.replace(options, stage_specs=(name,))
+                pipelines[name] = with_change.pipeline()
+            else:
+                pipelines[name] = stage_registry.comparison_pipeline(
+                    name, per_message_chars=options.per_message_chars
+                )
+        except ValueError as exc:
+            raise CliError(f"--compare: {exc}") from None
+    try:
+        prices = compare.load_prices(args.prices) if args.prices else compare.PRICES
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--prices: {exc}") from None
+    store = _store_root(options)
+    session_id = session_id_for(transcript)
+    policies = ToolPolicies.claude_code(cap=options.per_tool_chars)
+
+    def context(name: str) -> SessionContext:
+        root = store / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        return SessionContext(session_id, root, tool_policies=policies, tracer=tracer)
+
+    runs = anyio.run(
+        lambda: compare.compare_pipelines(transcript.messages, pipelines, context, prices=prices)
+    )
+    if options.json:
+        for run in runs:
+            print(json.dumps({"compare": run.row()}))
+    else:
+        print(f"{transcript.path.name}: {runs[0].calls if runs else 0} calls")
+        print(compare.format_table(runs))
+    if args.plot is not None:
+        try:
+            compare.plot_sizes(runs, args.plot, title=transcript.path.name)
+        except RuntimeError as exc:
+            raise CliError(str(exc)) from None
     return EXIT_OK
 
 
@@ -451,6 +542,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     def go(tracer: trace.Tracer | None, _provider: TracerProvider | None) -> int:
         transcript = load(args.transcript, lenient=args.lenient)
+        if args.compare:
+            return run_compare(transcript, args, options, tracer)
         return run_replay(transcript, options, tracer)
 
     return _with_tracing(args, go)
@@ -495,7 +588,7 @@ def run_live_demo(
         tracer=tracer,
         transcript=TranscriptWriter(transcript_path, session.session_id),
     )
-    pipe = Pipeline(stages.default_stages(per_message_chars=options.per_message_chars))
+    pipe = options.pipeline()
     summary = ReplaySummary(
         session.session_id, ctx.root, options.per_message_chars, options.per_tool_chars
     )
@@ -563,7 +656,7 @@ def run_agent(
         client = anthropic.AsyncAnthropic(open_telemetry=telemetry, max_retries=args.max_retries)
     except anthropic.AnthropicError as exc:
         raise CliError(f"cannot create the API client: {exc}") from None
-    pipe = Pipeline(stages.default_stages(per_message_chars=options.per_message_chars))
+    pipe = options.pipeline()
     policies = ToolPolicies(cap=options.per_tool_chars)
 
     def report(log: TurnLog) -> None:

@@ -250,14 +250,15 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
 
     The input is not modified; the output shares block dicts with it (do not mutate them).
     """
-    out: list[_WireEntry] = []
+    wire = _Wire()
+    out = wire.entries
     for m in messages[_start_after_last_boundary(messages) :]:
         if m.type == "progress":
             continue
         if m.type == "system" and m.subtype != "local_command":
             continue
         if m.type == "assistant":
-            _add_assistant(out, m)
+            wire.add_assistant(m)
             continue
         # user, attachment, local_command: all become user content
         blocks = _user_blocks(m)
@@ -270,23 +271,55 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
             prev.merged = True
         else:
             raw = m.content if isinstance(m.content, str) and m.type == "user" else None
-            out.append(_WireEntry("user", _hoist_tool_results(blocks), raw))
+            wire.append(_WireEntry("user", _hoist_tool_results(blocks), raw))
     return [_entry_to_param(e) for e in out]
 
 
-def _add_assistant(out: list[_WireEntry], m: Message) -> None:
-    if m.message_id is not None:
-        for i in range(len(out) - 1, -1, -1):
-            entry = out[i]
-            if entry.role == "assistant":
-                if entry.message_id == m.message_id:
+class _Wire:
+    """The wire entries being built, indexed so that a fragment finds its response in O(1).
+
+    A fragment walks back from the end past other-id assistant entries and tool_result-only
+    user entries, and merges into the first entry of its own id it meets. Walking costs the
+    length of the history for every response once prompts are rare (an agent's tool loop is
+    one long run of exactly those entries), which made ``to_api`` quadratic. The same answer in
+    O(1): the walk reaches the latest entry of the fragment's id unless a user entry that is
+    not tool_result-only (a barrier) lies after it. Only the last entry ever changes (user
+    records merge into ``entries[-1]``; fragments only into assistant entries), so whether an
+    earlier entry is a barrier is settled when the next entry is appended.
+    """
+
+    __slots__ = ("barrier", "entries", "latest")
+
+    def __init__(self) -> None:
+        self.entries: list[_WireEntry] = []
+        self.latest: dict[str, int] = {}
+        """response id -> index of the latest assistant entry of that id."""
+        self.barrier = -1
+        """Index of the last barrier among the entries before ``entries[-1]``."""
+
+    def append(self, entry: _WireEntry) -> None:
+        out = self.entries
+        if out and out[-1].role == "user" and not _is_tool_result_only(out[-1]):
+            self.barrier = len(out) - 1
+        if entry.role == "assistant" and entry.message_id is not None:
+            self.latest[entry.message_id] = len(out)
+        out.append(entry)
+
+    def add_assistant(self, m: Message) -> None:
+        if m.message_id is not None:
+            i = self.latest.get(m.message_id)
+            if i is not None:
+                out = self.entries
+                last = out[-1]
+                blocked = self.barrier > i or (
+                    last.role == "user" and len(out) - 1 > i and not _is_tool_result_only(last)
+                )
+                if not blocked:
+                    entry = out[i]
                     entry.blocks = [*entry.blocks, *m.blocks]
                     entry.merged = True
                     return
-                continue
-            if not _is_tool_result_only(entry):
-                break
-    out.append(_WireEntry("assistant", list(m.blocks), None, m.message_id))
+        self.append(_WireEntry("assistant", list(m.blocks), None, m.message_id))
 
 
 def _entry_to_param(e: _WireEntry) -> MessageParam:

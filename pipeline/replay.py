@@ -2,7 +2,9 @@
 
 For each API call in the transcript (each distinct assistant response id, in order) the
 conversation as it stood just before that call is run through the pipeline with ONE session
-context carried across calls, then normalised to wire form.
+context carried across calls, then normalised to wire form. The call's recorded usage is then
+fed to the session's token tracker, as a live loop would, and to a reference tracker, so the
+replay measures both estimators on the recorded calls.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message, Usage, to_api
+from pipeline.tokens import Observation, TokenTracker
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
@@ -31,6 +34,8 @@ class Call:
     """Index of the response's first record: the call saw ``messages[:index]``."""
     usage: Usage | None
     """The response's usage (its last record's), None if no record carried any."""
+    model: str | None = None
+    """The model that served the call (its first record's)."""
 
 
 @dataclass(slots=True)
@@ -43,6 +48,10 @@ class CallResult:
     persisted: list[PersistedResult] = field(default_factory=list)
     reapplied: int = 0
     persist_failed: list[str] = field(default_factory=list)
+    observations: dict[str, Observation] = field(default_factory=dict)
+    """The recorded call's usage against each estimator (``"default"``: the session's tracker,
+    ``"reference"``: SPEC §4), each estimating the projected request before learning from it.
+    Not in the JSON line: the summary reports them."""
 
     @property
     def actual_tokens(self) -> int | None:
@@ -86,7 +95,7 @@ def find_calls(messages: Sequence[Message]) -> list[Call]:
         if m.usage is not None:
             usage[m.message_id] = m.usage
     return [
-        Call(number=n, message_id=mid, index=idx, usage=usage.get(mid))
+        Call(number=n, message_id=mid, index=idx, usage=usage.get(mid), model=messages[idx].model)
         for n, (mid, idx) in enumerate(sorted(first.items(), key=lambda kv: kv[1]))
     ]
 
@@ -125,12 +134,17 @@ def request_chars(request: Sequence[MessageParam]) -> int:
 async def replay_messages(
     messages: Sequence[Message], pipeline: Pipeline, ctx: SessionContext
 ) -> AsyncIterator[CallResult]:
-    """Yield, call by call, what ``pipeline`` would have sent for the recorded session."""
+    """Yield, call by call, what ``pipeline`` would have sent for the recorded session.
+
+    After each call the tracker of ``ctx`` observes the call's recorded usage, so its estimates
+    for the next calls (and the stages' decisions) use what a live loop would have learned.
+    """
+    reference = TokenTracker("reference")
     for call in find_calls(messages):
         before = list(messages[: call.index])
         projected = await pipeline.run(before, ctx)
         report = ctx.report
-        yield CallResult(
+        result = CallResult(
             call=call,
             request=to_api(projected),
             estimated_tokens=ctx.token_tracker.estimate(projected),
@@ -138,3 +152,13 @@ async def replay_messages(
             reapplied=report.reapplied,
             persist_failed=list(report.persist_failed),
         )
+        if call.usage is not None:
+            # as a live loop: the request as projected is what the usage is paired with (the
+            # recorded harness applied the same budget); a pass whose stages removed content
+            # the anchor's usage counted is neither learned from nor measured
+            freed = report.tokens_freed
+            result.observations = {
+                name: tracker.observe(projected, call.usage, model=call.model, tokens_freed=freed)
+                for name, tracker in (("default", ctx.token_tracker), ("reference", reference))
+            }
+        yield result

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from pipeline.calibration import UNDERCOUNT_TOLERANCE, ErrorStats, nearest_rank, rounded
 from pipeline.replay import CallResult
 
-__all__ = ["JsonOutput", "Output", "Progress", "ReplaySummary", "TableOutput"]
+__all__ = ["ESTIMATORS", "JsonOutput", "Output", "Progress", "ReplaySummary", "TableOutput"]
 
-UNDERCOUNT_TOLERANCE = 0.10
-
-
-def _nearest_rank(sorted_values: Sequence[float], q: float) -> float:
-    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+ESTIMATORS = ("default", "reference")
+"""The estimators a replay measures side by side (keys of ``CallResult.observations``)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -38,6 +35,11 @@ class ReplaySummary:
     calls_with_actual_tokens: int = 0
     relative_errors: list[float] = dataclasses.field(default_factory=list)
     """(estimated − actual) / actual, for calls whose actual count is known and > 0."""
+    part_pairs: dict[str, list[tuple[int, int]]] = dataclasses.field(
+        default_factory=lambda: {name: [] for name in ESTIMATORS}
+    )
+    """Per estimator: (estimated part, real growth since the anchor) of each call where the
+    growth is measurable (an anchor, no compaction since it, known usage)."""
 
     def add(self, result: CallResult, request_chars: int) -> None:
         """Count one call."""
@@ -52,6 +54,14 @@ class ReplaySummary:
             self.calls_with_actual_tokens += 1
             if actual > 0:
                 self.relative_errors.append((result.estimated_tokens - actual) / actual)
+        for name, obs in result.observations.items():
+            if obs.real_growth is not None:
+                self.part_pairs.setdefault(name, []).append((obs.estimated_part, obs.real_growth))
+
+    def part_errors(self, estimator: str) -> ErrorStats:
+        """Error of ``estimator``'s estimated part against the real growth since the anchor
+        (relative figures on calls that grew by >= 2,000 tokens)."""
+        return ErrorStats.from_pairs(self.part_pairs.get(estimator, []))
 
     @property
     def median_abs_error(self) -> float | None:
@@ -63,7 +73,7 @@ class ReplaySummary:
     def p95_abs_error(self) -> float | None:
         """95th percentile (nearest rank) of |estimated − actual| / actual."""
         errors = sorted(abs(e) for e in self.relative_errors)
-        return _nearest_rank(errors, 0.95) if errors else None
+        return nearest_rank(errors, 0.95) if errors else None
 
     @property
     def undercount_share(self) -> float | None:
@@ -75,10 +85,6 @@ class ReplaySummary:
 
     def to_json(self) -> dict[str, Any]:
         """The ``summary`` object of the final ``--json`` line."""
-
-        def rounded(x: float | None) -> float | None:
-            return None if x is None else round(x, 4)
-
         return {
             "session_id": self.session_id,
             "calls": self.calls,
@@ -91,6 +97,7 @@ class ReplaySummary:
             "abs_rel_error_median": rounded(self.median_abs_error),
             "abs_rel_error_p95": rounded(self.p95_abs_error),
             "undercount_gt_10pct_share": rounded(self.undercount_share),
+            "estimated_part": {name: self.part_errors(name).to_json() for name in ESTIMATORS},
             "per_message_chars": self.per_message_chars,
             "per_tool_chars": self.per_tool_chars,
             "store": str(self.store),
@@ -256,9 +263,41 @@ class TableOutput:
             )
         else:
             lines.append("token estimate vs API usage: no call with known usage")
+        lines += _part_lines(s)
         lines.append(
             f"limits: {s.per_message_chars:,} chars per message, {s.per_tool_chars:,} per tool"
         )
         lines.append(f"persisted results: {self.results_dir}")
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
+
+
+def _part_lines(s: ReplaySummary) -> list[str]:
+    """The estimated part (growth since the last response), default and reference side by side."""
+    stats = {name: s.part_errors(name) for name in ESTIMATORS}
+    first = stats[ESTIMATORS[0]]
+    if not first.calls:
+        return ["estimated part vs real growth since the last response: no call measured"]
+    lines = [
+        f"estimated part vs real growth since the last response ({first.calls} calls measured, "
+        f"{first.big_calls} grew by >= {first.min_growth:,} tokens):"
+    ]
+    width = max(len(name) for name in ESTIMATORS)
+    for name, st in stats.items():
+        tokens = (
+            f"all calls: median {_fmt_tokens(st.median_abs_tokens)}, "
+            f"p95 {_fmt_tokens(st.p95_abs_tokens)} tokens off"
+        )
+        if st.big_calls:
+            lines.append(
+                f"  {name.ljust(width)}: median |error| {_fmt_pct(st.median_abs)}, "
+                f"p95 {_fmt_pct(st.p95_abs)}, under-counted by >10% in {st.undercounted} "
+                f"({_fmt_pct(st.undercount_share)}); {tokens}"
+            )
+        else:
+            lines.append(f"  {name.ljust(width)}: {tokens}")
+    return lines
+
+
+def _fmt_tokens(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"

@@ -1,23 +1,392 @@
-"""The ``context_collapse`` stage slot: replaces spans of old messages with summaries (SPEC §5).
+"""The ``context_collapse`` stage: replaces spans of old rounds with summaries (SPEC §5).
 
-Not implemented yet: this is an explicit pass-through that returns its input unchanged, so the
-stage order is in place and a user can already swap in their own strategy by name.
+Strategy ``summarize-spans``, a read-time projection (the history is never edited). When the
+estimate reaches ``commit_fraction`` (90%) of ``context_window``, the oldest not-yet-collapsed
+whole rounds (a response, its tool_results, whatever follows up to the next response) go to a
+:class:`~pipeline.summarizer.Summarizer` in wire form: enough to reach ``target_fraction``, at
+most ``max_span_fraction`` of the window. Kept: the first user message (verbatim task), the round
+holding the latest prompt, the anchor's round and the last ``keep_recent_rounds``. Every pass
+replaces each committed span by one user text ``SUMMARY_HEADER + summary``: after a user part
+(to_api merges it there, after the tool_results) or between responses, then a response — roles
+alternate, no pair splits. Active commits set ``suppress_autocompact``; commits are recorded
+(``{"uuids", "summary", "anchor"}``) so a resumed session restores them.
+
+Decision span per pass: ``skip``/``reapplied`` × ``no_summarizer``/``below_trigger``/
+``nothing_collapsible``/``circuit_open`` (``max_failures`` failed or discarded summaries in a
+row: stop paying for them); ``committed``/``over_trigger``; ``summary_failed``/
+``prompt_too_long``/``summary_error``; ``discarded``/``empty_summary``/``summary_not_smaller``.
 """
 
 from __future__ import annotations
 
-from pipeline import Message, SessionContext
+import uuid as _uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio.to_thread
+
+from pipeline import Message, SessionContext, to_api
+from pipeline.summarizer import Summarizer, SummaryPromptTooLong
+from pipeline.tokens import find_anchor
+from pipeline.tracing import emit_decision
+
+__all__ = ["SUMMARY_HEADER", "ContextCollapse"]
+
+SUMMARY_HEADER = "[Summary of earlier conversation]\n"
+_SUMMARY_NAMESPACE = _uuid.UUID("0d9c1b4e-7f3a-4e2b-8c65-2a9e5d7f1b38")
+
+Price = Callable[[Sequence[Message]], int]
+"""Tokens of some messages' content, in the session tracker's units."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    uuids: tuple[str, ...]
+    summary: str
+    anchor: str | None  # usage anchor when committed: freed tokens count against its usage
+
+
+@dataclass(slots=True)
+class _CollapseState:
+    commits: list[_Commit] = field(default_factory=list)
+    failures: int = 0  # consecutive failed or discarded summaries
+    span_cap: int | None = None  # halved after a prompt-too-long reply
+
+
+def _thread_start(messages: Sequence[Message]) -> int:
+    """First index the API sees: records before the last compact boundary are never sent."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.is_compact_boundary:
+            return i + 1
+        if m.type == "user" and m.is_compact_summary:
+            return i
+    return 0
+
+
+def _safe_cuts(messages: Sequence[Message]) -> list[bool]:
+    """``ok[p]``: a cut between ``messages[p-1]`` and ``messages[p]`` splits no response (id)
+    and no tool_use/tool_result pair; ``ok`` has ``len(messages) + 1`` entries."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, m in enumerate(messages):
+        keys: list[str] = []
+        if m.type == "assistant":
+            if m.message_id is not None:
+                keys.append("r:" + m.message_id)
+            keys += ["t:" + str(b.get("id")) for b in m.blocks if b.get("type") == "tool_use"]
+        elif m.type == "user":
+            keys += [
+                "t:" + str(b.get("tool_use_id")) for b in m.blocks if b.get("type") == "tool_result"
+            ]
+        for k in keys:
+            first.setdefault(k, i)
+            last[k] = i
+    diff = [0] * (len(messages) + 2)
+    for k, a in first.items():
+        if last[k] > a:
+            diff[a + 1] += 1
+            diff[last[k] + 1] -= 1
+    ok, cover = [], 0
+    for p in range(len(messages) + 1):
+        cover += diff[p]
+        ok.append(cover == 0)
+    return ok
+
+
+def _rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[int, int]]:
+    """``[start, end)`` of every round after the prefix (the records before the first response)."""
+    n = len(messages)
+    cuts = [
+        p for p in range(_thread_start(messages), n) if ok[p] and messages[p].type == "assistant"
+    ]
+    bounds = [*cuts, n]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(cuts))]
+
+
+def _is_prompt(m: Message) -> bool:
+    """A human turn: a user record with something besides tool_results (injected ones excluded)."""
+    return (
+        m.type == "user" and not m.is_meta and any(b.get("type") != "tool_result" for b in m.blocks)
+    )
+
+
+def _protected_rounds(
+    messages: Sequence[Message], rounds: Sequence[tuple[int, int]], keep_recent: int
+) -> set[int]:
+    """Rounds that must stay: the latest ones, and those holding the first user message, the
+    latest prompt and the usage anchor (removing the anchor would move the estimate's base)."""
+    keep = set(range(max(0, len(rounds) - keep_recent), len(rounds)))
+    start = _thread_start(messages)
+    first_user = next((i for i in range(start, len(messages)) if messages[i].type == "user"), None)
+    prompt = next(
+        (i for i in range(len(messages) - 1, start - 1, -1) if _is_prompt(messages[i])), None
+    )
+    anchor = find_anchor(messages)
+    for idx in (first_user, prompt, anchor[0] if anchor else None):
+        if idx is not None:
+            keep.update(r for r, (s, e) in enumerate(rounds) if s <= idx < e)
+    return keep
+
+
+def _anchor_uuid(messages: Sequence[Message]) -> str | None:
+    anchor = find_anchor(messages)
+    return messages[anchor[0]].uuid if anchor else None
+
+
+def _priced_before(price: Price, messages: Sequence[Message], anchor: str | None) -> int:
+    """Tokens of what precedes the anchor: the part the anchor's usage counted."""
+    if anchor is None:
+        return 0
+    end = next((i for i, m in enumerate(messages) if m.uuid == anchor), len(messages))
+    return price(messages[:end])
+
+
+def _summary_message(commit: _Commit) -> Message:
+    uid = str(_uuid.uuid5(_SUMMARY_NAMESPACE, "context_collapse:" + commit.uuids[0]))
+    return Message.user(SUMMARY_HEADER + commit.summary, uuid=uid, is_meta=True)
+
+
+def _project(
+    messages: list[Message], commits: Sequence[_Commit], ok: Sequence[bool]
+) -> tuple[list[Message], int]:
+    """Each applicable commit's span replaced by its summary; the input list itself if none
+    applies. Returns the list and the number of commits applied.
+
+    A commit applies from its first to its last record still present, if that range is cut-safe,
+    follows the last compact boundary, overlaps no other commit and holds nothing else but
+    injected user text (a snip marker) or records the wire drops; otherwise the history changed
+    under it and the original shows.
+    """
+    where: dict[str, int] = {}
+    for i, m in enumerate(messages):
+        where.setdefault(m.uuid, i)
+    spans: list[tuple[int, int, _Commit]] = []
+    for c in commits:
+        found = [where[u] for u in c.uuids if u in where]
+        if found:
+            spans.append((min(found), max(found), c))
+    out: list[Message] = []
+    applied, pos = 0, _thread_start(messages)  # what precedes a compact boundary is not sent
+    out += messages[:pos]
+    for s, e, c in sorted(spans, key=lambda t: t[0]):
+        members = set(c.uuids)
+        inert = all(
+            m.uuid in members
+            or m.type == "progress"
+            or (m.type == "system" and m.subtype != "local_command")
+            or (m.type == "user" and m.is_meta and all(b.get("type") == "text" for b in m.blocks))
+            for m in messages[s : e + 1]
+        )
+        if s < pos or not (ok[s] and ok[e + 1] and inert):
+            continue
+        out += messages[pos:s]
+        out.append(_summary_message(c))
+        pos, applied = e + 1, applied + 1
+    if not applied:
+        return messages, 0
+    out += messages[pos:]
+    return out, applied
 
 
 class ContextCollapse:
-    """PASS-THROUGH until a real strategy lands: returns the input list itself, unchanged."""
+    """Stage: project summaries over spans of old rounds, committing near the window.
+
+    ``summarizer``: where summaries come from (``None``: never commits, and says so).
+    ``context_window`` (tokens, default 200,000); commit at ``commit_fraction`` (0.9) of it,
+    collapsing enough of the oldest rounds to reach ``target_fraction`` (0.6), at most
+    ``max_span_fraction`` (0.5) of the window per summary request; keep the last
+    ``keep_recent_rounds`` rounds (8); stop after ``max_failures`` (3) failures in a row.
+    """
 
     name = "context_collapse"
+    strategy = "summarize-spans"
     may_break_cache = True
-    implemented = False
+    implemented = True
 
-    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        return messages
+    def __init__(
+        self,
+        summarizer: Summarizer | None = None,
+        *,
+        context_window: int = 200_000,
+        commit_fraction: float = 0.9,
+        target_fraction: float = 0.6,
+        max_span_fraction: float = 0.5,
+        keep_recent_rounds: int = 8,
+        max_failures: int = 3,
+    ) -> None:
+        if summarizer is not None and not callable(getattr(summarizer, "summarize", None)):
+            raise ValueError(f"summarizer needs an async summarize(messages), got {summarizer!r}")
+        self.summarizer = summarizer
+        self.context_window = _int_arg("context_window", context_window)
+        self.commit_fraction = _fraction_arg("commit_fraction", commit_fraction)
+        self.target_fraction = _fraction_arg("target_fraction", target_fraction)
+        self.max_span_fraction = _fraction_arg("max_span_fraction", max_span_fraction)
+        self.keep_recent_rounds = _int_arg("keep_recent_rounds", keep_recent_rounds)
+        self.max_failures = _int_arg("max_failures", max_failures)
+        if not self.target_fraction < self.commit_fraction:
+            raise ValueError(
+                f"target_fraction ({target_fraction!r}) must be below commit_fraction "
+                f"({commit_fraction!r})"
+            )
+
+    @property
+    def commit_tokens(self) -> int:
+        """Commit a new collapse when the estimate reaches this many tokens."""
+        return int(self.context_window * self.commit_fraction)
 
     def __repr__(self) -> str:
-        return "ContextCollapse()"
+        return (
+            f"ContextCollapse(summarizer={self.summarizer!r}, "
+            f"context_window={self.context_window}, commit_fraction={self.commit_fraction}, "
+            f"target_fraction={self.target_fraction})"
+        )
+
+    def _state(self, ctx: SessionContext) -> _CollapseState:
+        state = ctx.stage_state.get(self.name)
+        if not isinstance(state, _CollapseState):
+            state = _CollapseState()
+            for data in ctx.records_for(self.name):  # resume: repeat every recorded commit
+                uuids, summary, anchor = data.get("uuids"), data.get("summary"), data.get("anchor")
+                if isinstance(uuids, list) and uuids and isinstance(summary, str):
+                    anchor = anchor if isinstance(anchor, str) else None
+                    state.commits.append(_Commit(tuple(map(str, uuids)), summary, anchor))
+            ctx.stage_state[self.name] = state
+        return state
+
+    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+        state = self._state(ctx)
+        price: Price = ctx.token_tracker.tokens_for_messages
+        ok = _safe_cuts(messages)
+        anchor = _anchor_uuid(messages)
+        out, active = _project(messages, state.commits, ok)
+        # commits made since the anchor's response are not in its usage (a retried pass)
+        older = [c for c in state.commits if anchor is None or c.anchor != anchor]
+        then = out if len(older) == len(state.commits) else _project(messages, older, ok)[0]
+        counted = _priced_before(price, then, anchor)
+        sent = counted if then is out else _priced_before(price, out, anchor)
+        before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - (counted - sent)
+
+        attrs: dict[str, int] = {}
+        decision = "reapplied" if active else "skip"
+        if self.summarizer is None:
+            reason = "no_summarizer"
+        elif before < self.commit_tokens:
+            reason = "below_trigger"
+        elif state.failures >= self.max_failures:
+            reason = "circuit_open"
+        elif not (span := self._select(messages, ok, state, before, price)):
+            reason = "nothing_collapsible"
+        else:
+            decision, reason, commit = await self._summarize(span, anchor, ctx, state, attrs, price)
+            if commit is not None:
+                await self._commit(ctx, state, commit)
+                out, active = _project(messages, state.commits, ok)
+                sent = _priced_before(price, out, anchor)
+
+        freed = counted - sent
+        ctx.report.tokens_freed += freed
+        if active:
+            ctx.report.suppress_autocompact = True
+        attrs.update(commits_active=active, commits_total=len(state.commits), tokens_freed=freed)
+        attrs.update(commit_tokens=self.commit_tokens, failures=state.failures)
+        ctx.report.notes[self.name] = dict(attrs)
+        emit_decision(
+            ctx.tracer,
+            self.name,
+            conversation_id=ctx.session_id,
+            decision=decision,
+            reason=reason,
+            tokens_before=before,
+            tokens_after=ctx.token_tracker.estimate(out) - ctx.report.tokens_freed,
+            strategy=self.strategy,
+            **attrs,
+        )
+        return out
+
+    def _select(
+        self,
+        messages: list[Message],
+        ok: Sequence[bool],
+        state: _CollapseState,
+        before: int,
+        price: Price,
+    ) -> list[Message]:
+        """The oldest run of collapsible rounds covering the excess over the target, capped."""
+        rounds = _rounds(messages, ok)
+        keep = _protected_rounds(messages, rounds, self.keep_recent_rounds)
+        done = {u for c in state.commits for u in c.uuids}
+        cap = state.span_cap or int(self.context_window * self.max_span_fraction)
+        excess = before - int(self.context_window * self.target_fraction)
+        span: list[Message] = []
+        size = 0
+        for r, (s, e) in enumerate(rounds):
+            if r in keep or any(m.uuid in done for m in messages[s:e]):
+                if span:
+                    break  # a span is contiguous
+                continue
+            tokens = price(messages[s:e])
+            if span and (size + tokens > cap or size >= excess):
+                break
+            span += messages[s:e]
+            size += tokens
+        return span
+
+    async def _summarize(
+        self,
+        span: list[Message],
+        anchor: str | None,
+        ctx: SessionContext,
+        state: _CollapseState,
+        attrs: dict[str, int],
+        price: Price,
+    ) -> tuple[str, str, _Commit | None]:
+        """Ask for a summary of ``span``; a failure or a useless summary never fails the turn."""
+        assert self.summarizer is not None
+        span_tokens = price(span)
+        attrs.update(span_messages=len(span), span_tokens=span_tokens)
+        try:
+            text = (await self.summarizer.summarize(to_api(span))).strip()
+        except SummaryPromptTooLong:
+            state.failures += 1
+            state.span_cap = max(1, (state.span_cap or span_tokens) // 2)  # ask for less next time
+            return "summary_failed", "prompt_too_long", None
+        except Exception as exc:  # any summariser failure: the turn goes on uncollapsed
+            state.failures += 1
+            ctx.logger.warning("context_collapse.summary_failed", error=type(exc).__name__)
+            return "summary_failed", "summary_error", None
+        commit = _Commit(tuple(m.uuid for m in span), text, anchor)
+        summary_tokens = price([_summary_message(commit)])
+        attrs.update(summary_tokens=summary_tokens)
+        if not text or summary_tokens >= span_tokens:
+            state.failures += 1
+            return "discarded", "empty_summary" if not text else "summary_not_smaller", None
+        state.failures = 0
+        return "committed", "over_trigger", commit
+
+    async def _commit(self, ctx: SessionContext, state: _CollapseState, commit: _Commit) -> None:
+        state.commits.append(commit)
+        data = {
+            "strategy": self.strategy,
+            "uuids": list(commit.uuids),
+            "summary": commit.summary,
+            "anchor": commit.anchor,
+        }
+        try:
+            await anyio.to_thread.run_sync(ctx.record, self.name, data)
+        except OSError as exc:
+            # the commit stands (it is in the state); only a resume would lose it
+            ctx.logger.error("context_collapse_record_write_failed", error=type(exc).__name__)
+        ctx.logger.info("context_collapse.committed", messages=len(commit.uuids))
+
+
+def _int_arg(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _fraction_arg(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)

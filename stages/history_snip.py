@@ -1,23 +1,346 @@
-"""The ``history_snip`` stage slot: removes middle ranges of history by message id (SPEC §5).
+"""The ``history_snip`` stage: removes middle rounds of history by message uuid (SPEC §5).
 
-Not implemented yet: this is an explicit pass-through that returns its input unchanged, so the
-stage order is in place and a user can already swap in their own strategy by name.
+Strategy ``snip-middle``. When the estimate reaches ``trigger_fraction`` of ``context_window``,
+whole API rounds go, oldest first, until it is down to ``target_fraction``. A round is one
+response (all fragments of its id) and everything up to the next: its tool_results, progress and
+system records, a new prompt; cuts are made only where no response and no tool pair straddles
+them. Kept: the first user message, the round holding the latest prompt, the anchor's round and
+the last ``keep_recent_rounds``. Each removed run becomes one user text (:func:`snip_marker_text`):
+the model learns history is missing, and the wire alternates whatever borders the run; its text
+and uuid depend only on the run. Removals are cumulative, re-applied on every pass, and recorded
+(``{"removed": [new uuids], "anchor": ...}``) so a resumed session restores them.
+
+Decision span per pass: ``skip``/``reapplied`` × ``below_trigger``/``nothing_removable``, or
+``snipped``/``over_trigger``.
 """
 
 from __future__ import annotations
 
+import uuid as _uuid
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import anyio.to_thread
+
 from pipeline import Message, SessionContext
+from pipeline.tokens import find_anchor
+from pipeline.tracing import emit_decision
+
+__all__ = ["HistorySnip", "snip_marker_text"]
+
+Price = Callable[[Sequence[Message]], int]
+"""Tokens of some messages' content, in the session tracker's units."""
+
+_MARKER_NAMESPACE = _uuid.UUID("5f0c8f2e-3b7a-4c59-9a57-68e1b2d4c701")
+
+
+def snip_marker_text(removed_messages: int) -> str:
+    """The user text that stands in for a run of removed messages."""
+    return (
+        f"[History snipped: {removed_messages} earlier messages were removed here to free context.]"
+    )
+
+
+def _marker(removed_messages: int, first_uuid: str) -> Message:
+    uid = str(_uuid.uuid5(_MARKER_NAMESPACE, "history_snip:" + first_uuid))
+    return Message.user(snip_marker_text(removed_messages), uuid=uid, is_meta=True)
+
+
+@dataclass(slots=True)
+class _SnipState:
+    removed: dict[str, str | None] = field(default_factory=dict)
+    """Removed uuid -> uuid of the usage anchor when it was removed (insertion ordered)."""
+
+
+def _thread_start(messages: Sequence[Message]) -> int:
+    """First index the API sees: records before the last compact boundary are never sent."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.is_compact_boundary:
+            return i + 1
+        if m.type == "user" and m.is_compact_summary:
+            return i
+    return 0
+
+
+def _safe_cuts(messages: Sequence[Message]) -> list[bool]:
+    """``ok[p]``: a cut between ``messages[p-1]`` and ``messages[p]`` splits no response (id)
+    and no tool_use/tool_result pair; ``ok`` has ``len(messages) + 1`` entries."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, m in enumerate(messages):
+        keys: list[str] = []
+        if m.type == "assistant":
+            if m.message_id is not None:
+                keys.append("r:" + m.message_id)
+            keys += ["t:" + str(b.get("id")) for b in m.blocks if b.get("type") == "tool_use"]
+        elif m.type == "user":
+            keys += [
+                "t:" + str(b.get("tool_use_id")) for b in m.blocks if b.get("type") == "tool_result"
+            ]
+        for k in keys:
+            first.setdefault(k, i)
+            last[k] = i
+    diff = [0] * (len(messages) + 2)
+    for k, a in first.items():
+        if last[k] > a:
+            diff[a + 1] += 1
+            diff[last[k] + 1] -= 1
+    ok, cover = [], 0
+    for p in range(len(messages) + 1):
+        cover += diff[p]
+        ok.append(cover == 0)
+    return ok
+
+
+def _rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[int, int]]:
+    """``[start, end)`` of every round after the prefix (the records before the first response)."""
+    n = len(messages)
+    cuts = [
+        p for p in range(_thread_start(messages), n) if ok[p] and messages[p].type == "assistant"
+    ]
+    bounds = [*cuts, n]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(cuts))]
+
+
+def _is_prompt(m: Message) -> bool:
+    """A human turn: a user record with something besides tool_results (injected ones excluded)."""
+    return (
+        m.type == "user" and not m.is_meta and any(b.get("type") != "tool_result" for b in m.blocks)
+    )
+
+
+def _protected_rounds(
+    messages: Sequence[Message], rounds: Sequence[tuple[int, int]], keep_recent: int
+) -> set[int]:
+    """Rounds that must stay: the latest ones, and those holding the first user message, the
+    latest prompt and the usage anchor (removing the anchor would move the estimate's base)."""
+    keep = set(range(max(0, len(rounds) - keep_recent), len(rounds)))
+    start = _thread_start(messages)
+    first_user = next((i for i in range(start, len(messages)) if messages[i].type == "user"), None)
+    prompt = next(
+        (i for i in range(len(messages) - 1, start - 1, -1) if _is_prompt(messages[i])), None
+    )
+    anchor = find_anchor(messages)
+    for idx in (first_user, prompt, anchor[0] if anchor else None):
+        if idx is not None:
+            keep.update(r for r, (s, e) in enumerate(rounds) if s <= idx < e)
+    return keep
+
+
+def _anchor_uuid(messages: Sequence[Message]) -> str | None:
+    anchor = find_anchor(messages)
+    return messages[anchor[0]].uuid if anchor else None
+
+
+def _priced_before(price: Price, messages: Sequence[Message], anchor: str | None) -> int:
+    """Tokens of what precedes the anchor: the part the anchor's usage counted."""
+    if anchor is None:
+        return 0
+    end = next((i for i, m in enumerate(messages) if m.uuid == anchor), len(messages))
+    return price(messages[:end])
+
+
+def _wire_messages(run: Sequence[Message]) -> int:
+    """How many API messages ``run`` makes (what to_api would merge it into), in one scan."""
+    count, role, responses = 0, "", set()
+    for m in run:
+        if m.type == "assistant":
+            if m.message_id is None or m.message_id not in responses:
+                count, role = count + 1, "assistant"  # a later fragment joins its response
+                responses.add(m.message_id)
+            continue
+        sent = m.type in ("user", "attachment") or m.subtype == "local_command"
+        if sent and m.blocks and role != "user":  # consecutive user records merge
+            count, role = count + 1, "user"
+    return count
+
+
+def _project(
+    messages: list[Message], removed: Collection[str], ok: Sequence[bool]
+) -> tuple[list[Message], int]:
+    """``messages`` without the removed records, a marker per removed run; the input list itself
+    when nothing is removed. Returns the list and how many records were removed. Records before
+    a compact boundary stay: they are not sent, so removing them would only fake freed tokens."""
+    if not removed:
+        return messages, 0
+    start = _thread_start(messages)
+    out: list[Message] = messages[:start]
+    dropped, i, n = 0, start, len(messages)
+    while i < n:
+        if messages[i].uuid not in removed:
+            out.append(messages[i])
+            i += 1
+            continue
+        j = i
+        while j < n and messages[j].uuid in removed:
+            j += 1
+        run = messages[i:j]
+        if not (ok[i] and ok[j]):
+            out += run  # the history changed under a recorded decision: keep, never break pairs
+        else:
+            dropped += len(run)
+            wire = _wire_messages(run)
+            if wire:
+                out.append(_marker(wire, run[0].uuid))
+        i = j
+    return (messages, 0) if dropped == 0 else (out, dropped)
 
 
 class HistorySnip:
-    """PASS-THROUGH until a real strategy lands: returns the input list itself, unchanged."""
+    """Stage: remove whole middle rounds of history when the context nears the window.
+
+    ``context_window`` (tokens, default 200,000); snip when the estimate reaches
+    ``trigger_fraction`` of it (default 0.8 = 160,000: under the reference autocompact threshold,
+    as the cheaper step should be, and far above ordinary sessions), down to ``target_fraction``
+    (0.6); always keep the last ``keep_recent_rounds`` API rounds (8).
+    """
 
     name = "history_snip"
+    strategy = "snip-middle"
     may_break_cache = True
-    implemented = False
+    implemented = True
 
-    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        return messages
+    def __init__(
+        self,
+        *,
+        context_window: int = 200_000,
+        trigger_fraction: float = 0.8,
+        target_fraction: float = 0.6,
+        keep_recent_rounds: int = 8,
+    ) -> None:
+        self.context_window = _int_arg("context_window", context_window)
+        self.trigger_fraction = _fraction_arg("trigger_fraction", trigger_fraction)
+        self.target_fraction = _fraction_arg("target_fraction", target_fraction)
+        self.keep_recent_rounds = _int_arg("keep_recent_rounds", keep_recent_rounds)
+        if not self.target_fraction < self.trigger_fraction:
+            raise ValueError(
+                f"target_fraction ({target_fraction!r}) must be below trigger_fraction "
+                f"({trigger_fraction!r})"
+            )
+
+    @property
+    def trigger_tokens(self) -> int:
+        """Snip when the estimate reaches this many tokens."""
+        return int(self.context_window * self.trigger_fraction)
+
+    @property
+    def target_tokens(self) -> int:
+        """Snip until the estimate is at most this many tokens."""
+        return int(self.context_window * self.target_fraction)
 
     def __repr__(self) -> str:
-        return "HistorySnip()"
+        return (
+            f"HistorySnip(context_window={self.context_window}, trigger_fraction="
+            f"{self.trigger_fraction}, target_fraction={self.target_fraction}, "
+            f"keep_recent_rounds={self.keep_recent_rounds})"
+        )
+
+    def _state(self, ctx: SessionContext) -> _SnipState:
+        state = ctx.stage_state.get(self.name)
+        if not isinstance(state, _SnipState):
+            state = _SnipState()
+            for data in ctx.records_for(self.name):  # resume: repeat every recorded removal
+                anchor = data.get("anchor")
+                for uid in data.get("removed") or ():
+                    if isinstance(uid, str):
+                        state.removed.setdefault(uid, anchor if isinstance(anchor, str) else None)
+            ctx.stage_state[self.name] = state
+        return state
+
+    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+        state = self._state(ctx)
+        price: Price = ctx.token_tracker.tokens_for_messages
+        ok = _safe_cuts(messages)
+        anchor = _anchor_uuid(messages)
+        out, reapplied = _project(messages, state.removed, ok)
+        # The request the anchor's usage counted lacked only removals made before that response;
+        # later ones (a retried pass, a crash before the call) are freed again against it.
+        since = {u for u, a in state.removed.items() if anchor is not None and a == anchor}
+        then = out if not since else _project(messages, state.removed.keys() - since, ok)[0]
+        counted = _priced_before(price, then, anchor)
+        sent = counted if then is out else _priced_before(price, out, anchor)
+        before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - (counted - sent)
+
+        decision = "reapplied" if reapplied else "skip"
+        reason, new = "below_trigger", []
+        if before >= self.trigger_tokens:
+            # a marker's own tokens come back, so cover them too
+            excess = before - self.target_tokens + price([_marker(10**6, "")])
+            new = self._select(messages, ok, state.removed.keys(), excess, price)
+            reason = "over_trigger" if new else "nothing_removable"
+        if new:
+            decision = "snipped"
+            state.removed.update(dict.fromkeys(new, anchor))
+            out, _ = _project(messages, state.removed, ok)
+            sent = _priced_before(price, out, anchor)
+            await self._record(ctx, new, anchor)
+        freed = counted - sent
+        ctx.report.tokens_freed += freed
+        facts = {
+            "removed_new": len(new),
+            "removed_total": len(state.removed),
+            "reapplied": reapplied,
+            "tokens_freed": freed,
+            "trigger_tokens": self.trigger_tokens,
+            "target_tokens": self.target_tokens,
+        }
+        ctx.report.notes[self.name] = facts
+        emit_decision(
+            ctx.tracer,
+            self.name,
+            conversation_id=ctx.session_id,
+            decision=decision,
+            reason=reason,
+            tokens_before=before,
+            tokens_after=ctx.token_tracker.estimate(out) - ctx.report.tokens_freed,
+            strategy=self.strategy,
+            **facts,
+        )
+        return out
+
+    def _select(
+        self,
+        messages: list[Message],
+        ok: Sequence[bool],
+        removed: Collection[str],
+        excess: int,
+        price: Price,
+    ) -> list[str]:
+        """uuids of the oldest removable rounds whose tokens cover ``excess``."""
+        rounds = _rounds(messages, ok)
+        keep = _protected_rounds(messages, rounds, self.keep_recent_rounds)
+        # a uuid that occurs twice would drop its twin elsewhere too: leave such rounds alone
+        twins = {u for u, c in Counter(m.uuid for m in messages).items() if c > 1}
+        chosen: list[str] = []
+        freed = 0
+        for r, (s, e) in enumerate(rounds):
+            if freed >= excess:
+                break
+            uids = [m.uuid for m in messages[s:e]]
+            if r not in keep and not any(u in removed or u in twins for u in uids):
+                chosen += uids
+                freed += price(messages[s:e])
+        return chosen
+
+    async def _record(self, ctx: SessionContext, new: list[str], anchor: str | None) -> None:
+        data = {"strategy": self.strategy, "removed": new, "anchor": anchor}
+        try:
+            await anyio.to_thread.run_sync(ctx.record, self.name, data)
+        except OSError as exc:
+            # the removal stands (it is in the state); only a resume would lose it
+            ctx.logger.error("history_snip_record_write_failed", error=type(exc).__name__)
+        ctx.logger.info("history_snip.snipped", removed=len(new))
+
+
+def _int_arg(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _fraction_arg(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)

@@ -49,6 +49,7 @@ SUMMARY_KEYS = {
     "abs_rel_error_median",
     "abs_rel_error_p95",
     "undercount_gt_10pct_share",
+    "estimated_part",
     "per_message_chars",
     "per_tool_chars",
     "store",
@@ -108,7 +109,15 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("demo")
     store, dumps, transcript = base / "store", base / "requests", base / "session.jsonl"
     proc = run_cli(
-        "demo", "--replay", "--json", "--store", store, "--dump-requests", dumps, "--out", transcript
+        "demo",
+        "--replay",
+        "--json",
+        "--store",
+        store,
+        "--dump-requests",
+        dumps,
+        "--out",
+        transcript,
     )
     assert proc.returncode == 0, proc.stderr
     calls, summary = parse_json_lines(proc.stdout)
@@ -352,7 +361,9 @@ def test_main_in_process_demo_json(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_progress_goes_to_stderr_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_main(capsys, "demo", "--replay", "--json", "--progress", "--store", tmp_path)
+    code, out, err = run_main(
+        capsys, "demo", "--replay", "--json", "--progress", "--store", tmp_path
+    )
     assert code == 0, err
     assert "replaying [" in err and "5/5 calls" in err
     assert "replaying" not in out

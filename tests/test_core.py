@@ -17,7 +17,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import stages
-from pipeline import FunctionStage, Message, Pipeline, SessionContext, Stage, StageError, stage
+from pipeline import (
+    FunctionStage,
+    Message,
+    Pipeline,
+    SessionContext,
+    Stage,
+    StageError,
+    TokenTracker,
+    stage,
+)
 from pipeline.tracing import ATTR, get_tracer
 from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -332,7 +341,9 @@ async def test_spans_for_a_run_and_each_stage(
         Message.user("z" * 80),  # 20
     ]
     pipe = Pipeline([named("first"), keep_last, named("last")])
-    ctx = ctx_for(tmp_path, "conv-42", tracer=get_tracer(provider))
+    ctx = ctx_for(
+        tmp_path, "conv-42", tracer=get_tracer(provider), token_tracker=TokenTracker("reference")
+    )
     out = await pipe.run(msgs, ctx)
     assert out == msgs[-1:]
 

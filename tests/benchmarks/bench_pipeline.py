@@ -1,0 +1,625 @@
+"""Benchmark the pipeline's per-turn cost, corpus replay, replay memory and concurrent sessions.
+
+    python tests/benchmarks/bench_pipeline.py [--sizes 100,1000,5000,20000] [--runs 7]
+        [--only turn,replay,memory,sessions] [--sessions 1000] [--corpus DIR]
+
+Not a test (pytest collects ``test_*.py`` only) and nothing here asserts a timing: it prints
+figures -- medians of several runs, and ratios against a baseline measured in the same run.
+
+1. ``turn``: per-turn overhead at N messages of a synthetic history (parallel tool calls,
+   large results, progress records; responses carry usage), in steady state: each pass appends
+   one turn to the history the last pass saw. Measured: the default pipeline
+   (``Pipeline(default_stages())``, whatever its stages are today, with a per-stage breakdown),
+   the budget stage alone, and ``to_api`` (what an agent does next), against ``FullRescanBudget``
+   below -- a straightforward implementation of the reference algorithm that groups, classifies,
+   selects and map-replaces over the whole history on every turn (SPEC §2). Stores are in memory
+   (the same for both; disk I/O is not pipeline overhead) and logs are dropped.
+2. ``replay``: every corpus session (``claude-code_*/**/*.jsonl``) loaded and replayed through
+   the default pipeline with ``replay_messages`` (as the CLI does, minus printing), against just
+   loading it.
+3. ``memory``: peak traced memory (tracemalloc) of loading + replaying the largest sessions
+   against the transcript's size, and of the replay alone; plus the max RSS of a subprocess
+   that replays them, against one that only loads them.
+4. ``sessions``: N sessions in one process (anyio task group), each its own ``SessionContext``
+   over a real file store in a temp dir, several interleaved turns with tool results (some
+   persisted); turns per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # this checkout's package, even when run from elsewhere
+
+import anyio  # noqa: E402
+
+from pipeline import (  # noqa: E402
+    FunctionStage,
+    Message,
+    Pipeline,
+    ReplacementState,
+    SessionContext,
+    ToolPolicies,
+    Usage,
+    load_transcript,
+    to_api,
+)
+from pipeline.gate import empty_result_text, is_persistable, persist_content  # noqa: E402
+from pipeline.replacement import candidate_size, content_is_empty, is_candidate  # noqa: E402
+from pipeline.replay import find_calls, replay_messages  # noqa: E402
+from stages import ToolResultBudget, default_stages  # noqa: E402
+
+DEFAULT_CORPUS = Path(os.environ.get("SLUICEGATE_CORPUS", REPO.parent / "shared" / "corpus"))
+LIMIT = 200_000
+
+
+class QuietLogger:
+    """A structlog-shaped logger that drops everything (console logging is not the pipeline)."""
+
+    def bind(self, **_kw: Any) -> QuietLogger:
+        return self
+
+    def debug(self, *_a: Any, **_kw: Any) -> None:
+        pass
+
+    info = warning = error = exception = debug
+
+
+class MemoryStore:
+    """Persisted results kept by reference in memory: same answer as the file store, no I/O."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, str] = {}
+
+    async def persist(self, tool_use_id: str, text: str, ext: str) -> str:
+        path = f"/mem/{tool_use_id}.{ext}"
+        self.files.setdefault(path, text)
+        return path
+
+
+# --------------------------------------------------------------------------------------------
+# The baseline: the reference algorithm, rescanning everything every turn
+# --------------------------------------------------------------------------------------------
+
+
+class FullRescanBudget:
+    """SPEC §2 done the straightforward way: the whole history, every turn.
+
+    Group (§2.1), classify against the ledger (§2.3), decide groups with fresh results (§2.4:
+    never-persist tools, the per-tool gate, the largest-first walk), persist, then rebuild the
+    message list with every replacement mapped in. No spans, no logs: the bare algorithm.
+    """
+
+    def __init__(self, limit: float, policies: ToolPolicies, store: Any) -> None:
+        self.limit = limit
+        self.policies = policies
+        self.store = store
+
+    async def __call__(self, messages: list[Message], state: ReplacementState) -> list[Message]:
+        groups: list[list[tuple[str, str | None, Any, int, bool]]] = []
+        current: list[tuple[str, str | None, Any, int, bool]] = []
+        names: dict[str, str] = {}
+        response_ids: set[str] = set()
+        apply: dict[str, str] = {}
+        for m in messages:
+            if m.type == "assistant":
+                if m.message_id is None or m.message_id not in response_ids:
+                    if current:
+                        groups.append(current)
+                        current = []
+                    if m.message_id is not None:
+                        response_ids.add(m.message_id)
+                if isinstance(m.content, list):
+                    for b in m.content:
+                        if b.get("type") == "tool_use":
+                            names[b["id"]] = b.get("name") or ""
+            elif m.type == "user" and isinstance(m.content, list):
+                for b in m.content:
+                    if b.get("type") != "tool_result":
+                        continue
+                    tid, content = b["tool_use_id"], b.get("content")
+                    if content_is_empty(content):
+                        apply[tid] = empty_result_text(names.get(tid))
+                    elif is_candidate(b):
+                        size = candidate_size(content)
+                        current.append(
+                            (tid, names.get(tid), content, size, is_persistable(content))
+                        )
+        if current:
+            groups.append(current)
+
+        for group in groups:
+            frozen = 0
+            fresh = []
+            for c in group:
+                tid = c[0]
+                if tid in state.replacements:
+                    apply[tid] = state.replacements[tid]
+                elif tid in state.seen_ids:
+                    frozen += c[3]
+                else:
+                    fresh.append(c)
+            if not fresh:
+                continue
+            eligible = []
+            for c in fresh:
+                threshold = self.policies.threshold(c[1])
+                if math.isinf(threshold):
+                    state.seen_ids.add(c[0])
+                elif c[4] and c[3] > threshold:
+                    await self._persist(c, state, apply)
+                else:
+                    eligible.append(c)
+            remaining = frozen + sum(c[3] for c in eligible)
+            for c in sorted(eligible, key=lambda c: c[3], reverse=True):
+                if remaining <= self.limit:
+                    break
+                if c[4]:
+                    await self._persist(c, state, apply)
+                    remaining -= c[3]
+            for c in eligible:
+                state.seen_ids.add(c[0])
+
+        out = []
+        for m in messages:
+            if m.type == "user" and isinstance(m.content, list):
+                blocks = [
+                    {**b, "content": apply[b["tool_use_id"]]}
+                    if b.get("type") == "tool_result"
+                    and b.get("tool_use_id") in apply
+                    and b.get("content") != apply[b["tool_use_id"]]
+                    else b
+                    for b in m.content
+                ]
+                if any(x is not y for x, y in zip(blocks, m.content, strict=True)):
+                    m = m.with_content(blocks)
+            out.append(m)
+        return out
+
+    async def _persist(self, c: Any, state: ReplacementState, apply: dict[str, str]) -> None:
+        persisted = await persist_content(self.store, c[0], c[2])
+        state.record_replacement(c[0], persisted.replacement)
+        apply[c[0]] = persisted.replacement
+
+
+# --------------------------------------------------------------------------------------------
+# A synthetic agent history
+# --------------------------------------------------------------------------------------------
+
+TOOLS = ("Bash", "Read", "Grep", "Glob", "Edit", "WebFetch", "Task")
+
+
+class HistoryGen:
+    """Turns of a coding agent: a response with 1-4 parallel tool calls (one record per block,
+    as Claude Code streams), progress records, results of realistic sizes (mostly a few KB, some
+    tens of KB, a few over the per-tool limit, and now and then a parallel batch over the
+    per-message budget), and now and then a user prompt."""
+
+    def __init__(self, seed: int = 7) -> None:
+        self.rnd = random.Random(seed)
+        self.turns = 0
+        self.tokens = 20_000
+        # shared text objects: the pipeline never copies tool output, neither should the fixture
+        self.pool = {
+            n: "".join(f"line {i:05d} " + "x" * 60 + "\n" for i in range(n // 72 + 1))[:n]
+            for n in (300, 1_200, 4_000, 9_000, 24_000, 45_000, 60_000, 120_000)
+        }
+
+    def size(self) -> int:
+        r = self.rnd.random()
+        if r < 0.55:
+            return self.rnd.choice((300, 1_200, 4_000))
+        if r < 0.85:
+            return 9_000
+        if r < 0.97:
+            return self.rnd.choice((24_000, 45_000))
+        return self.rnd.choice((60_000, 120_000))
+
+    def turn(self) -> list[Message]:
+        t = self.turns
+        self.turns += 1
+        rid = f"msg_{t:06d}"
+        out: list[Message] = []
+        if self.rnd.random() < 0.1:
+            out.append(Message.user(f"next step {t}"))
+        n = self.rnd.choice((1, 1, 2, 3, 4))
+        big_batch = self.rnd.random() < 0.05  # parallel results that exceed 200K together
+        ids = [f"toolu_{t:06d}_{k}" for k in range(n)]
+        self.tokens += 800
+        usage = Usage(input_tokens=3, cache_read_input_tokens=self.tokens, output_tokens=200)
+        model = "claude-sonnet-4-5"
+        out.append(
+            Message.assistant(
+                [{"type": "text", "text": f"step {t}"}], message_id=rid, usage=usage, model=model
+            )
+        )
+        for tid in ids:
+            tool = self.rnd.choice(TOOLS)
+            block = {"type": "tool_use", "id": tid, "name": tool, "input": {"arg": t}}
+            out.append(Message.assistant([block], message_id=rid, usage=usage, model=model))
+        for tid in ids:
+            for _ in range(self.rnd.choice((0, 1, 1, 2))):
+                out.append(Message(type="progress"))
+            size = 45_000 if big_batch else self.size()
+            self.tokens += size // 3
+            text = self.pool[size]
+            out.append(Message.user([{"type": "tool_result", "tool_use_id": tid, "content": text}]))
+        return out
+
+
+def history_with_turns(n_messages: int, extra_turns: int) -> tuple[list[Message], list[int]]:
+    """Messages for ``n_messages`` and then ``extra_turns`` turns; the cut points of each."""
+    gen = HistoryGen()
+    messages: list[Message] = []
+    while len(messages) < n_messages:
+        messages += gen.turn()
+    cuts = [len(messages)]
+    for _ in range(extra_turns):
+        messages += gen.turn()
+        cuts.append(len(messages))
+    return messages, cuts
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Per-turn overhead
+# --------------------------------------------------------------------------------------------
+
+
+class Timed:
+    """Wraps a stage to time it, keeping its name (stage state is keyed by it)."""
+
+    def __init__(self, inner: Any, times: dict[str, list[float]]) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.may_break_cache = getattr(inner, "may_break_cache", False)
+        self.times = times
+
+    async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+        start = time.perf_counter()
+        try:
+            return await self.inner(messages, ctx)
+        finally:
+            self.times.setdefault(self.name, []).append(time.perf_counter() - start)
+
+
+def _ctx(name: str, root: str, store: Any = None) -> SessionContext:
+    return SessionContext(
+        name,
+        root,
+        store=store or MemoryStore(),
+        tool_policies=ToolPolicies.claude_code(),
+        logger=QuietLogger(),
+    )
+
+
+async def steady_state(
+    step: Callable[[list[Message]], Awaitable[Any]], messages: list[Message], cuts: list[int]
+) -> list[float]:
+    """Warm up on the first cut, then time one pass per appended turn."""
+    await step(messages[: cuts[0]])
+    times = []
+    for cut in cuts[1:]:
+        view = messages[:cut]  # the agent's list, one turn longer (same message objects)
+        start = time.perf_counter()
+        await step(view)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+async def bench_turn(sizes: list[int], runs: int) -> None:
+    print(f"\n== 1. per-turn cost in steady state (median of {runs} turns, ms) ==")
+    print(
+        f"{'':>9} {'-- stage call --':^30} {'-- in Pipeline.run --':^30}\n"
+        f"{'messages':>9} {'full-rescan':>11} {'budget':>9} {'ratio':>8} "
+        f"{'full-rescan':>11} {'budget':>9} {'ratio':>8} {'default':>9} {'(rescan)':>9} "
+        f"{'to_api':>8}   default pipeline by stage"
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-turn-") as tmp:
+        for n in sizes:
+            await _bench_turn_size(n, runs, tmp)
+    print(
+        "stage call: the bare algorithm -- FullRescanBudget (this file) vs ToolResultBudget.__call__"
+        ".\nin Pipeline.run: each as the only stage of a pipeline (adds spans and the token"
+        " estimates before/after).\ndefault: Pipeline(default_stages()); (rescan): the same with"
+        " FullRescanBudget in the budget's slot.\nby stage: the default pipeline's stages; run ="
+        " the rest of Pipeline.run (spans, token estimates)."
+    )
+
+
+async def _bench_turn_size(n: int, runs: int, tmp: str) -> None:
+    messages, cuts = history_with_turns(n, runs)
+    policies = ToolPolicies.claude_code()
+
+    def rescan_stage() -> FunctionStage:
+        ref = FullRescanBudget(LIMIT, policies, MemoryStore())
+
+        async def run(v: list[Message], ctx: SessionContext) -> list[Message]:
+            return await ref(v, ctx.replacement_state)
+
+        return FunctionStage("tool_result_budget", run)
+
+    # the bare algorithms
+    ref_state = ReplacementState()
+    reference = FullRescanBudget(LIMIT, policies, MemoryStore())
+    t_ref = await steady_state(lambda v: reference(v, ref_state), messages, cuts)
+    ctx_b = _ctx(f"budget-{n}", tmp)
+    budget = ToolResultBudget(LIMIT)
+
+    async def budget_call(v: list[Message]) -> list[Message]:
+        ctx_b.begin_pass()
+        return await budget(v, ctx_b)
+
+    t_budget = await steady_state(budget_call, messages, cuts)
+    # a sanity check, not a timing: the baseline decides exactly as the stage does
+    same = json.dumps(to_api(await reference(messages, ref_state))) == json.dumps(
+        to_api(await budget_call(messages))
+    )
+
+    # each alone in a pipeline
+    ctx_r = _ctx(f"run-rescan-{n}", tmp)
+    pipe_r = Pipeline([rescan_stage()])
+    t_run_ref = await steady_state(lambda v: pipe_r.run(v, ctx_r), messages, cuts)
+    ctx_rb = _ctx(f"run-budget-{n}", tmp)
+    pipe_rb = Pipeline([ToolResultBudget(LIMIT)])
+    t_run_budget = await steady_state(lambda v: pipe_rb.run(v, ctx_rb), messages, cuts)
+
+    # the default pipeline, by stage; and with the full-rescan budget in its slot
+    stage_times: dict[str, list[float]] = {}
+    ctx_d = _ctx(f"default-{n}", tmp)
+    pipe_d = Pipeline([Timed(s, stage_times) for s in default_stages()])
+    t_default = await steady_state(lambda v: pipe_d.run(v, ctx_d), messages, cuts)
+    ctx_dr = _ctx(f"default-rescan-{n}", tmp)
+    pipe_dr = Pipeline(default_stages()).replace("tool_result_budget", rescan_stage())
+    t_default_ref = await steady_state(lambda v: pipe_dr.run(v, ctx_dr), messages, cuts)
+
+    t_api = [_time(lambda v=messages[:c]: to_api(v)) for c in cuts[1:]]
+
+    def ms(x: list[float]) -> float:
+        return statistics.median(x) * 1e3
+
+    by = {k: ms(v) for k, v in stage_times.items()}
+    by_stage = " ".join(f"{k.split('_')[0][:7]}={v:.2f}" for k, v in by.items())
+    by_stage += f" run={ms(t_default) - sum(by.values()):.2f}"
+    r, b, rr, rb = ms(t_ref), ms(t_budget), ms(t_run_ref), ms(t_run_budget)
+    print(
+        f"{n:>9,} {r:>11.2f} {b:>9.3f} {r / b:>7.0f}x {rr:>11.2f} {rb:>9.3f} {rr / rb:>7.1f}x "
+        f"{ms(t_default):>9.2f} {ms(t_default_ref):>9.2f} {ms(t_api):>8.2f}   {by_stage}"
+        + ("" if same else "   (!) baseline output differs")
+    )
+
+
+def _time(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Corpus replay vs parsing
+# --------------------------------------------------------------------------------------------
+
+
+def corpus_files(corpus: Path) -> list[Path]:
+    return sorted(corpus.glob("claude-code_*/**/*.jsonl")) if corpus.is_dir() else []
+
+
+async def replay_file(path: Path, root: str, transcript: Any = None) -> int:
+    """Load (unless given) and replay one session as the CLI does, minus the printing."""
+    t = transcript if transcript is not None else load_transcript(path, strict=False)
+    ctx = SessionContext(
+        t.session_id or "replay",
+        root,
+        tool_policies=ToolPolicies.claude_code(),
+        logger=QuietLogger(),
+    )
+    calls = 0
+    async for result in replay_messages(t.messages, Pipeline(default_stages()), ctx):
+        calls += 1
+        result.request_chars  # noqa: B018 - the CLI computes it for every call
+    return calls
+
+
+def bench_replay(corpus: Path, runs: int) -> None:
+    files = corpus_files(corpus)
+    print(f"\n== 2. corpus replay vs parsing (median of {runs}; s) ==")
+    if not files:
+        print(f"skipped: no corpus at {corpus}")
+        return
+    size = sum(p.stat().st_size for p in files)
+    t_load, t_replay = [], []
+    calls = 0
+    per_file: dict[Path, list[float]] = {p: [] for p in files}
+    for _ in range(runs):
+        start = time.perf_counter()
+        for p in files:
+            load_transcript(p, strict=False)
+        t_load.append(time.perf_counter() - start)
+        with tempfile.TemporaryDirectory(prefix="bench-replay-") as root:
+            start = time.perf_counter()
+            calls = 0
+            for p in files:
+                s = time.perf_counter()
+                calls += anyio.run(replay_file, p, root)
+                per_file[p].append(time.perf_counter() - s)
+            t_replay.append(time.perf_counter() - start)
+    lo, re_ = statistics.median(t_load), statistics.median(t_replay)
+    print(f"{len(files)} sessions, {size / 1e6:.1f} MB, {calls:,} calls")
+    print(f"parse only      {lo:8.2f} s   ({size / 1e6 / lo:.1f} MB/s)")
+    print(
+        f"parse + replay  {re_:8.2f} s   = {re_ / lo:.1f}x parsing   "
+        f"({calls / (re_ - lo):,.0f} calls/s of replay)"
+    )
+    worst = sorted(per_file.items(), key=lambda kv: -statistics.median(kv[1]))[:3]
+    for p, ts in worst:
+        t = load_transcript(p, strict=False)
+        print(
+            f"   slowest: {p.name[:24]:<24} {statistics.median(ts):6.2f} s  "
+            f"{len(t.messages):>5} messages {len(find_calls(t.messages)):>4} calls"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Memory
+# --------------------------------------------------------------------------------------------
+
+_RSS_SCRIPT = """
+import sys, resource, anyio
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {here!r})
+import bench_pipeline as b
+from pipeline import load_transcript
+paths = {paths!r}
+for p in paths:
+    t = load_transcript(p, strict=False)
+    if {replay!r}:
+        anyio.run(b.replay_file, p, {root!r}, t)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def bench_memory(corpus: Path, top: int) -> None:
+    files = sorted(corpus_files(corpus), key=lambda p: -p.stat().st_size)[:top]
+    print(f"\n== 3. replay memory, the {top} largest sessions ==")
+    if not files:
+        print(f"skipped: no corpus at {corpus}")
+        return
+    print(
+        f"{'session':<26} {'file MB':>8} {'load+replay peak':>17} {'x file':>7} "
+        f"{'replay alone':>13} {'x file':>7}"
+    )
+    for p in files:
+        size = p.stat().st_size
+        with tempfile.TemporaryDirectory(prefix="bench-mem-") as root:
+            tracemalloc.start()
+            t = load_transcript(p, strict=False)
+            loaded, _ = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            anyio.run(replay_file, p, root, t)
+            _, replay_peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+        print(
+            f"{p.name[:26]:<26} {size / 1e6:8.2f} {replay_peak / 1e6:14.1f} MB "
+            f"{replay_peak / size:6.2f}x {(replay_peak - loaded) / 1e6:10.1f} MB "
+            f"{(replay_peak - loaded) / size:6.2f}x"
+        )
+    # the same, measured as the OS sees it: max RSS of a process replaying vs only loading
+    paths = [str(p) for p in files]
+    here = str(Path(__file__).resolve().parent)
+    rss = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rss-") as root:
+        for replay in (False, True):
+            code = _RSS_SCRIPT.format(
+                repo=str(REPO), here=here, paths=paths, replay=replay, root=root
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            rss[replay] = int(out.stdout.strip().splitlines()[-1]) * 1024  # Linux: KiB
+    total = sum(p.stat().st_size for p in files)
+    print(
+        f"max RSS: load only {rss[False] / 1e6:.0f} MB, load + replay {rss[True] / 1e6:.0f} MB"
+        f" -> replay adds {(rss[True] - rss[False]) / 1e6:.0f} MB "
+        f"= {(rss[True] - rss[False]) / total:.2f}x the {total / 1e6:.1f} MB of transcripts"
+    )
+    print(
+        "x file = traced Python memory / transcript bytes; 'replay alone' = peak during the "
+        "replay minus what the loaded transcript holds."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Concurrent sessions
+# --------------------------------------------------------------------------------------------
+
+
+async def bench_sessions(n_sessions: int, turns: int) -> None:
+    print(f"\n== 4. {n_sessions:,} concurrent sessions in one process, {turns} turns each ==")
+    small = "ok\n" * 100
+    big = "z" * 60_000  # over the 50,000 cap: persisted to the session's store
+    pipe = Pipeline(default_stages())
+    with tempfile.TemporaryDirectory(prefix="bench-sessions-") as root:
+        done = 0
+        persisted = 0
+
+        async def session(i: int) -> None:
+            nonlocal done, persisted
+            ctx = SessionContext(f"s{i:05d}", root, logger=QuietLogger())
+            history: list[Message] = [Message.user(f"task {i}")]
+            for t in range(turns):
+                rid = f"r{i}_{t}"
+                ids = [f"toolu_{i}_{t}_{k}" for k in range(2)]
+                usage = Usage(input_tokens=100 + 50 * t, output_tokens=20)
+                history.append(
+                    Message.assistant(
+                        [{"type": "tool_use", "id": x, "name": "Bash", "input": {}} for x in ids],
+                        message_id=rid,
+                        usage=usage,
+                        model="claude-sonnet-4-5",
+                    )
+                )
+                for k, x in enumerate(ids):
+                    text = big if (i % 5 == 0 and t == 1 and k == 0) else small
+                    history.append(
+                        Message.user([{"type": "tool_result", "tool_use_id": x, "content": text}])
+                    )
+                projected = await pipe.run(history, ctx)
+                to_api(projected)
+                persisted += len(ctx.report.persisted)
+                done += 1
+                await anyio.sleep(0)  # let the other sessions interleave
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for i in range(n_sessions):
+                tg.start_soon(session, i)
+        elapsed = time.perf_counter() - start
+    print(
+        f"{done:,} turns in {elapsed:.2f} s = {done / elapsed:,.0f} turns/s "
+        f"({persisted} results persisted to real files, fsync'd)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100,1000,5000,20000")
+    parser.add_argument("--runs", type=int, default=7, help="turns (1) / repetitions (2)")
+    parser.add_argument("--only", default="turn,replay,memory,sessions")
+    parser.add_argument("--sessions", type=int, default=1_000)
+    parser.add_argument("--session-turns", type=int, default=4)
+    parser.add_argument("--memory-top", type=int, default=3)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    if "turn" in only:
+        anyio.run(bench_turn, [int(s) for s in args.sizes.split(",")], args.runs)
+    if "replay" in only:
+        bench_replay(args.corpus, max(1, args.runs // 2))
+    if "memory" in only:
+        bench_memory(args.corpus, args.memory_top)
+    if "sessions" in only:
+        anyio.run(bench_sessions, args.sessions, args.session_turns)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

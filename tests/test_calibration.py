@@ -1,0 +1,469 @@
+"""The calibrated estimator: pricing, online learning, persistence/resume, count_tokens, report.
+
+Agent and count_tokens tests run the real anthropic SDK against the local scripted server.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+
+import pipeline.token_features as token_features
+from pipeline import Message, Pipeline, SessionContext, TokenTracker, TranscriptWriter, Usage
+from pipeline.agent import Agent
+from pipeline.calibration import CalibratedEstimator, ErrorStats
+from pipeline.cli import main
+from pipeline.messages import to_api
+from pipeline.scripted_server import Reply, ScriptedMessagesServer, count_request_tokens
+from pipeline.token_features import (
+    IMAGE_TOKENS,
+    content_vector,
+    image_size,
+    image_tokens,
+    model_family,
+    text_class,
+    text_stats,
+)
+from pipeline.tokens import calibration_path_for, find_anchor
+from pipeline.tools import tool
+from stages import default_stages
+from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.test_cli import CALL_KEYS
+
+CODE = "def f(x):\n    return x + 1  # add one\n" * 40  # ~1.6K chars of code
+SONNET = "claude-sonnet-4-5"
+
+
+def conversation(output_tokens: int = 10_000, model: str = SONNET) -> list[Message]:
+    """Prompt, a response with usage, and a tool result after it."""
+    return [
+        user_text("please read the file"),
+        Message.assistant(
+            [tool_use("t1", "Read", file_path="/a.py")],
+            message_id="m1",
+            usage=Usage(
+                input_tokens=5, cache_read_input_tokens=20_000, output_tokens=output_tokens
+            ),
+            model=model,
+        ),
+        results(tool_result("t1", CODE)),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pricing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_nothing_after_a_final_response_is_its_usage_total() -> None:
+    msgs = conversation()[:2]  # output_tokens 10,000 covers the short response
+    assert TokenTracker().estimate(msgs) == msgs[1].usage.total  # type: ignore[union-attr]
+
+
+def test_a_streaming_snapshot_of_output_tokens_is_replaced_by_the_priced_response() -> None:
+    long_answer = "The parser fails because the lexer drops trailing tokens. " * 50
+    snapshot = Usage(input_tokens=100, output_tokens=1)  # what Claude Code's last record says
+    msgs = [user_text("why?"), Message.assistant(long_answer, message_id="m1", usage=snapshot)]
+    detail = TokenTracker().estimate_detail(msgs)
+    assert detail.response_adjustment > 400  # ~3,000 chars of prose cost hundreds of tokens
+    assert detail.total > snapshot.total + 400
+    assert TokenTracker("reference").estimate(msgs) == snapshot.total  # the reference trusts it
+
+
+def test_the_cold_estimate_leans_over_by_a_5_percent_margin() -> None:
+    tracker = TokenTracker()
+    msgs = conversation()
+    detail = tracker.estimate_detail(msgs)
+    assert detail.margin == pytest.approx(0.05)
+    assert detail.estimated_part == math.ceil(
+        (detail.response_adjustment + detail.new_tokens) * 1.05
+    )
+    # code prices well above the reference's len/4 (real tokenizers: ~2.5-3 chars/token)
+    assert detail.new_tokens > len(CODE) / 3.2
+
+
+def test_without_an_anchor_the_estimate_is_the_content_plus_the_measured_overhead() -> None:
+    tracker = TokenTracker()
+    first = [user_text("hello " * 100)]
+    detail = tracker.estimate_detail(first)
+    cold = detail.total
+    obs = tracker.observe(first, Usage(input_tokens=cold + 3_000), model=SONNET)
+    assert obs.reason == "no anchor: overhead measured" and obs.real_growth is None
+    assert tracker.estimator is not None
+    # system prompt + tools: the input side minus the content (priced without the margin)
+    assert tracker.estimator.overhead == round(cold + 3_000 - detail.new_tokens)
+    assert tracker.estimate(first) >= cold + tracker.estimator.overhead
+
+
+def test_a_compaction_since_the_anchor_restarts_the_estimate() -> None:
+    msgs = [
+        *conversation(),
+        Message(type="system", subtype="compact_boundary", content=""),
+        Message.user("summary of the conversation", is_compact_summary=True),
+    ]
+    detail = TokenTracker().estimate_detail(msgs)
+    assert detail.crossed_compaction and not detail.has_anchor and detail.anchor_total == 0
+    assert 0 < detail.total < 100  # the summary only: the old usage no longer applies
+    obs = TokenTracker("reference").observe(msgs, Usage(input_tokens=5_000))
+    assert obs.real_growth is None  # not measurable for either method
+
+
+def test_images_are_priced_from_their_pixel_size() -> None:
+    def png(w: int, h: int) -> str:
+        ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+        chunk = struct.pack(">I", 13) + b"IHDR" + ihdr
+        raw = b"\x89PNG\r\n\x1a\n" + chunk + struct.pack(">I", zlib.crc32(chunk[4:]))
+        return base64.b64encode(raw + b"\0" * 64).decode()
+
+    gif = base64.b64encode(b"GIF89a" + struct.pack("<HH", 300, 200) + b"\0" * 40).decode()
+    jpeg = base64.b64encode(
+        b"\xff\xd8\xff\xe0\x00\x04ab\xff\xc0\x00\x11\x08"
+        + struct.pack(">HH", 480, 640)
+        + b"\0" * 40
+    ).decode()
+    webp = base64.b64encode(
+        b"RIFF\0\0\0\0WEBPVP8X"
+        + b"\0" * 8
+        + (799).to_bytes(3, "little")
+        + (599).to_bytes(3, "little")
+    ).decode()
+    assert image_size(png(1920, 1080)) == (1920, 1080)
+    assert image_size(gif) == (300, 200)
+    assert image_size(jpeg) == (640, 480)
+    assert image_size(webp) == (800, 600)
+
+    def block(data: str) -> dict[str, Any]:
+        return {"type": "image", "source": {"type": "base64", "data": data}}
+
+    # resized to 1568 on the long edge, then to 1.15 MP: 1.15M / 750 tokens
+    assert image_tokens(block(png(1920, 1080))) == 1_534
+    assert image_tokens(block(png(200, 200))) == math.ceil(200 * 200 / 750)
+    assert image_tokens(block("not an image")) == IMAGE_TOKENS
+    assert image_tokens({"type": "image", "source": {"type": "url", "url": "x"}}) == IMAGE_TOKENS
+
+
+def test_documents_with_text_are_priced_as_text_others_at_2000() -> None:
+    text_doc = {"type": "document", "source": {"type": "text", "data": "word " * 400}}
+    pdf = {"type": "document", "source": {"type": "base64", "data": "JVBERi0" * 10_000}}
+    w = tuple(token_features.PRIOR_WEIGHTS[f] for f in token_features.FEATURES)
+    media = token_features.CLASS_INDEX["media"]
+    assert content_vector(Message.user([pdf]), w).tokens[media] == IMAGE_TOKENS
+    priced = content_vector(Message.user([text_doc]), w)
+    assert priced.tokens[media] == 0 and 300 < sum(priced.tokens) < 1_000
+
+
+def test_text_statistics_are_exact_when_short_and_sampled_when_long() -> None:
+    st = text_stats("ab cd\n12 é!")
+    words, letters, digits, punct, ws_runs, newlines, non_ascii, *_ = st.features
+    assert (words, letters, digits, punct, ws_runs, newlines, non_ascii) == (2, 4, 2, 1, 2, 1, 1)
+    unit = "fn main() {\n    let x = vec![1, 2, 3];\n}\n"
+    exact = text_stats(unit * 300)  # < 16 KB: counted exactly
+    sampled = text_stats(unit * 30_000)  # ~1.3 MB: 32 windows of 512 chars
+    for e, s in zip(exact.features, sampled.features, strict=True):
+        assert s == pytest.approx(e * 100, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "expected"),
+    [
+        ("The quick brown fox jumps over the lazy dog and keeps running home", "text", "prose"),
+        ("if (x) { y[i] = f(a, b); } // done;", "text", "code"),
+        ('{"key": [1, 2, 3], "other": null}', "text", "json"),
+        ("anything", "json", "json"),
+        ("\x1b[31mred\x1b[0m \x1b[32mgreen\x1b[0m", "text", "terminal"),
+        ("这是一个中文句子，用来测试分类。", "text", "cjk"),
+        (base64.b64encode(bytes(range(256)) * 4).decode(), "text", "base64"),
+        ("let me think", "thinking", "thinking"),
+        ("exit code 1", "error", "error"),
+    ],
+)
+def test_content_classes(text: str, kind: Any, expected: str) -> None:
+    assert text_class(text, text_stats(text), kind=kind) == expected
+
+
+def test_model_families() -> None:
+    assert [
+        model_family(m) for m in ("claude-opus-4-6", "Claude-Sonnet-4", "claude-haiku-4-5")
+    ] == [
+        "opus",
+        "sonnet",
+        "haiku",
+    ]
+    assert model_family(None) == model_family("gpt-5") == "other"
+
+
+def test_a_huge_session_is_never_serialised_to_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 10 MB of tool output: only the small tool_use inputs may go through json.dumps
+    dumped: list[int] = []
+    real_dumps = json.dumps
+
+    def spy(obj: Any, *args: Any, **kwargs: Any) -> str:
+        out = real_dumps(obj, *args, **kwargs)
+        dumped.append(len(out))
+        return out
+
+    monkeypatch.setattr(json, "dumps", spy)  # the json module token_features uses
+    big = "x = compute(1, 2)\n" * 50_000  # ~900 KB
+    msgs: list[Message] = [user_text("go")]
+    for i in range(12):
+        msgs.append(assistant(f"m{i}", tool_use(f"t{i}", "Bash", command="make")))
+        msgs.append(results(tool_result(f"t{i}", big)))
+    for tracker in (TokenTracker("calibrated"), TokenTracker("reference")):
+        assert tracker.estimate(msgs) > 200_000
+    assert dumped and max(dumped) < 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning
+# ---------------------------------------------------------------------------------------------
+
+
+def _session_step(msgs: list[Message], n: int, usage: Usage, model: str) -> list[Message]:
+    """The response to the last call (with ``usage``), and a new code tool result after it."""
+    return [
+        *msgs,
+        Message.assistant(
+            [tool_use(f"t{n}", "Bash")], message_id=f"m{n}", usage=usage, model=model
+        ),
+        results(tool_result(f"t{n}", CODE * 2)),
+    ]
+
+
+def test_it_learns_a_denser_tokenizer_from_the_usage_deltas() -> None:
+    """A model whose tokenizer costs 40 % more than the priors: the error shrinks as it learns."""
+    truth = CalibratedEstimator(margin_floor=0.0, margin_cold=0.0, learn=False)
+    tracker = TokenTracker()
+    model = "some-other-model"  # unknown family: every multiplier learns fast
+    msgs: list[Message] = [user_text("start")]
+    context = 1_000
+    errors: list[float] = []
+    for n in range(25):
+        msgs = _session_step(msgs, n, Usage(input_tokens=context, output_tokens=8), model)
+        anchor = find_anchor(msgs)
+        # what the next call really costs: 1.4 x the priced growth since the anchor
+        growth = 1.4 * truth.estimate_detail(msgs, anchor).estimated_part
+        context += 8 + round(growth)
+        obs = tracker.observe(msgs, Usage(input_tokens=context), model=model)
+        assert obs.relative_error is not None
+        errors.append(obs.relative_error)
+    assert errors[0] < -0.2  # cold: the priors under-count this tokenizer by ~25 %
+    assert all(abs(e) < 0.1 for e in errors[-5:])
+    ratios = tracker.ratios("other")
+    assert ratios["code"]["multiplier"] is not None and ratios["code"]["multiplier"] > 1.2
+    assert ratios["code"]["chars_per_token"] is not None and ratios["code"]["chars"]
+    assert ratios["cjk"]["chars_per_token"] is None  # never seen
+    stats = tracker.error_stats()
+    assert stats.calls == 25 and stats.big_calls == 25 and 0 < stats.undercounted < 10
+
+
+def test_only_measurable_calls_are_learned_from() -> None:
+    tracker = TokenTracker()
+    usage = Usage(input_tokens=25_000)
+    freed = tracker.observe(conversation(), usage, model=SONNET, tokens_freed=500)
+    assert (freed.learned, freed.real_growth, freed.reason) == (
+        False,
+        None,
+        "stages removed anchored content",
+    )
+    switched = tracker.observe(conversation(), usage, model="claude-opus-4-6")
+    assert (switched.learned, switched.reason) == (False, "model family changed")
+    assert switched.real_growth is not None  # measured, but not learned from
+    msgs = conversation()
+    ok = tracker.observe(msgs, usage, model=SONNET)
+    assert ok.learned and ok.reason == "ok"
+    again = tracker.observe(msgs, usage, model=SONNET)  # the same messages: learned once
+    assert (again.learned, again.reason, again.real_growth) == (False, "already observed", None)
+    assert tracker.error_stats().calls == 2
+
+
+def test_error_statistics_of_known_pairs() -> None:
+    # (estimated part, real growth): relative errors on growth >= 2,000 only
+    pairs = [(900, 1_000), (1_500, 2_000), (2_900, 3_000), (4_400, 4_000), (5_000, 5_000)]
+    stats = ErrorStats.from_pairs(pairs)
+    assert (stats.calls, stats.big_calls, stats.undercounted) == (5, 4, 1)
+    assert stats.median_abs == pytest.approx((1 / 30 + 0.1) / 2)
+    assert stats.p95_abs == pytest.approx(0.25)  # nearest rank: the largest of 4
+    assert stats.undercount_share == pytest.approx(0.25)
+    assert stats.median_abs_tokens == 100 and stats.p95_abs_tokens == 500
+    empty = ErrorStats.from_pairs([])
+    assert empty.median_abs is None and empty.to_json()["abs_rel_error_median"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Persistence
+# ---------------------------------------------------------------------------------------------
+
+
+def _trained(method: str) -> TokenTracker:
+    tracker = TokenTracker(method)  # type: ignore[arg-type]
+    msgs: list[Message] = [user_text("start")]
+    tracker.observe(msgs, Usage(input_tokens=900), model=SONNET)
+    context = 1_000
+    for n in range(8):
+        msgs = _session_step(msgs, n, Usage(input_tokens=context, output_tokens=8), SONNET)
+        context += 1_500 + 97 * n
+        tracker.observe(msgs, Usage(input_tokens=context), model=SONNET)
+    return tracker
+
+
+@pytest.mark.parametrize("method", ["calibrated", "reference"])
+def test_state_dict_round_trip_gives_identical_estimates(method: str) -> None:
+    tracker = _trained(method)
+    clone = TokenTracker.from_state_dict(json.loads(json.dumps(tracker.state_dict())))
+    probes = [conversation(), conversation()[:1], conversation(output_tokens=1)]
+    for msgs in probes:
+        assert clone.estimate_detail(msgs) == tracker.estimate_detail(msgs)
+    assert clone.ratios() == tracker.ratios()
+    assert clone.error_stats() == tracker.error_stats()
+    assert clone.state_dict() == tracker.state_dict()
+    if method == "calibrated":  # not cold: learned multipliers, a measured overhead
+        assert clone.estimator is not None and clone.estimator.overhead is not None
+        assert clone.estimator.families[model_family(SONNET)].n_obs == 8
+        assert clone.estimate(probes[0]) != TokenTracker().estimate(probes[0])
+
+
+def test_malformed_state_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        TokenTracker.from_state_dict({"version": 99})
+    state = TokenTracker().state_dict()
+    state["estimator"]["families"] = {"opus": {"mult": {}, "p": [[1.0]]}}
+    with pytest.raises(ValueError):
+        TokenTracker.from_state_dict(state)
+
+
+def test_save_is_atomic_and_load_falls_back_to_a_cold_tracker(tmp_path: Path) -> None:
+    path = calibration_path_for(tmp_path / "root", "sess")
+    assert path == tmp_path / "root" / "sess" / "token-calibration.json"
+    tracker = _trained("calibrated")
+    assert tracker.save(path)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left
+    assert TokenTracker.load(path).state_dict() == tracker.state_dict()
+    assert TokenTracker.load(tmp_path / "missing.json").state_dict() == TokenTracker().state_dict()
+    path.write_text("{not json")
+    assert TokenTracker.load(path).state_dict() == TokenTracker().state_dict()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert tracker.save(blocked / "state.json") is False  # logged, never raised
+    assert calibration_path_for("r", "s", "agent-1").name == "token-calibration-agent-1.json"
+    assert calibration_path_for("r", "s", "../x").name == "token-calibration-.._x.json"
+
+
+@tool(input_schema={"type": "object", "properties": {"n": {"type": "integer"}}})
+async def emit(n: int) -> str:
+    """Emit about n characters of code-like output."""
+    return (CODE * (n // len(CODE) + 1))[:n]
+
+
+def _scripted(turns: int) -> Callable[[dict[str, Any]], Reply]:
+    def script(body: dict[str, Any]) -> Reply:
+        k = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        if k < turns:
+            call = {"type": "tool_use", "id": f"t{k}", "name": "emit", "input": {"n": 3_000}}
+            return Reply([call], stop_reason="tool_use")
+        return Reply([{"type": "text", "text": "done"}])
+
+    return script
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedMessagesServer]:
+    with ScriptedMessagesServer(_scripted(4)) as s:
+        yield s
+
+
+def _client(server: ScriptedMessagesServer) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=server.base_url, api_key="x", max_retries=0)
+
+
+@pytest.mark.asyncio
+async def test_a_resumed_agent_session_does_not_start_cold(
+    server: ScriptedMessagesServer, tmp_path: Path
+) -> None:
+    log, root = tmp_path / "sess.jsonl", tmp_path / "store"
+    ctx = SessionContext("sess", root, transcript=TranscriptWriter(log, "sess"))
+    agent = Agent(
+        _client(server), model="claude-scripted", pipeline=Pipeline(default_stages()), ctx=ctx
+    )
+    agent.add_tool(emit)
+    await agent.run("go")
+    live = agent.ctx.token_tracker
+    assert live.estimator is not None and live.estimator.families["other"].n_obs >= 3
+    saved = json.loads(calibration_path_for(root, "sess").read_text())
+    assert saved == json.loads(json.dumps(live.state_dict()))
+
+    resumed = Agent.resume(
+        log,
+        _client(server),
+        model="claude-scripted",
+        pipeline=Pipeline(default_stages()),
+        root=root,
+    )
+    tracker = resumed.ctx.token_tracker
+    assert tracker.state_dict() == saved  # warm: what the live session had learned
+    assert tracker.estimate(resumed.history) == live.estimate(agent.history)
+    assert tracker.error_stats().calls == live.error_stats().calls > 0
+    resumed.add_tool(emit)
+    await resumed.run("once more")  # and it keeps learning and saving
+    assert json.loads(calibration_path_for(root, "sess").read_text()) != saved
+
+
+@pytest.mark.asyncio
+async def test_count_tokens_through_the_real_sdk(server: ScriptedMessagesServer) -> None:
+    client = _client(server)
+    tracker = TokenTracker()
+    tools = [emit.definition]
+    first = [user_text("hello there " * 50)]
+    n = await tracker.count_with_api(
+        client, model=SONNET, messages=first, system="be brief", tools=tools
+    )
+    (body,) = server.count_requests
+    assert n == count_request_tokens(body)  # the server's exact count, returned as is
+    assert body["messages"] == to_api(first) and body["system"] == "be brief"
+    assert body["tools"] == tools and body["model"] == SONNET
+    assert tracker.estimator is not None and tracker.estimator.overhead is not None  # fed back
+
+    msgs = conversation()
+    before = tracker.error_stats().calls
+    n2 = await tracker.count_with_api(client, model=SONNET, messages=msgs)
+    assert n2 == count_request_tokens(server.count_requests[-1])
+    assert tracker.error_stats().calls == before + 1  # an observation with a real growth
+    # the real call on the same messages does not learn the same delta twice
+    assert tracker.observe(msgs, Usage(input_tokens=n2), model=SONNET).reason == "already observed"
+
+    raw = to_api(msgs)  # a request's messages array: counted, but nothing to learn from
+    n3 = await tracker.count_with_api(client, model=SONNET, messages=raw)
+    assert n3 == n2 and tracker.error_stats().calls == before + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The replay report
+# ---------------------------------------------------------------------------------------------
+
+
+def test_replay_reports_the_estimated_part_for_both_estimators(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--replay", "--json", "--store", str(tmp_path)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    calls, summary = lines[:-1], lines[-1]["summary"]
+    assert all(set(c) == CALL_KEYS for c in calls)  # the per-call contract is unchanged
+    part = summary["estimated_part"]
+    assert set(part) == {"default", "reference"}
+    for stats in part.values():
+        assert stats["calls"] == len(calls) - 1  # every call but the first has an anchor
+        assert stats["min_growth"] == 2_000 and stats["abs_error_tokens_median"] is not None
+    assert part["default"] != part["reference"]
+
+    assert main(["demo", "--replay", "--store", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    assert "estimated part vs real growth since the last response (4 calls measured" in out
+    assert "\n  default  : median |error| " in out and "\n  reference: median |error| " in out

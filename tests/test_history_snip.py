@@ -1,0 +1,466 @@
+"""History snip (``snip-middle``): trigger, protections, pairing, frozen removals, resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pipeline import (
+    Message,
+    Pipeline,
+    SessionContext,
+    TokenTracker,
+    TranscriptWriter,
+    Usage,
+    check_pairing,
+    load_transcript,
+    to_api,
+)
+from pipeline.tokens import rough_tokens_for_messages
+from pipeline.tracing import ATTR, get_tracer
+from stages import HistorySnip
+from stages.history_snip import snip_marker_text
+from tests.builders import tool_result, tool_use
+
+# --------------------------------------------------------------------------------------------
+# Helpers (also used by the context collapse tests)
+# --------------------------------------------------------------------------------------------
+
+
+class Spans:
+    """Decision spans of one context, captured by an SDK in-memory exporter."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.tracer = get_tracer(self.provider)
+
+    def decisions(self, stage: str) -> list[dict[str, Any]]:
+        """Attributes of every ``<stage>.decision`` span, in order."""
+        found: Sequence[ReadableSpan] = self.exporter.get_finished_spans()
+        return [dict(s.attributes or {}) for s in found if s.name == f"{stage}.decision"]
+
+
+def make_ctx(tmp_path: Path, spans: Spans | None = None, **kw: Any) -> SessionContext:
+    """A context; the reference token tracker unless one is given, so figures are exact."""
+    kw.setdefault("session_id", "s1")
+    kw.setdefault("token_tracker", TokenTracker("reference"))
+    return SessionContext(root=tmp_path / "store", tracer=spans.tracer if spans else None, **kw)
+
+
+def roles_alternate(request: Sequence[Any]) -> bool:
+    return all(a["role"] != b["role"] for a, b in itertools.pairwise(request))
+
+
+def wire_ok(messages: Sequence[Message]) -> bool:
+    request = to_api(messages)
+    return check_pairing(request) == [] and roles_alternate(request)
+
+
+def dump(messages: Sequence[Message]) -> str:
+    return json.dumps(to_api(messages), sort_keys=True)
+
+
+def answered(history: list[Message], sent: list[Message], n: int, chars: int) -> list[Message]:
+    """``history`` plus the model's reply to the request ``sent`` (usage counts ``sent``, as the
+    API would) and the tool_result of its call ``n``."""
+    reply = Message.assistant(
+        [{"type": "text", "text": f"step {n}"}, tool_use(f"t{n}", command=f"cmd {n}")],
+        message_id=f"m{n}",
+        model="claude-test",
+        uuid=f"a{n}",
+    )
+    usage = Usage(input_tokens=rough_tokens_for_messages(sent), output_tokens=20)
+    out = f"out {n} " + "x" * chars
+    return [
+        *history,
+        dataclasses.replace(reply, usage=usage),
+        Message.user([tool_result(f"t{n}", out)], uuid=f"r{n}"),
+    ]
+
+
+def agentic(rounds: int, chars: int = 1_000) -> list[Message]:
+    """A task prompt and ``rounds`` tool rounds; every response carries realistic usage."""
+    history = [Message.user("Fix the failing tests.", uuid="first")]
+    for n in range(rounds):
+        history = answered(history, history, n, chars)
+    return history
+
+
+async def run(stage: Any, history: list[Message], ctx: SessionContext) -> list[Message]:
+    """One pass of ``stage`` alone, as the pipeline would run it."""
+    return list(await Pipeline([stage]).run(history, ctx))
+
+
+# --------------------------------------------------------------------------------------------
+# Trigger and protections
+# --------------------------------------------------------------------------------------------
+
+
+def small_snip(**kw: Any) -> HistorySnip:
+    kw.setdefault("keep_recent_rounds", 4)
+    return HistorySnip(context_window=10_000, **kw)  # trigger 8,000, target 6,000
+
+
+@pytest.mark.asyncio
+async def test_below_the_trigger_nothing_changes_and_the_span_says_why(tmp_path: Path) -> None:
+    spans = Spans()
+    history = agentic(20)  # ~6,000 tokens
+    ctx = make_ctx(tmp_path, spans)
+    assert await small_snip()(history, ctx) is history
+    [d] = spans.decisions("history_snip")
+    assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("skip", "below_trigger")
+    assert d[ATTR.TOKENS_BEFORE] == ctx.token_tracker.estimate(history) < 8_000
+    assert d["sluicegate.strategy"] == "snip-middle"
+
+
+@pytest.mark.asyncio
+async def test_the_default_instance_leaves_a_long_ordinary_session_alone(tmp_path: Path) -> None:
+    history = agentic(150, chars=2_000)  # ~ 80,000 tokens: long, but far below the window
+    for tracker in (TokenTracker("reference"), TokenTracker()):  # and whatever the default is
+        assert 60_000 < tracker.estimate(history) < 100_000
+        ctx = make_ctx(tmp_path, token_tracker=tracker)
+        assert await HistorySnip()(history, ctx) is history
+
+
+@pytest.mark.asyncio
+async def test_over_the_trigger_oldest_middle_rounds_go(tmp_path: Path) -> None:
+    spans = Spans()
+    history = agentic(34)  # ~ 9,000 tokens
+    ctx = make_ctx(tmp_path, spans)
+    before = ctx.token_tracker.estimate(history)
+    assert before >= 8_000
+    out = await run(small_snip(), history, ctx)
+
+    kept = {m.uuid for m in out}
+    assert out[0] is history[0]  # the task
+    assert all(m in out for m in history[-8:])  # the last 4 rounds, untouched objects
+    gone = [m.uuid for m in history if m.uuid not in kept]
+    # whole rounds, oldest first: a0 r0 a1 r1 ...
+    k = len(gone) // 2
+    assert gone == [u for n in range(k) for u in (f"a{n}", f"r{n}")]
+    assert out[1].content == snip_marker_text(2 * k) and out[1].is_meta
+    assert out[2] is history[1 + 2 * k]
+    assert wire_ok(out)
+
+    [d] = spans.decisions("history_snip")
+    assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("snipped", "over_trigger")
+    # what the anchor's usage counted and is gone now, less the marker that replaces it
+    freed = rough_tokens_for_messages(history[1 : 1 + 2 * k]) - rough_tokens_for_messages(out[1:2])
+    assert ctx.report.tokens_freed == d["sluicegate.tokens_freed"] == freed > 0
+    assert d[ATTR.TOKENS_AFTER] == before - ctx.report.tokens_freed <= 6_000
+    assert d["sluicegate.removed_new"] == 2 * k
+    assert ctx.records_for("history_snip") == [
+        {"strategy": "snip-middle", "removed": gone, "anchor": history[-2].uuid}
+    ]
+
+
+@pytest.mark.asyncio
+async def test_the_round_holding_the_latest_prompt_stays(tmp_path: Path) -> None:
+    history = agentic(34)
+    prompt = Message.user("Now also update the changelog.", uuid="prompt")
+    history.insert(7, prompt)  # after r2: the user part of round 2
+    out = await run(small_snip(), history, make_ctx(tmp_path))
+    assert out is not history
+    assert prompt in out and history[5] in out  # a2, its round's response, stays with it
+    assert "a1" not in {m.uuid for m in out} and "a3" not in {m.uuid for m in out}
+    assert sum(m.is_meta for m in out) == 2  # two runs, two markers
+    assert wire_ok(out)
+
+
+@pytest.mark.asyncio
+async def test_nothing_removable_when_every_round_is_protected(tmp_path: Path) -> None:
+    spans = Spans()
+    history = agentic(4, chars=9_000)  # huge, but only the 4 protected rounds
+    ctx = make_ctx(tmp_path, spans)
+    assert await small_snip()(history, ctx) is history
+    [d] = spans.decisions("history_snip")
+    assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("skip", "nothing_removable")
+
+
+@pytest.mark.asyncio
+async def test_interleaved_fragments_and_parallel_results_are_never_split(tmp_path: Path) -> None:
+    """Parallel tool calls streamed as fragments with results between them: one round."""
+    history = [Message.user("go", uuid="first")]
+    for n in range(30):
+        for j in range(3):
+            history.append(
+                Message.assistant([tool_use(f"t{n}.{j}")], message_id=f"m{n}", uuid=f"a{n}.{j}")
+            )
+            history.append(Message(type="progress", uuid=f"p{n}.{j}"))
+            history.append(Message.user([tool_result(f"t{n}.{j}", "y" * 400)], uuid=f"r{n}.{j}"))
+    assert wire_ok(history)
+    out = await small_snip(keep_recent_rounds=2)(history, make_ctx(tmp_path))
+    assert out is not history and wire_ok(out)
+    kept = {m.uuid for m in out}
+    for n in range(30):  # a response and all its fragments, results and progress go together
+        present = {u in kept for j in range(3) for u in (f"a{n}.{j}", f"p{n}.{j}", f"r{n}.{j}")}
+        assert len(present) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Frozen removals: re-applied byte for byte, tokens freed once, resume
+# --------------------------------------------------------------------------------------------
+
+
+async def live_session(
+    stage: HistorySnip, ctx: SessionContext, turns: int, writer: TranscriptWriter | None = None
+) -> tuple[list[Message], list[str], list[int]]:
+    """Run ``turns`` model calls; return the final history, each request, each pass's freed."""
+    history = [Message.user("Fix the failing tests.", uuid="first")]
+    if writer is not None:
+        writer.append_messages(history)
+    requests, freed = [], []
+    for n in range(turns):
+        out = await run(stage, history, ctx)
+        requests.append(dump(out))
+        freed.append(ctx.report.tokens_freed)
+        grown = answered(history, out, n, 1_000)
+        if writer is not None:
+            writer.append_messages(grown[len(history) :])
+        history = grown
+    return history, requests, freed
+
+
+@pytest.mark.asyncio
+async def test_after_a_snip_every_request_extends_the_previous_one(tmp_path: Path) -> None:
+    stage = small_snip()
+    ctx = make_ctx(tmp_path)
+    history, requests, freed = await live_session(stage, ctx, 60)
+    snips = [k for k, f in enumerate(freed) if f]
+    assert len(snips) >= 2  # it fired, and fired again as the session kept growing
+    assert len(ctx.records_for("history_snip")) == len(snips)
+    for k in range(len(requests) - 1):
+        prev, nxt = json.loads(requests[k]), json.loads(requests[k + 1])
+        if k + 1 in snips:  # the task stays; the marker joins the user message before the cut
+            task = {"type": "text", "text": "Fix the failing tests.\n"}
+            assert nxt[0]["content"][0] == task and "History snipped" in json.dumps(nxt[0])
+            continue
+        # cache prefix: request k+1 starts with request k minus its last message
+        assert nxt[: len(prev) - 1] == prev[:-1]
+    # the same history and state give the same request, byte for byte
+    assert dump(await run(stage, history, ctx)) == dump(await run(stage, history, ctx))
+
+
+@pytest.mark.asyncio
+async def test_tokens_freed_count_once_per_usage_anchor(tmp_path: Path) -> None:
+    spans = Spans()
+    stage = small_snip()
+    ctx = make_ctx(tmp_path, spans)
+    history = agentic(34)
+    first = await run(stage, history, ctx)
+    freed = ctx.report.tokens_freed
+    assert freed > 0
+    # a retry before any new response: the anchor's usage still counts the removed rounds
+    again = await run(stage, history, ctx)
+    assert again == first and ctx.report.tokens_freed == freed
+    decisions = spans.decisions("history_snip")
+    assert [(d[ATTR.DECISION], d[ATTR.REASON]) for d in decisions] == [
+        ("snipped", "over_trigger"),
+        ("reapplied", "below_trigger"),
+    ]
+    assert decisions[0][ATTR.TOKENS_AFTER] == decisions[1][ATTR.TOKENS_BEFORE]
+    # the next response's usage no longer counts them: nothing more to subtract
+    later = answered(history, first, 99, 100)
+    out = await run(stage, later, ctx)
+    assert ctx.report.tokens_freed == 0 and out[: len(first)] == first
+    assert spans.decisions("history_snip")[-1][ATTR.DECISION] == "reapplied"
+
+
+@pytest.mark.asyncio
+async def test_a_resumed_session_sends_the_same_requests(tmp_path: Path) -> None:
+    stage = small_snip()  # one stage object shared by both sessions, as in a server
+    path = tmp_path / "s1.jsonl"
+    writer = TranscriptWriter(path, "s1")
+    live = make_ctx(tmp_path, transcript=writer)
+    history, _, freed = await live_session(stage, live, 45, writer)
+    assert any(freed)
+
+    loaded = load_transcript(path)
+    assert [m.uuid for m in loaded.messages] == [m.uuid for m in history]
+    resumed = make_ctx(tmp_path, stage_records=loaded.stage_records)
+    assert dump(await run(stage, loaded.messages, resumed)) == dump(await run(stage, history, live))
+    assert resumed.report.tokens_freed == live.report.tokens_freed == 0
+    # and they stay in step as the session goes on
+    grown = answered(history, await run(stage, history, live), 45, 1_000)
+    assert dump(await run(stage, grown, resumed)) == dump(await run(stage, grown, live))
+
+
+@pytest.mark.asyncio
+async def test_after_a_compact_boundary_old_removals_change_nothing(tmp_path: Path) -> None:
+    stage = small_snip()
+    ctx = make_ctx(tmp_path)
+    history = agentic(34)
+    assert await run(stage, history, ctx) != history
+    compacted = [
+        *history,
+        Message(type="system", subtype="compact_boundary", content="compacted", uuid="b"),
+        Message.user("Summary of the work so far.", uuid="s", is_compact_summary=True),
+    ]
+    ctx.begin_pass()
+    out = await stage(compacted, ctx)
+    assert out is compacted and ctx.report.tokens_freed == 0  # nothing sent was removed
+
+
+@pytest.mark.asyncio
+async def test_state_is_per_session(tmp_path: Path) -> None:
+    stage = small_snip()
+    history = agentic(34)
+    one, two = make_ctx(tmp_path), make_ctx(tmp_path, session_id="s2")
+    assert await run(stage, history, one) != history
+    small = agentic(3)
+    assert await run(stage, small, two) == small
+    assert two.records_for("history_snip") == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"context_window": 0}, "context_window"),
+        ({"context_window": True}, "context_window"),
+        ({"trigger_fraction": 1.5}, "trigger_fraction"),
+        ({"target_fraction": 0}, "target_fraction"),
+        ({"target_fraction": 0.9, "trigger_fraction": 0.8}, "target_fraction"),
+        ({"keep_recent_rounds": 0}, "keep_recent_rounds"),
+        ({"keep_recent_rounds": "4"}, "keep_recent_rounds"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], arg: str) -> None:
+    with pytest.raises(ValueError, match=arg):
+        HistorySnip(**kwargs)
+
+
+def test_simple_keyword_construction() -> None:
+    stage = HistorySnip(keep_recent_rounds=4, context_window=1_000_000)
+    assert (stage.name, stage.strategy, stage.may_break_cache) == (
+        "history_snip",
+        "snip-middle",
+        True,
+    )
+    assert (stage.trigger_tokens, stage.target_tokens) == (800_000, 600_000)
+
+
+# --------------------------------------------------------------------------------------------
+# Property: random well-formed histories
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[Message]:
+    """Alternating, fully paired histories: grouped or streamed responses (a record per block,
+    results after each call or after all of them), results split over records, progress and
+    system noise, prompts, usage or none."""
+    ids = itertools.count()
+
+    def uid() -> str:
+        return f"x{next(ids)}"
+
+    def pad() -> str:
+        return "x" * draw(st.integers(0, 600))
+
+    msgs = [Message.user("task " + pad(), uuid="first")]
+    with_usage = draw(st.booleans())
+    rounds = draw(st.integers(0, 14))
+    for r in range(rounds):
+        mid, start = f"m{r}", len(msgs)
+        tools = [f"t{r}.{j}" for j in range(draw(st.integers(0, 3)))]
+        text = {"type": "text", "text": f"say {r} " + pad()}
+        shape = draw(st.sampled_from(["grouped", "interleaved", "fragments_first"]))
+        if tools and shape != "grouped":  # streamed: a record per block, as Claude Code writes
+            msgs.append(Message.assistant([text], message_id=mid, uuid=uid()))
+            results = []
+            for t in tools:
+                msgs.append(Message.assistant([tool_use(t)], message_id=mid, uuid=uid()))
+                if draw(st.booleans()):
+                    msgs.append(Message(type="progress", uuid=uid()))
+                result = Message.user([tool_result(t, f"out {t} " + pad())], uuid=uid())
+                if shape == "interleaved":  # each result right after its call
+                    msgs.append(result)
+                else:
+                    results.append(result)
+            msgs += results
+        else:
+            msgs.append(
+                Message.assistant([text, *map(tool_use, tools)], message_id=mid, uuid=uid())
+            )
+            cut = draw(st.integers(0, len(tools)))
+            for part in (tools[:cut], tools[cut:]):
+                if part:
+                    blocks = [tool_result(t, f"out {t} " + pad()) for t in part]
+                    msgs.append(Message.user(blocks, uuid=uid()))
+        if draw(st.booleans()):
+            msgs.append(Message(type="system", subtype="turn_duration", content="1s", uuid=uid()))
+        if (not tools and r < rounds - 1) or draw(st.booleans()):
+            msgs.append(Message.user(f"prompt {r} " + pad(), uuid=uid()))
+        if with_usage:  # on the last fragment: what the request before this response held
+            last = max(i for i in range(start, len(msgs)) if msgs[i].type == "assistant")
+            usage = Usage(input_tokens=rough_tokens_for_messages(msgs[:start]), output_tokens=9)
+            msgs[last] = dataclasses.replace(msgs[last], usage=usage)
+    assert wire_ok(msgs)
+    return msgs
+
+
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(
+    history=histories(),
+    window=st.integers(200, 6_000),
+    keep=st.integers(1, 4),
+    reference=st.booleans(),
+)
+def test_snip_keeps_pairing_alternation_and_is_idempotent(
+    tmp_path_factory: pytest.TempPathFactory,
+    history: list[Message],
+    window: int,
+    keep: int,
+    reference: bool,
+) -> None:
+    import anyio
+
+    async def body() -> None:
+        root = tmp_path_factory.mktemp("snip")
+        stage = HistorySnip(context_window=window, keep_recent_rounds=keep)
+        ctx = make_ctx(
+            root, token_tracker=TokenTracker("reference") if reference else TokenTracker()
+        )
+        out = await run(stage, history, ctx)
+        assert wire_ok(out)
+        assert not out or out[0] is history[0]
+        originals = {id(m) for m in history}
+        assert all(id(m) in originals or m.is_meta for m in out)
+        # each marker counts the API messages of the run it stands for
+        j = 0
+        for pos, m in enumerate(out):
+            if id(m) in originals:
+                j = next(k for k in range(j, len(history)) if history[k] is m) + 1
+                continue
+            nxt = out[pos + 1] if pos + 1 < len(out) else None
+            end = next(k for k in range(j, len(history)) if history[k] is nxt)
+            assert m.content == snip_marker_text(len(to_api(history[j:end])))
+            j = end
+        # the last ``keep`` responses and everything after them are untouched
+        ids = [m.message_id for m in history if m.type == "assistant"]
+        recent = list(dict.fromkeys(reversed(ids)))[:keep]
+        if recent:
+            start = min(i for i, m in enumerate(history) if m.message_id in recent)
+            assert out[len(out) - (len(history) - start) :] == history[start:]
+        # idempotent, and a resumed context repeats it
+        assert await run(stage, history, ctx) == out
+        resumed = make_ctx(root, stage_records=ctx.stage_records, token_tracker=ctx.token_tracker)
+        assert await run(stage, history, resumed) == out
+
+    anyio.run(body)

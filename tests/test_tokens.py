@@ -1,0 +1,353 @@
+"""The token tracker: every SPEC §4 reference rule, and properties of both methods.
+
+The reference figures are computed by hand from the rule (``round(len/4)``, JSON-family text 2
+chars/token, 2,000 per image or document), never by calling the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline import Message, SessionContext, TokenTracker, Usage
+from pipeline.messages import SYNTHETIC_MODEL
+from pipeline.token_features import looks_like_json
+from pipeline.tokens import (
+    IMAGE_TOKENS,
+    find_anchor,
+    rough_tokens_for_messages,
+    rough_tokens_for_text,
+)
+from tests.builders import assistant, results, tool_result, tool_use, user_text
+
+METHODS = ("reference", "calibrated")
+U = Usage(
+    input_tokens=10, cache_creation_input_tokens=200, cache_read_input_tokens=3_000, output_tokens=7
+)
+IMAGE: dict[str, Any] = {
+    "type": "image",
+    "source": {"type": "base64", "media_type": "image/png", "data": "A" * 9},
+}
+PDF = {
+    "type": "document",
+    "source": {"type": "base64", "media_type": "application/pdf", "data": ""},
+}
+
+
+def ref() -> TokenTracker:
+    return TokenTracker("reference")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference rules (SPEC §4)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_usage_total_is_input_plus_cache_writes_plus_cache_reads_plus_output() -> None:
+    msgs = [user_text("hi"), assistant("m1", {"type": "text", "text": "yo"}, usage=U)]
+    assert ref().estimate(msgs) == 10 + 200 + 3_000 + 7
+    assert ref().estimate_after_anchor(msgs) == 0
+
+
+def test_default_method_is_calibrated_and_reference_is_selectable() -> None:
+    assert TokenTracker().method == "calibrated"
+    assert SessionContext("s", "/nonexistent").token_tracker.method == "calibrated"
+    assert ref().method == "reference" and ref().estimator is None
+    with pytest.raises(ValueError):
+        TokenTracker("len/4")  # type: ignore[arg-type]
+
+
+def test_text_is_round_len_over_4() -> None:
+    # round() halves to even: 2 chars -> 0.5 -> 0; 6 chars -> 1.5 -> 2; 10 -> 2.5 -> 2
+    assert [rough_tokens_for_text("x" * n) for n in (0, 1, 2, 3, 6, 10, 400)] == [
+        0,
+        0,
+        0,
+        1,
+        2,
+        2,
+        100,
+    ]
+
+
+def test_everything_after_the_anchor_is_estimated() -> None:
+    msgs = [
+        user_text("a" * 4_000),  # before the anchor: counted by its usage, not estimated
+        assistant("m1", {"type": "text", "text": "b" * 40}, usage=U),
+        user_text("c" * 400),
+    ]
+    assert ref().estimate(msgs) == U.total + 100
+    assert ref().estimate_after_anchor(msgs) == 100
+
+
+def test_same_id_backtrack_across_interleaved_tool_results() -> None:
+    msgs = [
+        user_text("go"),
+        assistant("m1", tool_use("t1", "Bash", command="ls")),  # first fragment, no usage
+        results(tool_result("t1", "r" * 400)),  # between the fragments: must be estimated
+        assistant("m1", tool_use("t2", "Bash", command="pwd"), usage=U),  # usage on the last
+        results(tool_result("t2", "s" * 80)),
+    ]
+    anchor = find_anchor(msgs)
+    assert anchor is not None and anchor == (1, U)
+    second_fragment = rough_tokens_for_text("Bash" + json.dumps({"command": "pwd"}))
+    assert ref().estimate(msgs) == U.total + 100 + second_fragment + 20
+
+
+def test_records_without_an_id_are_walked_past_and_another_id_stops_the_walk() -> None:
+    walk_past = [
+        assistant("m1", {"type": "text", "text": "first"}),
+        Message(type="progress"),  # no assistant id: walked past
+        results(tool_result("t", "x")),
+        assistant("m1", {"type": "text", "text": "last"}, usage=U),
+    ]
+    assert find_anchor(walk_past) == (0, U)
+    stopped = [
+        assistant("m1", {"type": "text", "text": "older fragment"}),
+        assistant("m2", {"type": "text", "text": "another response"}),  # a different id stops
+        assistant("m1", {"type": "text", "text": "last"}, usage=U),
+    ]
+    assert find_anchor(stopped) == (2, U)
+
+
+def test_the_latest_usage_snapshot_of_a_response_is_its_usage() -> None:
+    early = Usage(input_tokens=10, output_tokens=1)
+    msgs = [
+        assistant("m1", {"type": "text", "text": "a"}, usage=early),
+        assistant("m1", {"type": "text", "text": "b"}, usage=U),
+    ]
+    assert find_anchor(msgs) == (0, U)
+    assert ref().estimate(msgs) == U.total + 0  # "b" is 1 char: round(0.25) = 0
+
+
+def test_synthetic_messages_are_never_anchors_but_are_counted() -> None:
+    synthetic = Message.assistant(
+        [{"type": "text", "text": "z" * 40}],
+        message_id="syn",
+        usage=Usage(input_tokens=999_999),
+        model=SYNTHETIC_MODEL,
+    )
+    msgs = [user_text("go"), assistant("m1", {"type": "text", "text": "ok"}, usage=U), synthetic]
+    assert find_anchor(msgs) == (1, U)
+    assert ref().estimate(msgs) == U.total + 10
+    assert find_anchor([user_text("go"), synthetic]) is None
+
+
+def test_images_and_documents_are_a_fixed_2000_whatever_their_size() -> None:
+    big_image = dict(IMAGE, source=dict(IMAGE["source"], data="Q" * 1_000_000))
+    msgs = [
+        Message.user([IMAGE, {"type": "text", "text": "abcd"}]),
+        Message.user([big_image, PDF]),
+        results(tool_result("t1", [IMAGE, {"type": "text", "text": "x" * 8}])),
+    ]
+    assert IMAGE_TOKENS == 2_000
+    assert rough_tokens_for_messages(msgs) == 2_000 + 1 + 2_000 + 2_000 + 2_000 + 2
+
+
+def test_json_family_text_is_2_chars_per_token() -> None:
+    obj = json.dumps({"k": "v" * 94})  # 103 chars
+    assert rough_tokens_for_text(obj) == 52  # round(51.5), not round(103 / 4)
+    assert rough_tokens_for_text("  [1, 2, 3, 4]\n") == round(15 / 2)  # blanks around count
+    assert rough_tokens_for_text("{ not closed") == round(12 / 4)
+    assert rough_tokens_for_text("{}") == 1 and rough_tokens_for_text("{") == 0
+    padded = " " * 600 + "{" + "x" * 1_000 + "}" + "\n" * 600  # long, padded: still JSON
+    assert rough_tokens_for_text(padded) == round(len(padded) / 2)
+
+
+def test_tool_use_is_name_plus_json_input_thinking_is_its_text_others_their_json() -> None:
+    use = tool_use("t1", "Read", file_path="/src/main.py")
+    thinking = {"type": "thinking", "thinking": "t" * 40, "signature": "s" * 400}
+    redacted = {"type": "redacted_thinking", "data": "d" * 80}
+    other = {"type": "server_tool_use", "id": "srv", "name": "web_search", "input": {"q": "x"}}
+    msg = Message.assistant([use, thinking, redacted, other], message_id="m1")
+    expected = (
+        round(len("Read" + json.dumps({"file_path": "/src/main.py"})) / 4)
+        + 10  # the thinking text only, not the signature
+        + 20
+        + round(len(json.dumps(other)) / 2)  # a block's JSON is JSON-family text
+    )
+    assert rough_tokens_for_messages([msg]) == expected
+
+
+def test_tool_result_string_and_block_list_contents() -> None:
+    msg = results(
+        tool_result("a", "x" * 40),
+        tool_result("b", [{"type": "text", "text": "y" * 80}, {"type": "text", "text": "z" * 4}]),
+        tool_result("c", None),
+    )
+    assert rough_tokens_for_messages([msg]) == 10 + 20 + 1
+
+
+def test_progress_and_system_records_are_not_sent_local_command_output_is() -> None:
+    msgs = [
+        Message(type="progress", content="p" * 400),
+        Message(type="system", subtype="informational", content="s" * 400),
+        Message(type="system", subtype="local_command", content="l" * 40),
+        Message(type="attachment", content=[{"type": "text", "text": "a" * 80}]),
+    ]
+    assert rough_tokens_for_messages(msgs) == 10 + 20
+
+
+def test_without_usage_everything_is_estimated() -> None:
+    msgs = [
+        user_text("a" * 400),
+        assistant("m1", {"type": "text", "text": "b" * 40}),  # no usage: not an anchor
+        user_text("c" * 80),
+    ]
+    assert find_anchor(msgs) is None
+    assert ref().estimate(msgs) == ref().estimate_after_anchor(msgs) == 100 + 10 + 20
+
+
+def test_reference_observe_records_the_error_and_learns_nothing() -> None:
+    tracker = ref()
+    msgs = [
+        user_text("go"),
+        assistant("m1", {"type": "text", "text": "ok"}, usage=U),
+        user_text("q" * 8_000),  # reference: 2,000
+    ]
+    obs = tracker.observe(msgs, Usage(input_tokens=U.total + 3_000))
+    assert (obs.estimated_part, obs.real_growth, obs.learned) == (2_000, 3_000, False)
+    assert tracker.last_error == U.total + 2_000 - (U.total + 3_000)
+    stats = tracker.error_stats()
+    assert (stats.calls, stats.big_calls, stats.undercounted) == (1, 1, 1)
+    assert stats.median_signed == pytest.approx(-1 / 3)
+    assert tracker.estimate(msgs) == U.total + 2_000  # nothing learned
+    assert tracker.ratios() == {"text": {"chars_per_token": 4.0}, "json": {"chars_per_token": 2.0}}
+
+
+def test_looks_like_json_never_copies_but_agrees_with_strip() -> None:
+    for text in ["", " ", "{", "{}", " [ ] ", "x" * 2_000, " " * 300 + "[" + "1," * 400 + "1]"]:
+        s = text.strip()
+        expected = len(s) >= 2 and (s[0] + s[-1] in ("{}", "[]"))
+        assert looks_like_json(text) is expected, text[:20]
+
+
+@given(
+    st.text(alphabet=" \n\t{}[]ab", max_size=40),
+    st.integers(0, 700),
+    st.text(alphabet=" \n\t{}[]ab", max_size=40),
+)
+def test_looks_like_json_matches_the_strip_rule(head: str, middle: int, tail: str) -> None:
+    text = head + "m" * middle + tail  # long texts exercise the no-copy path
+    s = text.strip()
+    assert looks_like_json(text) is (len(s) >= 2 and s[0] + s[-1] in ("{}", "[]"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties of both methods
+# ---------------------------------------------------------------------------------------------
+
+_TEXT = st.one_of(
+    st.text(alphabet=st.sampled_from(list("abcXYZ019 \n\t{}[]():;,.\"'→é中\x1b")), max_size=300),
+    st.text(alphabet=" \t", max_size=40),  # blank runs weigh negative in the base model
+)
+_USAGE = st.builds(
+    Usage,
+    input_tokens=st.integers(0, 50_000),
+    output_tokens=st.integers(0, 5_000),
+    cache_creation_input_tokens=st.integers(0, 5_000),
+    cache_read_input_tokens=st.integers(0, 50_000),
+)
+_IDS = st.sampled_from(["m1", "m2", "m3", "m4"])
+
+
+@st.composite
+def _content_message(draw: st.DrawFn) -> Message:
+    """Any message that adds content and carries no usage (so it cannot become an anchor)."""
+    kind = draw(st.sampled_from(["user", "result", "assistant", "image", "attach", "system"]))
+    text = draw(_TEXT)
+    if kind == "user":
+        return Message.user(text)
+    if kind == "result":
+        content: Any = draw(st.one_of(st.just(text), st.just([{"type": "text", "text": text}])))
+        return results(tool_result("t", content, is_error=draw(st.booleans())))
+    if kind == "assistant":
+        blocks = draw(
+            st.sampled_from(
+                [
+                    [{"type": "text", "text": text}],
+                    [{"type": "thinking", "thinking": text}],
+                    [tool_use("t", "Bash", command=text)],
+                ]
+            )
+        )
+        return Message.assistant(blocks, message_id=draw(_IDS), model="claude-sonnet-4-5")
+    if kind == "image":
+        return Message.user([IMAGE, PDF])
+    if kind == "attach":
+        return Message(type="attachment", content=[{"type": "text", "text": text}])
+    subtype = draw(st.sampled_from(["local_command", "informational"]))
+    return Message(type="system", subtype=subtype, content=text)
+
+
+@st.composite
+def _response(draw: st.DrawFn) -> Message:
+    """An assistant record with usage: a real response, or a synthetic one."""
+    model = draw(st.sampled_from(["claude-opus-4-6", "claude-haiku-4-5", SYNTHETIC_MODEL, "gpt"]))
+    return Message.assistant(
+        [{"type": "text", "text": draw(_TEXT)}],
+        message_id=draw(_IDS),
+        usage=draw(_USAGE),
+        model=model,
+    )
+
+
+_CONVERSATION = st.lists(st.one_of(_content_message(), _response()), max_size=12)
+
+
+def _warm(method: str, conversation: list[Message]) -> TokenTracker:
+    """A tracker that has observed every call of ``conversation`` (multipliers moved)."""
+    tracker = TokenTracker(method)  # type: ignore[arg-type]
+    for i, m in enumerate(conversation):
+        if m.type == "assistant" and m.usage is not None and not m.is_synthetic:
+            tracker.observe(conversation[:i], m.usage, model=m.model)
+    return tracker
+
+
+@pytest.mark.parametrize("method", METHODS)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    conversation=_CONVERSATION,
+    added=st.lists(_content_message(), min_size=1, max_size=4),
+    history=_CONVERSATION,
+)
+def test_adding_content_never_lowers_the_estimate(
+    method: str, conversation: list[Message], added: list[Message], history: list[Message]
+) -> None:
+    tracker = _warm(method, history)
+    before = tracker.estimate(conversation)
+    after = tracker.estimate([*conversation, *added])
+    assert after >= before >= 0
+    assert tracker.estimate_after_anchor([*conversation, *added]) >= 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversation=_CONVERSATION, history=_CONVERSATION)
+def test_the_estimate_is_never_negative(
+    method: str, conversation: list[Message], history: list[Message]
+) -> None:
+    # compaction points included: the estimate restarts there, it never goes below 0
+    boundary = Message(type="system", subtype="compact_boundary", content="")
+    tracker = _warm(method, history)
+    for msgs in (conversation, [*conversation, boundary], [boundary, *conversation]):
+        detail = tracker.estimate_detail(msgs)
+        assert detail.total >= 0 and detail.estimated_part >= 0
+        assert detail.total == detail.anchor_total + detail.estimated_part
+
+
+@settings(max_examples=100, deadline=None)
+@given(conversation=_CONVERSATION)
+def test_the_reference_is_anchor_total_plus_rough_tokens_after_the_first_fragment(
+    conversation: list[Message],
+) -> None:
+    anchor = find_anchor(conversation)
+    if anchor is None:
+        expected = rough_tokens_for_messages(conversation)
+    else:
+        expected = anchor[1].total + rough_tokens_for_messages(conversation[anchor[0] + 1 :])
+    assert ref().estimate(conversation) == expected
