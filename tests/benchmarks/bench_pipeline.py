@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from pipeline import (  # noqa: E402
 )
 from pipeline.gate import empty_result_text, is_persistable, persist_content  # noqa: E402
 from pipeline.replacement import candidate_size, content_is_empty, is_candidate  # noqa: E402
-from pipeline.replay import find_calls, replay_messages  # noqa: E402
+from pipeline.replay import replay_messages  # noqa: E402
 from stages import ToolResultBudget, default_stages  # noqa: E402
 
 DEFAULT_CORPUS = Path(os.environ.get("SLUICEGATE_CORPUS", REPO.parent / "shared" / "corpus"))
@@ -332,8 +332,8 @@ async def bench_turn(sizes: list[int], runs: int) -> None:
         for n in sizes:
             await _bench_turn_size(n, runs, tmp)
     print(
-        "stage call: the bare algorithm -- FullRescanBudget (this file) vs ToolResultBudget.__call__"
-        ".\nin Pipeline.run: each as the only stage of a pipeline (adds spans and the token"
+        "stage call: the bare algorithms, FullRescanBudget (this file) vs ToolResultBudget."
+        "\nin Pipeline.run: each as the only stage of a pipeline (adds spans and the token"
         " estimates before/after).\ndefault: Pipeline(default_stages()); (rescan): the same with"
         " FullRescanBudget in the budget's slot.\nby stage: the default pipeline's stages; run ="
         " the rest of Pipeline.run (spans, token estimates)."
@@ -417,8 +417,18 @@ def corpus_files(corpus: Path) -> list[Path]:
     return sorted(corpus.glob("claude-code_*/**/*.jsonl")) if corpus.is_dir() else []
 
 
-async def replay_file(path: Path, root: str, transcript: Any = None) -> int:
-    """Load (unless given) and replay one session as the CLI does, minus the printing."""
+async def replay_file(
+    path: Path,
+    root: str,
+    transcript: Any = None,
+    stage_times: dict[str, list[float]] | None = None,
+    copies: list[int] | None = None,
+) -> int:
+    """Load (unless given) and replay one session as the CLI does, minus the printing.
+
+    ``stage_times``: time each stage into it. ``copies``: append, per call, how many tool_result
+    texts the request holds as equal copies rather than the loaded objects themselves.
+    """
     t = transcript if transcript is not None else load_transcript(path, strict=False)
     ctx = SessionContext(
         t.session_id or "replay",
@@ -426,11 +436,36 @@ async def replay_file(path: Path, root: str, transcript: Any = None) -> int:
         tool_policies=ToolPolicies.claude_code(),
         logger=QuietLogger(),
     )
+    stages_ = default_stages()
+    if stage_times is not None:
+        stages_ = [Timed(s, stage_times) for s in stages_]
+    originals = _tool_results(t.messages) if copies is not None else {}
     calls = 0
-    async for result in replay_messages(t.messages, Pipeline(default_stages()), ctx):
+    async for result in replay_messages(t.messages, Pipeline(stages_), ctx):
         calls += 1
         result.request_chars  # noqa: B018 - the CLI computes it for every call
+        if copies is not None:
+            sent = _tool_results(result.request)
+            copies.append(
+                sum(
+                    1
+                    for tid, c in sent.items()
+                    if tid in originals and c is not originals[tid] and c == originals[tid]
+                )
+            )
     return calls
+
+
+def _tool_results(messages: Sequence[Any]) -> dict[str, Any]:
+    """tool_use_id -> content object, from messages or request params."""
+    out: dict[str, Any] = {}
+    for m in messages:
+        content = m.content if isinstance(m, Message) else m["content"]
+        if isinstance(content, list):
+            for b in content:
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    out[b["tool_use_id"]] = b.get("content")
+    return out
 
 
 def bench_replay(corpus: Path, runs: int) -> None:
@@ -442,7 +477,6 @@ def bench_replay(corpus: Path, runs: int) -> None:
     size = sum(p.stat().st_size for p in files)
     t_load, t_replay = [], []
     calls = 0
-    per_file: dict[Path, list[float]] = {p: [] for p in files}
     for _ in range(runs):
         start = time.perf_counter()
         for p in files:
@@ -450,11 +484,7 @@ def bench_replay(corpus: Path, runs: int) -> None:
         t_load.append(time.perf_counter() - start)
         with tempfile.TemporaryDirectory(prefix="bench-replay-") as root:
             start = time.perf_counter()
-            calls = 0
-            for p in files:
-                s = time.perf_counter()
-                calls += anyio.run(replay_file, p, root)
-                per_file[p].append(time.perf_counter() - s)
+            calls = sum(anyio.run(replay_file, p, root) for p in files)
             t_replay.append(time.perf_counter() - start)
     lo, re_ = statistics.median(t_load), statistics.median(t_replay)
     print(f"{len(files)} sessions, {size / 1e6:.1f} MB, {calls:,} calls")
@@ -463,13 +493,37 @@ def bench_replay(corpus: Path, runs: int) -> None:
         f"parse + replay  {re_:8.2f} s   = {re_ / lo:.1f}x parsing   "
         f"({calls / (re_ - lo):,.0f} calls/s of replay)"
     )
-    worst = sorted(per_file.items(), key=lambda kv: -statistics.median(kv[1]))[:3]
-    for p, ts in worst:
-        t = load_transcript(p, strict=False)
-        print(
-            f"   slowest: {p.name[:24]:<24} {statistics.median(ts):6.2f} s  "
-            f"{len(t.messages):>5} messages {len(find_calls(t.messages)):>4} calls"
-        )
+    # where the replay's time goes (one more run, instrumented)
+    import pipeline.replay as replay_module
+
+    stage_times: dict[str, list[float]] = {}
+    wire_times: list[float] = []
+    real_to_api = replay_module.to_api
+
+    def timed_to_api(messages: Sequence[Message]) -> Any:
+        start = time.perf_counter()
+        try:
+            return real_to_api(messages)
+        finally:
+            wire_times.append(time.perf_counter() - start)
+
+    replay_module.to_api = timed_to_api  # type: ignore[assignment]
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-replay-") as root:
+            start = time.perf_counter()
+            for p in files:
+                anyio.run(replay_file, p, root, None, stage_times)
+            total = time.perf_counter() - start
+    finally:
+        replay_module.to_api = real_to_api  # type: ignore[assignment]
+    parts = {k: sum(v) for k, v in stage_times.items()}
+    parts["to_api"] = sum(wire_times)
+    parts["load+rest"] = total - sum(parts.values())
+    print(
+        "   where it goes: "
+        + ", ".join(f"{k} {v:.2f} s ({v / total:.0%})" for k, v in parts.items())
+    )
+    print("   (rest: loading, the replay loop, token estimates/observations, request_chars)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,11 +535,12 @@ import sys, resource, anyio
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {here!r})
 import bench_pipeline as b
 from pipeline import load_transcript
-paths = {paths!r}
-for p in paths:
-    t = load_transcript(p, strict=False)
-    if {replay!r}:
-        anyio.run(b.replay_file, p, {root!r}, t)
+for p in {paths!r}:
+    if {mode!r} != "imports":
+        t = load_transcript(p, strict=False)
+        if {mode!r} == "replay":
+            anyio.run(b.replay_file, p, {root!r}, t)
+        del t
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
@@ -498,7 +553,7 @@ def bench_memory(corpus: Path, top: int) -> None:
         return
     print(
         f"{'session':<26} {'file MB':>8} {'load+replay peak':>17} {'x file':>7} "
-        f"{'replay alone':>13} {'x file':>7}"
+        f"{'replay alone':>13} {'x file':>7} {'text copies':>12}"
     )
     for p in files:
         size = p.stat().st_size
@@ -510,33 +565,36 @@ def bench_memory(corpus: Path, top: int) -> None:
             anyio.run(replay_file, p, root, t)
             _, replay_peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
+            copies: list[int] = []  # not traced: the check itself holds every request
+            anyio.run(replay_file, p, root, t, None, copies)
         print(
             f"{p.name[:26]:<26} {size / 1e6:8.2f} {replay_peak / 1e6:14.1f} MB "
             f"{replay_peak / size:6.2f}x {(replay_peak - loaded) / 1e6:10.1f} MB "
-            f"{(replay_peak - loaded) / size:6.2f}x"
+            f"{(replay_peak - loaded) / size:6.2f}x {sum(copies):>12}"
         )
-    # the same, measured as the OS sees it: max RSS of a process replaying vs only loading
-    paths = [str(p) for p in files]
+    # as the OS sees it: max RSS of a process that only imports, loads, or loads and replays
     here = str(Path(__file__).resolve().parent)
     rss = {}
     with tempfile.TemporaryDirectory(prefix="bench-rss-") as root:
-        for replay in (False, True):
+        for mode in ("imports", "load", "replay"):
             code = _RSS_SCRIPT.format(
-                repo=str(REPO), here=here, paths=paths, replay=replay, root=root
+                repo=str(REPO), here=here, paths=[str(p) for p in files], mode=mode, root=root
             )
             out = subprocess.run(
                 [sys.executable, "-c", code], capture_output=True, text=True, check=True
             )
-            rss[replay] = int(out.stdout.strip().splitlines()[-1]) * 1024  # Linux: KiB
-    total = sum(p.stat().st_size for p in files)
+            rss[mode] = int(out.stdout.strip().splitlines()[-1]) * 1024  # Linux: KiB
+    largest = files[0].stat().st_size
     print(
-        f"max RSS: load only {rss[False] / 1e6:.0f} MB, load + replay {rss[True] / 1e6:.0f} MB"
-        f" -> replay adds {(rss[True] - rss[False]) / 1e6:.0f} MB "
-        f"= {(rss[True] - rss[False]) / total:.2f}x the {total / 1e6:.1f} MB of transcripts"
+        f"max RSS: imports {rss['imports'] / 1e6:.0f} MB, + loading {rss['load'] / 1e6:.0f} MB,"
+        f" + replaying {rss['replay'] / 1e6:.0f} MB -> above the imports, "
+        f"{(rss['replay'] - rss['imports']) / largest:.2f}x the largest file "
+        f"({largest / 1e6:.1f} MB; sessions replayed one at a time)"
     )
     print(
         "x file = traced Python memory / transcript bytes; 'replay alone' = peak during the "
-        "replay minus what the loaded transcript holds."
+        "replay minus what the loaded transcript holds;\ntext copies = tool_result texts sent "
+        "as equal copies instead of the loaded string objects (summed over every call)."
     )
 
 
@@ -598,7 +656,8 @@ async def bench_sessions(n_sessions: int, turns: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,1000,5000,20000")
-    parser.add_argument("--runs", type=int, default=7, help="turns (1) / repetitions (2)")
+    parser.add_argument("--runs", type=int, default=7, help="turns timed per size in (1)")
+    parser.add_argument("--replay-runs", type=int, default=3)
     parser.add_argument("--only", default="turn,replay,memory,sessions")
     parser.add_argument("--sessions", type=int, default=1_000)
     parser.add_argument("--session-turns", type=int, default=4)
@@ -613,7 +672,7 @@ def main() -> int:
     if "turn" in only:
         anyio.run(bench_turn, [int(s) for s in args.sizes.split(",")], args.runs)
     if "replay" in only:
-        bench_replay(args.corpus, max(1, args.runs // 2))
+        bench_replay(args.corpus, args.replay_runs)
     if "memory" in only:
         bench_memory(args.corpus, args.memory_top)
     if "sessions" in only:
