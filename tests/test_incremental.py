@@ -13,8 +13,12 @@ object, a fresh context with a copy of the ledger as it stood before the pass):
 - the ReplacementState after the pass, the pass report, and the budget spans (group index,
   sizes, outcome, every decision).
 
-Deterministic tests then show what the cache buys (how many messages a pass scans) without
-timing anything.
+1,000 generated sessions of about nine checked passes each. Deterministic tests then show what
+the cache buys (how many messages a pass scans) without timing anything, and pin the edges:
+a reused id across the edit point, a failed pass, hostile blocks, an overlapping pass.
+
+Last, ``to_api``'s indexed fragment walk (O(1) per record, was a linear walk back) is checked
+against the linear walk it replaced on 2,000 generated record sequences.
 """
 
 from __future__ import annotations

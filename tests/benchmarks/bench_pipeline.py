@@ -391,9 +391,10 @@ async def _bench_turn_size(n: int, runs: int, tmp: str) -> None:
     def ms(x: list[float]) -> float:
         return statistics.median(x) * 1e3
 
-    by = {k: ms(v) for k, v in stage_times.items()}
+    by = {k: ms(v[1:]) for k, v in stage_times.items()}  # [0] is the warm-up pass
+    rest = [t - sum(v[k + 1] for v in stage_times.values()) for k, t in enumerate(t_default)]
     by_stage = " ".join(f"{k.split('_')[0][:7]}={v:.2f}" for k, v in by.items())
-    by_stage += f" run={ms(t_default) - sum(by.values()):.2f}"
+    by_stage += f" run={ms(rest):.2f}"
     r, b, rr, rb = ms(t_ref), ms(t_budget), ms(t_run_ref), ms(t_run_budget)
     print(
         f"{n:>9,} {r:>11.2f} {b:>9.3f} {r / b:>7.0f}x {rr:>11.2f} {rb:>9.3f} {rr / rb:>7.1f}x "
@@ -541,7 +542,11 @@ for p in {paths!r}:
         if {mode!r} == "replay":
             anyio.run(b.replay_file, p, {root!r}, t)
         del t
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+try:  # this process's peak RSS in KiB (ru_maxrss would include the parent's: Linux keeps it
+    # across exec)
+    print(next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM")))
+except (OSError, StopIteration):
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
@@ -586,10 +591,11 @@ def bench_memory(corpus: Path, top: int) -> None:
             rss[mode] = int(out.stdout.strip().splitlines()[-1]) * 1024  # Linux: KiB
     largest = files[0].stat().st_size
     print(
-        f"max RSS: imports {rss['imports'] / 1e6:.0f} MB, + loading {rss['load'] / 1e6:.0f} MB,"
-        f" + replaying {rss['replay'] / 1e6:.0f} MB -> above the imports, "
+        f"max RSS: imports {rss['imports'] / 1e6:.1f} MB, + loading {rss['load'] / 1e6:.1f} MB,"
+        f" + replaying {rss['replay'] / 1e6:.1f} MB -> replay above loading "
+        f"{(rss['replay'] - rss['load']) / 1e6:.1f} MB, above the imports "
         f"{(rss['replay'] - rss['imports']) / largest:.2f}x the largest file "
-        f"({largest / 1e6:.1f} MB; sessions replayed one at a time)"
+        f"({largest / 1e6:.1f} MB; sessions one after another)"
     )
     print(
         "x file = traced Python memory / transcript bytes; 'replay alone' = peak during the "
@@ -677,6 +683,7 @@ def main() -> int:
         bench_memory(args.corpus, args.memory_top)
     if "sessions" in only:
         anyio.run(bench_sessions, args.sessions, args.session_turns)
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     return 0
 
 
