@@ -208,6 +208,8 @@ class _Scan:
                 u.assistant_id = m.message_id
         if isinstance(m.content, list):
             for b in m.content:
+                if not isinstance(b, Mapping):  # hostile input: not a block, not a tool_use
+                    continue
                 if b.get("type") == "tool_use" and isinstance(b.get("id"), str):
                     tid, name = b["id"], b.get("name")
                     if u is None:
@@ -700,7 +702,7 @@ def _patch_message(m: Message, apply: Mapping[str, str]) -> Message:
         return m
     new_blocks: list[dict[str, Any]] | None = None
     for j, b in enumerate(m.content):
-        if b.get("type") != "tool_result":
+        if not isinstance(b, Mapping) or b.get("type") != "tool_result":
             continue
         tid = b.get("tool_use_id")
         replacement = apply.get(tid) if isinstance(tid, str) else None

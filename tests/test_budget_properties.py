@@ -1011,12 +1011,6 @@ async def test_reconstruct_agrees_with_the_stage_on_blank_results(tmp_path: Path
     assert ReplacementState.reconstruct(history, []) == ctx.replacement_state
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a non-dict item in a message's content list crashes the budget stage with "
-    "AttributeError ('str' object has no attribute 'get') in _scan / _apply_replacements "
-    "instead of a clear error or a safe fallback (DESIGN invariant 7)",
-)
 @pytest.mark.anyio
 @pytest.mark.parametrize("where", ["user", "assistant"])
 async def test_malformed_blocks_get_a_clear_error_or_a_safe_fallback(
