@@ -357,7 +357,7 @@ async def _bench_turn_size(n: int, runs: int, tmp: str) -> None:
     reference = FullRescanBudget(LIMIT, policies, MemoryStore())
     t_ref = await steady_state(lambda v: reference(v, ref_state), messages, cuts)
     ctx_b = _ctx(f"budget-{n}", tmp)
-    budget = ToolResultBudget(LIMIT, incremental=True)
+    budget = ToolResultBudget(LIMIT)  # incremental (the default)
 
     async def budget_call(v: list[Message]) -> list[Message]:
         ctx_b.begin_pass()
