@@ -299,7 +299,7 @@ class Agent:
             projected = await self.pipeline.run(self.history, ctx)
             request = to_api(projected)
             ensure_paired(request)
-            estimated = ctx.token_tracker.estimate(projected)
+            estimated = ctx.report.estimated_tokens  # computed once, by the pipeline
             kwargs: dict[str, Any] = {}
             if self.system is not None:
                 kwargs["system"] = self.system

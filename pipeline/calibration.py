@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.messages import Message, Usage, _start_after_last_boundary
+from pipeline.messages import Message, Usage, thread_start
 from pipeline.token_features import (
     CLASS_INDEX,
     CLASSES,
@@ -198,7 +198,7 @@ class ErrorStats:
 def compaction_restart(messages: Sequence[Message], after: int) -> int | None:
     """Where the API's view restarts, when a compaction point lies after index ``after``."""
     # the wire normalisation's own rule, on the tail only: no scan of the whole session
-    offset = _start_after_last_boundary(messages[after:])
+    offset = thread_start(messages[after:])
     return after + offset if offset > 0 else None
 
 
@@ -317,7 +317,7 @@ class CalibratedEstimator:
 
     def _split(self, messages: Sequence[Message], anchor: tuple[int, Usage] | None) -> _Split:
         if anchor is None:
-            new, count = self._visible_sum(messages[_start_after_last_boundary(messages) :])
+            new, count = self._visible_sum(messages[thread_start(messages) :])
             return _Split(None, None, ContentVector(), new, count, crossed=False)
         i, usage = anchor
         first = messages[i]

@@ -40,6 +40,8 @@ class PassReport:
     reapplied: int = 0
     persist_failed: list[str] = field(default_factory=list)
     """tool_use_ids whose persist failed (original content kept)."""
+    estimated_tokens: int = 0
+    """The tracker's estimate of the pass's output (what the request will hold)."""
     tokens_freed: int = 0
     """Tokens that stages removed in this pass from content the last response's usage counted.
 

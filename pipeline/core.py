@@ -159,7 +159,8 @@ class Pipeline:
                     run_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                     raise
                 run_span.set_attribute(ATTR.MESSAGES_OUT, len(current))
-                run_span.set_attribute(ATTR.TOKENS_AFTER, ctx.token_tracker.estimate(current))
+                ctx.report.estimated_tokens = ctx.token_tracker.estimate(current)
+                run_span.set_attribute(ATTR.TOKENS_AFTER, ctx.report.estimated_tokens)
         return current
 
     @staticmethod

@@ -31,6 +31,7 @@ __all__ = [
     "ensure_paired",
     "new_uuid",
     "now_timestamp",
+    "thread_start",
     "to_api",
 ]
 
@@ -179,7 +180,7 @@ class Message:
 # --------------------------------------------------------------------------------------------
 
 
-def _start_after_last_boundary(messages: Sequence[Message]) -> int:
+def thread_start(messages: Sequence[Message]) -> int:
     """Index of the first message the API sees: after the last compact boundary.
 
     Claude Code 2.x writes a ``compact_boundary`` system record and then the summary; 1.x
@@ -252,7 +253,7 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
     """
     wire = _Wire()
     out = wire.entries
-    for m in messages[_start_after_last_boundary(messages) :]:
+    for m in messages[thread_start(messages) :]:
         if m.type == "progress":
             continue
         if m.type == "system" and m.subtype != "local_command":

@@ -147,7 +147,7 @@ async def replay_messages(
         result = CallResult(
             call=call,
             request=to_api(projected),
-            estimated_tokens=ctx.token_tracker.estimate(projected),
+            estimated_tokens=report.estimated_tokens,
             persisted=list(report.persisted),
             reapplied=report.reapplied,
             persist_failed=list(report.persist_failed),

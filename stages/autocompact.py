@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio.to_thread
 
 from pipeline import Message, PipelineHalt, SessionContext, to_api
-from pipeline.messages import new_uuid
+from pipeline.messages import new_uuid, thread_start
 from pipeline.tokens import find_anchor
 from pipeline.tracing import emit_decision
 
@@ -253,7 +253,7 @@ class Autocompact:
     async def _compact(
         self, view: list[Message], st: _State, ctx: SessionContext, summarizer: Summarizer
     ) -> tuple[str, str, dict[str, str | int]]:
-        start = _wire_start(view)
+        start = thread_start(view)
         cuts = _safe_cuts(view, start)
         limit = _latest_request(view, start)
         limit = len(view) - 1 if limit is None else limit
@@ -336,16 +336,6 @@ def _without_usage(messages: Sequence[Message]) -> list[Message]:
 
 def _summarisable(m: Message) -> bool:
     return m.type in ("user", "assistant") and not m.is_compact_summary
-
-
-def _wire_start(view: Sequence[Message]) -> int:
-    """First index the API sees: after the last compact boundary (as ``to_api`` slices)."""
-    for i in range(len(view) - 1, -1, -1):
-        if view[i].is_compact_boundary:
-            return i + 1
-        if view[i].type == "user" and view[i].is_compact_summary:
-            return i
-    return 0
 
 
 def _latest_request(view: Sequence[Message], start: int) -> int | None:

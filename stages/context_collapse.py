@@ -20,14 +20,23 @@ row: stop paying for them); ``committed``/``over_trigger``; ``summary_failed``/
 from __future__ import annotations
 
 import uuid as _uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio.to_thread
 
 from pipeline import Message, SessionContext, to_api
+from pipeline.args import check_fraction, check_int
+from pipeline.messages import thread_start
+from pipeline.rounds import (
+    Price,
+    anchor_uuid,
+    api_rounds,
+    priced_before,
+    protected_rounds,
+    safe_cuts,
+)
 from pipeline.summarizer import Summarizer, SummaryPromptTooLong
-from pipeline.tokens import find_anchor
 from pipeline.tracing import emit_decision
 
 __all__ = ["SUMMARY_HEADER", "ContextCollapse"]
@@ -35,7 +44,6 @@ __all__ = ["SUMMARY_HEADER", "ContextCollapse"]
 SUMMARY_HEADER = "[Summary of earlier conversation]\n"
 _SUMMARY_NAMESPACE = _uuid.UUID("0d9c1b4e-7f3a-4e2b-8c65-2a9e5d7f1b38")
 
-Price = Callable[[Sequence[Message]], int]
 """Tokens of some messages' content, in the session tracker's units."""
 
 
@@ -51,95 +59,6 @@ class _CollapseState:
     commits: list[_Commit] = field(default_factory=list)
     failures: int = 0  # consecutive failed or discarded summaries
     span_cap: int | None = None  # halved after a prompt-too-long reply
-
-
-def _thread_start(messages: Sequence[Message]) -> int:
-    """First index the API sees: records before the last compact boundary are never sent."""
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if m.is_compact_boundary:
-            return i + 1
-        if m.type == "user" and m.is_compact_summary:
-            return i
-    return 0
-
-
-def _safe_cuts(messages: Sequence[Message]) -> list[bool]:
-    """``ok[p]``: a cut between ``messages[p-1]`` and ``messages[p]`` splits no response (id)
-    and no tool_use/tool_result pair; ``ok`` has ``len(messages) + 1`` entries."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, m in enumerate(messages):
-        keys: list[str] = []
-        if m.type == "assistant":
-            if m.message_id is not None:
-                keys.append("r:" + m.message_id)
-            keys += ["t:" + str(b.get("id")) for b in m.blocks if b.get("type") == "tool_use"]
-        elif m.type == "user":
-            keys += [
-                "t:" + str(b.get("tool_use_id")) for b in m.blocks if b.get("type") == "tool_result"
-            ]
-        for k in keys:
-            first.setdefault(k, i)
-            last[k] = i
-    diff = [0] * (len(messages) + 2)
-    for k, a in first.items():
-        if last[k] > a:
-            diff[a + 1] += 1
-            diff[last[k] + 1] -= 1
-    ok, cover = [], 0
-    for p in range(len(messages) + 1):
-        cover += diff[p]
-        ok.append(cover == 0)
-    return ok
-
-
-def _rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[int, int]]:
-    """``[start, end)`` of every round after the prefix (the records before the first response)."""
-    n = len(messages)
-    cuts = [
-        p for p in range(_thread_start(messages), n) if ok[p] and messages[p].type == "assistant"
-    ]
-    bounds = [*cuts, n]
-    return [(bounds[i], bounds[i + 1]) for i in range(len(cuts))]
-
-
-def _is_prompt(m: Message) -> bool:
-    """A human turn: a user record with something besides tool_results (injected ones excluded)."""
-    return (
-        m.type == "user" and not m.is_meta and any(b.get("type") != "tool_result" for b in m.blocks)
-    )
-
-
-def _protected_rounds(
-    messages: Sequence[Message], rounds: Sequence[tuple[int, int]], keep_recent: int
-) -> set[int]:
-    """Rounds that must stay: the latest ones, and those holding the first user message, the
-    latest prompt and the usage anchor (removing the anchor would move the estimate's base)."""
-    keep = set(range(max(0, len(rounds) - keep_recent), len(rounds)))
-    start = _thread_start(messages)
-    first_user = next((i for i in range(start, len(messages)) if messages[i].type == "user"), None)
-    prompt = next(
-        (i for i in range(len(messages) - 1, start - 1, -1) if _is_prompt(messages[i])), None
-    )
-    anchor = find_anchor(messages)
-    for idx in (first_user, prompt, anchor[0] if anchor else None):
-        if idx is not None:
-            keep.update(r for r, (s, e) in enumerate(rounds) if s <= idx < e)
-    return keep
-
-
-def _anchor_uuid(messages: Sequence[Message]) -> str | None:
-    anchor = find_anchor(messages)
-    return messages[anchor[0]].uuid if anchor else None
-
-
-def _priced_before(price: Price, messages: Sequence[Message], anchor: str | None) -> int:
-    """Tokens of what precedes the anchor: the part the anchor's usage counted."""
-    if anchor is None:
-        return 0
-    end = next((i for i, m in enumerate(messages) if m.uuid == anchor), len(messages))
-    return price(messages[:end])
 
 
 def _summary_message(commit: _Commit) -> Message:
@@ -167,7 +86,7 @@ def _project(
         if found:
             spans.append((min(found), max(found), c))
     out: list[Message] = []
-    applied, pos = 0, _thread_start(messages)  # what precedes a compact boundary is not sent
+    applied, pos = 0, thread_start(messages)  # what precedes a compact boundary is not sent
     out += messages[:pos]
     for s, e, c in sorted(spans, key=lambda t: t[0]):
         members = set(c.uuids)
@@ -218,12 +137,12 @@ class ContextCollapse:
         if summarizer is not None and not callable(getattr(summarizer, "summarize", None)):
             raise ValueError(f"summarizer needs an async summarize(messages), got {summarizer!r}")
         self.summarizer = summarizer
-        self.context_window = _int_arg("context_window", context_window)
-        self.commit_fraction = _fraction_arg("commit_fraction", commit_fraction)
-        self.target_fraction = _fraction_arg("target_fraction", target_fraction)
-        self.max_span_fraction = _fraction_arg("max_span_fraction", max_span_fraction)
-        self.keep_recent_rounds = _int_arg("keep_recent_rounds", keep_recent_rounds)
-        self.max_failures = _int_arg("max_failures", max_failures)
+        self.context_window = check_int("context_window", context_window, minimum=1)
+        self.commit_fraction = check_fraction("commit_fraction", commit_fraction)
+        self.target_fraction = check_fraction("target_fraction", target_fraction)
+        self.max_span_fraction = check_fraction("max_span_fraction", max_span_fraction)
+        self.keep_recent_rounds = check_int("keep_recent_rounds", keep_recent_rounds, minimum=1)
+        self.max_failures = check_int("max_failures", max_failures, minimum=1)
         if not self.target_fraction < self.commit_fraction:
             raise ValueError(
                 f"target_fraction ({target_fraction!r}) must be below commit_fraction "
@@ -257,14 +176,14 @@ class ContextCollapse:
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         state = self._state(ctx)
         price: Price = ctx.token_tracker.tokens_for_messages
-        ok = _safe_cuts(messages)
-        anchor = _anchor_uuid(messages)
+        ok = safe_cuts(messages)
+        anchor = anchor_uuid(messages)
         out, active = _project(messages, state.commits, ok)
         # commits made since the anchor's response are not in its usage (a retried pass)
         older = [c for c in state.commits if anchor is None or c.anchor != anchor]
         then = out if len(older) == len(state.commits) else _project(messages, older, ok)[0]
-        counted = _priced_before(price, then, anchor)
-        sent = counted if then is out else _priced_before(price, out, anchor)
+        counted = priced_before(price, then, anchor)
+        sent = counted if then is out else priced_before(price, out, anchor)
         before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - (counted - sent)
 
         attrs: dict[str, int] = {}
@@ -282,7 +201,7 @@ class ContextCollapse:
             if commit is not None:
                 await self._commit(ctx, state, commit)
                 out, active = _project(messages, state.commits, ok)
-                sent = _priced_before(price, out, anchor)
+                sent = priced_before(price, out, anchor)
 
         freed = counted - sent
         ctx.report.tokens_freed += freed
@@ -313,8 +232,8 @@ class ContextCollapse:
         price: Price,
     ) -> list[Message]:
         """The oldest run of collapsible rounds covering the excess over the target, capped."""
-        rounds = _rounds(messages, ok)
-        keep = _protected_rounds(messages, rounds, self.keep_recent_rounds)
+        rounds = api_rounds(messages, ok)
+        keep = protected_rounds(messages, rounds, self.keep_recent_rounds)
         done = {u for c in state.commits for u in c.uuids}
         cap = state.span_cap or int(self.context_window * self.max_span_fraction)
         excess = before - int(self.context_window * self.target_fraction)
@@ -378,15 +297,3 @@ class ContextCollapse:
             # the commit stands (it is in the state); only a resume would lose it
             ctx.logger.error("context_collapse_record_write_failed", error=type(exc).__name__)
         ctx.logger.info("context_collapse.committed", messages=len(commit.uuids))
-
-
-def _int_arg(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
-def _fraction_arg(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-    return float(value)

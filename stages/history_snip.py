@@ -18,18 +18,26 @@ from __future__ import annotations
 
 import uuid as _uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import anyio.to_thread
 
 from pipeline import Message, SessionContext
-from pipeline.tokens import find_anchor
+from pipeline.args import check_fraction, check_int
+from pipeline.messages import thread_start
+from pipeline.rounds import (
+    Price,
+    anchor_uuid,
+    api_rounds,
+    priced_before,
+    protected_rounds,
+    safe_cuts,
+)
 from pipeline.tracing import emit_decision
 
 __all__ = ["HistorySnip", "snip_marker_text"]
 
-Price = Callable[[Sequence[Message]], int]
 """Tokens of some messages' content, in the session tracker's units."""
 
 _MARKER_NAMESPACE = _uuid.UUID("5f0c8f2e-3b7a-4c59-9a57-68e1b2d4c701")
@@ -51,95 +59,6 @@ def _marker(removed_messages: int, first_uuid: str) -> Message:
 class _SnipState:
     removed: dict[str, str | None] = field(default_factory=dict)
     """Removed uuid -> uuid of the usage anchor when it was removed (insertion ordered)."""
-
-
-def _thread_start(messages: Sequence[Message]) -> int:
-    """First index the API sees: records before the last compact boundary are never sent."""
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if m.is_compact_boundary:
-            return i + 1
-        if m.type == "user" and m.is_compact_summary:
-            return i
-    return 0
-
-
-def _safe_cuts(messages: Sequence[Message]) -> list[bool]:
-    """``ok[p]``: a cut between ``messages[p-1]`` and ``messages[p]`` splits no response (id)
-    and no tool_use/tool_result pair; ``ok`` has ``len(messages) + 1`` entries."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, m in enumerate(messages):
-        keys: list[str] = []
-        if m.type == "assistant":
-            if m.message_id is not None:
-                keys.append("r:" + m.message_id)
-            keys += ["t:" + str(b.get("id")) for b in m.blocks if b.get("type") == "tool_use"]
-        elif m.type == "user":
-            keys += [
-                "t:" + str(b.get("tool_use_id")) for b in m.blocks if b.get("type") == "tool_result"
-            ]
-        for k in keys:
-            first.setdefault(k, i)
-            last[k] = i
-    diff = [0] * (len(messages) + 2)
-    for k, a in first.items():
-        if last[k] > a:
-            diff[a + 1] += 1
-            diff[last[k] + 1] -= 1
-    ok, cover = [], 0
-    for p in range(len(messages) + 1):
-        cover += diff[p]
-        ok.append(cover == 0)
-    return ok
-
-
-def _rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[int, int]]:
-    """``[start, end)`` of every round after the prefix (the records before the first response)."""
-    n = len(messages)
-    cuts = [
-        p for p in range(_thread_start(messages), n) if ok[p] and messages[p].type == "assistant"
-    ]
-    bounds = [*cuts, n]
-    return [(bounds[i], bounds[i + 1]) for i in range(len(cuts))]
-
-
-def _is_prompt(m: Message) -> bool:
-    """A human turn: a user record with something besides tool_results (injected ones excluded)."""
-    return (
-        m.type == "user" and not m.is_meta and any(b.get("type") != "tool_result" for b in m.blocks)
-    )
-
-
-def _protected_rounds(
-    messages: Sequence[Message], rounds: Sequence[tuple[int, int]], keep_recent: int
-) -> set[int]:
-    """Rounds that must stay: the latest ones, and those holding the first user message, the
-    latest prompt and the usage anchor (removing the anchor would move the estimate's base)."""
-    keep = set(range(max(0, len(rounds) - keep_recent), len(rounds)))
-    start = _thread_start(messages)
-    first_user = next((i for i in range(start, len(messages)) if messages[i].type == "user"), None)
-    prompt = next(
-        (i for i in range(len(messages) - 1, start - 1, -1) if _is_prompt(messages[i])), None
-    )
-    anchor = find_anchor(messages)
-    for idx in (first_user, prompt, anchor[0] if anchor else None):
-        if idx is not None:
-            keep.update(r for r, (s, e) in enumerate(rounds) if s <= idx < e)
-    return keep
-
-
-def _anchor_uuid(messages: Sequence[Message]) -> str | None:
-    anchor = find_anchor(messages)
-    return messages[anchor[0]].uuid if anchor else None
-
-
-def _priced_before(price: Price, messages: Sequence[Message], anchor: str | None) -> int:
-    """Tokens of what precedes the anchor: the part the anchor's usage counted."""
-    if anchor is None:
-        return 0
-    end = next((i for i, m in enumerate(messages) if m.uuid == anchor), len(messages))
-    return price(messages[:end])
 
 
 def _wire_messages(run: Sequence[Message]) -> int:
@@ -165,7 +84,7 @@ def _project(
     a compact boundary stay: they are not sent, so removing them would only fake freed tokens."""
     if not removed:
         return messages, 0
-    start = _thread_start(messages)
+    start = thread_start(messages)
     out: list[Message] = messages[:start]
     dropped, i, n = 0, start, len(messages)
     while i < n:
@@ -210,10 +129,10 @@ class HistorySnip:
         target_fraction: float = 0.6,
         keep_recent_rounds: int = 8,
     ) -> None:
-        self.context_window = _int_arg("context_window", context_window)
-        self.trigger_fraction = _fraction_arg("trigger_fraction", trigger_fraction)
-        self.target_fraction = _fraction_arg("target_fraction", target_fraction)
-        self.keep_recent_rounds = _int_arg("keep_recent_rounds", keep_recent_rounds)
+        self.context_window = check_int("context_window", context_window, minimum=1)
+        self.trigger_fraction = check_fraction("trigger_fraction", trigger_fraction)
+        self.target_fraction = check_fraction("target_fraction", target_fraction)
+        self.keep_recent_rounds = check_int("keep_recent_rounds", keep_recent_rounds, minimum=1)
         if not self.target_fraction < self.trigger_fraction:
             raise ValueError(
                 f"target_fraction ({target_fraction!r}) must be below trigger_fraction "
@@ -252,15 +171,15 @@ class HistorySnip:
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         state = self._state(ctx)
         price: Price = ctx.token_tracker.tokens_for_messages
-        ok = _safe_cuts(messages)
-        anchor = _anchor_uuid(messages)
+        ok = safe_cuts(messages)
+        anchor = anchor_uuid(messages)
         out, reapplied = _project(messages, state.removed, ok)
         # The request the anchor's usage counted lacked only removals made before that response;
         # later ones (a retried pass, a crash before the call) are freed again against it.
         since = {u for u, a in state.removed.items() if anchor is not None and a == anchor}
         then = out if not since else _project(messages, state.removed.keys() - since, ok)[0]
-        counted = _priced_before(price, then, anchor)
-        sent = counted if then is out else _priced_before(price, out, anchor)
+        counted = priced_before(price, then, anchor)
+        sent = counted if then is out else priced_before(price, out, anchor)
         before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - (counted - sent)
 
         decision = "reapplied" if reapplied else "skip"
@@ -274,7 +193,7 @@ class HistorySnip:
             decision = "snipped"
             state.removed.update(dict.fromkeys(new, anchor))
             out, _ = _project(messages, state.removed, ok)
-            sent = _priced_before(price, out, anchor)
+            sent = priced_before(price, out, anchor)
             await self._record(ctx, new, anchor)
         freed = counted - sent
         ctx.report.tokens_freed += freed
@@ -309,8 +228,8 @@ class HistorySnip:
         price: Price,
     ) -> list[str]:
         """uuids of the oldest removable rounds whose tokens cover ``excess``."""
-        rounds = _rounds(messages, ok)
-        keep = _protected_rounds(messages, rounds, self.keep_recent_rounds)
+        rounds = api_rounds(messages, ok)
+        keep = protected_rounds(messages, rounds, self.keep_recent_rounds)
         # a uuid that occurs twice would drop its twin elsewhere too: leave such rounds alone
         twins = {u for u, c in Counter(m.uuid for m in messages).items() if c > 1}
         chosen: list[str] = []
@@ -332,15 +251,3 @@ class HistorySnip:
             # the removal stands (it is in the state); only a resume would lose it
             ctx.logger.error("history_snip_record_write_failed", error=type(exc).__name__)
         ctx.logger.info("history_snip.snipped", removed=len(new))
-
-
-def _int_arg(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
-def _fraction_arg(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-    return float(value)

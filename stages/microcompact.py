@@ -43,7 +43,8 @@ from typing import Any
 import anyio.to_thread
 
 from pipeline import Message, SessionContext
-from pipeline.messages import Block
+from pipeline.args import check_int
+from pipeline.messages import Block, thread_start
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, content_is_empty
 from pipeline.tokens import find_anchor, rough_tokens_for_messages
 from pipeline.tracing import emit_decision
@@ -112,12 +113,6 @@ class Reason:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _check_minutes(name: str, value: object) -> float:
     if (
         isinstance(value, bool)
@@ -154,20 +149,6 @@ def _check_bool(name: str, value: object) -> bool:
 # --------------------------------------------------------------------------------------------
 # Reading the conversation
 # --------------------------------------------------------------------------------------------
-
-
-def _first_sent_index(messages: Sequence[Message]) -> int:
-    """Index of the first message the API sees (after the last compact boundary).
-
-    Results before a boundary are never sent: clearing them would free nothing real.
-    """
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if m.is_compact_boundary:
-            return i + 1
-        if m.type == "user" and m.is_compact_summary:
-            return i
-    return 0
 
 
 def _last_response(messages: Sequence[Message], start: int) -> tuple[int, int] | None:
@@ -272,7 +253,7 @@ class _Scan:
 
 
 def _scan(messages: Sequence[Message], tools: frozenset[str], exclude: frozenset[str]) -> _Scan:
-    start = _first_sent_index(messages)
+    start = thread_start(messages)
     response = _last_response(messages, start)
     turn_start = response[0] if response is not None else start - 1
     anchor = find_anchor(messages)
@@ -466,10 +447,10 @@ class Microcompact:
         tools: tuple[str, ...] | str = DEFAULT_COMPACTABLE_TOOLS,
         exclude_tools: tuple[str, ...] | str = (),
     ) -> None:
-        self.keep = _check_int("keep", keep)
+        self.keep = check_int("keep", keep)
         self.idle_minutes = _check_minutes("idle_minutes", idle_minutes)
-        self.trigger_tokens = _check_int("trigger_tokens", trigger_tokens)
-        self.min_reclaim_tokens = _check_int("min_reclaim_tokens", min_reclaim_tokens)
+        self.trigger_tokens = check_int("trigger_tokens", trigger_tokens)
+        self.min_reclaim_tokens = check_int("min_reclaim_tokens", min_reclaim_tokens)
         self.tools = _check_names("tools", tools, allow_empty=False)
         self.exclude_tools = _check_names("exclude_tools", exclude_tools, allow_empty=True)
         if self.idle_minutes == 0 and self.trigger_tokens == 0:
@@ -655,9 +636,9 @@ class ServerSideMicrocompact:
         exclude_tools: tuple[str, ...] | str = (),
         clear_tool_inputs: bool = False,
     ) -> None:
-        self.trigger_tokens = _check_int("trigger_tokens", trigger_tokens, minimum=1)
-        self.keep = _check_int("keep", keep)
-        self.clear_at_least = _check_int("clear_at_least", clear_at_least)
+        self.trigger_tokens = check_int("trigger_tokens", trigger_tokens, minimum=1)
+        self.keep = check_int("keep", keep)
+        self.clear_at_least = check_int("clear_at_least", clear_at_least)
         self.exclude_tools = _check_names("exclude_tools", exclude_tools, allow_empty=True)
         self.clear_tool_inputs = _check_bool("clear_tool_inputs", clear_tool_inputs)
 

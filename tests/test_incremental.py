@@ -659,7 +659,7 @@ def linear_to_api(messages: Sequence[Message]) -> list[Any]:
     from pipeline import messages as wire
 
     out: list[Any] = []
-    for m in messages[wire._start_after_last_boundary(messages) :]:
+    for m in messages[wire.thread_start(messages) :]:
         if m.type == "progress" or (m.type == "system" and m.subtype != "local_command"):
             continue
         if m.type == "assistant":

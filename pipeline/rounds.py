@@ -1,0 +1,104 @@
+"""API rounds: where a history may be cut without splitting a response or a tool pair.
+
+A round is one response (all records sharing its id) plus everything up to the next response.
+The stages that remove or summarise old history (history snip, context collapse) cut only
+between rounds, and never drop the rounds a request depends on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pipeline.messages import Message, thread_start
+from pipeline.tokens import find_anchor
+
+__all__ = [
+    "Price",
+    "anchor_uuid",
+    "api_rounds",
+    "is_prompt",
+    "priced_before",
+    "protected_rounds",
+    "safe_cuts",
+]
+
+Price = Callable[[Sequence[Message]], int]
+"""Tokens of a message list (``TokenTracker.tokens_for_messages``)."""
+
+
+def safe_cuts(messages: Sequence[Message]) -> list[bool]:
+    """``ok[p]``: a cut between ``messages[p-1]`` and ``messages[p]`` splits no response (id)
+    and no tool_use/tool_result pair; ``ok`` has ``len(messages) + 1`` entries."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, m in enumerate(messages):
+        keys: list[str] = []
+        if m.type == "assistant":
+            if m.message_id is not None:
+                keys.append("r:" + m.message_id)
+            keys += ["t:" + str(b.get("id")) for b in m.blocks if b.get("type") == "tool_use"]
+        elif m.type == "user":
+            keys += [
+                "t:" + str(b.get("tool_use_id")) for b in m.blocks if b.get("type") == "tool_result"
+            ]
+        for k in keys:
+            first.setdefault(k, i)
+            last[k] = i
+    diff = [0] * (len(messages) + 2)
+    for k, a in first.items():
+        if last[k] > a:
+            diff[a + 1] += 1
+            diff[last[k] + 1] -= 1
+    ok, cover = [], 0
+    for p in range(len(messages) + 1):
+        cover += diff[p]
+        ok.append(cover == 0)
+    return ok
+
+
+def api_rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[int, int]]:
+    """``[start, end)`` of every round after the prefix (the records before the first response)."""
+    n = len(messages)
+    cuts = [
+        p for p in range(thread_start(messages), n) if ok[p] and messages[p].type == "assistant"
+    ]
+    bounds = [*cuts, n]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(cuts))]
+
+
+def is_prompt(m: Message) -> bool:
+    """A human turn: a user record with something besides tool_results (injected ones excluded)."""
+    return (
+        m.type == "user" and not m.is_meta and any(b.get("type") != "tool_result" for b in m.blocks)
+    )
+
+
+def protected_rounds(
+    messages: Sequence[Message], rounds: Sequence[tuple[int, int]], keep_recent: int
+) -> set[int]:
+    """Rounds that must stay: the latest ones, and those holding the first user message, the
+    latest prompt and the usage anchor (removing the anchor would move the estimate's base)."""
+    keep = set(range(max(0, len(rounds) - keep_recent), len(rounds)))
+    start = thread_start(messages)
+    first_user = next((i for i in range(start, len(messages)) if messages[i].type == "user"), None)
+    prompt = next(
+        (i for i in range(len(messages) - 1, start - 1, -1) if is_prompt(messages[i])), None
+    )
+    anchor = find_anchor(messages)
+    for idx in (first_user, prompt, anchor[0] if anchor else None):
+        if idx is not None:
+            keep.update(r for r, (s, e) in enumerate(rounds) if s <= idx < e)
+    return keep
+
+
+def anchor_uuid(messages: Sequence[Message]) -> str | None:
+    anchor = find_anchor(messages)
+    return messages[anchor[0]].uuid if anchor else None
+
+
+def priced_before(price: Price, messages: Sequence[Message], anchor: str | None) -> int:
+    """Tokens of what precedes the anchor: the part the anchor's usage counted."""
+    if anchor is None:
+        return 0
+    end = next((i for i, m in enumerate(messages) if m.uuid == anchor), len(messages))
+    return price(messages[:end])
