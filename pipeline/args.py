@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-__all__ = ["check_fraction", "check_int"]
+__all__ = ["check_bool", "check_fraction", "check_int"]
 
 
 def check_int(name: str, value: object, *, minimum: int = 0) -> int:
     """An int (not a bool) ``>= minimum``; ``ValueError`` naming the argument otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``True`` or ``False`` exactly; ``ValueError`` naming the argument otherwise."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
 
 

@@ -159,7 +159,9 @@ class Pipeline:
                     run_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                     raise
                 run_span.set_attribute(ATTR.MESSAGES_OUT, len(current))
-                ctx.report.estimated_tokens = ctx.token_tracker.estimate(current)
+                # the estimate anchors on the last usage, which counted what stages freed
+                estimate = ctx.token_tracker.estimate(current) - ctx.report.tokens_freed
+                ctx.report.estimated_tokens = max(0, estimate)
                 run_span.set_attribute(ATTR.TOKENS_AFTER, ctx.report.estimated_tokens)
         return current
 

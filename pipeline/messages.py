@@ -252,28 +252,9 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
     The input is not modified; the output shares block dicts with it (do not mutate them).
     """
     wire = _Wire()
-    out = wire.entries
     for m in messages[thread_start(messages) :]:
-        if m.type == "progress":
-            continue
-        if m.type == "system" and m.subtype != "local_command":
-            continue
-        if m.type == "assistant":
-            wire.add_assistant(m)
-            continue
-        # user, attachment, local_command: all become user content
-        blocks = _user_blocks(m)
-        if not blocks:  # the API rejects empty content; an empty record adds nothing
-            continue
-        if out and out[-1].role == "user":
-            prev = out[-1]
-            prev.blocks = _hoist_tool_results(_join_at_seam(prev.blocks, blocks))
-            prev.raw_text = None
-            prev.merged = True
-        else:
-            raw = m.content if isinstance(m.content, str) and m.type == "user" else None
-            wire.append(_WireEntry("user", _hoist_tool_results(blocks), raw))
-    return [_entry_to_param(e) for e in out]
+        wire.add(m)
+    return [_entry_to_param(e) for e in wire.entries]
 
 
 class _Wire:
@@ -305,6 +286,29 @@ class _Wire:
         if entry.role == "assistant" and entry.message_id is not None:
             self.latest[entry.message_id] = len(out)
         out.append(entry)
+
+    def add(self, m: Message) -> None:
+        """Take the next record (after the last compact boundary)."""
+        if m.type == "progress":
+            return
+        if m.type == "system" and m.subtype != "local_command":
+            return
+        if m.type == "assistant":
+            self.add_assistant(m)
+            return
+        # user, attachment, local_command: all become user content
+        blocks = _user_blocks(m)
+        if not blocks:  # the API rejects empty content; an empty record adds nothing
+            return
+        out = self.entries
+        if out and out[-1].role == "user":
+            prev = out[-1]
+            prev.blocks = _hoist_tool_results(_join_at_seam(prev.blocks, blocks))
+            prev.raw_text = None
+            prev.merged = True
+        else:
+            raw = m.content if isinstance(m.content, str) and m.type == "user" else None
+            self.append(_WireEntry("user", _hoist_tool_results(blocks), raw))
 
     def add_assistant(self, m: Message) -> None:
         if m.message_id is not None:

@@ -5,23 +5,32 @@ conversation as it stood just before that call is run through the pipeline with 
 context carried across calls, then normalised to wire form. The call's recorded usage is then
 fed to the session's token tracker, as a live loop would, and to a reference tracker, so the
 replay measures both estimators on the recorded calls.
+
+The recorded usage counts what the recorded session sent. Once the pipeline has removed
+content the recording kept (history snip, microcompact, a collapse), a live session would have
+reported less: so that the size-triggered stages see the context they would have seen live
+(instead of acting again on every call), each later response's usage is replayed less the
+tokens the pipeline has removed so far (``CallResult.removed_tokens``; taken from cache reads
+first, then cache writes, then input). The growth from one call to the next stays the recorded
+one, so the estimators are still measured on every call whose pass removed nothing new.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
-from pipeline.messages import Message, Usage, to_api
+from pipeline.messages import Message, Usage
 from pipeline.tokens import Observation, TokenTracker
+from pipeline.wire import WireCache, request_chars
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
-__all__ = ["Call", "CallResult", "find_calls", "replay_messages", "request_chars"]
+__all__ = ["Call", "CallResult", "find_calls", "less_usage", "replay_messages", "request_chars"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +57,9 @@ class CallResult:
     persisted: list[PersistedResult] = field(default_factory=list)
     reapplied: int = 0
     persist_failed: list[str] = field(default_factory=list)
+    removed_tokens: int = 0
+    """Tokens the pipeline has removed so far from content the recorded requests held (the
+    sum of every pass's ``tokens_freed``): the replayed usage is the recorded one less this."""
     observations: dict[str, Observation] = field(default_factory=dict)
     """The recorded call's usage against each estimator (``"default"``: the session's tracker,
     ``"reference"``: SPEC §4), each estimating the projected request before learning from it.
@@ -58,10 +70,13 @@ class CallResult:
         """Input + cache_creation + cache_read tokens the API reported for this call."""
         return self.call.usage.input_side if self.call.usage is not None else None
 
+    chars: int | None = None
+    """Characters of visible text in the request, when the replay counted them."""
+
     @property
     def request_chars(self) -> int:
         """Characters of visible text in the request (see :func:`request_chars`)."""
-        return request_chars(self.request)
+        return request_chars(self.request) if self.chars is None else self.chars
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` line of the CLI contract."""
@@ -100,35 +115,18 @@ def find_calls(messages: Sequence[Message]) -> list[Call]:
     ]
 
 
-def _block_chars(block: Any) -> int:
-    if not isinstance(block, dict):
-        return 0
-    btype = block.get("type")
-    if btype == "text":
-        return len(str(block.get("text") or ""))
-    if btype == "thinking":
-        return len(str(block.get("thinking") or ""))
-    if btype == "tool_use":
-        return len(str(block.get("name") or "")) + len(repr(block.get("input")))
-    if btype == "tool_result":
-        content = block.get("content")
-        if isinstance(content, str):
-            return len(content)
-        if isinstance(content, list):
-            return sum(_block_chars(b) for b in content)
-    return 0
-
-
-def request_chars(request: Sequence[MessageParam]) -> int:
-    """Characters of text, thinking, tool input and tool output in a request (images: 0)."""
-    total = 0
-    for param in request:
-        content: Any = param["content"]
-        if isinstance(content, str):
-            total += len(content)
-        else:
-            total += sum(_block_chars(b) for b in content)
-    return total
+def less_usage(usage: Usage, tokens: int) -> Usage:
+    """``usage`` with ``tokens`` fewer on the input side: cache reads first (the stable prefix
+    is what stages shrink), then cache writes, then input; never below zero."""
+    read = min(usage.cache_read_input_tokens, tokens)
+    write = min(usage.cache_creation_input_tokens, tokens - read)
+    fresh = min(usage.input_tokens, tokens - read - write)
+    return replace(
+        usage,
+        cache_read_input_tokens=usage.cache_read_input_tokens - read,
+        cache_creation_input_tokens=usage.cache_creation_input_tokens - write,
+        input_tokens=usage.input_tokens - fresh,
+    )
 
 
 async def replay_messages(
@@ -136,29 +134,42 @@ async def replay_messages(
 ) -> AsyncIterator[CallResult]:
     """Yield, call by call, what ``pipeline`` would have sent for the recorded session.
 
-    After each call the tracker of ``ctx`` observes the call's recorded usage, so its estimates
-    for the next calls (and the stages' decisions) use what a live loop would have learned.
+    After each call the tracker of ``ctx`` observes the call's usage (the recorded one, less
+    what the pipeline has removed so far), so its estimates for the next calls and the stages'
+    decisions use what a live loop would have learned.
     """
     reference = TokenTracker("reference")
-    for call in find_calls(messages):
-        before = list(messages[: call.index])
-        projected = await pipeline.run(before, ctx)
+    history = list(messages)  # responses get their replayed usage here, never in ``messages``
+    calls = find_calls(messages)
+    wire = WireCache()
+    removed = 0
+    for k, call in enumerate(calls):
+        projected = await pipeline.run(history[: call.index], ctx)
         report = ctx.report
+        removed += report.tokens_freed
         result = CallResult(
             call=call,
-            request=to_api(projected),
+            request=wire.to_api(projected),
             estimated_tokens=report.estimated_tokens,
             persisted=list(report.persisted),
             reapplied=report.reapplied,
             persist_failed=list(report.persist_failed),
+            removed_tokens=removed,
+            chars=wire.chars,
         )
         if call.usage is not None:
-            # as a live loop: the request as projected is what the usage is paired with (the
-            # recorded harness applied the same budget); a pass whose stages removed content
-            # the anchor's usage counted is neither learned from nor measured
+            usage = less_usage(call.usage, removed) if removed else call.usage
+            # as a live loop: the request as projected is what the usage is paired with; a
+            # pass whose stages removed anchored content is neither learned from nor measured
             freed = report.tokens_freed
             result.observations = {
-                name: tracker.observe(projected, call.usage, model=call.model, tokens_freed=freed)
+                name: tracker.observe(projected, usage, model=call.model, tokens_freed=freed)
                 for name, tracker in (("default", ctx.token_tracker), ("reference", reference))
             }
+            if removed:
+                end = calls[k + 1].index if k + 1 < len(calls) else len(history)
+                for i in range(call.index, end):
+                    m = history[i]
+                    if m.type == "assistant" and m.message_id == call.message_id and m.usage:
+                        history[i] = replace(m, usage=less_usage(m.usage, removed))
         yield result

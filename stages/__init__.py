@@ -20,7 +20,10 @@ __all__ = [
 
 
 def default_stages(
-    *, per_message_chars: float = 200_000, summarizer: Summarizer | None = None
+    *,
+    per_message_chars: float = 200_000,
+    summarizer: Summarizer | None = None,
+    incremental: bool = True,
 ) -> list[Stage]:
     """The five stages in order, cheapest and most cache-friendly first.
 
@@ -28,12 +31,14 @@ def default_stages(
     point lies above autocompact's threshold, so with both summarising autocompact would always
     act first — configure collapse with a lower ``commit_fraction`` and ``autocompact=off`` to
     use it). The default autocompact does not block: pass ``Autocompact(block=True)`` to refuse
-    requests past the blocking limit with ``ContextWindowExceeded``.
+    requests past the blocking limit with ``ContextWindowExceeded``. ``incremental=False``
+    makes every stage recompute from the whole history on each pass (same requests; the
+    full-rescan baseline of ``tests/benchmarks/bench_pipeline.py``).
     """
     return [
-        ToolResultBudget(limit=per_message_chars),
-        HistorySnip(),
-        Microcompact(),
-        ContextCollapse(),
+        ToolResultBudget(limit=per_message_chars, incremental=incremental),
+        HistorySnip(incremental=incremental),
+        Microcompact(incremental=incremental),
+        ContextCollapse(incremental=incremental),
         Autocompact(summarizer, block=False),
     ]

@@ -20,13 +20,14 @@ row: stop paying for them); ``committed``/``over_trigger``; ``summary_failed``/
 from __future__ import annotations
 
 import uuid as _uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio.to_thread
 
 from pipeline import Message, SessionContext, to_api
-from pipeline.args import check_fraction, check_int
+from pipeline.args import check_bool, check_fraction, check_int
+from pipeline.incremental import AppendWatch
 from pipeline.messages import thread_start
 from pipeline.rounds import (
     Price,
@@ -44,8 +45,6 @@ __all__ = ["SUMMARY_HEADER", "ContextCollapse"]
 SUMMARY_HEADER = "[Summary of earlier conversation]\n"
 _SUMMARY_NAMESPACE = _uuid.UUID("0d9c1b4e-7f3a-4e2b-8c65-2a9e5d7f1b38")
 
-"""Tokens of some messages' content, in the session tracker's units."""
-
 
 @dataclass(frozen=True, slots=True)
 class _Commit:
@@ -59,6 +58,20 @@ class _CollapseState:
     commits: list[_Commit] = field(default_factory=list)
     failures: int = 0  # consecutive failed or discarded summaries
     span_cap: int | None = None  # halved after a prompt-too-long reply
+    watch: AppendWatch = field(default_factory=AppendWatch)
+    last: _LastPass | None = None
+    """The previous pass's projection, while it can be extended (``ContextCollapse._reapply``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LastPass:
+    commits: int
+    """``len(commits)`` it was made with (commits are only ever added)."""
+    members: frozenset[str]
+    """Every uuid of those commits."""
+    out: tuple[Message, ...]
+    """What it sent, when that differs from its input (a copy: callers may mutate lists)."""
+    active: int
 
 
 def _summary_message(commit: _Commit) -> Message:
@@ -116,6 +129,8 @@ class ContextCollapse:
     collapsing enough of the oldest rounds to reach ``target_fraction`` (0.6), at most
     ``max_span_fraction`` (0.5) of the window per summary request; keep the last
     ``keep_recent_rounds`` rounds (8); stop after ``max_failures`` (3) failures in a row.
+    ``incremental=False`` re-derives everything from the whole history on every pass (same
+    results, the cost of a full rescan: a baseline for benchmarks).
     """
 
     name = "context_collapse"
@@ -133,6 +148,7 @@ class ContextCollapse:
         max_span_fraction: float = 0.5,
         keep_recent_rounds: int = 8,
         max_failures: int = 3,
+        incremental: bool = True,
     ) -> None:
         if summarizer is not None and not callable(getattr(summarizer, "summarize", None)):
             raise ValueError(f"summarizer needs an async summarize(messages), got {summarizer!r}")
@@ -143,6 +159,7 @@ class ContextCollapse:
         self.max_span_fraction = check_fraction("max_span_fraction", max_span_fraction)
         self.keep_recent_rounds = check_int("keep_recent_rounds", keep_recent_rounds, minimum=1)
         self.max_failures = check_int("max_failures", max_failures, minimum=1)
+        self.incremental = check_bool("incremental", incremental)
         if not self.target_fraction < self.commit_fraction:
             raise ValueError(
                 f"target_fraction ({target_fraction!r}) must be below commit_fraction "
@@ -175,15 +192,23 @@ class ContextCollapse:
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         state = self._state(ctx)
+        state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
         price: Price = ctx.token_tracker.tokens_for_messages
-        ok = safe_cuts(messages)
+        cuts: list[list[bool]] = []
+
+        def ok() -> list[bool]:  # the history's cut points, only when a pass needs them
+            if not cuts:
+                cuts.append(safe_cuts(messages))
+            return cuts[0]
+
         anchor = anchor_uuid(messages)
-        out, active = _project(messages, state.commits, ok)
+        out, active = self._reapply(messages, state, last, ok)
         # commits made since the anchor's response are not in its usage (a retried pass)
         older = [c for c in state.commits if anchor is None or c.anchor != anchor]
-        then = out if len(older) == len(state.commits) else _project(messages, older, ok)[0]
-        counted = priced_before(price, then, anchor)
-        sent = counted if then is out else priced_before(price, out, anchor)
+        then = out if len(older) == len(state.commits) else _project(messages, older, ok())[0]
+        counted = sent = 0
+        if then is not out:
+            counted, sent = priced_before(price, then, anchor), priced_before(price, out, anchor)
         before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - (counted - sent)
 
         attrs: dict[str, int] = {}
@@ -194,14 +219,20 @@ class ContextCollapse:
             reason = "below_trigger"
         elif state.failures >= self.max_failures:
             reason = "circuit_open"
-        elif not (span := self._select(messages, ok, state, before, price)):
+        elif not (span := self._select(messages, ok(), state, before, price)):
             reason = "nothing_collapsible"
         else:
             decision, reason, commit = await self._summarize(span, anchor, ctx, state, attrs, price)
             if commit is not None:
+                if then is out:
+                    counted = priced_before(price, then, anchor)
                 await self._commit(ctx, state, commit)
-                out, active = _project(messages, state.commits, ok)
+                out, active = _project(messages, state.commits, ok())
                 sent = priced_before(price, out, anchor)
+        members = last.members if last is not None and last.commits == len(state.commits) else None
+        if members is None:
+            members = frozenset(u for c in state.commits for u in c.uuids)
+        state.last = _LastPass(len(state.commits), members, tuple(out) if active else (), active)
 
         freed = counted - sent
         ctx.report.tokens_freed += freed
@@ -222,6 +253,30 @@ class ContextCollapse:
             **attrs,
         )
         return out
+
+    def _reapply(
+        self,
+        messages: list[Message],
+        state: _CollapseState,
+        last: _LastPass | None,
+        ok: Callable[[], list[bool]],
+    ) -> tuple[list[Message], int]:
+        """The commits projected over ``messages``: the last pass's output plus the new records
+        when the history only grew by records that reach nothing older and belong to no commit
+        (then every span applies as it did); else from scratch."""
+        grown = state.watch.advance(messages, reuse=self.incremental)
+        if not state.commits:
+            return messages, 0
+        if (
+            grown is not None
+            and last is not None
+            and last.commits == len(state.commits)
+            and last.members.isdisjoint(m.uuid for m in messages[grown:])
+        ):
+            if last.active == 0:
+                return messages, 0
+            return [*last.out, *messages[grown:]], last.active
+        return _project(messages, state.commits, ok())
 
     def _select(
         self,

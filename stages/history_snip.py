@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import uuid as _uuid
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import anyio.to_thread
 
 from pipeline import Message, SessionContext
-from pipeline.args import check_fraction, check_int
+from pipeline.args import check_bool, check_fraction, check_int
+from pipeline.incremental import AppendWatch
 from pipeline.messages import thread_start
 from pipeline.rounds import (
     Price,
@@ -37,8 +38,6 @@ from pipeline.rounds import (
 from pipeline.tracing import emit_decision
 
 __all__ = ["HistorySnip", "snip_marker_text"]
-
-"""Tokens of some messages' content, in the session tracker's units."""
 
 _MARKER_NAMESPACE = _uuid.UUID("5f0c8f2e-3b7a-4c59-9a57-68e1b2d4c701")
 
@@ -59,6 +58,18 @@ def _marker(removed_messages: int, first_uuid: str) -> Message:
 class _SnipState:
     removed: dict[str, str | None] = field(default_factory=dict)
     """Removed uuid -> uuid of the usage anchor when it was removed (insertion ordered)."""
+    watch: AppendWatch = field(default_factory=AppendWatch)
+    last: _LastPass | None = None
+    """The previous pass's projection, while it can be extended (``HistorySnip._reapply``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LastPass:
+    removed: int
+    """``len(removed)`` it was made with (removals are only ever added)."""
+    out: tuple[Message, ...]
+    """What it sent, when that differs from its input (a copy: callers may mutate lists)."""
+    dropped: int
 
 
 def _wire_messages(run: Sequence[Message]) -> int:
@@ -113,7 +124,9 @@ class HistorySnip:
     ``context_window`` (tokens, default 200,000); snip when the estimate reaches
     ``trigger_fraction`` of it (default 0.8 = 160,000: under the reference autocompact threshold,
     as the cheaper step should be, and far above ordinary sessions), down to ``target_fraction``
-    (0.6); always keep the last ``keep_recent_rounds`` API rounds (8).
+    (0.6); always keep the last ``keep_recent_rounds`` API rounds (8). ``incremental=False``
+    re-derives everything from the whole history on every pass (same results, the cost of a
+    full rescan: a baseline for benchmarks).
     """
 
     name = "history_snip"
@@ -128,11 +141,13 @@ class HistorySnip:
         trigger_fraction: float = 0.8,
         target_fraction: float = 0.6,
         keep_recent_rounds: int = 8,
+        incremental: bool = True,
     ) -> None:
         self.context_window = check_int("context_window", context_window, minimum=1)
         self.trigger_fraction = check_fraction("trigger_fraction", trigger_fraction)
         self.target_fraction = check_fraction("target_fraction", target_fraction)
         self.keep_recent_rounds = check_int("keep_recent_rounds", keep_recent_rounds, minimum=1)
+        self.incremental = check_bool("incremental", incremental)
         if not self.target_fraction < self.trigger_fraction:
             raise ValueError(
                 f"target_fraction ({target_fraction!r}) must be below trigger_fraction "
@@ -170,16 +185,24 @@ class HistorySnip:
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         state = self._state(ctx)
+        state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
         price: Price = ctx.token_tracker.tokens_for_messages
-        ok = safe_cuts(messages)
+        cuts: list[list[bool]] = []
+
+        def ok() -> list[bool]:  # the history's cut points, only when a pass needs them
+            if not cuts:
+                cuts.append(safe_cuts(messages))
+            return cuts[0]
+
         anchor = anchor_uuid(messages)
-        out, reapplied = _project(messages, state.removed, ok)
+        out, reapplied = self._reapply(messages, state, last, ok)
         # The request the anchor's usage counted lacked only removals made before that response;
         # later ones (a retried pass, a crash before the call) are freed again against it.
         since = {u for u, a in state.removed.items() if anchor is not None and a == anchor}
-        then = out if not since else _project(messages, state.removed.keys() - since, ok)[0]
-        counted = priced_before(price, then, anchor)
-        sent = counted if then is out else priced_before(price, out, anchor)
+        then = out if not since else _project(messages, state.removed.keys() - since, ok())[0]
+        counted = sent = 0
+        if then is not out:
+            counted, sent = priced_before(price, then, anchor), priced_before(price, out, anchor)
         before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - (counted - sent)
 
         decision = "reapplied" if reapplied else "skip"
@@ -187,14 +210,19 @@ class HistorySnip:
         if before >= self.trigger_tokens:
             # a marker's own tokens come back, so cover them too
             excess = before - self.target_tokens + price([_marker(10**6, "")])
-            new = self._select(messages, ok, state.removed.keys(), excess, price)
+            new = self._select(messages, ok(), state.removed.keys(), excess, price)
             reason = "over_trigger" if new else "nothing_removable"
         if new:
             decision = "snipped"
+            if then is out:
+                counted = priced_before(price, then, anchor)
             state.removed.update(dict.fromkeys(new, anchor))
-            out, _ = _project(messages, state.removed, ok)
+            out, dropped = _project(messages, state.removed, ok())
             sent = priced_before(price, out, anchor)
             await self._record(ctx, new, anchor)
+            state.last = _LastPass(len(state.removed), tuple(out), dropped)
+        else:
+            state.last = _LastPass(len(state.removed), tuple(out) if reapplied else (), reapplied)
         freed = counted - sent
         ctx.report.tokens_freed += freed
         facts = {
@@ -218,6 +246,30 @@ class HistorySnip:
             **facts,
         )
         return out
+
+    def _reapply(
+        self,
+        messages: list[Message],
+        state: _SnipState,
+        last: _LastPass | None,
+        ok: Callable[[], list[bool]],
+    ) -> tuple[list[Message], int]:
+        """The recorded removals applied to ``messages``: the last pass's output plus the new
+        records when the history only grew by records that reach nothing older and none of
+        them is removed (then every earlier cut and run is as it was); else from scratch."""
+        grown = state.watch.advance(messages, reuse=self.incremental)
+        if not state.removed:
+            return messages, 0
+        if (
+            grown is not None
+            and last is not None
+            and last.removed == len(state.removed)
+            and state.removed.keys().isdisjoint(m.uuid for m in messages[grown:])
+        ):
+            if last.dropped == 0:
+                return messages, 0
+            return [*last.out, *messages[grown:]], last.dropped
+        return _project(messages, state.removed, ok())
 
     def _select(
         self,

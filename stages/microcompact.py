@@ -35,16 +35,19 @@ The same facts go to ``ctx.report.notes["microcompact"]`` so a replay can tell a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import compress, count
 from typing import Any
 
 import anyio.to_thread
 
 from pipeline import Message, SessionContext
-from pipeline.args import check_int
-from pipeline.messages import Block, thread_start
+from pipeline.args import check_bool, check_int
+from pipeline.incremental import AppendWatch
+from pipeline.messages import Block
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, content_is_empty
 from pipeline.tokens import find_anchor, rough_tokens_for_messages
 from pipeline.tracing import emit_decision
@@ -138,12 +141,6 @@ def _check_names(name: str, value: object, *, allow_empty: bool) -> tuple[str, .
     if not names and not allow_empty:
         raise ValueError(f"{name} must name at least one tool")
     return tuple(dict.fromkeys(names))  # dedupe, keep order (stable repr and request bytes)
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,9 +237,6 @@ class _Scan:
     results: dict[str, _Result]
     """Compactable results by id, in order of first occurrence."""
     newest_turn_ids: set[str]
-    last_response_time: datetime | None
-    now: datetime | None
-    """Latest timestamp after the last response, if the records carry one."""
 
     def newest_ids(self, keep: int) -> set[str]:
         """The ``keep`` most recent compactable results, by their latest occurrence."""
@@ -252,22 +246,41 @@ class _Scan:
         return {r.tool_use_id for r in ordered[-keep:]}
 
 
-def _scan(messages: Sequence[Message], tools: frozenset[str], exclude: frozenset[str]) -> _Scan:
-    start = thread_start(messages)
-    response = _last_response(messages, start)
-    turn_start = response[0] if response is not None else start - 1
+def _newest_turn_ids(messages: Sequence[Message], turn_start: int) -> set[str]:
+    """tool_use_ids answered after the newest turn began (never cleared, never re-applied)."""
+    return {
+        b["tool_use_id"]
+        for m in messages[turn_start + 1 :]
+        if m.type == "user" and isinstance(m.content, list)
+        for b in m.content
+        if isinstance(b, Mapping)
+        and b.get("type") == "tool_result"
+        and isinstance(b.get("tool_use_id"), str)
+    }
+
+
+def _response_times(
+    messages: Sequence[Message], response: tuple[int, int] | None
+) -> tuple[datetime | None, datetime | None]:
+    """When the last response was recorded, and the latest timestamp recorded after it."""
+    if response is None:
+        return None, None
+    stamps = [_parse_time(m.timestamp) for m in messages[response[1] + 1 :]]
+    known = [t for t in stamps if t is not None]
+    return _parse_time(messages[response[1]].timestamp), max(known) if known else None
+
+
+def _scan(
+    messages: Sequence[Message],
+    start: int,
+    turn_start: int,
+    names: Mapping[str, str],
+    tools: frozenset[str],
+) -> _Scan:
+    """Every compactable result from ``start`` on: what clearing it would free, whether it may
+    be cleared. ``turn_start``: first fragment of the last response (the newest turn follows)."""
     anchor = find_anchor(messages)
     anchor_index = anchor[0] if anchor is not None else -1
-
-    names: dict[str, str] = {}
-    for m in messages:
-        if m.type == "assistant" and isinstance(m.content, list):
-            for b in m.content:
-                if isinstance(b, Mapping) and b.get("type") == "tool_use":
-                    tid, name = b.get("id"), b.get("name")
-                    if isinstance(tid, str) and isinstance(name, str):
-                        names[tid] = name
-
     results: dict[str, _Result] = {}
     newest: set[str] = set()
     position = 0
@@ -287,8 +300,7 @@ def _scan(messages: Sequence[Message], tools: frozenset[str], exclude: frozenset
                 newest.add(tid)
             # an excluded tool is never touched, not even to re-apply an earlier decision; a
             # result whose tool_use is unknown counts as not compactable
-            name = names.get(tid)
-            if name in exclude or name not in tools:
+            if names.get(tid) not in tools:
                 continue
             r = results.setdefault(tid, _Result(tid))
             r.positions.append((i, j))
@@ -301,14 +313,7 @@ def _scan(messages: Sequence[Message], tools: frozenset[str], exclude: frozenset
             r.reclaim += gain
             if i < anchor_index:
                 r.tokens_before_anchor += gain
-
-    last_time = now = None
-    if response is not None:
-        last_time = _parse_time(messages[response[1]].timestamp)
-        stamps = [_parse_time(m.timestamp) for m in messages[response[1] + 1 :]]
-        known = [t for t in stamps if t is not None]
-        now = max(known) if known else None
-    return _Scan(results, newest, last_time, now)
+    return _Scan(results, newest)
 
 
 def _apply(messages: list[Message], texts: Mapping[str, str]) -> list[Message]:
@@ -358,6 +363,50 @@ class _ClearState:
     """
 
     cleared: dict[str, str] = field(default_factory=dict)
+    watch: AppendWatch = field(default_factory=AppendWatch)
+    last: _LastPass | None = None
+    """The previous pass's re-application, while it can be extended (``Microcompact._reapply``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LastPass:
+    cleared: int
+    """``len(cleared)`` it was made with (clears are only ever added)."""
+    turn_start: int
+    """Where its newest turn began: from there on, what it sent may change with the next turn."""
+    newest_cleared: bool
+    """Some cleared id was held back only because it was in that newest turn."""
+    out: tuple[Message, ...]
+    """What it sent, when that differs from its input (a copy: callers may mutate lists)."""
+    first_patch: int
+    """First position where ``out`` differs from the pass's input (its length if none)."""
+    held: int
+    """Cleared ids present in the history and sent cleared (from the next pass on)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Reapplied:
+    out: list[Message]
+    first_patch: int
+    held: int
+    newest_cleared: bool
+
+
+def _result_ids(messages: Sequence[Message]) -> list[str]:
+    return [
+        b["tool_use_id"]
+        for m in messages
+        if m.type == "user" and isinstance(m.content, list)
+        for b in m.content
+        if isinstance(b, Mapping)
+        and b.get("type") == "tool_result"
+        and isinstance(b.get("tool_use_id"), str)
+    ]
+
+
+def _first_difference(a: Sequence[Message], b: Sequence[Message], offset: int = 0) -> int:
+    """``offset`` + the first index where ``a`` and ``b`` hold different objects, else + len."""
+    return offset + next(compress(count(), map(operator.is_not, a, b)), len(a))
 
 
 def _restore(ctx: SessionContext, stage: str, strategy: str) -> _ClearState:
@@ -425,6 +474,9 @@ class Microcompact:
     results already cleared. ``keep`` counts compactable results, newest first, the newest turn
     included — as the server-side ``keep`` does.
 
+    ``incremental=False`` re-derives everything from the whole history on every pass (same
+    results, the cost of a full rescan: a baseline for benchmarks).
+
     **Cache stability**: the set of cleared ids lives in ``ctx.stage_state`` and is re-applied
     byte for byte on every later pass; it is written with ``ctx.record`` when it grows and
     restored from ``ctx.records_for`` on first use in a session, so a resumed session sends the
@@ -446,8 +498,10 @@ class Microcompact:
         min_reclaim_tokens: int = 20_000,
         tools: tuple[str, ...] | str = DEFAULT_COMPACTABLE_TOOLS,
         exclude_tools: tuple[str, ...] | str = (),
+        incremental: bool = True,
     ) -> None:
         self.keep = check_int("keep", keep)
+        self.incremental = check_bool("incremental", incremental)
         self.idle_minutes = _check_minutes("idle_minutes", idle_minutes)
         self.trigger_tokens = check_int("trigger_tokens", trigger_tokens)
         self.min_reclaim_tokens = check_int("min_reclaim_tokens", min_reclaim_tokens)
@@ -473,36 +527,45 @@ class Microcompact:
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         state = _session_state(ctx, self.name, self.strategy)
-        scan = _scan(messages, self._tools, self._exclude)
+        state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
+        grown = state.watch.advance(messages, reuse=self.incremental)
+        start = state.watch.start
+        response = _last_response(messages, start)
+        turn_start = response[0] if response is not None else start - 1
+        scans: list[_Scan] = []
+
+        def scan() -> _Scan:  # the whole history, only when a pass needs it
+            if not scans:
+                names = state.watch.tool_names
+                scans.append(_scan(messages, start, turn_start, names, self._tools))
+            return scans[0]
 
         # 1. earlier decisions, byte for byte (never in the newest turn, never an excluded tool)
-        held = {
-            tid: text
-            for tid, text in state.cleared.items()
-            if tid in scan.results and tid not in scan.newest_turn_ids
-        }
-        current = _apply(messages, held)
+        held = self._reapply(messages, state, last, grown, turn_start, scan)
+        current = held.out
         tokens_before = ctx.token_tracker.estimate(current) - ctx.report.tokens_freed
 
-        # 2. what could be cleared now
-        newest = scan.newest_ids(self.keep)
-        eligible = [
-            r
-            for r in scan.results.values()
-            if r.tool_use_id not in state.cleared
-            and r.tool_use_id not in newest
-            and not r.protected
-            and r.reclaim > 0
-        ]
-        reclaimable = sum(r.reclaim for r in eligible)
-
-        # 3. the decision
-        gap = self._idle_gap_minutes(scan)
+        # 2. the trigger
+        last_time, now = _response_times(messages, response)
+        gap = None if last_time is None else self._idle_gap_minutes(last_time, now)
         idle_fired = self.idle_minutes > 0 and gap is not None and gap >= self.idle_minutes
         size_fired = self.trigger_tokens > 0 and tokens_before >= self.trigger_tokens
-        fire = False
+        facts: dict[str, str | int | float | bool] = {"reapplied": held.held}
+        out, fire = current, False
         if idle_fired or size_fired:
+            # 3. what could be cleared now (the whole history is read only when a trigger fires)
             trigger = "idle_gap" if idle_fired else "context_size"
+            found = scan()
+            newest = found.newest_ids(self.keep)
+            eligible = [
+                r
+                for r in found.results.values()
+                if r.tool_use_id not in state.cleared
+                and r.tool_use_id not in newest
+                and not r.protected
+                and r.reclaim > 0
+            ]
+            reclaimable = sum(r.reclaim for r in eligible)
             if not eligible:
                 reason = Reason.NOTHING_ELIGIBLE
             elif idle_fired:  # the cache is cold: no prefix to protect, any gain is a gain
@@ -511,37 +574,46 @@ class Microcompact:
                 reason = Reason.BELOW_MIN_RECLAIM
             else:
                 reason, fire = Reason.CLEARED_CONTEXT_SIZE, True
+            freed = rewrite = 0
+            if fire:
+                # 4. clear everything eligible at once (batching), remember it, write it down
+                new = {r.tool_use_id: CLEARED_PLACEHOLDER for r in eligible}
+                state.cleared.update(new)
+                out = _apply(current, new)
+                freed = sum(r.tokens_before_anchor for r in eligible)
+                ctx.report.tokens_freed += freed
+                first = min(pos for r in eligible for pos, _ in r.positions)
+                rewrite = rough_tokens_for_messages(out[first:])
+                await self._record(ctx, list(new), reason)
+            facts.update(
+                cleared=len(eligible) if fire else 0,
+                kept=sum(1 for tid in found.results if tid not in state.cleared),
+                eligible=len(eligible),
+                reclaimable_tokens=reclaimable,
+                freed_tokens=freed,
+                cache_rewrite_tokens=rewrite,
+            )
         else:
             trigger = "none"
             reason = Reason.BELOW_TRIGGER if self.trigger_tokens > 0 else Reason.CACHE_WARM
-
-        # 4. clear everything eligible at once (batching), remember it, write it down
-        out = current
-        freed = rewrite = 0
-        if fire:
-            new = {r.tool_use_id: CLEARED_PLACEHOLDER for r in eligible}
-            state.cleared.update(new)
-            out = _apply(current, new)
-            freed = sum(r.tokens_before_anchor for r in eligible)
-            ctx.report.tokens_freed += freed
-            first = min(pos for r in eligible for pos, _ in r.positions)
-            rewrite = rough_tokens_for_messages(out[first:])
-            await self._record(ctx, list(new), reason)
+            facts.update(cleared=0, freed_tokens=0, cache_rewrite_tokens=0)
+        facts["trigger"] = trigger
         tokens_after = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed
+        first_patch = held.first_patch
+        if fire:
+            first_patch = min(first_patch, _first_difference(out, messages))
+        state.last = _LastPass(
+            cleared=len(state.cleared),
+            turn_start=max(turn_start, start),
+            newest_cleared=held.newest_cleared,
+            out=tuple(out) if first_patch < len(out) else (),
+            first_patch=first_patch,
+            held=held.held + (int(facts["cleared"]) if fire else 0),
+        )
 
-        cleared = len(eligible) if fire else 0
-        decision = Decision.CLEAR if fire else Decision.REAPPLY if held else Decision.SKIP
-        kept = sum(1 for tid in scan.results if tid not in state.cleared)
-        facts: dict[str, str | int | float | bool] = {
-            "cleared": cleared,
-            "kept": kept,
-            "reapplied": len(held),
-            "eligible": len(eligible),
-            "reclaimable_tokens": reclaimable,
-            "freed_tokens": freed,
-            "cache_rewrite_tokens": rewrite,
-            "trigger": trigger,
-        }
+        decision = (
+            Decision.CLEAR if fire else Decision.REAPPLY if facts["reapplied"] else Decision.SKIP
+        )
         if gap is not None:
             facts["idle_gap_minutes"] = round(gap, 3)
         emit_decision(
@@ -564,23 +636,72 @@ class Microcompact:
             ctx.logger.info(
                 "microcompact.cleared",
                 reason=reason,
-                cleared=cleared,
-                freed_tokens=freed,
-                cache_rewrite_tokens=rewrite,
+                cleared=facts["cleared"],
+                freed_tokens=facts["freed_tokens"],
+                cache_rewrite_tokens=facts["cache_rewrite_tokens"],
             )
         return out
 
-    def _idle_gap_minutes(self, scan: _Scan) -> float | None:
-        """Minutes since the last response; None when its record carries no timestamp.
+    def _reapply(
+        self,
+        messages: list[Message],
+        state: _ClearState,
+        last: _LastPass | None,
+        grown: int | None,
+        turn_start: int,
+        scan: Callable[[], _Scan],
+    ) -> _Reapplied:
+        """Earlier clears applied to ``messages``.
+
+        When the history only grew by records that reach nothing older (``grown``), nothing was
+        cleared since and no cleared id waited in the last newest turn, everything before that
+        turn is sent as the last pass sent it: only the records from there on are redone.
+        """
+        n = len(messages)
+        if not state.cleared:
+            return _Reapplied(messages, n, 0, False)
+        newest = _newest_turn_ids(messages, turn_start)
+        newest_cleared = not newest.isdisjoint(state.cleared)
+        if (
+            grown is not None
+            and last is not None
+            and last.cleared == len(state.cleared)
+            and not last.newest_cleared
+        ):
+            k = min(last.turn_start, grown)
+            names = state.watch.tool_names
+            region = messages[k:]
+            texts = {
+                tid: state.cleared[tid]
+                for tid in _result_ids(region)
+                if tid in state.cleared and tid not in newest and names.get(tid) in self._tools
+            }
+            redone = _apply(region, texts)
+            held = last.held + len(texts)
+            if last.first_patch >= k:
+                if redone is region:
+                    return _Reapplied(messages, n, held, newest_cleared)
+                first = _first_difference(redone, region, k)
+                return _Reapplied(messages[:k] + redone, first, held, newest_cleared)
+            return _Reapplied([*last.out[:k], *redone], last.first_patch, held, newest_cleared)
+        found = scan()
+        texts = {
+            tid: text
+            for tid, text in state.cleared.items()
+            if tid in found.results and tid not in found.newest_turn_ids
+        }
+        out = _apply(messages, texts)
+        first = n if out is messages else _first_difference(out, messages)
+        return _Reapplied(out, first, len(texts), newest_cleared)
+
+    def _idle_gap_minutes(self, last_time: datetime, now: datetime | None) -> float:
+        """Minutes since the last response (recorded at ``last_time``).
 
         "Now" is the newest timestamp recorded after that response (a replay then sees the gap
-        the session really had), else the wall clock. Unknown counts as warm: never break a
-        cache on a guess.
+        the session really had), else the wall clock. A response without a timestamp counts
+        as warm: never break a cache on a guess.
         """
-        if scan.last_response_time is None:
-            return None
-        now = scan.now or self._now()
-        return max(0.0, (now - scan.last_response_time).total_seconds() / 60)
+        return max(0.0, ((now or self._now()) - last_time).total_seconds() / 60)
 
     async def _record(self, ctx: SessionContext, ids: list[str], reason: str) -> None:
         data = {
@@ -640,7 +761,7 @@ class ServerSideMicrocompact:
         self.keep = check_int("keep", keep)
         self.clear_at_least = check_int("clear_at_least", clear_at_least)
         self.exclude_tools = _check_names("exclude_tools", exclude_tools, allow_empty=True)
-        self.clear_tool_inputs = _check_bool("clear_tool_inputs", clear_tool_inputs)
+        self.clear_tool_inputs = check_bool("clear_tool_inputs", clear_tool_inputs)
 
     def __repr__(self) -> str:
         return (

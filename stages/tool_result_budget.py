@@ -50,10 +50,8 @@ The contract that makes the cache safe:
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, count
 from typing import Any
 
 import anyio
@@ -63,6 +61,7 @@ from opentelemetry import trace
 from pipeline import Message, SessionContext
 from pipeline.context import PersistedResult
 from pipeline.gate import Persisted, empty_result_text, is_persistable, persist_content
+from pipeline.incremental import InputLog
 from pipeline.policies import MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
 from pipeline.replacement import (
     ReplacementRecord,
@@ -275,8 +274,8 @@ class _SessionCache:
     """One session's memory of earlier passes (see the module docstring for the contract)."""
 
     def __init__(self, state: ReplacementState) -> None:
-        self.inputs: list[Message] = []
-        """The input of the last pass (its message objects, or equal ones), to find changes."""
+        self.log = InputLog()
+        """The input of the last pass, to find where this one first differs."""
         self.scan = _Scan()
         self.apply: dict[str, str] = {}
         """tool_use_id -> the text its tool_results are sent with: the ledger's replacement if
@@ -305,33 +304,6 @@ class _SessionCache:
         """Take in the replacements this pass made (the only change a pass makes to them)."""
         self._replaced.update(replaced_now)
 
-    def take(self, messages: list[Message]) -> int:
-        """Make ``messages`` the remembered input; return the first position that differs.
-
-        A position is unchanged when it holds the same object or an equal one. The common
-        case, a history that only grew, costs the new tail plus one C-level sweep: the tail is
-        appended first so that both lists have the same length, and ``list == list`` compares
-        identical objects without calling ``Message.__eq__`` and without copying either list.
-        (After an equal-but-not-identical substitution the remembered object stays the old
-        one: equal values are all the scan depends on.)
-        """
-        old = self.inputs
-        n_old, n_new = len(old), len(messages)
-        try:
-            if n_new >= n_old:
-                old.extend(messages[n_old:])
-                if old == messages:
-                    return n_old
-            elif messages == old[:n_new]:
-                del old[n_new:]
-                return n_new
-        except Exception:  # an __eq__ that raises on hostile content: locate by identity
-            pass
-        del old[n_old:]
-        first = next(compress(count(), map(operator.is_not, messages, old)), None)
-        self.inputs = list(messages)
-        return min(n_old, n_new) if first is None else first
-
     def sync(
         self, messages: list[Message], replacements: Mapping[str, str]
     ) -> tuple[int, int, set[str]]:
@@ -342,7 +314,7 @@ class _SessionCache:
         """
         scan = self.scan
         scanned = len(scan.undo)
-        start = self.take(messages)
+        start = self.log.take(messages)
         touched: set[str] = set()
         if start < scanned:
             for index in range(scanned - 1, start - 1, -1):

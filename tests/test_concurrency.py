@@ -161,7 +161,7 @@ async def test_a_thousand_interleaved_sessions_share_nothing(
         cache = ctx.stage_state.get("tool_result_budget")  # present with incremental=True
         if cache is not None:
             assert set(cache.scan.cand_count) <= own and set(cache.apply) <= own
-            assert all(ids_in(repr(m)) <= {i} for m in cache.inputs)
+            assert all(ids_in(repr(m)) <= {i} for m in cache.log.inputs)
         for value in ctx.stage_state.values():
             assert ids_in(repr(value)) <= {i}
         # every request this session built mentions only its own ids and its own directory

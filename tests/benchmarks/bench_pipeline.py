@@ -6,14 +6,16 @@
 Not a test (pytest collects ``test_*.py`` only) and nothing here asserts a timing: it prints
 figures -- medians of several runs, and ratios against a baseline measured in the same run.
 
-1. ``turn``: per-turn overhead at N messages of a synthetic history (parallel tool calls,
-   large results, progress records; responses carry usage), in steady state: each pass appends
-   one turn to the history the last pass saw. Measured: the default pipeline
-   (``Pipeline(default_stages())``, whatever its stages are today, with a per-stage breakdown),
-   the budget stage alone, and ``to_api`` (what an agent does next), against ``FullRescanBudget``
-   below -- a straightforward implementation of the reference algorithm that groups, classifies,
-   selects and map-replaces over the whole history on every turn (SPEC §2). Stores are in memory
-   (the same for both; disk I/O is not pipeline overhead) and logs are dropped.
+1. ``turn``: per-turn overhead at N messages of a synthetic coding session (parallel tool
+   calls, large results, progress records) grown turn by turn through the default pipeline,
+   each response's usage being the size of the request the pipeline sent -- as live, so the
+   stages act as they would (the budget persists, history snip removes rounds near the window).
+   At each size the next turns are timed: the default pipeline (incremental, with a per-stage
+   breakdown) against the same five stages with ``incremental=False`` (every pass re-derives
+   everything from the whole history: the straightforward full rescan), resumed from the same
+   decisions and fed the same inputs. Also the budget stage alone against ``FullRescanBudget``
+   below (SPEC §2 done the straightforward way), and ``to_api`` (what an agent does next).
+   Stores are in memory (disk I/O is not pipeline overhead) and logs are dropped.
 2. ``replay``: every corpus session (``claude-code_*/**/*.jsonl``) loaded and replayed through
    the default pipeline with ``replay_messages`` (as the CLI does, minus printing), against just
    loading it.
@@ -28,7 +30,6 @@ figures -- medians of several runs, and ratios against a baseline measured in th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -39,6 +40,7 @@ import tempfile
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,6 @@ sys.path.insert(0, str(REPO))  # this checkout's package, even when run from els
 import anyio  # noqa: E402
 
 from pipeline import (  # noqa: E402
-    FunctionStage,
     Message,
     Pipeline,
     ReplacementState,
@@ -229,7 +230,9 @@ class HistoryGen:
             return self.rnd.choice((24_000, 45_000))
         return self.rnd.choice((60_000, 120_000))
 
-    def turn(self) -> list[Message]:
+    def turn(self, sent_tokens: int | None = None) -> list[Message]:
+        """One turn. ``sent_tokens``: the size of the request that produced this response, as a
+        live session's usage reports it (else the context grows unmanaged)."""
         t = self.turns
         self.turns += 1
         rid = f"msg_{t:06d}"
@@ -240,7 +243,8 @@ class HistoryGen:
         big_batch = self.rnd.random() < 0.05  # parallel results that exceed 200K together
         ids = [f"toolu_{t:06d}_{k}" for k in range(n)]
         self.tokens += 800
-        usage = Usage(input_tokens=3, cache_read_input_tokens=self.tokens, output_tokens=200)
+        read = self.tokens if sent_tokens is None else max(0, sent_tokens - 3)
+        usage = Usage(input_tokens=3, cache_read_input_tokens=read, output_tokens=200)
         model = "claude-sonnet-4-5"
         out.append(
             Message.assistant(
@@ -262,7 +266,8 @@ class HistoryGen:
 
 
 def history_with_turns(n_messages: int, extra_turns: int) -> tuple[list[Message], list[int]]:
-    """Messages for ``n_messages`` and then ``extra_turns`` turns; the cut points of each."""
+    """Messages for ``n_messages`` and then ``extra_turns`` turns; the cut points of each
+    (recorded usage, unmanaged: for the budget stage, which does not read it)."""
     gen = HistoryGen()
     messages: list[Message] = []
     while len(messages) < n_messages:
@@ -320,86 +325,111 @@ async def steady_state(
     return times
 
 
+async def live_session(
+    sizes: list[int], runs: int, tmp: str
+) -> tuple[list[Message], dict[int, Checkpoint]]:
+    """A session grown turn by turn through the default pipeline, each response's usage the
+    size of the request the pipeline sent (as a live API reports it), so the stages act as they
+    would live: the budget persists, history snip removes rounds whenever the context nears the
+    window, microcompact clears. At each size, the decision state is kept and the next
+    ``runs`` passes are timed (by stage) -- the incremental pipeline in steady state."""
+    gen = HistoryGen()
+    messages: list[Message] = []
+    stage_times: dict[str, list[float]] = {}
+    ctx = _ctx("live", tmp)
+    pipe = Pipeline([Timed(s, stage_times) for s in default_stages()])
+    sent: int | None = None
+    checkpoints: dict[int, Checkpoint] = {}
+    for n in sorted(sizes):
+        while len(messages) < n:
+            messages += gen.turn(sent)
+            await pipe.run(messages, ctx)
+            sent = ctx.report.estimated_tokens
+        cp = Checkpoint(len(messages), list(ctx.stage_records), ctx.replacement_state.copy())
+        stage_times.clear()
+        for _ in range(runs):
+            messages += gen.turn(sent)
+            start = time.perf_counter()
+            await pipe.run(messages, ctx)
+            cp.times.append(time.perf_counter() - start)
+            sent = ctx.report.estimated_tokens
+            cp.cuts.append(len(messages))
+        cp.by_stage = {k: list(v) for k, v in stage_times.items()}
+        checkpoints[n] = cp
+    return messages, checkpoints
+
+
+@dataclass
+class Checkpoint:
+    """The live session at one size: its decisions so far, and the timed passes after it."""
+
+    length: int
+    records: list[Any]
+    ledger: ReplacementState
+    cuts: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    by_stage: dict[str, list[float]] = field(default_factory=dict)
+
+
 async def bench_turn(sizes: list[int], runs: int) -> None:
     print(f"\n== 1. per-turn cost in steady state (median of {runs} turns, ms) ==")
-    print(
-        f"{'':>9} {'-- stage call --':^30} {'-- in Pipeline.run --':^30}\n"
-        f"{'messages':>9} {'full-rescan':>11} {'budget':>9} {'ratio':>8} "
-        f"{'full-rescan':>11} {'budget':>9} {'ratio':>8} {'default':>9} {'(rescan)':>9} "
-        f"{'to_api':>8}   default pipeline by stage"
-    )
     with tempfile.TemporaryDirectory(prefix="bench-turn-") as tmp:
-        for n in sizes:
-            await _bench_turn_size(n, runs, tmp)
+        messages, checkpoints = await live_session(sizes, runs, tmp)
+        print(
+            f"{'messages':>9} {'rescan':>8} {'default':>8} {'ratio':>6}   "
+            f"{'budget:':<7}{'rescan':>8} {'stage':>7} {'ratio':>6} {'to_api':>7}   "
+            "default pipeline by stage"
+        )
+        for n in sorted(sizes):
+            await _bench_turn_size(n, checkpoints[n], messages, tmp)
     print(
-        "stage call: the bare algorithms, FullRescanBudget (this file) vs ToolResultBudget."
-        "\nin Pipeline.run: each as the only stage of a pipeline (adds spans and the token"
-        " estimates before/after).\ndefault: Pipeline(default_stages()); (rescan): the same with"
-        " FullRescanBudget in the budget's slot.\nby stage: the default pipeline's stages; run ="
-        " the rest of Pipeline.run (spans, token estimates)."
+        "rescan: the same five stages with incremental=False (every pass re-derives everything"
+        " from the whole history), resumed from the live session's decisions at that size;"
+        "\ndefault: Pipeline(default_stages()) in the live session (its usage = what it sent)."
+        "\nbudget: FullRescanBudget (this file, SPEC §2 the straightforward way) vs"
+        " ToolResultBudget, bare stage calls. to_api: what an agent does next."
+        "\nby stage: the default pipeline's stages; run = the rest of Pipeline.run (spans,"
+        " token estimates)."
     )
 
 
-async def _bench_turn_size(n: int, runs: int, tmp: str) -> None:
-    messages, cuts = history_with_turns(n, runs)
+async def _bench_turn_size(n: int, cp: Checkpoint, messages: list[Message], tmp: str) -> None:
+    cuts = [cp.length, *cp.cuts]
+
+    # the full-rescan pipeline, from the same decisions, on the same inputs
+    ctx_r = _ctx(f"rescan-{n}", tmp)
+    ctx_r.stage_records = list(cp.records)
+    ctx_r.replacement_state = cp.ledger.copy()
+    pipe_r = Pipeline(default_stages(incremental=False))
+    t_rescan = await steady_state(lambda v: pipe_r.run(v, ctx_r), messages, cuts)
+
+    # the budget stage alone, bare, against the straightforward implementation
     policies = ToolPolicies.claude_code()
-
-    def rescan_stage() -> FunctionStage:
-        ref = FullRescanBudget(LIMIT, policies, MemoryStore())
-
-        async def run(v: list[Message], ctx: SessionContext) -> list[Message]:
-            return await ref(v, ctx.replacement_state)
-
-        return FunctionStage("tool_result_budget", run)
-
-    # the bare algorithms
-    ref_state = ReplacementState()
+    ref_state = cp.ledger.copy()
     reference = FullRescanBudget(LIMIT, policies, MemoryStore())
     t_ref = await steady_state(lambda v: reference(v, ref_state), messages, cuts)
     ctx_b = _ctx(f"budget-{n}", tmp)
-    budget = ToolResultBudget(LIMIT)  # incremental (the default)
+    ctx_b.replacement_state = cp.ledger.copy()
+    budget = ToolResultBudget(LIMIT)
 
     async def budget_call(v: list[Message]) -> list[Message]:
         ctx_b.begin_pass()
         return await budget(v, ctx_b)
 
     t_budget = await steady_state(budget_call, messages, cuts)
-    # a sanity check, not a timing: the baseline decides exactly as the stage does
-    same = json.dumps(to_api(await reference(messages, ref_state))) == json.dumps(
-        to_api(await budget_call(messages))
-    )
-
-    # each alone in a pipeline
-    ctx_r = _ctx(f"run-rescan-{n}", tmp)
-    pipe_r = Pipeline([rescan_stage()])
-    t_run_ref = await steady_state(lambda v: pipe_r.run(v, ctx_r), messages, cuts)
-    ctx_rb = _ctx(f"run-budget-{n}", tmp)
-    pipe_rb = Pipeline([ToolResultBudget(LIMIT)])
-    t_run_budget = await steady_state(lambda v: pipe_rb.run(v, ctx_rb), messages, cuts)
-
-    # the default pipeline, by stage; and with the full-rescan budget in its slot
-    stage_times: dict[str, list[float]] = {}
-    ctx_d = _ctx(f"default-{n}", tmp)
-    pipe_d = Pipeline([Timed(s, stage_times) for s in default_stages()])
-    t_default = await steady_state(lambda v: pipe_d.run(v, ctx_d), messages, cuts)
-    ctx_dr = _ctx(f"default-rescan-{n}", tmp)
-    pipe_dr = Pipeline(default_stages()).replace("tool_result_budget", rescan_stage())
-    t_default_ref = await steady_state(lambda v: pipe_dr.run(v, ctx_dr), messages, cuts)
-
     t_api = [_time(lambda v=messages[:c]: to_api(v)) for c in cuts[1:]]
 
     def ms(x: list[float]) -> float:
         return statistics.median(x) * 1e3
 
-    by = {k: ms(v[1:]) for k, v in stage_times.items()}  # [0] is the warm-up pass
-    rest = [t - sum(v[k + 1] for v in stage_times.values()) for k, t in enumerate(t_default)]
+    by = {k: ms(v) for k, v in cp.by_stage.items()}
+    rest = [t - sum(v[k] for v in cp.by_stage.values()) for k, t in enumerate(cp.times)]
     by_stage = " ".join(f"{k.split('_')[0][:7]}={v:.2f}" for k, v in by.items())
     by_stage += f" run={ms(rest):.2f}"
-    r, b, rr, rb = ms(t_ref), ms(t_budget), ms(t_run_ref), ms(t_run_budget)
+    r, d, fr, b = ms(t_rescan), ms(cp.times), ms(t_ref), ms(t_budget)
     print(
-        f"{n:>9,} {r:>11.2f} {b:>9.3f} {r / b:>7.0f}x {rr:>11.2f} {rb:>9.3f} {rr / rb:>7.1f}x "
-        f"{ms(t_default):>9.2f} {ms(t_default_ref):>9.2f} {ms(t_api):>8.2f}   {by_stage}"
-        + ("" if same else "   (!) baseline output differs")
+        f"{n:>9,} {r:>8.2f} {d:>8.2f} {r / d:>5.1f}x   {'':<7}{fr:>8.2f} {b:>7.3f} "
+        f"{fr / b:>5.0f}x {ms(t_api):>7.2f}   {by_stage}"
     )
 
 
@@ -495,20 +525,20 @@ def bench_replay(corpus: Path, runs: int) -> None:
         f"({calls / (re_ - lo):,.0f} calls/s of replay)"
     )
     # where the replay's time goes (one more run, instrumented)
-    import pipeline.replay as replay_module
+    from pipeline.wire import WireCache
 
     stage_times: dict[str, list[float]] = {}
     wire_times: list[float] = []
-    real_to_api = replay_module.to_api
+    real_to_api = WireCache.to_api
 
-    def timed_to_api(messages: Sequence[Message]) -> Any:
+    def timed_to_api(self: WireCache, messages: Sequence[Message]) -> Any:
         start = time.perf_counter()
         try:
-            return real_to_api(messages)
+            return real_to_api(self, messages)
         finally:
             wire_times.append(time.perf_counter() - start)
 
-    replay_module.to_api = timed_to_api  # type: ignore[assignment]
+    WireCache.to_api = timed_to_api  # type: ignore[method-assign]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-replay-") as root:
             start = time.perf_counter()
@@ -516,7 +546,7 @@ def bench_replay(corpus: Path, runs: int) -> None:
                 anyio.run(replay_file, p, root, None, stage_times)
             total = time.perf_counter() - start
     finally:
-        replay_module.to_api = real_to_api  # type: ignore[assignment]
+        WireCache.to_api = real_to_api  # type: ignore[method-assign]
     parts = {k: sum(v) for k, v in stage_times.items()}
     parts["to_api"] = sum(wire_times)
     parts["load+rest"] = total - sum(parts.values())
@@ -524,7 +554,8 @@ def bench_replay(corpus: Path, runs: int) -> None:
         "   where it goes: "
         + ", ".join(f"{k} {v:.2f} s ({v / total:.0%})" for k, v in parts.items())
     )
-    print("   (rest: loading, the replay loop, token estimates/observations, request_chars)")
+    print("   (to_api: the request, built incrementally with its request_chars; rest: loading,")
+    print("   the replay loop, token estimates and observations)")
 
 
 # --------------------------------------------------------------------------------------------

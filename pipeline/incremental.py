@@ -1,0 +1,148 @@
+"""What a stage may reuse from its previous pass over the same session.
+
+A long session reaches thousands of messages and the pipeline runs before every call, while a
+turn usually only appends a few records. Stages that re-apply earlier decisions (a projection of
+the whole history) keep their last output and redo only the new part -- when that is provably
+the same as starting over. Two pieces serve every stage:
+
+- :class:`InputLog` finds the first position where this pass's input differs from the last
+  pass's, in one C-level sweep when the history only grew.
+- :class:`AppendWatch` says whether the input only grew *and nothing new reaches back*: no new
+  record shares a uuid, a response id or a tool_use_id with an older one (so no earlier cut,
+  pair or decision changes meaning) and none is a compact boundary (so the part the API sees
+  starts where it did). Then whatever a stage computed for the old records still holds, and it
+  returns the old length; otherwise it rebuilds its view of the history and returns ``None``,
+  and the stage computes from scratch.
+
+The contract: messages are immutable (replace a message, never mutate its content in place).
+A message replaced by an equal copy counts as unchanged, and a stage may answer it with the
+equal object it saw before (same value, same bytes on the wire).
+``tests/test_incremental.py`` checks every incremental stage against a from-scratch pass, byte
+for byte, over random histories with edits to old messages.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sequence
+from itertools import compress, count
+
+from pipeline.messages import Message, thread_start
+
+__all__ = ["AppendWatch", "InputLog", "message_keys"]
+
+
+class InputLog:
+    """The input of the last pass (its message objects, or equal ones), to find changes."""
+
+    def __init__(self) -> None:
+        self.inputs: list[Message] = []
+
+    def take(self, messages: Sequence[Message]) -> int:
+        """Make ``messages`` the remembered input; return the first position that differs.
+
+        A position is unchanged when it holds the same object or an equal one. The common
+        case, a history that only grew, costs the new tail plus one C-level sweep: the tail is
+        appended first so that both lists have the same length, and ``list == list`` compares
+        identical objects without calling ``Message.__eq__`` and without copying either list.
+        (After an equal-but-not-identical substitution the remembered object stays the old
+        one: equal values are all a stage may depend on.)
+        """
+        old = self.inputs
+        n_old, n_new = len(old), len(messages)
+        try:
+            if n_new >= n_old:
+                old.extend(messages[n_old:])
+                if old == messages or (not isinstance(messages, list) and old == list(messages)):
+                    return n_old
+            elif old[:n_new] == list(messages):
+                del old[n_new:]
+                return n_new
+        except Exception:  # an __eq__ that raises on hostile content: locate by identity
+            pass
+        del old[n_old:]
+        first = next(compress(count(), map(operator.is_not, messages, old)), None)
+        self.inputs = list(messages)
+        return min(n_old, n_new) if first is None else first
+
+    def clear(self) -> None:
+        """Forget the last input: the next :meth:`take` reports a change at position 0."""
+        self.inputs = []
+
+
+def message_keys(m: Message) -> Iterator[str]:
+    """The identities a record shares with others: its uuid, its response id and the
+    tool_use_ids it calls or answers (prefixed, so the kinds never collide)."""
+    yield "u:" + m.uuid
+    if m.type == "assistant":
+        if m.message_id is not None:
+            yield "r:" + m.message_id
+        kind, field = "tool_use", "id"
+    elif m.type == "user":
+        kind, field = "tool_result", "tool_use_id"
+    else:
+        return
+    if isinstance(m.content, list):
+        for b in m.content:
+            if isinstance(b, dict) and b.get("type") == kind:
+                yield "t:" + str(b.get(field))
+
+
+def _reaches_back(m: Message) -> bool:
+    return m.is_compact_boundary or (m.type == "user" and m.is_compact_summary)
+
+
+class AppendWatch:
+    """Whether each pass's input is the last one plus records that reach nothing older.
+
+    Also keeps, for the current input, :attr:`start` (``thread_start``) and :attr:`tool_names`
+    (tool_use_id -> tool name), which stages would otherwise rescan the history for.
+    """
+
+    def __init__(self) -> None:
+        self._log = InputLog()
+        self._keys: set[str] = set()
+        self._length = 0
+        self._primed = False
+        self.start = 0
+        """Index of the first record the API sees (after the last compact boundary)."""
+        self.tool_names: dict[str, str] = {}
+        """tool_use_id -> tool name, over every record of the input."""
+
+    def advance(self, messages: Sequence[Message], *, reuse: bool = True) -> int | None:
+        """Take this pass's input. Return the old length if the input is the last one plus
+        records that share no key with it and restart nothing; else ``None`` (rebuilt).
+        ``reuse=False`` always rebuilds (a stage configured to compute every pass afresh)."""
+        first = self._log.take(messages) if reuse else -1
+        n_old = self._length
+        self._length = len(messages)
+        if reuse and self._primed and first == n_old:
+            tail = messages[n_old:]
+            keys = [k for m in tail for k in message_keys(m)]
+            if not any(map(_reaches_back, tail)) and self._keys.isdisjoint(keys):
+                self._keys.update(keys)
+                self._learn_names(tail)
+                return n_old
+        self._rebuild(messages)
+        return None
+
+    def invalidate(self) -> None:
+        """Make the next :meth:`advance` rebuild (a pass failed midway)."""
+        self._primed = False
+        self._log.clear()
+
+    def _rebuild(self, messages: Sequence[Message]) -> None:
+        self._keys = {k for m in messages for k in message_keys(m)}
+        self.start = thread_start(messages)
+        self.tool_names = {}
+        self._learn_names(messages)
+        self._primed = True
+
+    def _learn_names(self, messages: Sequence[Message]) -> None:
+        for m in messages:
+            if m.type == "assistant" and isinstance(m.content, list):
+                for b in m.content:
+                    if isinstance(b, dict) and b.get("type") == "tool_use":
+                        tid, name = b.get("id"), b.get("name")
+                        if isinstance(tid, str) and isinstance(name, str):
+                            self.tool_names[tid] = name

@@ -1,0 +1,284 @@
+"""The later stages' per-session reuse can never go stale (issue 7, performance half).
+
+``HistorySnip``, ``Microcompact`` and ``ContextCollapse`` keep their last output and, when the
+history only grew by records that reach nothing older (``pipeline/incremental.py``), redo only
+the new part. The property runs random multi-turn sessions -- with the same edits to old
+messages as the budget's property (replace, insert, delete, truncate, swap, feed the output
+back, a new list) and thresholds low enough that every stage acts -- through
+``tool_result_budget → history_snip → microcompact → context_collapse`` and checks every pass
+against a from-scratch pass: fresh stage objects and a fresh context restored from the stage
+records and the ledger as they stood before the pass (the resume path). Compared: the output
+(as messages and ``json.dumps(to_api(...))``), whether the input list passes through,
+every stage's notes, ``tokens_freed``, the stage records the pass wrote and the ledger.
+
+Deterministic tests then count what a pass reads (no timing) and pin the fallbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from anthropic.types import MessageParam
+from hypothesis import HealthCheck, event, given, settings
+
+from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage, to_api
+from pipeline import incremental as incremental_module
+from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
+from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.test_incremental import TAPE, Gen, MemoryStore, QuietLogger
+
+SID = "incremental-stages"
+EXAMPLES = 600
+
+
+class TinySummarizer:
+    """A deterministic summary, always far smaller than what it replaces."""
+
+    async def summarize(self, messages: Sequence[MessageParam]) -> str:
+        return f"s{len(messages)}"
+
+
+def _stages() -> list[Any]:
+    return [
+        ToolResultBudget(900),
+        HistorySnip(context_window=2_500, keep_recent_rounds=2),
+        Microcompact(keep=2, idle_minutes=0, trigger_tokens=700, min_reclaim_tokens=60),
+        ContextCollapse(TinySummarizer(), context_window=3_000, keep_recent_rounds=2),
+    ]
+
+
+def _ctx(store: MemoryStore, **kw: Any) -> SessionContext:
+    return SessionContext(
+        SID,
+        "/nonexistent-root",  # the memory store never touches it
+        store=store,
+        token_tracker=TokenTracker("reference"),
+        logger=QuietLogger(),
+        **kw,
+    )
+
+
+class UsageGen(Gen):
+    """The budget property's generator, plus usage on some responses (so the estimate has an
+    anchor that moves, as in a live session)."""
+
+    tokens = 0
+
+    def turn(self) -> list[Message]:
+        out = super().turn()
+        if self.one_in(2):
+            self.tokens += 40 + self.below(400)
+            usage = Usage(input_tokens=self.tokens, output_tokens=10)
+            out = [
+                Message.assistant(
+                    m.content, message_id=m.message_id, usage=usage, model=m.model, uuid=m.uuid
+                )
+                if m.type == "assistant"
+                else m
+                for m in out
+            ]
+        return out
+
+
+class Twin:
+    """The incremental session and the from-scratch reference, pass by pass."""
+
+    def __init__(self) -> None:
+        self.store = MemoryStore(frozenset())
+        self.pipeline = Pipeline(_stages())  # one set of stage objects for every pass
+        self.ctx = _ctx(self.store)
+        self.passes = 0
+
+    async def check_pass(self, history: list[Message]) -> list[Message]:
+        records = list(self.ctx.stage_records)
+        ledger = self.ctx.replacement_state.copy()
+        collapse = self.ctx.stage_state.get("context_collapse")
+        breaker = (collapse.failures, collapse.span_cap) if collapse is not None else None
+        snapshot = list(history)
+        out = await self.pipeline.run(history, self.ctx)
+
+        ref_ctx = _ctx(self.store, replacement_state=ledger, stage_records=records)
+        fresh = _stages()
+        if breaker is not None:  # unrecorded circuit-breaker state, carried over by hand
+            state = fresh[3]._state(ref_ctx)
+            state.failures, state.span_cap = breaker
+        ref = await Pipeline(fresh).run(history, ref_ctx)
+        self.passes += 1
+        where = f"pass {self.passes}"
+        assert history == snapshot, where
+        assert json.dumps(to_api(out)) == json.dumps(to_api(ref)), where
+        assert out == ref, where
+        assert (out is history) == (ref is history), where
+        # (an equal copy of an old message may come back as the equal object the last pass
+        # saw: same value, same bytes)
+        assert self.ctx.report.notes == ref_ctx.report.notes, where
+        assert self.ctx.report.tokens_freed == ref_ctx.report.tokens_freed, where
+        assert self.ctx.report.suppress_autocompact == ref_ctx.report.suppress_autocompact, where
+        assert self.ctx.stage_records[len(records) :] == ref_ctx.stage_records[len(records) :]
+        assert self.ctx.replacement_state == ref_ctx.replacement_state, where
+        for name, note in self.ctx.report.notes.items():
+            decision = note.get("decision") if name == "microcompact" else None
+            if decision == "clear" or note.get("removed_new") or note.get("commits_active"):
+                event(f"{name} acted")
+        return out
+
+
+async def run_session(tape: bytes) -> None:
+    gen = UsageGen(tape)
+    twin = Twin()
+    history: list[Message] = [user_text("start")]
+    last_out: list[Message] = history
+    for _ in range(4 + gen.below(24)):
+        op = gen.pick(("turn",) * 10 + ("replace", "insert", "delete", "truncate", "swap"))
+        if gen.one_in(8):
+            op = gen.pick(("feed_back", "new_list"))
+        n = len(history)
+        if op == "turn" or n < 2:
+            history.extend(gen.turn())
+        elif op == "replace":
+            i = gen.below(n)
+            history[i] = gen.edited(history[i])
+        elif op == "insert":
+            history.insert(gen.below(n + 1), gen.single())
+        elif op == "delete":
+            del history[gen.below(n)]
+        elif op == "truncate":
+            del history[1 + gen.below(n - 1) :]
+        elif op == "swap":
+            i, j = gen.below(n), gen.below(n)
+            history[i], history[j] = history[j], history[i]
+        elif op == "feed_back":
+            history = list(last_out)
+        else:
+            history = list(history)
+        event(f"op: {op}")
+        if not gen.one_in(4):
+            last_out = await twin.check_pass(history)
+    await twin.check_pass(history)
+    await twin.check_pass(history)
+
+
+def test_later_stages_incremental_equal_from_scratch_over_edited_histories() -> None:
+    with asyncio.Runner() as runner:
+
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(TAPE)
+        def session(tape: bytes) -> None:
+            runner.run(run_session(tape))
+
+        session()
+
+
+# --------------------------------------------------------------------------------------------
+# What the reuse buys, counted (no timing)
+# --------------------------------------------------------------------------------------------
+
+
+def _turn(t: int, size: int = 3_000, usage: int | None = None) -> list[Message]:
+    u = Usage(input_tokens=usage, output_tokens=5) if usage is not None else None
+    return [
+        assistant(f"r{t}", tool_use(f"t{t}", "Read"), usage=u),
+        results(tool_result(f"t{t}", f"{t}:" + "x" * size)),
+    ]
+
+
+STEADY = {
+    "history_snip": lambda: HistorySnip(context_window=2_500, keep_recent_rounds=2),
+    "microcompact": lambda: Microcompact(
+        keep=2, idle_minutes=0, trigger_tokens=5_000, min_reclaim_tokens=60
+    ),
+    "context_collapse": lambda: ContextCollapse(
+        TinySummarizer(), context_window=20_000, keep_recent_rounds=2
+    ),
+}
+FULL_SCANS = {
+    "history_snip": ("safe_cuts", "_project", "_select"),
+    "microcompact": ("_scan", "_apply"),
+    "context_collapse": ("safe_cuts", "_project", "_select"),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", sorted(STEADY))
+async def test_a_steady_pass_reads_only_the_new_records(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a stage acted, passes on a history that grows a turn at a time (usage as a live
+    session reports it: the size of what was sent) re-apply its decisions from the last output:
+    no view is rebuilt and none of the whole-history functions runs."""
+    module = importlib.import_module(f"stages.{name}")
+    calls: list[tuple[str, int]] = []
+
+    def counted(fn_name: str) -> None:
+        owner = STEADY[name]().__class__ if fn_name == "_select" else module
+        fn = getattr(owner, fn_name)
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            lists = [x for x in a if isinstance(x, list)]
+            calls.append((fn_name, len(lists[0]) if lists else -1))
+            return fn(*a, **kw)
+
+        monkeypatch.setattr(owner, fn_name, wrapper)
+
+    for fn_name in FULL_SCANS[name]:
+        counted(fn_name)
+    rebuild = incremental_module.AppendWatch._rebuild
+
+    def counting_rebuild(self: Any, messages: Sequence[Message]) -> None:
+        calls.append(("rebuild", len(messages)))
+        rebuild(self, messages)
+
+    monkeypatch.setattr(incremental_module.AppendWatch, "_rebuild", counting_rebuild)
+
+    ctx = _ctx(MemoryStore(frozenset()))
+    pipe = Pipeline([STEADY[name]()])
+    history: list[Message] = [user_text("start")]
+    for t in range(40):
+        history += _turn(t, usage=1_000 + 450 * t)
+    out = await pipe.run(history, ctx)
+    assert out is not history and out != history  # it acted
+    assert "rebuild" in {c for c, _ in calls}
+    calls.clear()
+
+    for t in range(40, 50):
+        history += _turn(t, size=10, usage=ctx.report.estimated_tokens + 20)
+        out = await pipe.run(history, ctx)
+        assert out is not history
+    # ten passes, nothing rescanned: at most the newest turn is re-read (microcompact's region)
+    assert all(c == "_apply" and n <= 4 for c, n in calls), calls
+    assert ctx.stage_records  # the decision of the first pass, and no other
+    assert len(ctx.stage_records) == 1
+    fresh = _ctx(MemoryStore(frozenset()), stage_records=ctx.stage_records)
+    assert await Pipeline([STEADY[name]()]).run(history, fresh) == out
+
+
+@pytest.mark.asyncio
+async def test_a_new_record_that_reaches_back_rebuilds() -> None:
+    """A tool_result for an old tool_use, a reused uuid, a compact boundary: each makes every
+    stage start over (and the result is the from-scratch one)."""
+    watch = incremental_module.AppendWatch()
+    history: list[Message] = [user_text("start"), *_turn(0), *_turn(1)]
+    assert watch.advance(history) is None  # first sight: built
+    grown = [*history, *_turn(2)]
+    assert watch.advance(grown) == len(history)
+    assert watch.tool_names == {"t0": "Read", "t1": "Read", "t2": "Read"}
+    late = [*grown, results(tool_result("t0", "late answer"))]
+    assert watch.advance(late) is None
+    twin = [*late, Message.user("again", uuid=late[0].uuid)]
+    assert watch.advance(twin) is None
+    boundary = [*twin, Message(type="system", subtype="compact_boundary"), user_text("summary")]
+    assert watch.advance(boundary) is None
+    assert watch.start == len(twin) + 1
+    edited = [boundary[0], user_text("edited"), *boundary[2:]]
+    assert watch.advance(edited) is None
+    assert watch.advance(edited[:-3]) is None  # shorter: rebuilt
+    assert watch.advance(list(edited[:-3])) == len(edited) - 3  # an equal list: nothing new
