@@ -33,6 +33,7 @@ from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
+from pipeline.wire import WireCache
 
 __all__ = ["Agent", "AgentAPIError", "AgentResult", "GatedResult", "TurnLog"]
 
@@ -163,6 +164,7 @@ class Agent:
         self.model = model
         self.pipeline = pipeline
         self.ctx = ctx
+        self._wire = WireCache()  # each request built from what changed since the last one
         self.system = system
         self.max_tokens = max_tokens
         self.max_turns = max_turns
@@ -283,7 +285,7 @@ class Agent:
     async def build_request(self) -> list[MessageParam]:
         """Run the pipeline on the history and normalise it to a request's ``messages``."""
         projected = await self.pipeline.run(self.history, self.ctx)
-        request = to_api(projected)
+        request = self._wire.to_api(projected)
         ensure_paired(request)
         return request
 
@@ -297,7 +299,7 @@ class Agent:
             set_status_on_exception=False,
         ) as span:
             projected = await self.pipeline.run(self.history, ctx)
-            request = to_api(projected)
+            request = self._wire.to_api(projected)
             ensure_paired(request)
             estimated = ctx.report.estimated_tokens  # computed once, by the pipeline
             kwargs: dict[str, Any] = {}

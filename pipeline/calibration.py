@@ -290,6 +290,11 @@ class CalibratedEstimator:
         sends exactly its messages. Re-measured on each first call after a compaction."""
         self._w = tuple(self.weights[f] for f in FEATURES)
         self._cache: OrderedDict[int, tuple[Message, ContentVector]] = OrderedDict()
+        self._last_split: tuple[Usage, tuple[Message, ...], _Split] | None = None
+        """The anchor usage, records from the anchor on and split of the latest estimate."""
+        self._learned = 0
+        """Counts :meth:`observe` calls: what an estimate depends on besides its split."""
+        self._last_detail: tuple[_Split, str | None, int, EstimateDetail] | None = None
         self._cache_size = cache_size
 
     # -- content ------------------------------------------------------------------------------
@@ -316,6 +321,21 @@ class CalibratedEstimator:
         return total, count
 
     def _split(self, messages: Sequence[Message], anchor: tuple[int, Usage] | None) -> _Split:
+        if anchor is not None:
+            # every stage of a pass asks about lists that share the records from the anchor on
+            # (the part a split reads): compare them, object by object, with the last one
+            tail = tuple(messages[anchor[0] :])
+            last = self._last_split
+            if last is not None and last[0] is anchor[1] and last[1] == tail:
+                return last[2]
+            split = self._split_uncached(messages, anchor)
+            self._last_split = (anchor[1], tail, split)
+            return split
+        return self._split_uncached(messages, anchor)
+
+    def _split_uncached(
+        self, messages: Sequence[Message], anchor: tuple[int, Usage] | None
+    ) -> _Split:
         if anchor is None:
             new, count = self._visible_sum(messages[thread_start(messages) :])
             return _Split(None, None, ContentVector(), new, count, crossed=False)
@@ -360,6 +380,14 @@ class CalibratedEstimator:
         return tokens
 
     def _detail(self, split: _Split, model: str | None) -> EstimateDetail:
+        last = self._last_detail
+        if last is not None and last[0] is split and last[1] == model and last[2] == self._learned:
+            return last[3]
+        detail = self._detail_uncached(split, model)
+        self._last_detail = (split, model, self._learned, detail)
+        return detail
+
+    def _detail_uncached(self, split: _Split, model: str | None) -> EstimateDetail:
         name = model or split.anchor_model
         family = model_family(name) if name else (self.last_family or "other")
         state = self._state_for_estimate(family)
@@ -446,6 +474,7 @@ class CalibratedEstimator:
         """
         split = self._split(messages, anchor)
         detail = self._detail(split, model)
+        self._learned += 1  # whatever follows may change the state every estimate reads
         if skip is not None:
             return detail, False, skip
         family = model_family(model or split.anchor_model)
