@@ -15,8 +15,8 @@ the same as starting over. Two pieces serve every stage:
   and the stage computes from scratch.
 
 The contract: messages are immutable (replace a message, never mutate its content in place).
-A message replaced by an equal copy counts as unchanged, and a stage may answer it with the
-equal object it saw before (same value, same bytes on the wire).
+A message replaced by another object counts as changed, even if equal (an equal copy may
+serialise differently), and makes the stages start over.
 ``tests/test_incremental.py`` checks every incremental stage against a from-scratch pass, byte
 for byte, over random histories with edits to old messages.
 """
@@ -33,10 +33,16 @@ __all__ = ["AppendWatch", "InputLog", "message_keys"]
 
 
 class InputLog:
-    """The input of the last pass (its message objects, or equal ones), to find changes."""
+    """The input of the last pass (its message objects, or equal ones), to find changes.
 
-    def __init__(self) -> None:
+    ``identical=True``: a position is unchanged only when it holds the very same object (for
+    callers that hand back the objects they saw: an equal copy may still serialise otherwise,
+    ``{"a": 1, "b": 2}`` equals ``{"b": 2, "a": 1}`` and ``1`` equals ``1.0``).
+    """
+
+    def __init__(self, *, identical: bool = False) -> None:
         self.inputs: list[Message] = []
+        self.identical = identical
 
     def take(self, messages: Sequence[Message]) -> int:
         """Make ``messages`` the remembered input; return the first position that differs.
@@ -50,6 +56,10 @@ class InputLog:
         """
         old = self.inputs
         n_old, n_new = len(old), len(messages)
+        if self.identical:
+            first = next(compress(count(), map(operator.is_not, messages, old)), None)
+            self.inputs = list(messages)
+            return min(n_old, n_new) if first is None else first
         try:
             if n_new >= n_old:
                 old.extend(messages[n_old:])
@@ -100,7 +110,7 @@ class AppendWatch:
     """
 
     def __init__(self) -> None:
-        self._log = InputLog()
+        self._log = InputLog(identical=True)  # stages hand back the objects they saw
         self._keys: set[str] = set()
         self._length = 0
         self._primed = False
@@ -112,19 +122,28 @@ class AppendWatch:
     def advance(self, messages: Sequence[Message], *, reuse: bool = True) -> int | None:
         """Take this pass's input. Return the old length if the input is the last one plus
         records that share no key with it and restart nothing; else ``None`` (rebuilt).
-        ``reuse=False`` always rebuilds (a stage configured to compute every pass afresh)."""
-        first = self._log.take(messages) if reuse else -1
-        n_old = self._length
-        self._length = len(messages)
-        if reuse and self._primed and first == n_old:
-            tail = messages[n_old:]
-            keys = [k for m in tail for k in message_keys(m)]
-            if not any(map(_reaches_back, tail)) and self._keys.isdisjoint(keys):
-                self._keys.update(keys)
-                self._learn_names(tail)
-                return n_old
-        self._rebuild(messages)
-        return None
+        ``reuse=False`` always rebuilds (a stage configured to compute every pass afresh), and
+        the next pass rebuilds too. If it raises (a record it cannot read), the next rebuilds."""
+        primed, self._primed = self._primed and reuse, False
+        try:
+            first = self._log.take(messages) if reuse else -1
+            if not reuse:
+                self._log.clear()
+            if primed and first == self._length:
+                n_old = self._length
+                tail = messages[n_old:]
+                keys = [k for m in tail for k in message_keys(m)]
+                if not any(map(_reaches_back, tail)) and self._keys.isdisjoint(keys):
+                    self._keys.update(keys)
+                    self._learn_names(tail)
+                    self._length, self._primed = len(messages), True
+                    return n_old
+            self._rebuild(messages)
+            self._length, self._primed = len(messages), reuse
+            return None
+        except BaseException:
+            self._log.clear()  # what was taken in is not what the views describe
+            raise
 
     def invalidate(self) -> None:
         """Make the next :meth:`advance` rebuild (a pass failed midway)."""
@@ -136,7 +155,6 @@ class AppendWatch:
         self.start = thread_start(messages)
         self.tool_names = {}
         self._learn_names(messages)
-        self._primed = True
 
     def _learn_names(self, messages: Sequence[Message]) -> None:
         for m in messages:

@@ -58,8 +58,9 @@ class CallResult:
     reapplied: int = 0
     persist_failed: list[str] = field(default_factory=list)
     removed_tokens: int = 0
-    """Tokens the pipeline has removed so far from content the recorded requests held (the
-    sum of every pass's ``tokens_freed``): the replayed usage is the recorded one less this."""
+    """Tokens of recorded content this request lacks (removed by this pass or earlier ones,
+    counted against the usage the pass anchored on): its replayed usage is the recorded one
+    less this."""
     observations: dict[str, Observation] = field(default_factory=dict)
     """The recorded call's usage against each estimator (``"default"``: the session's tracker,
     ``"reference"``: SPEC §4), each estimating the projected request before learning from it.
@@ -141,12 +142,17 @@ async def replay_messages(
     reference = TokenTracker("reference")
     history = list(messages)  # responses get their replayed usage here, never in ``messages``
     calls = find_calls(messages)
+    fragments: dict[str, list[int]] = {}
+    for i, m in enumerate(messages):
+        if m.type == "assistant" and m.message_id is not None and m.usage is not None:
+            fragments.setdefault(m.message_id, []).append(i)
     wire = WireCache()
-    removed = 0
-    for k, call in enumerate(calls):
+    anchored = 0  # removed tokens already taken off the usage the pipeline anchors on
+    for call in calls:
         projected = await pipeline.run(history[: call.index], ctx)
         report = ctx.report
-        removed += report.tokens_freed
+        # tokens_freed counts against that anchored usage: what it lacks beyond ``anchored``
+        removed = anchored + report.tokens_freed
         result = CallResult(
             call=call,
             request=wire.to_api(projected),
@@ -167,9 +173,9 @@ async def replay_messages(
                 for name, tracker in (("default", ctx.token_tracker), ("reference", reference))
             }
             if removed:
-                end = calls[k + 1].index if k + 1 < len(calls) else len(history)
-                for i in range(call.index, end):
+                for i in fragments.get(call.message_id, ()):
                     m = history[i]
-                    if m.type == "assistant" and m.message_id == call.message_id and m.usage:
+                    if m.usage is not None:
                         history[i] = replace(m, usage=less_usage(m.usage, removed))
+            anchored = removed
         yield result

@@ -12,7 +12,7 @@ The result always equals ``to_api(messages)`` (``tests/test_wire_cache.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pipeline.incremental import AppendWatch
 from pipeline.messages import Message, _entry_to_param, _Wire
@@ -27,8 +27,9 @@ class WireCache:
     """``to_api`` for one conversation across calls; :attr:`chars` is ``request_chars`` of the
     last request, kept up to date the same way.
 
-    The returned list is new on every call; its message dicts are shared with earlier returns
-    (as ``to_api`` shares block dicts with the records): do not mutate them.
+    Every call returns new message dicts and content lists, as ``to_api`` does, so a caller
+    may edit them (say, add a ``cache_control`` breakpoint); the block dicts inside are shared
+    with the records, as with ``to_api``: do not mutate those.
     """
 
     def __init__(self) -> None:
@@ -40,7 +41,17 @@ class WireCache:
         """Characters of visible text in the last request (see :func:`request_chars`)."""
 
     def to_api(self, messages: Sequence[Message]) -> list[MessageParam]:
-        """Exactly ``to_api(messages)``."""
+        """Exactly ``to_api(messages)`` (and raises where it raises)."""
+        try:
+            self._extend(messages)
+        except BaseException:
+            # a record to_api rejects (or a cancellation) midway: start over next time
+            self._watch.invalidate()
+            self._wire, self._params, self._chars, self.chars = _Wire(), [], [], 0
+            raise
+        return [_fresh(p) for p in self._params]
+
+    def _extend(self, messages: Sequence[Message]) -> None:
         grown = self._watch.advance(messages)
         if grown is None:
             self._wire, self._params, self._chars, self.chars = _Wire(), [], [], 0
@@ -59,7 +70,6 @@ class WireCache:
         counted = [_param_chars(p) for p in fresh]
         self._chars += counted
         self.chars += sum(counted)
-        return list(self._params)
 
 
 def _block_chars(block: Any) -> int:
@@ -84,6 +94,13 @@ def _block_chars(block: Any) -> int:
 def request_chars(request: Sequence[MessageParam]) -> int:
     """Characters of text, thinking, tool input and tool output in a request (images: 0)."""
     return sum(map(_param_chars, request))
+
+
+def _fresh(param: MessageParam) -> MessageParam:
+    """A new message dict with a new content list (the blocks themselves are shared)."""
+    content: Any = param["content"]
+    fresh = {"role": param["role"], "content": content if isinstance(content, str) else [*content]}
+    return cast("MessageParam", fresh)
 
 
 def _param_chars(param: MessageParam) -> int:

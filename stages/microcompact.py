@@ -382,6 +382,8 @@ class _LastPass:
     """First position where ``out`` differs from the pass's input (its length if none)."""
     held: int
     """Cleared ids present in the history and sent cleared (from the next pass on)."""
+    tools: frozenset[str]
+    """The compactable tools it applied clears to (a stage swapped in may differ)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,6 +611,7 @@ class Microcompact:
             out=tuple(out) if first_patch < len(out) else (),
             first_patch=first_patch,
             held=held.held + (int(facts["cleared"]) if fire else 0),
+            tools=self._tools,
         )
 
         decision = (
@@ -666,6 +669,7 @@ class Microcompact:
             grown is not None
             and last is not None
             and last.cleared == len(state.cleared)
+            and last.tools == self._tools
             and not last.newest_cleared
         ):
             k = min(last.turn_start, grown)

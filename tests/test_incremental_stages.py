@@ -8,7 +8,7 @@ back, a new list) and thresholds low enough that every stage acts -- through
 ``tool_result_budget → history_snip → microcompact → context_collapse`` and checks every pass
 against a from-scratch pass: fresh stage objects and a fresh context restored from the stage
 records and the ledger as they stood before the pass (the resume path). Compared: the output
-(as messages and ``json.dumps(to_api(...))``), whether the input list passes through,
+(as messages and ``json.dumps(to_api(...))``), which input objects pass through by reference,
 every stage's notes, ``tokens_freed``, the stage records the pass wrote and the ledger.
 
 Deterministic tests then count what a pass reads (no timing) and pin the fallbacks.
@@ -114,8 +114,9 @@ class Twin:
         assert json.dumps(to_api(out)) == json.dumps(to_api(ref)), where
         assert out == ref, where
         assert (out is history) == (ref is history), where
-        # (an equal copy of an old message may come back as the equal object the last pass
-        # saw: same value, same bytes)
+        assert [a is b for a, b in zip(out, history, strict=False)] == [
+            a is b for a, b in zip(ref, history, strict=False)
+        ], where
         assert self.ctx.report.notes == ref_ctx.report.notes, where
         assert self.ctx.report.tokens_freed == ref_ctx.report.tokens_freed, where
         assert self.ctx.report.suppress_autocompact == ref_ctx.report.suppress_autocompact, where
@@ -282,3 +283,74 @@ async def test_a_new_record_that_reaches_back_rebuilds() -> None:
     assert watch.advance(edited) is None
     assert watch.advance(edited[:-3]) is None  # shorter: rebuilt
     assert watch.advance(list(edited[:-3])) == len(edited) - 3  # an equal list: nothing new
+
+
+# --------------------------------------------------------------------------------------------
+# Edges a review found (each once diverged from a from-scratch pass)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_full_rescan_pass_in_between_leaves_nothing_to_misreuse() -> None:
+    """An ``incremental=False`` pass over an edited copy of the same length, then an
+    incremental pass over the original grown by a turn: the last must not reuse the output
+    built for the edited copy."""
+    ctx = _ctx(MemoryStore(frozenset()))
+    snip = HistorySnip(context_window=2_500, keep_recent_rounds=2)
+    history: list[Message] = [user_text("start")]
+    for t in range(20):
+        history += _turn(t, usage=1_000 + 450 * t)
+    await Pipeline([snip]).run(history, ctx)
+    edited = [Message.user("EDITED", uuid=history[0].uuid), *history[1:]]
+    rescan = HistorySnip(context_window=2_500, keep_recent_rounds=2, incremental=False)
+    await Pipeline([rescan]).run(edited, ctx)
+    grown = [*history, *_turn(20, size=10, usage=ctx.report.estimated_tokens + 20)]
+    records = list(ctx.stage_records)
+    out = await Pipeline([snip]).run(grown, ctx)
+    ref = await Pipeline([HistorySnip(context_window=2_500, keep_recent_rounds=2)]).run(
+        grown, _ctx(MemoryStore(frozenset()), stage_records=records)
+    )
+    assert out[0].content == "start"
+    assert json.dumps(to_api(out)) == json.dumps(to_api(ref))
+
+
+@pytest.mark.asyncio
+async def test_a_microcompact_swapped_for_another_tool_set_reapplies_by_its_own() -> None:
+    """``exclude_tools`` always wins, also over earlier clears: a stage swapped in with Read
+    excluded sends Read results whole again, at once (not after the next rebuild)."""
+
+    def make(**kw: Any) -> Microcompact:
+        return Microcompact(
+            keep=2, idle_minutes=0, trigger_tokens=5_000, min_reclaim_tokens=60, **kw
+        )
+
+    ctx = _ctx(MemoryStore(frozenset()))
+    history: list[Message] = [user_text("start")]
+    for t in range(8):
+        history += _turn(t, usage=1_000 + 500 * t)
+    pipe = Pipeline([make()])
+    assert "cleared" in json.dumps(to_api(await pipe.run(history, ctx)))
+    pipe = pipe.replace("microcompact", make(exclude_tools=("Read",)))
+    history += _turn(8, size=10, usage=1_500)
+    out = await pipe.run(history, ctx)
+    assert "[Old tool result content cleared]" not in json.dumps(to_api(out))
+    assert ctx.report.notes["microcompact"]["reapplied"] == 0
+
+
+@pytest.mark.asyncio
+async def test_an_equal_copy_that_serialises_otherwise_is_sent_as_given() -> None:
+    """``{"a": 1, "b": 2} == {"b": 2, "a": 1}``: an equal copy is still a new object, so every
+    stage starts over and the request carries the new object's bytes."""
+    ctx = _ctx(MemoryStore(frozenset()))
+    pipe = Pipeline(_stages()[1:])
+    history: list[Message] = [user_text("start")]
+    for t in range(20):
+        history += _turn(t, usage=1_000 + 450 * t)
+    await pipe.run(history, ctx)
+    i = len(history) - 1
+    block = history[i].blocks[0]
+    reordered = {k: block[k] for k in reversed(list(block))}
+    copy = [*history[:i], history[i].with_content([reordered])]
+    assert copy == history
+    out = await pipe.run(copy, ctx)
+    assert json.dumps(to_api(out)[-1]) == json.dumps(to_api(copy)[-1])

@@ -11,11 +11,14 @@ call's request must be ``to_api``'s, byte for byte, and :attr:`WireCache.chars` 
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, to_api
+from pipeline import messages as messages_module
 from pipeline.wire import WireCache, request_chars
 from tests.builders import results, tool_result, tool_use, user_text
 from tests.test_incremental import records
@@ -48,20 +51,65 @@ def test_incremental_request_equals_to_api(
         assert cache.chars == request_chars(expected)
 
 
-def test_a_grown_history_reuses_every_message_but_the_last() -> None:
-    """The point of the cache: the request of a grown history shares the earlier message dicts,
-    except the last one, which new user records may merge into."""
+def test_a_grown_history_feeds_only_the_new_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point of the cache: a grown history costs its new records, not the whole list."""
+    fed: list[Message] = []
+    real_add = messages_module._Wire.add
+
+    def counting(self: Any, m: Message) -> None:
+        fed.append(m)
+        real_add(self, m)
+
+    monkeypatch.setattr(messages_module._Wire, "add", counting)
     cache = WireCache()
     history: list[Message] = [user_text("start")]
-    for k in range(5):
+    for k in range(50):
         history += [
             Message.assistant([tool_use(f"u{k}")], message_id=f"r{k}"),
             results(tool_result(f"u{k}", "x" * k)),
         ]
-    first = cache.to_api(history)
+    cache.to_api(history)
+    assert len(fed) == len(history)
+    fed.clear()
     history += [user_text("and more")]  # merges into the last user message
-    second = cache.to_api(history)
-    assert second == to_api(history)
-    assert all(a is b for a, b in zip(first[:-1], second[:-1], strict=True))
-    assert first[-1] is not second[-1] and len(first) == len(second)
-    assert second is not cache.to_api(history)  # a new list on every call
+    request = cache.to_api(history)
+    assert fed == [history[-1]]
+    assert request == to_api(history)
+
+
+def test_a_caller_may_edit_the_request_it_got() -> None:
+    """Adding a cache breakpoint to the last block of a returned request (a new block in the
+    message's content list) never leaks into the next request."""
+    cache = WireCache()
+    history: list[Message] = [user_text("start")]
+    for k in range(4):
+        history += [
+            Message.assistant([tool_use(f"u{k}")], message_id=f"r{k}"),
+            results(tool_result(f"u{k}", "x")),
+        ]
+        request = cache.to_api(history)
+        content = request[-1]["content"]
+        assert isinstance(content, list)
+        content[-1] = {**content[-1], "cache_control": {"type": "ephemeral"}}
+        request[-1] = {**request[-1], "role": "user"}
+    assert cache.to_api(history) == to_api(history)
+    assert "cache_control" not in json.dumps(cache.to_api(history))
+
+
+def test_a_record_to_api_rejects_raises_every_time_and_the_cache_recovers() -> None:
+    class NotABlock:
+        pass
+
+    cache = WireCache()
+    good: list[Message] = [user_text("start"), Message.assistant([tool_use("u")], message_id="r")]
+    cache.to_api(good)
+    bad = [*good, Message.user([NotABlock()])]  # type: ignore[list-item]
+    for _ in range(3):
+        try:
+            cache.to_api(bad)
+        except Exception as exc:
+            assert type(exc).__name__ == "AttributeError"  # what to_api itself raises
+        else:
+            raise AssertionError("a record to_api rejects went through")
+    grown = [*good, results(tool_result("u", "fine"))]
+    assert cache.to_api(grown) == to_api(grown)

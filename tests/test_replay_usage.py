@@ -1,0 +1,113 @@
+"""What a replay feeds the pipeline as usage, and what the pipeline reports as its size.
+
+A replay takes each response's usage as recorded, less the tokens the pipeline has removed so
+far (``CallResult.removed_tokens``), so that size-triggered stages see about the size a live
+session would have had -- instead of the unmanaged size on every call. ``Pipeline.run``'s
+``estimated_tokens`` subtracts what stages freed from the anchored usage, unless a stage
+replaced that response (a summary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from anthropic.types import MessageParam
+
+from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage
+from pipeline.replay import less_usage, replay_messages
+from stages import HistorySnip
+from stages.autocompact import Autocompact
+from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.test_incremental import MemoryStore, QuietLogger
+
+
+def _ctx() -> SessionContext:
+    return SessionContext(
+        "replay-usage",
+        "/nonexistent-root",
+        store=MemoryStore(frozenset()),
+        token_tracker=TokenTracker("reference"),
+        logger=QuietLogger(),
+    )
+
+
+def _session(turns: int, *, without_usage: int = -1) -> list[Message]:
+    history: list[Message] = [user_text("start")]
+    for t in range(turns):
+        usage = None if t == without_usage else Usage(input_tokens=1_000 + 2_300 * t)
+        history += [
+            assistant(f"r{t}", tool_use(f"t{t}", "Read"), usage=usage),
+            results(tool_result(f"t{t}", "x" * 8_000)),
+        ]
+    return history
+
+
+def test_less_usage_takes_cache_reads_first_and_never_goes_below_zero() -> None:
+    usage = Usage(input_tokens=10, cache_creation_input_tokens=100, cache_read_input_tokens=1_000)
+    assert less_usage(usage, 500) == Usage(10, 0, 100, 500)
+    assert less_usage(usage, 1_050) == Usage(10, 0, 50, 0)
+    assert less_usage(usage, 5_000) == Usage(0, 0, 0, 0)
+    assert less_usage(usage, 0) == usage
+
+
+@pytest.mark.asyncio
+async def test_a_replay_snips_once_then_sees_the_managed_size() -> None:
+    """Recorded usage grows by 2,300 a call; once history snip has removed rounds, later calls
+    are replayed with the usage less what it removed, so it does not fire again every call."""
+    pipe = Pipeline([HistorySnip(context_window=25_000, keep_recent_rounds=2)])
+    snips, removed = [], []
+    async for r in replay_messages(_session(12), pipe, _ctx()):
+        snips.append(r.estimated_tokens)
+        removed.append(r.removed_tokens)
+    assert removed[0] == 0 and max(removed) > 0
+    first = next(i for i, x in enumerate(removed) if x)
+    assert removed[first:] == sorted(removed[first:])  # never taken back
+    assert all(s < 20_000 for s in snips[first:])  # below the trigger once managed
+
+
+@pytest.mark.asyncio
+async def test_a_removal_is_counted_once_while_the_anchor_stays() -> None:
+    """A recorded response without usage keeps the anchor of the call before it: the next pass
+    frees the same removal again against that anchor, which must not count it twice."""
+    pipe = Pipeline([HistorySnip(context_window=25_000, keep_recent_rounds=2)])
+    ctx = _ctx()
+    seen = []
+    async for r in replay_messages(_session(12, without_usage=9), pipe, ctx):
+        seen.append((r.removed_tokens, ctx.report.notes["history_snip"]["removed_new"]))
+    totals = [total for total, _ in seen]
+    new_removals = [i for i, (_, new) in enumerate(seen) if new]
+    for i in range(1, len(seen)):
+        if i not in new_removals:
+            assert totals[i] == totals[i - 1], seen  # nothing new removed: the same total
+
+
+class Summary:
+    async def summarize(self, messages: Sequence[MessageParam]) -> str:
+        return "summary " + "y" * 4_000
+
+
+@pytest.mark.asyncio
+async def test_the_size_after_a_summary_does_not_subtract_what_was_freed_before_it() -> None:
+    history = _session(30)
+    history += [
+        assistant("rlast", {"type": "text", "text": "done"}, usage=Usage(input_tokens=70_000)),
+        user_text("next request"),
+    ]
+    ctx = _ctx()
+    pipe = Pipeline(
+        [
+            HistorySnip(context_window=80_000, keep_recent_rounds=2),
+            Autocompact(
+                Summary(),
+                context_window=45_000,
+                max_output_tokens=0,
+                buffer_tokens=3_000,
+                block=False,
+            ),
+        ]
+    )
+    out = await pipe.run(history, ctx)
+    assert ctx.report.tokens_freed > 0  # history snip freed anchored tokens first
+    assert any(m.is_compact_boundary for m in out)  # then the summary replaced the anchor
+    assert ctx.report.estimated_tokens == ctx.token_tracker.estimate(out) > 0
