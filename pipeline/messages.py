@@ -9,6 +9,7 @@ Messages API sees something else: :func:`to_api` turns the records into the list
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import uuid as _uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,14 +80,32 @@ class Usage:
             value = raw.get(name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"usage.{name} must be a non-negative integer, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_TOKENS
+            ):
+                shown = _brief(value)
+                raise ValueError(f"usage.{name} must be an integer from 0 to 10**12, got {shown}")
             values[name] = value
         return cls(**values)
 
     def to_mapping(self) -> dict[str, int]:
         """The API's ``usage`` shape."""
         return dataclasses.asdict(self)
+
+
+MAX_TOKENS = 10**12
+"""Largest token count a usage may report: far above any context window, far below where
+float arithmetic on it loses meaning."""
+
+
+def _brief(value: object) -> str:
+    """``repr`` for an error message: short, also for an int too long to print."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def now_timestamp() -> str:
@@ -97,6 +116,13 @@ def now_timestamp() -> str:
 def new_uuid() -> str:
     """A fresh random record uuid."""
     return str(_uuid.uuid4())
+
+
+def stable_uuid(namespace: _uuid.UUID, name: str) -> str:
+    """``uuid5(namespace, name)``, also for a name holding lone surrogates (text read from
+    invalid UTF-8), which ``uuid.uuid5`` refuses to encode."""
+    digest = hashlib.sha1(namespace.bytes + name.encode("utf-8", "surrogatepass")).digest()
+    return str(_uuid.UUID(bytes=digest[:16], version=5))
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +219,22 @@ def thread_start(messages: Sequence[Message]) -> int:
         if m.type == "user" and m.is_compact_summary:
             return i
     return 0
+
+
+def block_type(block: object) -> object:
+    """A content item's ``type``; ``None`` for an item that is not a block dict (stages skip
+    those; ``to_api`` refuses them)."""
+    return block.get("type") if isinstance(block, dict) else None
+
+
+def _check_blocks(m: Message) -> None:
+    if isinstance(m.content, list):
+        for i, b in enumerate(m.content):
+            if not isinstance(b, dict):
+                raise ValueError(
+                    f"record {m.uuid!r}: content item {i} is a {type(b).__name__}, "
+                    "not a content block (dict)"
+                )
 
 
 def _user_blocks(m: Message) -> list[Block]:
@@ -293,6 +335,7 @@ class _Wire:
             return
         if m.type == "system" and m.subtype != "local_command":
             return
+        _check_blocks(m)
         if m.type == "assistant":
             self.add_assistant(m)
             return

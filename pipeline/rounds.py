@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pipeline.messages import Message, thread_start
+from pipeline.messages import Message, block_type, thread_start
 from pipeline.tokens import find_anchor
 
 __all__ = [
@@ -36,10 +36,10 @@ def safe_cuts(messages: Sequence[Message]) -> list[bool]:
         if m.type == "assistant":
             if m.message_id is not None:
                 keys.append("r:" + m.message_id)
-            keys += ["t:" + str(b.get("id")) for b in m.blocks if b.get("type") == "tool_use"]
+            keys += ["t:" + str(b.get("id")) for b in m.blocks if block_type(b) == "tool_use"]
         elif m.type == "user":
             keys += [
-                "t:" + str(b.get("tool_use_id")) for b in m.blocks if b.get("type") == "tool_result"
+                "t:" + str(b.get("tool_use_id")) for b in m.blocks if block_type(b) == "tool_result"
             ]
         for k in keys:
             first.setdefault(k, i)
@@ -69,7 +69,7 @@ def api_rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[in
 def is_prompt(m: Message) -> bool:
     """A human turn: a user record with something besides tool_results (injected ones excluded)."""
     return (
-        m.type == "user" and not m.is_meta and any(b.get("type") != "tool_result" for b in m.blocks)
+        m.type == "user" and not m.is_meta and any(block_type(b) != "tool_result" for b in m.blocks)
     )
 
 

@@ -165,6 +165,27 @@ def _parse_message(raw: Mapping[str, Any]) -> Message:
     return Message(type="progress", **common)  # progress payloads are UI-only: not kept
 
 
+MAX_NESTING = 256
+"""Deepest JSON nesting a record may have. Real records stay under 20; anything deeper would
+only reach recursion limits later (estimating, serialising a request), far from its line."""
+
+
+def _check_depth(raw: Any, line: str) -> None:
+    """Refuse a record nested deeper than :data:`MAX_NESTING` (a cheap count rules out almost
+    every line before any walk)."""
+    if line.count("[") + line.count("{") <= MAX_NESTING:
+        return
+    stack: list[tuple[Any, int]] = [(raw, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
 def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Transcript:
     """Read a Claude Code session JSONL file.
 
@@ -177,7 +198,8 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
     side: list[Message] = []
     records: list[ReplacementRecord] = []
     result = Transcript(path=p, messages=main)
-    with p.open("r", encoding="utf-8", errors="surrogateescape") as fh:
+    # JSONL lines end at "\n" only: a bare "\r" is JSON whitespace inside a record
+    with p.open("r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
@@ -188,34 +210,34 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
                 rtype = raw.get("type")
                 if not isinstance(rtype, str):
                     raise ValueError("record without a string 'type'")
-                if result.session_id is None and isinstance(raw.get("sessionId"), str):
-                    result.session_id = raw["sessionId"]
+                _check_depth(raw, line)
                 if rtype == CONTENT_REPLACEMENT:
                     reps = raw.get("replacements")
                     if not isinstance(reps, list):
                         raise ValueError("content-replacement without a 'replacements' list")
-                    for rep in reps:
-                        if not isinstance(rep, Mapping):
-                            raise ValueError("content-replacement entry is not an object")
-                        records.append(ReplacementRecord.from_json(rep))
-                    continue
-                if rtype == STAGE_RECORD:
+                    if not all(isinstance(rep, Mapping) for rep in reps):
+                        raise ValueError("content-replacement entry is not an object")
+                    parsed = [ReplacementRecord.from_json(rep) for rep in reps]  # all or none
+                    records.extend(parsed)
+                elif rtype == STAGE_RECORD:
                     stage, data = raw.get("stage"), raw.get("data")
                     if not isinstance(stage, str) or not isinstance(data, dict):
                         raise ValueError("stage-record needs a string 'stage' and an object 'data'")
                     result.stage_records.append(StageRecord(stage, data))
-                    continue
-                if rtype not in _MESSAGE_RECORD_TYPES:
+                elif rtype not in _MESSAGE_RECORD_TYPES:
                     result.skipped_types[rtype] += 1
-                    continue
-                msg = _parse_message(raw)
+                else:
+                    msg = _parse_message(raw)
+                    (side if msg.is_sidechain else main).append(msg)
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 reason = f"malformed record: {exc}"
                 if strict:
                     raise TranscriptError(p, lineno, reason) from None
                 result.problems.append(LineProblem(lineno, reason))
                 continue
-            (side if msg.is_sidechain else main).append(msg)
+            # only a record that loaded names the session (a skipped line decides nothing)
+            if result.session_id is None and isinstance(raw.get("sessionId"), str):
+                result.session_id = raw["sessionId"]
     if not main and side:
         result.messages = side
     else:
@@ -227,6 +249,16 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
+
+
+def _encode_line(record: Mapping[str, Any]) -> bytes:
+    """One JSONL line. Text read from invalid UTF-8 (surrogate escapes) goes back as the same
+    bytes; a lone surrogate from a JSON escape has no UTF-8 form, so such a record is written
+    with ASCII escapes (it loads back as the same string)."""
+    try:
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return (json.dumps(record) + "\n").encode("ascii")
 
 
 def message_to_record(
@@ -288,10 +320,9 @@ class TranscriptWriter:
             self._last_uuid = _last_uuid(self.path)
 
     def _write_lines(self, records: Iterable[Mapping[str, Any]]) -> None:
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        if not data:
+        payload = b"".join(map(_encode_line, records))
+        if not payload:
             return
-        payload = data.encode("utf-8", errors="surrogateescape")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:

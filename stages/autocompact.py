@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio.to_thread
 
 from pipeline import Message, PipelineHalt, SessionContext, to_api
-from pipeline.messages import new_uuid, thread_start
+from pipeline.messages import block_type, new_uuid, thread_start
 from pipeline.tokens import find_anchor
 from pipeline.tracing import emit_decision
 
@@ -344,7 +344,7 @@ def _latest_request(view: Sequence[Message], start: int) -> int | None:
         m = view[i]
         if m.type != "user" or m.is_compact_summary or m.is_meta:
             continue
-        if any(b.get("type") != "tool_result" for b in m.blocks):
+        if any(block_type(b) != "tool_result" for b in m.blocks):
             return i
     return None
 
@@ -374,7 +374,10 @@ def _round_keys(m: Message) -> list[str]:
         return []
     keys = [f"r:{m.message_id}"] if m.type == "assistant" and m.message_id is not None else []
     for b in m.blocks:
-        ref = b.get("id") if b.get("type") == "tool_use" else b.get("tool_use_id")
-        if b.get("type") in ("tool_use", "tool_result") and isinstance(ref, str):
+        kind = block_type(b)
+        if kind not in ("tool_use", "tool_result"):
+            continue
+        ref = b.get("id") if kind == "tool_use" else b.get("tool_use_id")
+        if isinstance(ref, str):
             keys.append(f"t:{ref}")
     return keys

@@ -28,7 +28,7 @@ import anyio.to_thread
 from pipeline import Message, SessionContext, to_api
 from pipeline.args import check_bool, check_fraction, check_int
 from pipeline.incremental import AppendWatch
-from pipeline.messages import thread_start
+from pipeline.messages import block_type, stable_uuid, thread_start
 from pipeline.rounds import (
     Price,
     anchor_uuid,
@@ -75,7 +75,7 @@ class _LastPass:
 
 
 def _summary_message(commit: _Commit) -> Message:
-    uid = str(_uuid.uuid5(_SUMMARY_NAMESPACE, "context_collapse:" + commit.uuids[0]))
+    uid = stable_uuid(_SUMMARY_NAMESPACE, "context_collapse:" + commit.uuids[0])
     return Message.user(SUMMARY_HEADER + commit.summary, uuid=uid, is_meta=True)
 
 
@@ -107,7 +107,7 @@ def _project(
             m.uuid in members
             or m.type == "progress"
             or (m.type == "system" and m.subtype != "local_command")
-            or (m.type == "user" and m.is_meta and all(b.get("type") == "text" for b in m.blocks))
+            or (m.type == "user" and m.is_meta and all(block_type(b) == "text" for b in m.blocks))
             for m in messages[s : e + 1]
         )
         if s < pos or not (ok[s] and ok[e + 1] and inert):

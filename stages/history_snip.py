@@ -26,7 +26,7 @@ import anyio.to_thread
 from pipeline import Message, SessionContext
 from pipeline.args import check_bool, check_fraction, check_int
 from pipeline.incremental import AppendWatch
-from pipeline.messages import thread_start
+from pipeline.messages import stable_uuid, thread_start
 from pipeline.rounds import (
     Price,
     anchor_uuid,
@@ -50,7 +50,7 @@ def snip_marker_text(removed_messages: int) -> str:
 
 
 def _marker(removed_messages: int, first_uuid: str) -> Message:
-    uid = str(_uuid.uuid5(_MARKER_NAMESPACE, "history_snip:" + first_uuid))
+    uid = stable_uuid(_MARKER_NAMESPACE, "history_snip:" + first_uuid)
     return Message.user(snip_marker_text(removed_messages), uuid=uid, is_meta=True)
 
 

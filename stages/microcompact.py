@@ -363,6 +363,9 @@ class _ClearState:
     """
 
     cleared: dict[str, str] = field(default_factory=dict)
+    since: dict[str, list[str]] = field(default_factory=dict)
+    """Usage-anchor uuid -> ids cleared while it was the anchor: a pass that still anchors
+    there (a retried call) frees them again against that usage, which counted them."""
     watch: AppendWatch = field(default_factory=AppendWatch)
     last: _LastPass | None = None
     """The previous pass's re-application, while it can be extended (``Microcompact._reapply``)."""
@@ -421,9 +424,12 @@ def _restore(ctx: SessionContext, stage: str, strategy: str) -> _ClearState:
         if not isinstance(ids, list) or not isinstance(text, str):
             bad += 1
             continue
+        anchor = data.get("anchor")
         for tid in ids:
             if isinstance(tid, str):
                 state.cleared.setdefault(tid, text)
+                if isinstance(anchor, str):
+                    state.since.setdefault(anchor, []).append(tid)
             else:
                 bad += 1
     if bad:
@@ -545,6 +551,13 @@ class Microcompact:
         # 1. earlier decisions, byte for byte (never in the newest turn, never an excluded tool)
         held = self._reapply(messages, state, last, grown, turn_start, scan)
         current = held.out
+        anchor = find_anchor(messages)
+        anchor_id = messages[anchor[0]].uuid if anchor is not None else None
+        again = state.since.get(anchor_id, ()) if anchor_id is not None else ()
+        if again:  # cleared since the anchor's response: its usage still counts them
+            known = scan().results
+            refreed = sum(known[t].tokens_before_anchor for t in again if t in known)
+            ctx.report.tokens_freed += refreed
         tokens_before = ctx.token_tracker.estimate(current) - ctx.report.tokens_freed
 
         # 2. the trigger
@@ -581,12 +594,14 @@ class Microcompact:
                 # 4. clear everything eligible at once (batching), remember it, write it down
                 new = {r.tool_use_id: CLEARED_PLACEHOLDER for r in eligible}
                 state.cleared.update(new)
+                if anchor_id is not None:
+                    state.since.setdefault(anchor_id, []).extend(new)
                 out = _apply(current, new)
                 freed = sum(r.tokens_before_anchor for r in eligible)
                 ctx.report.tokens_freed += freed
                 first = min(pos for r in eligible for pos, _ in r.positions)
                 rewrite = rough_tokens_for_messages(out[first:])
-                await self._record(ctx, list(new), reason)
+                await self._record(ctx, list(new), reason, anchor_id)
             facts.update(
                 cleared=len(eligible) if fire else 0,
                 kept=sum(1 for tid in found.results if tid not in state.cleared),
@@ -707,12 +722,15 @@ class Microcompact:
         """
         return max(0.0, ((now or self._now()) - last_time).total_seconds() / 60)
 
-    async def _record(self, ctx: SessionContext, ids: list[str], reason: str) -> None:
+    async def _record(
+        self, ctx: SessionContext, ids: list[str], reason: str, anchor: str | None
+    ) -> None:
         data = {
             "strategy": self.strategy,
             "placeholder": CLEARED_PLACEHOLDER,
             "cleared": ids,
             "reason": reason,
+            "anchor": anchor,
         }
         try:
             if ctx.transcript is None:

@@ -543,8 +543,15 @@ async def test_later_passes_reapply_byte_identically_and_free_nothing_new(
     assert cleared_ids(first) == ids(0, 1, 2, 3, 4)
     assert ctx.report.tokens_freed > 5 * 2_900
 
-    # the conversation goes on quickly: a warm cache, small growth
-    later = [*msgs, at(assistant("msg_n", tool_use("toolu_n")), 62)]
+    freed_first = ctx.report.tokens_freed
+    # the same call retried (no new response: the same usage anchor, which counted the
+    # cleared results): re-applying frees them again against it
+    assert await one_pass(stage, msgs, ctx) == first
+    assert ctx.report.tokens_freed == freed_first
+
+    # the conversation goes on quickly: a warm cache, small growth, a new usage anchor
+    u = Usage(input_tokens=10, output_tokens=5)
+    later = [*msgs, at(assistant("msg_n", tool_use("toolu_n"), usage=u), 62)]
     later.append(at(results(tool_result("toolu_n", output("N", 3_000))), 62.5))
     second = await one_pass(stage, later, ctx)
     assert ctx.report.tokens_freed == 0
@@ -553,8 +560,8 @@ async def test_later_passes_reapply_byte_identically_and_free_nothing_new(
     assert to_api(second)[: len(sent_before)] == sent_before  # the cached prefix is intact
     assert await one_pass(stage, later, ctx) == second  # idempotent
     d = decisions(exporter)
-    assert [x[ATTR.DECISION] for x in d] == ["clear", "reapply", "reapply"]
-    assert d[1][ATTR.REASON] == Reason.BELOW_TRIGGER and d[1]["sluicegate.reapplied"] == 5
+    assert [x[ATTR.DECISION] for x in d] == ["clear", "reapply", "reapply", "reapply"]
+    assert d[2][ATTR.REASON] == Reason.BELOW_TRIGGER and d[2]["sluicegate.reapplied"] == 5
     assert len(ctx.records_for("microcompact")) == 1  # written only when the set grew
 
 

@@ -107,8 +107,8 @@ def test_a_record_to_api_rejects_raises_every_time_and_the_cache_recovers() -> N
     for _ in range(3):
         try:
             cache.to_api(bad)
-        except Exception as exc:
-            assert type(exc).__name__ == "AttributeError"  # what to_api itself raises
+        except ValueError as exc:  # what to_api itself raises, naming the record
+            assert "content item 0 is a NotABlock" in str(exc)
         else:
             raise AssertionError("a record to_api rejects went through")
     grown = [*good, results(tool_result("u", "fine"))]
