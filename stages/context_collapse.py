@@ -22,12 +22,13 @@ from __future__ import annotations
 import uuid as _uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cache, partial
 
 import anyio.to_thread
 
 from pipeline import Message, SessionContext, to_api
 from pipeline.args import check_bool, check_fraction, check_int
-from pipeline.incremental import AppendWatch
+from pipeline.incremental import AppendWatch, Projection
 from pipeline.messages import block_type, stable_uuid, thread_start
 from pipeline.rounds import (
     Price,
@@ -59,19 +60,8 @@ class _CollapseState:
     failures: int = 0  # consecutive failed or discarded summaries
     span_cap: int | None = None  # halved after a prompt-too-long reply
     watch: AppendWatch = field(default_factory=AppendWatch)
-    last: _LastPass | None = None
-    """The previous pass's projection, while it can be extended (``ContextCollapse._reapply``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _LastPass:
-    commits: int
-    """``len(commits)`` it was made with (commits are only ever added)."""
-    members: frozenset[str]
-    """Every uuid of those commits."""
-    out: tuple[Message, ...]
-    """What it sent, when that differs from its input (a copy: callers may mutate lists)."""
-    active: int
+    last: Projection | None = None
+    """The previous pass's output (``applied``: commits active), while it can be extended."""
 
 
 def _summary_message(commit: _Commit) -> Message:
@@ -194,12 +184,7 @@ class ContextCollapse:
         state = self._state(ctx)
         state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
         price: Price = ctx.token_tracker.tokens_for_messages
-        cuts: list[list[bool]] = []
-
-        def ok() -> list[bool]:  # the history's cut points, only when a pass needs them
-            if not cuts:
-                cuts.append(safe_cuts(messages))
-            return cuts[0]
+        ok = cache(partial(safe_cuts, messages))  # cut points, read only if needed
 
         anchor = anchor_uuid(messages)
         out, active = self._reapply(messages, state, last, ok)
@@ -229,10 +214,10 @@ class ContextCollapse:
                 await self._commit(ctx, state, commit)
                 out, active = _project(messages, state.commits, ok())
                 sent = priced_before(price, out, anchor)
-        members = last.members if last is not None and last.commits == len(state.commits) else None
-        if members is None:
-            members = frozenset(u for c in state.commits for u in c.uuids)
-        state.last = _LastPass(len(state.commits), members, tuple(out) if active else (), active)
+        commits = state.commits
+        state.last = Projection.remember(
+            last, len(commits), lambda: (u for c in commits for u in c.uuids), out, active
+        )
 
         freed = counted - sent
         ctx.report.tokens_freed += freed
@@ -258,7 +243,7 @@ class ContextCollapse:
         self,
         messages: list[Message],
         state: _CollapseState,
-        last: _LastPass | None,
+        last: Projection | None,
         ok: Callable[[], list[bool]],
     ) -> tuple[list[Message], int]:
         """The commits projected over ``messages``: the last pass's output plus the new records
@@ -267,16 +252,8 @@ class ContextCollapse:
         grown = state.watch.advance(messages, reuse=self.incremental)
         if not state.commits:
             return messages, 0
-        if (
-            grown is not None
-            and last is not None
-            and last.commits == len(state.commits)
-            and last.members.isdisjoint(m.uuid for m in messages[grown:])
-        ):
-            if last.active == 0:
-                return messages, 0
-            return [*last.out, *messages[grown:]], last.active
-        return _project(messages, state.commits, ok())
+        extended = last.extend(messages, grown, len(state.commits)) if last else None
+        return extended or _project(messages, state.commits, ok())
 
     def _select(
         self,

@@ -20,12 +20,13 @@ import uuid as _uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from functools import cache, partial
 
 import anyio.to_thread
 
 from pipeline import Message, SessionContext
 from pipeline.args import check_bool, check_fraction, check_int
-from pipeline.incremental import AppendWatch
+from pipeline.incremental import AppendWatch, Projection
 from pipeline.messages import stable_uuid, thread_start
 from pipeline.rounds import (
     Price,
@@ -59,17 +60,8 @@ class _SnipState:
     removed: dict[str, str | None] = field(default_factory=dict)
     """Removed uuid -> uuid of the usage anchor when it was removed (insertion ordered)."""
     watch: AppendWatch = field(default_factory=AppendWatch)
-    last: _LastPass | None = None
-    """The previous pass's projection, while it can be extended (``HistorySnip._reapply``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _LastPass:
-    removed: int
-    """``len(removed)`` it was made with (removals are only ever added)."""
-    out: tuple[Message, ...]
-    """What it sent, when that differs from its input (a copy: callers may mutate lists)."""
-    dropped: int
+    last: Projection | None = None
+    """The previous pass's output (``applied``: records dropped), while it can be extended."""
 
 
 def _wire_messages(run: Sequence[Message]) -> int:
@@ -187,12 +179,7 @@ class HistorySnip:
         state = self._state(ctx)
         state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
         price: Price = ctx.token_tracker.tokens_for_messages
-        cuts: list[list[bool]] = []
-
-        def ok() -> list[bool]:  # the history's cut points, only when a pass needs them
-            if not cuts:
-                cuts.append(safe_cuts(messages))
-            return cuts[0]
+        ok = cache(partial(safe_cuts, messages))  # cut points, read only if needed
 
         anchor = anchor_uuid(messages)
         out, reapplied = self._reapply(messages, state, last, ok)
@@ -220,9 +207,9 @@ class HistorySnip:
             out, dropped = _project(messages, state.removed, ok())
             sent = priced_before(price, out, anchor)
             await self._record(ctx, new, anchor)
-            state.last = _LastPass(len(state.removed), tuple(out), dropped)
         else:
-            state.last = _LastPass(len(state.removed), tuple(out) if reapplied else (), reapplied)
+            dropped = reapplied
+        state.last = Projection.remember(last, len(state.removed), state.removed.keys, out, dropped)
         freed = counted - sent
         ctx.report.tokens_freed += freed
         facts = {
@@ -251,7 +238,7 @@ class HistorySnip:
         self,
         messages: list[Message],
         state: _SnipState,
-        last: _LastPass | None,
+        last: Projection | None,
         ok: Callable[[], list[bool]],
     ) -> tuple[list[Message], int]:
         """The recorded removals applied to ``messages``: the last pass's output plus the new
@@ -260,16 +247,8 @@ class HistorySnip:
         grown = state.watch.advance(messages, reuse=self.incremental)
         if not state.removed:
             return messages, 0
-        if (
-            grown is not None
-            and last is not None
-            and last.removed == len(state.removed)
-            and state.removed.keys().isdisjoint(m.uuid for m in messages[grown:])
-        ):
-            if last.dropped == 0:
-                return messages, 0
-            return [*last.out, *messages[grown:]], last.dropped
-        return _project(messages, state.removed, ok())
+        extended = last.extend(messages, grown, len(state.removed)) if last else None
+        return extended or _project(messages, state.removed, ok())
 
     def _select(
         self,

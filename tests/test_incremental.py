@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -341,6 +341,35 @@ class Twin:
         return out
 
 
+def edit_history(
+    gen: Gen, history: list[Message], last_out: list[Message], op: str
+) -> list[Message] | None:
+    """Apply one caller edit ``op`` (a turn, replace, insert, delete, truncate, swap,
+    feed_back, new_list); the history to go on with, or None for an op not handled here."""
+    n = len(history)
+    if op == "turn" or n < 2:
+        history.extend(gen.turn())
+    elif op == "replace":
+        i = gen.below(n)
+        history[i] = gen.edited(history[i])
+    elif op == "insert":
+        history.insert(gen.below(n + 1), gen.single())
+    elif op == "delete":
+        del history[gen.below(n)]
+    elif op == "truncate":
+        del history[1 + gen.below(n - 1) :]
+    elif op == "swap":
+        i, j = gen.below(n), gen.below(n)
+        history[i], history[j] = history[j], history[i]
+    elif op == "feed_back":  # the caller keeps the projected messages as its history
+        return list(last_out)
+    elif op == "new_list":  # same messages, another list object
+        return list(history)
+    else:
+        return None
+    return history
+
+
 async def run_session(tape: bytes) -> None:
     gen = Gen(tape)
     failing = frozenset(f"t{1 + gen.below(30)}" for _ in range(gen.below(5)))
@@ -349,25 +378,9 @@ async def run_session(tape: bytes) -> None:
     last_out: list[Message] = history
     for _ in range(2 + gen.below(14)):
         op = gen.pick(OPS)
-        n = len(history)
-        if op == "turn" or n < 2:
-            history.extend(gen.turn())
-        elif op == "replace":
-            i = gen.below(n)
-            history[i] = gen.edited(history[i])
-        elif op == "insert":
-            history.insert(gen.below(n + 1), gen.single())
-        elif op == "delete":
-            del history[gen.below(n)]
-        elif op == "truncate":
-            del history[1 + gen.below(n - 1) :]
-        elif op == "swap":
-            i, j = gen.below(n), gen.below(n)
-            history[i], history[j] = history[j], history[i]
-        elif op == "feed_back":  # the caller keeps the projected messages as its history
-            history = list(last_out)
-        elif op == "new_list":  # same messages, another list object
-            history = list(history)
+        edited = edit_history(gen, history, last_out, op)
+        if edited is not None:
+            history = edited
         elif op == "new_ledger":  # e.g. a caller installing a rebuilt ledger
             twin.ctx.replacement_state = twin.ctx.replacement_state.copy()
         elif op == "grow_ledger" and gen.tool_ids:  # marked seen, or replaced, elsewhere
@@ -395,16 +408,21 @@ async def run_session(tape: bytes) -> None:
 def test_incremental_equals_from_scratch_over_edited_histories() -> None:
     # One event loop for every example: starting a loop per example (anyio.run) would cost
     # more than the passes it runs. asyncio only here; the tests below run under trio too.
+    run_sessions(run_session, 1_000)
+
+
+def run_sessions(run: Callable[[bytes], Awaitable[None]], examples: int) -> None:
+    """``examples`` hypothesis-drawn tapes, each ``run`` as one session on one event loop."""
     with asyncio.Runner() as runner:
 
         @settings(
-            max_examples=1_000,
+            max_examples=examples,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         )
         @given(TAPE)
         def session(tape: bytes) -> None:
-            runner.run(run_session(tape))
+            runner.run(run(tape))
 
         session()
 

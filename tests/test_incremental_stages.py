@@ -16,7 +16,6 @@ Deterministic tests then count what a pass reads (no timing) and pin the fallbac
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 from collections.abc import Sequence
@@ -24,13 +23,13 @@ from typing import Any
 
 import pytest
 from anthropic.types import MessageParam
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event
 
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage, to_api
 from pipeline import incremental as incremental_module
 from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
-from tests.test_incremental import TAPE, Gen, MemoryStore, QuietLogger
+from tests.test_incremental import Gen, MemoryStore, QuietLogger, edit_history, run_sessions
 
 SID = "incremental-stages"
 EXAMPLES = 600
@@ -138,25 +137,7 @@ async def run_session(tape: bytes) -> None:
         op = gen.pick(("turn",) * 10 + ("replace", "insert", "delete", "truncate", "swap"))
         if gen.one_in(8):
             op = gen.pick(("feed_back", "new_list"))
-        n = len(history)
-        if op == "turn" or n < 2:
-            history.extend(gen.turn())
-        elif op == "replace":
-            i = gen.below(n)
-            history[i] = gen.edited(history[i])
-        elif op == "insert":
-            history.insert(gen.below(n + 1), gen.single())
-        elif op == "delete":
-            del history[gen.below(n)]
-        elif op == "truncate":
-            del history[1 + gen.below(n - 1) :]
-        elif op == "swap":
-            i, j = gen.below(n), gen.below(n)
-            history[i], history[j] = history[j], history[i]
-        elif op == "feed_back":
-            history = list(last_out)
-        else:
-            history = list(history)
+        history = edit_history(gen, history, last_out, op) or history
         event(f"op: {op}")
         if not gen.one_in(4):
             last_out = await twin.check_pass(history)
@@ -165,18 +146,7 @@ async def run_session(tape: bytes) -> None:
 
 
 def test_later_stages_incremental_equal_from_scratch_over_edited_histories() -> None:
-    with asyncio.Runner() as runner:
-
-        @settings(
-            max_examples=EXAMPLES,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        )
-        @given(TAPE)
-        def session(tape: bytes) -> None:
-            runner.run(run_session(tape))
-
-        session()
+    run_sessions(run_session, EXAMPLES)
 
 
 # --------------------------------------------------------------------------------------------
