@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, count
 
-from pipeline.messages import Message, thread_start
+from pipeline.messages import Message, distinct_comparisons, thread_start
 
 __all__ = ["AppendWatch", "InputLog", "Projection", "message_keys"]
 
@@ -58,6 +58,16 @@ class InputLog:
         old = self.inputs
         n_old, n_new = len(old), len(messages)
         if self.identical:
+            if n_new >= n_old and isinstance(messages, list):
+                before = distinct_comparisons()
+                old.extend(messages[n_old:])
+                try:
+                    same = old == messages and distinct_comparisons() == before
+                except Exception:  # an __eq__ that raises on hostile content
+                    same = False
+                if same:  # only identical pairs were met (a C-level sweep)
+                    return n_old
+                del old[n_old:]
             first = next(compress(count(), map(operator.is_not, messages, old)), None)
             self.inputs = list(messages)
             return min(n_old, n_new) if first is None else first

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 import uuid as _uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,20 @@ def now_timestamp() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+_DISTINCT_COMPARISONS = [0]
+
+
+def distinct_comparisons() -> int:
+    """How many times two distinct :class:`Message` objects have been compared for equality.
+
+    ``list == list`` never calls ``__eq__`` on an identical pair, so an unchanged count across a
+    list comparison that came out equal proves every position held the very same object: a
+    C-level sweep instead of an identity check per element. (Comparisons in other threads can
+    only make the count move, never hide one.)
+    """
+    return _DISTINCT_COMPARISONS[0]
+
+
 def new_uuid() -> str:
     """A fresh random record uuid."""
     return str(_uuid.uuid4())
@@ -160,6 +175,13 @@ class Message:
         if self.type not in _MESSAGE_TYPES:
             raise ValueError(f"unknown message type {self.type!r}")
 
+    def __eq__(self, other: object) -> bool:
+        # what the dataclass would generate, plus a count (see distinct_comparisons)
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        _DISTINCT_COMPARISONS[0] += 1
+        return bool(_fields(self) == _fields(other))
+
     # -- constructors -------------------------------------------------------------------------
     @classmethod
     def user(cls, content: Content, **kw: Any) -> Message:
@@ -199,6 +221,10 @@ class Message:
     def is_compact_boundary(self) -> bool:
         """A system record after which the conversation restarts from a summary."""
         return self.type == "system" and self.subtype == "compact_boundary"
+
+
+_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Message)))
+"""Every field of a message, as a tuple (what equality compares)."""
 
 
 # --------------------------------------------------------------------------------------------
