@@ -49,6 +49,14 @@ SYNTHETIC_MODEL = "<synthetic>"
 """Model name of assistant records that no API call produced (errors, interruptions)."""
 
 
+_USAGE_FIELDS = (
+    "input_tokens",
+    "output_tokens",
+    "cache_creation_input_tokens",
+    "cache_read_input_tokens",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Token usage reported by one API response."""
@@ -57,6 +65,17 @@ class Usage:
     output_tokens: int = 0
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in _USAGE_FIELDS:
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_TOKENS
+            ):
+                shown = _brief(value)
+                raise ValueError(f"usage.{name} must be an integer from 0 to 10**12, got {shown}")
 
     @property
     def input_side(self) -> int:
@@ -71,25 +90,8 @@ class Usage:
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Usage:
         """Build from an API ``usage`` object; missing or null counts are 0, bad types rejected."""
-        values: dict[str, int] = {}
-        for name in (
-            "input_tokens",
-            "output_tokens",
-            "cache_creation_input_tokens",
-            "cache_read_input_tokens",
-        ):
-            value = raw.get(name)
-            if value is None:
-                continue
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not 0 <= value <= MAX_TOKENS
-            ):
-                shown = _brief(value)
-                raise ValueError(f"usage.{name} must be an integer from 0 to 10**12, got {shown}")
-            values[name] = value
-        return cls(**values)
+        values: dict[str, Any] = {name: raw.get(name) for name in _USAGE_FIELDS}
+        return cls(**{name: value for name, value in values.items() if value is not None})
 
     def to_mapping(self) -> dict[str, int]:
         """The API's ``usage`` shape."""

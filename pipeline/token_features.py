@@ -179,7 +179,12 @@ def iter_segments(message: Message) -> Iterator[Segment]:
         return
     for block in content:
         if isinstance(block, Mapping):
-            yield from _block_segments(block, error=False)
+            try:
+                yield from _block_segments(block, error=False)
+            except RecursionError:  # a block built past what JSON can be written for
+                raise ValueError(
+                    f"record {message.uuid!r}: a content block is nested too deeply to measure"
+                ) from None
 
 
 def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segment]:
