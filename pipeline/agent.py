@@ -29,7 +29,7 @@ from pipeline.messages import Block, Message, Usage, ensure_paired, now_timestam
 from pipeline.readback import PersistedOutputReader
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore
-from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.tokens import Observation, TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
@@ -111,6 +111,8 @@ class TurnLog:
     """What the pipeline's stages did in the pass that built the request."""
     gated: list[GatedResult]
     """The per-tool gate's decisions on the tool results this response asked for."""
+    observation: Observation | None = None
+    """The session tracker's estimate of this request held against the response's usage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +336,7 @@ class Agent:
                 timestamp=now_timestamp(),  # the idle-gap triggers read these
             )
             # the usage is of the request as sent (projected), not of the raw history
-            ctx.token_tracker.observe(
+            observation = ctx.token_tracker.observe(
                 projected, usage, model=response.model, tokens_freed=report.tokens_freed
             )
             if ctx.transcript is not None:  # resumable: keep the calibration with the session
@@ -358,6 +360,7 @@ class Agent:
                         usage=usage,
                         report=report,
                         gated=gated,
+                        observation=observation,
                     )
                 )
             self.turns_done += 1

@@ -104,6 +104,7 @@ def call_result(log: TurnLog, previous_gate: list[PersistedResult]) -> CallResul
         persisted=[*previous_gate, *log.report.persisted],
         reapplied=log.report.reapplied,
         persist_failed=list(log.report.persist_failed),
+        observations={} if log.observation is None else {"default": log.observation},
     )
 
 

@@ -284,6 +284,8 @@ def _part_lines(s: ReplaySummary) -> list[str]:
     ]
     width = max(len(name) for name in ESTIMATORS)
     for name, st in stats.items():
+        if not st.calls:  # e.g. a live session measures only its own tracker
+            continue
         tokens = (
             f"all calls: median {_fmt_tokens(st.median_abs_tokens)}, "
             f"p95 {_fmt_tokens(st.p95_abs_tokens)} tokens off"

@@ -29,6 +29,8 @@ def test_live_demo_runs_the_loop_and_writes_a_resumable_transcript(tmp_path: Pat
     assert bash["chars"] == 79_993 and bash["path"].endswith(".txt")
     assert calls[4]["reapplied"] == 5  # the stage re-applies its own five every call
     assert summary["persisted"] == 6 and summary["persist_failed"] == 0
+    # the live session's own tracker is measured on every call after the first response
+    assert summary["estimated_part"]["default"]["calls"] == 4
     # every request the server received was valid and is what was dumped
     for c in calls:
         request = json.loads((dumps / f"{c['call']:04d}.json").read_text())
