@@ -123,7 +123,7 @@ class SessionContext:
             self.root,
             store=self.store,
             replacement_state=self.replacement_state.copy(),
-            token_tracker=TokenTracker(self.token_tracker.method),
+            token_tracker=self.token_tracker.for_subagent(),
             transcript=transcript,
             tool_policies=self.tool_policies,
             tracer=self.tracer,

@@ -354,6 +354,19 @@ class TokenTracker:
         tracker.last_error = None if last is None else int(last)
         return tracker
 
+    def for_subagent(self) -> TokenTracker:
+        """A tracker for a sub-agent's conversation: what this one learned about how content
+        tokenises (the multipliers per model family), none of what belongs to this
+        conversation (its system-prompt-and-tools overhead, its error record)."""
+        if self.estimator is None:
+            return TokenTracker("reference", error_window=self._errors.maxlen or 512)
+        state = self.estimator.state_dict()
+        state["overhead"] = None
+        estimator = CalibratedEstimator.from_state_dict(state)
+        return TokenTracker(
+            self.method, estimator=estimator, error_window=self._errors.maxlen or 512
+        )
+
     def save(self, path: str | os.PathLike[str]) -> bool:
         """Write the state to ``path`` atomically (temp file, fsync, rename).
 

@@ -331,6 +331,22 @@ def test_state_dict_round_trip_gives_identical_estimates(method: str) -> None:
         assert clone.estimate(probes[0]) != TokenTracker().estimate(probes[0])
 
 
+def test_a_subagent_tracker_starts_from_what_the_parent_learned(tmp_path: Path) -> None:
+    """The multipliers carry over (tokenisation is the model's); the overhead (the parent's
+    system prompt and tools) and the parent's error record do not."""
+    parent = SessionContext("s", tmp_path, token_tracker=_trained("calibrated"))
+    child = parent.for_subagent("agent-1").token_tracker
+    assert child.estimator is not None and parent.token_tracker.estimator is not None
+    assert child.ratios() == parent.token_tracker.ratios()
+    assert child.estimator.families[model_family(SONNET)].n_obs == 8
+    assert child.estimator.overhead is None and parent.token_tracker.estimator.overhead
+    assert child.error_stats().calls == 0
+    msgs = conversation()
+    assert child.estimate(msgs) != TokenTracker().estimate(msgs)  # not cold
+    reference = SessionContext("r", tmp_path, token_tracker=TokenTracker("reference"))
+    assert reference.for_subagent("agent-2").token_tracker.method == "reference"
+
+
 def test_malformed_state_is_rejected() -> None:
     with pytest.raises(ValueError):
         TokenTracker.from_state_dict({"version": 99})
