@@ -3,7 +3,7 @@
 A long session reaches thousands of messages and the pipeline runs before every call, while a
 turn usually only appends a few records. Stages that re-apply earlier decisions (a projection of
 the whole history) keep their last output and redo only the new part -- when that is provably
-the same as starting over. Two pieces serve every stage:
+the same as starting over. Three pieces serve them:
 
 - :class:`InputLog` finds the first position where this pass's input differs from the last
   pass's, in one C-level sweep when the history only grew.
@@ -13,12 +13,15 @@ the same as starting over. Two pieces serve every stage:
   starts where it did). Then whatever a stage computed for the old records still holds, and it
   returns the old length; otherwise it rebuilds its view of the history and returns ``None``,
   and the stage computes from scratch.
+- :class:`Projection` is a stage's last output, extended by the new records while no decision
+  was added and none of the new records is one a decision names.
 
 The contract: messages are immutable (replace a message, never mutate its content in place).
 A message replaced by another object counts as changed, even if equal (an equal copy may
 serialise differently), and makes the stages start over.
-``tests/test_incremental.py`` checks every incremental stage against a from-scratch pass, byte
-for byte, over random histories with edits to old messages.
+``tests/test_incremental.py`` (the budget) and ``tests/test_incremental_stages.py`` (the later
+stages) check them against from-scratch passes, byte for byte, over random histories with
+edits to old messages.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class InputLog:
     def take(self, messages: Sequence[Message]) -> int:
         """Make ``messages`` the remembered input; return the first position that differs.
 
-        A position is unchanged when it holds the same object or an equal one. The common
+        A position is unchanged when it holds the same object or (unless ``identical``) an
+        equal one. The common
         case, a history that only grew, costs the new tail plus one C-level sweep: the tail is
         appended first so that both lists have the same length, and ``list == list`` compares
         identical objects without calling ``Message.__eq__`` and without copying either list.
