@@ -334,9 +334,7 @@ async def test_anthropic_summarizer_on_the_scripted_server(tmp_path: Path) -> No
 # --------------------------------------------------------------------------------------------
 
 
-# A rare history (found once, kept in the local example database) makes snip + collapse keep
-# deciding on an unchanged history; derandomized so CI does not depend on finding it by chance.
-@settings(PROPERTY, derandomize=True)
+@settings(PROPERTY)
 @given(
     history=histories(),
     snip_window=st.integers(300, 8_000),
@@ -382,7 +380,12 @@ def test_collapse_keeps_pairing_alternation_and_is_idempotent(
             if m.type == "assistant" and m.message_id not in seen:
                 starts.append(i)
                 seen.add(m.message_id)
-        for k in [*starts, *[len(history)] * 12]:
+        # On the whole history the state settles: every pass makes at most one decision, a
+        # commit or a snip takes at least one round for good, and between two commits at most
+        # max_failures - 1 (2) summaries fail before the circuit opens. A tiny window with
+        # failing summaries (say "s", "", "" over 11 rounds) needs more than a dozen passes.
+        settle = 3 * (len(starts) + 1) + 2
+        for k in [*starts, *[len(history)] * settle]:
             out = await pipe.run(history[:k], ctx)
             assert wire_ok(out)
             assert ctx.report.suppress_autocompact == any(
