@@ -16,6 +16,7 @@ __all__ = [
     "Price",
     "anchor_uuid",
     "api_rounds",
+    "freed_before_anchor",
     "is_prompt",
     "priced_before",
     "protected_rounds",
@@ -102,3 +103,13 @@ def priced_before(price: Price, messages: Sequence[Message], anchor: str | None)
         return 0
     end = next((i for i, m in enumerate(messages) if m.uuid == anchor), len(messages))
     return price(messages[:end])
+
+
+def freed_before_anchor(
+    price: Price, kept: Sequence[Message], out: Sequence[Message], anchor: str | None
+) -> int:
+    """Tokens the anchor's usage counted that ``out`` no longer sends: ``kept`` is the projection
+    as that request had it (``out`` itself when no decision was made since)."""
+    if kept is out:
+        return 0
+    return priced_before(price, kept, anchor) - priced_before(price, out, anchor)

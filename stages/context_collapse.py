@@ -34,7 +34,7 @@ from pipeline.rounds import (
     Price,
     anchor_uuid,
     api_rounds,
-    priced_before,
+    freed_before_anchor,
     protected_rounds,
     safe_cuts,
 )
@@ -191,10 +191,8 @@ class ContextCollapse:
         # commits made since the anchor's response are not in its usage (a retried pass)
         older = [c for c in state.commits if anchor is None or c.anchor != anchor]
         then = out if len(older) == len(state.commits) else _project(messages, older, ok())[0]
-        counted = sent = 0
-        if then is not out:
-            counted, sent = priced_before(price, then, anchor), priced_before(price, out, anchor)
-        before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - (counted - sent)
+        freed = freed_before_anchor(price, then, out, anchor)
+        before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - freed
 
         attrs: dict[str, int] = {}
         decision = "reapplied" if active else "skip"
@@ -209,17 +207,14 @@ class ContextCollapse:
         else:
             decision, reason, commit = await self._summarize(span, anchor, ctx, state, attrs, price)
             if commit is not None:
-                if then is out:
-                    counted = priced_before(price, then, anchor)
                 await self._commit(ctx, state, commit)
                 out, active = _project(messages, state.commits, ok())
-                sent = priced_before(price, out, anchor)
+                freed = freed_before_anchor(price, then, out, anchor)
         commits = state.commits
         state.last = Projection.remember(
             last, len(commits), lambda: (u for c in commits for u in c.uuids), out, active
         )
 
-        freed = counted - sent
         ctx.report.tokens_freed += freed
         if active:
             ctx.report.suppress_autocompact = True

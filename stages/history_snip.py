@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import uuid as _uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
 
@@ -32,7 +32,7 @@ from pipeline.rounds import (
     Price,
     anchor_uuid,
     api_rounds,
-    priced_before,
+    freed_before_anchor,
     protected_rounds,
     safe_cuts,
 )
@@ -59,9 +59,19 @@ def _marker(removed_messages: int, first_uuid: str) -> Message:
 class _SnipState:
     removed: dict[str, str | None] = field(default_factory=dict)
     """Removed uuid -> uuid of the usage anchor when it was removed (insertion ordered)."""
+    by_anchor: dict[str, list[str]] = field(default_factory=dict)
+    """Usage-anchor uuid -> the uuids removed while it was the anchor (a lookup per pass)."""
     watch: AppendWatch = field(default_factory=AppendWatch)
     last: Projection | None = None
     """The previous pass's output (``applied``: records dropped), while it can be extended."""
+
+    def remove(self, uids: Iterable[str], anchor: str | None) -> None:
+        """Record removals made while ``anchor`` was the usage anchor (a uuid keeps its first)."""
+        for uid in uids:
+            if uid not in self.removed:
+                self.removed[uid] = anchor
+                if anchor is not None:
+                    self.by_anchor.setdefault(anchor, []).append(uid)
 
 
 def _wire_messages(run: Sequence[Message]) -> int:
@@ -169,9 +179,8 @@ class HistorySnip:
             state = _SnipState()
             for data in ctx.records_for(self.name):  # resume: repeat every recorded removal
                 anchor = data.get("anchor")
-                for uid in data.get("removed") or ():
-                    if isinstance(uid, str):
-                        state.removed.setdefault(uid, anchor if isinstance(anchor, str) else None)
+                uids = [u for u in data.get("removed") or () if isinstance(u, str)]
+                state.remove(uids, anchor if isinstance(anchor, str) else None)
             ctx.stage_state[self.name] = state
         return state
 
@@ -185,12 +194,10 @@ class HistorySnip:
         out, reapplied = self._reapply(messages, state, last, ok)
         # The request the anchor's usage counted lacked only removals made before that response;
         # later ones (a retried pass, a crash before the call) are freed again against it.
-        since = {u for u, a in state.removed.items() if anchor is not None and a == anchor}
+        since = set(state.by_anchor.get(anchor, ())) if anchor is not None else set()
         then = out if not since else _project(messages, state.removed.keys() - since, ok())[0]
-        counted = sent = 0
-        if then is not out:
-            counted, sent = priced_before(price, then, anchor), priced_before(price, out, anchor)
-        before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - (counted - sent)
+        refreed = freed_before_anchor(price, then, out, anchor)
+        before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - refreed
 
         decision = "reapplied" if reapplied else "skip"
         reason, new = "below_trigger", []
@@ -199,18 +206,14 @@ class HistorySnip:
             excess = before - self.target_tokens + price([_marker(10**6, "")])
             new = self._select(messages, ok(), state.removed.keys(), excess, price)
             reason = "over_trigger" if new else "nothing_removable"
+        dropped = reapplied
         if new:
             decision = "snipped"
-            if then is out:
-                counted = priced_before(price, then, anchor)
-            state.removed.update(dict.fromkeys(new, anchor))
+            state.remove(new, anchor)
             out, dropped = _project(messages, state.removed, ok())
-            sent = priced_before(price, out, anchor)
             await self._record(ctx, new, anchor)
-        else:
-            dropped = reapplied
         state.last = Projection.remember(last, len(state.removed), state.removed.keys, out, dropped)
-        freed = counted - sent
+        freed = freed_before_anchor(price, then, out, anchor) if new else refreed
         ctx.report.tokens_freed += freed
         facts = {
             "removed_new": len(new),

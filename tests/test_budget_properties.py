@@ -51,7 +51,14 @@ from pipeline import (
 from pipeline.gate import persist_content
 from stages import ToolResultBudget
 from stages.tool_result_budget import Candidate, collect_groups, select_fresh_to_replace
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import (
+    QuietLogger,
+    assistant,
+    results,
+    tool_result,
+    tool_use,
+    user_text,
+)
 
 SID = "prop-session"
 TAG = "<persisted-output>"
@@ -65,18 +72,6 @@ TOOLS = ("Bash", "Grep", "Read", "Other")
 LIMITS = (3_000, 3_000, 1_500, 800, 5_000)
 # every pass fsyncs store files and the transcript: a RAM-backed temp dir keeps the file fast
 FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
-class _QuietLogger:
-    """A structlog-shaped logger that drops everything."""
-
-    def bind(self, **_kw: Any) -> _QuietLogger:
-        return self
-
-    def debug(self, *_a: Any, **_kw: Any) -> None:
-        pass
-
-    info = warning = error = debug
 
 
 def _dumps(obj: Any) -> str:
@@ -614,7 +609,7 @@ class Runner:
                 store=NoIOStore(),
                 replacement_state=state_now.copy(),
                 tool_policies=POLICIES,
-                logger=_QuietLogger(),
+                logger=QuietLogger(),
             )
             assert await self.pipe.run(out, probe) is out, where
             assert probe.replacement_state == state_now, where
@@ -628,7 +623,7 @@ def _make_ctx(root: Path, transcript: Path, state: ReplacementState | None) -> S
         replacement_state=state,
         transcript=TranscriptWriter(transcript, SID),
         tool_policies=POLICIES,
-        logger=_QuietLogger(),
+        logger=QuietLogger(),
     )
 
 
@@ -817,7 +812,7 @@ def _ctx(root: Path, policies: ToolPolicies | None = None, **kw: Any) -> Session
         SID,
         root,
         tool_policies=policies or ToolPolicies.claude_code(),
-        logger=_QuietLogger(),
+        logger=QuietLogger(),
         **kw,
     )
 

@@ -24,7 +24,6 @@ import re
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -41,25 +40,20 @@ from pipeline import (
 )
 from pipeline.storage import TOOL_RESULTS_SUBDIR
 from stages import default_stages
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import (
+    QuietLogger,
+    assistant,
+    results,
+    tool_result,
+    tool_use,
+    user_text,
+)
 
 SESSIONS = 1_000
 TURNS = 3
 POLICIES = ToolPolicies(declared={"Read": math.inf}, cap=300)  # results over 300 chars persist
 PER_MESSAGE = 500
 _ID = re.compile(r"s(\d{4})_t\d+_\d")
-
-
-class QuietLogger:
-    """A structlog-shaped logger that drops everything (a thousand sessions log a lot)."""
-
-    def bind(self, **_kw: Any) -> QuietLogger:
-        return self
-
-    def debug(self, *_a: Any, **_kw: Any) -> None:
-        pass
-
-    info = warning = error = exception = debug
 
 
 class YieldingStore(FileToolResultStore):

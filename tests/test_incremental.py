@@ -47,7 +47,15 @@ from pipeline import (
 from pipeline.tracing import SPAN_BUDGET_DECISION, SPAN_BUDGET_GROUP
 from stages import ToolResultBudget
 from stages import tool_result_budget as budget_module
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import (
+    MemoryStore,
+    QuietLogger,
+    assistant,
+    results,
+    tool_result,
+    tool_use,
+    user_text,
+)
 
 SID = "incremental"
 POLICIES = ToolPolicies(declared={"Bash": 120, "Read": math.inf}, cap=200)
@@ -56,33 +64,6 @@ LIMITS = (300, 500, 800)
 TAG = "<persisted-output>"
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
 DOC = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "d"}}
-
-
-class QuietLogger:
-    """A structlog-shaped logger that drops everything."""
-
-    def bind(self, **_kw: Any) -> QuietLogger:
-        return self
-
-    def debug(self, *_a: Any, **_kw: Any) -> None:
-        pass
-
-    info = warning = error = debug
-
-
-class MemoryStore:
-    """A deterministic in-memory store; ids in ``failing`` fail to persist (every time)."""
-
-    def __init__(self, failing: frozenset[str] = frozenset()) -> None:
-        self.failing = failing
-        self.files: dict[str, str] = {}
-
-    async def persist(self, tool_use_id: str, text: str, ext: str) -> str:
-        if tool_use_id in self.failing:
-            raise OSError(28, "No space left on device")
-        path = f"/mem/{tool_use_id}.{ext}"
-        self.files.setdefault(path, text)
-        return path
 
 
 class RecordingTracer:

@@ -28,8 +28,16 @@ from hypothesis import event
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage, to_api
 from pipeline import incremental as incremental_module
 from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
-from tests.builders import assistant, results, tool_result, tool_use, user_text
-from tests.test_incremental import Gen, MemoryStore, QuietLogger, edit_history, run_sessions
+from tests.builders import (
+    MemoryStore,
+    QuietLogger,
+    assistant,
+    results,
+    tool_result,
+    tool_use,
+    user_text,
+)
+from tests.test_incremental import Gen, edit_history, run_sessions
 
 SID = "incremental-stages"
 EXAMPLES = 600

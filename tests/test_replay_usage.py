@@ -18,8 +18,15 @@ from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage
 from pipeline.replay import less_usage, replay_messages
 from stages import HistorySnip
 from stages.autocompact import Autocompact
-from tests.builders import assistant, results, tool_result, tool_use, user_text
-from tests.test_incremental import MemoryStore, QuietLogger
+from tests.builders import (
+    MemoryStore,
+    QuietLogger,
+    assistant,
+    results,
+    tool_result,
+    tool_use,
+    user_text,
+)
 
 
 def _ctx() -> SessionContext:

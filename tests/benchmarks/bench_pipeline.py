@@ -63,33 +63,10 @@ from pipeline.gate import empty_result_text, is_persistable, persist_content  # 
 from pipeline.replacement import candidate_size, content_is_empty, is_candidate  # noqa: E402
 from pipeline.replay import replay_messages  # noqa: E402
 from stages import ToolResultBudget, default_stages  # noqa: E402
+from tests.builders import MemoryStore, QuietLogger  # noqa: E402
 
 DEFAULT_CORPUS = Path(os.environ.get("SLUICEGATE_CORPUS", REPO.parent / "shared" / "corpus"))
 LIMIT = 200_000
-
-
-class QuietLogger:
-    """A structlog-shaped logger that drops everything (console logging is not the pipeline)."""
-
-    def bind(self, **_kw: Any) -> QuietLogger:
-        return self
-
-    def debug(self, *_a: Any, **_kw: Any) -> None:
-        pass
-
-    info = warning = error = exception = debug
-
-
-class MemoryStore:
-    """Persisted results kept by reference in memory: same answer as the file store, no I/O."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, str] = {}
-
-    async def persist(self, tool_use_id: str, text: str, ext: str) -> str:
-        path = f"/mem/{tool_use_id}.{ext}"
-        self.files.setdefault(path, text)
-        return path
 
 
 # --------------------------------------------------------------------------------------------
