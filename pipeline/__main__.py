@@ -1,8 +1,8 @@
-"""``python -m pipeline``: the sluicegate command line (see :mod:`pipeline.cli`)."""
+"""``python -m pipeline``: the sluicegate command line (see :mod:`pipeline._cli`)."""
 
 import sys
 
-from pipeline.cli import main
+from pipeline._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,10 +27,12 @@ from functools import cache, partial
 import anyio.to_thread
 
 from pipeline import Message, SessionContext, to_api
-from pipeline.args import check_bool, check_fraction, check_int
 from pipeline.incremental import AppendWatch, Projection
 from pipeline.messages import block_type, stable_uuid, thread_start
-from pipeline.rounds import (
+from pipeline.summarizer import Summarizer, SummaryPromptTooLong
+from pipeline.tracing import emit_decision
+from stages._shared.args import check_bool, check_fraction, check_int
+from stages._shared.rounds import (
     Price,
     anchor_uuid,
     api_rounds,
@@ -38,8 +40,6 @@ from pipeline.rounds import (
     protected_rounds,
     safe_cuts,
 )
-from pipeline.summarizer import Summarizer, SummaryPromptTooLong
-from pipeline.tracing import emit_decision
 
 __all__ = ["SUMMARY_HEADER", "ContextCollapse"]
 

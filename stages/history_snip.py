@@ -25,10 +25,11 @@ from functools import cache, partial
 import anyio.to_thread
 
 from pipeline import Message, SessionContext
-from pipeline.args import check_bool, check_fraction, check_int
 from pipeline.incremental import AppendWatch, Projection
 from pipeline.messages import stable_uuid, thread_start
-from pipeline.rounds import (
+from pipeline.tracing import emit_decision
+from stages._shared.args import check_bool, check_fraction, check_int
+from stages._shared.rounds import (
     Price,
     anchor_uuid,
     api_rounds,
@@ -36,7 +37,6 @@ from pipeline.rounds import (
     protected_rounds,
     safe_cuts,
 )
-from pipeline.tracing import emit_decision
 
 __all__ = ["HistorySnip", "snip_marker_text"]
 

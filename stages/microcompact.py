@@ -45,12 +45,12 @@ from typing import Any
 import anyio.to_thread
 
 from pipeline import Message, SessionContext
-from pipeline.args import check_bool, check_int
 from pipeline.incremental import AppendWatch
 from pipeline.messages import Block
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, content_is_empty
 from pipeline.tokens import find_anchor, rough_tokens_for_messages
 from pipeline.tracing import emit_decision
+from stages._shared.args import check_bool, check_int
 
 __all__ = [
     "CLEARED_PLACEHOLDER",

@@ -21,7 +21,7 @@ from pipeline import (
     to_api,
 )
 from pipeline.agent import CANCELLED_RESULT, INTERRUPTED_RESULT, Agent, AgentAPIError
-from pipeline.scripted_server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tools import Tool, tool
 from stages import ToolResultBudget, default_stages
 

@@ -29,13 +29,13 @@ from pipeline import (
     load_transcript,
     to_api,
 )
-from pipeline.scripted_server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.summarizer import (
     DEFAULT_SUMMARY_PROMPT,
     AnthropicSummarizer,
     SummaryError,
     SummaryPromptTooLong,
 )
+from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tokens import rough_tokens_for_messages, rough_tokens_for_text
 from pipeline.tracing import get_tracer
 from pipeline.transcript import StageRecord

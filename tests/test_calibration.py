@@ -17,14 +17,15 @@ from typing import Any
 import anthropic
 import pytest
 
-import pipeline.token_features as token_features
+import pipeline.tokens.features as token_features
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, TranscriptWriter, Usage
+from pipeline._cli.app import main
 from pipeline.agent import Agent
-from pipeline.calibration import CalibratedEstimator, ErrorStats
-from pipeline.cli import main
 from pipeline.messages import to_api
-from pipeline.scripted_server import Reply, ScriptedMessagesServer, count_request_tokens
-from pipeline.token_features import (
+from pipeline.testing.server import Reply, ScriptedMessagesServer, count_request_tokens
+from pipeline.tokens import calibration_path_for, find_anchor
+from pipeline.tokens.calibrated import CalibratedEstimator, ErrorStats
+from pipeline.tokens.features import (
     IMAGE_TOKENS,
     content_vector,
     image_size,
@@ -33,7 +34,6 @@ from pipeline.token_features import (
     text_class,
     text_stats,
 )
-from pipeline.tokens import calibration_path_for, find_anchor
 from pipeline.tools import tool
 from stages import default_stages
 from tests.builders import assistant, results, tool_result, tool_use, user_text

@@ -20,8 +20,10 @@ import pytest
 from anthropic.types import MessageParam
 
 from pipeline import Pipeline, SessionContext, ToolPolicies, check_pairing, load_transcript
-from pipeline.cli import ReplaySummary, main, session_id_for
-from pipeline.demo import OUTPUT_MARKER, generate_session, write_session
+from pipeline._cli.app import main
+from pipeline._cli.common import session_id_for
+from pipeline._cli.demo_session import OUTPUT_MARKER, generate_session, write_session
+from pipeline._cli.report import ReplaySummary
 from pipeline.replay import find_calls, replay_messages, request_chars
 from stages import default_stages
 from tests.conftest import corpus_sessions

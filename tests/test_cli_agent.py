@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import check_pairing, load_transcript, to_api
-from pipeline.scripted_server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 
 
 def _env(server: ScriptedMessagesServer) -> dict[str, str]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pipeline import Message, Pipeline, SessionContext, Usage, stage
-from pipeline.compare import (
+from pipeline._cli.compare import (
     PRICES,
     CacheModel,
     Price,

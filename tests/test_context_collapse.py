@@ -24,13 +24,13 @@ from pipeline import (
     load_transcript,
     to_api,
 )
-from pipeline.scripted_server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.summarizer import (
     DEFAULT_SUMMARY_PROMPT,
     AnthropicSummarizer,
     SummaryError,
     SummaryPromptTooLong,
 )
+from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR
 from stages import ContextCollapse, HistorySnip, default_stages

@@ -30,7 +30,7 @@ from pipeline import (
 )
 from pipeline.agent import INTERRUPTED_RESULT, Agent
 from pipeline.replay import find_calls
-from pipeline.scripted_server import Reply, ScriptedMessagesServer
+from pipeline.testing.server import Reply, ScriptedMessagesServer
 from pipeline.tools import tool
 from stages import ToolResultBudget
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from pipeline import check_pairing, load_transcript, to_api
-from pipeline.demo import OUTPUT_MARKER, generate_session
-from pipeline.demo_agent import demo_replies
+from pipeline._cli.demo_agent import demo_replies
+from pipeline._cli.demo_session import OUTPUT_MARKER, generate_session
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.test_cli import _clean_env, parse_json_lines, run_cli
 

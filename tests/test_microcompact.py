@@ -43,7 +43,7 @@ from pipeline import (
     to_api,
 )
 from pipeline.agent import Agent
-from pipeline.scripted_server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tools import tool
 from pipeline.tracing import ATTR, decision_span_name, get_tracer

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 from pipeline import Message, SessionContext, TokenTracker, Usage
 from pipeline.messages import SYNTHETIC_MODEL
-from pipeline.token_features import looks_like_json
 from pipeline.tokens import (
     IMAGE_TOKENS,
     find_anchor,
     rough_tokens_for_messages,
     rough_tokens_for_text,
 )
+from pipeline.tokens.features import looks_like_json
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 METHODS = ("reference", "calibrated")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import TokenTracker, load_transcript
-from pipeline.calibration import ErrorStats
 from pipeline.replay import find_calls
+from pipeline.tokens.calibrated import ErrorStats
 from tests.conftest import corpus_sessions
 
 pytestmark = pytest.mark.corpus

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 
 from pipeline import SessionContext, ToolPolicies, load_transcript
-from pipeline.compare import RunStats, compare_pipelines, format_table
+from pipeline._cli.compare import RunStats, compare_pipelines, format_table
 from stages.registry import COMPARISON_POINTS, comparison_pipeline
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "shared" / "corpus"

@@ -34,25 +34,25 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # this checkout's package, even when run from elsewhere
 
 from pipeline import Message, Usage, load_transcript  # noqa: E402
-from pipeline.calibration import (  # noqa: E402
+from pipeline.replay import Call, find_calls  # noqa: E402
+from pipeline.tokens import (  # noqa: E402
+    TokenTracker,
+    find_anchor,
+    rough_tokens_for_messages,
+)
+from pipeline.tokens.calibrated import (  # noqa: E402
     BIG_GROWTH,
     CalibratedEstimator,
     compaction_restart,
     nearest_rank,
 )
-from pipeline.replay import Call, find_calls  # noqa: E402
-from pipeline.token_features import (  # noqa: E402
+from pipeline.tokens.features import (  # noqa: E402
     CLASS_INDEX,
     FEATURES,
     PRIOR_WEIGHTS,
     content_vector,
     is_wire_visible,
     model_family,
-)
-from pipeline.tokens import (  # noqa: E402
-    TokenTracker,
-    find_anchor,
-    rough_tokens_for_messages,
 )
 
 DEFAULT_CORPUS = Path(os.environ.get("SLUICEGATE_CORPUS", REPO.parent / "shared" / "corpus"))

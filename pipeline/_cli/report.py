@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from pipeline.calibration import UNDERCOUNT_TOLERANCE, ErrorStats, nearest_rank, rounded
 from pipeline.replay import CallResult
+from pipeline.tokens.calibrated import UNDERCOUNT_TOLERANCE, ErrorStats, nearest_rank, rounded
 
 __all__ = ["ESTIMATORS", "JsonOutput", "Output", "Progress", "ReplaySummary", "TableOutput"]
 

@@ -12,14 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeline._cli.demo_session import DemoSession
 from pipeline.agent import Agent, TurnLog
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
-from pipeline.demo import DemoSession
 from pipeline.messages import Block, Content
 from pipeline.policies import CLAUDE_CODE_DECLARED, UNDECLARED_MAX_RESULT_SIZE_CHARS
 from pipeline.replay import Call, CallResult
-from pipeline.scripted_server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tools import Tool, ToolOutput
 
 if TYPE_CHECKING:

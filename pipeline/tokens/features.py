@@ -4,7 +4,7 @@ Pure functions of a message's wire-visible content, shared by both token estimat
 
 - :func:`iter_segments` walks a message the way the API sees it and yields the pieces to price
   (the reference estimator in :mod:`pipeline.tokens` and the calibrated one in
-  :mod:`pipeline.calibration` both price these same segments);
+  :mod:`pipeline.tokens.calibrated` both price these same segments);
 - :func:`text_stats` reduces a text to a few cheap character-category counts (exact up to
   16 KB, sampled above), :func:`text_class` puts it in a content class;
 - :func:`content_vector` turns a message into base tokens per content class, with the

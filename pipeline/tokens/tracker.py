@@ -3,7 +3,7 @@
 :class:`TokenTracker` answers "how many tokens would this context hold if sent now?" with one
 of two methods:
 
-- ``"calibrated"`` (the default): :class:`pipeline.calibration.CalibratedEstimator` — prices
+- ``"calibrated"`` (the default): :class:`pipeline.tokens.calibrated.CalibratedEstimator` — prices
   content by character categories and content class, learns chars-per-token online from the
   usage deltas the session observes, and leans to over-counting (a 5 % margin cold, 2 % warm).
 - ``"reference"``: SPEC §4 exactly — ``round(len/4)`` per block, 2 chars/token for JSON-family
@@ -11,7 +11,7 @@ of two methods:
   text, other blocks = their JSON; no usage anywhere ⇒ estimate everything.
 
 Both anchor on the same rule (:func:`find_anchor`) and price the same segments
-(:func:`pipeline.token_features.iter_segments`). The tracker keeps the errors of its
+(:func:`pipeline.tokens.features.iter_segments`). The tracker keeps the errors of its
 predictions (:meth:`TokenTracker.error_stats`), and its state is JSON-serialisable and can be
 saved next to the session (:func:`calibration_path_for`) so a resumed session starts warm.
 """
@@ -27,7 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pipeline.calibration import (
+from pipeline.messages import Message, Usage, to_api
+from pipeline.tokens.calibrated import (
     BIG_GROWTH,
     CalibratedEstimator,
     ErrorStats,
@@ -35,8 +36,7 @@ from pipeline.calibration import (
     Observation,
     compaction_restart,
 )
-from pipeline.messages import Message, Usage, to_api
-from pipeline.token_features import (
+from pipeline.tokens.features import (
     IMAGE_TOKENS,
     is_wire_visible,
     iter_segments,

@@ -3,7 +3,7 @@
 The context before the next call is the usage total of the last real response (the *anchor*,
 found by :func:`pipeline.tokens.find_anchor`) plus an estimate of what was added after it.
 :class:`CalibratedEstimator` makes that estimate from the base tokens of
-:mod:`pipeline.token_features`, times one multiplier per content class and model family, and
+:mod:`pipeline.tokens.features`, times one multiplier per content class and model family, and
 learns the multipliers from each call's usage delta with a robust Kalman (recursive least
 squares) step: ``input_side(call) - input_side(anchor)`` against the class vector of what was
 added (the anchor response, re-sent, plus everything after it).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.messages import Message, Usage, thread_start
-from pipeline.token_features import (
+from pipeline.tokens.features import (
     CLASS_INDEX,
     CLASSES,
     FEATURES,

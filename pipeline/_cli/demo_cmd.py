@@ -1,0 +1,110 @@
+"""``demo``: the embedded default -- the agent loop against a scripted local server, or
+(``--replay``) the same generated session replayed from its transcript."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from opentelemetry import trace
+
+from pipeline._cli import demo_session as demo
+from pipeline._cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+    ReplayOptions,
+    dump_request,
+    load,
+    store_root,
+    with_tracing,
+)
+from pipeline._cli.replay_cmd import run_replay
+from pipeline._cli.report import JsonOutput, Output, ReplaySummary, TableOutput
+from pipeline.context import SessionContext
+from pipeline.core import StageError
+from pipeline.policies import ToolPolicies
+from pipeline.replay import CallResult
+from pipeline.storage import TOOL_RESULTS_SUBDIR
+from pipeline.transcript import TranscriptWriter
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    store = args.store or Path(tempfile.mkdtemp(prefix="sluicegate-demo-"))
+    options = dataclasses.replace(ReplayOptions.from_args(args), store=store)
+    path: Path = args.out or store / "demo-session.jsonl"
+
+    def go(tracer: trace.Tracer | None, provider: TracerProvider | None) -> int:
+        if args.replay:
+            try:
+                demo.write_session(path, seed=args.seed)
+            except OSError as exc:
+                raise CliError(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED) from None
+            if not options.json:
+                print(f"generated a Claude Code session (seed {args.seed}): {path}")
+            return run_replay(load(path, lenient=False), options, tracer)
+        return run_live_demo(demo.generate_session(args.seed), path, options, tracer, provider)
+
+    return with_tracing(args, go)
+
+
+def run_live_demo(
+    session: demo.DemoSession,
+    transcript_path: Path,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+    provider: TracerProvider | None,
+) -> int:
+    """Run the demo session live: agent loop, real SDK, scripted local server."""
+    import anthropic  # heavy: only the live commands need the SDK at run time
+
+    from pipeline._cli.demo_agent import LiveDemo
+
+    transcript_path.unlink(missing_ok=True)
+    ctx = SessionContext(
+        session.session_id,
+        root=options.store or store_root(options),
+        tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
+        tracer=tracer,
+        transcript=TranscriptWriter(transcript_path, session.session_id),
+    )
+    pipe = options.pipeline()
+    summary = ReplaySummary(
+        session.session_id, ctx.root, options.per_message_chars, options.per_tool_chars
+    )
+    output: Output = (
+        JsonOutput(sys.stdout)
+        if options.json
+        else TableOutput(sys.stdout, ctx.root / session.session_id / TOOL_RESULTS_SUBDIR)
+    )
+    if not options.json:
+        print(f"live agent session {session.session_id} (transcript: {transcript_path})")
+
+    def on_call(result: CallResult) -> None:
+        chars = result.request_chars
+        summary.add(result, chars)
+        if options.dump_requests is not None:
+            options.dump_requests.mkdir(parents=True, exist_ok=True)
+            dump_request(options.dump_requests, result)
+        output.call(result, chars)
+
+    def client(base_url: str) -> anthropic.AsyncAnthropic:
+        telemetry: Any = {"tracer_provider": provider} if provider is not None else None
+        return anthropic.AsyncAnthropic(
+            base_url=base_url, api_key="sluicegate-demo", max_retries=0, open_telemetry=telemetry
+        )
+
+    try:
+        anyio.run(LiveDemo(session, pipe, ctx, on_call).run, client)
+    except StageError as exc:
+        raise CliError(f"demo: call {summary.calls}: {exc}", EXIT_FAILED) from None
+    output.summary(summary)
+    return EXIT_OK

@@ -1,0 +1,246 @@
+"""The ``sluicegate`` / ``python -m pipeline`` argument parser."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline._cli import demo_session as demo
+from pipeline._cli.agent_cmd import cmd_agent
+from pipeline._cli.demo_cmd import cmd_demo
+from pipeline._cli.replay_cmd import cmd_replay
+from pipeline.policies import (
+    DEFAULT_MAX_RESULT_SIZE_CHARS,
+    MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
+)
+from stages import registry as stage_registry
+
+if TYPE_CHECKING:
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument parsing
+# ---------------------------------------------------------------------------------------------
+
+_STORE_HELP = (
+    "directory for persisted results (<DIR>/<session>/tool-results/). Default: a new temporary "
+    "directory, which is KEPT so the paths in the output stay readable; its location is printed "
+    "in the summary (and in the JSON summary's 'store'). Delete it when done."
+)
+_TRACING_EPILOG = """\
+tracing:
+  Spans are exported over OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT or
+  OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (service.name "sluicegate" unless
+  OTEL_SERVICE_NAME is set); nothing is exported otherwise. Needs the SDK:
+  pip install 'sluicegate[otel]'. Spans never hold message content.
+
+exit codes: 0 ok, 1 replay failed part-way, 2 bad usage or bad input.
+"""
+
+
+def _para(text: str) -> str:
+    # the raw formatter keeps the epilog's layout; descriptions are wrapped here instead
+    return textwrap.fill(text, width=79)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _add_replay_options(p: argparse.ArgumentParser) -> None:
+    budget = p.add_argument_group("budget")
+    budget.add_argument(
+        "--per-message-chars",
+        type=_positive_int,
+        default=MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
+        metavar="N",
+        help="per-message budget: tool_result chars in one API-level user message "
+        "(default %(default)s)",
+    )
+    budget.add_argument(
+        "--per-tool-chars",
+        type=_positive_int,
+        default=DEFAULT_MAX_RESULT_SIZE_CHARS,
+        metavar="N",
+        help="per-tool cap (default %(default)s); Claude Code's declared limits below it still "
+        "apply (Bash 30000, Grep 20000, ...) and Read is never persisted",
+    )
+    budget.add_argument("--store", type=Path, metavar="DIR", help=_STORE_HELP)
+    budget.add_argument(
+        "--stage",
+        action="append",
+        metavar="SLOT=STRATEGY[:k=v...]",
+        help="choose a strategy for a stage slot, e.g. microcompact=clear-oldest:keep=5 or "
+        "history_snip=off (repeatable)",
+    )
+
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object per call on stdout, then a final {"summary": {...}} line '
+        "(default: an aligned table)",
+    )
+    out.add_argument(
+        "--dump-requests",
+        type=Path,
+        metavar="DIR",
+        help="write DIR/NNNN.json: the exact 'messages' array sent for call NNNN",
+    )
+    out.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: only when stderr is a terminal)",
+    )
+    out.add_argument("--console-spans", action="store_true", help="also print every span to stderr")
+    out.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log to stderr at INFO (-v) or DEBUG (-vv); default WARNING",
+    )
+    out.add_argument(
+        "--log-json", action="store_true", help="log JSON lines instead of readable text"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sluicegate`` / ``python -m pipeline`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="sluicegate",
+        description="Replay agent sessions through sluicegate's context-budget pipeline "
+        "(tool_result_budget -> history_snip -> microcompact -> context_collapse -> autocompact).",
+        epilog="Run 'sluicegate COMMAND --help' for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    replay = sub.add_parser(
+        "replay",
+        help="replay a recorded Claude Code session (JSONL), call by call",
+        description=_para(
+            "Replay a Claude Code transcript through the default pipeline exactly as a "
+            "live loop would have run it: for each API call (each distinct assistant message.id, "
+            "in order) the conversation as it stood just before that call goes through the "
+            "pipeline, with one session context carried across calls, and is normalised to wire "
+            "form. The main thread is replayed (sub-agent records interleaved in older files are "
+            "left out). The replay starts from an empty ledger and never writes to the transcript."
+        ),
+        epilog=_TRACING_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.add_argument("transcript", type=Path, metavar="TRANSCRIPT.jsonl")
+    replay.add_argument(
+        "--lenient",
+        action="store_true",
+        help="skip malformed lines (listed on stderr) instead of failing on the first",
+    )
+    _add_replay_options(replay)
+    compare = replay.add_argument_group("comparing pipelines")
+    compare.add_argument(
+        "--compare",
+        metavar="A,B,...",
+        help="replay under several pipelines and print a cost table instead: built-in "
+        f"{', '.join(stage_registry.COMPARISON_POINTS)}, or SLOT=STRATEGY[:k=v] for the "
+        "default pipeline with that change",
+    )
+    compare.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="with --compare: draw request size per call"
+    )
+    compare.add_argument(
+        "--prices",
+        type=Path,
+        metavar="FILE.json",
+        help='with --compare: price table {"sonnet": {"input": 3, "output": 15}, ...}',
+    )
+    replay.set_defaults(handler=cmd_replay)
+
+    demo_p = sub.add_parser(
+        "demo",
+        help="run the agent loop against a scripted local server (no API key, no network)",
+        description=_para(
+            "Run the agent loop on the real anthropic SDK against a scripted Messages server on "
+            "127.0.0.1 (random port) that asks for what a real coding session asked for: ten "
+            "parallel ~40K-char job logs in one turn, a ~56K Read, a single ~80K Bash output, "
+            "small results. Every request goes through the default pipeline; each tool result "
+            "passes the per-tool gate as it is produced; the transcript is written as the loop "
+            "goes. Shows per call what the budget persisted and re-applied. With --replay, the "
+            "same session is written as a transcript and replayed instead."
+        ),
+        epilog=_TRACING_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo_p.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="the session's transcript (replaced if it exists); default: "
+        "demo-session.jsonl in the store directory",
+    )
+    demo_p.add_argument(
+        "--replay",
+        action="store_true",
+        help="write the session as a Claude Code transcript and replay it (no live loop)",
+    )
+    demo_p.add_argument(
+        "--seed",
+        type=int,
+        default=demo.DEFAULT_SEED,
+        help="generator seed (default %(default)s); the same seed gives the same file",
+    )
+    _add_replay_options(demo_p)
+    demo_p.set_defaults(handler=cmd_demo)
+    _add_agent_parser(sub)
+    return parser
+
+
+def _add_agent_parser(sub: Any) -> None:
+    agent_p = sub.add_parser(
+        "agent",
+        help="run a small coding agent in the current directory (needs an API key)",
+        description=_para(
+            "Run a small coding agent in the current directory on the Anthropic API, every "
+            "request going through the default pipeline. Tools: read_file (files under the "
+            "current directory and persisted outputs; never persisted itself) and, only with "
+            "--allow-bash, bash. Key and base URL come from the SDK's usual environment "
+            "variables (ANTHROPIC_API_KEY, ANTHROPIC_BASE_URL). The session (transcript and "
+            "persisted outputs) goes under --store (default .sluicegate)."
+        ),
+        epilog=_TRACING_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    agent_p.add_argument("prompt", nargs="?", help="what to do (optional with --resume)")
+    agent_p.add_argument(
+        "--model",
+        default=os.environ.get("ANTHROPIC_MODEL"),
+        help="model name (default: $ANTHROPIC_MODEL)",
+    )
+    agent_p.add_argument(
+        "--allow-bash", action="store_true", help="offer the bash tool (runs what the model writes)"
+    )
+    agent_p.add_argument("--max-turns", type=_positive_int, default=25, metavar="N")
+    agent_p.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        metavar="N",
+        help="the SDK's retries of a failed call (default %(default)s)",
+    )
+    agent_p.add_argument("--max-tokens", type=_positive_int, default=8_192, metavar="N")
+    agent_p.add_argument(
+        "--resume", type=Path, metavar="TRANSCRIPT", help="continue the session of this transcript"
+    )
+    agent_p.add_argument("--session-id", help="id of a new session (default: random)")
+    _add_replay_options(agent_p)
+    agent_p.set_defaults(handler=cmd_agent, store=None)

@@ -1,0 +1,1 @@
+"""Parts every stage shares: argument checks, cut points, replace-by-id, decision records."""
