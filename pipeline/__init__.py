@@ -1,51 +1,47 @@
-"""sluicegate's machinery: the message model, the pipeline, the session context and the budget
-ledger. Concrete stages live in the ``stages`` package."""
+"""sluicegate: decide what of an agent's conversation goes over the wire, before every call.
 
-from pipeline.context import PassReport, PersistedResult, SessionContext
-from pipeline.core import FunctionStage, Pipeline, PipelineHalt, Stage, StageError, stage
-from pipeline.gate import GateOutcome, gate_tool_result
-from pipeline.messages import (
-    Message,
-    PairingError,
-    PairingProblem,
-    Usage,
-    check_pairing,
-    ensure_paired,
-    to_api,
-)
+The library in one screen::
+
+    Message, Usage            one conversation record; a response's token usage
+    Pipeline, Stage, stage    ordered async stages (``stages.default_stages()`` is the default list)
+    SessionContext            one session's shared state: ledger, token tracker, store, transcript
+    to_api                    records -> the ``messages`` array of a Messages API request
+    load_transcript           read a session transcript (Claude Code JSONL)
+    TranscriptWriter          append to one
+    ReplacementState          the ledger of what the model has seen (frozen budget decisions)
+    TokenTracker              context size = last real usage + an estimate of what came after
+    ToolPolicies              per-tool persistence thresholds
+    ToolResultStore           where oversized results go (FileToolResultStore: local files)
+
+The concrete stages live in the ``stages`` package; test doubles in ``pipeline.testing``; an
+agent loop on the anthropic SDK in ``pipeline.agent``; replaying recorded sessions in
+``pipeline.replay``.
+"""
+
+from pipeline.context import SessionContext
+from pipeline.core import Pipeline, PipelineHalt, Stage, StageError, stage
+from pipeline.messages import Message, Usage
 from pipeline.policies import ToolPolicies
-from pipeline.replacement import ReplacementRecord, ReplacementState
-from pipeline.storage import FileToolResultStore, StoreError, ToolResultStore
+from pipeline.replacement import ReplacementState
+from pipeline.storage import FileToolResultStore, ToolResultStore
 from pipeline.tokens import TokenTracker
-from pipeline.transcript import Transcript, TranscriptError, TranscriptWriter, load_transcript
+from pipeline.transcript import TranscriptWriter, load_transcript
+from pipeline.wire import to_api
 
 __all__ = [
     "FileToolResultStore",
-    "FunctionStage",
-    "GateOutcome",
     "Message",
-    "PairingError",
-    "PairingProblem",
-    "PassReport",
-    "PersistedResult",
     "Pipeline",
     "PipelineHalt",
-    "ReplacementRecord",
     "ReplacementState",
     "SessionContext",
     "Stage",
     "StageError",
-    "StoreError",
     "TokenTracker",
     "ToolPolicies",
     "ToolResultStore",
-    "Transcript",
-    "TranscriptError",
     "TranscriptWriter",
     "Usage",
-    "check_pairing",
-    "ensure_paired",
-    "gate_tool_result",
     "load_transcript",
     "stage",
     "to_api",

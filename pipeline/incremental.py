@@ -31,61 +31,35 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, count
 
-from pipeline.messages import Message, distinct_comparisons, thread_start
+from pipeline.messages import Message, thread_start
 
 __all__ = ["AppendWatch", "InputLog", "Projection", "message_keys"]
 
 
 class InputLog:
-    """The input of the last pass (its message objects, or equal ones), to find changes.
+    """The input of the last pass, to find where this pass's input first differs.
 
-    ``identical=True``: a position is unchanged only when it holds the very same object (for
-    callers that hand back the objects they saw: an equal copy may still serialise otherwise,
-    ``{"a": 1, "b": 2}`` equals ``{"b": 2, "a": 1}`` and ``1`` equals ``1.0``).
+    A position is unchanged when it holds the very same message object (messages compare by
+    identity: an equal-looking copy may still serialise otherwise).
     """
 
-    def __init__(self, *, identical: bool = False) -> None:
+    def __init__(self) -> None:
         self.inputs: list[Message] = []
-        self.identical = identical
 
     def take(self, messages: Sequence[Message]) -> int:
         """Make ``messages`` the remembered input; return the first position that differs.
 
-        A position is unchanged when it holds the same object or (unless ``identical``) an
-        equal one. The common
-        case, a history that only grew, costs the new tail plus one C-level sweep: the tail is
-        appended first so that both lists have the same length, and ``list == list`` compares
-        identical objects without calling ``Message.__eq__`` and without copying either list.
-        (After an equal-but-not-identical substitution the remembered object stays the old
-        one: equal values are all a stage may depend on.)
+        The common case, a history that only grew, costs the new tail plus one C-level sweep:
+        the tail is appended first so that both lists have the same length, and ``list ==
+        list`` compares element identity without copying either list.
         """
         old = self.inputs
         n_old, n_new = len(old), len(messages)
-        if self.identical:
-            if n_new >= n_old and isinstance(messages, list):
-                before = distinct_comparisons()
-                old.extend(messages[n_old:])
-                try:
-                    same = old == messages and distinct_comparisons() == before
-                except Exception:  # an __eq__ that raises on hostile content
-                    same = False
-                if same:  # only identical pairs were met (a C-level sweep)
-                    return n_old
-                del old[n_old:]
-            first = next(compress(count(), map(operator.is_not, messages, old)), None)
-            self.inputs = list(messages)
-            return min(n_old, n_new) if first is None else first
-        try:
-            if n_new >= n_old:
-                old.extend(messages[n_old:])
-                if old == messages or (not isinstance(messages, list) and old == list(messages)):
-                    return n_old
-            elif old[:n_new] == list(messages):
-                del old[n_new:]
-                return n_new
-        except Exception:  # an __eq__ that raises on hostile content: locate by identity
-            pass
-        del old[n_old:]
+        if n_new >= n_old and isinstance(messages, list):
+            old.extend(messages[n_old:])
+            if old == messages:
+                return n_old
+            del old[n_old:]
         first = next(compress(count(), map(operator.is_not, messages, old)), None)
         self.inputs = list(messages)
         return min(n_old, n_new) if first is None else first
@@ -125,7 +99,7 @@ class AppendWatch:
     """
 
     def __init__(self) -> None:
-        self._log = InputLog(identical=True)  # stages hand back the objects they saw
+        self._log = InputLog()
         self._keys: set[str] = set()
         self._length = 0
         self._primed = False

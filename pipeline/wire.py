@@ -1,26 +1,185 @@
-"""The request for a conversation that grows between calls, built from what changed.
+"""Wire form: the ``messages`` array of an API request, built from conversation records.
 
-``to_api`` normalises the whole history on every call: for a session of thousands of records
-that is most of what a replay (or an agent) spends per call. :class:`WireCache` keeps the wire
+:func:`to_api` normalises the records a conversation keeps (one per streamed block, interleaved
+with progress and system records) into the ``MessageParam`` dicts that
+``client.messages.create(messages=...)`` accepts:
+
+- slice at the last compact boundary;
+- drop progress and system records (``local_command`` output is kept as user text);
+- fold attachments into the neighbouring user message;
+- merge consecutive user messages (tool_result blocks hoisted first, ``\\n`` at a text seam);
+- merge assistant fragments sharing a response id, also when other ids interleave.
+
+:class:`WireCache` is the same for a conversation that grows between calls: it keeps the wire
 entries of the last call and, when the history only grew by records that reach nothing older
-(:class:`pipeline.incremental.AppendWatch`), feeds just the new records: only the last entry
-of the previous request can change (consecutive user records merge into it). Anything else --
-an edit, a late fragment of an older response, a compact boundary -- rebuilds from scratch.
-The result always equals ``to_api(messages)`` (``tests/test_wire_cache.py``).
+(:class:`pipeline.incremental.AppendWatch`), feeds just the new records -- only the last entry
+of the previous request can change (consecutive user records merge into it). Anything else (an
+edit, a late fragment of an older response, a compact boundary) rebuilds from scratch. The
+result always equals ``to_api(messages)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pipeline.incremental import AppendWatch
-from pipeline.messages import Message, _entry_to_param, _Wire
+from pipeline.messages import Block, Message, thread_start
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
-__all__ = ["WireCache", "request_chars"]
+__all__ = ["WireCache", "request_chars", "to_api"]
+
+
+def _check_blocks(m: Message) -> None:
+    if isinstance(m.content, list):
+        for i, b in enumerate(m.content):
+            if not isinstance(b, dict):
+                raise ValueError(
+                    f"record {m.uuid!r}: content item {i} is a {type(b).__name__}, "
+                    "not a content block (dict)"
+                )
+
+
+def _user_blocks(m: Message) -> list[Block]:
+    if m.type == "system":  # local_command output is shown to the model as user text
+        text = m.content if isinstance(m.content, str) else ""
+        return [{"type": "text", "text": text}] if text else list(m.blocks)
+    return list(m.blocks)
+
+
+def _hoist_tool_results(blocks: list[Block]) -> list[Block]:
+    """tool_result blocks first (stable), then everything else in order.
+
+    The API requires a user message's tool_results to precede its other blocks.
+    """
+    results = [b for b in blocks if b.get("type") == "tool_result"]
+    if not results or len(results) == len(blocks):
+        return blocks
+    return results + [b for b in blocks if b.get("type") != "tool_result"]
+
+
+def _join_at_seam(a: list[Block], b: list[Block]) -> list[Block]:
+    """Concatenate two user block lists; a text/text seam gets a newline so the words don't fuse."""
+    if a and b and a[-1].get("type") == "text" and b[0].get("type") == "text":
+        last = dict(a[-1])
+        last["text"] = str(last.get("text", "")) + "\n"
+        return [*a[:-1], last, *b]
+    return [*a, *b]
+
+
+def _is_tool_result_only(entry: _WireEntry) -> bool:
+    return (
+        entry.role == "user"
+        and bool(entry.blocks)
+        and all(b.get("type") == "tool_result" for b in entry.blocks)
+    )
+
+
+@dataclass(slots=True)
+class _WireEntry:
+    role: Literal["user", "assistant"]
+    blocks: list[Block]
+    raw_text: str | None  # a lone user string stays a string, as the agent wrote it
+    message_id: str | None = None
+    merged: bool = False
+
+
+def to_api(messages: Sequence[Message]) -> list[MessageParam]:
+    """Normalise conversation records into the ``messages`` array of an API request (SPEC §6).
+
+    - slice at the last compact boundary;
+    - drop progress and system records (``local_command`` output is kept as user text);
+    - fold attachments into the neighbouring user message;
+    - merge consecutive user messages (tool_result blocks hoisted first, ``\\n`` at a text seam);
+    - merge assistant fragments sharing a response id, also when other ids interleave: a
+      fragment walks back past other-id assistants and tool_result-only user messages.
+
+    The input is not modified; the output shares block dicts with it (do not mutate them).
+    """
+    wire = _Wire()
+    for m in messages[thread_start(messages) :]:
+        wire.add(m)
+    return [_entry_to_param(e) for e in wire.entries]
+
+
+class _Wire:
+    """The wire entries being built, indexed so that a fragment finds its response in O(1).
+
+    A fragment walks back from the end past other-id assistant entries and tool_result-only
+    user entries, and merges into the first entry of its own id it meets. Walking costs the
+    length of the history for every response once prompts are rare (an agent's tool loop is
+    one long run of exactly those entries), which made ``to_api`` quadratic. The same answer in
+    O(1): the walk reaches the latest entry of the fragment's id unless a user entry that is
+    not tool_result-only (a barrier) lies after it. Only the last entry ever changes (user
+    records merge into ``entries[-1]``; fragments only into assistant entries), so whether an
+    earlier entry is a barrier is settled when the next entry is appended.
+    """
+
+    __slots__ = ("barrier", "entries", "latest")
+
+    def __init__(self) -> None:
+        self.entries: list[_WireEntry] = []
+        self.latest: dict[str, int] = {}
+        """response id -> index of the latest assistant entry of that id."""
+        self.barrier = -1
+        """Index of the last barrier among the entries before ``entries[-1]``."""
+
+    def append(self, entry: _WireEntry) -> None:
+        out = self.entries
+        if out and out[-1].role == "user" and not _is_tool_result_only(out[-1]):
+            self.barrier = len(out) - 1
+        if entry.role == "assistant" and entry.message_id is not None:
+            self.latest[entry.message_id] = len(out)
+        out.append(entry)
+
+    def add(self, m: Message) -> None:
+        """Take the next record (after the last compact boundary)."""
+        if m.type == "progress":
+            return
+        if m.type == "system" and m.subtype != "local_command":
+            return
+        _check_blocks(m)
+        if m.type == "assistant":
+            self.add_assistant(m)
+            return
+        # user, attachment, local_command: all become user content
+        blocks = _user_blocks(m)
+        if not blocks:  # the API rejects empty content; an empty record adds nothing
+            return
+        out = self.entries
+        if out and out[-1].role == "user":
+            prev = out[-1]
+            prev.blocks = _hoist_tool_results(_join_at_seam(prev.blocks, blocks))
+            prev.raw_text = None
+            prev.merged = True
+        else:
+            raw = m.content if isinstance(m.content, str) and m.type == "user" else None
+            self.append(_WireEntry("user", _hoist_tool_results(blocks), raw))
+
+    def add_assistant(self, m: Message) -> None:
+        if m.message_id is not None:
+            i = self.latest.get(m.message_id)
+            if i is not None:
+                out = self.entries
+                last = out[-1]
+                blocked = self.barrier > i or (
+                    last.role == "user" and len(out) - 1 > i and not _is_tool_result_only(last)
+                )
+                if not blocked:
+                    entry = out[i]
+                    entry.blocks = [*entry.blocks, *m.blocks]
+                    entry.merged = True
+                    return
+        self.append(_WireEntry("assistant", list(m.blocks), None, m.message_id))
+
+
+def _entry_to_param(e: _WireEntry) -> MessageParam:
+    if e.raw_text is not None and not e.merged:
+        return cast("MessageParam", {"role": e.role, "content": e.raw_text})
+    return cast("MessageParam", {"role": e.role, "content": e.blocks})
 
 
 class WireCache:

@@ -25,10 +25,10 @@ from pipeline import (
     TokenTracker,
     TranscriptWriter,
     Usage,
-    check_pairing,
     load_transcript,
     to_api,
 )
+from pipeline.pairing import check_pairing
 from pipeline.summarizer import (
     DEFAULT_SUMMARY_PROMPT,
     AnthropicSummarizer,

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import Pipeline, SessionContext, ToolPolicies, check_pairing, load_transcript
+from pipeline import Pipeline, SessionContext, ToolPolicies, load_transcript
 from pipeline.gate import is_persistable, persist_content
+from pipeline.pairing import check_pairing
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, candidate_size
 from pipeline.replay import replay_messages
 from pipeline.storage import FileToolResultStore

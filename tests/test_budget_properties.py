@@ -39,16 +39,16 @@ from pipeline import (
     FileToolResultStore,
     Message,
     Pipeline,
-    ReplacementRecord,
     ReplacementState,
     SessionContext,
     ToolPolicies,
     TranscriptWriter,
-    check_pairing,
     load_transcript,
     to_api,
 )
 from pipeline.gate import persist_content
+from pipeline.pairing import check_pairing
+from pipeline.replacement import ReplacementRecord
 from stages import ToolResultBudget
 from stages.tool_result_budget import Candidate, collect_groups, select_fresh_to_replace
 from tests.builders import (

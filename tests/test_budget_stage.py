@@ -16,16 +16,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pipeline import (
     Message,
     Pipeline,
-    ReplacementRecord,
     ReplacementState,
     SessionContext,
     ToolPolicies,
     TranscriptWriter,
-    gate_tool_result,
     load_transcript,
     to_api,
 )
-from pipeline.gate import build_replacement, format_size, generate_preview
+from pipeline.gate import build_replacement, format_size, gate_tool_result, generate_preview
+from pipeline.replacement import ReplacementRecord
 from pipeline.storage import FileToolResultStore
 from pipeline.tracing import ATTR, SPAN_BUDGET_DECISION, SPAN_BUDGET_GROUP, get_tracer
 from stages import ToolResultBudget

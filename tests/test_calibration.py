@@ -21,7 +21,6 @@ import pipeline.tokens.features as token_features
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, TranscriptWriter, Usage
 from pipeline._cli.app import main
 from pipeline.agent import Agent
-from pipeline.messages import to_api
 from pipeline.testing.server import Reply, ScriptedMessagesServer, count_request_tokens
 from pipeline.tokens import calibration_path_for, find_anchor
 from pipeline.tokens.calibrated import CalibratedEstimator, ErrorStats
@@ -35,6 +34,7 @@ from pipeline.tokens.features import (
     text_stats,
 )
 from pipeline.tools import tool
+from pipeline.wire import to_api
 from stages import default_stages
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.test_cli import CALL_KEYS

@@ -19,11 +19,12 @@ import anyio
 import pytest
 from anthropic.types import MessageParam
 
-from pipeline import Pipeline, SessionContext, ToolPolicies, check_pairing, load_transcript
+from pipeline import Pipeline, SessionContext, ToolPolicies, load_transcript
 from pipeline._cli.app import main
 from pipeline._cli.common import session_id_for
 from pipeline._cli.demo_session import OUTPUT_MARKER, generate_session, write_session
 from pipeline._cli.report import ReplaySummary
+from pipeline.pairing import check_pairing
 from pipeline.replay import find_calls, replay_messages, request_chars
 from stages import default_stages
 from tests.conftest import corpus_sessions

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline import check_pairing, load_transcript, to_api
+from pipeline import load_transcript, to_api
+from pipeline.pairing import check_pairing
 from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 
 

@@ -17,16 +17,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import stages
-from pipeline import (
-    FunctionStage,
-    Message,
-    Pipeline,
-    SessionContext,
-    Stage,
-    StageError,
-    TokenTracker,
-    stage,
-)
+from pipeline import Message, Pipeline, SessionContext, Stage, StageError, TokenTracker, stage
+from pipeline.core import FunctionStage
 from pipeline.tracing import ATTR, get_tracer
 from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact
 from tests.builders import assistant, results, tool_result, tool_use, user_text

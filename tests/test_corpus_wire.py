@@ -19,15 +19,8 @@ import anyio
 import pytest
 import structlog
 
-from pipeline import (
-    Message,
-    Pipeline,
-    SessionContext,
-    Stage,
-    check_pairing,
-    load_transcript,
-    to_api,
-)
+from pipeline import Message, Pipeline, SessionContext, Stage, load_transcript, to_api
+from pipeline.pairing import check_pairing
 from pipeline.replay import CallResult, find_calls, replay_messages
 from pipeline.transcript import Transcript
 from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact, default_stages

@@ -20,15 +20,9 @@ from typing import Any
 import anthropic
 import pytest
 
-from pipeline import (
-    Pipeline,
-    ReplacementState,
-    SessionContext,
-    check_pairing,
-    load_transcript,
-    to_api,
-)
+from pipeline import Pipeline, ReplacementState, SessionContext, load_transcript, to_api
 from pipeline.agent import INTERRUPTED_RESULT, Agent
+from pipeline.pairing import check_pairing
 from pipeline.replay import find_calls
 from pipeline.testing.server import Reply, ScriptedMessagesServer
 from pipeline.tools import tool

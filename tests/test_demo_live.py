@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline import check_pairing, load_transcript, to_api
+from pipeline import load_transcript, to_api
 from pipeline._cli.demo_agent import demo_replies
 from pipeline._cli.demo_session import OUTPUT_MARKER, generate_session
+from pipeline.pairing import check_pairing
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.test_cli import _clean_env, parse_json_lines, run_cli
 

@@ -88,7 +88,6 @@ from pipeline import (
     Pipeline,
     SessionContext,
     StageError,
-    TranscriptError,
     TranscriptWriter,
     Usage,
     load_transcript,
@@ -96,7 +95,7 @@ from pipeline import (
 )
 from pipeline.messages import MAX_TOKENS
 from pipeline.storage import TOOL_RESULTS_SUBDIR
-from pipeline.transcript import MAX_NESTING
+from pipeline.transcript import MAX_NESTING, TranscriptError
 from stages import default_stages
 
 # ---------------------------------------------------------------------------------------------

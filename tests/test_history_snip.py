@@ -23,10 +23,11 @@ from pipeline import (
     TokenTracker,
     TranscriptWriter,
     Usage,
-    check_pairing,
     load_transcript,
     to_api,
 )
+from pipeline.pairing import check_pairing
+from pipeline.testing import assert_same_messages
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR, get_tracer
 from stages import HistorySnip
@@ -457,10 +458,10 @@ def test_snip_keeps_pairing_alternation_and_is_idempotent(
         recent = list(dict.fromkeys(reversed(ids)))[:keep]
         if recent:
             start = min(i for i, m in enumerate(history) if m.message_id in recent)
-            assert out[len(out) - (len(history) - start) :] == history[start:]
+            assert_same_messages(out[len(out) - (len(history) - start) :], history[start:])
         # idempotent, and a resumed context repeats it
-        assert await run(stage, history, ctx) == out
+        assert_same_messages(await run(stage, history, ctx), out)
         resumed = make_ctx(root, stage_records=ctx.stage_records, token_tracker=ctx.token_tracker)
-        assert await run(stage, history, resumed) == out
+        assert_same_messages(await run(stage, history, resumed), out)
 
     anyio.run(body)

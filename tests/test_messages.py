@@ -12,15 +12,9 @@ from anthropic.types.assistant_message_param import AssistantMessageParam
 from anthropic.types.user_message_param import UserMessageParam
 from pydantic import TypeAdapter
 
-from pipeline import (
-    Message,
-    PairingError,
-    PairingProblem,
-    Usage,
-    check_pairing,
-    ensure_paired,
-    to_api,
-)
+from pipeline import Message, Usage, to_api
+from pipeline.pairing import PairingError, PairingProblem, check_pairing, ensure_paired
+from pipeline.testing import assert_same_messages
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 
@@ -464,11 +458,11 @@ def test_to_api_does_not_mutate_its_input() -> None:
     msgs = _rich_conversation()
     snapshot = copy.deepcopy(msgs)
     first = to_api(msgs)
-    assert msgs == snapshot
+    assert_same_messages(msgs, snapshot)
     assert to_api(msgs) == first
     # and editing the output's containers does not reach back into the input
     first[0]["content"].append(text("x"))  # type: ignore[union-attr]
-    assert msgs == snapshot
+    assert_same_messages(msgs, snapshot)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,11 +38,11 @@ from pipeline import (
     TokenTracker,
     TranscriptWriter,
     Usage,
-    check_pairing,
     load_transcript,
     to_api,
 )
 from pipeline.agent import Agent
+from pipeline.pairing import check_pairing
 from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tools import tool

@@ -29,7 +29,6 @@ from pipeline import (
     Message,
     Pipeline,
     SessionContext,
-    StoreError,
     ToolPolicies,
     ToolResultStore,
     TranscriptWriter,
@@ -37,7 +36,7 @@ from pipeline import (
     to_api,
 )
 from pipeline.gate import persist_content
-from pipeline.storage import safe_file_stem
+from pipeline.storage import StoreError, safe_file_stem
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 

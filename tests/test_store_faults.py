@@ -76,10 +76,10 @@ from pipeline import (
     SessionContext,
     ToolPolicies,
     TranscriptWriter,
-    gate_tool_result,
     load_transcript,
     to_api,
 )
+from pipeline.gate import gate_tool_result
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, ReplacementState
 from pipeline.tracing import ATTR, SPAN_BUDGET_DECISION, get_tracer
 from stages import ToolResultBudget

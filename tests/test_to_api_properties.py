@@ -17,7 +17,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import Message, check_pairing, to_api
+from pipeline import Message, to_api
+from pipeline.pairing import check_pairing
 
 PROPERTY_SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]

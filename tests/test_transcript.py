@@ -11,16 +11,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import (
-    Message,
-    ReplacementRecord,
-    TranscriptError,
-    TranscriptWriter,
-    Usage,
-    load_transcript,
-    to_api,
-)
-from pipeline.transcript import LineProblem
+from pipeline import Message, TranscriptWriter, Usage, load_transcript, to_api
+from pipeline.replacement import ReplacementRecord
+from pipeline.transcript import LineProblem, TranscriptError
 
 SESSION = "5f0c1e2a-0000-4000-8000-000000000001"
 

@@ -11,14 +11,12 @@ call's request must be ``to_api``'s, byte for byte, and :attr:`WireCache.chars` 
 from __future__ import annotations
 
 import json
-from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, to_api
-from pipeline import messages as messages_module
+from pipeline.testing import RecordReads
 from pipeline.wire import WireCache, request_chars
 from tests.builders import results, tool_result, tool_use, user_text
 from tests.test_incremental import records
@@ -51,16 +49,9 @@ def test_incremental_request_equals_to_api(
         assert cache.chars == request_chars(expected)
 
 
-def test_a_grown_history_feeds_only_the_new_records(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_grown_history_feeds_only_the_new_records() -> None:
     """The point of the cache: a grown history costs its new records, not the whole list."""
-    fed: list[Message] = []
-    real_add = messages_module._Wire.add
-
-    def counting(self: Any, m: Message) -> None:
-        fed.append(m)
-        real_add(self, m)
-
-    monkeypatch.setattr(messages_module._Wire, "add", counting)
+    reads = RecordReads()
     cache = WireCache()
     history: list[Message] = [user_text("start")]
     for k in range(50):
@@ -68,13 +59,14 @@ def test_a_grown_history_feeds_only_the_new_records(monkeypatch: pytest.MonkeyPa
             Message.assistant([tool_use(f"u{k}")], message_id=f"r{k}"),
             results(tool_result(f"u{k}", "x" * k)),
         ]
+    history = reads.watch(history)
     cache.to_api(history)
-    assert len(fed) == len(history)
-    fed.clear()
-    history += [user_text("and more")]  # merges into the last user message
+    assert reads.records == len(history)  # the first call reads everything
+    history.append(user_text("and more"))  # merges into the last user message
+    reads.reset()
     request = cache.to_api(history)
-    assert fed == [history[-1]]
-    assert request == to_api(history)
+    assert reads.records == 0  # none of the 101 old records is read again
+    assert json.dumps(request) == json.dumps(to_api(history))
 
 
 def test_a_caller_may_edit_the_request_it_got() -> None:

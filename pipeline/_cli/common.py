@@ -91,8 +91,6 @@ class ReplayOptions:
         )
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Input
 # ---------------------------------------------------------------------------------------------
@@ -165,8 +163,6 @@ def dump_request(directory: Path, result: CallResult) -> None:
         target.write_bytes(data)
     except OSError as exc:
         raise CliError(f"cannot write {target}: {exc.strerror or exc}", EXIT_FAILED) from None
-
-
 
 
 def with_tracing(

@@ -146,8 +146,6 @@ def run_compare(
     return EXIT_OK
 
 
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     options = ReplayOptions.from_args(args)
 

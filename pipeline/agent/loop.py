@@ -25,7 +25,8 @@ from opentelemetry.trace import Status, StatusCode
 from pipeline.context import PassReport, SessionContext
 from pipeline.core import Pipeline
 from pipeline.gate import gate_tool_result
-from pipeline.messages import Block, Message, Usage, ensure_paired, now_timestamp, to_api
+from pipeline.messages import Block, Message, Usage, now_timestamp
+from pipeline.pairing import ensure_paired
 from pipeline.readback import PersistedOutputReader
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore
@@ -33,7 +34,7 @@ from pipeline.tokens import Observation, TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
-from pipeline.wire import WireCache
+from pipeline.wire import WireCache, to_api
 
 __all__ = ["Agent", "AgentAPIError", "AgentResult", "GatedResult", "TurnLog"]
 

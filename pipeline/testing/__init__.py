@@ -1,5 +1,26 @@
-"""Test doubles for users of sluicegate (and for its own tests)."""
+"""Test doubles for code built on sluicegate, the way ``structlog.testing`` or
+``httpx.MockTransport`` serve their users (and what sluicegate's own tests use):
 
+- :class:`ScriptedMessagesServer`: a local stand-in for the Messages API (127.0.0.1, random
+  port) that the real ``anthropic`` SDK talks to over HTTP; a *script* picks each reply;
+- :class:`MemoryStore`: a tool-result store in memory;
+- :class:`SpanRecorder`: the spans a stage emits, in memory (needs the OpenTelemetry SDK);
+- :class:`QuietLogger`: a logger that keeps its events and prints nothing;
+- :func:`run_stage`: one stage run exactly as the pipeline runs it; :class:`RecordReads`:
+  which old records a pass looked at (is a pass as cheap as its new part?);
+- :func:`assert_same_messages`: two message lists compared field by field, content byte for
+  byte (messages themselves compare by identity).
+"""
+
+from pipeline.testing.doubles import (
+    MemoryStore,
+    QuietLogger,
+    RecordReads,
+    SpanRecorder,
+    assert_same_messages,
+    message_fields,
+    run_stage,
+)
 from pipeline.testing.server import (
     Reply,
     ScriptedMessagesServer,
@@ -7,4 +28,16 @@ from pipeline.testing.server import (
     count_request_tokens,
 )
 
-__all__ = ["Reply", "ScriptError", "ScriptedMessagesServer", "count_request_tokens"]
+__all__ = [
+    "MemoryStore",
+    "QuietLogger",
+    "RecordReads",
+    "Reply",
+    "ScriptError",
+    "ScriptedMessagesServer",
+    "SpanRecorder",
+    "assert_same_messages",
+    "count_request_tokens",
+    "message_fields",
+    "run_stage",
+]

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pipeline.messages import Message, Usage, to_api
+from pipeline.messages import Message, Usage
 from pipeline.tokens.calibrated import (
     BIG_GROWTH,
     CalibratedEstimator,
@@ -44,6 +44,7 @@ from pipeline.tokens.features import (
     model_family,
 )
 from pipeline.tracing import get_logger
+from pipeline.wire import to_api
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic import AsyncAnthropic
