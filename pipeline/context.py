@@ -11,14 +11,15 @@ from typing import Any
 import anyio
 from opentelemetry import trace
 
+from pipeline.messages import Message
 from pipeline.policies import ToolPolicies
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore, ToolResultStore, validate_session_id
-from pipeline.tokens import TokenTracker
-from pipeline.tracing import get_logger, get_tracer
+from pipeline.tokens import TokenTracker, find_anchor
+from pipeline.tracing import AttributeValue, Decision, Reason, emit_decision, get_logger, get_tracer
 from pipeline.transcript import StageRecord, TranscriptWriter
 
-__all__ = ["PassReport", "PersistedResult", "SessionContext"]
+__all__ = ["PassReport", "PersistedResult", "SessionContext", "StageDecision"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +30,20 @@ class PersistedResult:
     tool_name: str | None
     chars: int
     path: str
-    reason: str  # "per_tool" or "per_message"
+    reason: str
+    """Which limit applied: ``"per_tool"``, ``"per_message"`` or ``"per_tool_gate"``."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageDecision:
+    """One stage's decision in a pass, as its span tells it (:meth:`SessionContext.decide`)."""
+
+    decision: Decision
+    reason: Reason
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    facts: Mapping[str, AttributeValue] = field(default_factory=dict)
+    """The span's other attributes, by their keys in :class:`pipeline.tracing.ATTR`."""
 
 
 @dataclass(slots=True)
@@ -53,8 +67,11 @@ class PassReport:
     """Beta features those extras need (sent as the ``anthropic-beta`` header)."""
     suppress_autocompact: bool = False
     """Set by a stage that manages the window itself this pass (context collapse)."""
-    notes: dict[str, Any] = field(default_factory=dict)
-    """Free-form per-stage facts, keyed by stage name."""
+    decisions: dict[str, StageDecision] = field(default_factory=dict)
+    """Each stage's decision in this pass, by stage name."""
+    anchor: Message | None = None
+    """The first record of the last real response in the pass's input (the usage that
+    ``tokens_freed`` counts against); None when unknown or when there is none."""
 
 
 class SessionContext:
@@ -98,10 +115,58 @@ class SessionContext:
         self.lock = anyio.Lock()
         self.report = PassReport()
 
-    def begin_pass(self) -> PassReport:
-        """Start a new pass report; called by the pipeline at the start of every run."""
+    def begin_pass(self, messages: Sequence[Message] = ()) -> PassReport:
+        """Start a new pass report for a pass over ``messages``; called by the pipeline at the
+        start of every run."""
         self.report = PassReport()
+        anchor = find_anchor(messages)
+        if anchor is not None:
+            self.report.anchor = messages[anchor[0]]
         return self.report
+
+    def size_of(self, messages: Sequence[Message], *, also_freed: int = 0) -> int:
+        """Tokens ``messages`` would hold if sent now, after what the stages freed this pass.
+
+        The tracker's estimate starts from the last response's usage, which still counts what
+        stages removed from before it (``report.tokens_freed``, plus ``also_freed`` that a stage
+        has yet to report): that is taken off -- unless ``messages`` no longer hold the pass's
+        anchor (a summary replaced it), when the usage is no longer part of the estimate.
+        Never below 0.
+        """
+        estimate = self.token_tracker.estimate(messages)
+        freed = self.report.tokens_freed + also_freed
+        if freed and self.report.anchor is not None:
+            anchor = find_anchor(messages)
+            if anchor is None or messages[anchor[0]] is not self.report.anchor:
+                freed = 0
+        return max(0, estimate - freed)
+
+    def decide(
+        self,
+        stage: str,
+        decision: Decision,
+        reason: Reason,
+        *,
+        tokens_before: int | None = None,
+        tokens_after: int | None = None,
+        facts: Mapping[str, AttributeValue] | None = None,
+    ) -> StageDecision:
+        """Record a stage's decision for this pass: its decision span (``<stage>.decision``)
+        and ``report.decisions[stage]``. ``facts`` are span attributes (keys from
+        :class:`pipeline.tracing.ATTR`); never content."""
+        made = StageDecision(decision, reason, tokens_before, tokens_after, dict(facts or {}))
+        self.report.decisions[stage] = made
+        emit_decision(
+            self.tracer,
+            stage,
+            conversation_id=self.session_id,
+            decision=decision,
+            reason=reason,
+            tokens_before=tokens_before,
+            tokens_after=tokens_after,
+            attributes=made.facts,
+        )
+        return made
 
     def records_for(self, stage: str) -> list[Mapping[str, Any]]:
         """The data of every restored record of stage ``stage``, in transcript order."""

@@ -9,7 +9,6 @@ from opentelemetry.trace import Status, StatusCode
 
 from pipeline.context import SessionContext
 from pipeline.messages import Message
-from pipeline.tokens import find_anchor
 from pipeline.tracing import ATTR, SPAN_PIPELINE_RUN, stage_span_name
 
 __all__ = ["FunctionStage", "Pipeline", "PipelineHalt", "Stage", "StageError", "stage"]
@@ -140,7 +139,7 @@ class Pipeline:
         """
         current = messages if isinstance(messages, list) else list(messages)
         async with ctx.lock:
-            ctx.begin_pass()
+            ctx.begin_pass(current)
             # The SDK's default exception handling would put the exception text (which may
             # quote message content) into the span's status and an event: set the status here.
             with ctx.tracer.start_as_current_span(
@@ -160,7 +159,7 @@ class Pipeline:
                     run_span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                     raise
                 run_span.set_attribute(ATTR.MESSAGES_OUT, len(current))
-                ctx.report.estimated_tokens = _estimate_sent(messages, current, ctx)
+                ctx.report.estimated_tokens = ctx.size_of(current)
                 run_span.set_attribute(ATTR.TOKENS_AFTER, ctx.report.estimated_tokens)
         return current
 
@@ -194,16 +193,3 @@ class Pipeline:
             span.set_attribute(ATTR.STAGE_CHANGED, out is not messages)
             span.set_attribute(ATTR.MESSAGES_OUT, len(out))
         return out
-
-
-def _estimate_sent(
-    messages: Sequence[Message], current: Sequence[Message], ctx: SessionContext
-) -> int:
-    """The tracker's size of ``current``. Its estimate starts from the last usage, which still
-    counts what stages freed from before it (``tokens_freed``) -- unless a stage replaced that
-    response (a summary): then the usage is no longer part of the estimate."""
-    estimate = ctx.token_tracker.estimate(current)
-    before, after = find_anchor(messages), find_anchor(current)
-    if before is not None and after is not None and after[1] is before[1]:
-        estimate -= ctx.report.tokens_freed
-    return max(0, estimate)

@@ -1,4 +1,4 @@
-"""The per-tool gate (SPEC §1.2) and the replacement text of a persisted result (SPEC §3).
+"""The per-tool gate and the replacement text of a persisted result.
 
 ``gate_tool_result`` is what an agent loop calls when a tool returns; the budget stage uses the
 same pieces for results it is the first to see.
@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Any, Literal
+from typing import Any
 
 from pipeline.replacement import (
     PERSISTED_OUTPUT_CLOSING_TAG,
@@ -20,6 +20,7 @@ from pipeline.replacement import (
     content_is_empty,
 )
 from pipeline.storage import ToolResultStore
+from pipeline.tracing import Decision, Reason
 
 __all__ = [
     "PREVIEW_SIZE_CHARS",
@@ -126,18 +127,15 @@ async def persist_content(store: ToolResultStore, tool_use_id: str, content: Any
     )
 
 
-GateDecision = Literal[
-    "empty", "image", "keep", "not_persistable", "persist", "persist_failed", "unbounded"
-]
-
-
 @dataclass(frozen=True, slots=True)
 class GateOutcome:
     """What the per-tool gate did to one tool_result block."""
 
     block: dict[str, Any]
     """The block to send: the input block itself when unchanged."""
-    decision: GateDecision
+    decision: Decision
+    """``persist``, ``persist_failed``, ``keep``, ``fill_empty`` or ``skip_unbounded_tool``."""
+    reason: Reason
     size: int
     threshold: float
     path: str | None = None
@@ -157,30 +155,33 @@ async def gate_tool_result(
     threshold: float,
     store: ToolResultStore,
 ) -> GateOutcome:
-    """Apply the per-tool gate to a fresh tool_result block (SPEC §1.2, in that order)."""
+    """Apply the per-tool gate to a fresh tool_result block, in this order: an empty result
+    gets a placeholder; images, earlier replacements, results at or under the threshold and
+    block lists holding a non-text block go as they are; a never-persist tool's result is
+    skipped; anything else is persisted (a failed write sends the original)."""
     content = block.get("content")
     if content_is_empty(content):
-        return GateOutcome(
-            {**block, "content": empty_result_text(tool_name)}, "empty", 0, threshold
-        )
+        filled = {**block, "content": empty_result_text(tool_name)}
+        return GateOutcome(filled, Decision.FILL_EMPTY, Reason.EMPTY, 0, threshold)
     if _has_image(content):
-        return GateOutcome(block, "image", 0, threshold)
+        return GateOutcome(block, Decision.KEEP, Reason.IMAGE, 0, threshold)
     size = candidate_size(content)
     if isinstance(content, str) and content.startswith(PERSISTED_OUTPUT_TAG):
-        return GateOutcome(block, "keep", size, threshold)
+        return GateOutcome(block, Decision.KEEP, Reason.ALREADY_REPLACED, size, threshold)
     if math.isinf(threshold):
-        return GateOutcome(block, "unbounded", size, threshold)
+        return GateOutcome(block, Decision.SKIP_UNBOUNDED_TOOL, Reason.PER_TOOL, size, threshold)
     if size <= threshold:
-        return GateOutcome(block, "keep", size, threshold)
+        return GateOutcome(block, Decision.KEEP, Reason.UNDER_THRESHOLD, size, threshold)
     if not is_persistable(content):
-        return GateOutcome(block, "not_persistable", size, threshold)
+        return GateOutcome(block, Decision.KEEP, Reason.NOT_PERSISTABLE, size, threshold)
     tool_use_id = str(block.get("tool_use_id"))
     try:
         persisted = await persist_content(store, tool_use_id, content)
     except Exception as exc:  # any storage failure: send the original, report it
-        return GateOutcome(
-            block, "persist_failed", size, threshold, error=type(exc).__name__ + ": " + str(exc)
-        )
+        error = type(exc).__name__ + ": " + str(exc)
+        failed = Decision.PERSIST_FAILED
+        return GateOutcome(block, failed, Reason.PER_TOOL, size, threshold, error=error)
+    replaced = {**block, "content": persisted.replacement}
     return GateOutcome(
-        {**block, "content": persisted.replacement}, "persist", size, threshold, path=persisted.path
+        replaced, Decision.PERSIST, Reason.PER_TOOL, size, threshold, path=persisted.path
     )

@@ -3,7 +3,7 @@
 A long session reaches thousands of messages and the pipeline runs before every call, while a
 turn usually only appends a few records. Stages that re-apply earlier decisions (a projection of
 the whole history) keep their last output and redo only the new part -- when that is provably
-the same as starting over. Three pieces serve them:
+the same as starting over. Two pieces serve them (and ``stages._shared.projection`` builds on them):
 
 - :class:`InputLog` finds the first position where this pass's input differs from the last
   pass's, in one C-level sweep when the history only grew.
@@ -13,8 +13,6 @@ the same as starting over. Three pieces serve them:
   starts where it did). Then whatever a stage computed for the old records still holds, and it
   returns the old length; otherwise it rebuilds its view of the history and returns ``None``,
   and the stage computes from scratch.
-- :class:`Projection` is a stage's last output, extended by the new records while no decision
-  was added and none of the new records is one a decision names.
 
 The contract: messages are immutable (replace a message, never mutate its content in place).
 A message replaced by another object counts as changed, even if equal (an equal copy may
@@ -27,13 +25,12 @@ edits to old messages.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from itertools import compress, count
 
 from pipeline.messages import Message, thread_start
 
-__all__ = ["AppendWatch", "InputLog", "Projection", "message_keys"]
+__all__ = ["AppendWatch", "InputLog", "message_keys"]
 
 
 class InputLog:
@@ -153,52 +150,3 @@ class AppendWatch:
                         tid, name = b.get("id"), b.get("name")
                         if isinstance(tid, str) and isinstance(name, str):
                             self.tool_names[tid] = name
-
-
-@dataclass(frozen=True, slots=True)
-class Projection:
-    """A stage's output of its last pass, kept so the next pass can extend it.
-
-    For stages whose decisions (removals, summaries) only ever accumulate and name records by
-    uuid: the output stays valid for a history that only grew (:meth:`AppendWatch.advance`)
-    while no decision was added and no new record is one a decision names.
-    """
-
-    decisions: int
-    """How many decisions the output applied."""
-    members: frozenset[str]
-    """The uuids those decisions name."""
-    out: tuple[Message, ...]
-    """What the pass sent, when it differed from its input (a copy: callers may edit lists)."""
-    applied: int
-    """What the stage counts as applied (0: the input went through as it was)."""
-
-    @classmethod
-    def remember(
-        cls,
-        last: Projection | None,
-        decisions: int,
-        members: Callable[[], Iterable[str]],
-        out: Sequence[Message],
-        applied: int,
-    ) -> Projection:
-        """The projection of this pass (``members`` is only read when decisions changed)."""
-        named = last.members if last is not None and last.decisions == decisions else None
-        if named is None:
-            named = frozenset(members())
-        return cls(decisions, named, tuple(out) if applied else (), applied)
-
-    def extend(
-        self, messages: list[Message], grown: int | None, decisions: int
-    ) -> tuple[list[Message], int] | None:
-        """This output plus the records new since (``grown``: the old length, from
-        :meth:`AppendWatch.advance`), or ``None`` when it must be computed afresh."""
-        if (
-            grown is None
-            or decisions != self.decisions
-            or not self.members.isdisjoint(m.uuid for m in messages[grown:])
-        ):
-            return None
-        if self.applied == 0:
-            return messages, 0
-        return [*self.out, *messages[grown:]], self.applied

@@ -24,6 +24,7 @@ __all__ = [
     "MessageType",
     "Usage",
     "block_type",
+    "first_fragment",
     "new_uuid",
     "now_timestamp",
     "stable_uuid",
@@ -223,3 +224,24 @@ def block_type(block: object) -> object:
     """A content item's ``type``; ``None`` for an item that is not a block dict (stages skip
     those; ``to_api`` refuses them)."""
     return block.get("type") if isinstance(block, dict) else None
+
+
+def first_fragment(messages: Sequence[Message], last: int, start: int = 0) -> int:
+    """Index of the first record of the response whose record sits at ``last``.
+
+    Streaming writes one record per content block, all with the response's id, and
+    tool_results may sit between them: walk back past records without an assistant id, over
+    fragments of the same id, and stop at another response (or at ``start``).
+    """
+    mid = messages[last].message_id
+    first = last
+    if mid is None:
+        return first
+    for j in range(last - 1, start - 1, -1):
+        prior = messages[j]
+        prior_id = prior.message_id if prior.type == "assistant" else None
+        if prior_id == mid:
+            first = j
+        elif prior_id is not None:
+            break
+    return first

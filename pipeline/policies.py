@@ -1,4 +1,4 @@
-"""Per-tool persistence thresholds (SPEC §1.1)."""
+"""Limits: the per-tool persistence thresholds, the per-message budget, the context window."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "CLAUDE_CODE_DECLARED",
+    "DEFAULT_CONTEXT_WINDOW",
     "DEFAULT_MAX_RESULT_SIZE_CHARS",
     "MAX_TOOL_RESULTS_PER_MESSAGE_CHARS",
     "UNDECLARED_MAX_RESULT_SIZE_CHARS",
     "ToolPolicies",
 ]
 
+DEFAULT_CONTEXT_WINDOW = 200_000
+"""Tokens of the model's context window the size-triggered stages assume (one setting for all
+of them: ``stages.default_stages(context_window=...)``)."""
 DEFAULT_MAX_RESULT_SIZE_CHARS = 50_000
 """The per-tool cap: no finite declared limit goes above it (an operator override may)."""
 MAX_TOOL_RESULTS_PER_MESSAGE_CHARS = 200_000

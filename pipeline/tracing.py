@@ -1,13 +1,18 @@
-"""Every span name and attribute key sluicegate emits, the tracer, and the structlog glue.
+"""Every name sluicegate traces under -- span names, attribute keys, decisions, reasons -- and the
+tracer and structlog glue.
 
-The library depends on ``opentelemetry-api`` only: with no SDK installed (or none configured)
-every span is a no-op. No span attribute ever holds message content.
+Names are constants here and nowhere else (as ``opentelemetry.semconv`` does): a stage imports
+:data:`ATTR`, :class:`Decision` and :class:`Reason` rather than spelling a key. One quantity has
+one key and one type across stages. The library depends on ``opentelemetry-api`` only: with no
+SDK installed (or none configured) every span is a no-op. No span attribute ever holds message
+content.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from enum import StrEnum
 from typing import Any
 
 import structlog
@@ -21,8 +26,11 @@ __all__ = [
     "SPAN_PIPELINE_RUN",
     "SPAN_REPLAY",
     "SPAN_TOOL_EXECUTE",
-    "SPAN_TOOL_GATE",
     "TRACER_NAME",
+    "AttributeValue",
+    "Decision",
+    "GroupOutcome",
+    "Reason",
     "add_trace_ids",
     "decision_span_name",
     "emit_decision",
@@ -34,53 +42,22 @@ __all__ = [
 
 TRACER_NAME = "sluicegate"
 
+AttributeValue = str | int | float | bool
+
+# -- span names ---------------------------------------------------------------------------------
+
 SPAN_PIPELINE_RUN = "pipeline.run"
+"""One pipeline pass (a child span per stage, see :func:`stage_span_name`)."""
 SPAN_REPLAY = "replay.session"
+"""One replayed session: every call's ``pipeline.run`` is its child."""
 SPAN_BUDGET_GROUP = "tool_result_budget.group"
+"""One API-level user message the budget evaluated."""
 SPAN_BUDGET_DECISION = "tool_result_budget.decision"
-SPAN_TOOL_GATE = "tool_result_gate"
+"""The budget's decision on one fresh tool result."""
 SPAN_AGENT_TURN = "agent.turn"
+"""One model call of the agent loop and the tool calls it asked for."""
 SPAN_TOOL_EXECUTE = "execute_tool"
-
-
-def tool_span_name(tool_name: str) -> str:
-    """The span of one tool execution (gen_ai convention): ``execute_tool <name>``."""
-    return f"{SPAN_TOOL_EXECUTE} {tool_name}"
-
-
-def decision_span_name(stage_name: str) -> str:
-    """The span of one decision of a stage, "not now" included: ``<stage>.decision``."""
-    return f"{stage_name}.decision"
-
-
-def emit_decision(
-    tracer: trace.Tracer,
-    stage_name: str,
-    *,
-    conversation_id: str,
-    decision: str,
-    reason: str,
-    tokens_before: int | None = None,
-    tokens_after: int | None = None,
-    **attributes: str | int | float | bool,
-) -> None:
-    """Emit one decision span (a child of the current span) with reason code and token counts.
-
-    ``attributes`` are added under ``sluicegate.<key>``. Never pass content.
-    """
-    attrs: dict[str, str | int | float | bool] = {
-        ATTR.CONVERSATION_ID: conversation_id,
-        ATTR.STAGE: stage_name,
-        ATTR.DECISION: decision,
-        ATTR.REASON: reason,
-    }
-    if tokens_before is not None:
-        attrs[ATTR.TOKENS_BEFORE] = tokens_before
-    if tokens_after is not None:
-        attrs[ATTR.TOKENS_AFTER] = tokens_after
-    for key, value in attributes.items():
-        attrs[f"sluicegate.{key}"] = value
-    tracer.start_span(decision_span_name(stage_name), attributes=attrs).end()
+"""The GenAI operation name of a tool execution (see :func:`tool_span_name`)."""
 
 
 def stage_span_name(stage_name: str) -> str:
@@ -88,12 +65,37 @@ def stage_span_name(stage_name: str) -> str:
     return f"stage.{stage_name}"
 
 
-class ATTR:
-    """Span attribute keys (OpenTelemetry gen_ai conventions where one exists)."""
+def decision_span_name(stage_name: str) -> str:
+    """The span of one stage's decision in a pass, "not now" included: ``<stage>.decision``."""
+    return f"{stage_name}.decision"
 
+
+def tool_span_name(tool_name: str) -> str:
+    """The span of one tool execution (GenAI convention): ``execute_tool <name>``."""
+    return f"{SPAN_TOOL_EXECUTE} {tool_name}"
+
+
+# -- attribute keys -----------------------------------------------------------------------------
+
+
+class ATTR:
+    """Span attribute keys: the OpenTelemetry GenAI ones where one exists, else ``sluicegate.*``.
+
+    Counts are ints, sizes are ints (characters or tokens, as the name says), limits are
+    floats (a limit may be infinite), flags are bools.
+    """
+
+    # GenAI semantic conventions
     CONVERSATION_ID = "gen_ai.conversation.id"
+    OPERATION_NAME = "gen_ai.operation.name"
+    REQUEST_MODEL = "gen_ai.request.model"
+    RESPONSE_ID = "gen_ai.response.id"
+    USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+    USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     TOOL_NAME = "gen_ai.tool.name"
     TOOL_CALL_ID = "gen_ai.tool.call.id"
+
+    # a pass and its stages
     MESSAGES_IN = "sluicegate.messages.in"
     MESSAGES_OUT = "sluicegate.messages.out"
     TOKENS_BEFORE = "sluicegate.tokens.estimated_before"
@@ -101,19 +103,167 @@ class ATTR:
     STAGE = "sluicegate.stage"
     STAGE_CHANGED = "sluicegate.stage.changed"
     BREAKS_CACHE = "sluicegate.stage.may_break_cache"
+    STRATEGY = "sluicegate.strategy"
+
+    # every decision
     DECISION = "sluicegate.decision"
     REASON = "sluicegate.reason"
+    REAPPLIED = "sluicegate.reapplied"
+    """How many earlier decisions (replacements, clears, removed records) this pass re-applied."""
+    TOKENS_FREED = "sluicegate.tokens.freed"
+    """Tokens the last response's usage counted that this pass no longer sends."""
+    TRIGGER_TOKENS = "sluicegate.trigger_tokens"
+    """The estimated size at which the stage acts."""
+    TARGET_TOKENS = "sluicegate.target_tokens"
+    FAILURES = "sluicegate.failures"
+    """Consecutive failed or discarded summaries (a circuit opens at the stage's maximum)."""
+    ERROR = "sluicegate.error"
+    """The type of an exception that was handled (never its message)."""
+
+    # the tool-result budget and the per-tool gate
     CHARS = "sluicegate.chars"
     LIMIT = "sluicegate.limit"
     PATH = "sluicegate.path"
-    ERROR = "sluicegate.error"
+    PERSISTED = "sluicegate.persisted"
     GROUP_INDEX = "sluicegate.group.index"
     GROUP_CANDIDATES = "sluicegate.group.candidates"
     FROZEN_CHARS = "sluicegate.group.frozen_chars"
     FRESH_CHARS = "sluicegate.group.fresh_chars"
     OUTCOME = "sluicegate.group.outcome"
-    REAPPLIED = "sluicegate.budget.reapplied"
-    PERSISTED = "sluicegate.budget.persisted"
+
+    # clearing old results
+    CLEARED = "sluicegate.cleared"
+    KEPT = "sluicegate.kept"
+    ELIGIBLE = "sluicegate.eligible"
+    RECLAIMABLE_TOKENS = "sluicegate.reclaimable_tokens"
+    CACHE_REWRITE_TOKENS = "sluicegate.cache_rewrite_tokens"
+    TRIGGER = "sluicegate.trigger"
+    IDLE_GAP_MINUTES = "sluicegate.idle_gap_minutes"
+    KEEP = "sluicegate.keep"
+    CLEAR_AT_LEAST = "sluicegate.clear_at_least"
+    OVER_TRIGGER = "sluicegate.over_trigger"
+
+    # removing and summarising rounds
+    REMOVED_NEW = "sluicegate.removed.new"
+    REMOVED_TOTAL = "sluicegate.removed.total"
+    COMMITS_ACTIVE = "sluicegate.commits.active"
+    COMMITS_TOTAL = "sluicegate.commits.total"
+    SPAN_MESSAGES = "sluicegate.span.messages"
+    SPAN_TOKENS = "sluicegate.span.tokens"
+    SUMMARY_TOKENS = "sluicegate.summary_tokens"
+    RETRIES = "sluicegate.retries"
+    WARNING_TOKENS = "sluicegate.warning_tokens"
+    BLOCKING_TOKENS = "sluicegate.blocking_tokens"
+    CAUSE = "sluicegate.cause"
+    """The reason a compaction would have had, when blocking overrode it."""
+
+
+# -- decisions and reasons ----------------------------------------------------------------------
+
+
+class Decision(StrEnum):
+    """What a stage did (``sluicegate.decision``): one verb per kind of act, across stages."""
+
+    # on one tool result (the budget, the per-tool gate)
+    PERSIST = "persist"
+    KEEP = "keep"
+    PERSIST_FAILED = "persist_failed"
+    SKIP_UNBOUNDED_TOOL = "skip_unbounded_tool"
+    FILL_EMPTY = "fill_empty"
+    # on a pass
+    SKIP = "skip"
+    """Nothing done and nothing to re-apply."""
+    REAPPLY = "reapply"
+    """Nothing new decided; earlier decisions re-applied byte for byte."""
+    CLEAR = "clear"
+    SNIP = "snip"
+    COLLAPSE = "collapse"
+    COMPACT = "compact"
+    TRUNCATE = "truncate"
+    DELEGATE = "delegate"
+    WARN = "warn"
+    BLOCK = "block"
+    DISCARD = "discard"
+    """A summary came back empty or not smaller than what it would replace."""
+    FAIL = "fail"
+    """A summary request failed."""
+
+
+class Reason(StrEnum):
+    """Why (``sluicegate.reason``): the limit or state that drove the decision."""
+
+    # the budget and the gate
+    PER_TOOL = "per_tool"
+    PER_MESSAGE = "per_message"
+    PER_TOOL_GATE = "per_tool_gate"
+    UNDER_THRESHOLD = "under_threshold"
+    EMPTY = "empty"
+    IMAGE = "image"
+    NOT_PERSISTABLE = "not_persistable"
+    ALREADY_REPLACED = "already_replaced"
+    # triggers
+    BELOW_TRIGGER = "below_trigger"
+    OVER_TRIGGER = "over_trigger"
+    IDLE_GAP = "idle_gap"
+    CACHE_WARM = "cache_warm"
+    BELOW_MIN_RECLAIM = "below_min_reclaim"
+    NOTHING_ELIGIBLE = "nothing_eligible"
+    DELEGATED = "delegated"
+    BELOW_WARNING = "below_warning"
+    OVER_WARNING = "over_warning"
+    OVER_BLOCKING = "over_blocking"
+    SUPPRESSED_BY_COLLAPSE = "suppressed_by_collapse"
+    # summaries
+    NO_SUMMARIZER = "no_summarizer"
+    CIRCUIT_OPEN = "circuit_open"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    SUMMARY_ERROR = "summary_error"
+    SUMMARY_EMPTY = "summary_empty"
+    SUMMARY_NOT_SMALLER = "summary_not_smaller"
+
+
+class GroupOutcome(StrEnum):
+    """How one API-level user message ended up (``sluicegate.group.outcome``)."""
+
+    UNDER_BUDGET = "under_budget"
+    PERSISTED = "persisted"
+    """Over the budget; enough fresh results were persisted to fit."""
+    FROZEN_OVER_BUDGET = "frozen_over_budget"
+    """Results the model already saw whole exceed the budget alone: accepted as they are."""
+    OVER_BUDGET = "over_budget"
+    """Still over: a persist failed or what is left cannot be persisted."""
+
+
+def emit_decision(
+    tracer: trace.Tracer,
+    stage_name: str,
+    *,
+    conversation_id: str,
+    decision: Decision,
+    reason: Reason,
+    tokens_before: int | None = None,
+    tokens_after: int | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
+) -> None:
+    """Emit one decision span (a child of the current span): :func:`decision_span_name`, with
+    the decision, its reason, token counts and ``attributes`` (keys from :class:`ATTR`; never
+    content)."""
+    attrs: dict[str, AttributeValue] = {
+        ATTR.CONVERSATION_ID: conversation_id,
+        ATTR.STAGE: stage_name,
+        ATTR.DECISION: str(decision),
+        ATTR.REASON: str(reason),
+    }
+    if tokens_before is not None:
+        attrs[ATTR.TOKENS_BEFORE] = tokens_before
+    if tokens_after is not None:
+        attrs[ATTR.TOKENS_AFTER] = tokens_after
+    if attributes:
+        attrs.update(attributes)
+    tracer.start_span(decision_span_name(stage_name), attributes=attrs).end()
+
+
+# -- tracer and logger --------------------------------------------------------------------------
 
 
 def get_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
@@ -137,7 +287,7 @@ def get_logger(**initial: Any) -> Any:
 
     The processor is bound to this logger, so it works whatever the app's structlog setup is.
     An app that configured structlog gets its own levels and output; an app that did not gets
-    warnings and errors only — a library must not fill stdout with per-decision debug lines.
+    warnings and errors only -- a library must not fill stdout with per-decision debug lines.
     """
     extra: dict[str, Any] = {}
     if not structlog.is_configured():

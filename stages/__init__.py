@@ -1,11 +1,22 @@
-"""The concrete stages, one file each, and the default order (SPEC §5)."""
+"""The concrete stages, one file each, and the default pipeline.
+
+``default_stages()`` is the one list every default is read from (the registry, the command line
+and ``build_pipeline`` derive from it)::
+
+    tool_result_budget → history_snip → microcompact → context_collapse → autocompact
+
+The budget runs first: it handles new large output, cheaply and without breaking the prompt
+cache. The four later slots hold strategies; swap one with ``Pipeline.replace(slot, stage)``.
+"""
 
 from pipeline import Stage
+from pipeline.policies import DEFAULT_CONTEXT_WINDOW, MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
 from pipeline.summarizer import Summarizer
 from stages.autocompact import Autocompact
 from stages.context_collapse import ContextCollapse
 from stages.history_snip import HistorySnip
-from stages.microcompact import Microcompact, ServerSideMicrocompact
+from stages.microcompact import Microcompact
+from stages.server_microcompact import ServerSideMicrocompact
 from stages.tool_result_budget import ToolResultBudget
 
 __all__ = [
@@ -21,24 +32,26 @@ __all__ = [
 
 def default_stages(
     *,
-    per_message_chars: float = 200_000,
+    context_window: int = DEFAULT_CONTEXT_WINDOW,
+    per_message_chars: float = MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
     summarizer: Summarizer | None = None,
     incremental: bool = True,
 ) -> list[Stage]:
     """The five stages in order, cheapest and most cache-friendly first.
 
-    A ``summarizer`` goes to autocompact; context collapse only observes here (its 90% commit
-    point lies above autocompact's threshold, so with both summarising autocompact would always
-    act first — configure collapse with a lower ``commit_fraction`` and ``autocompact=off`` to
-    use it). The default autocompact does not block: pass ``Autocompact(block=True)`` to refuse
-    requests past the blocking limit with ``ContextWindowExceeded``. ``incremental=False``
-    makes every stage recompute from the whole history on each pass (same requests; the
-    full-rescan baseline of ``tests/benchmarks/bench_pipeline.py``).
+    ``context_window`` (tokens) goes to every stage that sizes itself by the window (history
+    snip, context collapse, autocompact): one argument for a 1M-token model. A ``summarizer``
+    goes to autocompact; context collapse only observes here (its 90% commit point lies above
+    autocompact's threshold, so with both summarising autocompact would always act first --
+    configure collapse with a lower ``commit_fraction`` and remove autocompact to use it).
+    Autocompact does not block: ``Autocompact(block=True)`` refuses requests past the blocking
+    limit with ``ContextWindowExceeded``. ``incremental=False`` makes every stage recompute from
+    the whole history on each pass (same requests; the full-rescan baseline of the benchmarks).
     """
     return [
         ToolResultBudget(limit=per_message_chars, incremental=incremental),
-        HistorySnip(incremental=incremental),
+        HistorySnip(context_window=context_window, incremental=incremental),
         Microcompact(incremental=incremental),
-        ContextCollapse(incremental=incremental),
-        Autocompact(summarizer, block=False),
+        ContextCollapse(context_window=context_window, incremental=incremental),
+        Autocompact(summarizer, context_window=context_window),
     ]

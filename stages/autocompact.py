@@ -15,12 +15,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-import anyio.to_thread
-
 from pipeline import Message, PipelineHalt, SessionContext, to_api
 from pipeline.messages import block_type, new_uuid, thread_start
 from pipeline.tokens import find_anchor
-from pipeline.tracing import emit_decision
+from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
+from stages._shared import (
+    DEFAULT_CONTEXT_WINDOW,
+    check_bool,
+    check_int,
+    check_summarizer,
+    cut_indices,
+    record_decision,
+    session_state,
+)
 
 if TYPE_CHECKING:  # pipeline.summarizer imports the (slow) SDK: types only here
     from anthropic.types import MessageParam
@@ -94,6 +101,17 @@ class _State:
     head: list[Message] = dataclasses.field(default_factory=list)  # the same objects every pass
     failures: int = 0  # consecutive; in memory only, so a resumed session gets a fresh chance
 
+    @classmethod
+    def restore(cls, records: list[Mapping[str, Any]]) -> _State:
+        """A resumed session's state: the latest recorded projection that parses."""
+        state = cls()
+        for data in reversed(records):
+            p = _Projection.from_record(data)
+            if p is not None:
+                state.adopt(p)
+                break
+        return state
+
     def adopt(self, p: _Projection | None) -> None:
         self.projection, self.head = p, []
         if p is not None:
@@ -117,10 +135,14 @@ class Autocompact:
       one the thresholds use), than the span it replaces. Errors and discards count as
       failures; after ``max_failures`` in a row the session stops trying (``circuit_open``);
       a success resets the count.
-    - ``block``: raise :class:`ContextWindowExceeded` when the size is still at the blocking
-      limit after this pass (compaction impossible or failed); never while context collapse
-      has suppressed this stage.
-    - Every pass emits one ``autocompact.decision`` span with a reason code; never content.
+    - ``block=True``: raise :class:`ContextWindowExceeded` when the size is still at the
+      blocking limit after this pass (compaction impossible or failed); never while context
+      collapse has suppressed this stage. Off by default: the request goes and the API decides.
+    - Every pass emits one ``autocompact.decision`` span: ``skip`` or ``reapply`` (with
+      ``below_warning``, ``suppressed_by_collapse``, ``no_summarizer``, ``circuit_open`` or
+      ``nothing_eligible``), ``warn`` (``over_warning``), ``compact`` (``over_trigger``),
+      ``fail`` (``prompt_too_long``, ``summary_error``), ``discard`` (``summary_empty``,
+      ``summary_not_smaller``) or ``block`` (``over_blocking``); never content.
     """
 
     name = "autocompact"
@@ -131,101 +153,72 @@ class Autocompact:
         self,
         summarizer: Summarizer | None = None,
         *,
-        context_window: int = 200_000,
+        context_window: int = DEFAULT_CONTEXT_WINDOW,
         max_output_tokens: int = 32_000,
         buffer_tokens: int = 13_000,
         max_failures: int = 3,
         max_retries: int = 3,
-        block: bool = True,
+        block: bool = False,
     ) -> None:
-        ints = {
-            "context_window": (context_window, 1),
-            "max_output_tokens": (max_output_tokens, 0),
-            "buffer_tokens": (buffer_tokens, BLOCKING_BUFFER),  # compact before blocking
-            "max_failures": (max_failures, 1),
-            "max_retries": (max_retries, 0),
-        }
-        for arg, (value, low) in ints.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
-        if not isinstance(block, bool):
-            raise ValueError(f"block must be a bool, got {block!r}")
-        if summarizer is not None and not callable(getattr(summarizer, "summarize", None)):
-            raise TypeError(f"summarizer must have an async summarize() method: {summarizer!r}")
+        check_int("context_window", context_window, minimum=1)
+        check_int("max_output_tokens", max_output_tokens)
+        check_int("buffer_tokens", buffer_tokens, minimum=BLOCKING_BUFFER)  # compact first
+        self.max_failures = check_int("max_failures", max_failures, minimum=1)
+        self.max_retries = check_int("max_retries", max_retries)
+        self.block = check_bool("block", block)
+        self.summarizer = check_summarizer(summarizer)
         effective = context_window - min(max_output_tokens, MAX_OUTPUT_RESERVE)
         compact = effective - buffer_tokens
         if compact <= 0:
             raise ValueError(f"context_window {context_window} leaves no room to compact")
         warning = max(0, compact - WARNING_BUFFER)
         self.thresholds = Thresholds(effective, compact, warning, effective - BLOCKING_BUFFER)
-        self.summarizer = summarizer
-        self.max_failures = max_failures
-        self.max_retries = max_retries
-        self.block = block
 
     def __repr__(self) -> str:
         return f"Autocompact(summarizer={self.summarizer!r}, thresholds={self.thresholds})"
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        st = self._state(ctx)
+        st = session_state(ctx, self.name, _State, _State.restore)
         view = self._project(messages, st, ctx)
         size = before = self._size(view, st, ctx)
         th = self.thresholds
         suppressed = ctx.report.suppress_autocompact
-        decision, extra = "keep", dict[str, str | int]()
+        decision = Decision.REAPPLY if view is not messages else Decision.SKIP
+        facts: dict[str, AttributeValue] = {}
         if suppressed:
-            decision, reason = "skip", "suppressed_by_collapse"
+            reason = Reason.SUPPRESSED_BY_COLLAPSE
         elif size < th.warning:
-            reason = "reapplied" if view is not messages else "below_warning"
+            reason = Reason.BELOW_WARNING
         elif size < th.compact:
-            decision, reason = "warn", "warning"
+            decision, reason = Decision.WARN, Reason.OVER_WARNING
         elif self.summarizer is None:
-            decision, reason = "skip", "no_summarizer"
+            reason = Reason.NO_SUMMARIZER
         elif st.failures >= self.max_failures:
-            decision, reason = "skip", "circuit_open"
+            reason = Reason.CIRCUIT_OPEN
         else:
-            decision, reason, extra = await self._compact(view, st, ctx, self.summarizer)
-            if decision == "compact":
+            decision, reason = await self._compact(view, st, ctx, self.summarizer, facts)
+            if decision is Decision.COMPACT:
                 view = self._project(messages, st, ctx)
                 size = self._size(view, st, ctx)
         blocked = self.block and not suppressed and size >= th.blocking
         if blocked:
-            extra["cause"] = reason
-            decision, reason = "block", "blocked"
-        emit_decision(
-            ctx.tracer,
-            self.name,
-            conversation_id=ctx.session_id,
-            decision=decision,
-            reason=reason,
-            tokens_before=before,
-            tokens_after=size,
-            threshold=th.compact,
-            warning=th.warning,
-            blocking=th.blocking,
-            reapplied=view is not messages,
-            failures=st.failures,
-            **extra,
+            facts[ATTR.CAUSE] = str(reason)
+            decision, reason = Decision.BLOCK, Reason.OVER_BLOCKING
+        facts[ATTR.TRIGGER_TOKENS] = th.compact
+        facts[ATTR.WARNING_TOKENS] = th.warning
+        facts[ATTR.BLOCKING_TOKENS] = th.blocking
+        facts[ATTR.REAPPLIED] = int(view is not messages)
+        facts[ATTR.FAILURES] = st.failures
+        ctx.decide(
+            self.name, decision, reason, tokens_before=before, tokens_after=size, facts=facts
         )
-        if decision != "keep":
+        if reason is not Reason.BELOW_WARNING:
             ctx.logger.info("autocompact.decision", decision=decision, reason=reason, tokens=size)
         if blocked:
             raise ContextWindowExceeded(size, th.blocking)
         return view
 
     # -- state and projection ----------------------------------------------------------------
-    def _state(self, ctx: SessionContext) -> _State:
-        st = ctx.stage_state.get(self.name)
-        if not isinstance(st, _State):
-            st = _State()
-            for data in reversed(ctx.records_for(self.name)):  # a resumed session: latest wins
-                p = _Projection.from_record(data)
-                if p is not None:
-                    st.adopt(p)
-                    break
-            ctx.stage_state[self.name] = st
-        return st
-
     def _project(self, messages: list[Message], st: _State, ctx: SessionContext) -> list[Message]:
         """``[boundary, summary, *kept tail]``; the input itself when nothing is compacted."""
         p = st.projection
@@ -247,21 +240,26 @@ class Autocompact:
         if p is not None and (anchor is None or view[anchor[0]].uuid == p.anchor_uuid):
             # that usage counted the conversation before compaction: price the projection itself
             return ctx.token_tracker.estimate(_without_usage(view))
-        return max(0, ctx.token_tracker.estimate(view) - ctx.report.tokens_freed)
+        return ctx.size_of(view)
 
     # -- compaction --------------------------------------------------------------------------
     async def _compact(
-        self, view: list[Message], st: _State, ctx: SessionContext, summarizer: Summarizer
-    ) -> tuple[str, str, dict[str, str | int]]:
+        self,
+        view: list[Message],
+        st: _State,
+        ctx: SessionContext,
+        summarizer: Summarizer,
+        facts: dict[str, AttributeValue],
+    ) -> tuple[Decision, Reason]:
         start = thread_start(view)
-        cuts = _safe_cuts(view, start)
+        cuts = cut_indices(view, start)
         limit = _latest_request(view, start)
         limit = len(view) - 1 if limit is None else limit
         real = [i for i in range(start, limit) if _summarisable(view[i])]
         # summarise something besides a previous summary; keep the latest request
         usable = [c for c in cuts if real and real[0] < c <= limit]
         if not usable:
-            return "skip", "nothing_to_summarize", {}
+            return Decision.SKIP, Reason.NOTHING_ELIGIBLE
         cut = usable[-1]
         span = view[start:cut]
         from pipeline.summarizer import SummaryPromptTooLong  # imports the SDK: only when used
@@ -270,16 +268,16 @@ class Autocompact:
             text, retries = await self._summarize(summarizer, view, start, cut, cuts)
         except Exception as exc:  # a failed summary must never fail the turn
             st.failures += 1
-            reason = (
-                "prompt_too_long" if isinstance(exc, SummaryPromptTooLong) else "summary_failed"
-            )
-            return "fail", reason, {"error": type(exc).__name__}
+            facts[ATTR.ERROR] = type(exc).__name__
+            too_long = isinstance(exc, SummaryPromptTooLong)
+            return Decision.FAIL, Reason.PROMPT_TOO_LONG if too_long else Reason.SUMMARY_ERROR
         summary = SUMMARY_PREFIX + text.strip()
         # in the tracker's units, both priced alike (no anchor): the summary must save something
         replaced = ctx.token_tracker.estimate(_without_usage(span))
         if not text.strip() or ctx.token_tracker.estimate([Message.user(summary)]) >= replaced:
             st.failures += 1
-            return "discard", "summary_larger" if text.strip() else "summary_empty", {}
+            reason = Reason.SUMMARY_NOT_SMALLER if text.strip() else Reason.SUMMARY_EMPTY
+            return Decision.DISCARD, reason
         anchor = find_anchor(view)
         p = _Projection(
             summary=summary,
@@ -291,12 +289,10 @@ class Autocompact:
         )
         st.adopt(p)
         st.failures = 0
-        try:
-            await anyio.to_thread.run_sync(ctx.record, self.name, dataclasses.asdict(p))
-        except OSError as exc:  # the projection stands for this process; only resume loses it
-            ctx.logger.error("autocompact.record_write_failed", error=type(exc).__name__)
-        reason = "prompt_too_long_retry" if retries else "compacted"
-        return "compact", reason, {"retries": retries, "summarized_tokens": replaced}
+        await record_decision(ctx, self.name, dataclasses.asdict(p))
+        facts[ATTR.RETRIES] = retries
+        facts[ATTR.SPAN_TOKENS] = replaced
+        return Decision.COMPACT, Reason.OVER_TRIGGER
 
     async def _summarize(
         self, summarizer: Summarizer, view: list[Message], start: int, cut: int, cuts: list[int]
@@ -347,37 +343,3 @@ def _latest_request(view: Sequence[Message], start: int) -> int | None:
         if any(block_type(b) != "tool_result" for b in m.blocks):
             return i
     return None
-
-
-def _safe_cuts(view: Sequence[Message], start: int) -> list[int]:
-    """Indices ``i`` in ``(start, len)`` where ``view[:i]`` / ``view[i:]`` splits no API round.
-
-    A cut may not fall between a tool_use and its tool_result, nor between two fragments of
-    one response (``to_api`` merges them), and only before a user or assistant message.
-    """
-    last: dict[str, int] = {}  # where each tool id / response id is seen for the last time
-    for i in range(start, len(view)):
-        for key in _round_keys(view[i]):
-            last[key] = i
-    cuts: list[int] = []
-    reach = -1  # the furthest index that something opened before i still needs
-    for i in range(start, len(view)):
-        if start < i and reach < i and view[i].type in ("user", "assistant"):
-            cuts.append(i)
-        reach = max([reach, *(last[key] for key in _round_keys(view[i]))])
-    return cuts
-
-
-def _round_keys(m: Message) -> list[str]:
-    """The ids that tie ``m`` to other messages of its round."""
-    if m.type not in ("user", "assistant"):
-        return []
-    keys = [f"r:{m.message_id}"] if m.type == "assistant" and m.message_id is not None else []
-    for b in m.blocks:
-        kind = block_type(b)
-        if kind not in ("tool_use", "tool_result"):
-            continue
-        ref = b.get("id") if kind == "tool_use" else b.get("tool_use_id")
-        if isinstance(ref, str):
-            keys.append(f"t:{ref}")
-    return keys

@@ -10,34 +10,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pipeline import Message, SessionContext
-from pipeline.tracing import emit_decision
+from pipeline.tracing import ATTR, Decision, Reason
+from stages._shared import CLEARED_PLACEHOLDER, by_id, check_int, replace_results, result_ids
 
-__all__ = ["CLEARED", "ClearEveryTurn", "HeadTailTruncate"]
-
-CLEARED = "[Old tool result content cleared]"
-
-
-def _map_results(messages: list[Message], change: Any) -> list[Message]:
-    """Apply ``change(block) -> new content | None`` to every tool_result; same list if none."""
-    out: list[Message] | None = None
-    for i, m in enumerate(messages):
-        if m.type != "user" or not isinstance(m.content, list):
-            continue
-        blocks = None
-        for j, b in enumerate(m.content):
-            if b.get("type") != "tool_result":
-                continue
-            new = change(b)
-            if new is not None and new != b.get("content"):
-                blocks = blocks or list(m.content)
-                blocks[j] = {**b, "content": new}
-        if blocks is not None:
-            out = out or list(messages)
-            out[i] = m.with_content(blocks)
-    return messages if out is None else out
+__all__ = ["ClearEveryTurn", "HeadTailTruncate"]
 
 
 class HeadTailTruncate:
@@ -48,28 +28,23 @@ class HeadTailTruncate:
     may_break_cache = False  # a pure function of each result: what was sent stays the same
 
     def __init__(self, max_chars: int = 10_000) -> None:
-        if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 2:
-            raise ValueError(f"max_chars must be an integer >= 2, got {max_chars!r}")
-        self.max_chars = max_chars
+        self.max_chars = check_int("max_chars", max_chars, minimum=2)
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         half = self.max_chars // 2
 
-        def cut(block: dict[str, Any]) -> str | None:
+        def cut(block: Mapping[str, Any]) -> str | None:
             text = block.get("content")
             if not isinstance(text, str) or len(text) <= self.max_chars:
                 return None
             dropped = len(text) - 2 * half
             return f"{text[:half]}\n[... {dropped} characters truncated ...]\n{text[-half:]}"
 
-        out = _map_results(messages, cut)
-        emit_decision(
-            ctx.tracer,
-            self.name,
-            conversation_id=ctx.session_id,
-            decision="truncated" if out is not messages else "skip",
-            reason="over_max_chars" if out is not messages else "nothing_long",
-        )
+        out = replace_results(messages, cut)
+        if out is not messages:
+            ctx.decide(self.name, Decision.TRUNCATE, Reason.OVER_TRIGGER)
+        else:
+            ctx.decide(self.name, Decision.SKIP, Reason.NOTHING_ELIGIBLE)
         return out
 
 
@@ -81,40 +56,23 @@ class ClearEveryTurn:
     may_break_cache = True
 
     def __init__(self, keep: int = 3, trigger_tokens: int = 100_000) -> None:
-        for arg, value in (("keep", keep), ("trigger_tokens", trigger_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{arg} must be a non-negative integer, got {value!r}")
-        self.keep = keep
-        self.trigger_tokens = trigger_tokens
+        self.keep = check_int("keep", keep)
+        self.trigger_tokens = check_int("trigger_tokens", trigger_tokens)
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        size = ctx.token_tracker.estimate(messages) - ctx.report.tokens_freed
+        size = ctx.size_of(messages)
         if size < self.trigger_tokens:
-            emit_decision(
-                ctx.tracer,
-                self.name,
-                conversation_id=ctx.session_id,
-                decision="skip",
-                reason="below_trigger",
-                tokens_before=size,
-            )
+            ctx.decide(self.name, Decision.SKIP, Reason.BELOW_TRIGGER, tokens_before=size)
             return messages
-        ids = [
-            b.get("tool_use_id")
-            for m in messages
-            if m.type == "user" and isinstance(m.content, list)
-            for b in m.content
-            if b.get("type") == "tool_result"
-        ]
-        old = set(ids[: max(0, len(ids) - self.keep)])
-        out = _map_results(messages, lambda b: CLEARED if b.get("tool_use_id") in old else None)
-        emit_decision(
-            ctx.tracer,
+        ids = result_ids(messages)
+        old = ids[: max(0, len(ids) - self.keep)]
+        out = replace_results(messages, by_id(dict.fromkeys(old, CLEARED_PLACEHOLDER)))
+        changed = out is not messages
+        ctx.decide(
             self.name,
-            conversation_id=ctx.session_id,
-            decision="cleared" if out is not messages else "skip",
-            reason="over_trigger" if out is not messages else "nothing_eligible",
+            Decision.CLEAR if changed else Decision.SKIP,
+            Reason.OVER_TRIGGER if changed else Reason.NOTHING_ELIGIBLE,
             tokens_before=size,
-            cleared=len(old),
+            facts={ATTR.CLEARED: len(set(old))},
         )
         return out

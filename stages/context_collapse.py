@@ -11,34 +11,41 @@ replaces each committed span by one user text ``SUMMARY_HEADER + summary``: afte
 alternate, no pair splits. Active commits set ``suppress_autocompact``; commits are recorded
 (``{"uuids", "summary", "anchor"}``) so a resumed session restores them.
 
-Decision span per pass: ``skip``/``reapplied`` × ``no_summarizer``/``below_trigger``/
-``nothing_collapsible``/``circuit_open`` (``max_failures`` failed or discarded summaries in a
-row: stop paying for them); ``committed``/``over_trigger``; ``summary_failed``/
-``prompt_too_long``/``summary_error``; ``discarded``/``empty_summary``/``summary_not_smaller``.
+Decision span per pass (``context_collapse.decision``): ``skip`` or ``reapply`` with
+``no_summarizer``, ``below_trigger``, ``nothing_eligible`` or ``circuit_open`` (``max_failures``
+failed or discarded summaries in a row: stop paying for them); ``collapse`` with
+``over_trigger``; ``fail`` with ``prompt_too_long`` or ``summary_error``; ``discard`` with
+``summary_empty`` or ``summary_not_smaller``.
 """
 
 from __future__ import annotations
 
 import uuid as _uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
-
-import anyio.to_thread
+from typing import Any
 
 from pipeline import Message, SessionContext, to_api
-from pipeline.incremental import AppendWatch, Projection
+from pipeline.incremental import AppendWatch
 from pipeline.messages import block_type, stable_uuid, thread_start
 from pipeline.summarizer import Summarizer, SummaryPromptTooLong
-from pipeline.tracing import emit_decision
-from stages._shared.args import check_bool, check_fraction, check_int
-from stages._shared.rounds import (
+from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
+from stages._shared import (
+    DEFAULT_CONTEXT_WINDOW,
     Price,
+    Projection,
     anchor_uuid,
     api_rounds,
+    check_bool,
+    check_fraction,
+    check_int,
+    check_summarizer,
     freed_before_anchor,
     protected_rounds,
+    record_decision,
     safe_cuts,
+    session_state,
 )
 
 __all__ = ["SUMMARY_HEADER", "ContextCollapse"]
@@ -62,6 +69,17 @@ class _CollapseState:
     watch: AppendWatch = field(default_factory=AppendWatch)
     last: Projection | None = None
     """The previous pass's output (``applied``: commits active), while it can be extended."""
+
+    @classmethod
+    def restore(cls, records: list[Mapping[str, Any]]) -> _CollapseState:
+        """A resumed session's state: every recorded commit, repeated."""
+        state = cls()
+        for data in records:
+            uuids, summary, anchor = data.get("uuids"), data.get("summary"), data.get("anchor")
+            if isinstance(uuids, list) and uuids and isinstance(summary, str):
+                anchor = anchor if isinstance(anchor, str) else None
+                state.commits.append(_Commit(tuple(map(str, uuids)), summary, anchor))
+        return state
 
 
 def _summary_message(commit: _Commit) -> Message:
@@ -126,13 +144,12 @@ class ContextCollapse:
     name = "context_collapse"
     strategy = "summarize-spans"
     may_break_cache = True
-    implemented = True
 
     def __init__(
         self,
         summarizer: Summarizer | None = None,
         *,
-        context_window: int = 200_000,
+        context_window: int = DEFAULT_CONTEXT_WINDOW,
         commit_fraction: float = 0.9,
         target_fraction: float = 0.6,
         max_span_fraction: float = 0.5,
@@ -140,9 +157,7 @@ class ContextCollapse:
         max_failures: int = 3,
         incremental: bool = True,
     ) -> None:
-        if summarizer is not None and not callable(getattr(summarizer, "summarize", None)):
-            raise ValueError(f"summarizer needs an async summarize(messages), got {summarizer!r}")
-        self.summarizer = summarizer
+        self.summarizer = check_summarizer(summarizer)
         self.context_window = check_int("context_window", context_window, minimum=1)
         self.commit_fraction = check_fraction("commit_fraction", commit_fraction)
         self.target_fraction = check_fraction("target_fraction", target_fraction)
@@ -168,20 +183,8 @@ class ContextCollapse:
             f"target_fraction={self.target_fraction})"
         )
 
-    def _state(self, ctx: SessionContext) -> _CollapseState:
-        state = ctx.stage_state.get(self.name)
-        if not isinstance(state, _CollapseState):
-            state = _CollapseState()
-            for data in ctx.records_for(self.name):  # resume: repeat every recorded commit
-                uuids, summary, anchor = data.get("uuids"), data.get("summary"), data.get("anchor")
-                if isinstance(uuids, list) and uuids and isinstance(summary, str):
-                    anchor = anchor if isinstance(anchor, str) else None
-                    state.commits.append(_Commit(tuple(map(str, uuids)), summary, anchor))
-            ctx.stage_state[self.name] = state
-        return state
-
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        state = self._state(ctx)
+        state = session_state(ctx, self.name, _CollapseState, _CollapseState.restore)
         state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
         price: Price = ctx.token_tracker.tokens_for_messages
         ok = cache(partial(safe_cuts, messages))  # cut points, read only if needed
@@ -192,20 +195,20 @@ class ContextCollapse:
         older = [c for c in state.commits if anchor is None or c.anchor != anchor]
         then = out if len(older) == len(state.commits) else _project(messages, older, ok())[0]
         freed = freed_before_anchor(price, then, out, anchor)
-        before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - freed
+        before = ctx.size_of(out, also_freed=freed)
 
-        attrs: dict[str, int] = {}
-        decision = "reapplied" if active else "skip"
+        facts: dict[str, AttributeValue] = {ATTR.STRATEGY: self.strategy}
+        decision = Decision.REAPPLY if active else Decision.SKIP
         if self.summarizer is None:
-            reason = "no_summarizer"
+            reason = Reason.NO_SUMMARIZER
         elif before < self.commit_tokens:
-            reason = "below_trigger"
+            reason = Reason.BELOW_TRIGGER
         elif state.failures >= self.max_failures:
-            reason = "circuit_open"
+            reason = Reason.CIRCUIT_OPEN
         elif not (span := self._select(messages, ok(), state, before, price)):
-            reason = "nothing_collapsible"
+            reason = Reason.NOTHING_ELIGIBLE
         else:
-            decision, reason, commit = await self._summarize(span, anchor, ctx, state, attrs, price)
+            decision, reason, commit = await self._summarize(span, anchor, ctx, state, facts, price)
             if commit is not None:
                 await self._commit(ctx, state, commit)
                 out, active = _project(messages, state.commits, ok())
@@ -218,19 +221,18 @@ class ContextCollapse:
         ctx.report.tokens_freed += freed
         if active:
             ctx.report.suppress_autocompact = True
-        attrs.update(commits_active=active, commits_total=len(state.commits), tokens_freed=freed)
-        attrs.update(commit_tokens=self.commit_tokens, failures=state.failures)
-        ctx.report.notes[self.name] = dict(attrs)
-        emit_decision(
-            ctx.tracer,
+        facts[ATTR.COMMITS_ACTIVE] = active
+        facts[ATTR.COMMITS_TOTAL] = len(state.commits)
+        facts[ATTR.TOKENS_FREED] = freed
+        facts[ATTR.TRIGGER_TOKENS] = self.commit_tokens
+        facts[ATTR.FAILURES] = state.failures
+        ctx.decide(
             self.name,
-            conversation_id=ctx.session_id,
-            decision=decision,
-            reason=reason,
+            decision,
+            reason,
             tokens_before=before,
-            tokens_after=ctx.token_tracker.estimate(out) - ctx.report.tokens_freed,
-            strategy=self.strategy,
-            **attrs,
+            tokens_after=ctx.size_of(out),
+            facts=facts,
         )
         return out
 
@@ -284,31 +286,33 @@ class ContextCollapse:
         anchor: str | None,
         ctx: SessionContext,
         state: _CollapseState,
-        attrs: dict[str, int],
+        facts: dict[str, AttributeValue],
         price: Price,
-    ) -> tuple[str, str, _Commit | None]:
+    ) -> tuple[Decision, Reason, _Commit | None]:
         """Ask for a summary of ``span``; a failure or a useless summary never fails the turn."""
         assert self.summarizer is not None
         span_tokens = price(span)
-        attrs.update(span_messages=len(span), span_tokens=span_tokens)
+        facts[ATTR.SPAN_MESSAGES] = len(span)
+        facts[ATTR.SPAN_TOKENS] = span_tokens
         try:
             text = (await self.summarizer.summarize(to_api(span))).strip()
         except SummaryPromptTooLong:
             state.failures += 1
             state.span_cap = max(1, (state.span_cap or span_tokens) // 2)  # ask for less next time
-            return "summary_failed", "prompt_too_long", None
+            return Decision.FAIL, Reason.PROMPT_TOO_LONG, None
         except Exception as exc:  # any summariser failure: the turn goes on uncollapsed
             state.failures += 1
             ctx.logger.warning("context_collapse.summary_failed", error=type(exc).__name__)
-            return "summary_failed", "summary_error", None
+            return Decision.FAIL, Reason.SUMMARY_ERROR, None
         commit = _Commit(tuple(m.uuid for m in span), text, anchor)
         summary_tokens = price([_summary_message(commit)])
-        attrs.update(summary_tokens=summary_tokens)
+        facts[ATTR.SUMMARY_TOKENS] = summary_tokens
         if not text or summary_tokens >= span_tokens:
             state.failures += 1
-            return "discarded", "empty_summary" if not text else "summary_not_smaller", None
+            reason = Reason.SUMMARY_EMPTY if not text else Reason.SUMMARY_NOT_SMALLER
+            return Decision.DISCARD, reason, None
         state.failures = 0
-        return "committed", "over_trigger", commit
+        return Decision.COLLAPSE, Reason.OVER_TRIGGER, commit
 
     async def _commit(self, ctx: SessionContext, state: _CollapseState, commit: _Commit) -> None:
         state.commits.append(commit)
@@ -318,9 +322,5 @@ class ContextCollapse:
             "summary": commit.summary,
             "anchor": commit.anchor,
         }
-        try:
-            await anyio.to_thread.run_sync(ctx.record, self.name, data)
-        except OSError as exc:
-            # the commit stands (it is in the state); only a resume would lose it
-            ctx.logger.error("context_collapse_record_write_failed", error=type(exc).__name__)
+        await record_decision(ctx, self.name, data)
         ctx.logger.info("context_collapse.committed", messages=len(commit.uuids))

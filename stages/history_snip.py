@@ -10,32 +10,37 @@ the model learns history is missing, and the wire alternates whatever borders th
 and uuid depend only on the run. Removals are cumulative, re-applied on every pass, and recorded
 (``{"removed": [new uuids], "anchor": ...}``) so a resumed session restores them.
 
-Decision span per pass: ``skip``/``reapplied`` × ``below_trigger``/``nothing_removable``, or
-``snipped``/``over_trigger``.
+Decision span per pass (``history_snip.decision``): ``skip`` or ``reapply`` with
+``below_trigger`` or ``nothing_eligible``; ``snip`` with ``over_trigger``.
 """
 
 from __future__ import annotations
 
 import uuid as _uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
-
-import anyio.to_thread
+from typing import Any
 
 from pipeline import Message, SessionContext
-from pipeline.incremental import AppendWatch, Projection
+from pipeline.incremental import AppendWatch
 from pipeline.messages import stable_uuid, thread_start
-from pipeline.tracing import emit_decision
-from stages._shared.args import check_bool, check_fraction, check_int
-from stages._shared.rounds import (
+from pipeline.tracing import ATTR, Decision, Reason
+from stages._shared import (
+    DEFAULT_CONTEXT_WINDOW,
     Price,
+    Projection,
     anchor_uuid,
     api_rounds,
+    check_bool,
+    check_fraction,
+    check_int,
     freed_before_anchor,
     protected_rounds,
+    record_decision,
     safe_cuts,
+    session_state,
 )
 
 __all__ = ["HistorySnip", "snip_marker_text"]
@@ -72,6 +77,16 @@ class _SnipState:
                 self.removed[uid] = anchor
                 if anchor is not None:
                     self.by_anchor.setdefault(anchor, []).append(uid)
+
+    @classmethod
+    def restore(cls, records: list[Mapping[str, Any]]) -> _SnipState:
+        """A resumed session's state: every recorded removal, repeated."""
+        state = cls()
+        for data in records:
+            anchor = data.get("anchor")
+            uids = [u for u in data.get("removed") or () if isinstance(u, str)]
+            state.remove(uids, anchor if isinstance(anchor, str) else None)
+        return state
 
 
 def _wire_messages(run: Sequence[Message]) -> int:
@@ -123,7 +138,8 @@ def _project(
 class HistorySnip:
     """Stage: remove whole middle rounds of history when the context nears the window.
 
-    ``context_window`` (tokens, default 200,000); snip when the estimate reaches
+    ``context_window`` (tokens, default 200,000: ``default_stages(context_window=...)`` sets it
+    for every stage that has one); snip when the estimate reaches
     ``trigger_fraction`` of it (default 0.8 = 160,000: under the reference autocompact threshold,
     as the cheaper step should be, and far above ordinary sessions), down to ``target_fraction``
     (0.6); always keep the last ``keep_recent_rounds`` API rounds (8). ``incremental=False``
@@ -134,12 +150,11 @@ class HistorySnip:
     name = "history_snip"
     strategy = "snip-middle"
     may_break_cache = True
-    implemented = True
 
     def __init__(
         self,
         *,
-        context_window: int = 200_000,
+        context_window: int = DEFAULT_CONTEXT_WINDOW,
         trigger_fraction: float = 0.8,
         target_fraction: float = 0.6,
         keep_recent_rounds: int = 8,
@@ -173,19 +188,8 @@ class HistorySnip:
             f"keep_recent_rounds={self.keep_recent_rounds})"
         )
 
-    def _state(self, ctx: SessionContext) -> _SnipState:
-        state = ctx.stage_state.get(self.name)
-        if not isinstance(state, _SnipState):
-            state = _SnipState()
-            for data in ctx.records_for(self.name):  # resume: repeat every recorded removal
-                anchor = data.get("anchor")
-                uids = [u for u in data.get("removed") or () if isinstance(u, str)]
-                state.remove(uids, anchor if isinstance(anchor, str) else None)
-            ctx.stage_state[self.name] = state
-        return state
-
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        state = self._state(ctx)
+        state = session_state(ctx, self.name, _SnipState, _SnipState.restore)
         state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
         price: Price = ctx.token_tracker.tokens_for_messages
         ok = cache(partial(safe_cuts, messages))  # cut points, read only if needed
@@ -197,43 +201,41 @@ class HistorySnip:
         since = set(state.by_anchor.get(anchor, ())) if anchor is not None else set()
         then = out if not since else _project(messages, state.removed.keys() - since, ok())[0]
         refreed = freed_before_anchor(price, then, out, anchor)
-        before = ctx.token_tracker.estimate(out) - ctx.report.tokens_freed - refreed
+        before = ctx.size_of(out, also_freed=refreed)
 
-        decision = "reapplied" if reapplied else "skip"
-        reason, new = "below_trigger", []
+        decision = Decision.REAPPLY if reapplied else Decision.SKIP
+        reason, new = Reason.BELOW_TRIGGER, []
         if before >= self.trigger_tokens:
             # a marker's own tokens come back, so cover them too
             excess = before - self.target_tokens + price([_marker(10**6, "")])
             new = self._select(messages, ok(), state.removed.keys(), excess, price)
-            reason = "over_trigger" if new else "nothing_removable"
+            reason = Reason.OVER_TRIGGER if new else Reason.NOTHING_ELIGIBLE
         dropped = reapplied
         if new:
-            decision = "snipped"
+            decision = Decision.SNIP
             state.remove(new, anchor)
             out, dropped = _project(messages, state.removed, ok())
-            await self._record(ctx, new, anchor)
+            data = {"strategy": self.strategy, "removed": new, "anchor": anchor}
+            await record_decision(ctx, self.name, data)
+            ctx.logger.info("history_snip.snipped", removed=len(new))
         state.last = Projection.remember(last, len(state.removed), state.removed.keys, out, dropped)
         freed = freed_before_anchor(price, then, out, anchor) if new else refreed
         ctx.report.tokens_freed += freed
-        facts = {
-            "removed_new": len(new),
-            "removed_total": len(state.removed),
-            "reapplied": reapplied,
-            "tokens_freed": freed,
-            "trigger_tokens": self.trigger_tokens,
-            "target_tokens": self.target_tokens,
-        }
-        ctx.report.notes[self.name] = facts
-        emit_decision(
-            ctx.tracer,
+        ctx.decide(
             self.name,
-            conversation_id=ctx.session_id,
-            decision=decision,
-            reason=reason,
+            decision,
+            reason,
             tokens_before=before,
-            tokens_after=ctx.token_tracker.estimate(out) - ctx.report.tokens_freed,
-            strategy=self.strategy,
-            **facts,
+            tokens_after=ctx.size_of(out),
+            facts={
+                ATTR.STRATEGY: self.strategy,
+                ATTR.REMOVED_NEW: len(new),
+                ATTR.REMOVED_TOTAL: len(state.removed),
+                ATTR.REAPPLIED: reapplied,
+                ATTR.TOKENS_FREED: freed,
+                ATTR.TRIGGER_TOKENS: self.trigger_tokens,
+                ATTR.TARGET_TOKENS: self.target_tokens,
+            },
         )
         return out
 
@@ -276,12 +278,3 @@ class HistorySnip:
                 chosen += uids
                 freed += price(messages[s:e])
         return chosen
-
-    async def _record(self, ctx: SessionContext, new: list[str], anchor: str | None) -> None:
-        data = {"strategy": self.strategy, "removed": new, "anchor": anchor}
-        try:
-            await anyio.to_thread.run_sync(ctx.record, self.name, data)
-        except OSError as exc:
-            # the removal stands (it is in the state); only a resume would lose it
-            ctx.logger.error("history_snip_record_write_failed", error=type(exc).__name__)
-        ctx.logger.info("history_snip.snipped", removed=len(new))

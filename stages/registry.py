@@ -2,26 +2,33 @@
 
 A strategy is chosen per slot with a spec string ``STRATEGY[:key=value[:key=value...]]``, e.g.
 ``microcompact=clear-oldest:keep=5`` or ``history_snip=off``. Values are read as int, float,
-``true``/``false``, ``a+b+c`` (a tuple of strings), else a string. Strategies that need a
-summariser (``summarize-spans``, ``summarize``) get the one passed to :func:`build_pipeline`.
+``true``/``false``, ``a+b+c`` (a tuple of strings), else a string. Every pipeline starts from
+:func:`stages.default_stages`; a chosen strategy gets the same shared settings the default one
+would (``context_window``, ``incremental``, the budget's ``limit``; the summariser for the
+strategies that summarise) unless the spec sets them.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from pipeline import Pipeline, Stage
+from pipeline.policies import DEFAULT_CONTEXT_WINDOW, MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
 from pipeline.summarizer import Summarizer
+from stages import default_stages
 from stages.autocompact import Autocompact
 from stages.baselines import ClearEveryTurn, HeadTailTruncate
 from stages.context_collapse import ContextCollapse
 from stages.history_snip import HistorySnip
-from stages.microcompact import Microcompact, ServerSideMicrocompact
+from stages.microcompact import Microcompact
+from stages.server_microcompact import ServerSideMicrocompact
 from stages.tool_result_budget import ToolResultBudget
 
 __all__ = [
     "COMPARISON_POINTS",
+    "OFF",
     "SLOTS",
     "STRATEGIES",
     "build_pipeline",
@@ -30,11 +37,8 @@ __all__ = [
     "parse_stage_spec",
 ]
 
-SLOTS = ("tool_result_budget", "history_snip", "microcompact", "context_collapse", "autocompact")
-OFF = "off"
-
 STRATEGIES: dict[str, dict[str, Callable[..., Stage]]] = {
-    "tool_result_budget": {"budget": ToolResultBudget},
+    "tool_result_budget": {ToolResultBudget.strategy: ToolResultBudget},
     "history_snip": {HistorySnip.strategy: HistorySnip},
     "microcompact": {
         Microcompact.strategy: Microcompact,
@@ -45,8 +49,8 @@ STRATEGIES: dict[str, dict[str, Callable[..., Stage]]] = {
     "autocompact": {Autocompact.strategy: Autocompact},
 }
 """Slot → strategy id → constructor. ``off`` removes a slot's stage."""
-
-_NEEDS_SUMMARIZER: tuple[object, ...] = (ContextCollapse, Autocompact)
+SLOTS = tuple(STRATEGIES)
+OFF = "off"
 
 
 def _value(text: str) -> Any:
@@ -82,9 +86,18 @@ def parse_stage_spec(spec: str) -> tuple[str, str, dict[str, Any]]:
 
 
 def build_stage(
-    slot: str, strategy: str, summarizer: Summarizer | None = None, **kwargs: Any
+    slot: str,
+    strategy: str,
+    summarizer: Summarizer | None = None,
+    *,
+    shared: Mapping[str, Any] | None = None,
+    **kwargs: Any,
 ) -> Stage:
-    """The stage for ``slot`` using ``strategy``; ValueError naming what is unknown or bad."""
+    """The stage for ``slot`` using ``strategy``; ``ValueError`` naming what is unknown or bad.
+
+    ``shared`` settings (and ``summarizer``) are passed to the constructor where it takes them;
+    ``kwargs`` win over them.
+    """
     if slot not in STRATEGIES:
         raise ValueError(f"unknown stage slot {slot!r}; slots are: {', '.join(SLOTS)}")
     choices = STRATEGIES[slot]
@@ -92,10 +105,11 @@ def build_stage(
         known = ", ".join([*choices, OFF])
         raise ValueError(f"unknown strategy {strategy!r} for {slot}; choose one of: {known}")
     factory = choices[strategy]
-    if factory in _NEEDS_SUMMARIZER:
-        kwargs["summarizer"] = summarizer
+    accepted = inspect.signature(factory).parameters
+    given = {"summarizer": summarizer, **(shared or {})}
+    args = {k: v for k, v in given.items() if k in accepted} | kwargs
     try:
-        return factory(**kwargs)
+        return factory(**args)
     except TypeError as exc:
         raise ValueError(f"{slot}={strategy}: {exc}") from None
 
@@ -104,32 +118,42 @@ def build_pipeline(
     config: Mapping[str, str | Mapping[str, Any]] | None = None,
     *,
     summarizer: Summarizer | None = None,
-    per_message_chars: float = 200_000,
+    per_message_chars: float = MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
+    context_window: int = DEFAULT_CONTEXT_WINDOW,
+    incremental: bool = True,
 ) -> Pipeline:
-    """The default pipeline with the strategies ``config`` chooses, slot by slot.
+    """:func:`stages.default_stages` with the strategies ``config`` chooses, slot by slot.
 
     ``config`` maps a slot to a spec string (``"clear-oldest:keep=5"``, ``"off"``) or to a
     mapping ``{"strategy": "clear-oldest", "keep": 5}`` — what a config file holds.
     """
-    stages: dict[str, Stage | None] = {
-        "tool_result_budget": ToolResultBudget(limit=per_message_chars),
-        "history_snip": HistorySnip(),
-        "microcompact": Microcompact(),
-        "context_collapse": ContextCollapse(),  # see default_stages: autocompact acts first
-        "autocompact": Autocompact(summarizer, block=False),
+    pipe = Pipeline(
+        default_stages(
+            context_window=context_window,
+            per_message_chars=per_message_chars,
+            summarizer=summarizer,
+            incremental=incremental,
+        )
+    )
+    shared = {
+        "context_window": context_window,
+        "incremental": incremental,
+        "limit": per_message_chars,
     }
     for slot, choice in (config or {}).items():
-        if slot not in stages:
+        if slot not in STRATEGIES:
             raise ValueError(f"unknown stage slot {slot!r}; slots are: {', '.join(SLOTS)}")
         if isinstance(choice, str):
             _, strategy, kwargs = parse_stage_spec(f"{slot}={choice}")
         else:
             kwargs = dict(choice)
             strategy = str(kwargs.pop("strategy", ""))
-        stages[slot] = (
-            None if strategy == OFF else build_stage(slot, strategy, summarizer, **kwargs)
-        )
-    return Pipeline(s for s in stages.values() if s is not None)
+        if strategy == OFF:
+            pipe = pipe.remove(slot)
+        else:
+            stage = build_stage(slot, strategy, summarizer, shared=shared, **kwargs)
+            pipe = pipe.replace(slot, stage)
+    return pipe
 
 
 COMPARISON_POINTS: dict[str, str] = {
@@ -141,7 +165,9 @@ COMPARISON_POINTS: dict[str, str] = {
 }
 
 
-def comparison_pipeline(name: str, *, per_message_chars: float = 200_000) -> Pipeline:
+def comparison_pipeline(
+    name: str, *, per_message_chars: float = MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
+) -> Pipeline:
     """A built-in comparison point by name (see :data:`COMPARISON_POINTS`)."""
     if name == "none":
         return Pipeline([])

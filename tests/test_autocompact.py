@@ -169,7 +169,7 @@ def test_bad_arguments_are_named(kwargs: dict[str, Any], name: str) -> None:
 
 
 def test_a_summarizer_needs_a_summarize_method() -> None:
-    with pytest.raises(TypeError, match="summarizer"):
+    with pytest.raises(ValueError, match="summarizer"):
         Autocompact(object())  # type: ignore[arg-type]
 
 
@@ -177,10 +177,10 @@ def test_a_summarizer_needs_a_summarize_method() -> None:
 @pytest.mark.parametrize(
     ("usage", "decision", "reason"),
     [
-        (BELOW, "keep", "below_warning"),
-        (WARN, "warn", "warning"),
-        (OVER, "compact", "compacted"),
-        (BLOCKING, "compact", "compacted"),  # compaction brings it back under the limit
+        (BELOW, "skip", "below_warning"),
+        (WARN, "warn", "over_warning"),
+        (OVER, "compact", "over_trigger"),
+        (BLOCKING, "compact", "over_trigger"),  # compaction brings it back under the limit
     ],
 )
 async def test_decision_by_size(
@@ -192,7 +192,11 @@ async def test_decision_by_size(
     )
     [d] = decisions(exporter)
     assert (d["decision"], d["reason"]) == (decision, reason)
-    assert (d["threshold"], d["warning"], d["blocking"]) == (39_000, 19_000, 49_000)
+    assert (d["trigger_tokens"], d["warning_tokens"], d["blocking_tokens"]) == (
+        39_000,
+        19_000,
+        49_000,
+    )
     assert d["tokens_before"] == usage + REQ
     assert d["gen_ai.conversation.id"] == "s1"
     assert (out is msgs) == (decision != "compact")
@@ -204,32 +208,35 @@ async def test_without_summarizer_it_never_compacts_but_blocks(
 ) -> None:
     ctx = make_ctx(tmp_path, exporter)
     over = conversation(OVER)
-    assert await Autocompact(**SMALL)(over, ctx) is over
+    assert await Autocompact(block=True, **SMALL)(over, ctx) is over
     with pytest.raises(ContextWindowExceeded) as err:
-        await Autocompact(**SMALL)(conversation(BLOCKING), ctx)
+        await Autocompact(block=True, **SMALL)(conversation(BLOCKING), ctx)
     assert (err.value.size, err.value.limit) == (BLOCKING + REQ, 49_000)
     blocking = conversation(BLOCKING)
     assert await Autocompact(block=False, **SMALL)(blocking, ctx) is blocking
     got = [(d["decision"], d["reason"], d.get("cause")) for d in decisions(exporter)]
     assert got == [
         ("skip", "no_summarizer", None),
-        ("block", "blocked", "no_summarizer"),
+        ("block", "over_blocking", "no_summarizer"),
         ("skip", "no_summarizer", None),
     ]
 
 
 @pytest.mark.asyncio
-async def test_default_instance_warns_and_blocks_through_the_pipeline(
+async def test_a_blocking_instance_warns_and_blocks_through_the_pipeline(
     tmp_path: Path, exporter: InMemorySpanExporter
 ) -> None:
     ctx = make_ctx(tmp_path, exporter)
-    pipe = Pipeline([Autocompact()])
+    default = conversation(177_000)
+    assert await Pipeline([Autocompact()]).run(default, ctx) is default  # never blocks
+    exporter.clear()
+    pipe = Pipeline([Autocompact(block=True)])
     warned = conversation(150_000)
     assert await pipe.run(warned, ctx) is warned
     with pytest.raises(ContextWindowExceeded) as err:  # unwrapped: a PipelineHalt
         await pipe.run(conversation(177_000), ctx)
     assert err.value.limit == 177_000
-    assert [d["reason"] for d in decisions(exporter)] == ["warning", "blocked"]
+    assert [d["reason"] for d in decisions(exporter)] == ["over_warning", "over_blocking"]
 
 
 @pytest.mark.asyncio
@@ -253,7 +260,7 @@ async def test_tokens_freed_by_earlier_stages_count(
     msgs = conversation(OVER)
     assert await Autocompact(Exploding(), **SMALL)(msgs, ctx) is msgs
     [d] = decisions(exporter)
-    assert (d["reason"], d["tokens_before"]) == ("warning", OVER + REQ - 2_000)
+    assert (d["reason"], d["tokens_before"]) == ("over_warning", OVER + REQ - 2_000)
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,8 +299,8 @@ async def test_compaction_projects_boundary_summary_and_kept_request(
     [record] = ctx.records_for("autocompact")
     assert record["summary"] == text and record["first_kept_uuid"] == msgs[-1].uuid
     [d] = decisions(exporter)
-    assert (d["decision"], d["reason"], d["retries"]) == ("compact", "compacted", 0)
-    assert d["tokens_after"] == rough_tokens_for_messages(out) < d["summarized_tokens"]
+    assert (d["decision"], d["reason"], d["retries"]) == ("compact", "over_trigger", 0)
+    assert d["tokens_after"] == rough_tokens_for_messages(out) < d["span.tokens"]
 
 
 @pytest.mark.asyncio
@@ -374,7 +381,7 @@ async def test_pairing_holds_on_random_conversations(
         out = await Autocompact(FakeSummarizer("S."), **SMALL)(msgs, ctx)
         assert check_pairing(to_api(out)) == [], seed
         if out is msgs:
-            assert decisions(exporter)[-1]["reason"] in ("nothing_to_summarize", "summary_larger")
+            assert decisions(exporter)[-1]["reason"] in ("nothing_eligible", "summary_not_smaller")
             continue
         compacted += 1
         first_kept = msgs.index(out[2])
@@ -391,7 +398,7 @@ async def test_pairing_holds_on_random_conversations(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    ("summary", "reason"), [("  \n ", "summary_empty"), ("x" * 20_000, "summary_larger")]
+    ("summary", "reason"), [("  \n ", "summary_empty"), ("x" * 20_000, "summary_not_smaller")]
 )
 async def test_useless_summaries_are_discarded(
     tmp_path: Path, exporter: InMemorySpanExporter, summary: str, reason: str
@@ -424,7 +431,7 @@ async def test_prompt_too_long_drops_the_oldest_rounds(
         assert len(body) < len(longer) and longer[-len(body) :] == body  # oldest dropped
         assert shorter[0]["role"] == "user"
     [d] = decisions(exporter)
-    assert (d["decision"], d["reason"], d["retries"]) == ("compact", "prompt_too_long_retry", 2)
+    assert (d["decision"], d["reason"], d["retries"]) == ("compact", "over_trigger", 2)
 
 
 @pytest.mark.asyncio
@@ -468,12 +475,12 @@ async def test_circuit_breaker_opens_after_three_failures_and_success_resets_it(
         out = await stage(later, ctx)
     got = [(d["reason"], d["failures"]) for d in decisions(exporter)]
     assert got == [
-        ("summary_failed", 1),
-        ("summary_failed", 2),
-        ("compacted", 0),  # a success resets the count
-        ("summary_failed", 1),
-        ("summary_failed", 2),
-        ("summary_failed", 3),
+        ("summary_error", 1),
+        ("summary_error", 2),
+        ("over_trigger", 0),  # a success resets the count
+        ("summary_error", 1),
+        ("summary_error", 2),
+        ("summary_error", 3),
         ("circuit_open", 3),
     ]
     assert len(summarizer.calls) == 6
@@ -517,7 +524,7 @@ async def test_projection_is_reapplied_byte_identically(
     assert len(wire3) == len(wire1) + 2 and dumps(wire3[: len(wire1)]) == dumps(wire1)
     assert later[2:] == more[12:] and len(summarizer.calls) == 1
     compacted, repeated, extended = decisions(exporter)
-    assert repeated["reason"] == extended["reason"] == "reapplied"
+    assert repeated["decision"] == extended["decision"] == "reapply"
     assert (
         repeated["tokens_before"] == compacted["tokens_after"] == rough_tokens_for_messages(first)
     )
@@ -598,7 +605,7 @@ async def test_resume_gives_byte_identical_requests(
     assert [(m.uuid, m.content) for m in resumed_out[:2]] == [
         (m.uuid, m.content) for m in live_out[:2]
     ]
-    assert decisions(exporter)[-1]["reason"] == "reapplied"
+    assert decisions(exporter)[-1]["decision"] == "reapply"
 
 
 @pytest.mark.asyncio
@@ -703,5 +710,5 @@ async def test_anthropic_summarizer_end_to_end(
     assert len(retry) < len(first) and "request 0" not in dumps(retry)
     assert "request 0" in dumps(first) and "request 5" in dumps(retry)
     d, again = decisions(exporter)
-    assert (d["decision"], d["reason"], d["retries"]) == ("compact", "prompt_too_long_retry", 1)
-    assert again["reason"] == "reapplied"
+    assert (d["decision"], d["reason"], d["retries"]) == ("compact", "over_trigger", 1)
+    assert again["decision"] == "reapply"

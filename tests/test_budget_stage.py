@@ -120,7 +120,7 @@ class CountingStore:
 async def test_gate_empty_becomes_placeholder(empty: Any) -> None:
     block = tool_result("t1", empty, is_error=False)
     out = await gate_tool_result(block, tool_name="Grep", threshold=10, store=CountingStore())
-    assert out.decision == "empty"
+    assert (out.decision, out.reason) == ("fill_empty", "empty")
     assert out.block == {**block, "content": "(Grep completed with no output)"}
 
 
@@ -131,7 +131,7 @@ async def test_gate_branches() -> None:
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "A" * 99}}
     ]
     out = await gate_tool_result(tool_result("i", img), tool_name="X", threshold=1, store=store)
-    assert (out.decision, out.block["content"]) == ("image", img)
+    assert (out.decision, out.reason, out.block["content"]) == ("keep", "image", img)
 
     at = tool_result("a", "x" * 10)
     out = await gate_tool_result(at, tool_name="X", threshold=10, store=store)
@@ -139,12 +139,12 @@ async def test_gate_branches() -> None:
 
     mixed = [{"type": "text", "text": "x" * 50}, {"type": "document", "source": {}}]
     out = await gate_tool_result(tool_result("m", mixed), tool_name="X", threshold=10, store=store)
-    assert out.decision == "not_persistable"
+    assert (out.decision, out.reason) == ("keep", "not_persistable")
 
     out = await gate_tool_result(
         tool_result("u", "x" * 99), tool_name="R", threshold=math.inf, store=store
     )
-    assert out.decision == "unbounded"
+    assert out.decision == "skip_unbounded_tool"
     assert store.writes == []
 
     over = tool_result("o", "y" * 11, is_error=True, cache_control={"type": "ephemeral"})

@@ -19,9 +19,9 @@ from pipeline._cli.compare import (
     load_prices,
     price_for,
 )
-from stages import Microcompact, ToolResultBudget
-from stages.baselines import CLEARED, ClearEveryTurn, HeadTailTruncate
-from stages.microcompact import ServerSideMicrocompact
+from stages import Microcompact, ServerSideMicrocompact, ToolResultBudget
+from stages._shared import CLEARED_PLACEHOLDER as CLEARED
+from stages.baselines import ClearEveryTurn, HeadTailTruncate
 from stages.registry import build_pipeline, build_stage, comparison_pipeline, parse_stage_spec
 from tests.builders import results, tool_result, tool_use
 from tests.test_cli import run_cli

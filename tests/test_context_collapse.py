@@ -115,7 +115,7 @@ async def test_commits_when_the_estimate_reaches_ninety_percent(tmp_path: Path) 
     ctx = make_ctx(tmp_path, spans, session_id="s2")
     before = ctx.token_tracker.estimate(above)
     out = await run(stage, above, ctx)
-    assert decision(spans) == ("committed", "over_trigger")
+    assert decision(spans) == ("collapse", "over_trigger")
     # the oldest rounds, in wire form, ending with the tool_result of the last one
     [request] = fake.requests
     k = (len(above) - len(out) + 1) // 2
@@ -168,7 +168,7 @@ async def test_the_projection_is_stable_across_passes(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("reply", "reason"),
-    [("", "empty_summary"), ("  \n ", "empty_summary"), ("x" * 40_000, "summary_not_smaller")],
+    [("", "summary_empty"), ("  \n ", "summary_empty"), ("x" * 40_000, "summary_not_smaller")],
 )
 async def test_useless_summaries_are_discarded(tmp_path: Path, reply: str, reason: str) -> None:
     spans = Spans()
@@ -180,8 +180,8 @@ async def test_useless_summaries_are_discarded(tmp_path: Path, reply: str, reaso
         out = await run(stage, history, ctx)
         assert out == history and not ctx.report.suppress_autocompact
     assert [decision(spans, i) for i in range(3)] == [
-        ("discarded", reason),
-        ("discarded", reason),
+        ("discard", reason),
+        ("discard", reason),
         ("skip", "circuit_open"),  # two in a row: stop paying for summaries in this session
     ]
     assert len(fake.requests) == 2 and ctx.records_for("context_collapse") == []
@@ -205,7 +205,7 @@ async def test_summary_failures_never_fail_the_turn(
     history = over_commit()
     stage = collapse(fake, max_span_fraction=0.5)
     assert await run(stage, history, ctx) == history
-    assert decision(spans) == ("summary_failed", reason)
+    assert decision(spans) == ("fail", reason)
     await run(stage, history, ctx)
     first, second = (len(r) for r in fake.requests)
     if reason == "prompt_too_long":
@@ -394,7 +394,7 @@ def test_collapse_keeps_pairing_alternation_and_is_idempotent(
             )
             last = spans.decisions("context_collapse")[-1][ATTR.DECISION]
             snip = spans.decisions("history_snip")[-1][ATTR.DECISION]
-            if k == len(history) and snip != "snipped" and last in ("skip", "reapplied"):
+            if k == len(history) and snip != "snip" and last in ("skip", "reapply"):
                 break  # no new decision: the state is settled
         else:
             raise AssertionError("a pipeline that keeps deciding on the same history")

@@ -95,6 +95,7 @@ from pipeline import (
 )
 from pipeline.messages import MAX_TOKENS
 from pipeline.storage import TOOL_RESULTS_SUBDIR
+from pipeline.tracing import ATTR
 from pipeline.transcript import MAX_NESTING, TranscriptError
 from stages import default_stages
 
@@ -1352,10 +1353,12 @@ def stage_events(ctx: SessionContext) -> None:
     """Which stages acted in the latest pass (hypothesis statistics: is the fuzz reaching them)."""
     if not currently_in_test_context():
         return
-    notes = ctx.report.notes
+    made = ctx.report.decisions
     event(f"budget persisted: {bool(ctx.report.persisted)}")
-    event(f"microcompact: {notes.get('microcompact', {}).get('decision')}")
-    event(f"history_snip removed: {bool(notes.get('history_snip', {}).get('removed_total'))}")
+    micro = made.get("microcompact")
+    event(f"microcompact: {micro.decision if micro else None}")
+    snip = made.get("history_snip")
+    event(f"history_snip removed: {bool(snip and snip.facts.get(ATTR.REMOVED_TOTAL))}")
     auto = ctx.stage_state.get("autocompact")
     event(f"autocompact projection: {getattr(auto, 'projection', None) is not None}")
 
@@ -1845,7 +1848,7 @@ def test_found_surrogate_uuid_through_history_snip(tmp_path: Path) -> None:
     tmp, base = make_sandbox()
     with tmp:
         _, _, ctx = run_default_pipeline(loaded.messages, base, writer=False)
-        assert ctx.report.notes["history_snip"]["removed_total"]
+        assert ctx.report.decisions["history_snip"].facts[ATTR.REMOVED_TOTAL]
 
 
 def test_found_huge_usage_line_is_a_clear_error(tmp_path: Path) -> None:
@@ -1954,7 +1957,7 @@ def test_found_microcompact_reapply_keeps_freed_tokens(tmp_path: Path) -> None:
         _, wires, ctx = run_default_pipeline(
             msgs, base, writer=False, summarizer=EchoSummarizer(), passes=2
         )
-        assert ctx.report.notes["microcompact"]["decision"] == "reapply"
+        assert ctx.report.decisions["microcompact"].decision == "reapply"
         assert wires[1] == wires[0]
 
 

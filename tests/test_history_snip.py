@@ -124,7 +124,7 @@ async def test_below_the_trigger_nothing_changes_and_the_span_says_why(tmp_path:
     [d] = spans.decisions("history_snip")
     assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("skip", "below_trigger")
     assert d[ATTR.TOKENS_BEFORE] == ctx.token_tracker.estimate(history) < 8_000
-    assert d["sluicegate.strategy"] == "snip-middle"
+    assert d[ATTR.STRATEGY] == "snip-middle"
 
 
 @pytest.mark.asyncio
@@ -157,12 +157,12 @@ async def test_over_the_trigger_oldest_middle_rounds_go(tmp_path: Path) -> None:
     assert wire_ok(out)
 
     [d] = spans.decisions("history_snip")
-    assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("snipped", "over_trigger")
+    assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("snip", "over_trigger")
     # what the anchor's usage counted and is gone now, less the marker that replaces it
     freed = rough_tokens_for_messages(history[1 : 1 + 2 * k]) - rough_tokens_for_messages(out[1:2])
-    assert ctx.report.tokens_freed == d["sluicegate.tokens_freed"] == freed > 0
+    assert ctx.report.tokens_freed == d[ATTR.TOKENS_FREED] == freed > 0
     assert d[ATTR.TOKENS_AFTER] == before - ctx.report.tokens_freed <= 6_000
-    assert d["sluicegate.removed_new"] == 2 * k
+    assert d[ATTR.REMOVED_NEW] == 2 * k
     assert ctx.records_for("history_snip") == [
         {"strategy": "snip-middle", "removed": gone, "anchor": history[-2].uuid}
     ]
@@ -188,7 +188,7 @@ async def test_nothing_removable_when_every_round_is_protected(tmp_path: Path) -
     ctx = make_ctx(tmp_path, spans)
     assert await small_snip()(history, ctx) is history
     [d] = spans.decisions("history_snip")
-    assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("skip", "nothing_removable")
+    assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("skip", "nothing_eligible")
 
 
 @pytest.mark.asyncio
@@ -269,15 +269,15 @@ async def test_tokens_freed_count_once_per_usage_anchor(tmp_path: Path) -> None:
     assert again == first and ctx.report.tokens_freed == freed
     decisions = spans.decisions("history_snip")
     assert [(d[ATTR.DECISION], d[ATTR.REASON]) for d in decisions] == [
-        ("snipped", "over_trigger"),
-        ("reapplied", "below_trigger"),
+        ("snip", "over_trigger"),
+        ("reapply", "below_trigger"),
     ]
     assert decisions[0][ATTR.TOKENS_AFTER] == decisions[1][ATTR.TOKENS_BEFORE]
     # the next response's usage no longer counts them: nothing more to subtract
     later = answered(history, first, 99, 100)
     out = await run(stage, later, ctx)
     assert ctx.report.tokens_freed == 0 and out[: len(first)] == first
-    assert spans.decisions("history_snip")[-1][ATTR.DECISION] == "reapplied"
+    assert spans.decisions("history_snip")[-1][ATTR.DECISION] == "reapply"
 
 
 @pytest.mark.asyncio

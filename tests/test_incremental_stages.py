@@ -9,7 +9,8 @@ back, a new list) and thresholds low enough that every stage acts -- through
 against a from-scratch pass: fresh stage objects and a fresh context restored from the stage
 records and the ledger as they stood before the pass (the resume path). Compared: the output
 (as messages and ``json.dumps(to_api(...))``), which input objects pass through by reference,
-every stage's notes, ``tokens_freed``, the stage records the pass wrote and the ledger.
+every stage's decision with its facts, ``tokens_freed``, the stage records the pass wrote
+and the ledger.
 
 Deterministic tests then count what a pass reads (no timing) and pin the fallbacks.
 """
@@ -27,6 +28,7 @@ from hypothesis import event
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage, to_api
 from pipeline.incremental import AppendWatch
 from pipeline.testing import RecordReads, assert_same_messages
+from pipeline.tracing import ATTR, Decision
 from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
 from tests.builders import (
     MemoryStore,
@@ -111,9 +113,10 @@ class Twin:
 
         ref_ctx = _ctx(self.store, replacement_state=ledger, stage_records=records)
         fresh = _stages()
-        if breaker is not None:  # unrecorded circuit-breaker state, carried over by hand
-            state = fresh[3]._state(ref_ctx)
-            state.failures, state.span_cap = breaker
+        if breaker is not None:  # the circuit breaker is never recorded: carried over by hand
+            restored = type(collapse).restore(ref_ctx.records_for("context_collapse"))
+            restored.failures, restored.span_cap = breaker
+            ref_ctx.stage_state["context_collapse"] = restored
         ref = await Pipeline(fresh).run(history, ref_ctx)
         self.passes += 1
         where = f"pass {self.passes}"
@@ -124,14 +127,13 @@ class Twin:
         assert [a is b for a, b in zip(out, history, strict=False)] == [
             a is b for a, b in zip(ref, history, strict=False)
         ], where
-        assert self.ctx.report.notes == ref_ctx.report.notes, where
+        assert self.ctx.report.decisions == ref_ctx.report.decisions, where
         assert self.ctx.report.tokens_freed == ref_ctx.report.tokens_freed, where
         assert self.ctx.report.suppress_autocompact == ref_ctx.report.suppress_autocompact, where
         assert self.ctx.stage_records[len(records) :] == ref_ctx.stage_records[len(records) :]
         assert self.ctx.replacement_state == ref_ctx.replacement_state, where
-        for name, note in self.ctx.report.notes.items():
-            decision = note.get("decision") if name == "microcompact" else None
-            if decision == "clear" or note.get("removed_new") or note.get("commits_active"):
+        for name, made in self.ctx.report.decisions.items():
+            if made.decision in (Decision.CLEAR, Decision.SNIP, Decision.COLLAPSE):
                 event(f"{name} acted")
         return out
 
@@ -284,7 +286,7 @@ async def test_a_microcompact_swapped_for_another_tool_set_reapplies_by_its_own(
     history += _turn(8, size=10, usage=1_500)
     out = await pipe.run(history, ctx)
     assert "[Old tool result content cleared]" not in json.dumps(to_api(out))
-    assert ctx.report.notes["microcompact"]["reapplied"] == 0
+    assert ctx.report.decisions["microcompact"].facts[ATTR.REAPPLIED] == 0
 
 
 @pytest.mark.asyncio

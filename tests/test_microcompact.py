@@ -46,16 +46,12 @@ from pipeline.pairing import check_pairing
 from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tools import tool
-from pipeline.tracing import ATTR, decision_span_name, get_tracer
+from pipeline.tracing import ATTR, Reason, decision_span_name, get_tracer
 from pipeline.transcript import StageRecord
-from stages import Microcompact, default_stages
-from stages.microcompact import (
-    CLEARED_PLACEHOLDER,
-    CONTEXT_MANAGEMENT_BETA,
-    DEFAULT_COMPACTABLE_TOOLS,
-    Reason,
-    ServerSideMicrocompact,
-)
+from stages import Microcompact, ServerSideMicrocompact, default_stages
+from stages._shared import CLEARED_PLACEHOLDER
+from stages.microcompact import DEFAULT_COMPACTABLE_TOOLS
+from stages.server_microcompact import CONTEXT_MANAGEMENT_BETA
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 T0 = datetime(2025, 3, 1, 9, 0, tzinfo=UTC)
@@ -186,7 +182,7 @@ async def test_idle_gap_clears_all_but_the_newest_keep(tmp_path: Path) -> None:
     msgs = come_back(tool_turns(10), after_minutes=61)
     out = await one_pass(Microcompact(keep=5), msgs, ctx := new_ctx(tmp_path))
     assert cleared_ids(out) == ids(0, 1, 2, 3, 4)
-    assert ctx.report.notes["microcompact"]["reason"] == Reason.CLEARED_IDLE_GAP
+    assert ctx.report.decisions["microcompact"].reason == Reason.IDLE_GAP
 
 
 @pytest.mark.asyncio
@@ -209,7 +205,7 @@ async def test_a_warm_cache_is_left_alone(
     assert out is msgs
     [d] = decisions(exporter)
     assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("skip", Reason.CACHE_WARM)
-    assert d["sluicegate.idle_gap_minutes"] == pytest.approx(30.0)
+    assert d[ATTR.IDLE_GAP_MINUTES] == pytest.approx(30.0)
 
 
 @pytest.mark.asyncio
@@ -229,7 +225,7 @@ async def test_the_idle_gap_is_measured_from_the_records_then_the_wall_clock(
     stage = Microcompact(**IDLE_ONLY)
     out = await one_pass(stage, msgs, new_ctx(tmp_path))
     assert cleared_ids(out) == ids(0, 1, 2)  # T0 was long ago: all but the newest 5
-    stage._now = lambda: T0 + timedelta(minutes=8)  # type: ignore[method-assign]
+    stage = Microcompact(**IDLE_ONLY, clock=lambda: T0 + timedelta(minutes=8))
     assert await one_pass(stage, msgs, new_ctx(tmp_path, "s2")) is msgs
 
 
@@ -269,11 +265,11 @@ async def test_size_trigger(
     assert cleared_ids(out) == ids(*range(7))
     skip, clear = decisions(exporter)
     assert (skip[ATTR.DECISION], skip[ATTR.REASON]) == ("skip", Reason.BELOW_TRIGGER)
-    assert (clear[ATTR.DECISION], clear[ATTR.REASON]) == ("clear", Reason.CLEARED_CONTEXT_SIZE)
+    assert (clear[ATTR.DECISION], clear[ATTR.REASON]) == ("clear", Reason.OVER_TRIGGER)
     assert clear[ATTR.TOKENS_BEFORE] == size > 3 * clear[ATTR.TOKENS_AFTER]
-    assert clear["sluicegate.cleared"] == 7
-    assert clear["sluicegate.kept"] == 3
-    assert ctx.report.notes["microcompact"]["cleared"] == 7
+    assert clear[ATTR.CLEARED] == 7
+    assert clear[ATTR.KEPT] == 3
+    assert ctx.report.decisions["microcompact"].facts[ATTR.CLEARED] == 7
 
 
 @pytest.mark.asyncio
@@ -284,7 +280,7 @@ async def test_the_size_trigger_sees_what_earlier_stages_freed(tmp_path: Path) -
     ctx.begin_pass()
     ctx.report.tokens_freed = 10_000  # e.g. history_snip removed that much this pass
     assert await stage(msgs, ctx) is msgs
-    assert ctx.report.notes["microcompact"]["reason"] == Reason.BELOW_TRIGGER
+    assert ctx.report.decisions["microcompact"].reason == Reason.BELOW_TRIGGER
 
 
 @pytest.mark.asyncio
@@ -297,7 +293,7 @@ async def test_below_the_min_reclaim_floor_the_cache_is_not_broken(
     assert await one_pass(strict, msgs, new_ctx(tmp_path, tracer=tracer)) is msgs
     [d] = decisions(exporter)
     assert (d[ATTR.DECISION], d[ATTR.REASON]) == ("skip", Reason.BELOW_MIN_RECLAIM)
-    assert 20_000 < d["sluicegate.reclaimable_tokens"] < 22_000
+    assert 20_000 < d[ATTR.RECLAIMABLE_TOKENS] < 22_000
     lenient = Microcompact(keep=3, trigger_tokens=10_000, min_reclaim_tokens=20_000, **SIZE_ONLY)
     assert cleared_ids(await one_pass(lenient, msgs, new_ctx(tmp_path, "s2"))) == ids(*range(7))
 
@@ -307,7 +303,7 @@ async def test_nothing_eligible(tmp_path: Path) -> None:
     msgs = come_back(tool_turns(3), after_minutes=120)  # 3 results, keep 5
     ctx = new_ctx(tmp_path)
     assert await one_pass(Microcompact(), msgs, ctx) is msgs
-    assert ctx.report.notes["microcompact"]["reason"] == Reason.NOTHING_ELIGIBLE
+    assert ctx.report.decisions["microcompact"].reason == Reason.NOTHING_ELIGIBLE
 
 
 # --------------------------------------------------------------------------------------------
@@ -482,7 +478,7 @@ async def test_persisted_empty_and_already_cleared_results_are_left_as_they_are(
     blocks = result_blocks(out)
     assert [blocks[t]["content"] for t in ids(0, 1, 2, 3, 4)] == contents[:5]
     assert blocks["toolu_5"]["content"] == CLEARED_PLACEHOLDER
-    assert ctx.report.notes["microcompact"]["cleared"] == 1
+    assert ctx.report.decisions["microcompact"].facts[ATTR.CLEARED] == 1
 
 
 @pytest.mark.asyncio
@@ -561,7 +557,7 @@ async def test_later_passes_reapply_byte_identically_and_free_nothing_new(
     assert await one_pass(stage, later, ctx) == second  # idempotent
     d = decisions(exporter)
     assert [x[ATTR.DECISION] for x in d] == ["clear", "reapply", "reapply", "reapply"]
-    assert d[2][ATTR.REASON] == Reason.BELOW_TRIGGER and d[2]["sluicegate.reapplied"] == 5
+    assert d[2][ATTR.REASON] == Reason.BELOW_TRIGGER and d[2][ATTR.REAPPLIED] == 5
     assert len(ctx.records_for("microcompact")) == 1  # written only when the set grew
 
 
@@ -634,7 +630,7 @@ async def test_resume_from_in_memory_records(tmp_path: Path) -> None:
     sent = to_api(out)
     assert to_api(again)[: len(sent)] == sent  # the prefix the live session cached
     assert cleared_ids(again) == cleared_ids(out) == ids(*range(6))
-    assert resumed.report.notes["microcompact"]["decision"] == "reapply"
+    assert resumed.report.decisions["microcompact"].decision == "reapply"
 
 
 @pytest.mark.asyncio
@@ -700,16 +696,16 @@ async def test_one_decision_span_per_pass_without_content(
     )
     found = decisions(exporter)
     assert [(d[ATTR.DECISION], d[ATTR.REASON]) for d in found] == [
-        ("clear", Reason.CLEARED_IDLE_GAP),
+        ("clear", Reason.IDLE_GAP),
         ("reapply", Reason.NOTHING_ELIGIBLE),  # still a gap, but all old results are cleared
         ("skip", Reason.BELOW_TRIGGER),
     ]
     first = found[0]
     assert first[ATTR.CONVERSATION_ID] == "s1"
     assert first[ATTR.STAGE] == "microcompact"
-    assert first["sluicegate.cleared"] == 3 and first["sluicegate.kept"] == 2
-    assert first["sluicegate.trigger"] == "idle_gap"
-    assert first["sluicegate.cache_rewrite_tokens"] > 0
+    assert first[ATTR.CLEARED] == 3 and first[ATTR.KEPT] == 2
+    assert first[ATTR.TRIGGER] == "idle_gap"
+    assert first[ATTR.CACHE_REWRITE_TOKENS] > 0
     for span in exporter.get_finished_spans():
         for value in (span.attributes or {}).values():
             text = str(value)
@@ -848,7 +844,7 @@ async def test_server_side_puts_the_edit_in_the_request_and_edits_nothing(
     assert ctx.report.betas == [CONTEXT_MANAGEMENT_BETA]  # once per pass
     d1, _ = decisions(exporter)
     assert (d1[ATTR.DECISION], d1[ATTR.REASON]) == ("delegate", Reason.DELEGATED)
-    assert d1["sluicegate.cleared"] == 0 and d1["sluicegate.estimated_over_trigger"] is False
+    assert d1[ATTR.CLEARED] == 0 and d1[ATTR.OVER_TRIGGER] is False
 
 
 @pytest.mark.asyncio

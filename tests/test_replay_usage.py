@@ -16,6 +16,7 @@ from anthropic.types import MessageParam
 
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage
 from pipeline.replay import less_usage, replay_messages
+from pipeline.tracing import ATTR
 from stages import HistorySnip
 from stages.autocompact import Autocompact
 from tests.builders import (
@@ -81,7 +82,9 @@ async def test_a_removal_is_counted_once_while_the_anchor_stays() -> None:
     ctx = _ctx()
     seen = []
     async for r in replay_messages(_session(12, without_usage=9), pipe, ctx):
-        seen.append((r.removed_tokens, ctx.report.notes["history_snip"]["removed_new"]))
+        seen.append(
+            (r.removed_tokens, ctx.report.decisions["history_snip"].facts[ATTR.REMOVED_NEW])
+        )
     totals = [total for total, _ in seen]
     new_removals = [i for i, (_, new) in enumerate(seen) if new]
     for i in range(1, len(seen)):

@@ -21,6 +21,7 @@ from pipeline.policies import CLAUDE_CODE_DECLARED, UNDECLARED_MAX_RESULT_SIZE_C
 from pipeline.replay import Call, CallResult
 from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tools import Tool, ToolOutput
+from pipeline.tracing import Decision, Reason
 
 if TYPE_CHECKING:
     import anthropic
@@ -111,9 +112,9 @@ def call_result(log: TurnLog, previous_gate: list[PersistedResult]) -> CallResul
 def gate_persisted(log: TurnLog) -> list[PersistedResult]:
     """The tool results the per-tool gate persisted after this turn's response."""
     return [
-        PersistedResult(g.tool_use_id, g.tool_name, g.chars, g.path, "per_tool_gate")
+        PersistedResult(g.tool_use_id, g.tool_name, g.chars, g.path, str(Reason.PER_TOOL_GATE))
         for g in log.gated
-        if g.decision == "persist" and g.path is not None
+        if g.decision == Decision.PERSIST and g.path is not None
     ]
 
 

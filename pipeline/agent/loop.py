@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import anyio
 import anyio.to_thread
-from anthropic.types import MessageParam, ToolParam
+from anthropic.types import ToolParam
 from opentelemetry.trace import Status, StatusCode
 
-from pipeline.context import PassReport, SessionContext
+from pipeline.agent.results import AgentAPIError, AgentResult, GatedResult, TurnLog
+from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.gate import gate_tool_result
 from pipeline.messages import Block, Message, Usage, now_timestamp
@@ -30,102 +29,16 @@ from pipeline.pairing import ensure_paired
 from pipeline.readback import PersistedOutputReader
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore
-from pipeline.tokens import Observation, TokenTracker, calibration_path_for
+from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
-from pipeline.tracing import ATTR, SPAN_AGENT_TURN, tool_span_name
+from pipeline.tracing import ATTR, SPAN_AGENT_TURN, SPAN_TOOL_EXECUTE, Decision, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
 from pipeline.wire import WireCache, to_api
 
-__all__ = ["Agent", "AgentAPIError", "AgentResult", "GatedResult", "TurnLog"]
+__all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent"]
 
 CANCELLED_RESULT = "Tool execution was cancelled before it finished."
 INTERRUPTED_RESULT = "Tool execution was interrupted (the session stopped before it finished)."
-
-
-class AgentAPIError(RuntimeError):
-    """The Messages API refused a call. Everything recorded before the call is kept.
-
-    ``kind``: ``overloaded``, ``prompt_too_long``, ``bad_request``, ``rate_limited``,
-    ``authentication``, ``permission``, ``not_found``, ``server``, ``connection``, ``timeout``.
-    """
-
-    def __init__(
-        self, kind: str, message: str, *, status: int | None, request_id: str | None
-    ) -> None:
-        self.kind = kind
-        self.status = status
-        self.request_id = request_id
-        super().__init__(f"{kind} (status {status}, request id {request_id}): {message}")
-
-    @classmethod
-    def from_sdk(cls, exc: anthropic.APIError) -> AgentAPIError:
-        """Classify an SDK exception."""
-        if isinstance(exc, anthropic.APITimeoutError):
-            return cls("timeout", str(exc), status=None, request_id=None)
-        if isinstance(exc, anthropic.APIConnectionError):
-            return cls("connection", str(exc), status=None, request_id=None)
-        status = getattr(exc, "status_code", None)
-        request_id = getattr(exc, "request_id", None)
-        body = getattr(exc, "body", None)
-        detail = ""
-        if isinstance(body, Mapping):
-            err = body.get("error")
-            if isinstance(err, Mapping):
-                detail = str(err.get("message") or "")
-        message = detail or str(exc)
-        kinds = {
-            529: "overloaded",
-            429: "rate_limited",
-            401: "authentication",
-            403: "permission",
-            404: "not_found",
-        }
-        kind = kinds.get(status or 0, "server" if (status or 0) >= 500 else "bad_request")
-        if status in (400, 413) and "prompt is too long" in message.lower():
-            kind = "prompt_too_long"
-        return cls(kind, message, status=status, request_id=request_id)
-
-
-@dataclass(frozen=True, slots=True)
-class GatedResult:
-    """What the per-tool gate did to one tool result as it was produced."""
-
-    tool_use_id: str
-    tool_name: str
-    decision: str
-    chars: int
-    path: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class TurnLog:
-    """One model call, as an observer (``Agent(on_turn=...)``) sees it."""
-
-    number: int
-    message_id: str
-    request: list[MessageParam]
-    """The exact ``messages`` sent."""
-    estimated_tokens: int
-    """The tracker's estimate of the request before it was sent."""
-    usage: Usage
-    report: PassReport
-    """What the pipeline's stages did in the pass that built the request."""
-    gated: list[GatedResult]
-    """The per-tool gate's decisions on the tool results this response asked for."""
-    observation: Observation | None = None
-    """The session tracker's estimate of this request held against the response's usage."""
-
-
-@dataclass(frozen=True, slots=True)
-class AgentResult:
-    """How a run ended."""
-
-    stop_reason: str
-    """The model's last ``stop_reason``, or ``max_turns``."""
-    turns: int
-    """Model calls made in this run."""
-    text: str
-    """Text of the last assistant response."""
 
 
 def _blocks_of(response: anthropic.types.Message) -> list[Block]:
@@ -285,19 +198,12 @@ class Agent:
             stop_reason = "max_turns"
         return AgentResult(stop_reason=stop_reason, turns=turns, text=text)
 
-    async def build_request(self) -> list[MessageParam]:
-        """Run the pipeline on the history and normalise it to a request's ``messages``."""
-        projected = await self.pipeline.run(self.history, self.ctx)
-        request = self._wire.to_api(projected)
-        ensure_paired(request)
-        return request
-
     async def turn(self) -> Message:
         """One model call and the tool calls it asks for. Returns the assistant message."""
         ctx = self.ctx
         with ctx.tracer.start_as_current_span(
             SPAN_AGENT_TURN,
-            attributes={ATTR.CONVERSATION_ID: ctx.session_id, "gen_ai.request.model": self.model},
+            attributes={ATTR.CONVERSATION_ID: ctx.session_id, ATTR.REQUEST_MODEL: self.model},
             record_exception=False,  # exception text may quote content: status set by hand
             set_status_on_exception=False,
         ) as span:
@@ -343,9 +249,9 @@ class Agent:
             if ctx.transcript is not None:  # resumable: keep the calibration with the session
                 path = calibration_path_for(ctx.root, ctx.session_id, ctx.agent_id)
                 await anyio.to_thread.run_sync(ctx.token_tracker.save, path)
-            span.set_attribute("gen_ai.response.id", response.id)
-            span.set_attribute("gen_ai.usage.input_tokens", usage.input_side)
-            span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
+            span.set_attribute(ATTR.RESPONSE_ID, response.id)
+            span.set_attribute(ATTR.USAGE_INPUT_TOKENS, usage.input_side)
+            span.set_attribute(ATTR.USAGE_OUTPUT_TOKENS, usage.output_tokens)
             await self._record([message])
             tool_uses = [b for b in message.blocks if b.get("type") == "tool_use"]
             gated: list[GatedResult] = []
@@ -403,7 +309,7 @@ class Agent:
             tool_span_name(name),
             attributes={
                 ATTR.CONVERSATION_ID: ctx.session_id,
-                "gen_ai.operation.name": "execute_tool",
+                ATTR.OPERATION_NAME: SPAN_TOOL_EXECUTE,
                 ATTR.TOOL_NAME: name,
                 ATTR.TOOL_CALL_ID: tool_use_id,
             },
@@ -424,12 +330,13 @@ class Agent:
             gated = await gate_tool_result(
                 block, tool_name=name, threshold=ctx.tool_policies.threshold(name), store=ctx.store
             )
-            span.set_attribute(ATTR.DECISION, gated.decision)
+            span.set_attribute(ATTR.DECISION, str(gated.decision))
+            span.set_attribute(ATTR.REASON, str(gated.reason))
             span.set_attribute(ATTR.CHARS, gated.size)
             if gated.path is not None:
                 span.set_attribute(ATTR.PATH, gated.path)
-            if gated.decision in ("persist", "persist_failed"):
-                log = ctx.logger.info if gated.decision == "persist" else ctx.logger.warning
+            if gated.decision in (Decision.PERSIST, Decision.PERSIST_FAILED):
+                log = ctx.logger.info if gated.decision is Decision.PERSIST else ctx.logger.warning
                 log(
                     "tool_result_gate",
                     decision=gated.decision,
@@ -441,8 +348,3 @@ class Agent:
                 )
             gated_log.append(GatedResult(tool_use_id, name, gated.decision, gated.size, gated.path))
             done[tool_use_id] = gated.block
-
-
-def transcript_path_for(root: str | os.PathLike[str], session_id: str) -> Path:
-    """Where a session's transcript lives by default: ``<root>/<session>/transcript.jsonl``."""
-    return Path(root) / session_id / "transcript.jsonl"

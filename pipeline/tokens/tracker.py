@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pipeline.messages import Message, Usage
+from pipeline.messages import Message, Usage, first_fragment
 from pipeline.tokens.calibrated import (
     BIG_GROWTH,
     CalibratedEstimator,
@@ -101,17 +101,7 @@ def find_anchor(messages: Sequence[Message]) -> tuple[int, Usage] | None:
         m = messages[i]
         if m.type != "assistant" or m.usage is None or m.is_synthetic:
             continue
-        if m.message_id is not None:
-            j = i - 1
-            while j >= 0:
-                prior = messages[j]
-                prior_id = prior.message_id if prior.type == "assistant" else None
-                if prior_id == m.message_id:
-                    i = j
-                elif prior_id is not None:
-                    break
-                j -= 1
-        return i, m.usage
+        return first_fragment(messages, i), m.usage
     return None
 
 

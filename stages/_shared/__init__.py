@@ -1,1 +1,68 @@
-"""Parts every stage shares: argument checks, cut points, replace-by-id, decision records."""
+"""The parts every stage shares, in one place: argument checks (:mod:`.args`), tool results and
+replace-by-id (:mod:`.results`), rounds and cut points (:mod:`.rounds`), per-session state and
+decision records (:mod:`.records`) and the reusable last output (:mod:`.projection`)."""
+
+from pipeline.policies import DEFAULT_CONTEXT_WINDOW
+from stages._shared.args import (
+    check_bool,
+    check_fraction,
+    check_int,
+    check_minutes,
+    check_names,
+    check_positive,
+    check_summarizer,
+)
+from stages._shared.projection import Projection
+from stages._shared.records import record_decision, session_state
+from stages._shared.results import (
+    CLEARED_PLACEHOLDER,
+    ContentFor,
+    by_id,
+    patch_message,
+    replace_results,
+    result_ids,
+    tool_results,
+)
+from stages._shared.rounds import (
+    Price,
+    anchor_uuid,
+    api_rounds,
+    cut_indices,
+    freed_before_anchor,
+    is_prompt,
+    last_response,
+    priced_before,
+    protected_rounds,
+    safe_cuts,
+)
+
+__all__ = [
+    "CLEARED_PLACEHOLDER",
+    "DEFAULT_CONTEXT_WINDOW",
+    "ContentFor",
+    "Price",
+    "Projection",
+    "anchor_uuid",
+    "api_rounds",
+    "by_id",
+    "check_bool",
+    "check_fraction",
+    "check_int",
+    "check_minutes",
+    "check_names",
+    "check_positive",
+    "check_summarizer",
+    "cut_indices",
+    "freed_before_anchor",
+    "is_prompt",
+    "last_response",
+    "patch_message",
+    "priced_before",
+    "protected_rounds",
+    "record_decision",
+    "replace_results",
+    "result_ids",
+    "safe_cuts",
+    "session_state",
+    "tool_results",
+]

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pipeline.messages import Message, block_type, thread_start
+from pipeline.messages import Message, block_type, first_fragment, thread_start
 from pipeline.tokens import find_anchor
 
 __all__ = [
     "Price",
     "anchor_uuid",
     "api_rounds",
+    "cut_indices",
     "freed_before_anchor",
     "is_prompt",
+    "last_response",
     "priced_before",
     "protected_rounds",
     "safe_cuts",
@@ -57,6 +59,31 @@ def safe_cuts(messages: Sequence[Message]) -> list[bool]:
     return ok
 
 
+def cut_indices(messages: Sequence[Message], start: int) -> list[int]:
+    """Indices ``i`` in ``(start, len)`` where ``messages[start:i]`` / ``messages[i:]`` splits no
+    response and no tool pair, and ``messages[i]`` is a user or assistant record."""
+    ok = safe_cuts(messages[start:])
+    return [
+        i
+        for i in range(start + 1, len(messages))
+        if ok[i - start] and messages[i].type in ("user", "assistant")
+    ]
+
+
+def last_response(messages: Sequence[Message], start: int = 0) -> tuple[int, int] | None:
+    """(first fragment, last record) of the last real response at or after ``start``.
+
+    tool_results can sit between fragments of one streamed response, so the newest turn begins
+    right after its FIRST fragment. Synthetic assistant records (errors, interruptions) are not
+    responses: the newest turn is measured from the last real one.
+    """
+    for i in range(len(messages) - 1, start - 1, -1):
+        m = messages[i]
+        if m.type == "assistant" and not m.is_synthetic:
+            return first_fragment(messages, i, start), i
+    return None
+
+
 def api_rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[int, int]]:
     """``[start, end)`` of every round after the prefix (the records before the first response)."""
     n = len(messages)
@@ -93,6 +120,7 @@ def protected_rounds(
 
 
 def anchor_uuid(messages: Sequence[Message]) -> str | None:
+    """The uuid of the usage anchor's first record (see :func:`pipeline.tokens.find_anchor`)."""
     anchor = find_anchor(messages)
     return messages[anchor[0]].uuid if anchor else None
 

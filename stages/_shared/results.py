@@ -1,0 +1,83 @@
+"""Tool results in a message list: find them, and replace their content by id."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from pipeline.messages import Block, Message
+
+__all__ = [
+    "CLEARED_PLACEHOLDER",
+    "ContentFor",
+    "by_id",
+    "patch_message",
+    "replace_results",
+    "result_ids",
+    "tool_results",
+]
+
+CLEARED_PLACEHOLDER = "[Old tool result content cleared]"
+"""What a cleared tool_result's content becomes (Claude Code's text, byte for byte)."""
+
+ContentFor = Callable[[Mapping[str, Any]], Any]
+"""A tool_result block -> the content to send instead, or ``None`` to leave it as it is."""
+
+
+def tool_results(m: Message) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """(block index, block) of every tool_result block of a user record (non-blocks skipped)."""
+    if m.type == "user" and isinstance(m.content, list):
+        for j, b in enumerate(m.content):
+            if isinstance(b, Mapping) and b.get("type") == "tool_result":
+                yield j, b
+
+
+def result_ids(messages: Sequence[Message]) -> list[str]:
+    """The tool_use_id of every tool_result in ``messages``, in order (string ids only)."""
+    return [
+        tid
+        for m in messages
+        for _, b in tool_results(m)
+        if isinstance(tid := b.get("tool_use_id"), str)
+    ]
+
+
+def by_id(texts: Mapping[str, str]) -> ContentFor:
+    """Replace the content of each tool_result whose id ``texts`` names by that text."""
+
+    def content_for(block: Mapping[str, Any]) -> str | None:
+        tid = block.get("tool_use_id")
+        return texts.get(tid) if isinstance(tid, str) else None
+
+    return content_for
+
+
+def patch_message(m: Message, content_for: ContentFor) -> Message:
+    """``m`` with the tool_results ``content_for`` names carrying their new content; ``m``
+    itself when nothing changes. Every other block field (``tool_use_id``, ``is_error``,
+    ``cache_control``) is kept."""
+    blocks: list[Block] | None = None
+    for j, b in tool_results(m):
+        new = content_for(b)
+        if new is None or b.get("content") == new:
+            continue
+        if blocks is None:
+            blocks = list(m.content)  # type: ignore[arg-type]  # tool_results: a list
+        blocks[j] = {**b, "content": new}
+    return m if blocks is None else m.with_content(blocks)
+
+
+def replace_results(messages: list[Message], content_for: ContentFor) -> list[Message]:
+    """A new list where the tool_results ``content_for`` names carry their new content.
+
+    Messages that need no change are the same objects; if nothing changes, the input list
+    itself (a stage returns its input when it changed nothing).
+    """
+    out: list[Message] | None = None
+    for i, m in enumerate(messages):
+        patched = patch_message(m, content_for)
+        if patched is not m:
+            if out is None:
+                out = list(messages)
+            out[i] = patched
+    return messages if out is None else out
