@@ -157,8 +157,8 @@ class Microcompact:
     included — as the server-side ``keep`` does.
 
     ``clock``: where "now" comes from when nothing after the last response says (default: the
-    wall clock). ``incremental=False`` re-derives everything from the whole history on every pass (same
-    results, the cost of a full rescan: a baseline for benchmarks).
+    wall clock). ``incremental=False`` re-derives everything from the whole history on every
+    pass (same results, the cost of a full rescan: a baseline for benchmarks).
 
     **Cache stability**: the cleared ids live in ``ctx.stage_state`` and are re-applied byte for
     byte on every later pass; they are recorded when they grow and restored from the records on

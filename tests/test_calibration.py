@@ -17,22 +17,22 @@ from typing import Any
 import anthropic
 import pytest
 
-import pipeline.tokens.features as token_features
+import pipeline.tokens.priors as priors
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, TranscriptWriter, Usage
 from pipeline._cli.app import main
 from pipeline.agent import Agent
 from pipeline.testing.server import Reply, ScriptedMessagesServer, count_request_tokens
-from pipeline.tokens import calibration_path_for, find_anchor
-from pipeline.tokens.calibrated import CalibratedEstimator, ErrorStats
-from pipeline.tokens.features import (
+from pipeline.tokens import (
     IMAGE_TOKENS,
-    content_vector,
-    image_size,
-    image_tokens,
-    model_family,
-    text_class,
-    text_stats,
+    CalibratedEstimator,
+    ErrorStats,
+    calibration_path_for,
+    find_anchor,
 )
+from pipeline.tokens.features import content_vector
+from pipeline.tokens.media import image_size, image_tokens
+from pipeline.tokens.priors import model_family
+from pipeline.tokens.text_stats import text_class, text_stats
 from pipeline.tools import tool
 from pipeline.wire import to_api
 from stages import default_stages
@@ -154,8 +154,8 @@ def test_images_are_priced_from_their_pixel_size() -> None:
 def test_documents_with_text_are_priced_as_text_others_at_2000() -> None:
     text_doc = {"type": "document", "source": {"type": "text", "data": "word " * 400}}
     pdf = {"type": "document", "source": {"type": "base64", "data": "JVBERi0" * 10_000}}
-    w = tuple(token_features.PRIOR_WEIGHTS[f] for f in token_features.FEATURES)
-    media = token_features.CLASS_INDEX["media"]
+    w = tuple(priors.PRIOR_WEIGHTS[f] for f in priors.FEATURES)
+    media = priors.CLASS_INDEX["media"]
     assert content_vector(Message.user([pdf]), w).tokens[media] == IMAGE_TOKENS
     priced = content_vector(Message.user([text_doc]), w)
     assert priced.tokens[media] == 0 and 300 < sum(priced.tokens) < 1_000
@@ -211,7 +211,7 @@ def test_a_huge_session_is_never_serialised_to_json(monkeypatch: pytest.MonkeyPa
         dumped.append(len(out))
         return out
 
-    monkeypatch.setattr(json, "dumps", spy)  # the json module token_features uses
+    monkeypatch.setattr(json, "dumps", spy)  # the json module the estimators use
     big = "x = compute(1, 2)\n" * 50_000  # ~900 KB
     msgs: list[Message] = [user_text("go")]
     for i in range(12):

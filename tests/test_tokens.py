@@ -17,11 +17,12 @@ from pipeline import Message, SessionContext, TokenTracker, Usage
 from pipeline.messages import SYNTHETIC_MODEL
 from pipeline.tokens import (
     IMAGE_TOKENS,
+    ReferenceEstimator,
     find_anchor,
     rough_tokens_for_messages,
     rough_tokens_for_text,
 )
-from pipeline.tokens.features import looks_like_json
+from pipeline.tokens.text_stats import looks_like_json
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 METHODS = ("reference", "calibrated")
@@ -56,7 +57,7 @@ def test_usage_total_is_input_plus_cache_writes_plus_cache_reads_plus_output() -
 def test_default_method_is_calibrated_and_reference_is_selectable() -> None:
     assert TokenTracker().method == "calibrated"
     assert SessionContext("s", "/nonexistent").token_tracker.method == "calibrated"
-    assert ref().method == "reference" and ref().estimator is None
+    assert ref().method == "reference" and isinstance(ref().estimator, ReferenceEstimator)
     with pytest.raises(ValueError):
         TokenTracker("len/4")  # type: ignore[arg-type]
 

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline import TokenTracker, load_transcript
 from pipeline.replay import find_calls
-from pipeline.tokens.calibrated import ErrorStats
+from pipeline.tokens import ErrorStats
 from tests.conftest import corpus_sessions
 
 pytestmark = pytest.mark.corpus

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from pipeline.replay import CallResult
-from pipeline.tokens.calibrated import UNDERCOUNT_TOLERANCE, ErrorStats, nearest_rank, rounded
+from pipeline.tokens.stats import UNDERCOUNT_TOLERANCE, ErrorStats, nearest_rank, rounded
 
 __all__ = ["ESTIMATORS", "JsonOutput", "Output", "Progress", "ReplaySummary", "TableOutput"]
 

@@ -26,14 +26,16 @@ The state (multipliers, covariances, measured overheads) is JSON-serialisable
 from __future__ import annotations
 
 import math
-import statistics
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.messages import Message, Usage, thread_start
-from pipeline.tokens.features import (
+from pipeline.tokens.anchor import compaction_restart
+from pipeline.tokens.family import FamilyModel, dot
+from pipeline.tokens.features import ContentVector, content_vector, is_wire_visible
+from pipeline.tokens.priors import (
     CLASS_INDEX,
     CLASSES,
     FEATURES,
@@ -41,189 +43,14 @@ from pipeline.tokens.features import (
     PRIOR_MULTIPLIER,
     PRIOR_SD,
     PRIOR_WEIGHTS,
-    ContentVector,
-    content_vector,
-    is_wire_visible,
     model_family,
 )
+from pipeline.tokens.stats import EstimateDetail
 
-__all__ = [
-    "BIG_GROWTH",
-    "STATE_VERSION",
-    "UNDERCOUNT_TOLERANCE",
-    "CalibratedEstimator",
-    "ErrorStats",
-    "EstimateDetail",
-    "Observation",
-    "compaction_restart",
-    "nearest_rank",
-    "rounded",
-]
+__all__ = ["STATE_VERSION", "CalibratedEstimator"]
 
 STATE_VERSION = 1
-UNDERCOUNT_TOLERANCE = 0.10
-"""An estimate more than 10 % below the real count is an under-count."""
-BIG_GROWTH = 2_000
-"""Relative errors are judged on calls whose real growth since the anchor is at least this:
-on a growth of a few tokens a relative error says nothing."""
-
 _STRUCTURE = CLASS_INDEX["structure"]
-_MIN_MULTIPLIER = 0.05
-
-
-# ---------------------------------------------------------------------------------------------
-# Results
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class EstimateDetail:
-    """One estimate, decomposed."""
-
-    total: int
-    """Tokens the context would hold if the messages were sent now."""
-    anchor_total: int
-    """Usage total of the anchor (input side + output_tokens); 0 without a usable anchor."""
-    estimated_part: int
-    """``total - anchor_total``: the estimated tokens (margin included)."""
-    response_adjustment: float
-    """``max(0, tokens(anchor response) - output_tokens)`` before the margin (0: reference)."""
-    new_tokens: float
-    """Tokens of the wire-visible content after the anchor response, before the margin."""
-    margin: float
-    """The safety margin applied to the estimated part (0: reference)."""
-    family: str
-    has_anchor: bool
-    """An anchor was found and no compaction lies between it and the end."""
-    crossed_compaction: bool
-    """A compaction lies after the anchor: the request was rebuilt, its usage does not apply."""
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """One call's usage against what the tracker predicted for it (before learning from it)."""
-
-    method: str
-    family: str
-    estimate: int
-    """The whole-context estimate for the call's messages."""
-    actual: int
-    """The call's input side (input + cache writes + cache reads)."""
-    estimated_part: int
-    """The estimated part of ``estimate`` (what came after the anchor)."""
-    real_growth: int | None
-    """``actual`` minus the anchor's usage total: what the estimated part had to guess. None
-    when it cannot be measured (no anchor, a compaction since it, or stages removed content
-    the anchor's usage counted)."""
-    learned: bool
-    reason: str
-
-    @property
-    def relative_error(self) -> float | None:
-        """``(estimated part - real growth) / real growth``, when the growth is known and > 0."""
-        if self.real_growth is None or self.real_growth <= 0:
-            return None
-        return (self.estimated_part - self.real_growth) / self.real_growth
-
-
-def rounded(x: float | None) -> float | None:
-    """``x`` to 4 decimals, for JSON reports; None stays None."""
-    return None if x is None else round(x, 4)
-
-
-def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ascending ``sorted_values`` by the nearest-rank rule."""
-    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorStats:
-    """Errors of the estimated part against the real growth since the anchor.
-
-    Relative figures are over the calls with growth >= ``min_growth``; token figures over all.
-    A value is None when there is no call to compute it on.
-    """
-
-    calls: int
-    min_growth: int
-    big_calls: int
-    median_signed: float | None
-    median_abs: float | None
-    p95_abs: float | None
-    undercounted: int
-    """Calls (growth >= ``min_growth``) whose estimate is more than 10 % below the growth."""
-    undercount_share: float | None
-    median_abs_tokens: float | None
-    p95_abs_tokens: float | None
-
-    @classmethod
-    def from_pairs(
-        cls, pairs: Iterable[tuple[float, float]], *, min_growth: int = BIG_GROWTH
-    ) -> ErrorStats:
-        """Statistics of ``(estimated part, real growth)`` pairs."""
-        pairs = list(pairs)
-        rel = [(p - r) / r for p, r in pairs if r >= min_growth and r > 0]
-        abs_rel = sorted(abs(e) for e in rel)
-        abs_tok = sorted(abs(p - r) for p, r in pairs)
-        under = sum(1 for e in rel if e < -UNDERCOUNT_TOLERANCE)
-        return cls(
-            calls=len(pairs),
-            min_growth=min_growth,
-            big_calls=len(rel),
-            median_signed=statistics.median(rel) if rel else None,
-            median_abs=statistics.median(abs_rel) if rel else None,
-            p95_abs=nearest_rank(abs_rel, 0.95) if rel else None,
-            undercounted=under,
-            undercount_share=under / len(rel) if rel else None,
-            median_abs_tokens=statistics.median(abs_tok) if abs_tok else None,
-            p95_abs_tokens=nearest_rank(abs_tok, 0.95) if abs_tok else None,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready, rounded."""
-        return {
-            "calls": self.calls,
-            "min_growth": self.min_growth,
-            "big_calls": self.big_calls,
-            "median_signed_rel_error": rounded(self.median_signed),
-            "abs_rel_error_median": rounded(self.median_abs),
-            "abs_rel_error_p95": rounded(self.p95_abs),
-            "undercount_gt_10pct": self.undercounted,
-            "undercount_gt_10pct_share": rounded(self.undercount_share),
-            "abs_error_tokens_median": rounded(self.median_abs_tokens),
-            "abs_error_tokens_p95": rounded(self.p95_abs_tokens),
-        }
-
-
-def compaction_restart(messages: Sequence[Message], after: int) -> int | None:
-    """Where the API's view restarts, when a compaction point lies after index ``after``."""
-    # the wire normalisation's own rule, on the tail only: no scan of the whole session
-    offset = thread_start(messages[after:])
-    return after + offset if offset > 0 else None
-
-
-# ---------------------------------------------------------------------------------------------
-# The estimator
-# ---------------------------------------------------------------------------------------------
-
-
-def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    return sum(x * y for x, y in zip(a, b, strict=True))
-
-
-class _FamilyState:
-    """What one model family has learned in this session."""
-
-    __slots__ = ("base_tokens", "chars", "mult", "n_obs", "p")
-
-    def __init__(self, mult: list[float], p: list[list[float]]) -> None:
-        self.mult = mult
-        """One multiplier per class, on the base tokens."""
-        self.p = p
-        """Covariance of the multipliers."""
-        self.n_obs = 0
-        self.chars = [0.0] * len(CLASSES)  # seen per class, for the chars/token report
-        self.base_tokens = [0.0] * len(CLASSES)
 
 
 @dataclass(slots=True)
@@ -242,7 +69,8 @@ class _Split:
 
 
 class CalibratedEstimator:
-    """Anchor usage + a calibrated estimate of what came after it; learns from each call.
+    """Anchor usage + a calibrated estimate of what came after it; learns from each call: an
+    :class:`~pipeline.tokens.Estimator`.
 
     The anchor is the caller's (:func:`pipeline.tokens.find_anchor`): this class only prices
     and learns. Messages are immutable by convention, so each one is vectorised once (an LRU
@@ -279,7 +107,7 @@ class CalibratedEstimator:
         """Innovations are clipped at this many sigmas: a hidden 3k-token injection must not
         yank the ratios."""
         self.learn = learn
-        self.families: dict[str, _FamilyState] = {}
+        self.families: dict[str, FamilyModel] = {}
         self.last_family: str | None = None
         self.overhead: int | None = None
         """System prompt + tool schemas, measured on a call without an anchor (its input side
@@ -296,6 +124,8 @@ class CalibratedEstimator:
         """Counts :meth:`observe` calls: what an estimate depends on besides its split."""
         self._last_detail: tuple[_Split, str | None, int, EstimateDetail] | None = None
         self._cache_size = cache_size
+
+    method = "calibrated"
 
     # -- content ------------------------------------------------------------------------------
     def vector(self, message: Message) -> ContentVector:
@@ -357,24 +187,24 @@ class CalibratedEstimator:
         return _Split(usage, first.model, response, new, count, crossed=False)
 
     # -- estimating ---------------------------------------------------------------------------
-    def _margin(self, state: _FamilyState | None) -> float:
+    def _margin(self, state: FamilyModel | None) -> float:
         n = state.n_obs if state is not None else 0
         return self.margin_floor + self.margin_cold / math.sqrt(1.0 + n)
 
-    def _state_for_estimate(self, family: str) -> _FamilyState | None:
+    def _state_for_estimate(self, family: str) -> FamilyModel | None:
         state = self.families.get(family)
         if state is None and self.last_family is not None:
             # a family not seen yet in this session: the one in use so far is the best guess
             state = self.families.get(self.last_family)
         return state
 
-    def _multipliers(self, state: _FamilyState | None) -> Sequence[float]:
+    def _multipliers(self, state: FamilyModel | None) -> Sequence[float]:
         if state is not None:
             return state.mult
         return [self.prior_multiplier.get(c, 1.0) for c in CLASSES]
 
     def _new_tokens(self, mult: Sequence[float], split: _Split) -> float:
-        tokens = _dot(mult, split.new.tokens)
+        tokens = dot(mult, split.new.tokens)
         if split.new_messages:  # a new turn: its markers and per-turn harness text
             tokens += self.weights["call"] * mult[_STRUCTURE]
         return tokens
@@ -402,7 +232,7 @@ class CalibratedEstimator:
         else:
             out = split.usage.output_tokens
             anchor_total = split.usage.total
-            adjustment = max(0.0, _dot(mult, split.response.tokens) - out)
+            adjustment = max(0.0, dot(mult, split.response.tokens) - out)
             part = (adjustment + new_tokens) * (1.0 + margin)
         estimated = math.ceil(part)
         return EstimateDetail(
@@ -435,10 +265,10 @@ class CalibratedEstimator:
         overhead, no margin (to price a span a stage removes or a message it adds)."""
         family = model_family(model) if model else (self.last_family or "other")
         mult = self._multipliers(self._state_for_estimate(family))
-        return math.ceil(_dot(mult, self._visible_sum(messages)[0].tokens))
+        return math.ceil(dot(mult, self._visible_sum(messages)[0].tokens))
 
     # -- learning -----------------------------------------------------------------------------
-    def _state(self, family: str) -> _FamilyState:
+    def _state(self, family: str) -> FamilyModel:
         """The family's state, created from the priors (or the session's current family)."""
         state = self.families.get(family)
         if state is not None:
@@ -451,9 +281,7 @@ class CalibratedEstimator:
             # a model switch inside a session: Claude 4.x share a tokenizer, so start from
             # what this session has learned so far (with a fresh prior covariance)
             mult = list(self.families[self.last_family].mult)
-        d = len(CLASSES)
-        p = [[(sd[i] ** 2 if i == j else 0.0) for j in range(d)] for i in range(d)]
-        state = _FamilyState(mult, p)
+        state = FamilyModel.from_prior(mult, sd)
         self.families[family] = state
         return state
 
@@ -505,22 +333,14 @@ class CalibratedEstimator:
         state.n_obs += 1
         if not self.learn:
             return detail, False, "learning off"
-        self._kalman(state, x, float(in_side - split.usage.input_side))
+        state.update(
+            x,
+            float(in_side - split.usage.input_side),
+            abs_noise=self.abs_noise,
+            rel_noise=self.rel_noise,
+            clip_sigma=self.clip_sigma,
+        )
         return detail, True, "ok"
-
-    def _kalman(self, state: _FamilyState, x: list[float], y: float) -> None:
-        """One robust recursive-least-squares step of ``y ~ mult . x``."""
-        d = len(CLASSES)
-        p = state.p
-        px = [_dot(p[i], x) for i in range(d)]
-        s = _dot(x, px)
-        y_hat = _dot(state.mult, x)
-        s += self.abs_noise**2 + (self.rel_noise * max(y_hat, 0.0)) ** 2
-        cut = self.clip_sigma * math.sqrt(s)
-        innovation = max(-cut, min(cut, y - y_hat))
-        gain = [v / s for v in px]
-        state.mult = [max(_MIN_MULTIPLIER, state.mult[i] + gain[i] * innovation) for i in range(d)]
-        state.p = [[p[i][j] - gain[i] * px[j] for j in range(d)] for i in range(d)]
 
     # -- reporting ----------------------------------------------------------------------------
     def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:
@@ -529,7 +349,7 @@ class CalibratedEstimator:
         name = family or self.last_family or "other"
         state = self.families.get(name)
         if state is None:
-            state = _FamilyState([self.prior_multiplier.get(c, 1.0) for c in CLASSES], [])
+            state = FamilyModel([self.prior_multiplier.get(c, 1.0) for c in CLASSES], [])
         out: dict[str, dict[str, float | None]] = {}
         for i, c in enumerate(CLASSES):
             tokens = state.base_tokens[i] * state.mult[i]
@@ -563,16 +383,7 @@ class CalibratedEstimator:
             },
             "last_family": self.last_family,
             "overhead": self.overhead,
-            "families": {
-                name: {
-                    "mult": dict(zip(CLASSES, st.mult, strict=True)),
-                    "p": [list(row) for row in st.p],
-                    "n_obs": st.n_obs,
-                    "chars": list(st.chars),
-                    "base_tokens": list(st.base_tokens),
-                }
-                for name, st in self.families.items()
-            },
+            "families": {name: model.to_json() for name, model in self.families.items()},
         }
 
     @classmethod
@@ -584,19 +395,14 @@ class CalibratedEstimator:
         est.last_family = state.get("last_family")
         overhead = state.get("overhead")
         est.overhead = None if overhead is None else int(overhead)
-        d = len(CLASSES)
         for name, raw in (state.get("families") or {}).items():
-            mult = raw["mult"]
-            st = _FamilyState(
-                [float(mult.get(c, est.prior_multiplier.get(c, 1.0))) for c in CLASSES],
-                [[float(v) for v in row] for row in raw["p"]],
-            )
-            if len(st.p) != d or any(len(row) != d for row in st.p):
-                raise ValueError("state covariance does not match the class list")
-            st.n_obs = int(raw.get("n_obs", 0))
-            st.chars = [float(v) for v in raw.get("chars", st.chars)]
-            st.base_tokens = [float(v) for v in raw.get("base_tokens", st.base_tokens)]
-            if len(st.chars) != d or len(st.base_tokens) != d:
-                raise ValueError("state counts do not match the class list")
-            est.families[str(name)] = st
+            est.families[str(name)] = FamilyModel.from_json(raw, est.prior_multiplier)
         return est
+
+    def for_subagent(self) -> CalibratedEstimator:
+        """What this one learned about how content tokenises (the multipliers per model
+        family), none of what belongs to this conversation (its system-prompt-and-tools
+        overhead)."""
+        state = self.state_dict()
+        state["overhead"] = None
+        return CalibratedEstimator.from_state_dict(state)

@@ -1,17 +1,17 @@
-"""Token counting: the last real response's usage plus an estimate of what came after (SPEC §4).
+"""The token tracker: the context size before the next call, as the last real response's usage
+plus an estimate of what came after it.
 
-:class:`TokenTracker` answers "how many tokens would this context hold if sent now?" with one
-of two methods:
+:class:`TokenTracker` holds one :class:`Estimator`:
 
-- ``"calibrated"`` (the default): :class:`pipeline.tokens.calibrated.CalibratedEstimator` — prices
-  content by character categories and content class, learns chars-per-token online from the
-  usage deltas the session observes, and leans to over-counting (a 5 % margin cold, 2 % warm).
-- ``"reference"``: SPEC §4 exactly — ``round(len/4)`` per block, 2 chars/token for JSON-family
-  text, a fixed 2,000 for images and documents, ``tool_use`` = name + JSON input, thinking = its
-  text, other blocks = their JSON; no usage anywhere ⇒ estimate everything.
+- :class:`~pipeline.tokens.calibrated.CalibratedEstimator` (the default, ``"calibrated"``):
+  prices content by character categories and content class, learns chars-per-token online from
+  the usage deltas the session observes, and leans to over-counting (a 5 % margin cold, 2 %
+  warm);
+- :class:`~pipeline.tokens.reference.ReferenceEstimator` (``"reference"``): Claude Code's
+  fixed rough count; learns nothing.
 
-Both anchor on the same rule (:func:`find_anchor`) and price the same segments
-(:func:`pipeline.tokens.features.iter_segments`). The tracker keeps the errors of its
+Both anchor on the same rule (:func:`~pipeline.tokens.anchor.find_anchor`) and price the same
+segments (:func:`~pipeline.tokens.features.iter_segments`). The tracker keeps the errors of its
 predictions (:meth:`TokenTracker.error_stats`), and its state is JSON-serialisable and can be
 saved next to the session (:func:`calibration_path_for`) so a resumed session starts warm.
 """
@@ -23,26 +23,15 @@ import os
 import re
 import secrets
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pipeline.messages import Message, Usage, first_fragment
-from pipeline.tokens.calibrated import (
-    BIG_GROWTH,
-    CalibratedEstimator,
-    ErrorStats,
-    EstimateDetail,
-    Observation,
-    compaction_restart,
-)
-from pipeline.tokens.features import (
-    IMAGE_TOKENS,
-    is_wire_visible,
-    iter_segments,
-    looks_like_json,
-    model_family,
-)
+from pipeline.messages import Message, Usage
+from pipeline.tokens.anchor import find_anchor
+from pipeline.tokens.calibrated import CalibratedEstimator
+from pipeline.tokens.reference import ReferenceEstimator
+from pipeline.tokens.stats import BIG_GROWTH, ErrorStats, EstimateDetail, Observation
 from pipeline.tracing import get_logger
 from pipeline.wire import to_api
 
@@ -50,90 +39,61 @@ if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic import AsyncAnthropic
     from anthropic.types import MessageParam
 
-__all__ = [
-    "CALIBRATION_FILE",
-    "IMAGE_TOKENS",
-    "ErrorStats",
-    "EstimateDetail",
-    "Method",
-    "Observation",
-    "TokenTracker",
-    "calibration_path_for",
-    "find_anchor",
-    "rough_tokens_for_messages",
-    "rough_tokens_for_text",
-]
+__all__ = ["CALIBRATION_FILE", "Estimator", "Method", "TokenTracker", "calibration_path_for"]
 
 Method = Literal["calibrated", "reference"]
 TRACKER_STATE_VERSION = 1
 CALIBRATION_FILE = "token-calibration.json"
 
-# ---------------------------------------------------------------------------------------------
-# The reference estimate (SPEC §4)
-# ---------------------------------------------------------------------------------------------
+
+@runtime_checkable
+class Estimator(Protocol):
+    """How a tracker prices what came after the anchor, and what it learns from usage."""
+
+    method: str
+    """``"calibrated"`` or ``"reference"`` (the name a saved state records)."""
+
+    def estimate_detail(
+        self,
+        messages: Sequence[Message],
+        anchor: tuple[int, Usage] | None,
+        *,
+        model: str | None = None,
+    ) -> EstimateDetail:
+        """The estimate for ``messages`` whose anchor is ``anchor``, decomposed."""
+        ...
+
+    def tokens_for_messages(self, messages: Sequence[Message], *, model: str | None = None) -> int:
+        """Tokens of the content of ``messages`` alone (no anchor, overhead or margin)."""
+        ...
+
+    def observe(
+        self,
+        messages: Sequence[Message],
+        anchor: tuple[int, Usage] | None,
+        usage: Usage,
+        *,
+        model: str | None = None,
+        skip: str | None = None,
+    ) -> tuple[EstimateDetail, bool, str]:
+        """Learn from one call (unless ``skip`` says why not): the estimate as it stood,
+        whether it learned, and why (not)."""
+        ...
+
+    def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:
+        """Chars/token per content class (and whatever else the estimator knows of them)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """JSON-serialisable state (None: nothing to keep)."""
+        ...
+
+    def for_subagent(self) -> Estimator:
+        """An estimator for a sub-agent's conversation, starting from what this one learned."""
+        ...
 
 
-def rough_tokens_for_text(text: str) -> int:
-    """``round(len/4)``; 2 chars/token for JSON-family text (dense punctuation)."""
-    return round(len(text) / (2 if looks_like_json(text) else 4))
-
-
-def rough_tokens_for_messages(messages: Iterable[Message]) -> int:
-    """The reference rough estimate of the wire-visible content of ``messages``."""
-    total = 0
-    for m in messages:
-        if is_wire_visible(m):
-            for seg in iter_segments(m):
-                total += IMAGE_TOKENS if seg.kind == "media" else rough_tokens_for_text(seg.text)
-    return total
-
-
-def find_anchor(messages: Sequence[Message]) -> tuple[int, Usage] | None:
-    """The last real response's usage and the index of its FIRST fragment.
-
-    Usage is read off the last assistant record that carries it (streaming snapshots: the
-    latest is the most complete). Fragments of one response share an id and tool_results may
-    sit between them; starting the estimate after the *last* fragment would miss those results,
-    so walk back to the first. Records without an assistant id are walked past; a different id
-    stops the walk. Synthetic assistant messages are never anchors.
-    """
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if m.type != "assistant" or m.usage is None or m.is_synthetic:
-            continue
-        return first_fragment(messages, i), m.usage
-    return None
-
-
-def _reference_detail(
-    messages: Sequence[Message], anchor: tuple[int, Usage] | None, model: str | None
-) -> EstimateDetail:
-    if anchor is None:
-        part, anchor_total = rough_tokens_for_messages(messages), 0
-        family, crossed = model_family(model), False
-    else:
-        i, usage = anchor
-        part, anchor_total = rough_tokens_for_messages(messages[i + 1 :]), usage.total
-        family = model_family(model or messages[i].model)
-        crossed = compaction_restart(messages, i) is not None
-    return EstimateDetail(
-        total=anchor_total + part,
-        anchor_total=anchor_total,
-        estimated_part=part,
-        response_adjustment=0.0,
-        new_tokens=float(part),
-        margin=0.0,
-        family=family,
-        # the reference prices across a compaction as if nothing happened (SPEC §4); the flag
-        # only tells the error statistics that the call cannot be measured
-        has_anchor=anchor is not None and not crossed,
-        crossed_compaction=crossed,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# The tracker
-# ---------------------------------------------------------------------------------------------
+_ESTIMATORS: dict[str, Any] = {"calibrated": CalibratedEstimator, "reference": ReferenceEstimator}
 
 
 def calibration_path_for(
@@ -150,8 +110,9 @@ def calibration_path_for(
 class TokenTracker:
     """Context size before the next call: last usage + an estimate of everything after it.
 
-    ``method="calibrated"`` (default) learns from every :meth:`observe`; ``"reference"`` is
-    SPEC §4 and learns nothing. Both record their prediction errors. Typical loop::
+    ``method="calibrated"`` (default) learns from every :meth:`observe`; ``"reference"``
+    learns nothing; or pass any :class:`Estimator` as ``estimator``. Both record their
+    prediction errors. Typical loop::
 
         tokens = tracker.estimate(projected)              # before the call: budget decisions
         response = await client.messages.create(...)
@@ -160,19 +121,18 @@ class TokenTracker:
 
     def __init__(
         self,
-        method: Method = "calibrated",
+        method: Method | None = None,
         *,
-        estimator: CalibratedEstimator | None = None,
+        estimator: Estimator | None = None,
         error_window: int = 512,
     ) -> None:
-        if method not in ("calibrated", "reference"):
+        if method is not None and method not in _ESTIMATORS:
             raise ValueError(f"unknown token estimation method {method!r}")
-        if method == "reference" and estimator is not None:
-            raise ValueError("the reference method takes no estimator")
-        self.method: Method = method
-        self.estimator: CalibratedEstimator | None = (
-            (estimator or CalibratedEstimator()) if method == "calibrated" else None
-        )
+        if estimator is None:
+            estimator = _ESTIMATORS[method or "calibrated"]()
+        elif method is not None and method != estimator.method:
+            raise ValueError(f"a {method} tracker was given a {estimator.method} estimator")
+        self.estimator: Estimator = estimator
         self.last_error: int | None = None
         """Estimate minus actual input tokens of the latest observed call."""
         self._errors: deque[tuple[str, int, int]] = deque(maxlen=error_window)
@@ -180,16 +140,18 @@ class TokenTracker:
         self._last_observed: tuple[int, Message] | None = None
         """Length and last message of the latest learned-from list (see :meth:`observe`)."""
 
+    @property
+    def method(self) -> str:
+        """``"calibrated"`` or ``"reference"``: the estimator's name."""
+        return self.estimator.method
+
     # -- estimating ---------------------------------------------------------------------------
     def estimate_detail(
         self, messages: Sequence[Message], *, model: str | None = None
     ) -> EstimateDetail:
         """The estimate with its parts. ``model``: the model about to be called (default: the
         anchor's model)."""
-        anchor = find_anchor(messages)
-        if self.estimator is None:
-            return _reference_detail(messages, anchor, model)
-        return self.estimator.estimate_detail(messages, anchor, model=model)
+        return self.estimator.estimate_detail(messages, find_anchor(messages), model=model)
 
     def estimate(self, messages: Sequence[Message], *, model: str | None = None) -> int:
         """Tokens the context holds if ``messages`` were sent now."""
@@ -199,18 +161,11 @@ class TokenTracker:
         self, messages: Sequence[Message], *, model: str | None = None
     ) -> int:
         """Only the estimated part: what came after the last response."""
-        if self.estimator is None:  # SPEC §4: everything after the anchor's first fragment
-            anchor = find_anchor(messages)
-            return rough_tokens_for_messages(
-                messages if anchor is None else messages[anchor[0] + 1 :]
-            )
         return self.estimate_detail(messages, model=model).estimated_part
 
     def tokens_for_messages(self, messages: Sequence[Message], *, model: str | None = None) -> int:
         """Tokens of the content of ``messages`` alone (no anchor, no overhead, no margin), in
         this tracker's units: to price a span that a stage removes or adds."""
-        if self.estimator is None:
-            return rough_tokens_for_messages(messages)
         return self.estimator.tokens_for_messages(messages, model=model)
 
     # -- learning -----------------------------------------------------------------------------
@@ -237,14 +192,9 @@ class TokenTracker:
             skip = "already observed"
         elif tokens_freed > 0:
             skip = "stages removed anchored content"
-        anchor = find_anchor(messages)
-        if self.estimator is None:
-            detail = _reference_detail(messages, anchor, model)
-            learned, reason = False, skip or "reference: nothing to learn"
-        else:
-            detail, learned, reason = self.estimator.observe(
-                messages, anchor, usage, model=model, skip=skip
-            )
+        detail, learned, reason = self.estimator.observe(
+            messages, find_anchor(messages), usage, model=model, skip=skip
+        )
         if skip is None and messages:
             # holding the message (not its id) keeps the identity test sound
             self._last_observed = (len(messages), messages[-1])
@@ -303,8 +253,6 @@ class TokenTracker:
 
         The reference's are fixed: 4 for text, 2 for JSON-family text.
         """
-        if self.estimator is None:
-            return {"text": {"chars_per_token": 4.0}, "json": {"chars_per_token": 2.0}}
         return self.estimator.ratios(family)
 
     def error_stats(self, *, family: str | None = None, min_growth: int = BIG_GROWTH) -> ErrorStats:
@@ -320,7 +268,7 @@ class TokenTracker:
         return {
             "version": TRACKER_STATE_VERSION,
             "method": self.method,
-            "estimator": None if self.estimator is None else self.estimator.state_dict(),
+            "estimator": self.estimator.state_dict(),
             "errors": [list(e) for e in self._errors],
             "error_window": self._errors.maxlen,
             "last_error": self.last_error,
@@ -336,7 +284,7 @@ class TokenTracker:
             raise ValueError(f"unknown token estimation method {method!r}")
         raw = state.get("estimator")
         try:
-            estimator = CalibratedEstimator.from_state_dict(raw) if raw is not None else None
+            estimator = _ESTIMATORS[method].from_state_dict(raw)
             tracker = cls(method, estimator=estimator, error_window=int(state["error_window"]))
             tracker._errors.extend((str(f), int(p), int(r)) for f, p, r in state["errors"])
         except (KeyError, TypeError) as exc:
@@ -347,15 +295,9 @@ class TokenTracker:
 
     def for_subagent(self) -> TokenTracker:
         """A tracker for a sub-agent's conversation: what this one learned about how content
-        tokenises (the multipliers per model family), none of what belongs to this
-        conversation (its system-prompt-and-tools overhead, its error record)."""
-        if self.estimator is None:
-            return TokenTracker("reference", error_window=self._errors.maxlen or 512)
-        state = self.estimator.state_dict()
-        state["overhead"] = None
-        estimator = CalibratedEstimator.from_state_dict(state)
+        tokenises, none of what belongs to this conversation (its overhead, its errors)."""
         return TokenTracker(
-            self.method, estimator=estimator, error_window=self._errors.maxlen or 512
+            estimator=self.estimator.for_subagent(), error_window=self._errors.maxlen or 512
         )
 
     def save(self, path: str | os.PathLike[str]) -> bool:

@@ -40,20 +40,16 @@ from pipeline.tokens import (  # noqa: E402
     find_anchor,
     rough_tokens_for_messages,
 )
-from pipeline.tokens.calibrated import (  # noqa: E402
-    BIG_GROWTH,
-    CalibratedEstimator,
-    compaction_restart,
-    nearest_rank,
-)
-from pipeline.tokens.features import (  # noqa: E402
+from pipeline.tokens.anchor import compaction_restart  # noqa: E402
+from pipeline.tokens.calibrated import CalibratedEstimator  # noqa: E402
+from pipeline.tokens.features import content_vector, is_wire_visible  # noqa: E402
+from pipeline.tokens.priors import (  # noqa: E402
     CLASS_INDEX,
     FEATURES,
     PRIOR_WEIGHTS,
-    content_vector,
-    is_wire_visible,
     model_family,
 )
+from pipeline.tokens.stats import BIG_GROWTH, nearest_rank  # noqa: E402
 
 DEFAULT_CORPUS = Path(os.environ.get("SLUICEGATE_CORPUS", REPO.parent / "shared" / "corpus"))
 

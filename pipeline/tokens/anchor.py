@@ -1,0 +1,33 @@
+"""The usage anchor: the last real response, whose usage the context size starts from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.messages import Message, Usage, first_fragment, thread_start
+
+__all__ = ["compaction_restart", "find_anchor"]
+
+
+def find_anchor(messages: Sequence[Message]) -> tuple[int, Usage] | None:
+    """The last real response's usage and the index of its FIRST fragment.
+
+    Usage is read off the last assistant record that carries it (streaming snapshots: the
+    latest is the most complete). Fragments of one response share an id and tool_results may
+    sit between them; starting the estimate after the *last* fragment would miss those results,
+    so walk back to the first. Records without an assistant id are walked past; a different id
+    stops the walk. Synthetic assistant messages are never anchors.
+    """
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.type != "assistant" or m.usage is None or m.is_synthetic:
+            continue
+        return first_fragment(messages, i), m.usage
+    return None
+
+
+def compaction_restart(messages: Sequence[Message], after: int) -> int | None:
+    """Where the API's view restarts, when a compaction point lies after index ``after``."""
+    # the wire normalisation's own rule, on the tail only: no scan of the whole session
+    offset = thread_start(messages[after:])
+    return after + offset if offset > 0 else None

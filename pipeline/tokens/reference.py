@@ -1,0 +1,107 @@
+"""The reference estimator: a fixed rough count after the anchor, as Claude Code makes it.
+
+``round(len/4)`` per text, 2 chars/token for JSON-family text, a fixed 2,000 for images and
+documents, ``tool_use`` = name + JSON input, thinking = its text, other blocks = their JSON; no
+usage anywhere: estimate everything. It learns nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pipeline.messages import Message, Usage
+from pipeline.tokens.anchor import compaction_restart
+from pipeline.tokens.features import is_wire_visible, iter_segments
+from pipeline.tokens.media import IMAGE_TOKENS
+from pipeline.tokens.priors import model_family
+from pipeline.tokens.stats import EstimateDetail
+from pipeline.tokens.text_stats import looks_like_json
+
+__all__ = ["ReferenceEstimator", "rough_tokens_for_messages", "rough_tokens_for_text"]
+
+
+def rough_tokens_for_text(text: str) -> int:
+    """``round(len/4)``; 2 chars/token for JSON-family text (dense punctuation)."""
+    return round(len(text) / (2 if looks_like_json(text) else 4))
+
+
+def rough_tokens_for_messages(messages: Iterable[Message]) -> int:
+    """The reference rough estimate of the wire-visible content of ``messages``."""
+    total = 0
+    for m in messages:
+        if is_wire_visible(m):
+            for seg in iter_segments(m):
+                total += IMAGE_TOKENS if seg.kind == "media" else rough_tokens_for_text(seg.text)
+    return total
+
+
+class ReferenceEstimator:
+    """The fixed rough count (see the module docstring): an :class:`~pipeline.tokens.Estimator`
+    that never learns."""
+
+    method = "reference"
+
+    def estimate_detail(
+        self,
+        messages: Sequence[Message],
+        anchor: tuple[int, Usage] | None,
+        *,
+        model: str | None = None,
+    ) -> EstimateDetail:
+        """The anchor's usage total plus the rough count of everything after its first record."""
+        if anchor is None:
+            part, anchor_total = rough_tokens_for_messages(messages), 0
+            family, crossed = model_family(model), False
+        else:
+            i, usage = anchor
+            part, anchor_total = rough_tokens_for_messages(messages[i + 1 :]), usage.total
+            family = model_family(model or messages[i].model)
+            crossed = compaction_restart(messages, i) is not None
+        return EstimateDetail(
+            total=anchor_total + part,
+            anchor_total=anchor_total,
+            estimated_part=part,
+            response_adjustment=0.0,
+            new_tokens=float(part),
+            margin=0.0,
+            family=family,
+            # the reference prices across a compaction as if nothing happened; the flag only
+            # tells the error statistics that the call cannot be measured
+            has_anchor=anchor is not None and not crossed,
+            crossed_compaction=crossed,
+        )
+
+    def tokens_for_messages(self, messages: Sequence[Message], *, model: str | None = None) -> int:
+        """The rough count of ``messages`` alone."""
+        return rough_tokens_for_messages(messages)
+
+    def observe(
+        self,
+        messages: Sequence[Message],
+        anchor: tuple[int, Usage] | None,
+        usage: Usage,
+        *,
+        model: str | None = None,
+        skip: str | None = None,
+    ) -> tuple[EstimateDetail, bool, str]:
+        """The estimate as it stood; nothing is learned."""
+        detail = self.estimate_detail(messages, anchor, model=model)
+        return detail, False, skip or "reference: nothing to learn"
+
+    def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:
+        """The fixed ratios: 4 chars/token for text, 2 for JSON-family text."""
+        return {"text": {"chars_per_token": 4.0}, "json": {"chars_per_token": 2.0}}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Nothing to keep."""
+        return None
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any] | None) -> ReferenceEstimator:
+        """A reference estimator (it has no state)."""
+        return cls()
+
+    def for_subagent(self) -> ReferenceEstimator:
+        """A reference estimator (it has no state)."""
+        return ReferenceEstimator()

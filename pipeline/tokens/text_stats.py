@@ -1,0 +1,157 @@
+"""Cheap statistics of a text: character-category counts (exact up to 16 KB, sampled above)
+and the content class they put it in. Nothing here copies or serialises more than a sample."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.tokens.priors import FEATURE_INDEX, FEATURES
+
+__all__ = ["TextKind", "TextStats", "looks_like_json", "text_class", "text_stats"]
+
+
+def looks_like_json(text: str) -> bool:
+    """First and last non-blank characters are ``{}`` or ``[]`` (the reference's test).
+
+    Same answer as testing ``text.strip()``, without copying a long text: only its ends are
+    looked at (the first and last 256 characters hold a non-blank unless the text is padded).
+    """
+    head = tail = ""
+    if len(text) > 512:
+        head, tail = text[:256].lstrip(), text[-256:].rstrip()
+    if not head or not tail:
+        head = tail = text.strip()
+        if len(head) < 2:
+            return False
+    return (head[0] == "{" and tail[-1] == "}") or (head[0] == "[" and tail[-1] == "]")
+
+
+_SAMPLE_FULL = 16_384  # texts up to this many chars are counted exactly
+_SAMPLE_WINDOWS = 32
+_SAMPLE_WINDOW = 512
+
+
+def _byte_class(b: int) -> int:
+    """UTF-8 byte -> category byte: letters 'a', digits '0', blanks ' ', newline, other ASCII
+    '.', lead bytes 'u' (one per non-ASCII character), continuation bytes 'c'."""
+    if b >= 0xC0:
+        return ord("u")
+    if b >= 0x80:
+        return ord("c")
+    ch = chr(b)
+    if ch.isalpha():
+        return ord("a")
+    if ch.isdigit():
+        return ord("0")
+    if b == 10:
+        return 10
+    return 32 if ch in " \t\r\f\v" else ord(".")
+
+
+# bytes.translate + bytes.count keep every count at C speed
+_CATEGORY = bytes(_byte_class(b) for b in range(256))
+_ONLY_LETTERS = bytes(ord("a") if b == ord("a") else ord("x") for b in range(256))
+_ONLY_BLANKS = bytes(32 if b == 32 else ord("x") for b in range(256))
+_CJK = re.compile(
+    "[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]"
+)
+_B64_RUN = re.compile(r"[A-Za-z0-9+/=_-]{64,}")
+_UPPER = re.compile("[A-Z]")
+_DIGIT = re.compile("[0-9]")
+
+
+def _sample(text: str) -> tuple[str, float]:
+    """The text itself when short, else evenly spaced windows; and the scale back to full size."""
+    n = len(text)
+    if n <= _SAMPLE_FULL:
+        return text, 1.0
+    step = (n - _SAMPLE_WINDOW) / (_SAMPLE_WINDOWS - 1)
+    parts = [text[int(k * step) : int(k * step) + _SAMPLE_WINDOW] for k in range(_SAMPLE_WINDOWS)]
+    sample = "\n".join(parts)  # the joins add _SAMPLE_WINDOWS - 1 newlines, removed by the caller
+    return sample, n / (len(sample) - (_SAMPLE_WINDOWS - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class TextStats:
+    """Character-category counts of one text (scaled up from a sample above 16 KB)."""
+
+    chars: int
+    features: tuple[float, ...]
+    """In :data:`FEATURES` order; ``tool_blocks`` and ``call`` are 0 for text."""
+    escapes: int
+    """ESC characters (ANSI terminal output)."""
+    cjk: float
+    """CJK characters."""
+    base64_share: float
+    """Share of the sample inside long, random-looking base64-alphabet runs."""
+
+
+def text_stats(text: str) -> TextStats:
+    """Count ``text``'s features: exactly up to 16 KB, else on 32 windows of 512 chars."""
+    n = len(text)
+    if n == 0:
+        return TextStats(0, (0.0,) * len(FEATURES), 0, 0.0, 0.0)
+    sample, scale = _sample(text)
+    t = sample.encode("utf-8", "surrogatepass").translate(_CATEGORY)
+    letters = t.count(b"a")
+    newlines = t.count(b"\n")
+    spaces = t.count(b" ")
+    non_ascii = t.count(b"u")
+    if scale != 1.0:
+        newlines -= _SAMPLE_WINDOWS - 1  # the window joins
+    # a run starts where "xa" occurs once every other category is mapped to "x"; the pattern
+    # cannot overlap itself, so bytes.count is exact
+    first = t[:1]
+    words = t.translate(_ONLY_LETTERS).count(b"xa") + (first == b"a")
+    ws_runs = t.translate(_ONLY_BLANKS).count(b"x ") + (first == b" ")
+    cjk = float(len(_CJK.findall(sample))) * scale if non_ascii else 0.0
+    b64 = 0.0
+    if n >= 64 and (spaces + newlines) < 0.02 * len(sample):  # blobs have no blanks
+        b64 = sum(len(r) for r in _B64_RUN.findall(sample) if _random_looking(r)) / len(sample)
+    features = (
+        words * scale,
+        letters * scale,
+        t.count(b"0") * scale,
+        t.count(b".") * scale,
+        ws_runs * scale,
+        max(0, newlines) * scale,
+        non_ascii * scale,
+        0.0,
+        0.0,
+    )
+    return TextStats(n, features, text.count("\x1b"), cjk, b64)
+
+
+def _random_looking(run: str) -> bool:
+    """A base64-alphabet run that is a blob, not a path or identifier: mixed case and digits,
+    few separators (random base64: ~40 % upper, ~16 % digits, ~3 % '+/')."""
+    n = len(run)
+    upper = len(_UPPER.findall(run))
+    digits = len(_DIGIT.findall(run))
+    separators = run.count("/") + run.count("-") + run.count("_")
+    return upper >= 0.15 * n and digits >= 0.05 * n and separators <= 0.05 * n
+
+
+TextKind = Literal["text", "thinking", "json", "error"]
+
+
+def text_class(text: str, stats: TextStats, *, kind: TextKind = "text") -> str:
+    """The content class of one text segment (cheap tests on its statistics)."""
+    if kind in ("thinking", "error"):
+        return kind
+    n = max(1, stats.chars)
+    if stats.escapes and stats.escapes / n > 0.002:
+        return "terminal"
+    if stats.cjk / n > 0.2:
+        return "cjk"
+    if stats.base64_share > 0.5:
+        return "base64"
+    if kind == "json" or looks_like_json(text):
+        return "json"
+    letters = stats.features[FEATURE_INDEX["letters"]]
+    punct = stats.features[FEATURE_INDEX["punct"]]
+    if punct / n < 0.10 and letters / n > 0.5:
+        return "prose"
+    return "code"
