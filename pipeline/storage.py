@@ -16,13 +16,16 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import anyio.to_thread
 
 __all__ = [
+    "FileOps",
     "FileToolResultStore",
+    "OsFileOps",
     "StoreError",
     "ToolResultStore",
     "safe_file_stem",
@@ -73,13 +76,106 @@ def validate_session_id(session_id: str) -> str:
     return session_id
 
 
-class FileToolResultStore:
-    """Persisted tool results as files under ``<root>/<session_id>/tool-results/``."""
+class FileOps(Protocol):
+    """The operating-system calls one persist makes, in this order: ``makedirs`` (the root),
+    ``mkdir`` (the session, then its ``tool-results``), ``lstat`` (each directory, then the
+    target), ``open`` (a private temp file), ``write`` (until all is written), ``fsync``,
+    ``close``, ``link`` (temp to target), ``unlink`` (the temp).
 
-    def __init__(self, root: str | os.PathLike[str], session_id: str) -> None:
+    The store asks for one object per persist (``file_ops=`` takes ``target -> FileOps``), so
+    a wrapper knows which result each call serves: that is how the tests put a fault at each
+    step of one persist while its neighbours succeed.
+    """
+
+    def makedirs(self, path: Path, mode: int) -> None:
+        """``os.makedirs(path, mode, exist_ok=True)``."""
+        ...
+
+    def mkdir(self, path: Path, mode: int) -> None:
+        """``os.mkdir``."""
+        ...
+
+    def lstat(self, path: Path) -> os.stat_result:
+        """``os.lstat``."""
+        ...
+
+    def open(self, path: Path, flags: int, mode: int) -> int:
+        """``os.open``."""
+        ...
+
+    def write(self, fd: int, data: memoryview) -> int:
+        """``os.write``: how many bytes were written."""
+        ...
+
+    def fsync(self, fd: int) -> None:
+        """``os.fsync``."""
+        ...
+
+    def close(self, fd: int) -> None:
+        """``os.close``."""
+        ...
+
+    def link(self, src: Path, dst: Path) -> None:
+        """``os.link``."""
+        ...
+
+    def unlink(self, path: Path) -> None:
+        """``os.unlink``."""
+        ...
+
+
+class OsFileOps:
+    """:class:`FileOps` on the real file system."""
+
+    def makedirs(self, path: Path, mode: int) -> None:
+        os.makedirs(path, mode, exist_ok=True)
+
+    def mkdir(self, path: Path, mode: int) -> None:
+        os.mkdir(path, mode)
+
+    def lstat(self, path: Path) -> os.stat_result:
+        return os.lstat(path)
+
+    def open(self, path: Path, flags: int, mode: int) -> int:
+        return os.open(path, flags, mode)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def link(self, src: Path, dst: Path) -> None:
+        os.link(src, dst)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+
+_OS = OsFileOps()
+
+
+class FileToolResultStore:
+    """Persisted tool results as files under ``<root>/<session_id>/tool-results/``.
+
+    ``file_ops``: the file operations each persist uses, given its target path (default: the
+    real ones); see :class:`FileOps`.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        session_id: str,
+        *,
+        file_ops: Callable[[Path], FileOps] | None = None,
+    ) -> None:
         self.root = Path(root)
         self.session_id = validate_session_id(session_id)
         self.directory = self.root / self.session_id / TOOL_RESULTS_SUBDIR
+        self._file_ops: Callable[[Path], FileOps] = file_ops or (lambda _target: _OS)
 
     def path_for(self, tool_use_id: str, ext: str) -> Path:
         """Where the result of ``tool_use_id`` goes."""
@@ -95,45 +191,46 @@ class FileToolResultStore:
         return str(target.absolute())
 
     # -- blocking part, run in a worker thread ----------------------------------------------
-    def _ensure_directory(self) -> None:
-        os.makedirs(self.root, 0o700, exist_ok=True)
+    def _ensure_directory(self, ops: FileOps) -> None:
+        ops.makedirs(self.root, 0o700)
         for d in (self.root / self.session_id, self.directory):
             with contextlib.suppress(FileExistsError):
-                os.mkdir(d, 0o700)
-            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                ops.mkdir(d, 0o700)
+            if not stat.S_ISDIR(ops.lstat(d).st_mode):
                 # a symlink planted in place of a store directory would redirect our writes
                 raise StoreError(errno.ENOTDIR, "store directory is not a real directory", str(d))
 
     def _write(self, target: Path, data: bytes) -> None:
-        self._ensure_directory()
-        if self._exists_as_file(target):
+        ops = self._file_ops(target)
+        self._ensure_directory(ops)
+        if _exists_as_file(ops, target):
             return
         tmp = target.with_name(f".tmp-{secrets.token_hex(8)}-{target.name}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             try:
                 view = memoryview(data)
                 while view:
-                    written = os.write(fd, view)
+                    written = ops.write(fd, view)
                     view = view[written:]
-                os.fsync(fd)
+                ops.fsync(fd)
             finally:
-                os.close(fd)
+                ops.close(fd)
             try:
-                os.link(tmp, target)
+                ops.link(tmp, target)
             except FileExistsError:
-                if not self._exists_as_file(target):
+                if not _exists_as_file(ops, target):
                     raise
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                ops.unlink(tmp)
 
-    @staticmethod
-    def _exists_as_file(target: Path) -> bool:
-        try:
-            st = os.lstat(target)
-        except FileNotFoundError:
-            return False
-        if not stat.S_ISREG(st.st_mode):
-            raise StoreError(errno.EEXIST, "a non-file is in the way of a result", str(target))
-        return True
+
+def _exists_as_file(ops: FileOps, target: Path) -> bool:
+    try:
+        st = ops.lstat(target)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(errno.EEXIST, "a non-file is in the way of a result", str(target))
+    return True

@@ -30,30 +30,3 @@ def assistant(message_id: str, *blocks: dict[str, Any], usage: Usage | None = No
 def results(*blocks: dict[str, Any]) -> Message:
     """A user record holding tool_result blocks."""
     return Message.user(list(blocks))
-
-
-class QuietLogger:
-    """A structlog-shaped logger that drops everything (console logging is not under test)."""
-
-    def bind(self, **_kw: Any) -> QuietLogger:
-        return self
-
-    def debug(self, *_a: Any, **_kw: Any) -> None:
-        pass
-
-    info = warning = error = exception = debug
-
-
-class MemoryStore:
-    """A deterministic in-memory store (no I/O); ids in ``failing`` fail to persist, every time."""
-
-    def __init__(self, failing: frozenset[str] = frozenset()) -> None:
-        self.failing = failing
-        self.files: dict[str, str] = {}
-
-    async def persist(self, tool_use_id: str, text: str, ext: str) -> str:
-        if tool_use_id in self.failing:
-            raise OSError(28, "No space left on device")
-        path = f"/mem/{tool_use_id}.{ext}"
-        self.files.setdefault(path, text)
-        return path

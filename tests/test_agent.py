@@ -14,7 +14,7 @@ import pytest
 from pipeline import Message, Pipeline, SessionContext, TranscriptWriter, load_transcript, to_api
 from pipeline.agent import CANCELLED_RESULT, INTERRUPTED_RESULT, Agent, AgentAPIError
 from pipeline.pairing import check_pairing
-from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tools import Tool, tool
 from stages import ToolResultBudget, default_stages
 

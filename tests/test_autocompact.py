@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -14,9 +14,6 @@ from typing import Any
 import anthropic
 import pytest
 from anthropic.types import MessageParam
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline import (
     Message,
@@ -35,9 +32,8 @@ from pipeline.summarizer import (
     SummaryError,
     SummaryPromptTooLong,
 )
-from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages, rough_tokens_for_text
-from pipeline.tracing import get_tracer
 from pipeline.transcript import StageRecord
 from stages.autocompact import SUMMARY_PREFIX, Autocompact, ContextWindowExceeded, Thresholds
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -72,22 +68,18 @@ class Exploding:
 
 
 @pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    exp = InMemorySpanExporter()
-    yield exp
-    exp.clear()
+def exporter() -> SpanRecorder:
+    return SpanRecorder()
 
 
-def make_ctx(tmp_path: Path, exporter: InMemorySpanExporter, **kw: Any) -> SessionContext:
-    """A context whose spans land in ``exporter``; the reference token estimate (SPEC §4) unless
-    a tracker is given, so the numbers below are exact."""
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+def make_ctx(tmp_path: Path, exporter: SpanRecorder, **kw: Any) -> SessionContext:
+    """A context whose spans land in ``exporter``; the reference token estimate unless a
+    tracker is given, so the numbers below are exact."""
     kw.setdefault("token_tracker", TokenTracker("reference"))
-    return SessionContext("s1", tmp_path / "store", tracer=get_tracer(provider), **kw)
+    return SessionContext("s1", tmp_path / "store", tracer=exporter.tracer, **kw)
 
 
-def decisions(exporter: InMemorySpanExporter) -> list[dict[str, Any]]:
+def decisions(exporter: SpanRecorder) -> list[dict[str, Any]]:
     """The attributes of every autocompact decision span, short keys, in order."""
     return [
         {k.removeprefix("sluicegate.").replace("tokens.estimated_", "tokens_"): v for k, v in attrs}
@@ -184,7 +176,7 @@ def test_a_summarizer_needs_a_summarize_method() -> None:
     ],
 )
 async def test_decision_by_size(
-    tmp_path: Path, exporter: InMemorySpanExporter, usage: int, decision: str, reason: str
+    tmp_path: Path, exporter: SpanRecorder, usage: int, decision: str, reason: str
 ) -> None:
     msgs = conversation(usage)
     out = await Autocompact(FakeSummarizer("Short summary."), **SMALL)(
@@ -204,7 +196,7 @@ async def test_decision_by_size(
 
 @pytest.mark.asyncio
 async def test_without_summarizer_it_never_compacts_but_blocks(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     ctx = make_ctx(tmp_path, exporter)
     over = conversation(OVER)
@@ -224,7 +216,7 @@ async def test_without_summarizer_it_never_compacts_but_blocks(
 
 @pytest.mark.asyncio
 async def test_a_blocking_instance_warns_and_blocks_through_the_pipeline(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     ctx = make_ctx(tmp_path, exporter)
     default = conversation(177_000)
@@ -240,7 +232,7 @@ async def test_a_blocking_instance_warns_and_blocks_through_the_pipeline(
 
 
 @pytest.mark.asyncio
-async def test_suppressed_by_collapse(tmp_path: Path, exporter: InMemorySpanExporter) -> None:
+async def test_suppressed_by_collapse(tmp_path: Path, exporter: SpanRecorder) -> None:
     ctx = make_ctx(tmp_path, exporter)
     ctx.report.suppress_autocompact = True
     msgs = conversation(BLOCKING)
@@ -252,9 +244,7 @@ async def test_suppressed_by_collapse(tmp_path: Path, exporter: InMemorySpanExpo
 
 
 @pytest.mark.asyncio
-async def test_tokens_freed_by_earlier_stages_count(
-    tmp_path: Path, exporter: InMemorySpanExporter
-) -> None:
+async def test_tokens_freed_by_earlier_stages_count(tmp_path: Path, exporter: SpanRecorder) -> None:
     ctx = make_ctx(tmp_path, exporter)
     ctx.report.tokens_freed = 2_000
     msgs = conversation(OVER)
@@ -270,7 +260,7 @@ async def test_tokens_freed_by_earlier_stages_count(
 
 @pytest.mark.asyncio
 async def test_compaction_projects_boundary_summary_and_kept_request(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     ctx = make_ctx(tmp_path, exporter)
     summarizer = FakeSummarizer("  The user asked for logs; all three were read.  ")
@@ -305,7 +295,7 @@ async def test_compaction_projects_boundary_summary_and_kept_request(
 
 @pytest.mark.asyncio
 async def test_the_latest_request_and_all_after_it_are_kept_verbatim(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     request = user_text("now fix the parser")
     after = [
@@ -325,7 +315,7 @@ async def test_the_latest_request_and_all_after_it_are_kept_verbatim(
 
 @pytest.mark.asyncio
 async def test_a_cut_never_splits_a_tool_pair_or_a_response(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     # the last message with text also answers t9: cutting right before it would orphan t9
     mixed = Message.user([tool_result("t9", "nine"), {"type": "text", "text": "and now stop"}])
@@ -370,7 +360,7 @@ def random_conversation(rng: random.Random, usage: int) -> list[Message]:
 
 @pytest.mark.asyncio
 async def test_pairing_holds_on_random_conversations(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     compacted = 0
     for seed in range(60):
@@ -401,7 +391,7 @@ async def test_pairing_holds_on_random_conversations(
     ("summary", "reason"), [("  \n ", "summary_empty"), ("x" * 20_000, "summary_not_smaller")]
 )
 async def test_useless_summaries_are_discarded(
-    tmp_path: Path, exporter: InMemorySpanExporter, summary: str, reason: str
+    tmp_path: Path, exporter: SpanRecorder, summary: str, reason: str
 ) -> None:
     ctx = make_ctx(tmp_path, exporter)
     msgs = conversation(OVER)
@@ -413,7 +403,7 @@ async def test_useless_summaries_are_discarded(
 
 @pytest.mark.asyncio
 async def test_prompt_too_long_drops_the_oldest_rounds(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     too_long = SummaryPromptTooLong("too long")
     summarizer = FakeSummarizer(too_long, too_long, "S.")
@@ -436,7 +426,7 @@ async def test_prompt_too_long_drops_the_oldest_rounds(
 
 @pytest.mark.asyncio
 async def test_prompt_too_long_gives_up_after_max_retries(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     summarizer = FakeSummarizer(SummaryPromptTooLong("too long"))
     msgs = conversation(OVER, n=10)
@@ -455,7 +445,7 @@ async def test_prompt_too_long_gives_up_after_max_retries(
 
 @pytest.mark.asyncio
 async def test_circuit_breaker_opens_after_three_failures_and_success_resets_it(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     err = SummaryError("boom")
     summarizer = FakeSummarizer(err, ValueError("bug"), "S1.", err, err, err, "never")
@@ -494,7 +484,7 @@ async def test_circuit_breaker_opens_after_three_failures_and_success_resets_it(
 
 @pytest.mark.asyncio
 async def test_projection_is_reapplied_byte_identically(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     summarizer = FakeSummarizer("S1.", "never")
     stage = Autocompact(summarizer, **SMALL)
@@ -532,9 +522,7 @@ async def test_projection_is_reapplied_byte_identically(
 
 
 @pytest.mark.asyncio
-async def test_a_retry_keeps_the_previous_summary(
-    tmp_path: Path, exporter: InMemorySpanExporter
-) -> None:
+async def test_a_retry_keeps_the_previous_summary(tmp_path: Path, exporter: SpanRecorder) -> None:
     summarizer = FakeSummarizer("S1.", SummaryPromptTooLong("too long"), "S2.")
     stage = Autocompact(summarizer, **SMALL)
     ctx = make_ctx(tmp_path, exporter)
@@ -553,7 +541,7 @@ async def test_a_retry_keeps_the_previous_summary(
 
 @pytest.mark.asyncio
 async def test_second_compaction_summarises_previous_summary_and_newer_messages(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     summarizer = FakeSummarizer("S1.", "S2.")
     stage = Autocompact(summarizer, **SMALL)
@@ -576,9 +564,7 @@ async def test_second_compaction_summarises_previous_summary_and_newer_messages(
 
 
 @pytest.mark.asyncio
-async def test_resume_gives_byte_identical_requests(
-    tmp_path: Path, exporter: InMemorySpanExporter
-) -> None:
+async def test_resume_gives_byte_identical_requests(tmp_path: Path, exporter: SpanRecorder) -> None:
     path = tmp_path / "s1.jsonl"
     writer = TranscriptWriter(path, "s1")
     live = make_ctx(tmp_path, exporter, transcript=writer)
@@ -610,7 +596,7 @@ async def test_resume_gives_byte_identical_requests(
 
 @pytest.mark.asyncio
 async def test_projection_survives_an_earlier_stage_dropping_the_cut(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     stage = Autocompact(FakeSummarizer("S."), **SMALL)
     ctx = make_ctx(tmp_path, exporter)
@@ -626,7 +612,7 @@ async def test_projection_survives_an_earlier_stage_dropping_the_cut(
 
 @pytest.mark.asyncio
 async def test_without_a_request_the_last_round_is_kept(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     meta = Message.user("<system-reminder>context</system-reminder>", is_meta=True)
     body = [m for m in rounds(3, usage=OVER) if not isinstance(m.content, str)]
@@ -637,9 +623,7 @@ async def test_without_a_request_the_last_round_is_kept(
 
 
 @pytest.mark.asyncio
-async def test_malformed_records_are_ignored(
-    tmp_path: Path, exporter: InMemorySpanExporter
-) -> None:
+async def test_malformed_records_are_ignored(tmp_path: Path, exporter: SpanRecorder) -> None:
     bad = [StageRecord("autocompact", {"summary": 1}), StageRecord("autocompact", {})]
     msgs = conversation(BELOW)
     ctx = make_ctx(tmp_path, exporter, stage_records=bad)
@@ -648,7 +632,7 @@ async def test_malformed_records_are_ignored(
 
 @pytest.mark.asyncio
 async def test_sessions_sharing_the_stage_are_isolated(
-    tmp_path: Path, exporter: InMemorySpanExporter
+    tmp_path: Path, exporter: SpanRecorder
 ) -> None:
     stage = Autocompact(FakeSummarizer("S."), **SMALL)
     a, b = make_ctx(tmp_path, exporter), make_ctx(tmp_path, exporter)
@@ -658,9 +642,7 @@ async def test_sessions_sharing_the_stage_are_isolated(
 
 
 @pytest.mark.asyncio
-async def test_decision_spans_carry_no_content(
-    tmp_path: Path, exporter: InMemorySpanExporter
-) -> None:
+async def test_decision_spans_carry_no_content(tmp_path: Path, exporter: SpanRecorder) -> None:
     msgs = conversation(OVER, request="SECRET REQUEST")
     await Autocompact(FakeSummarizer("SECRET SUMMARY"), **SMALL)(msgs, make_ctx(tmp_path, exporter))
     values = [str(v) for d in decisions(exporter) for v in d.values()]
@@ -673,9 +655,7 @@ async def test_decision_spans_carry_no_content(
 
 
 @pytest.mark.asyncio
-async def test_anthropic_summarizer_end_to_end(
-    tmp_path: Path, exporter: InMemorySpanExporter
-) -> None:
+async def test_anthropic_summarizer_end_to_end(tmp_path: Path, exporter: SpanRecorder) -> None:
     refusals = [1]  # the first summary request is refused as too long
 
     def script(body: dict[str, Any]) -> Reply | ScriptError:

@@ -49,16 +49,10 @@ from pipeline import (
 from pipeline.gate import persist_content
 from pipeline.pairing import check_pairing
 from pipeline.replacement import ReplacementRecord
+from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from stages.tool_result_budget import Candidate, collect_groups, select_fresh_to_replace
-from tests.builders import (
-    QuietLogger,
-    assistant,
-    results,
-    tool_result,
-    tool_use,
-    user_text,
-)
+from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 SID = "prop-session"
 TAG = "<persisted-output>"

@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 
 from pipeline import (
     Message,
@@ -26,7 +24,8 @@ from pipeline import (
 from pipeline.gate import build_replacement, format_size, gate_tool_result, generate_preview
 from pipeline.replacement import ReplacementRecord
 from pipeline.storage import FileToolResultStore
-from pipeline.tracing import ATTR, SPAN_BUDGET_DECISION, SPAN_BUDGET_GROUP, get_tracer
+from pipeline.testing import SpanRecorder
+from pipeline.tracing import ATTR, SPAN_BUDGET_DECISION, SPAN_BUDGET_GROUP
 from stages import ToolResultBudget
 from stages.tool_result_budget import collect_groups, select_fresh_to_replace
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -223,13 +222,9 @@ def make_ctx(
     store: Any = None,
     cap: float = 50_000,
     transcript: TranscriptWriter | None = None,
-    exporter: InMemorySpanExporter | None = None,
+    exporter: SpanRecorder | None = None,
 ) -> SessionContext:
-    tracer = None
-    if exporter is not None:
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        tracer = get_tracer(provider)
+    tracer = exporter.tracer if exporter is not None else None
     return SessionContext(
         "sess-1",
         tmp_path / "store",
@@ -315,7 +310,7 @@ async def test_frozen_alone_over_budget_is_accepted(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 async def test_never_persist_tool_is_left_whole_and_out_of_the_sum(tmp_path: Path) -> None:
     store = CountingStore()
-    ctx = make_ctx(tmp_path, store=store, exporter=(exp := InMemorySpanExporter()))
+    ctx = make_ctx(tmp_path, store=store, exporter=(exp := SpanRecorder()))
     msgs = [
         assistant("r1", tool_use("read1", "Read"), tool_use("o1", "Other")),
         results(tool_result("read1", "r" * 45_000)),  # over the limit on its own
@@ -364,7 +359,7 @@ async def test_unpersistable_candidate_is_passed_over(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 async def test_failed_write_keeps_original_and_freezes(tmp_path: Path) -> None:
     failing = CountingStore(fail=PermissionError(errno.EACCES, "Permission denied"))
-    ctx = make_ctx(tmp_path, store=failing, exporter=(exp := InMemorySpanExporter()))
+    ctx = make_ctx(tmp_path, store=failing, exporter=(exp := SpanRecorder()))
     msgs = parallel_turn("r1", {"a": 40_000, "b": 40_000})
     pipe = Pipeline([ToolResultBudget(limit=50_000)])
     out = await pipe.run(msgs, ctx)
@@ -459,13 +454,13 @@ async def test_hostile_ids_are_stored_safely(tmp_path: Path) -> None:
 # -- spans -----------------------------------------------------------------------------------
 
 
-def spans(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
-    return [s for s in exporter.get_finished_spans() if s.name == name]
+def spans(exporter: SpanRecorder, name: str) -> list[ReadableSpan]:
+    return exporter.named(name)
 
 
 @pytest.mark.asyncio
 async def test_spans_describe_groups_and_decisions_without_content(tmp_path: Path) -> None:
-    exporter = InMemorySpanExporter()
+    exporter = SpanRecorder()
     ctx = make_ctx(tmp_path, exporter=exporter)
     marker = "SECRET-MARKER-"
     msgs = [

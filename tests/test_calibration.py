@@ -21,7 +21,7 @@ import pipeline.tokens.priors as priors
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, TranscriptWriter, Usage
 from pipeline._cli.app import main
 from pipeline.agent import Agent
-from pipeline.testing.server import Reply, ScriptedMessagesServer, count_request_tokens
+from pipeline.testing import Reply, ScriptedMessagesServer, count_request_tokens
 from pipeline.tokens import (
     IMAGE_TOKENS,
     CalibratedEstimator,

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline import load_transcript, to_api
 from pipeline.pairing import check_pairing
-from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 
 
 def _env(server: ScriptedMessagesServer) -> dict[str, str]:

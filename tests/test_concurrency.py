@@ -39,15 +39,9 @@ from pipeline import (
     to_api,
 )
 from pipeline.storage import TOOL_RESULTS_SUBDIR
+from pipeline.testing import QuietLogger
 from stages import default_stages
-from tests.builders import (
-    QuietLogger,
-    assistant,
-    results,
-    tool_result,
-    tool_use,
-    user_text,
-)
+from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 SESSIONS = 1_000
 TURNS = 3

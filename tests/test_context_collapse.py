@@ -30,8 +30,7 @@ from pipeline.summarizer import (
     SummaryError,
     SummaryPromptTooLong,
 )
-from pipeline.testing import assert_same_messages
-from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, assert_same_messages
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR
 from stages import ContextCollapse, HistorySnip, default_stages

@@ -11,15 +11,14 @@ import pytest
 import sniffio
 import structlog
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
 import stages
 from pipeline import Message, Pipeline, SessionContext, Stage, StageError, TokenTracker, stage
 from pipeline.core import FunctionStage
-from pipeline.tracing import ATTR, get_tracer
+from pipeline.testing import SpanRecorder
+from pipeline.tracing import ATTR
 from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
@@ -300,12 +299,10 @@ async def test_different_sessions_run_concurrently(anyio_backend: str, tmp_path:
 
 
 @pytest.fixture
-def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider, exporter
-    provider.shutdown()
+def spans() -> Iterator[SpanRecorder]:
+    recorder = SpanRecorder()
+    yield recorder
+    recorder.provider.shutdown()
 
 
 def _by_name(finished: tuple[ReadableSpan, ...], name: str) -> ReadableSpan:
@@ -317,9 +314,9 @@ def _by_name(finished: tuple[ReadableSpan, ...], name: str) -> ReadableSpan:
 async def test_spans_for_a_run_and_each_stage(
     anyio_backend: str,
     tmp_path: Path,
-    spans: tuple[TracerProvider, InMemorySpanExporter],
+    spans: SpanRecorder,
 ) -> None:
-    provider, exporter = spans
+    exporter = spans
 
     @stage("keep_last", may_break_cache=True)
     async def keep_last(messages: list[Message], ctx: SessionContext) -> list[Message]:
@@ -333,9 +330,7 @@ async def test_spans_for_a_run_and_each_stage(
         Message.user("z" * 80),  # 20
     ]
     pipe = Pipeline([named("first"), keep_last, named("last")])
-    ctx = ctx_for(
-        tmp_path, "conv-42", tracer=get_tracer(provider), token_tracker=TokenTracker("reference")
-    )
+    ctx = ctx_for(tmp_path, "conv-42", tracer=spans.tracer, token_tracker=TokenTracker("reference"))
     out = await pipe.run(msgs, ctx)
     assert out == msgs[-1:]
 
@@ -381,10 +376,10 @@ async def test_spans_for_a_run_and_each_stage(
 async def test_spans_of_the_default_pipeline(
     anyio_backend: str,
     tmp_path: Path,
-    spans: tuple[TracerProvider, InMemorySpanExporter],
+    spans: SpanRecorder,
 ) -> None:
-    provider, exporter = spans
-    ctx = ctx_for(tmp_path, tracer=get_tracer(provider))
+    exporter = spans
+    ctx = ctx_for(tmp_path, tracer=spans.tracer)
     await Pipeline(stages.default_stages()).run(small_conversation(), ctx)
     finished = exporter.get_finished_spans()
     run = _by_name(finished, "pipeline.run")
@@ -399,16 +394,16 @@ async def test_spans_of_the_default_pipeline(
 async def test_failing_stage_marks_spans_without_leaking_content(
     anyio_backend: str,
     tmp_path: Path,
-    spans: tuple[TracerProvider, InMemorySpanExporter],
+    spans: SpanRecorder,
 ) -> None:
-    provider, exporter = spans
+    exporter = spans
     secret = "SECRET-user-text-4711"
 
     @stage("leaky")
     async def leaky(messages: list[Message], ctx: SessionContext) -> list[Message]:
         raise ValueError(f"could not handle {secret}")
 
-    ctx = ctx_for(tmp_path, tracer=get_tracer(provider))
+    ctx = ctx_for(tmp_path, tracer=spans.tracer)
     with pytest.raises(StageError, match=secret):  # the exception itself may say it
         await Pipeline([leaky]).run([Message.user(secret)], ctx)
 
@@ -425,9 +420,9 @@ async def test_failing_stage_marks_spans_without_leaking_content(
 async def test_log_events_carry_the_current_trace_and_span_ids(
     anyio_backend: str,
     tmp_path: Path,
-    spans: tuple[TracerProvider, InMemorySpanExporter],
+    spans: SpanRecorder,
 ) -> None:
-    provider, exporter = spans
+    exporter = spans
     inside: list[trace.SpanContext] = []
 
     @stage("chatty")
@@ -437,7 +432,7 @@ async def test_log_events_carry_the_current_trace_and_span_ids(
         return messages
 
     with structlog.testing.capture_logs() as logs:
-        ctx = ctx_for(tmp_path, "log-session", tracer=get_tracer(provider))
+        ctx = ctx_for(tmp_path, "log-session", tracer=spans.tracer)
         await Pipeline([chatty]).run(small_conversation(), ctx)
         ctx.logger.info("outside_any_span")
 

@@ -24,7 +24,7 @@ from pipeline import Pipeline, ReplacementState, SessionContext, load_transcript
 from pipeline.agent import INTERRUPTED_RESULT, Agent
 from pipeline.pairing import check_pairing
 from pipeline.replay import find_calls
-from pipeline.testing.server import Reply, ScriptedMessagesServer
+from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.tools import tool
 from stages import ToolResultBudget
 

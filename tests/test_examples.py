@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.testing.server import Reply, ScriptedMessagesServer
+from pipeline.testing import Reply, ScriptedMessagesServer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -12,9 +12,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline import (
     Message,
@@ -27,9 +24,9 @@ from pipeline import (
     to_api,
 )
 from pipeline.pairing import check_pairing
-from pipeline.testing import assert_same_messages
+from pipeline.testing import SpanRecorder, assert_same_messages
 from pipeline.tokens import rough_tokens_for_messages
-from pipeline.tracing import ATTR, get_tracer
+from pipeline.tracing import ATTR, decision_span_name
 from stages import HistorySnip
 from stages.history_snip import snip_marker_text
 from tests.builders import tool_result, tool_use
@@ -39,19 +36,12 @@ from tests.builders import tool_result, tool_use
 # --------------------------------------------------------------------------------------------
 
 
-class Spans:
-    """Decision spans of one context, captured by an SDK in-memory exporter."""
-
-    def __init__(self) -> None:
-        self.exporter = InMemorySpanExporter()
-        self.provider = TracerProvider()
-        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.tracer = get_tracer(self.provider)
+class Spans(SpanRecorder):
+    """Decision spans of one context."""
 
     def decisions(self, stage: str) -> list[dict[str, Any]]:
         """Attributes of every ``<stage>.decision`` span, in order."""
-        found: Sequence[ReadableSpan] = self.exporter.get_finished_spans()
-        return [dict(s.attributes or {}) for s in found if s.name == f"{stage}.decision"]
+        return [dict(a) for a in self.attributes(decision_span_name(stage))]
 
 
 def make_ctx(tmp_path: Path, spans: Spans | None = None, **kw: Any) -> SessionContext:

@@ -45,18 +45,10 @@ from pipeline import (
     ToolPolicies,
     to_api,
 )
-from pipeline.testing import RecordReads, assert_same_messages
+from pipeline.testing import MemoryStore, QuietLogger, RecordReads, assert_same_messages
 from pipeline.tracing import SPAN_BUDGET_DECISION, SPAN_BUDGET_GROUP
 from stages import ToolResultBudget
-from tests.builders import (
-    MemoryStore,
-    QuietLogger,
-    assistant,
-    results,
-    tool_result,
-    tool_use,
-    user_text,
-)
+from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 SID = "incremental"
 POLICIES = ToolPolicies(declared={"Bash": 120, "Read": math.inf}, cap=200)

@@ -27,18 +27,10 @@ from hypothesis import event
 
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage, to_api
 from pipeline.incremental import AppendWatch
-from pipeline.testing import RecordReads, assert_same_messages
+from pipeline.testing import MemoryStore, QuietLogger, RecordReads, assert_same_messages
 from pipeline.tracing import ATTR, Decision
 from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
-from tests.builders import (
-    MemoryStore,
-    QuietLogger,
-    assistant,
-    results,
-    tool_result,
-    tool_use,
-    user_text,
-)
+from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.test_incremental import Gen, edit_history, run_sessions
 
 SID = "incremental-stages"

@@ -25,10 +25,6 @@ from anthropic.types.beta.beta_input_tokens_trigger_param import BetaInputTokens
 from anthropic.types.beta.beta_tool_uses_keep_param import BetaToolUsesKeepParam
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import Tracer
 from pydantic import TypeAdapter
 
 from pipeline import (
@@ -43,10 +39,10 @@ from pipeline import (
 )
 from pipeline.agent import Agent
 from pipeline.pairing import check_pairing
-from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tools import tool
-from pipeline.tracing import ATTR, Reason, decision_span_name, get_tracer
+from pipeline.tracing import ATTR, Reason, decision_span_name
 from pipeline.transcript import StageRecord
 from stages import Microcompact, ServerSideMicrocompact, default_stages
 from stages._shared import CLEARED_PLACEHOLDER
@@ -140,18 +136,13 @@ def wire(msgs: Sequence[Message]) -> str:
 
 
 @pytest.fixture
-def spans() -> tuple[InMemorySpanExporter, Tracer]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter, get_tracer(provider)
+def spans() -> SpanRecorder:
+    return SpanRecorder()
 
 
-def decisions(exporter: InMemorySpanExporter) -> list[dict[str, Any]]:
+def decisions(exporter: SpanRecorder) -> list[dict[str, Any]]:
     """Attributes of every microcompact decision span, in order."""
-    return [
-        dict(s.attributes or {}) for s in exporter.get_finished_spans() if s.name == DECISION_SPAN
-    ]
+    return [dict(a) for a in exporter.attributes(DECISION_SPAN)]
 
 
 def new_ctx(tmp_path: Path, session: str = "s1", **kw: Any) -> SessionContext:
@@ -196,10 +187,8 @@ async def test_the_idle_trigger_fires_at_sixty_minutes(
 
 
 @pytest.mark.asyncio
-async def test_a_warm_cache_is_left_alone(
-    tmp_path: Path, spans: tuple[InMemorySpanExporter, Tracer]
-) -> None:
-    exporter, tracer = spans
+async def test_a_warm_cache_is_left_alone(tmp_path: Path, spans: SpanRecorder) -> None:
+    exporter, tracer = spans, spans.tracer
     msgs = come_back(tool_turns(10), after_minutes=30)
     out = await one_pass(Microcompact(**IDLE_ONLY), msgs, new_ctx(tmp_path, tracer=tracer))
     assert out is msgs
@@ -246,11 +235,9 @@ async def test_the_idle_trigger_takes_any_gain_the_cold_cache_makes_it_free(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("method", ["reference", "default"])
-async def test_size_trigger(
-    tmp_path: Path, spans: tuple[InMemorySpanExporter, Tracer], method: str
-) -> None:
+async def test_size_trigger(tmp_path: Path, spans: SpanRecorder, method: str) -> None:
     """The trigger compares against the session's own tracker, whatever its method."""
-    exporter, tracer = spans
+    exporter, tracer = spans, spans.tracer
 
     def ctx_for(session: str) -> SessionContext:
         tracker = TokenTracker("reference") if method == "reference" else TokenTracker()
@@ -285,9 +272,9 @@ async def test_the_size_trigger_sees_what_earlier_stages_freed(tmp_path: Path) -
 
 @pytest.mark.asyncio
 async def test_below_the_min_reclaim_floor_the_cache_is_not_broken(
-    tmp_path: Path, spans: tuple[InMemorySpanExporter, Tracer]
+    tmp_path: Path, spans: SpanRecorder
 ) -> None:
-    exporter, tracer = spans
+    exporter, tracer = spans, spans.tracer
     msgs = tool_turns(10)  # 7 results of ~3K older than the newest 3: ~21K reclaimable
     strict = Microcompact(keep=3, trigger_tokens=10_000, min_reclaim_tokens=22_000, **SIZE_ONLY)
     assert await one_pass(strict, msgs, new_ctx(tmp_path, tracer=tracer)) is msgs
@@ -529,9 +516,9 @@ async def test_untouched_messages_pass_by_reference(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_later_passes_reapply_byte_identically_and_free_nothing_new(
-    tmp_path: Path, spans: tuple[InMemorySpanExporter, Tracer]
+    tmp_path: Path, spans: SpanRecorder
 ) -> None:
-    exporter, tracer = spans
+    exporter, tracer = spans, spans.tracer
     stage = Microcompact(keep=3)
     ctx = new_ctx(tmp_path, tracer=tracer)
     msgs = come_back(tool_turns(8, usage=True), after_minutes=61)
@@ -682,9 +669,9 @@ async def test_results_before_a_compact_boundary_are_not_counted(tmp_path: Path)
 
 @pytest.mark.asyncio
 async def test_one_decision_span_per_pass_without_content(
-    tmp_path: Path, spans: tuple[InMemorySpanExporter, Tracer]
+    tmp_path: Path, spans: SpanRecorder
 ) -> None:
-    exporter, tracer = spans
+    exporter, tracer = spans, spans.tracer
     stage = Microcompact(keep=2)
     ctx = new_ctx(tmp_path, tracer=tracer)
     pipe = Pipeline([stage])
@@ -816,9 +803,9 @@ def test_the_sdk_knows_the_beta() -> None:
 
 @pytest.mark.asyncio
 async def test_server_side_puts_the_edit_in_the_request_and_edits_nothing(
-    tmp_path: Path, spans: tuple[InMemorySpanExporter, Tracer]
+    tmp_path: Path, spans: SpanRecorder
 ) -> None:
-    exporter, tracer = spans
+    exporter, tracer = spans, spans.tracer
     stage = ServerSideMicrocompact(
         trigger_tokens=80_000, keep=4, clear_at_least=15_000, exclude_tools=("memory",)
     )

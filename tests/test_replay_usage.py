@@ -16,18 +16,11 @@ from anthropic.types import MessageParam
 
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage
 from pipeline.replay import less_usage, replay_messages
+from pipeline.testing import MemoryStore, QuietLogger
 from pipeline.tracing import ATTR
 from stages import HistorySnip
 from stages.autocompact import Autocompact
-from tests.builders import (
-    MemoryStore,
-    QuietLogger,
-    assistant,
-    results,
-    tool_result,
-    tool_use,
-    user_text,
-)
+from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 
 def _ctx() -> SessionContext:

@@ -36,7 +36,7 @@ from pipeline import (
     to_api,
 )
 from pipeline.gate import persist_content
-from pipeline.storage import StoreError, safe_file_stem
+from pipeline.storage import OsFileOps, StoreError, safe_file_stem
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
@@ -437,70 +437,66 @@ async def test_concurrent_persists_of_many_ids(tmp_path: Path) -> None:
     assert _tmp_leftovers(tmp_path / SESSION / "tool-results") == []
 
 
+class _Ops(OsFileOps):
+    """The real file operations, with the ones a test names replaced."""
+
+    def __init__(self, **replaced: Any) -> None:
+        for name, fn in replaced.items():
+            setattr(self, name, fn)
+
+
 @pytest.mark.anyio
-async def test_crash_between_temp_write_and_link_leaves_no_final_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = _store(tmp_path)
+async def test_crash_between_temp_write_and_link_leaves_no_final_file(tmp_path: Path) -> None:
     directory = tmp_path / SESSION / "tool-results"
-    real_link = os.link
     calls: list[tuple[str, str]] = []
 
-    def failing_link(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+    def failing_link(src: Path, dst: Path) -> None:
         calls.append((str(src), str(dst)))
         # the temp file is complete at this point: prove it, then "crash"
         assert Path(src).read_text(encoding="utf-8") == "full content"
         raise OSError(errno.EIO, "simulated crash before link")
 
-    monkeypatch.setattr(os, "link", failing_link)
+    crashing = FileToolResultStore(tmp_path, SESSION, file_ops=lambda _t: _Ops(link=failing_link))
     with pytest.raises(OSError):
-        await store.persist("toolu_crash", "full content", "txt")
+        await crashing.persist("toolu_crash", "full content", "txt")
     assert calls and Path(calls[0][0]).name.startswith(".tmp-")
     assert not (directory / "toolu_crash.txt").exists()
     assert _tmp_leftovers(directory) == []
 
-    monkeypatch.setattr(os, "link", real_link)
-    path = await store.persist("toolu_crash", "full content", "txt")
+    path = await _store(tmp_path).persist("toolu_crash", "full content", "txt")
     assert Path(path).read_text(encoding="utf-8") == "full content"
     assert _tmp_leftovers(directory) == []
 
 
 @pytest.mark.anyio
-async def test_disk_full_mid_write_leaves_no_final_file_and_no_temp(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = _store(tmp_path)
+async def test_disk_full_mid_write_leaves_no_final_file_and_no_temp(tmp_path: Path) -> None:
     directory = tmp_path / SESSION / "tool-results"
-    real_write = os.write
 
-    def half_then_enospc(fd: int, data: Any) -> int:
+    def half_then_enospc(fd: int, data: memoryview) -> int:
         if len(data) > 1:
-            return real_write(fd, bytes(data[: len(data) // 2]))
+            return os.write(fd, bytes(data[: len(data) // 2]))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "write", half_then_enospc)
+    full = FileToolResultStore(tmp_path, SESSION, file_ops=lambda _t: _Ops(write=half_then_enospc))
     with pytest.raises(OSError) as info:
-        await store.persist("toolu_full", "0123456789" * 50, "txt")
-    monkeypatch.setattr(os, "write", real_write)
+        await full.persist("toolu_full", "0123456789" * 50, "txt")
     assert info.value.errno == errno.ENOSPC
     assert not (directory / "toolu_full.txt").exists()
     assert _tmp_leftovers(directory) == []
-    path = await store.persist("toolu_full", "0123456789" * 50, "txt")
+    path = await _store(tmp_path).persist("toolu_full", "0123456789" * 50, "txt")
     assert Path(path).read_text(encoding="utf-8") == "0123456789" * 50
 
 
 @pytest.mark.anyio
-async def test_fsync_failure_leaves_no_final_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_fsync_failure_leaves_no_final_file(tmp_path: Path) -> None:
     directory = tmp_path / SESSION / "tool-results"
 
     def bad_fsync(fd: int) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(os, "fsync", bad_fsync)
+    store = FileToolResultStore(tmp_path, SESSION, file_ops=lambda _t: _Ops(fsync=bad_fsync))
     with pytest.raises(OSError):
-        await _store(tmp_path).persist("toolu_fs", "data", "txt")
+        await store.persist("toolu_fs", "data", "txt")
     assert not (directory / "toolu_fs.txt").exists()
     assert _tmp_leftovers(directory) == []
 

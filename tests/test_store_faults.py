@@ -1,11 +1,11 @@
 """A fault at every step of a persist, on the real ``FileToolResultStore`` and the real disk.
 
-``FileToolResultStore._write`` persists one result in these steps, and each test here makes
-exactly one of them fail by monkeypatching the ``os`` function of that step -- for the one
-tool_use_id the fault is aimed at and nothing else (see :class:`Injector`):
+A persist of ``FileToolResultStore`` takes these steps, and each test here makes exactly one of
+them fail through the store's ``file_ops`` seam (one ``FileOps`` per persist, so a fault is
+aimed at one tool_use_id and nothing else; see :class:`Injector`):
 
 ======================  ===================  ===============================================
-step                    os function          what the store promises after it fails
+step                    file operation       what the store promises after it fails
 ======================  ===================  ===============================================
 ``makedirs_root``       ``os.makedirs``      no final file, no temp file (none was created)
 ``mkdir_session``       ``os.mkdir``         no final file, no temp file (none was created)
@@ -57,17 +57,13 @@ import json
 import os
 import random
 import re
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline import (
     FileToolResultStore,
@@ -81,7 +77,9 @@ from pipeline import (
 )
 from pipeline.gate import gate_tool_result
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, ReplacementState
-from pipeline.tracing import ATTR, SPAN_BUDGET_DECISION, get_tracer
+from pipeline.storage import OsFileOps
+from pipeline.testing import QuietLogger, SpanRecorder
+from pipeline.tracing import ATTR, SPAN_BUDGET_DECISION
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
@@ -96,7 +94,7 @@ TOOL = "Glob"
 @dataclass(frozen=True)
 class Step:
     func: str
-    """The ``os`` function patched for this step."""
+    """The file operation (``FileOps`` method) that fails at this step."""
     default_errno: int
     """The errno the deterministic test raises (a realistic one for the call)."""
     after_link: bool = False
@@ -118,18 +116,6 @@ STEPS: dict[str, Step] = {
 }
 RANDOM_ERRNOS = (errno.ENOSPC, errno.EACCES, errno.EIO, errno.EROFS, errno.EDQUOT)
 
-_WRITE_CODE = FileToolResultStore._write.__code__
-
-
-def _store_frame() -> FrameType | None:
-    """The frame of ``FileToolResultStore._write`` this os call comes from, if any."""
-    f: FrameType | None = sys._getframe(2)
-    while f is not None:
-        if f.f_code is _WRITE_CODE:
-            return f
-        f = f.f_back
-    return None
-
 
 def _stem(target: Path) -> str:
     return target.name.rsplit(".", 1)[0]
@@ -150,104 +136,104 @@ class Fault:
     err: int
 
 
+class FaultyOps(OsFileOps):
+    """The real file operations of one persist, but for the one step its fault is aimed at."""
+
+    def __init__(self, injector: Injector, fault: Fault, target: Path) -> None:
+        self.injector, self.fault, self.target = injector, fault, target
+        self.written = False
+
+    def _fire(self) -> None:
+        tid, step = _stem(self.target), self.fault.step
+        self.injector.fired.append((tid, step))
+        raise _error(self.fault.err, f"{step} of {tid}")
+
+    def _at(self, step: str) -> bool:
+        return self.fault.step == step
+
+    def makedirs(self, path: Path, mode: int) -> None:
+        if self._at("makedirs_root") and path == self.injector.store.root:
+            self._fire()
+        super().makedirs(path, mode)
+
+    def mkdir(self, path: Path, mode: int) -> None:
+        store = self.injector.store
+        if (self._at("mkdir_session") and path == store.root / store.session_id) or (
+            self._at("mkdir_tool_results") and path == store.directory
+        ):
+            self._fire()
+        super().mkdir(path, mode)
+
+    def lstat(self, path: Path) -> os.stat_result:
+        if self._at("lstat_target") and path == self.target:
+            self._fire()
+        return super().lstat(path)
+
+    def open(self, path: Path, flags: int, mode: int) -> int:
+        if self._at("open_tmp"):
+            self._fire()
+        return super().open(path, flags, mode)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        if self._at("write_half_enospc") and not self.written and len(data) > 1:
+            self.written = True  # a short write first, as a filling disk gives
+            return super().write(fd, data[: len(data) // 2])
+        if self._at("write_first") or self._at("write_half_enospc"):
+            self._fire()
+        return super().write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        if self._at("fsync"):
+            self._fire()
+        super().fsync(fd)
+
+    def close(self, fd: int) -> None:
+        super().close(fd)  # Linux: the descriptor is gone even when close fails
+        if self._at("close"):
+            self._fire()
+
+    def link(self, src: Path, dst: Path) -> None:
+        if self._at("link"):
+            self._fire()
+        super().link(src, dst)
+
+    def unlink(self, path: Path) -> None:
+        if self._at("unlink_tmp") and path.name.startswith(".tmp-"):
+            self._fire()
+        super().unlink(path)
+
+
+_REAL = OsFileOps()
+
+
 @dataclass
 class Injector:
-    """Fakes for the ``os`` functions of the planned steps, aimed by tool_use_id.
-
-    A call is faulted only when it comes from ``FileToolResultStore._write`` (found by walking
-    the stack: the transcript writer, the test runner and everything else get the real
-    function), for a target whose id has a fault planned at this step. A fault fires on every
-    matching call while installed; ``fired`` lists each firing, as (id, step).
+    """The store's file operations (``FileToolResultStore(file_ops=injector.ops)``), with the
+    faults of the active plan aimed by tool_use_id: while a plan is active, the persist of a
+    planned id fails at its step, on every attempt; every other persist, and everything
+    outside the store, meets the real file system. ``fired`` lists each firing, as (id, step).
     """
 
-    store: FileToolResultStore
-    plan: dict[str, Fault]
+    store: FileToolResultStore = field(init=False)
+    plan: dict[str, Fault] = field(default_factory=dict)
     fired: list[tuple[str, str]] = field(default_factory=list)
 
-    def install(self, mp: pytest.MonkeyPatch) -> None:
-        for func in sorted({STEPS[f.step].func for f in self.plan.values()}):
-            mp.setattr(os, func, self._fake(func, getattr(os, func)))
+    def ops(self, target: Path) -> OsFileOps:
+        fault = self.plan.get(_stem(target))
+        return _REAL if fault is None else FaultyOps(self, fault, target)
 
-    def _fake(self, func: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def fake(*args: Any, **kwargs: Any) -> Any:
-            frame = _store_frame()
-            if frame is not None:
-                loc = frame.f_locals
-                target: Path = loc["target"]
-                fault = self.plan.get(_stem(target))
-                if fault is not None and STEPS[fault.step].func == func:
-                    return self._maybe_fire(fault, _stem(target), loc, real, args, kwargs)
-            return real(*args, **kwargs)
-
-        return fake
-
-    def _maybe_fire(
-        self,
-        fault: Fault,
-        tid: str,
-        loc: dict[str, Any],
-        real: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        step = fault.step
-        target: Path = loc["target"]
-        store = self.store
-        arg0: Any = args[0]  # the store passes every path and fd positionally
-        hit: bool
-        if step == "makedirs_root":
-            hit = Path(arg0) == store.root
-        elif step == "mkdir_session":
-            hit = Path(arg0) == store.root / store.session_id
-        elif step == "mkdir_tool_results":
-            hit = Path(arg0) == store.directory
-        elif step == "lstat_target":
-            hit = Path(arg0) == target
-        elif step in ("open_tmp", "unlink_tmp"):
-            hit = Path(arg0).name.startswith(".tmp-")
-        elif step == "write_half_enospc":
-            data: bytes = loc["data"]
-            view = args[1]
-            if len(view) == len(data) and len(data) > 1:
-                # the first write of this persist: a short write, as a filling disk gives
-                return real(args[0], bytes(view[: len(view) // 2]))
-            hit = True
-        elif step == "close":
-            real(*args, **kwargs)  # Linux: the descriptor is gone even when close fails
-            hit = True
-        else:  # write_first, fsync, link: the call itself fails
-            hit = True
-        if not hit:
-            return real(*args, **kwargs)
-        self.fired.append((tid, step))
-        raise _error(fault.err, f"{step} of {tid}")
+    @contextmanager
+    def active(self, plan: dict[str, Fault]) -> Iterator[Injector]:
+        self.plan, self.fired = plan, []
+        try:
+            yield self
+        finally:
+            self.plan = {}
 
 
 # --------------------------------------------------------------------------------------------
 # Session, history and checks
 # --------------------------------------------------------------------------------------------
-
-
-class _Logger:
-    """A structlog-shaped logger that keeps events (and prints nothing)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, dict[str, Any]]] = []
-
-    def bind(self, **_kw: Any) -> _Logger:
-        return self
-
-    def debug(self, event: str, **kw: Any) -> None:
-        self.events.append(("debug", event, kw))
-
-    def info(self, event: str, **kw: Any) -> None:
-        self.events.append(("info", event, kw))
-
-    def warning(self, event: str, **kw: Any) -> None:
-        self.events.append(("warning", event, kw))
-
-    def error(self, event: str, **kw: Any) -> None:
-        self.events.append(("error", event, kw))
 
 
 PATHS = {
@@ -261,45 +247,45 @@ PATHS = {
 class Session:
     root: Path
     store: FileToolResultStore
+    faults: Injector
     ctx: SessionContext
-    exporter: InMemorySpanExporter
-    logger: _Logger
+    spans: SpanRecorder
+    logger: QuietLogger
     pipe: Pipeline
     transcript_path: Path
     reason: str
 
     def decisions(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}
-        for s in self.exporter.get_finished_spans():
-            if s.name == SPAN_BUDGET_DECISION:
-                attrs = dict(s.attributes or {})
-                out.setdefault(str(attrs[ATTR.TOOL_CALL_ID]), []).append(attrs)
+        for attrs in self.spans.attributes(SPAN_BUDGET_DECISION):
+            out.setdefault(str(attrs[ATTR.TOOL_CALL_ID]), []).append(dict(attrs))
         return out
 
 
 def new_session(tmp_path: Path, path: str, session_id: str = SESSION) -> Session:
     limit, cap, reason = PATHS[path]
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spans = SpanRecorder()
     root = tmp_path / "store"
-    store = FileToolResultStore(root, session_id)
+    faults = Injector()
+    store = FileToolResultStore(root, session_id, file_ops=faults.ops)
+    faults.store = store
     transcript_path = tmp_path / f"{session_id}.jsonl"  # outside the store: never faulted
-    logger = _Logger()
+    logger = QuietLogger()
     ctx = SessionContext(
         session_id,
         root,
         store=store,
         transcript=TranscriptWriter(transcript_path, session_id),
         tool_policies=ToolPolicies(cap=cap),
-        tracer=get_tracer(provider),
+        tracer=spans.tracer,
         logger=logger,
     )
     return Session(
         root,
         store,
+        faults,
         ctx,
-        exporter,
+        spans,
         logger,
         Pipeline([ToolResultBudget(limit)]),
         transcript_path,
@@ -455,9 +441,7 @@ STEP_PATH_PARAMS = [
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(("step", "path"), STEP_PATH_PARAMS)
-async def test_fault_at_every_step_of_a_persist(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str, path: str
-) -> None:
+async def test_fault_at_every_step_of_a_persist(tmp_path: Path, step: str, path: str) -> None:
     """A fault at ``step`` for one result of a parallel turn: sent whole, frozen, reported.
 
     The contract per step is in the module docstring; ``unlink_tmp`` is the one step after the
@@ -470,9 +454,7 @@ async def test_fault_at_every_step_of_a_persist(
     history = [user_text("go"), *parallel_turn("msg_1", {"t_big": big, "t_ok": ok})]
     before = to_api(history)
 
-    injector = Injector(s.store, {"t_big": fault})
-    with monkeypatch.context() as mp:
-        injector.install(mp)
+    with s.faults.active({"t_big": fault}) as injector:
         out = await s.pipe.run(history, s.ctx)
         # the persist of t_big was attempted exactly once and failed at this step, once
         assert injector.fired == [("t_big", step)]
@@ -496,7 +478,7 @@ async def test_fault_at_every_step_of_a_persist(
     snapshot = Snapshot.take(s.store, ["t_big"])
 
     # -- the fault is gone: a later turn --------------------------------------------------
-    s.exporter.clear()
+    s.spans.clear()
     new = big_text("t_new", 5_000)
     history2 = [*history, *parallel_turn("msg_2", {"t_new": new})]
     out2 = await s.pipe.run(history2, s.ctx)
@@ -514,7 +496,7 @@ async def test_fault_at_every_step_of_a_persist(
     assert [r.tool_use_id for r in records] == ["t_ok", "t_new"]
 
     # -- a pass with nothing new, and a resume from the transcript: still original ----------
-    s.exporter.clear()
+    s.spans.clear()
     out3 = await s.pipe.run(history2, s.ctx)
     assert to_api(out3) == request2
     assert s.decisions() == {}
@@ -534,9 +516,7 @@ async def test_fault_at_every_step_of_a_persist(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("step", list(STEPS))
-async def test_fault_at_every_step_through_the_agent_gate(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str
-) -> None:
+async def test_fault_at_every_step_through_the_agent_gate(tmp_path: Path, step: str) -> None:
     """``gate_tool_result`` (what the agent loop calls when a tool returns) under the fault.
 
     The gate sends the original block (the same object) with ``persist_failed``. The model has
@@ -551,9 +531,7 @@ async def test_fault_at_every_step_through_the_agent_gate(
     big = big_text("t_big", 6_000)
     threshold = s.ctx.tool_policies.threshold(TOOL)
     block = tool_result("t_big", big)
-    injector = Injector(s.store, {"t_big": fault})
-    with monkeypatch.context() as mp:
-        injector.install(mp)
+    with s.faults.active({"t_big": fault}) as injector:
         gated = await gate_tool_result(block, tool_name=TOOL, threshold=threshold, store=s.store)
         assert gated.decision == "persist_failed"
         assert gated.block is block and gated.path is None
@@ -572,7 +550,7 @@ async def test_fault_at_every_step_through_the_agent_gate(
         check_failed(s, "t_big", big, fault, sent)
     assert open_store_fds(s.root) == []
 
-    s.exporter.clear()
+    s.spans.clear()
     new = big_text("t_new", 2_000)
     history2 = [
         *history,
@@ -617,7 +595,7 @@ RANDOM_PARAMS = [
 @pytest.mark.anyio
 @pytest.mark.parametrize(("seed", "path"), RANDOM_PARAMS)
 async def test_random_fault_in_every_persist_of_parallel_turns(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, path: str
+    tmp_path: Path, seed: int, path: str
 ) -> None:
     """Every persist of every faulted turn fails at a random step with a random errno.
 
@@ -643,10 +621,8 @@ async def test_random_fault_in_every_persist_of_parallel_turns(
         contents |= turn_contents
         faults |= plan
 
-        s.exporter.clear()
-        injector = Injector(s.store, plan)
-        with monkeypatch.context() as mp:
-            injector.install(mp)
+        s.spans.clear()
+        with s.faults.active(plan) as injector:
             out = await s.pipe.run(history, s.ctx)
         # every persist of the turn was attempted once and faulted once
         assert sorted(injector.fired) == sorted((tid, f.step) for tid, f in plan.items())
@@ -668,7 +644,7 @@ async def test_random_fault_in_every_persist_of_parallel_turns(
     snapshot = Snapshot.take(s.store, list(faults))
     clean = {f"c_{k}": big_text(f"c_{k}", rng.randrange(3_100, 9_000)) for k in range(3)}
     history += parallel_turn("msg_clean", clean)
-    s.exporter.clear()
+    s.spans.clear()
     out = await s.pipe.run(history, s.ctx)
     request = to_api(out)
     sent = api_results(request)

@@ -19,7 +19,7 @@ from pipeline.core import Pipeline
 from pipeline.messages import Block, Content
 from pipeline.policies import CLAUDE_CODE_DECLARED, UNDECLARED_MAX_RESULT_SIZE_CHARS
 from pipeline.replay import Call, CallResult
-from pipeline.testing.server import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tools import Tool, ToolOutput
 from pipeline.tracing import Decision, Reason
 

@@ -52,9 +52,11 @@ class MemoryStore:
 
 
 class QuietLogger:
-    """A structlog-shaped logger that keeps its events in ``events`` and prints nothing."""
+    """A structlog-shaped logger that keeps its events in ``events`` and prints nothing
+    (``keep=False``: drops them, for long runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep: bool = True) -> None:
+        self.keep = keep
         self.events: list[tuple[str, str, dict[str, Any]]] = []
         """(level, event, key-value pairs) of every call, in order."""
 
@@ -63,7 +65,8 @@ class QuietLogger:
         return self
 
     def _log(self, level: str, event: str, kw: dict[str, Any]) -> None:
-        self.events.append((level, event, kw))
+        if self.keep:
+            self.events.append((level, event, kw))
 
     def debug(self, event: str, **kw: Any) -> None:
         """Keep a debug event."""
@@ -118,6 +121,10 @@ class SpanRecorder:
     def spans(self) -> tuple[ReadableSpan, ...]:
         """Every finished span, in the order they ended."""
         return tuple(self.exporter.get_finished_spans())
+
+    def get_finished_spans(self) -> tuple[ReadableSpan, ...]:
+        """:attr:`spans` (the name ``InMemorySpanExporter`` gives it)."""
+        return self.spans
 
     def named(self, name: str) -> list[ReadableSpan]:
         """The finished spans called ``name``."""

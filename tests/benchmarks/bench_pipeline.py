@@ -62,8 +62,8 @@ from pipeline import (  # noqa: E402
 from pipeline.gate import empty_result_text, is_persistable, persist_content  # noqa: E402
 from pipeline.replacement import candidate_size, content_is_empty, is_candidate  # noqa: E402
 from pipeline.replay import replay_messages  # noqa: E402
+from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
 from stages import ToolResultBudget, default_stages  # noqa: E402
-from tests.builders import MemoryStore, QuietLogger  # noqa: E402
 
 DEFAULT_CORPUS = Path(os.environ.get("SLUICEGATE_CORPUS", REPO.parent / "shared" / "corpus"))
 LIMIT = 200_000
@@ -284,7 +284,7 @@ def _ctx(name: str, root: str, store: Any = None) -> SessionContext:
         root,
         store=store or MemoryStore(),
         tool_policies=ToolPolicies.claude_code(),
-        logger=QuietLogger(),
+        logger=QuietLogger(keep=False),
     )
 
 
@@ -442,7 +442,7 @@ async def replay_file(
         t.session_id or "replay",
         root,
         tool_policies=ToolPolicies.claude_code(),
-        logger=QuietLogger(),
+        logger=QuietLogger(keep=False),
     )
     stages_ = default_stages()
     if stage_times is not None:
@@ -628,7 +628,7 @@ async def bench_sessions(n_sessions: int, turns: int) -> None:
 
         async def session(i: int) -> None:
             nonlocal done, persisted
-            ctx = SessionContext(f"s{i:05d}", root, logger=QuietLogger())
+            ctx = SessionContext(f"s{i:05d}", root, logger=QuietLogger(keep=False))
             history: list[Message] = [Message.user(f"task {i}")]
             for t in range(turns):
                 rid = f"r{i}_{t}"
