@@ -37,7 +37,7 @@ from pipeline.tools import tool
 from pipeline.wire import to_api
 from stages import default_stages
 from tests.builders import assistant, results, tool_result, tool_use, user_text
-from tests.test_cli import CALL_KEYS
+from tests.cli_support import CALL_KEYS
 
 CODE = "def f(x):\n    return x + 1  # add one\n" * 40  # ~1.6K chars of code
 SONNET = "claude-sonnet-4-5"

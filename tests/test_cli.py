@@ -27,18 +27,10 @@ from pipeline._cli.report import ReplaySummary
 from pipeline.pairing import check_pairing
 from pipeline.replay import find_calls, replay_messages, request_chars
 from stages import default_stages
+from tests.cli_support import CALL_KEYS, clean_env, parse_json_lines, run_cli
 from tests.conftest import corpus_sessions
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
-CALL_KEYS = {
-    "call",
-    "message_id",
-    "estimated_tokens",
-    "actual_tokens",
-    "persisted",
-    "reapplied",
-    "request_chars",
-}
 PERSISTED_KEYS = {"tool_use_id", "chars", "path"}
 SUMMARY_KEYS = {
     "session_id",
@@ -66,44 +58,12 @@ STAGE_NAMES = [
 ]
 
 
-def _clean_env(**extra: str) -> dict[str, str]:
-    """The environment without any OTel settings of the caller, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(extra)
-    return env
-
-
-def run_cli(
-    *args: str | Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``python -m pipeline ARGS`` in a subprocess."""
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", *map(str, args)],
-        capture_output=True,
-        text=True,
-        encoding="utf-8",
-        env=env if env is not None else _clean_env(),
-        timeout=120,
-        check=False,
-    )
-
-
 def run_main(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
     """``main([...])`` in-process (no interpreter start-up): exit code, stdout, stderr."""
     capsys.readouterr()
     code = main([str(a) for a in args])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
-
-
-def parse_json_lines(stdout: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The per-call objects and the summary of a ``--json`` run."""
-    lines = [json.loads(line) for line in stdout.splitlines() if line.strip()]
-    assert lines, "no JSON output"
-    assert set(lines[-1]) == {"summary"}, lines[-1]
-    calls = lines[:-1]
-    assert all("summary" not in c for c in calls)
-    return calls, lines[-1]["summary"]
 
 
 @pytest.fixture(scope="module")
@@ -569,7 +529,7 @@ def _children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[ReceivedS
 
 def test_spans_exported_over_otlp_form_the_documented_tree(tmp_path: Path) -> None:
     with OtlpReceiver() as rx:
-        env = _clean_env(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rx.traces_endpoint)
+        env = clean_env(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rx.traces_endpoint)
         proc = run_cli("demo", "--replay", "--json", "--store", tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr
         calls, summary = parse_json_lines(proc.stdout)

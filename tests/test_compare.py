@@ -24,7 +24,7 @@ from stages._shared import CLEARED_PLACEHOLDER as CLEARED
 from stages.baselines import ClearEveryTurn, HeadTailTruncate
 from stages.registry import build_pipeline, build_stage, comparison_pipeline, parse_stage_spec
 from tests.builders import results, tool_result, tool_use
-from tests.test_cli import run_cli
+from tests.cli_support import run_cli
 
 # -- config -----------------------------------------------------------------------------------
 

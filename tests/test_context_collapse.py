@@ -35,7 +35,7 @@ from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR
 from stages import ContextCollapse, HistorySnip, default_stages
 from stages.context_collapse import SUMMARY_HEADER
-from tests.test_history_snip import (
+from tests.rounds_support import (
     PROPERTY,
     Spans,
     agentic,

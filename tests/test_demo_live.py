@@ -9,8 +9,8 @@ from pipeline import load_transcript, to_api
 from pipeline._cli.demo_agent import demo_replies
 from pipeline._cli.demo_session import OUTPUT_MARKER, generate_session
 from pipeline.pairing import check_pairing
+from tests.cli_support import clean_env, parse_json_lines, run_cli
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.test_cli import _clean_env, parse_json_lines, run_cli
 
 
 def test_live_demo_runs_the_loop_and_writes_a_resumable_transcript(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def _children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[ReceivedS
 
 def test_live_demo_trace_tree_over_otlp(tmp_path: Path) -> None:
     with OtlpReceiver() as rx:
-        env = _clean_env(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rx.traces_endpoint)
+        env = clean_env(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rx.traces_endpoint)
         proc = run_cli("demo", "--json", "--store", tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr
         spans = rx.spans

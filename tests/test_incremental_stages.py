@@ -31,7 +31,7 @@ from pipeline.testing import MemoryStore, QuietLogger, RecordReads, assert_same_
 from pipeline.tracing import ATTR, Decision
 from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
-from tests.test_incremental import Gen, edit_history, run_sessions
+from tests.edit_support import Gen, edit_history, run_sessions
 
 SID = "incremental-stages"
 EXAMPLES = 600

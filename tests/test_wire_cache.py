@@ -19,7 +19,7 @@ from pipeline import Message, to_api
 from pipeline.testing import RecordReads
 from pipeline.wire import WireCache, request_chars
 from tests.builders import results, tool_result, tool_use, user_text
-from tests.test_incremental import records
+from tests.edit_support import records
 
 EXAMPLES = 1_500
 
