@@ -78,7 +78,7 @@ class Usage:
 
     @property
     def total(self) -> int:
-        """Tokens the context holds after the response (SPEC §4): input side + output."""
+        """Tokens the context holds after the response: input side + output."""
         return self.input_side + self.output_tokens
 
     @classmethod

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
+from pipeline.tools import Tool
+
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import ToolParam
 
@@ -76,6 +78,17 @@ class LineReader:
                 "additionalProperties": False,
             },
         }
+
+    def as_tool(self) -> Tool:
+        """This reader as an agent :class:`~pipeline.tools.Tool` (never persisted)."""
+        definition = self.definition
+        return Tool(
+            name=self.name,
+            description=str(definition.get("description", "")),
+            input_schema=definition["input_schema"],
+            handler=self,
+            max_result_size_chars=self.max_result_size_chars,
+        )
 
     async def __call__(self, tool_input: Mapping[str, Any]) -> str:
         """Handle one tool call; raises :class:`ReadbackError` for a bad request."""

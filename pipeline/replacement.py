@@ -1,4 +1,4 @@
-"""The ledger of what the model has seen: ``ReplacementState`` and its records (SPEC §2.3, §2.5).
+"""The ledger of what the model has seen: ``ReplacementState`` and its records.
 
 Once a tool_result has been sent whole, changing it later would change the cached prompt prefix;
 once it has been replaced, the same replacement string must be sent forever after. The state
@@ -60,7 +60,7 @@ def _content_has_image(content: Any) -> bool:
 
 
 def content_is_empty(content: Any) -> bool:
-    """None, "", whitespace, ``[]``, or only blank text blocks (SPEC §1.2 step 1)."""
+    """None, "", whitespace, ``[]``, or only blank text blocks."""
     if content is None:
         return True
     if isinstance(content, str):
@@ -89,7 +89,7 @@ def candidate_size(content: Any) -> int:
 
 
 def is_candidate(block: Mapping[str, Any]) -> bool:
-    """A tool_result the budget may decide on (SPEC §2.2)."""
+    """A tool_result the budget may decide on."""
     if block.get("type") != "tool_result":
         return False
     content = block.get("content")
@@ -140,7 +140,7 @@ class ReplacementState:
         messages: Sequence[Message],
         records: Iterable[ReplacementRecord],
     ) -> ReplacementState:
-        """Rebuild the state of a resumed session (SPEC §2.5).
+        """Rebuild the state of a resumed session.
 
         Every candidate present in ``messages`` was sent, so it is seen (frozen unless replaced);
         replacements are restored only for ids still present as candidates, and the stored

@@ -63,7 +63,8 @@ class CallResult:
     less this."""
     observations: dict[str, Observation] = field(default_factory=dict)
     """The recorded call's usage against each estimator (``"default"``: the session's tracker,
-    ``"reference"``: SPEC §4), each estimating the projected request before learning from it.
+    ``"reference"``: the fixed rough count), each estimating the projected request before
+    learning from it.
     Not in the JSON line: the summary reports them."""
 
     @property

@@ -88,7 +88,7 @@ class _WireEntry:
 
 
 def to_api(messages: Sequence[Message]) -> list[MessageParam]:
-    """Normalise conversation records into the ``messages`` array of an API request (SPEC §6).
+    """Normalise conversation records into the ``messages`` array of an API request.
 
     - slice at the last compact boundary;
     - drop progress and system records (``local_command`` output is kept as user text);

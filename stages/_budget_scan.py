@@ -83,7 +83,7 @@ class _Undo:
 
 
 class GroupScan:
-    """The grouping scan of SPEC §2.1 as one undoable step per message.
+    """The grouping scan as one undoable step per message.
 
     A group is a maximal run of user messages not separated by an assistant message with an id
     not seen before: same-id fragments (streaming, interleaved streams) merge back into one wire
@@ -237,7 +237,7 @@ def _restore(d: dict[str, str], key: str, previous: str | None) -> None:
 
 
 def collect_groups(messages: Sequence[Message]) -> list[list[Candidate]]:
-    """Candidates grouped by the API-level user message they will be sent in (SPEC §2.1)."""
+    """Candidates grouped by the API-level user message they will be sent in."""
     scan = GroupScan()
     scratch: set[str] = set()
     for index, m in enumerate(messages):
@@ -345,7 +345,7 @@ class BudgetCache:
             self.patches[index] = patched
 
     def output(self, messages: list[Message]) -> list[Message]:
-        """The projected list: the input itself when nothing changed (SPEC §2.4 step 6)."""
+        """The projected list: the input itself when nothing changed."""
         if not self.patches:
             return messages
         out = list(messages)

@@ -1,4 +1,4 @@
-"""The ``autocompact`` stage: summarise the older conversation when it nears the window (SPEC §5).
+"""The ``autocompact`` stage: summarise the older conversation when it nears the window.
 
 Compaction is a projection, never an edit of the history: everything before a kept tail becomes
 ``[compact_boundary, summary]`` (Claude Code's shapes); the tail starts at a round boundary at or
@@ -66,7 +66,7 @@ class ContextWindowExceeded(PipelineHalt):
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    """The token levels of one configuration (SPEC §5)."""
+    """The token levels of one configuration."""
 
     effective: int
     compact: int

@@ -1,4 +1,4 @@
-"""The ``context_collapse`` stage: replaces spans of old rounds with summaries (SPEC §5).
+"""The ``context_collapse`` stage: replaces spans of old rounds with summaries.
 
 Strategy ``summarize-spans``, a read-time projection (the history is never edited). When the
 estimate reaches ``commit_fraction`` (90%) of ``context_window``, the oldest not-yet-collapsed

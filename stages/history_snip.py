@@ -1,4 +1,4 @@
-"""The ``history_snip`` stage: removes middle rounds of history by message uuid (SPEC §5).
+"""The ``history_snip`` stage: removes middle rounds of history by message uuid.
 
 Strategy ``snip-middle``. When the estimate reaches ``trigger_fraction`` of ``context_window``,
 whole API rounds go, oldest first, until it is down to ``target_fraction``. A round is one

@@ -1,4 +1,5 @@
-"""Property tests of the tool-result budget over random multi-turn sessions (DESIGN invariants 1-6).
+"""Property tests of the tool-result budget over random multi-turn sessions (invariants 1-6
+of docs/behaviour.md).
 
 A generated session is a sequence of turns. A tool turn is one assistant response (one message id,
 split into one or more records) with N parallel tool_use blocks, followed by the tool_result
@@ -9,7 +10,8 @@ on the whole history before every model call (and, now and then, mid-turn) with 
 ``SessionContext`` (a real ``FileToolResultStore``, a real ``TranscriptWriter``), and at a random
 turn boundary a second session resumes from the transcript file and runs alongside.
 
-Everything the stage decides is checked against an independent model written from SPEC.md:
+Everything the stage decides is checked against an independent model written from the
+contract (docs/behaviour.md):
 the replacement text (§3) is rebuilt here from scratch, and the set of results persisted in each
 pass is recomputed from §2.4. Limits are tiny (hundreds to a few thousand chars) so hypothesis
 reaches the edges quickly.
@@ -73,12 +75,12 @@ def _dumps(obj: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC, rewritten independently of the implementation
+# The contract, rewritten independently of the implementation
 # --------------------------------------------------------------------------------------------
 
 
 def spec_is_empty(content: Any) -> bool:
-    """SPEC §1.2 step 1: None, "", whitespace, [], or only blank text blocks."""
+    """docs/behaviour.md §1.2 step 1: None, "", whitespace, [], or only blank text blocks."""
     if content is None:
         return True
     if isinstance(content, str):
@@ -93,14 +95,14 @@ def spec_has_image(content: Any) -> bool:
 
 
 def spec_is_candidate(content: Any) -> bool:
-    """SPEC §2.2."""
+    """docs/behaviour.md §2.2."""
     if spec_is_empty(content) or spec_has_image(content):
         return False
     return not (isinstance(content, str) and content.startswith(TAG))
 
 
 def spec_size(content: Any) -> int:
-    """SPEC §1.2 step 3."""
+    """docs/behaviour.md §1.2 step 3."""
     if isinstance(content, str):
         return len(content)
     return sum(len(b["text"]) for b in content if b.get("type") == "text")
@@ -118,7 +120,7 @@ def spec_serialise(content: Any) -> tuple[str, str]:
 
 
 def spec_format_size(n: int) -> str:
-    """SPEC §3: ``N bytes`` under 1024, else KB/MB/GB, one decimal (JS toFixed), ``.0`` dropped."""
+    """§3: ``N bytes`` under 1024, else KB/MB/GB, one decimal (JS toFixed), ``.0`` dropped."""
     if n < 1024:
         return f"{n} bytes"
     value = Fraction(n, 1024)
@@ -133,7 +135,7 @@ def spec_format_size(n: int) -> str:
 
 
 def spec_preview(text: str) -> tuple[str, bool]:
-    """SPEC §3: whole text up to 2,000 chars; else cut at the last newline past 1,000, or 2,000."""
+    """§3: whole text up to 2,000 chars; else cut at the last newline past 1,000, or 2,000."""
     if len(text) <= PREVIEW_CHARS:
         return text, False
     head = text[:PREVIEW_CHARS]
@@ -160,7 +162,7 @@ _REPLACEMENT_HEAD = re.compile(
 def spec_greedy(
     eligible: Sequence[tuple[str, int, bool]], frozen_size: int, limit: float
 ) -> list[str]:
-    """SPEC §2.4 step 3 over (id, size, persistable) in group order: largest first, stable."""
+    """§2.4 step 3 over (id, size, persistable) in group order: largest first, stable."""
     remaining = frozen_size + sum(size for _i, size, _p in eligible)
     chosen: list[str] = []
     if remaining <= limit:
@@ -471,7 +473,7 @@ class Runner:
         ]
         assert wire_groups == expected_groups, where
 
-        # -- the exact decision: SPEC §2.4 recomputed --------------------------------------
+        # -- the exact decision: §2.4 recomputed ------------------------------------------------
         expected_new: dict[str, str] = {}  # id -> "per_tool" | "per_message"
         for group in expected_groups:
             fresh = [i for i in group if i not in before.seen_ids]
@@ -683,6 +685,7 @@ async def simulate(session: Session, root: Path) -> None:
             assert _dumps(first) == _dumps(requests["live"]), "resumed request differs"
 
 
+@pytest.mark.slow
 @settings(
     max_examples=400,
     deadline=None,
@@ -1028,7 +1031,7 @@ async def test_malformed_blocks_get_a_clear_error_or_a_safe_fallback(
     strict=True,
     reason="BUG: a tool_use_id reused by a later result (hostile input) gets the earlier "
     "result's replacement re-applied by id, so the later result's own content is silently "
-    "dropped and the path shown holds other content (DESIGN invariant 7)",
+    "dropped and the path shown holds other content (invariant 7 of docs/behaviour.md: bad input)",
 )
 @pytest.mark.anyio
 async def test_a_reused_tool_use_id_never_gets_another_results_replacement(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The tool-result budget, branch by branch (SPEC §1–§3)."""
+"""The tool-result budget, branch by branch."""
 
 from __future__ import annotations
 

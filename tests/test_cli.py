@@ -1,4 +1,4 @@
-"""The command line: ``python -m pipeline replay|demo`` against the DESIGN.md CLI contract.
+"""The command line: ``python -m pipeline replay|demo`` against its contract (docs/behaviour.md).
 
 Most tests run the CLI as a subprocess (the real entry point, real stdout/stderr separation);
 a few call ``main([...])`` in-process. The trace test exports over real OTLP/HTTP to a local

@@ -87,6 +87,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     yield str(request.param)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_thousand_interleaved_sessions_share_nothing(
     tmp_path: Path, anyio_backend: str

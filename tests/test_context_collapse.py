@@ -334,6 +334,7 @@ async def test_anthropic_summarizer_on_the_scripted_server(tmp_path: Path) -> No
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(PROPERTY)
 @given(
     history=histories(),

@@ -22,7 +22,7 @@ from pipeline.tracing import ATTR
 from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
-SPEC_ORDER = [
+DEFAULT_ORDER = [
     "tool_result_budget",
     "history_snip",
     "microcompact",
@@ -166,9 +166,9 @@ def test_function_stage_and_decorator() -> None:
 
 def test_default_stages_are_the_five_in_spec_order() -> None:
     default = stages.default_stages()
-    assert [s.name for s in default] == SPEC_ORDER
-    assert Pipeline(default).names == SPEC_ORDER
-    assert repr(Pipeline(default)) == f"Pipeline({' → '.join(SPEC_ORDER)})"
+    assert [s.name for s in default] == DEFAULT_ORDER
+    assert Pipeline(default).names == DEFAULT_ORDER
+    assert repr(Pipeline(default)) == f"Pipeline({' → '.join(DEFAULT_ORDER)})"
     assert all(isinstance(s, Stage) for s in default)
     assert stages.default_stages() is not default  # a fresh list of fresh stages each time
     assert stages.default_stages()[0] is not default[0]
@@ -387,7 +387,7 @@ async def test_spans_of_the_default_pipeline(
         (s for s in finished if s.parent is not None and s.parent.span_id == run.context.span_id),
         key=lambda s: s.start_time or 0,
     )
-    assert [s.name for s in children] == [f"stage.{n}" for n in SPEC_ORDER]
+    assert [s.name for s in children] == [f"stage.{n}" for n in DEFAULT_ORDER]
 
 
 @pytest.mark.anyio

@@ -1,4 +1,5 @@
-"""Fuzz tests: hostile transcript files and hostile messages (DESIGN invariant 7).
+"""Fuzz tests: hostile transcript files and hostile messages (invariant 7 of docs/behaviour.md:
+bad input).
 
 A. ``load_transcript`` on generated JSONL files that mix valid Claude Code records with
    malformed JSON (truncated records, garbage bytes, invalid UTF-8, NUL bytes, numbers past
@@ -1193,6 +1194,7 @@ def check_strict(path: Path | str, lines: Sequence[Line], lenient: Any) -> None:
     ]
 
 
+@pytest.mark.slow
 @settings(max_examples=round(LOADER_EXAMPLES * SCALE), **FUZZ_SETTINGS)
 @given(
     lines=jsonl_files(LOADER_OPTS),
@@ -1363,6 +1365,7 @@ def stage_events(ctx: SessionContext) -> None:
     event(f"autocompact projection: {getattr(auto, 'projection', None) is not None}")
 
 
+@pytest.mark.slow
 @settings(max_examples=round(PIPELINE_LOADED_EXAMPLES * SCALE), **FUZZ_SETTINGS)
 @given(data=st.data(), writer=st.booleans(), summarize=st.booleans())
 def test_fuzz_pipeline_on_loaded_transcripts(
@@ -1737,6 +1740,7 @@ def check_clean_failure(exc: BaseException) -> str:
     raise AssertionError(f"{type(exc).__name__} escaped: {exc!s:.500}") from exc
 
 
+@pytest.mark.slow
 @settings(max_examples=round(PIPELINE_BUILT_EXAMPLES * SCALE), **FUZZ_SETTINGS)
 @given(messages=conversations(), writer=st.booleans(), summarize=st.booleans())
 def test_fuzz_pipeline_on_built_messages(

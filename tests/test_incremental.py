@@ -159,6 +159,7 @@ async def run_session(tape: bytes) -> None:
     await twin.check_pass(history)  # and once more with nothing new
 
 
+@pytest.mark.slow
 def test_incremental_equals_from_scratch_over_edited_histories() -> None:
     # One event loop for every example: starting a loop per example (anyio.run) would cost
     # more than the passes it runs. asyncio only here; the tests below run under trio too.
@@ -468,6 +469,7 @@ def linear_to_api(messages: Sequence[Message]) -> list[Any]:
     return [{"role": e.role, "content": c} for e, c in zip(out, plain, strict=True)]
 
 
+@pytest.mark.slow
 @settings(max_examples=2_000, deadline=None)
 @given(records())
 def test_to_api_index_equals_the_linear_walk(messages: list[Message]) -> None:

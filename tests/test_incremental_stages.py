@@ -147,6 +147,7 @@ async def run_session(tape: bytes) -> None:
     await twin.check_pass(history)
 
 
+@pytest.mark.slow
 def test_later_stages_incremental_equal_from_scratch_over_edited_histories() -> None:
     run_sessions(run_session, EXAMPLES)
 

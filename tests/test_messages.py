@@ -1,4 +1,4 @@
-"""Unit tests of the message model, `to_api` (SPEC §6) and the pairing check."""
+"""Unit tests of the message model, `to_api` and the pairing check."""
 
 from __future__ import annotations
 
@@ -304,7 +304,7 @@ def test_parallel_tool_use_fragments_with_results_in_between_merge() -> None:
 
 
 def test_interleaved_ids_merge_back_exactly_as_spec_describes() -> None:
-    """``[asst X, user trA, asst Y, user trB, asst X, user trC]`` (SPEC §2.1)."""
+    """``[asst X, user trA, asst Y, user trB, asst X, user trC]``."""
     msgs = [
         user_text("go"),
         assistant("X", tool_use("A")),

@@ -1,4 +1,4 @@
-"""The microcompact strategies: local "clear-oldest" and server-side "server-clear" (SPEC §5)."""
+"""The microcompact strategies: local "clear-oldest" and server-side "server-clear"."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def decisions(exporter: SpanRecorder) -> list[dict[str, Any]]:
 
 
 def new_ctx(tmp_path: Path, session: str = "s1", **kw: Any) -> SessionContext:
-    """A context whose tracker is SPEC §4's reference estimate (len/4), so sizes below are exact
+    """A context whose tracker is the reference estimate (len/4), so sizes below are exact
     whatever the library's default estimator is."""
     kw.setdefault("token_tracker", TokenTracker("reference"))
     return SessionContext(session, tmp_path / "store", **kw)

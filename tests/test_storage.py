@@ -1,6 +1,6 @@
 """The tool-result store on a real file system, and what the budget stage does when it fails.
 
-SPEC §3 and DESIGN invariant 7: exclusive create, 0600 files / 0700 directories, ``.txt`` vs
+docs/behaviour.md §3 and invariant 7: exclusive create, 0600 files / 0700 directories, ``.txt`` vs
 ``.json``, hostile tool_use_ids that never escape ``<root>/<session>/tool-results/``, symlinks
 planted in the store's way, a store that cannot write (the turn completes with the original
 content, the id is frozen), and a crash between the temp write and the link.

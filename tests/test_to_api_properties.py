@@ -1,4 +1,4 @@
-"""Properties of `to_api` (SPEC §6) over generated record sequences.
+"""Properties of `to_api` over generated record sequences.
 
 Every generated block carries a unique marker (text, thinking, tool_use id, tool_result content)
 so an output block can be traced back to the record it came from; the only change `to_api` may
@@ -145,7 +145,7 @@ def record_sequences(draw: st.DrawFn) -> list[Message]:
 
 
 def visible_records(msgs: Sequence[Message]) -> list[Message]:
-    """The records the API sees (SPEC §6): after the last compact boundary or summary, without
+    """The records the API sees: after the last compact boundary or summary, without
     progress, non-local-command system records and empty attachments/local commands."""
     start = 0
     for i, m in enumerate(msgs):

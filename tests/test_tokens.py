@@ -1,4 +1,4 @@
-"""The token tracker: every SPEC §4 reference rule, and properties of both methods.
+"""The token tracker: every docs/behaviour.md §4 reference rule, and properties of both methods.
 
 The reference figures are computed by hand from the rule (``round(len/4)``, JSON-family text 2
 chars/token, 2,000 per image or document), never by calling the code under test.
@@ -44,7 +44,7 @@ def ref() -> TokenTracker:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference rules (SPEC §4)
+# Reference rules
 # ---------------------------------------------------------------------------------------------
 
 

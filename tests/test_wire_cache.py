@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,7 @@ from tests.edit_support import records
 EXAMPLES = 1_500
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(records(), st.lists(st.integers(0, 9), min_size=1, max_size=12), st.data())
 def test_incremental_request_equals_to_api(

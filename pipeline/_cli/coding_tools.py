@@ -33,14 +33,7 @@ def read_file_tool(cwd: Path, store_directory: Path | None = None) -> Tool:
             "'Full output saved to:' in a <persisted-output> block)."
         ),
     )
-    definition = reader.definition
-    return Tool(
-        name=reader.name,
-        description=str(definition.get("description", "")),
-        input_schema=definition["input_schema"],
-        handler=reader,
-        max_result_size_chars=reader.max_result_size_chars,
-    )
+    return reader.as_tool()
 
 
 def bash_tool(cwd: Path, *, timeout: float = 120.0) -> Tool:

@@ -49,7 +49,7 @@ class CliError(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplayOptions:
-    """Everything a replay honours (the DESIGN.md CLI contract)."""
+    """Everything a replay honours (the command-line contract in docs/behaviour.md)."""
 
     per_message_chars: int = MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
     per_tool_chars: int = DEFAULT_MAX_RESULT_SIZE_CHARS

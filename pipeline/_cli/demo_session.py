@@ -43,7 +43,7 @@ _START = datetime(2025, 6, 2, 3, 14, 7, tzinfo=UTC)
 _REPO = "/home/dev/ledgerline"
 # Tokens of the system prompt and tool definitions Claude Code sends before any message.
 _SYSTEM_TOKENS = 14_210
-# Claude 4.x tokenises code and logs at ~2.8 chars/token, prose nearer 3.8 (SPEC §4).
+# Claude 4.x tokenises code and logs at ~2.8 chars/token, prose nearer 3.8.
 _CHARS_PER_TOKEN_TOOL = 2.8
 _CHARS_PER_TOKEN_TEXT = 3.8
 # What a persisted result costs on the wire: the 2KB preview plus the wrapper text.

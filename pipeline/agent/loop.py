@@ -88,16 +88,7 @@ class Agent:
         self.tools: dict[str, Tool] = {}
         all_tools = list(tools)
         if readback and isinstance(ctx.store, FileToolResultStore):
-            reader = PersistedOutputReader(ctx.store.directory)
-            all_tools.append(
-                Tool(
-                    reader.name,
-                    reader.definition.get("description", ""),
-                    reader.definition["input_schema"],
-                    reader,
-                    reader.max_result_size_chars,
-                )
-            )
+            all_tools.append(PersistedOutputReader(ctx.store.directory).as_tool())
         for t in all_tools:
             self.add_tool(t)
 
@@ -125,7 +116,7 @@ class Agent:
     ) -> Agent:
         """Continue a session from its transcript with byte-identical budget decisions.
 
-        The ledger is rebuilt from the transcript (SPEC §2.5); a torn last line (a crash
+        The ledger is rebuilt from the transcript; a torn last line (a crash
         mid-write) is skipped; tool calls the crash left unanswered get an error result.
         """
         loaded = load_transcript(transcript_path, strict=False)

@@ -12,7 +12,7 @@ from typing import Any
 __all__ = ["IMAGE_TOKENS", "image_size", "image_tokens"]
 
 IMAGE_TOKENS = 2_000
-"""Fixed estimate for an image or document block (SPEC §4): base64 length says nothing about
+"""Fixed estimate for an image or document block: base64 length says nothing about
 tokens. The calibrated estimator falls back to it for images it cannot size and for non-text
 documents."""
 

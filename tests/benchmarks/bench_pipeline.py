@@ -14,7 +14,7 @@ figures -- medians of several runs, and ratios against a baseline measured in th
    breakdown) against the same five stages with ``incremental=False`` (every pass re-derives
    everything from the whole history: the straightforward full rescan), resumed from the same
    decisions and fed the same inputs. Also the budget stage alone against ``FullRescanBudget``
-   below (SPEC §2 done the straightforward way), and ``to_api`` (what an agent does next).
+   below (the budget done the straightforward way), and ``to_api`` (what an agent does next).
    Stores are in memory (disk I/O is not pipeline overhead) and logs are dropped.
 2. ``replay``: every corpus session (``claude-code_*/**/*.jsonl``) loaded and replayed through
    the default pipeline with ``replay_messages`` (as the CLI does, minus printing), against just
@@ -75,7 +75,7 @@ LIMIT = 200_000
 
 
 class FullRescanBudget:
-    """SPEC §2 done the straightforward way: the whole history, every turn.
+    """docs/behaviour.md §2 done the straightforward way: the whole history, every turn.
 
     Group (§2.1), classify against the ledger (§2.3), decide groups with fresh results (§2.4:
     never-persist tools, the per-tool gate, the largest-first walk), persist, then rebuild the
@@ -363,7 +363,7 @@ async def bench_turn(sizes: list[int], runs: int) -> None:
         "rescan: the same five stages with incremental=False (every pass re-derives everything"
         " from the whole history), resumed from the live session's decisions at that size;"
         "\ndefault: Pipeline(default_stages()) in the live session (its usage = what it sent)."
-        "\nbudget: FullRescanBudget (this file, SPEC §2 the straightforward way) vs"
+        "\nbudget: FullRescanBudget (this file, docs/behaviour.md §2 the straightforward way) vs"
         " ToolResultBudget, bare stage calls. to_api: what an agent does next."
         "\nby stage: the default pipeline's stages; run = the rest of Pipeline.run (spans,"
         " token estimates)."

@@ -351,7 +351,7 @@ def main() -> None:
         "calibration state cold for each session, each call estimated before it is observed"
     )
     variants: dict[str, Factory] = {
-        "reference (SPEC §4, len/4)": lambda s: TokenTracker("reference"),
+        "reference (docs/behaviour.md §4, len/4)": lambda s: TokenTracker("reference"),
         "default (calibrated, shipped priors)": lambda s: TokenTracker(),
     }
     if args.loso:
