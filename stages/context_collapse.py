@@ -21,9 +21,9 @@ failed or discarded summaries in a row: stop paying for them); ``collapse`` with
 from __future__ import annotations
 
 import uuid as _uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 from pipeline import Message, SessionContext, to_api
@@ -33,18 +33,14 @@ from pipeline.summarizer import Summarizer, SummaryPromptTooLong
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._shared import (
     DEFAULT_CONTEXT_WINDOW,
-    Price,
     Projection,
-    anchor_uuid,
-    api_rounds,
+    RoundView,
     check_bool,
     check_fraction,
     check_int,
     check_summarizer,
-    freed_before_anchor,
-    protected_rounds,
+    reapply_projection,
     record_decision,
-    safe_cuts,
     session_state,
 )
 
@@ -185,16 +181,16 @@ class ContextCollapse:
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         state = session_state(ctx, self.name, _CollapseState, _CollapseState.restore)
-        state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
-        price: Price = ctx.token_tracker.tokens_for_messages
-        ok = cache(partial(safe_cuts, messages))  # cut points, read only if needed
-
-        anchor = anchor_uuid(messages)
-        out, active = self._reapply(messages, state, last, ok)
+        view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
+        project = partial(_project, messages, state.commits)
+        out, active, last = reapply_projection(
+            messages, state, len(state.commits), lambda: project(view.ok), reuse=self.incremental
+        )
+        anchor = view.anchor
         # commits made since the anchor's response are not in its usage (a retried pass)
         older = [c for c in state.commits if anchor is None or c.anchor != anchor]
-        then = out if len(older) == len(state.commits) else _project(messages, older, ok())[0]
-        freed = freed_before_anchor(price, then, out, anchor)
+        then = out if len(older) == len(state.commits) else _project(messages, older, view.ok)[0]
+        freed = view.freed(then, out)
         before = ctx.size_of(out, also_freed=freed)
 
         facts: dict[str, AttributeValue] = {ATTR.STRATEGY: self.strategy}
@@ -205,14 +201,14 @@ class ContextCollapse:
             reason = Reason.BELOW_TRIGGER
         elif state.failures >= self.max_failures:
             reason = Reason.CIRCUIT_OPEN
-        elif not (span := self._select(messages, ok(), state, before, price)):
+        elif not (span := self._select(view, state, before)):
             reason = Reason.NOTHING_ELIGIBLE
         else:
-            decision, reason, commit = await self._summarize(span, anchor, ctx, state, facts, price)
+            decision, reason, commit = await self._summarize(span, view, ctx, state, facts)
             if commit is not None:
                 await self._commit(ctx, state, commit)
-                out, active = _project(messages, state.commits, ok())
-                freed = freed_before_anchor(price, then, out, anchor)
+                out, active = _project(messages, state.commits, view.ok)
+                freed = view.freed(then, out)
         commits = state.commits
         state.last = Projection.remember(
             last, len(commits), lambda: (u for c in commits for u in c.uuids), out, active
@@ -236,44 +232,20 @@ class ContextCollapse:
         )
         return out
 
-    def _reapply(
-        self,
-        messages: list[Message],
-        state: _CollapseState,
-        last: Projection | None,
-        ok: Callable[[], list[bool]],
-    ) -> tuple[list[Message], int]:
-        """The commits projected over ``messages``: the last pass's output plus the new records
-        when the history only grew by records that reach nothing older and belong to no commit
-        (then every span applies as it did); else from scratch."""
-        grown = state.watch.advance(messages, reuse=self.incremental)
-        if not state.commits:
-            return messages, 0
-        extended = last.extend(messages, grown, len(state.commits)) if last else None
-        return extended or _project(messages, state.commits, ok())
-
-    def _select(
-        self,
-        messages: list[Message],
-        ok: Sequence[bool],
-        state: _CollapseState,
-        before: int,
-        price: Price,
-    ) -> list[Message]:
+    def _select(self, view: RoundView, state: _CollapseState, before: int) -> list[Message]:
         """The oldest run of collapsible rounds covering the excess over the target, capped."""
-        rounds = api_rounds(messages, ok)
-        keep = protected_rounds(messages, rounds, self.keep_recent_rounds)
+        messages = view.messages
         done = {u for c in state.commits for u in c.uuids}
         cap = state.span_cap or int(self.context_window * self.max_span_fraction)
         excess = before - int(self.context_window * self.target_fraction)
         span: list[Message] = []
         size = 0
-        for r, (s, e) in enumerate(rounds):
-            if r in keep or any(m.uuid in done for m in messages[s:e]):
+        for s, e, protected in view.rounds(self.keep_recent_rounds):
+            if protected or any(m.uuid in done for m in messages[s:e]):
                 if span:
                     break  # a span is contiguous
                 continue
-            tokens = price(messages[s:e])
+            tokens = view.price(messages[s:e])
             if span and (size + tokens > cap or size >= excess):
                 break
             span += messages[s:e]
@@ -283,15 +255,14 @@ class ContextCollapse:
     async def _summarize(
         self,
         span: list[Message],
-        anchor: str | None,
+        view: RoundView,
         ctx: SessionContext,
         state: _CollapseState,
         facts: dict[str, AttributeValue],
-        price: Price,
     ) -> tuple[Decision, Reason, _Commit | None]:
         """Ask for a summary of ``span``; a failure or a useless summary never fails the turn."""
         assert self.summarizer is not None
-        span_tokens = price(span)
+        span_tokens = view.price(span)
         facts[ATTR.SPAN_MESSAGES] = len(span)
         facts[ATTR.SPAN_TOKENS] = span_tokens
         try:
@@ -304,8 +275,8 @@ class ContextCollapse:
             state.failures += 1
             ctx.logger.warning("context_collapse.summary_failed", error=type(exc).__name__)
             return Decision.FAIL, Reason.SUMMARY_ERROR, None
-        commit = _Commit(tuple(m.uuid for m in span), text, anchor)
-        summary_tokens = price([_summary_message(commit)])
+        commit = _Commit(tuple(m.uuid for m in span), text, view.anchor)
+        summary_tokens = view.price([_summary_message(commit)])
         facts[ATTR.SUMMARY_TOKENS] = summary_tokens
         if not text or summary_tokens >= span_tokens:
             state.failures += 1

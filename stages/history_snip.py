@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import uuid as _uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 from pipeline import Message, SessionContext
@@ -29,17 +29,13 @@ from pipeline.messages import stable_uuid, thread_start
 from pipeline.tracing import ATTR, Decision, Reason
 from stages._shared import (
     DEFAULT_CONTEXT_WINDOW,
-    Price,
     Projection,
-    anchor_uuid,
-    api_rounds,
+    RoundView,
     check_bool,
     check_fraction,
     check_int,
-    freed_before_anchor,
-    protected_rounds,
+    reapply_projection,
     record_decision,
-    safe_cuts,
     session_state,
 )
 
@@ -190,36 +186,36 @@ class HistorySnip:
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         state = session_state(ctx, self.name, _SnipState, _SnipState.restore)
-        state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
-        price: Price = ctx.token_tracker.tokens_for_messages
-        ok = cache(partial(safe_cuts, messages))  # cut points, read only if needed
-
-        anchor = anchor_uuid(messages)
-        out, reapplied = self._reapply(messages, state, last, ok)
+        view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
+        project = partial(_project, messages, state.removed)
+        out, reapplied, last = reapply_projection(
+            messages, state, len(state.removed), lambda: project(view.ok), reuse=self.incremental
+        )
+        anchor = view.anchor
         # The request the anchor's usage counted lacked only removals made before that response;
         # later ones (a retried pass, a crash before the call) are freed again against it.
         since = set(state.by_anchor.get(anchor, ())) if anchor is not None else set()
-        then = out if not since else _project(messages, state.removed.keys() - since, ok())[0]
-        refreed = freed_before_anchor(price, then, out, anchor)
+        then = out if not since else _project(messages, state.removed.keys() - since, view.ok)[0]
+        refreed = view.freed(then, out)
         before = ctx.size_of(out, also_freed=refreed)
 
         decision = Decision.REAPPLY if reapplied else Decision.SKIP
         reason, new = Reason.BELOW_TRIGGER, []
         if before >= self.trigger_tokens:
             # a marker's own tokens come back, so cover them too
-            excess = before - self.target_tokens + price([_marker(10**6, "")])
-            new = self._select(messages, ok(), state.removed.keys(), excess, price)
+            excess = before - self.target_tokens + view.price([_marker(10**6, "")])
+            new = self._select(view, state.removed.keys(), excess)
             reason = Reason.OVER_TRIGGER if new else Reason.NOTHING_ELIGIBLE
         dropped = reapplied
         if new:
             decision = Decision.SNIP
             state.remove(new, anchor)
-            out, dropped = _project(messages, state.removed, ok())
+            out, dropped = _project(messages, state.removed, view.ok)
             data = {"strategy": self.strategy, "removed": new, "anchor": anchor}
             await record_decision(ctx, self.name, data)
             ctx.logger.info("history_snip.snipped", removed=len(new))
         state.last = Projection.remember(last, len(state.removed), state.removed.keys, out, dropped)
-        freed = freed_before_anchor(price, then, out, anchor) if new else refreed
+        freed = view.freed(then, out) if new else refreed
         ctx.report.tokens_freed += freed
         ctx.decide(
             self.name,
@@ -239,42 +235,18 @@ class HistorySnip:
         )
         return out
 
-    def _reapply(
-        self,
-        messages: list[Message],
-        state: _SnipState,
-        last: Projection | None,
-        ok: Callable[[], list[bool]],
-    ) -> tuple[list[Message], int]:
-        """The recorded removals applied to ``messages``: the last pass's output plus the new
-        records when the history only grew by records that reach nothing older and none of
-        them is removed (then every earlier cut and run is as it was); else from scratch."""
-        grown = state.watch.advance(messages, reuse=self.incremental)
-        if not state.removed:
-            return messages, 0
-        extended = last.extend(messages, grown, len(state.removed)) if last else None
-        return extended or _project(messages, state.removed, ok())
-
-    def _select(
-        self,
-        messages: list[Message],
-        ok: Sequence[bool],
-        removed: Collection[str],
-        excess: int,
-        price: Price,
-    ) -> list[str]:
+    def _select(self, view: RoundView, removed: Collection[str], excess: int) -> list[str]:
         """uuids of the oldest removable rounds whose tokens cover ``excess``."""
-        rounds = api_rounds(messages, ok)
-        keep = protected_rounds(messages, rounds, self.keep_recent_rounds)
+        messages = view.messages
         # a uuid that occurs twice would drop its twin elsewhere too: leave such rounds alone
         twins = {u for u, c in Counter(m.uuid for m in messages).items() if c > 1}
         chosen: list[str] = []
         freed = 0
-        for r, (s, e) in enumerate(rounds):
+        for s, e, protected in view.rounds(self.keep_recent_rounds):
             if freed >= excess:
                 break
             uids = [m.uuid for m in messages[s:e]]
-            if r not in keep and not any(u in removed or u in twins for u in uids):
+            if not protected and not any(u in removed or u in twins for u in uids):
                 chosen += uids
-                freed += price(messages[s:e])
+                freed += view.price(messages[s:e])
         return chosen

@@ -12,7 +12,7 @@ from stages._shared.args import (
     check_positive,
     check_summarizer,
 )
-from stages._shared.projection import Projection
+from stages._shared.projection import Projection, reapply_projection
 from stages._shared.records import record_decision, session_state
 from stages._shared.results import (
     CLEARED_PLACEHOLDER,
@@ -25,6 +25,7 @@ from stages._shared.results import (
 )
 from stages._shared.rounds import (
     Price,
+    RoundView,
     anchor_uuid,
     api_rounds,
     cut_indices,
@@ -42,6 +43,7 @@ __all__ = [
     "ContentFor",
     "Price",
     "Projection",
+    "RoundView",
     "anchor_uuid",
     "api_rounds",
     "by_id",
@@ -59,6 +61,7 @@ __all__ = [
     "patch_message",
     "priced_before",
     "protected_rounds",
+    "reapply_projection",
     "record_decision",
     "replace_results",
     "result_ids",

@@ -8,12 +8,14 @@ between rounds, and never drop the rounds a request depends on.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 from pipeline.messages import Message, block_type, first_fragment, thread_start
 from pipeline.tokens import find_anchor
 
 __all__ = [
     "Price",
+    "RoundView",
     "anchor_uuid",
     "api_rounds",
     "cut_indices",
@@ -141,3 +143,31 @@ def freed_before_anchor(
     if kept is out:
         return 0
     return priced_before(price, kept, anchor) - priced_before(price, out, anchor)
+
+
+class RoundView:
+    """One pass's view of a history for a stage that cuts it between rounds (history snip,
+    context collapse): the usage anchor, prices, and the cut points -- computed on first use
+    only, since a steady pass needs none of them."""
+
+    def __init__(self, messages: Sequence[Message], price: Price) -> None:
+        self.messages = messages
+        self.price = price
+        self.anchor = anchor_uuid(messages)
+        """The uuid of the usage anchor's first record (None without one)."""
+
+    @cached_property
+    def ok(self) -> list[bool]:
+        """:func:`safe_cuts` of the history."""
+        return safe_cuts(self.messages)
+
+    def rounds(self, keep_recent: int) -> list[tuple[int, int, bool]]:
+        """``(start, end, protected)`` of every round, oldest first (see
+        :func:`protected_rounds` for which must stay)."""
+        rounds = api_rounds(self.messages, self.ok)
+        keep = protected_rounds(self.messages, rounds, keep_recent)
+        return [(s, e, i in keep) for i, (s, e) in enumerate(rounds)]
+
+    def freed(self, kept: Sequence[Message], out: Sequence[Message]) -> int:
+        """:func:`freed_before_anchor` against this history's anchor."""
+        return freed_before_anchor(self.price, kept, out, self.anchor)
