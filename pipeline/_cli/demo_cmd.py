@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from opentelemetry import trace
 
-from pipeline._cli import demo_session as demo
+import pipeline._cli.demo_session as demo
 from pipeline._cli.common import (
     EXIT_FAILED,
     EXIT_OK,

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline._cli import demo_session as demo
+import pipeline._cli.demo_session as demo
 from pipeline._cli.agent_cmd import cmd_agent
 from pipeline._cli.demo_cmd import cmd_demo
 from pipeline._cli.replay_cmd import cmd_replay

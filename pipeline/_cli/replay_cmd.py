@@ -103,7 +103,7 @@ def run_compare(
     tracer: trace.Tracer | None,
 ) -> int:
     """``replay --compare``: one table row per pipeline."""
-    from pipeline._cli import compare
+    import pipeline._cli.compare as compare
 
     pipelines: dict[str, Pipeline] = {}
     for name in (n.strip() for n in args.compare.split(",") if n.strip()):
