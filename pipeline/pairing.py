@@ -7,7 +7,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["PairingError", "PairingProblem", "check_pairing", "ensure_paired"]
+__all__ = [
+    "PairingError",
+    "PairingIndex",
+    "PairingProblem",
+    "check_pairing",
+    "ensure_paired",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,57 +47,67 @@ def _param_blocks(param: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return []
 
 
+def _entry_problems(
+    params: Sequence[Mapping[str, Any]], i: int, first_use: dict[str, int]
+) -> tuple[list[PairingProblem], list[str]]:
+    """The problems of wire message ``i`` (it depends on its neighbours), and the tool_use ids
+    it is the first to use (added to ``first_use``, id -> message index)."""
+    param = params[i]
+    blocks = _param_blocks(param)
+    problems: list[PairingProblem] = []
+    registered: list[str] = []
+    if param.get("role") == "assistant":
+        uses: list[str] = []
+        for b in blocks:
+            if b.get("type") == "tool_use":
+                uid = str(b.get("id"))
+                if uid in first_use:
+                    problems.append(PairingProblem("duplicate_tool_use", uid, i))
+                else:
+                    first_use[uid] = i
+                    registered.append(uid)
+                uses.append(uid)
+        if uses:
+            nxt = params[i + 1] if i + 1 < len(params) else None
+            answered: set[str] = set()
+            if nxt is not None and nxt.get("role") == "user":
+                answered = {
+                    str(b.get("tool_use_id"))
+                    for b in _param_blocks(nxt)
+                    if b.get("type") == "tool_result"
+                }
+            problems += [
+                PairingProblem("unanswered_tool_use", uid, i) for uid in uses if uid not in answered
+            ]
+    elif param.get("role") == "user":
+        prev = params[i - 1] if i > 0 else None
+        prev_uses = (
+            {str(b.get("id")) for b in _param_blocks(prev) if b.get("type") == "tool_use"}
+            if prev is not None and prev.get("role") == "assistant"
+            else set()
+        )
+        counts: dict[str, int] = {}
+        for b in blocks:
+            if b.get("type") == "tool_result":
+                tid = str(b.get("tool_use_id"))
+                counts[tid] = counts.get(tid, 0) + 1
+                if tid not in prev_uses:
+                    problems.append(PairingProblem("orphan_tool_result", tid, i))
+                elif counts[tid] == 2:
+                    problems.append(PairingProblem("duplicate_tool_result", tid, i))
+    return problems, registered
+
+
 def check_pairing(request: Iterable[Mapping[str, Any]]) -> list[PairingProblem]:
     """Every tool_use answered by exactly one tool_result in the next user message, no orphans.
 
     Returns the problems found (empty when the request is valid).
     """
     params = list(request)
+    first_use: dict[str, int] = {}
     problems: list[PairingProblem] = []
-    seen_uses: set[str] = set()
-    for i, param in enumerate(params):
-        blocks = _param_blocks(param)
-        if param.get("role") == "assistant":
-            uses: list[str] = []
-            for b in blocks:
-                if b.get("type") == "tool_use":
-                    uid = str(b.get("id"))
-                    if uid in seen_uses:
-                        problems.append(PairingProblem("duplicate_tool_use", uid, i))
-                    seen_uses.add(uid)
-                    uses.append(uid)
-            if not uses:
-                continue
-            nxt = params[i + 1] if i + 1 < len(params) else None
-            answered: dict[str, int] = {}
-            if nxt is not None and nxt.get("role") == "user":
-                for b in _param_blocks(nxt):
-                    if b.get("type") == "tool_result":
-                        tid = str(b.get("tool_use_id"))
-                        answered[tid] = answered.get(tid, 0) + 1
-            for uid in uses:
-                if answered.get(uid, 0) == 0:
-                    problems.append(PairingProblem("unanswered_tool_use", uid, i))
-        elif param.get("role") == "user":
-            prev = params[i - 1] if i > 0 else None
-            prev_uses = (
-                {
-                    str(b.get("id"))
-                    for b in (_param_blocks(prev) if prev is not None else [])
-                    if b.get("type") == "tool_use"
-                }
-                if prev is not None and prev.get("role") == "assistant"
-                else set()
-            )
-            counts: dict[str, int] = {}
-            for b in blocks:
-                if b.get("type") == "tool_result":
-                    tid = str(b.get("tool_use_id"))
-                    counts[tid] = counts.get(tid, 0) + 1
-                    if tid not in prev_uses:
-                        problems.append(PairingProblem("orphan_tool_result", tid, i))
-                    elif counts[tid] == 2:
-                        problems.append(PairingProblem("duplicate_tool_result", tid, i))
+    for i in range(len(params)):
+        problems += _entry_problems(params, i, first_use)[0]
     return problems
 
 
@@ -100,3 +116,37 @@ def ensure_paired(request: Iterable[Mapping[str, Any]]) -> None:
     problems = check_pairing(request)
     if problems:
         raise PairingError(problems)
+
+
+class PairingIndex:
+    """:func:`check_pairing` of a request that changes only at its end, kept up to date at the
+    cost of what changed (a message's problems depend on its neighbours and on the tool_use
+    ids before it, all of which an unchanged prefix keeps)."""
+
+    def __init__(self) -> None:
+        self._problems: list[list[PairingProblem]] = []
+        self._registered: list[list[str]] = []
+        self._first_use: dict[str, int] = {}
+        self.count = 0
+        """How many problems the request has."""
+
+    def update(self, params: Sequence[Mapping[str, Any]], changed_from: int) -> None:
+        """Take the request ``params`` whose messages from ``changed_from`` on are new or
+        changed (0: all of them)."""
+        start = max(0, min(changed_from - 1, len(self._problems)))
+        for ids in self._registered[start:]:
+            for uid in ids:
+                del self._first_use[uid]
+        self.count -= sum(map(len, self._problems[start:]))
+        del self._problems[start:]
+        del self._registered[start:]
+        for i in range(start, len(params)):
+            problems, registered = _entry_problems(params, i, self._first_use)
+            self._problems.append(problems)
+            self._registered.append(registered)
+            self.count += len(problems)
+
+    @property
+    def problems(self) -> list[PairingProblem]:
+        """Every problem, in the order :func:`check_pairing` gives them."""
+        return [p for ps in self._problems for p in ps] if self.count else []

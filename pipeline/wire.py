@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pipeline.incremental import AppendWatch
 from pipeline.messages import Block, Message, thread_start
+from pipeline.pairing import PairingError, PairingIndex
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
@@ -183,21 +184,29 @@ def _entry_to_param(e: _WireEntry) -> MessageParam:
 
 
 class WireCache:
-    """``to_api`` for one conversation across calls; :attr:`chars` is ``request_chars`` of the
-    last request, kept up to date the same way.
+    """``to_api`` for one conversation across calls, at the cost of what changed.
 
-    Every call returns new message dicts and content lists, as ``to_api`` does, so a caller
-    may edit them (say, add a ``cache_control`` breakpoint); the block dicts inside are shared
-    with the records, as with ``to_api``: do not mutate those.
+    :attr:`chars` is ``request_chars`` of the last request and :attr:`pairing` its
+    :func:`~pipeline.pairing.check_pairing`, both kept up to date the same way.
+
+    The messages of a returned request are shared with the cache and with the next requests,
+    except the last ``editable`` ones (default 2), which are new dicts with new content lists:
+    a caller may edit those (say, add a ``cache_control`` breakpoint by replacing a block) but
+    must not mutate the earlier ones. Block dicts are shared with the records, as with
+    ``to_api``: never mutate those. (Copying every message on every call made a long session's
+    requests quadratic, and kept the garbage collector busy with the copies.)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, editable: int = 2) -> None:
+        self.editable = editable
         self._watch = AppendWatch()
         self._wire = _Wire()
         self._params: list[MessageParam] = []
         self._chars: list[int] = []
         self.chars = 0
         """Characters of visible text in the last request (see :func:`request_chars`)."""
+        self.pairing = PairingIndex()
+        """The pairing problems of the last request (see :meth:`ensure_paired`)."""
 
     def to_api(self, messages: Sequence[Message]) -> list[MessageParam]:
         """Exactly ``to_api(messages)`` (and raises where it raises)."""
@@ -206,14 +215,27 @@ class WireCache:
         except BaseException:
             # a record to_api rejects (or a cancellation) midway: start over next time
             self._watch.invalidate()
-            self._wire, self._params, self._chars, self.chars = _Wire(), [], [], 0
+            self._reset()
             raise
-        return [_fresh(p) for p in self._params]
+        params, k = self._params, self.editable
+        if len(params) <= k:
+            return [_fresh(p) for p in params]
+        return [*params[:-k], *map(_fresh, params[-k:])] if k else list(params)
+
+    def ensure_paired(self) -> None:
+        """Raise :class:`~pipeline.pairing.PairingError` naming every offending id if the last
+        request's tool pairing is broken (``ensure_paired`` at the cost of what changed)."""
+        if self.pairing.count:
+            raise PairingError(self.pairing.problems)
+
+    def _reset(self) -> None:
+        self._wire, self._params, self._chars, self.chars = _Wire(), [], [], 0
+        self.pairing = PairingIndex()
 
     def _extend(self, messages: Sequence[Message]) -> None:
         grown = self._watch.advance(messages)
         if grown is None:
-            self._wire, self._params, self._chars, self.chars = _Wire(), [], [], 0
+            self._reset()
             tail = messages[self._watch.start :]
         else:
             tail = messages[grown:]
@@ -229,6 +251,7 @@ class WireCache:
         counted = [_param_chars(p) for p in fresh]
         self._chars += counted
         self.chars += sum(counted)
+        self.pairing.update(self._params, keep)
 
 
 def _block_chars(block: Any) -> int:

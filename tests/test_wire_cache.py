@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, to_api
+from pipeline.pairing import PairingError, check_pairing
 from pipeline.testing import RecordReads
 from pipeline.wire import WireCache, request_chars
 from tests.builders import results, tool_result, tool_use, user_text
@@ -49,6 +50,10 @@ def test_incremental_request_equals_to_api(
         expected = to_api(view)
         assert json.dumps(request) == json.dumps(expected)
         assert cache.chars == request_chars(expected)
+        assert cache.pairing.problems == check_pairing(expected)
+        # what a caller may edit: the last messages, as its own copies
+        for param in request[-cache.editable :]:
+            assert all(param is not p for p in cache.to_api(view))
 
 
 def test_a_grown_history_feeds_only_the_new_records() -> None:
@@ -69,6 +74,40 @@ def test_a_grown_history_feeds_only_the_new_records() -> None:
     request = cache.to_api(history)
     assert reads.records == 0  # none of the 101 old records is read again
     assert json.dumps(request) == json.dumps(to_api(history))
+
+
+def test_earlier_messages_are_shared_from_call_to_call() -> None:
+    """What keeps a long session's requests linear: a call copies no message but the last
+    ``editable``; the others are the very objects of the previous request."""
+    cache = WireCache(editable=2)
+    history: list[Message] = [user_text("start")]
+    for k in range(30):
+        history += [
+            Message.assistant([tool_use(f"u{k}")], message_id=f"r{k}"),
+            results(tool_result(f"u{k}", "x")),
+        ]
+    first = cache.to_api(history)
+    history += [Message.assistant([tool_use("v")], message_id="rv"), results(tool_result("v", "y"))]
+    second = cache.to_api(history)
+    assert all(a is b for a, b in zip(first[:-2], second, strict=False))
+    assert not any(a is b for a, b in zip(first[-2:], second[-4:-2], strict=True))
+
+
+def test_pairing_problems_follow_the_request() -> None:
+    cache = WireCache()
+    history: list[Message] = [
+        user_text("start"),
+        Message.assistant([tool_use("u")], message_id="r"),
+    ]
+    cache.to_api(history)
+    with pytest.raises(PairingError, match="unanswered_tool_use 'u'"):
+        cache.ensure_paired()
+    history.append(results(tool_result("u", "ok")))
+    cache.to_api(history)
+    cache.ensure_paired()  # answered: no problem left
+    history.append(results(tool_result("ghost", "?")))
+    cache.to_api(history)
+    assert [p.kind for p in cache.pairing.problems] == ["orphan_tool_result"]
 
 
 def test_a_caller_may_edit_the_request_it_got() -> None:

@@ -25,7 +25,6 @@ from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.gate import gate_tool_result
 from pipeline.messages import Block, Message, Usage, now_timestamp
-from pipeline.pairing import ensure_paired
 from pipeline.readback import PersistedOutputReader
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore
@@ -200,7 +199,7 @@ class Agent:
         ) as span:
             projected = await self.pipeline.run(self.history, ctx)
             request = self._wire.to_api(projected)
-            ensure_paired(request)
+            self._wire.ensure_paired()
             estimated = ctx.report.estimated_tokens  # computed once, by the pipeline
             kwargs: dict[str, Any] = {}
             if self.system is not None:
