@@ -8,8 +8,9 @@ remembers both, and the records written to the transcript let a resumed session 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any, Self
 
 from pipeline.messages import Block, Message
 
@@ -109,17 +110,182 @@ def iter_tool_results(messages: Iterable[Message]) -> Iterable[tuple[Message, Bl
                     yield m, b
 
 
-@dataclass(slots=True)
+class _Counter:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class _CountedSet(set[str]):
+    """A set that counts every change through its methods (so a cache can tell in O(1) that
+    nothing changed since it last looked)."""
+
+    __slots__ = ("_changes",)
+
+    def __init__(self, items: Iterable[str], changes: _Counter) -> None:
+        super().__init__(items)
+        self._changes = changes
+
+    def _changed(self) -> None:
+        self._changes.value += 1
+
+    def add(self, item: str) -> None:
+        self._changed()
+        super().add(item)
+
+    def discard(self, item: object) -> None:
+        self._changed()
+        super().discard(item)
+
+    def remove(self, item: str) -> None:
+        self._changed()
+        super().remove(item)
+
+    def pop(self) -> str:
+        self._changed()
+        return super().pop()
+
+    def clear(self) -> None:
+        self._changed()
+        super().clear()
+
+    def update(self, *others: Iterable[str]) -> None:
+        self._changed()
+        super().update(*others)
+
+    def difference_update(self, *others: Iterable[Any]) -> None:
+        self._changed()
+        super().difference_update(*others)
+
+    def intersection_update(self, *others: Iterable[Any]) -> None:
+        self._changed()
+        super().intersection_update(*others)
+
+    def symmetric_difference_update(self, other: Iterable[str]) -> None:
+        self._changed()
+        super().symmetric_difference_update(other)
+
+    def __ior__(self, other: AbstractSet[str]) -> Self:  # type: ignore[override,misc]
+        self._changed()
+        return super().__ior__(other)
+
+    def __iand__(self, other: AbstractSet[object]) -> Self:
+        self._changed()
+        return super().__iand__(other)
+
+    def __isub__(self, other: AbstractSet[object]) -> Self:
+        self._changed()
+        return super().__isub__(other)
+
+    def __ixor__(self, other: AbstractSet[str]) -> Self:  # type: ignore[override,misc]
+        self._changed()
+        return super().__ixor__(other)
+
+
+class _CountedDict(dict[str, str]):
+    """A dict that counts every change through its methods (see :class:`_CountedSet`)."""
+
+    __slots__ = ("_changes",)
+
+    def __init__(self, items: Mapping[str, str], changes: _Counter) -> None:
+        super().__init__(items)
+        self._changes = changes
+
+    def _changed(self) -> None:
+        self._changes.value += 1
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._changed()
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self._changed()
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[str, str]:
+        self._changed()
+        return super().popitem()
+
+    def clear(self) -> None:
+        self._changed()
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: str) -> None:
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: str, default: str = "") -> str:
+        self._changed()
+        return super().setdefault(key, default)
+
+    def __ior__(self, other: Any) -> Self:  # type: ignore[override,misc]
+        self._changed()
+        return super().__ior__(other)
+
+
 class ReplacementState:
     """``seen_ids``: every tool_use_id that passed a budget decision; ``replacements``: the subset
-    that was replaced, mapped to the exact string the model was shown."""
+    that was replaced, mapped to the exact string the model was shown.
 
-    seen_ids: set[str] = field(default_factory=set)
-    replacements: dict[str, str] = field(default_factory=dict)
+    Both may be read and changed like a set and a dict (or assigned anew); :attr:`version`
+    moves with every change, so a stage can tell in O(1) that the ledger is as it left it.
+    """
+
+    __slots__ = ("_changes", "_replacements", "_seen_ids")
+
+    def __init__(
+        self, seen_ids: Iterable[str] = (), replacements: Mapping[str, str] | None = None
+    ) -> None:
+        self._changes = _Counter()
+        self._seen_ids = _CountedSet(seen_ids, self._changes)
+        self._replacements = _CountedDict(replacements or {}, self._changes)
+
+    @property
+    def seen_ids(self) -> set[str]:
+        """Every tool_use_id that passed a budget decision, replaced or not."""
+        return self._seen_ids
+
+    @seen_ids.setter
+    def seen_ids(self, value: Iterable[str]) -> None:
+        self._changes.value += 1
+        self._seen_ids = _CountedSet(value, self._changes)
+
+    @property
+    def replacements(self) -> dict[str, str]:
+        """tool_use_id -> the exact text the model was shown instead of the output."""
+        return self._replacements
+
+    @replacements.setter
+    def replacements(self, value: Mapping[str, str]) -> None:
+        self._changes.value += 1
+        self._replacements = _CountedDict(value, self._changes)
+
+    @property
+    def version(self) -> int:
+        """Moves with every change of :attr:`seen_ids` or :attr:`replacements`."""
+        return self._changes.value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ReplacementState):
+            return NotImplemented
+        return self.seen_ids == other.seen_ids and self.replacements == other.replacements
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplacementState(seen_ids={set(self.seen_ids)!r}, "
+            f"replacements={dict(self.replacements)!r})"
+        )
 
     def copy(self) -> ReplacementState:
         """An independent copy (a sub-agent starts from its parent's state)."""
-        return ReplacementState(set(self.seen_ids), dict(self.replacements))
+        return ReplacementState(self.seen_ids, self.replacements)
 
     def classify(self, tool_use_id: str) -> str:
         """``"must_reapply"``, ``"frozen"`` or ``"fresh"``."""

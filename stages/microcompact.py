@@ -377,7 +377,7 @@ class Microcompact:
         if not state.cleared:
             return Reapplied(messages, n, 0, False)
         newest = newest_turn_ids(messages, p.turn_start)
-        newest_cleared = not newest.isdisjoint(state.cleared)
+        newest_cleared = not state.cleared.keys().isdisjoint(newest)  # iterates the smaller
         if (
             grown is not None
             and last is not None
