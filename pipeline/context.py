@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 from opentelemetry import trace
 
-from pipeline.messages import Message
+from pipeline.messages import Message, Usage
 from pipeline.policies import ToolPolicies
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore, ToolResultStore, validate_session_id
@@ -69,9 +69,9 @@ class PassReport:
     """Set by a stage that manages the window itself this pass (context collapse)."""
     decisions: dict[str, StageDecision] = field(default_factory=dict)
     """Each stage's decision in this pass, by stage name."""
-    anchor: Message | None = None
-    """The first record of the last real response in the pass's input (the usage that
-    ``tokens_freed`` counts against); None when unknown or when there is none."""
+    anchor: Usage | None = None
+    """The usage of the last real response in the pass's input (what ``tokens_freed`` counts
+    against); None when unknown or when there is none."""
 
 
 class SessionContext:
@@ -121,7 +121,7 @@ class SessionContext:
         self.report = PassReport()
         anchor = find_anchor(messages)
         if anchor is not None:
-            self.report.anchor = messages[anchor[0]]
+            self.report.anchor = anchor[1]
         return self.report
 
     def size_of(self, messages: Sequence[Message], *, also_freed: int = 0) -> int:
@@ -129,15 +129,15 @@ class SessionContext:
 
         The tracker's estimate starts from the last response's usage, which still counts what
         stages removed from before it (``report.tokens_freed``, plus ``also_freed`` that a stage
-        has yet to report): that is taken off -- unless ``messages`` no longer hold the pass's
-        anchor (a summary replaced it), when the usage is no longer part of the estimate.
-        Never below 0.
+        has yet to report): that is taken off -- unless the last usage in ``messages`` is no
+        longer the pass's (a summary replaced that response), when it is no longer part of the
+        estimate. Never below 0.
         """
         estimate = self.token_tracker.estimate(messages)
         freed = self.report.tokens_freed + also_freed
         if freed and self.report.anchor is not None:
             anchor = find_anchor(messages)
-            if anchor is None or messages[anchor[0]] is not self.report.anchor:
+            if anchor is None or anchor[1] is not self.report.anchor:
                 freed = 0
         return max(0, estimate - freed)
 

@@ -156,9 +156,10 @@ async def gate_tool_result(
     store: ToolResultStore,
 ) -> GateOutcome:
     """Apply the per-tool gate to a fresh tool_result block, in this order: an empty result
-    gets a placeholder; images, earlier replacements, results at or under the threshold and
-    block lists holding a non-text block go as they are; a never-persist tool's result is
-    skipped; anything else is persisted (a failed write sends the original)."""
+    gets a placeholder; images and earlier replacements go as they are; a never-persist
+    tool's result is skipped; results at or under the threshold and block lists holding a
+    non-text block go as they are; anything else is persisted (a failed write sends the
+    original). See docs/behaviour.md §1.2."""
     content = block.get("content")
     if content_is_empty(content):
         filled = {**block, "content": empty_result_text(tool_name)}

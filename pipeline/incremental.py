@@ -30,7 +30,13 @@ from itertools import compress, count
 
 from pipeline.messages import Message, thread_start
 
-__all__ = ["AppendWatch", "InputLog", "message_keys"]
+__all__ = ["AppendWatch", "InputLog", "first_difference", "message_keys"]
+
+
+def first_difference(a: Sequence[Message], b: Sequence[Message]) -> int | None:
+    """The first index at which ``a`` and ``b`` hold different objects (over the shorter of
+    the two), or None: a C-level sweep."""
+    return next(compress(count(), map(operator.is_not, a, b)), None)
 
 
 class InputLog:
@@ -57,7 +63,7 @@ class InputLog:
             if old == messages:
                 return n_old
             del old[n_old:]
-        first = next(compress(count(), map(operator.is_not, messages, old)), None)
+        first = first_difference(messages, old)
         self.inputs = list(messages)
         return min(n_old, n_new) if first is None else first
 

@@ -137,7 +137,7 @@ class Message:
     :func:`pipeline.testing.assert_same_messages` compares records by their exact serialised
     fields.
 
-    - ``user`` / ``assistant``: what the API sees, after :func:`to_api` merges records.
+    - ``user`` / ``assistant``: what the API sees, after ``to_api`` merges records.
     - ``assistant`` also carries the API response ``message_id``, ``model`` and ``usage``;
       fragments of one streamed response share ``message_id``.
     - ``progress``: UI-only, dropped on the wire.

@@ -8,20 +8,19 @@ not): the grouping scan as one undoable step per message, candidate sizes and cl
 tool-name map, the replacement map and the patched messages of the output.
 
 Each pass compares the new input with the input of the previous pass, position by position: a
-position is unchanged when it holds the same message object or an equal one (``==``; CPython
-compares identical objects without calling ``__eq__``, so a history that only grew costs one
-C-level sweep). From the first changed position on, the cached steps are undone in reverse and
-the rest is scanned again. Results that depend on a tool_use_id anywhere in the history (the
-replacement map) are recomputed for every id the changed part touches, and older messages that
-carry such an id are patched again. So replacing, inserting, deleting, truncating or reordering
-messages, or passing a different list, gives the same output as a from-scratch pass
-(``tests/test_incremental.py`` proves it, byte for byte, state included).
+position is unchanged when it holds the same message object (messages compare by identity, so
+a history that only grew costs one C-level sweep). From the first changed position on, the
+cached steps are undone in reverse and the rest is scanned again. Results that depend on a
+tool_use_id anywhere in the history (the replacement map) are recomputed for every id the
+changed part touches, and older messages that carry such an id are patched again. So
+replacing, inserting, deleting, truncating or reordering messages, or passing a different list,
+gives the same output as a from-scratch pass (``tests/test_incremental.py`` proves it, byte
+for byte, state included).
 
 What a pass costs: Python work for the new (or changed) messages and for the groups they
 touch, C-level sweeps over the history (comparing the message lists, copying the output list
-the stage must return, checking the ledger: tens of nanoseconds per message or result), and
-one step per message that carries a replacement. At 5,000 messages a pass costs about 2% of a
-from-scratch pass (``tests/benchmarks/bench_pipeline.py``).
+the stage must return: tens of nanoseconds per message), and one step per message that
+carries a replacement.
 
 The contract that makes the cache safe:
 
@@ -29,9 +28,11 @@ The contract that makes the cache safe:
   supported; mutating a message's content list or a block dict in place is NOT (an equal-looking
   old object cannot be told from a changed one without re-reading all content every pass).
 - The ledger (``ctx.replacement_state``) may change between passes in any way -- replaced by
-  another object, ids added, removed or rewritten: each pass checks, completely, that the
-  replacements are the ones the cache knows and that every candidate it scanned is still seen,
-  and starts from scratch otherwise. (Ids added to ``seen_ids`` are harmless and kept.)
+  another object, ids added, removed or rewritten: a pass that finds the ledger it left at the
+  version it left it (``ReplacementState.version`` counts every change) trusts it; otherwise it
+  checks, completely, that the replacements are the ones the cache knows and that every
+  candidate it scanned is still seen, and starts from scratch if not. (Ids added to
+  ``seen_ids`` are harmless and kept.)
 - A pass that raises (including cancellation) drops the cache: the next pass starts from scratch.
 """
 
@@ -246,7 +247,7 @@ def collect_groups(messages: Sequence[Message]) -> list[list[Candidate]]:
 
 
 class BudgetCache:
-    """One session's memory of earlier passes (see the module docstring for the contract)."""
+    """One session's memory of earlier passes (the module docstring says what makes it safe)."""
 
     def __init__(self, state: ReplacementState) -> None:
         self.log = InputLog()
@@ -260,24 +261,32 @@ class BudgetCache:
         self.busy = False
         self._replaced = dict(state.replacements)
         """The ledger's replacements as the last pass left them (values: the same objects)."""
+        self._ledger: tuple[ReplacementState, int] | None = None
+        """The ledger and its version as the last pass left it."""
 
     def fits(self, state: ReplacementState) -> bool:
         """Nothing this cache relies on changed in the ledger since the last pass.
 
         It relies on the replacements (the texts it patched in, the re-applied count) and on
-        every candidate it scanned being seen (so that no earlier group needs a decision). Ids
-        added to ``seen_ids`` change nothing cached: new results are classified when decided.
-        Both checks are C-level sweeps with no copy (about 35 ns per scanned result id), and
-        complete: any removal, rewrite or addition that matters is caught, also when the sizes
-        stay the same; a ledger replaced by an equal one keeps the cache.
+        every candidate it scanned being seen (so that no earlier group needs a decision). The
+        ledger this cache left, at the version it left it, fits at once (O(1)); any other
+        ledger, or a change since, is checked completely, with C-level sweeps and no copy
+        (about 35 ns per scanned result id): any removal, rewrite or addition that matters is
+        caught, also when the sizes stay the same; ids added to ``seen_ids`` change nothing
+        cached, and a ledger replaced by an equal one keeps the cache.
         """
+        last = self._ledger
+        if last is not None and last[0] is state and last[1] == state.version:
+            return True
         return (
             self._replaced == state.replacements and self.scan.cand_count.keys() <= state.seen_ids
         )
 
-    def seal(self, replaced_now: Mapping[str, str]) -> None:
-        """Take in the replacements this pass made (the only change a pass makes to them)."""
+    def seal(self, state: ReplacementState, replaced_now: Mapping[str, str]) -> None:
+        """Take in the replacements this pass made (the only change a pass makes to them) and
+        the ledger as this pass leaves it."""
         self._replaced.update(replaced_now)
+        self._ledger = (state, state.version)
 
     def sync(
         self, messages: list[Message], replacements: Mapping[str, str]

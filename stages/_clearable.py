@@ -16,7 +16,7 @@ from pipeline.incremental import AppendWatch
 from pipeline.messages import Message
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, content_is_empty
 from pipeline.tokens import find_anchor, rough_tokens_for_messages
-from stages._shared import CLEARED_PLACEHOLDER, tool_results
+from stages._shared import CLEARED_PLACEHOLDER, result_ids, tool_results
 
 __all__ = [
     "ClearState",
@@ -98,12 +98,7 @@ class ClearableScan:
 
 def newest_turn_ids(messages: Sequence[Message], turn_start: int) -> set[str]:
     """tool_use_ids answered after the newest turn began (never cleared, never re-applied)."""
-    return {
-        tid
-        for m in messages[turn_start + 1 :]
-        for _, b in tool_results(m)
-        if isinstance(tid := b.get("tool_use_id"), str)
-    }
+    return set(result_ids(messages[turn_start + 1 :]))
 
 
 def _parse_time(ts: str | None) -> datetime | None:

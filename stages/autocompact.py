@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from pipeline import Message, PipelineHalt, SessionContext, to_api
-from pipeline.messages import block_type, new_uuid, thread_start
+from pipeline.messages import new_uuid, thread_start
 from pipeline.tokens import find_anchor
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._shared import (
@@ -25,6 +25,7 @@ from stages._shared import (
     check_int,
     check_summarizer,
     cut_indices,
+    is_prompt,
     record_decision,
     session_state,
 )
@@ -337,9 +338,6 @@ def _summarisable(m: Message) -> bool:
 def _latest_request(view: Sequence[Message], start: int) -> int | None:
     """Index of the last user message that is a request: not only tool_results, not meta."""
     for i in range(len(view) - 1, start - 1, -1):
-        m = view[i]
-        if m.type != "user" or m.is_compact_summary or m.is_meta:
-            continue
-        if any(block_type(b) != "tool_result" for b in m.blocks):
+        if is_prompt(view[i]) and not view[i].is_compact_summary:
             return i
     return None

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline import Message, SessionContext
 from pipeline.tracing import ATTR, Decision, Reason
-from stages._shared import CLEARED_PLACEHOLDER, by_id, check_int, replace_results, result_ids
+from stages._shared import CLEARED_PLACEHOLDER, check_int, replace_results, tool_results
 
 __all__ = ["ClearEveryTurn", "HeadTailTruncate"]
 
@@ -64,15 +64,17 @@ class ClearEveryTurn:
         if size < self.trigger_tokens:
             ctx.decide(self.name, Decision.SKIP, Reason.BELOW_TRIGGER, tokens_before=size)
             return messages
-        ids = result_ids(messages)
-        old = ids[: max(0, len(ids) - self.keep)]
-        out = replace_results(messages, by_id(dict.fromkeys(old, CLEARED_PLACEHOLDER)))
+        ids = [b.get("tool_use_id") for m in messages for _, b in tool_results(m)]
+        old = set(ids[: max(0, len(ids) - self.keep)])  # an id-less result counts, as None
+        out = replace_results(
+            messages, lambda b: CLEARED_PLACEHOLDER if b.get("tool_use_id") in old else None
+        )
         changed = out is not messages
         ctx.decide(
             self.name,
             Decision.CLEAR if changed else Decision.SKIP,
             Reason.OVER_TRIGGER if changed else Reason.NOTHING_ELIGIBLE,
             tokens_before=size,
-            facts={ATTR.CLEARED: len(set(old))},
+            facts={ATTR.CLEARED: len(old)},
         )
         return out

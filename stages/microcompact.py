@@ -32,15 +32,14 @@ tell a real cache break (``cleared > 0``) from a byte-identical re-application.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from itertools import compress, count
 from typing import Any
 
 from pipeline import Message, SessionContext
-from pipeline.tokens import find_anchor, rough_tokens_for_messages
+from pipeline.incremental import first_difference
+from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._clearable import (
     ClearableResult,
@@ -56,6 +55,7 @@ from stages._clearable import (
 from stages._shared import (
     CLEARED_PLACEHOLDER,
     ContentFor,
+    anchor_uuid,
     check_bool,
     check_int,
     check_minutes,
@@ -101,7 +101,8 @@ def _clears(texts: Mapping[str, str]) -> ContentFor:
 
 def _first_difference(a: Sequence[Message], b: Sequence[Message], offset: int = 0) -> int:
     """``offset`` + the first index where ``a`` and ``b`` hold different objects, else + len."""
-    return offset + next(compress(count(), map(operator.is_not, a, b)), len(a))
+    first = first_difference(a, b)
+    return offset + (len(a) if first is None else first)
 
 
 @dataclass(slots=True)
@@ -226,8 +227,7 @@ class Microcompact:
 
         # earlier decisions, byte for byte (never in the newest turn, never an excluded tool)
         held = self._reapply(p, state, last, grown)
-        anchor = find_anchor(messages)
-        anchor_id = messages[anchor[0]].uuid if anchor is not None else None
+        anchor_id = anchor_uuid(messages)
         self._free_again(ctx, p, state, anchor_id)
         tokens_before = ctx.size_of(held.out)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -39,7 +40,7 @@ from pipeline.tracing import (
     Reason,
 )
 from stages._budget_scan import BudgetCache, Candidate, collect_groups
-from stages._shared import by_id, check_bool, check_positive, replace_results
+from stages._shared import by_id, check_bool, check_positive, replace_results, write_off_loop
 
 __all__ = ["Candidate", "ToolResultBudget", "collect_groups", "select_fresh_to_replace"]
 
@@ -70,7 +71,8 @@ class ToolResultBudget:
     ``limit``: the per-message budget in characters (default 200,000). Per-tool thresholds come
     from ``ctx.tool_policies``. Never breaks the prompt cache: a result the model has seen is
     never changed, a replacement once made is re-applied byte for byte. A pass costs what is new
-    since the last pass of the same session (see the module docstring for the cache contract);
+    since the last pass of the same session (see :mod:`stages._budget_scan` for the cache
+    contract);
     ``incremental=False`` turns the per-session cache off.
     """
 
@@ -149,11 +151,9 @@ class ToolResultBudget:
                 new_records += await self._decide_group(index, group, ctx, replaced_now)
 
         if new_records and ctx.transcript is not None:
-            try:
-                await anyio.to_thread.run_sync(ctx.transcript.append_replacements, new_records)
-            except OSError as exc:
-                # the decisions stand (they are in the state); only resume would lose them
-                ctx.logger.error("replacement_record_write_failed", error=type(exc).__name__)
+            # the decisions stand (they are in the ledger); only a resume would lose them
+            append = partial(ctx.transcript.append_replacements, new_records)
+            await write_off_loop(ctx, append, stage=self.name)
         stage_span.set_attribute(ATTR.PERSISTED, len(new_records))
 
         if scan.malformed:
@@ -172,7 +172,7 @@ class ToolResultBudget:
                 scan.reapplied += scan.cand_count.get(tid, 0)
         touched.update(replaced_now)
         cache.update_output(messages, start, touched, state.replacements)
-        cache.seal(replaced_now)
+        cache.seal(state, replaced_now)
         return cache.output(messages)
 
     async def _decide_group(

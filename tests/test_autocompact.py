@@ -692,3 +692,21 @@ async def test_anthropic_summarizer_end_to_end(tmp_path: Path, exporter: SpanRec
     d, again = decisions(exporter)
     assert (d["decision"], d["reason"], d["retries"]) == ("compact", "over_trigger", 1)
     assert again["decision"] == "reapply"
+
+
+@pytest.mark.asyncio
+async def test_a_tool_block_without_an_id_does_not_pin_every_cut(
+    tmp_path: Path, exporter: SpanRecorder
+) -> None:
+    """A tool_use or tool_result without a string id pairs with nothing, so it ties no two
+    records together: the rounds around it can still be summarised."""
+    msgs = conversation(OVER, n=4)
+    broken = {"type": "tool_use", "name": "Bash", "input": {}}  # no id
+    msgs[1] = msgs[1].with_content([*msgs[1].blocks, broken])
+    orphan = {"type": "tool_result", "content": "?"}  # no id either, with the latest request
+    msgs[-1] = msgs[-1].with_content([orphan, *msgs[-1].blocks])
+    stage = Autocompact(FakeSummarizer("S."), **SMALL)
+    out = await stage(msgs, make_ctx(tmp_path, exporter))
+    [d] = decisions(exporter)
+    assert (d["decision"], d["reason"]) == ("compact", "over_trigger")
+    assert out[0].is_compact_boundary and out[2:] == msgs[-1:]  # all but the latest request

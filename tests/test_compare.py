@@ -222,3 +222,19 @@ def test_cli_compare_on_the_demo(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     bad = run_cli("replay", session, "--compare", "fastest")
     assert bad.returncode == 2 and "unknown comparison point 'fastest'" in bad.stderr
+
+
+@pytest.mark.asyncio
+async def test_clear_every_turn_counts_results_without_an_id(tmp_path: Path) -> None:
+    """A result without a tool_use_id is still a result: it counts toward ``keep`` and is
+    cleared once older than the newest ``keep`` (as a harness clearing by position would)."""
+    ctx = SessionContext("s", tmp_path)
+    msgs = [
+        Message.assistant([tool_use("a")], message_id="r"),
+        Message.user([{"type": "tool_result", "content": "no id, older"}]),
+        Message.assistant([tool_use("b")], message_id="s"),
+        results(tool_result("b", "newest")),
+    ]
+    out = await ClearEveryTurn(keep=1, trigger_tokens=0)(msgs, ctx)
+    assert out[1].content[0]["content"] == CLEARED  # type: ignore[index]
+    assert out[3] is msgs[3]

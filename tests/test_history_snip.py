@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,12 @@ from hypothesis import strategies as st
 
 from pipeline import (
     Message,
+    Pipeline,
     SessionContext,
     TokenTracker,
     TranscriptWriter,
     load_transcript,
+    stage,
     to_api,
 )
 from pipeline.testing import assert_same_messages
@@ -343,3 +346,23 @@ def test_snip_keeps_pairing_alternation_and_is_idempotent(
         assert_same_messages(await run(stage, history, resumed), out)
 
     anyio.run(body)
+
+
+@pytest.mark.asyncio
+async def test_a_stage_that_copies_the_anchor_record_keeps_what_was_freed(tmp_path: Path) -> None:
+    """What a stage freed from before the anchor stays subtracted when a later stage hands
+    the anchor's record on as a copy (say, one that redacts assistant text): the usage it
+    carries is the same."""
+
+    @stage("copy_assistants")
+    async def copy_assistants(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        return [dataclasses.replace(m) if m.type == "assistant" else m for m in messages]
+
+    history = agentic(34)
+    plain = make_ctx(tmp_path, session_id="plain")
+    await Pipeline([small_snip()]).run(history, plain)
+    copying = make_ctx(tmp_path, session_id="copying")
+    await Pipeline([small_snip(), copy_assistants]).run(history, copying)
+    assert plain.report.tokens_freed > 0
+    assert copying.report.tokens_freed == plain.report.tokens_freed
+    assert copying.report.estimated_tokens == plain.report.estimated_tokens

@@ -795,6 +795,8 @@ async def test_unwritable_transcript_does_not_fail_the_turn(tmp_path: Path) -> N
     assert ctx.replacement_state.replacements == {"t1": sent}
     # ... and the lost record is logged, since a resume could not restore it
     assert any(
-        level == "error" and event == "replacement_record_write_failed"
-        for level, event, _ in logger.events
+        level == "error"
+        and event == "stage_record.write_failed"
+        and kw["stage"] == "tool_result_budget"
+        for level, event, kw in logger.events
     )

@@ -13,7 +13,7 @@ from stages._shared.args import (
     check_summarizer,
 )
 from stages._shared.projection import Projection, reapply_projection
-from stages._shared.records import record_decision, session_state
+from stages._shared.records import record_decision, session_state, write_off_loop
 from stages._shared.results import (
     CLEARED_PLACEHOLDER,
     ContentFor,
@@ -68,4 +68,5 @@ __all__ = [
     "safe_cuts",
     "session_state",
     "tool_results",
+    "write_off_loop",
 ]

@@ -4,13 +4,14 @@ resumed session repeats its decisions from."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio.to_thread
 
 from pipeline.context import SessionContext
 
-__all__ = ["record_decision", "session_state"]
+__all__ = ["record_decision", "session_state", "write_off_loop"]
 
 S = TypeVar("S")
 
@@ -37,10 +38,17 @@ async def record_decision(ctx: SessionContext, stage: str, data: Mapping[str, An
     A failed write is logged, never raised: the decision stands in this process (it is in the
     stage's state); only a resume would lose it.
     """
+    await write_off_loop(ctx, partial(ctx.record, stage, data), stage=stage)
+
+
+async def write_off_loop(ctx: SessionContext, write: Callable[[], None], *, stage: str) -> None:
+    """Run a transcript append: in a worker thread when there is a transcript (an fsync'd
+    write must not block the event loop), else inline. An ``OSError`` is logged
+    (``stage_record.write_failed``), never raised."""
     try:
         if ctx.transcript is None:
-            ctx.record(stage, data)
+            write()
         else:
-            await anyio.to_thread.run_sync(ctx.record, stage, data)
+            await anyio.to_thread.run_sync(write)
     except OSError as exc:
         ctx.logger.error("stage_record.write_failed", stage=stage, error=type(exc).__name__)

@@ -37,14 +37,21 @@ def safe_cuts(messages: Sequence[Message]) -> list[bool]:
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, m in enumerate(messages):
+        # a tool block without a string id pairs with nothing: it ties no two records together
         keys: list[str] = []
         if m.type == "assistant":
             if m.message_id is not None:
                 keys.append("r:" + m.message_id)
-            keys += ["t:" + str(b.get("id")) for b in m.blocks if block_type(b) == "tool_use"]
+            keys += [
+                "t:" + b["id"]
+                for b in m.blocks
+                if block_type(b) == "tool_use" and isinstance(b.get("id"), str)
+            ]
         elif m.type == "user":
             keys += [
-                "t:" + str(b.get("tool_use_id")) for b in m.blocks if block_type(b) == "tool_result"
+                "t:" + b["tool_use_id"]
+                for b in m.blocks
+                if block_type(b) == "tool_result" and isinstance(b.get("tool_use_id"), str)
             ]
         for k in keys:
             first.setdefault(k, i)
