@@ -33,7 +33,7 @@ from pipeline.messages import Message, thread_start
 __all__ = ["AppendWatch", "InputLog", "first_difference", "message_keys"]
 
 
-def first_difference(a: Sequence[Message], b: Sequence[Message]) -> int | None:
+def first_difference(a: Sequence[object], b: Sequence[object]) -> int | None:
     """The first index at which ``a`` and ``b`` hold different objects (over the shorter of
     the two), or None: a C-level sweep."""
     return next(compress(count(), map(operator.is_not, a, b)), None)

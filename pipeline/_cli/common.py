@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING
 import structlog
 from opentelemetry import trace
 
+from pipeline._cli.dumps import DumpFormat, RequestDumper, parse_calls
 from pipeline._cli.telemetry import TelemetrySetupError, configure_logging, setup_tracing
 from pipeline.core import Pipeline
 from pipeline.policies import (
@@ -56,6 +56,9 @@ class ReplayOptions:
     store: Path | None = None
     json: bool = False
     dump_requests: Path | None = None
+    dump_calls: frozenset[int] | None = None
+    """Only these calls are dumped (None: all)."""
+    dump_format: DumpFormat = "full"
     progress: bool | None = None
     """None: shown when stderr is a terminal."""
     console_spans: bool = False
@@ -76,6 +79,16 @@ class ReplayOptions:
         except ValueError as exc:
             raise CliError(f"--stage: {exc}") from None
 
+    def dumper(self) -> RequestDumper | None:
+        """The writer of ``--dump-requests`` (its directory created), or None."""
+        if self.dump_requests is None:
+            return None
+        try:
+            self.dump_requests.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CliError(f"cannot create {self.dump_requests}: {exc.strerror}") from None
+        return RequestDumper(self.dump_requests, calls=self.dump_calls, format=self.dump_format)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplayOptions:
         """The options of a parsed ``replay`` or ``demo`` command line."""
@@ -85,6 +98,8 @@ class ReplayOptions:
             store=args.store,
             json=args.json,
             dump_requests=args.dump_requests,
+            dump_calls=_dump_calls(getattr(args, "dump_calls", None)),
+            dump_format=getattr(args, "dump_format", "full"),
             progress=args.progress,
             console_spans=args.console_spans,
             stage_specs=tuple(getattr(args, "stage", None) or ()),
@@ -151,18 +166,24 @@ def store_root(options: ReplayOptions) -> Path:
     return options.store
 
 
-def dump_request(directory: Path, result: CallResult) -> None:
-    target = directory / f"{result.call.number:04d}.json"
+def _dump_calls(spec: str | None) -> frozenset[int] | None:
+    if spec is None:
+        return None
     try:
-        text = json.dumps(result.request, ensure_ascii=False, indent=2)
-        data = text.encode("utf-8")
-    except UnicodeEncodeError:
-        # lone surrogates from an undecodable transcript byte: escaped JSON is still exact
-        data = json.dumps(result.request, indent=2).encode("ascii")
+        return parse_calls(spec)
+    except ValueError as exc:
+        raise CliError(f"--dump-calls: {exc}") from None
+
+
+def dump_request(dumper: RequestDumper | None, result: CallResult) -> None:
+    """Write one call's request if ``--dump-requests`` asked for it."""
+    if dumper is None:
+        return
     try:
-        target.write_bytes(data)
+        dumper.dump(result.call.number, result.request)
     except OSError as exc:
-        raise CliError(f"cannot write {target}: {exc.strerror or exc}", EXIT_FAILED) from None
+        where = dumper.directory / f"{result.call.number:04d}.json"
+        raise CliError(f"cannot write {where}: {exc.strerror or exc}", EXIT_FAILED) from None
 
 
 def with_tracing(

@@ -88,12 +88,12 @@ def run_live_demo(
     if not options.json:
         print(f"live agent session {session.session_id} (transcript: {transcript_path})")
 
+    dumper = options.dumper()
+
     def on_call(result: CallResult) -> None:
         chars = result.request_chars
         summary.add(result, chars)
-        if options.dump_requests is not None:
-            options.dump_requests.mkdir(parents=True, exist_ok=True)
-            dump_request(options.dump_requests, result)
+        dump_request(dumper, result)
         output.call(result, chars)
 
     def client(base_url: str) -> anthropic.AsyncAnthropic:

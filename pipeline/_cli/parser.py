@@ -98,6 +98,19 @@ def _add_replay_options(p: argparse.ArgumentParser) -> None:
         help="write DIR/NNNN.json: the exact 'messages' array sent for call NNNN",
     )
     out.add_argument(
+        "--dump-calls",
+        metavar="N,N-M,...",
+        help="with --dump-requests: only these calls (e.g. 0,10-20)",
+    )
+    out.add_argument(
+        "--dump-format",
+        choices=("full", "delta"),
+        default="full",
+        help="with --dump-requests: 'full' (each file the whole array, the default) or 'delta' "
+        '(each file {"call", "prefix", "messages"}: the first PREFIX messages of the previous '
+        "dumped request, then these)",
+    )
+    out.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -23,6 +23,7 @@ from pipeline._cli.common import (
     store_root,
     with_tracing,
 )
+from pipeline._cli.dumps import RequestDumper
 from pipeline._cli.report import JsonOutput, Output, Progress, ReplaySummary, TableOutput
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline, StageError
@@ -41,7 +42,7 @@ async def _replay_calls(
     transcript: Transcript,
     pipe: Pipeline,
     ctx: SessionContext,
-    options: ReplayOptions,
+    dumper: RequestDumper | None,
     output: Output,
     summary: ReplaySummary,
     progress: Progress,
@@ -53,8 +54,7 @@ async def _replay_calls(
         async for result in replay_messages(transcript.messages, pipe, ctx):
             chars = result.request_chars
             summary.add(result, chars)
-            if options.dump_requests is not None:
-                dump_request(options.dump_requests, result)
+            dump_request(dumper, result)
             progress.clear()
             output.call(result, chars)
             progress.advance()
@@ -66,11 +66,7 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
     """Replay ``transcript`` through the default pipeline and write the results to stdout."""
     session_id = session_id_for(transcript)
     store = store_root(options)
-    if options.dump_requests is not None:
-        try:
-            options.dump_requests.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CliError(f"cannot create {options.dump_requests}: {exc.strerror}") from None
+    dumper = options.dumper()  # a directory that cannot be made fails before the replay starts
     ctx = SessionContext(
         session_id,
         root=store,
@@ -88,7 +84,7 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
     log = get_logger(session_id=session_id)
     log.info("replay.start", transcript=str(transcript.path), calls=progress.total)
     try:
-        anyio.run(_replay_calls, transcript, pipe, ctx, options, output, summary, progress)
+        anyio.run(_replay_calls, transcript, pipe, ctx, dumper, output, summary, progress)
     except StageError as exc:
         progress.clear()
         raise CliError(f"{transcript.path}: call {summary.calls}: {exc}", EXIT_FAILED) from None
