@@ -10,21 +10,19 @@ with progress and system records) into the ``MessageParam`` dicts that
 - merge consecutive user messages (tool_result blocks hoisted first, ``\\n`` at a text seam);
 - merge assistant fragments sharing a response id, also when other ids interleave.
 
-:class:`WireCache` is the same for a conversation that grows between calls: it keeps the wire
-entries of the last call and, when the history only grew by records that reach nothing older
-(:class:`pipeline.incremental.AppendWatch`), feeds just the new records -- only the last entry
-of the previous request can change (consecutive user records merge into it). Anything else (an
-edit, a late fragment of an older response, a compact boundary) rebuilds from scratch. The
+:class:`WireCache` is the same for a conversation that changes between calls: it keeps the
+wire entries of the last call and redoes only what follows the first changed record. The
 result always equals ``to_api(messages)``.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from pipeline.incremental import AppendWatch
+from pipeline.incremental import InputLog
 from pipeline.messages import Block, Message, thread_start
 from pipeline.pairing import PairingError, PairingIndex
 
@@ -128,6 +126,22 @@ class _Wire:
         self.barrier = -1
         """Index of the last barrier among the entries before ``entries[-1]``."""
 
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` entries, as they stood when entry ``n`` was appended (the caller
+        guarantees no later record changed them)."""
+        del self.entries[n:]
+        self.latest = {
+            e.message_id: i
+            for i, e in enumerate(self.entries)
+            if e.role == "assistant" and e.message_id is not None
+        }
+        self.barrier = -1
+        for i in range(n - 2, -1, -1):
+            e = self.entries[i]
+            if e.role == "user" and not _is_tool_result_only(e):
+                self.barrier = i
+                break
+
     def append(self, entry: _WireEntry) -> None:
         out = self.entries
         if out and out[-1].role == "user" and not _is_tool_result_only(out[-1]):
@@ -136,20 +150,20 @@ class _Wire:
             self.latest[entry.message_id] = len(out)
         out.append(entry)
 
-    def add(self, m: Message) -> None:
-        """Take the next record (after the last compact boundary)."""
+    def add(self, m: Message) -> int:
+        """Take the next record (after the last compact boundary); return the index of the
+        entry it went into, -1 when the wire drops it."""
         if m.type == "progress":
-            return
+            return -1
         if m.type == "system" and m.subtype != "local_command":
-            return
+            return -1
         _check_blocks(m)
         if m.type == "assistant":
-            self.add_assistant(m)
-            return
+            return self.add_assistant(m)
         # user, attachment, local_command: all become user content
         blocks = _user_blocks(m)
         if not blocks:  # the API rejects empty content; an empty record adds nothing
-            return
+            return -1
         out = self.entries
         if out and out[-1].role == "user":
             prev = out[-1]
@@ -159,8 +173,9 @@ class _Wire:
         else:
             raw = m.content if isinstance(m.content, str) and m.type == "user" else None
             self.append(_WireEntry("user", _hoist_tool_results(blocks), raw))
+        return len(out) - 1
 
-    def add_assistant(self, m: Message) -> None:
+    def add_assistant(self, m: Message) -> int:
         if m.message_id is not None:
             i = self.latest.get(m.message_id)
             if i is not None:
@@ -173,8 +188,9 @@ class _Wire:
                     entry = out[i]
                     entry.blocks = [*entry.blocks, *m.blocks]
                     entry.merged = True
-                    return
+                    return i
         self.append(_WireEntry("assistant", list(m.blocks), None, m.message_id))
+        return len(self.entries) - 1
 
 
 def _entry_to_param(e: _WireEntry) -> MessageParam:
@@ -189,6 +205,12 @@ class WireCache:
     :attr:`chars` is ``request_chars`` of the last request and :attr:`pairing` its
     :func:`~pipeline.pairing.check_pairing`, both kept up to date the same way.
 
+    A call finds the first record that differs from the last call's input (one C-level
+    identity sweep), rolls the wire entries back to the first one a changed record went into,
+    and feeds the records from there: a history that only grew costs its new records, an edit
+    (a stage clearing old results, say) what follows it. A changed or new compact boundary
+    starts over.
+
     The messages of a returned request are shared with the cache and with the next requests,
     except the last ``editable`` ones (default 2), which are new dicts with new content lists:
     a caller may edit those (say, add a ``cache_control`` breakpoint by replacing a block) but
@@ -199,14 +221,9 @@ class WireCache:
 
     def __init__(self, *, editable: int = 2) -> None:
         self.editable = editable
-        self._watch = AppendWatch()
-        self._wire = _Wire()
-        self._params: list[MessageParam] = []
-        self._chars: list[int] = []
-        self.chars = 0
-        """Characters of visible text in the last request (see :func:`request_chars`)."""
-        self.pairing = PairingIndex()
-        """The pairing problems of the last request (see :meth:`ensure_paired`)."""
+        self._log = InputLog()
+        self._reset(0)
+        self._fresh = True
 
     def to_api(self, messages: Sequence[Message]) -> list[MessageParam]:
         """Exactly ``to_api(messages)`` (and raises where it raises)."""
@@ -214,8 +231,8 @@ class WireCache:
             self._extend(messages)
         except BaseException:
             # a record to_api rejects (or a cancellation) midway: start over next time
-            self._watch.invalidate()
-            self._reset()
+            self._log.clear()
+            self._fresh = True
             raise
         params, k = self._params, self.editable
         if len(params) <= k:
@@ -228,21 +245,67 @@ class WireCache:
         if self.pairing.count:
             raise PairingError(self.pairing.problems)
 
-    def _reset(self) -> None:
-        self._wire, self._params, self._chars, self.chars = _Wire(), [], [], 0
+    def _reset(self, start: int) -> None:
+        self._wire = _Wire()
+        self._start = start
+        """Index of the first record the wire holds (after the last compact boundary)."""
+        self._entry_of = array("q")
+        """Per record from ``_start``: the entry it went into (-1: dropped)."""
+        self._first_record = array("q")
+        """Per entry: the index of the record that created it."""
+        self._params: list[MessageParam] = []
+        self._chars: list[int] = []
+        self.chars = 0
+        """Characters of visible text in the last request (see :func:`request_chars`)."""
         self.pairing = PairingIndex()
+        """The pairing problems of the last request (see :meth:`ensure_paired`)."""
 
     def _extend(self, messages: Sequence[Message]) -> None:
-        grown = self._watch.advance(messages)
-        if grown is None:
-            self._reset()
-            tail = messages[self._watch.start :]
-        else:
-            tail = messages[grown:]
-        wire = self._wire
-        keep = max(0, len(wire.entries) - 1)  # the last entry may take the new records
-        for m in tail:
-            wire.add(m)
+        n_old = len(self._log.inputs)
+        first = self._log.take(messages)
+        if first == n_old == len(messages) and not self._fresh:
+            return  # the very same records
+        restart = any(map(_restarts, messages[first:]))
+        if self._fresh or restart or first < self._start:
+            self._fresh = False
+            self._reset(thread_start(messages))
+            self._feed(messages, self._start, 0)
+            return
+        entries = len(self._wire.entries)
+        rollback, r0 = self._rollback(first)
+        if rollback < entries:
+            self._wire.truncate(rollback)
+            del self._first_record[rollback:]
+        del self._entry_of[r0 - self._start :]
+        self._feed(messages, r0, min(rollback, entries))
+
+    def _rollback(self, first: int) -> tuple[int, int]:
+        """The first entry a record from ``first`` on went into, and the record to feed from:
+        re-feeding starts at the record that created that entry (or at ``first``, if that comes
+        sooner), so the first entry any record from there went into, and so on."""
+        entry_of, start, first_record = self._entry_of, self._start, self._first_record
+        r0, e = first, len(self._wire.entries)
+        while True:
+            low = min((x for x in entry_of[r0 - start :] if x >= 0), default=e)
+            if low >= e:
+                return e, r0
+            e = low
+            r0 = min(r0, first_record[e])
+
+    def _feed(self, messages: Sequence[Message], r0: int, keep: int) -> None:
+        """Add the records from ``r0`` on; refresh the params from entry ``keep`` and from the
+        first entry a new record went into, whichever comes first."""
+        wire, entry_of, first_record = self._wire, self._entry_of, self._first_record
+        before = len(wire.entries)
+        low = before
+        for idx in range(r0, len(messages)):
+            went = wire.add(messages[idx])
+            entry_of.append(went)
+            if went >= 0:
+                low = min(low, went)
+                if went == len(first_record):
+                    first_record.append(idx)
+        keep = min(keep, low, before)
         fresh = [_entry_to_param(e) for e in wire.entries[keep:]]
         del self._params[keep:]
         self._params += fresh
@@ -252,6 +315,11 @@ class WireCache:
         self._chars += counted
         self.chars += sum(counted)
         self.pairing.update(self._params, keep)
+
+
+def _restarts(m: Message) -> bool:
+    """A record after which the API's view restarts (a compact boundary or summary)."""
+    return m.is_compact_boundary or (m.type == "user" and m.is_compact_summary)
 
 
 def _block_chars(block: Any) -> int:

@@ -146,3 +146,24 @@ def test_a_record_to_api_rejects_raises_every_time_and_the_cache_recovers() -> N
             raise AssertionError("a record to_api rejects went through")
     grown = [*good, results(tool_result("u", "fine"))]
     assert cache.to_api(grown) == to_api(grown)
+
+
+def test_an_edit_redoes_only_what_follows_it() -> None:
+    """A stage that clears a few old results rewrites records near the end: the cache rolls
+    back to the first one and reads none before it."""
+    reads = RecordReads()
+    cache = WireCache()
+    history: list[Message] = [user_text("start")]
+    for k in range(50):
+        history += [
+            Message.assistant([tool_use(f"u{k}")], message_id=f"r{k}"),
+            results(tool_result(f"u{k}", "x" * k)),
+        ]
+    history = reads.watch(history)
+    cache.to_api(history)
+    edited = list(history)
+    edited[90] = results(tool_result("u44", "[cleared]"))  # the 45th result
+    reads.reset()
+    request = cache.to_api(edited)
+    assert reads.records <= len(history) - 88  # from the rolled-back entry on, nothing older
+    assert json.dumps(request) == json.dumps(to_api(edited))
