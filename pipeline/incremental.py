@@ -25,7 +25,7 @@ edits to old messages.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import compress, count
 
 from pipeline.messages import Message, thread_start
@@ -72,38 +72,49 @@ class InputLog:
         self.inputs = []
 
 
-def message_keys(m: Message) -> Iterator[str]:
-    """The identities a record shares with others: its uuid, its response id and the
-    tool_use_ids it calls or answers (prefixed, so the kinds never collide)."""
-    yield "u:" + m.uuid
+def message_keys(m: Message) -> tuple[str, str | None, list[str]]:
+    """The identities a record shares with others: its uuid, its response id (assistant
+    records) and the tool_use_ids it calls or answers."""
     if m.type == "assistant":
-        if m.message_id is not None:
-            yield "r:" + m.message_id
-        kind, field = "tool_use", "id"
+        rid, kind, field = m.message_id, "tool_use", "id"
     elif m.type == "user":
-        kind, field = "tool_result", "tool_use_id"
+        rid, kind, field = None, "tool_result", "tool_use_id"
     else:
-        return
+        return m.uuid, None, []
+    tids: list[str] = []
     if isinstance(m.content, list):
-        for b in m.content:
-            if isinstance(b, dict) and b.get("type") == kind:
-                yield "t:" + str(b.get(field))
+        tids = [
+            str(b.get(field)) for b in m.content if isinstance(b, dict) and b.get("type") == kind
+        ]
+    return m.uuid, rid, tids
 
 
 def _reaches_back(m: Message) -> bool:
     return m.is_compact_boundary or (m.type == "user" and m.is_compact_summary)
 
 
+def _bump(counts: dict[str, int], key: str, by: int) -> None:
+    n = counts.get(key, 0) + by
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
 class AppendWatch:
     """Whether each pass's input is the last one plus records that reach nothing older.
 
     Also keeps, for the current input, :attr:`start` (``thread_start``) and :attr:`tool_names`
-    (tool_use_id -> tool name), which stages would otherwise rescan the history for.
+    (tool_use_id -> tool name), which stages would otherwise rescan the history for. Its index
+    of the input's identities (uuids, response ids, tool_use_ids, each with how many records
+    carry it) follows an edit at the cost of what changed, not of the whole history.
     """
 
     def __init__(self) -> None:
         self._log = InputLog()
-        self._keys: set[str] = set()
+        self._uuids: dict[str, int] = {}
+        self._rids: dict[str, int] = {}
+        self._tids: dict[str, int] = {}
         self._length = 0
         self._primed = False
         self.start = 0
@@ -113,25 +124,40 @@ class AppendWatch:
 
     def advance(self, messages: Sequence[Message], *, reuse: bool = True) -> int | None:
         """Take this pass's input. Return the old length if the input is the last one plus
-        records that share no key with it and restart nothing; else ``None`` (rebuilt).
-        ``reuse=False`` always rebuilds (a stage configured to compute every pass afresh), and
-        the next pass rebuilds too. If it raises (a record it cannot read), the next rebuilds."""
+        records that share no key with it and restart nothing; else ``None`` (the views
+        follow the change). ``reuse=False`` always rebuilds (a stage configured to compute
+        every pass afresh), and the next pass rebuilds too. If it raises (a record it cannot
+        read), the next rebuilds."""
         primed, self._primed = self._primed and reuse, False
         try:
-            first = self._log.take(messages) if reuse else -1
             if not reuse:
                 self._log.clear()
-            if primed and first == self._length:
-                n_old = self._length
-                tail = messages[n_old:]
-                keys = [k for m in tail for k in message_keys(m)]
-                if not any(map(_reaches_back, tail)) and self._keys.isdisjoint(keys):
-                    self._keys.update(keys)
-                    self._learn_names(tail)
-                    self._length, self._primed = len(messages), True
-                    return n_old
-            self._rebuild(messages)
-            self._length, self._primed = len(messages), reuse
+                self._rebuild(messages)
+                self._length = len(messages)
+                return None
+            old, n_old = self._log.inputs, self._length
+            first = self._log.take(messages)
+            added = messages[first:]
+            grew = primed and first == n_old and not any(map(_reaches_back, added))
+            if grew and self._disjoint(added):
+                self._count(added, 1)
+                self._learn_names(added)
+                self._length, self._primed = len(messages), True
+                return n_old
+            removed = old[first:n_old]
+            if (
+                primed
+                and first >= self.start
+                and not any(map(_reaches_back, removed))
+                and not any(map(_reaches_back, added))
+            ):
+                self._count(removed, -1)
+                self._count(added, 1)
+                self._forget_names(removed, messages)
+                self._learn_names(added)
+            else:
+                self._rebuild(messages)
+            self._length, self._primed = len(messages), True
             return None
         except BaseException:
             self._log.clear()  # what was taken in is not what the views describe
@@ -142,11 +168,42 @@ class AppendWatch:
         self._primed = False
         self._log.clear()
 
+    def _disjoint(self, records: Sequence[Message]) -> bool:
+        uuids, rids, tids = self._uuids, self._rids, self._tids
+        for m in records:
+            uuid, rid, ids = message_keys(m)
+            if uuid in uuids or (rid is not None and rid in rids) or any(t in tids for t in ids):
+                return False
+        return True
+
+    def _count(self, records: Sequence[Message], by: int) -> None:
+        uuids, rids, tids = self._uuids, self._rids, self._tids
+        for m in records:
+            uuid, rid, ids = message_keys(m)
+            _bump(uuids, uuid, by)
+            if rid is not None:
+                _bump(rids, rid, by)
+            for t in ids:
+                _bump(tids, t, by)
+
     def _rebuild(self, messages: Sequence[Message]) -> None:
-        self._keys = {k for m in messages for k in message_keys(m)}
+        self._uuids, self._rids, self._tids = {}, {}, {}
+        self._count(messages, 1)
         self.start = thread_start(messages)
         self.tool_names = {}
         self._learn_names(messages)
+
+    def _forget_names(self, removed: Sequence[Message], messages: Sequence[Message]) -> None:
+        """Drop the names the removed records gave; an id still used elsewhere takes its name
+        from the records again (rare: ids are unique per call)."""
+        for m in removed:
+            if m.type == "assistant":
+                for tid in message_keys(m)[2]:
+                    if tid in self._tids:
+                        self.tool_names = {}
+                        self._learn_names(messages)
+                        return
+                    self.tool_names.pop(tid, None)
 
     def _learn_names(self, messages: Sequence[Message]) -> None:
         for m in messages:

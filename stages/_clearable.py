@@ -128,9 +128,15 @@ def scan_clearable(
     turn_start: int,
     names: Mapping[str, str],
     tools: frozenset[str],
+    gains: dict[int, tuple[Mapping[str, Any], int]] | None = None,
 ) -> ClearableScan:
     """Every compactable result from ``start`` on: what clearing it would free, whether it may
-    be cleared. ``turn_start``: first fragment of the last response (the newest turn follows)."""
+    be cleared. ``turn_start``: first fragment of the last response (the newest turn follows).
+
+    ``gains`` keeps what clearing each block would free, by block identity (blocks are never
+    mutated), so a later scan prices only blocks it has not seen."""
+    if gains is None:
+        gains = {}
     anchor = find_anchor(messages)
     anchor_index = anchor[0] if anchor is not None else -1
     results: dict[str, ClearableResult] = {}
@@ -155,7 +161,12 @@ def scan_clearable(
             if in_newest_turn or _is_protected_content(b.get("content")):
                 r.protected = True
                 continue
-            gain = max(0, _block_tokens(b) - _PLACEHOLDER_TOKENS)
+            known = gains.get(id(b))
+            if known is not None and known[0] is b:
+                gain = known[1]
+            else:
+                gain = max(0, _block_tokens(b) - _PLACEHOLDER_TOKENS)
+                gains[id(b)] = (b, gain)  # holding the block keeps its id unique
             r.reclaim += gain
             if i < anchor_index:
                 r.tokens_before_anchor += gain
@@ -207,6 +218,8 @@ class ClearState:
     there (a retried call) frees them again against that usage, which counted them."""
     watch: AppendWatch = field(default_factory=AppendWatch)
     last: LastPass | None = None
+    gains: dict[int, tuple[Mapping[str, Any], int]] = field(default_factory=dict)
+    """What clearing each block would free, by block identity (see ``scan_clearable``)."""
     """The previous pass's re-application, while it can be extended."""
     bad_records: int = 0
     """Damaged records found on restore (not yet logged)."""

@@ -115,13 +115,14 @@ class _Pass:
     response: tuple[int, int] | None
     names: Mapping[str, str]
     tools: frozenset[str]
+    gains: dict[int, tuple[Mapping[str, Any], int]]
     _scan: ClearableScan | None = None
 
     def scan(self) -> ClearableScan:
         """The compactable results of the whole history (read only when a pass needs it)."""
         if self._scan is None:
             self._scan = scan_clearable(
-                self.messages, self.start, self.turn_start, self.names, self.tools
+                self.messages, self.start, self.turn_start, self.names, self.tools, self.gains
             )
         return self._scan
 
@@ -223,7 +224,8 @@ class Microcompact:
         start = state.watch.start
         response = last_response(messages, start)
         turn_start = response[0] if response is not None else start - 1
-        p = _Pass(messages, start, turn_start, response, state.watch.tool_names, self._tools)
+        names = state.watch.tool_names
+        p = _Pass(messages, start, turn_start, response, names, self._tools, state.gains)
 
         # earlier decisions, byte for byte (never in the newest turn, never an excluded tool)
         held = self._reapply(p, state, last, grown)

@@ -17,13 +17,15 @@ Deterministic tests then count what a pass reads (no timing) and pin the fallbac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from anthropic.types import MessageParam
-from hypothesis import event
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage, to_api
 from pipeline.incremental import AppendWatch
@@ -31,7 +33,7 @@ from pipeline.testing import MemoryStore, QuietLogger, RecordReads, assert_same_
 from pipeline.tracing import ATTR, Decision
 from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
-from tests.edit_support import Gen, edit_history, run_sessions
+from tests.edit_support import Gen, edit_history, records, run_sessions
 
 SID = "incremental-stages"
 EXAMPLES = 600
@@ -300,3 +302,36 @@ async def test_an_equal_copy_that_serialises_otherwise_is_sent_as_given() -> Non
     assert json.dumps(copy[i].content) != json.dumps(history[i].content)  # ... other bytes
     out = await pipe.run(copy, ctx)
     assert json.dumps(to_api(out)[-1]) == json.dumps(to_api(copy)[-1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(records(), st.lists(st.integers(0, 4), min_size=1, max_size=10), st.data())
+def test_an_append_watch_follows_edits_as_a_fresh_one_would(
+    history: list[Message], steps: list[int], data: st.DataObject
+) -> None:
+    """Whatever the edits, the watch's views equal a fresh watch's on the same input, and it
+    judges the next record (new, or sharing a key with an old one) as a fresh watch does."""
+    watch = AppendWatch()
+    view: list[Message] = []
+    gone: list[Message] = []  # records edited away: their keys are free again
+    for step in steps:
+        view = view + history[len(view) : data.draw(st.integers(len(view), len(history)))]
+        if step == 0 and view:
+            i = data.draw(st.integers(0, len(view) - 1))
+            gone.append(view[i])
+            view[i] = user_text("edited")
+        elif step == 1 and view:
+            gone.append(view.pop(data.draw(st.integers(0, len(view) - 1))))
+        elif step == 2 and len(view) > 1:
+            view[0], view[-1] = view[-1], view[0]
+        watch.advance(view)
+        fresh = AppendWatch()
+        fresh.advance(view)
+        assert (watch.start, watch.tool_names) == (fresh.start, fresh.tool_names)
+        if view:
+            echo = dataclasses.replace(view[data.draw(st.integers(0, len(view) - 1))])
+            again = [dataclasses.replace(m) for m in gone[-1:]]  # keys no longer in the input
+            for nxt in ([user_text("brand new")], [echo], again):  # echo: an old uuid and ids
+                assert watch.advance([*view, *nxt]) == fresh.advance([*view, *nxt])
+                watch.advance(view)
+                fresh.advance(view)
