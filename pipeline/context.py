@@ -67,6 +67,9 @@ class PassReport:
     """Beta features those extras need (sent as the ``anthropic-beta`` header)."""
     suppress_autocompact: bool = False
     """Set by a stage that manages the window itself this pass (context collapse)."""
+    recording: bool = True
+    """Whether this pass's spans are recorded (the pipeline's span is); when not, stages skip
+    making spans nobody will see."""
     decisions: dict[str, StageDecision] = field(default_factory=dict)
     """Each stage's decision in this pass, by stage name."""
     anchor: Usage | None = None
@@ -156,6 +159,8 @@ class SessionContext:
         :class:`pipeline.tracing.ATTR`); never content."""
         made = StageDecision(decision, reason, tokens_before, tokens_after, dict(facts or {}))
         self.report.decisions[stage] = made
+        if not self.report.recording:
+            return made
         emit_decision(
             self.tracer,
             stage,

@@ -9,7 +9,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from pipeline.context import SessionContext
 from pipeline.messages import Message
-from pipeline.tracing import ATTR, SPAN_PIPELINE_RUN, stage_span_name
+from pipeline.tracing import ATTR, SPAN_PIPELINE_RUN, span_if, stage_span_name
 
 __all__ = ["FunctionStage", "Pipeline", "PipelineHalt", "Stage", "StageError", "stage"]
 
@@ -144,14 +144,14 @@ class Pipeline:
             # quote message content) into the span's status and an event: set the status here.
             with ctx.tracer.start_as_current_span(
                 SPAN_PIPELINE_RUN,
-                attributes={
-                    ATTR.CONVERSATION_ID: ctx.session_id,
-                    ATTR.MESSAGES_IN: len(current),
-                    ATTR.TOKENS_BEFORE: ctx.token_tracker.estimate(current),
-                },
+                attributes={ATTR.CONVERSATION_ID: ctx.session_id, ATTR.MESSAGES_IN: len(current)},
                 record_exception=False,
                 set_status_on_exception=False,
             ) as run_span:
+                ctx.report.recording = recording = run_span.is_recording()
+                if recording:
+                    estimate = ctx.token_tracker.estimate(current)
+                    run_span.set_attribute(ATTR.TOKENS_BEFORE, estimate)
                 try:
                     for st in self._stages:
                         current = await self._run_stage(st, current, ctx)
@@ -166,7 +166,9 @@ class Pipeline:
     @staticmethod
     async def _run_stage(st: Stage, messages: list[Message], ctx: SessionContext) -> list[Message]:
         breaks = bool(getattr(st, "may_break_cache", False))
-        with ctx.tracer.start_as_current_span(
+        with span_if(
+            ctx.report.recording,
+            ctx.tracer,
             stage_span_name(st.name),
             attributes={
                 ATTR.CONVERSATION_ID: ctx.session_id,

@@ -10,8 +10,10 @@ content.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, MutableMapping
+from contextlib import AbstractContextManager
 from enum import StrEnum
 from typing import Any
 
@@ -36,6 +38,7 @@ __all__ = [
     "emit_decision",
     "get_logger",
     "get_tracer",
+    "span_if",
     "stage_span_name",
     "tool_span_name",
 ]
@@ -232,6 +235,20 @@ class GroupOutcome(StrEnum):
     """Results the model already saw whole exceed the budget alone: accepted as they are."""
     OVER_BUDGET = "over_budget"
     """Still over: a persist failed or what is left cannot be persisted."""
+
+
+_NOT_RECORDED = contextlib.nullcontext(trace.INVALID_SPAN)
+
+
+def span_if(
+    recording: bool, tracer: trace.Tracer, name: str, **kwargs: Any
+) -> AbstractContextManager[trace.Span]:
+    """``tracer.start_as_current_span(name, **kwargs)`` when the pass records; else a context
+    that yields the invalid span (every call on it a no-op) and costs nothing -- a pass makes
+    a dozen spans, and even no-op ones cost microseconds each."""
+    if recording:
+        return tracer.start_as_current_span(name, **kwargs)
+    return _NOT_RECORDED
 
 
 def emit_decision(

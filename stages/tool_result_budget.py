@@ -38,6 +38,7 @@ from pipeline.tracing import (
     Decision,
     GroupOutcome,
     Reason,
+    span_if,
 )
 from stages._budget_scan import BudgetCache, Candidate, collect_groups
 from stages._shared import by_id, check_bool, check_positive, replace_results, write_off_loop
@@ -185,7 +186,9 @@ class ToolResultBudget:
         state = ctx.replacement_state
         policies = ctx.tool_policies
         tracer = ctx.tracer
-        with tracer.start_as_current_span(
+        with span_if(
+            ctx.report.recording,
+            tracer,
             SPAN_BUDGET_GROUP,
             attributes={
                 ATTR.CONVERSATION_ID: ctx.session_id,
@@ -331,7 +334,8 @@ class ToolResultBudget:
             decision, ctx.logger.debug
         )
         # log inside the span so the event carries the decision span's id
-        with ctx.tracer.start_as_current_span(SPAN_BUDGET_DECISION, attributes=attributes):
+        recording = ctx.report.recording
+        with span_if(recording, ctx.tracer, SPAN_BUDGET_DECISION, attributes=attributes):
             log(
                 "tool_result_budget.decision",
                 decision=decision,

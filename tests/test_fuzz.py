@@ -1976,10 +1976,11 @@ def test_found_huge_usage_built_directly_is_refused() -> None:
 
 
 def test_found_deep_nesting_built_directly_is_a_clear_error(tmp_path: Path) -> None:
-    """A tool_use input built past the recursion limit: a ValueError naming the record (it
-    once escaped ``Pipeline.run`` as a RecursionError)."""
+    """A tool_use input built past the recursion limit: a ValueError naming the record, from
+    the first stage that measures it (it once escaped ``Pipeline.run`` as a RecursionError)."""
     use = {"type": "tool_use", "id": "t1", "name": "Bash", "input": deep_list(5_000)}
     msgs = [Message.user("hi"), Message.assistant([use], message_id="m1", uuid="deep")]
     tmp, base = make_sandbox()
-    with tmp, pytest.raises(ValueError, match="'deep': a content block is nested too deeply"):
+    with tmp, pytest.raises(StageError, match="'deep': a content block is nested too deeply") as e:
         run_default_pipeline(msgs, base, writer=False)
+    assert isinstance(e.value.__cause__, ValueError)

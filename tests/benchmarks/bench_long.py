@@ -259,15 +259,17 @@ def rss_child(*cli: str) -> None:
 
 
 async def _copied_texts(path: Path) -> tuple[int, int]:
-    """(tool-result strings sent as equal copies, tool-result strings sent) over a replay."""
+    """(tool outputs sent as equal copies of the loaded strings, tool outputs sent) over a
+    replay (replacements and placeholders the stages made are not the loaded output)."""
     messages = load_transcript(path).messages
-    loaded = {
-        id(b["content"])
+    texts = [
+        b["content"]
         for m in messages
         if m.type == "user" and isinstance(m.content, list)
         for b in m.content
         if isinstance(b, dict) and isinstance(b.get("content"), str)
-    }
+    ]
+    loaded, values = {id(t) for t in texts}, set(texts)
     copies = sent = 0
     with tempfile.TemporaryDirectory() as root:
         async for r in replay_messages(messages, Pipeline(default_stages()), _ctx("m", root)):
@@ -275,7 +277,7 @@ async def _copied_texts(path: Path) -> tuple[int, int]:
                 content = param["content"]
                 for b in content if isinstance(content, list) else ():
                     text = b.get("content") if isinstance(b, dict) else None
-                    if isinstance(text, str) and not text.startswith("<persisted-output>"):
+                    if isinstance(text, str) and text in values:  # loaded output, not a stage's
                         sent += 1
                         copies += id(text) not in loaded
     return copies, sent
