@@ -124,8 +124,8 @@ class PairingIndex:
     ids before it, all of which an unchanged prefix keeps)."""
 
     def __init__(self) -> None:
-        self._problems: list[list[PairingProblem]] = []
-        self._registered: list[list[str]] = []
+        self._problems: list[Sequence[PairingProblem]] = []
+        self._registered: list[Sequence[str]] = []
         self._first_use: dict[str, int] = {}
         self.count = 0
         """How many problems the request has."""
@@ -142,8 +142,9 @@ class PairingIndex:
         del self._registered[start:]
         for i in range(start, len(params)):
             problems, registered = _entry_problems(params, i, self._first_use)
-            self._problems.append(problems)
-            self._registered.append(registered)
+            # most messages have neither: share one empty tuple rather than keep two lists each
+            self._problems.append(problems or ())
+            self._registered.append(registered or ())
             self.count += len(problems)
 
     @property
