@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import re
 import sys
@@ -147,6 +148,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     def go(tracer: trace.Tracer | None, _provider: TracerProvider | None) -> int:
         transcript = load(args.transcript, lenient=args.lenient)
+        # the loaded session lives until the end and never forms cycles to collect: keep the
+        # collector from walking it again and again (an application's choice, not the library's)
+        gc.freeze()
         if args.compare:
             return run_compare(transcript, args, options, tracer)
         return run_replay(transcript, options, tracer)

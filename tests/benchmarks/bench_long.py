@@ -110,6 +110,7 @@ def replay_child(path: Path, config: str) -> None:
     """In a child process: load, replay, print the CPU seconds of the replay as JSON."""
     messages = load_transcript(path).messages
     gc.collect()
+    gc.freeze()  # as the CLI does after loading
     before = [s["collections"] for s in gc.get_stats()]
     cpu, wall = time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
