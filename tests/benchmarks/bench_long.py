@@ -223,6 +223,12 @@ async def _live(target: int) -> None:
             f"{label:>16} {len(times):>6} {statistics.fmean(times):8.2f} "
             f"{statistics.median(times):7.2f} {p99:7.2f} {times[-1]:7.2f}"
         )
+    every = sorted(t * 1e3 for _, t in per_turn)
+    p99_all = every[min(len(every) - 1, math.ceil(0.99 * len(every)) - 1)]
+    print(
+        f"{'all':>16} {len(every):>6} {statistics.fmean(every):8.2f} "
+        f"{statistics.median(every):7.2f} {p99_all:7.2f} {every[-1]:7.2f}"
+    )
     last = sorted(t * 1e3 for n, t in per_turn[-50:])
     plain = []
     for _ in range(10):
