@@ -149,8 +149,14 @@ async def replay_messages(
             fragments.setdefault(m.message_id, []).append(i)
     wire = WireCache()
     anchored = 0  # removed tokens already taken off the usage the pipeline anchors on
+    # One list grown call by call, as a live loop grows its history: a fresh slice per call
+    # would copy the whole history every call.
+    sent: list[Message] = []
     for call in calls:
-        projected = await pipeline.run(history[: call.index], ctx)
+        if call.index < len(sent):
+            del sent[call.index :]
+        sent.extend(history[len(sent) : call.index])
+        projected = await pipeline.run(sent, ctx)
         report = ctx.report
         # tokens_freed counts against that anchored usage: what it lacks beyond ``anchored``
         removed = anchored + report.tokens_freed
@@ -178,5 +184,7 @@ async def replay_messages(
                     m = history[i]
                     if m.usage is not None:
                         history[i] = replace(m, usage=less_usage(m.usage, removed))
+                        if i < len(sent):
+                            sent[i] = history[i]
             anchored = removed
         yield result

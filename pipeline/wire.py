@@ -237,7 +237,13 @@ class WireCache:
         params, k = self._params, self.editable
         if len(params) <= k:
             return [_fresh(p) for p in params]
-        return [*params[:-k], *map(_fresh, params[-k:])] if k else list(params)
+        if not k:
+            return list(params)
+        # one slice, extended in place: unpacking a slice copies it twice (a cost that grows
+        # with the history, paid on every call)
+        out = params[:-k]
+        out.extend(map(_fresh, params[-k:]))
+        return out
 
     def ensure_paired(self) -> None:
         """Raise :class:`~pipeline.pairing.PairingError` naming every offending id if the last

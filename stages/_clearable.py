@@ -183,8 +183,9 @@ class LastPass:
     """Where its newest turn began: from there on, what it sent may change with the next turn."""
     newest_cleared: bool
     """Some cleared id was held back only because it was in that newest turn."""
-    out: tuple[Message, ...]
-    """What it sent, when that differs from its input (a copy: callers may mutate lists)."""
+    out: list[Message]
+    """What it sent, when that differs from its input (a private copy: callers may mutate the
+    list they were given; this one is never mutated)."""
     first_patch: int
     """First position where ``out`` differs from the pass's input (its length if none)."""
     held: int

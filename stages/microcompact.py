@@ -255,7 +255,7 @@ class Microcompact:
             cleared=len(state.cleared),
             turn_start=max(turn_start, start),
             newest_cleared=held.newest_cleared,
-            out=tuple(out) if first_patch < len(out) else (),
+            out=out[:] if first_patch < len(out) else [],
             first_patch=first_patch,
             held=held.held + cleared,
             tools=self._tools,
@@ -401,7 +401,9 @@ class Microcompact:
                     return Reapplied(messages, n, held, newest_cleared)
                 first = _first_difference(redone, region, k)
                 return Reapplied(messages[:k] + redone, first, held, newest_cleared)
-            return Reapplied([*last.out[:k], *redone], last.first_patch, held, newest_cleared)
+            out = last.out[:k]  # one slice extended in place (unpacking copies twice)
+            out.extend(redone)
+            return Reapplied(out, last.first_patch, held, newest_cleared)
         found = p.scan()
         texts = {
             tid: text
