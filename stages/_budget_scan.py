@@ -258,6 +258,11 @@ class BudgetCache:
         the id is a candidate somewhere, else the placeholder of its last empty result."""
         self.patches: dict[int, Message] = {}
         """position -> the message sent there in place of the input's (only changed ones)."""
+        self._sent: list[Message] = []
+        """The input with the patches applied, as of the positions kept in sync so far: the
+        output is a copy of it, so a pass costs one C-level copy, not a sweep of every patch."""
+        self._dirty: set[int] = set()
+        """Positions whose patch changed since ``_sent`` was last brought up to date."""
         self.busy = False
         self._replaced = dict(state.replacements)
         """The ledger's replacements as the last pass left them (values: the same objects)."""
@@ -305,6 +310,7 @@ class BudgetCache:
                 scan.pop(index, replacements, touched)
             for p in [p for p in self.patches if p >= start]:
                 del self.patches[p]
+            del self._sent[start:]
         first_group = len(scan.closed)
         for index in range(start, len(messages)):
             scan.push(index, messages[index], replacements, touched)
@@ -349,15 +355,20 @@ class BudgetCache:
     def _patch(self, index: int, m: Message) -> None:
         patched = patch_message(m, by_id(self.apply))
         if patched is m:
-            self.patches.pop(index, None)
+            if self.patches.pop(index, None) is not None:
+                self._dirty.add(index)
         else:
             self.patches[index] = patched
+            self._dirty.add(index)
 
     def output(self, messages: list[Message]) -> list[Message]:
-        """The projected list: the input itself when nothing changed."""
-        if not self.patches:
-            return messages
-        out = list(messages)
-        for index, m in self.patches.items():
-            out[index] = m
-        return out
+        """The projected list: the input itself when nothing changed, else a fresh list."""
+        sent = self._sent
+        del sent[len(messages) :]
+        sent.extend(messages[len(sent) :])
+        patches = self.patches
+        for index in self._dirty:
+            if index < len(sent):
+                sent[index] = patches.get(index, messages[index])
+        self._dirty.clear()
+        return sent[:] if patches else messages
