@@ -340,10 +340,11 @@ class Microcompact:
         state.cleared.update(new)
         if anchor_id is not None:
             state.since.setdefault(anchor_id, []).extend(new)
-        out = replace_results(current, _clears(new))
+        at = sorted({i for r in eligible for i, _ in r.positions})
+        out = replace_results(current, _clears(new), at)
         freed = sum(r.tokens_before_anchor for r in eligible)
         ctx.report.tokens_freed += freed
-        first = min(pos for r in eligible for pos, _ in r.positions)
+        first = at[0]
         facts[ATTR.KEPT] = sum(1 for tid in p.scan().results if tid not in state.cleared)
         facts[ATTR.CLEARED] = len(eligible)
         facts[ATTR.TOKENS_FREED] = freed
@@ -410,6 +411,7 @@ class Microcompact:
             for tid, text in state.cleared.items()
             if tid in found.results and tid not in found.newest_turn_ids
         }
-        out = replace_results(messages, _clears(texts))
+        # only what the API sees (from the thread start), as a clear pass patches
+        out = replace_results(messages, _clears(texts), range(p.start, n))
         first = n if out is messages else _first_difference(out, messages)
         return Reapplied(out, first, len(texts), newest_cleared)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pipeline.messages import Block, Message
@@ -67,14 +67,18 @@ def patch_message(m: Message, content_for: ContentFor) -> Message:
     return m if blocks is None else m.with_content(blocks)
 
 
-def replace_results(messages: list[Message], content_for: ContentFor) -> list[Message]:
+def replace_results(
+    messages: list[Message], content_for: ContentFor, at: Iterable[int] | None = None
+) -> list[Message]:
     """A new list where the tool_results ``content_for`` names carry their new content.
 
     Messages that need no change are the same objects; if nothing changes, the input list
-    itself (a stage returns its input when it changed nothing).
+    itself (a stage returns its input when it changed nothing). ``at``: the only positions
+    that can change, when the caller knows them (the rest are not looked at).
     """
     out: list[Message] | None = None
-    for i, m in enumerate(messages):
+    for i in range(len(messages)) if at is None else at:
+        m = messages[i]
         patched = patch_message(m, content_for)
         if patched is not m:
             if out is None:
