@@ -101,6 +101,19 @@ def _bump(counts: dict[str, int], key: str, by: int) -> None:
         del counts[key]
 
 
+def _names_in(messages: Sequence[Message]) -> dict[str, str]:
+    """tool_use_id -> tool name over ``messages`` (the latest use of an id names it)."""
+    names: dict[str, str] = {}
+    for m in messages:
+        if m.type == "assistant" and isinstance(m.content, list):
+            for b in m.content:
+                if isinstance(b, dict) and b.get("type") == "tool_use":
+                    tid, name = b.get("id"), b.get("name")
+                    if isinstance(tid, str) and isinstance(name, str):
+                        names[tid] = name
+    return names
+
+
 class AppendWatch:
     """Whether each pass's input is the last one plus records that reach nothing older.
 
@@ -153,7 +166,7 @@ class AppendWatch:
             ):
                 self._count(removed, -1)
                 self._count(added, 1)
-                self._forget_names(removed, messages)
+                self._forget_names(removed, added, messages)
                 self._learn_names(added)
             else:
                 self._rebuild(messages)
@@ -193,23 +206,27 @@ class AppendWatch:
         self.tool_names = {}
         self._learn_names(messages)
 
-    def _forget_names(self, removed: Sequence[Message], messages: Sequence[Message]) -> None:
-        """Drop the names the removed records gave; an id still used elsewhere takes its name
-        from the records again (rare: ids are unique per call)."""
+    def _forget_names(
+        self, removed: Sequence[Message], added: Sequence[Message], messages: Sequence[Message]
+    ) -> None:
+        """Drop the names the removed records gave. An id that a tool_use among the records
+        added back names gets its name from them (the latest use names it, and they come last);
+        one still carried elsewhere takes its name from the records again (rare: ids are unique
+        per call)."""
+        named_again: dict[str, str] | None = None
         for m in removed:
-            if m.type == "assistant":
-                for tid in message_keys(m)[2]:
-                    if tid in self._tids:
-                        self.tool_names = {}
-                        self._learn_names(messages)
-                        return
-                    self.tool_names.pop(tid, None)
+            if m.type != "assistant":
+                continue
+            for tid in message_keys(m)[2]:
+                if named_again is None:
+                    named_again = _names_in(added)
+                if tid in named_again:
+                    continue
+                if tid in self._tids:
+                    self.tool_names = {}
+                    self._learn_names(messages)
+                    return
+                self.tool_names.pop(tid, None)
 
     def _learn_names(self, messages: Sequence[Message]) -> None:
-        for m in messages:
-            if m.type == "assistant" and isinstance(m.content, list):
-                for b in m.content:
-                    if isinstance(b, dict) and b.get("type") == "tool_use":
-                        tid, name = b.get("id"), b.get("name")
-                        if isinstance(tid, str) and isinstance(name, str):
-                            self.tool_names[tid] = name
+        self.tool_names.update(_names_in(messages))

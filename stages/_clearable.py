@@ -1,5 +1,4 @@
-"""What clearing old tool results could free -- the whole-history scan behind ``Microcompact`` --
-and the per-session state that stage keeps.
+"""What clearing old tool results could free -- the whole-history scan behind ``Microcompact``.
 
 A pass reads the whole history only when a trigger fires (or when it cannot extend its last
 output); this module is that read.
@@ -12,19 +11,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeline.incremental import AppendWatch
 from pipeline.messages import Message
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, content_is_empty
 from pipeline.tokens import find_anchor, rough_tokens_for_messages
 from stages._shared import CLEARED_PLACEHOLDER, result_ids, tool_results
 
 __all__ = [
-    "ClearState",
     "ClearableResult",
     "ClearableScan",
-    "LastPass",
-    "Reapplied",
+    "Gains",
+    "block_gain",
     "is_preview",
+    "is_protected_content",
     "newest_turn_ids",
     "response_times",
     "scan_clearable",
@@ -36,7 +34,7 @@ def is_preview(content: Any) -> bool:
     return isinstance(content, str) and content.startswith(PERSISTED_OUTPUT_TAG)
 
 
-def _is_protected_content(content: Any) -> bool:
+def is_protected_content(content: Any) -> bool:
     """Content microcompact never touches: empty, already cleared, or a persisted-output preview
     (replacing a preview would lose the path to the full output)."""
     if content_is_empty(content):
@@ -62,12 +60,29 @@ _PLACEHOLDER_TOKENS = _block_tokens(
     {"type": "tool_result", "tool_use_id": "", "content": CLEARED_PLACEHOLDER}
 )
 
+Gains = dict[int, tuple[Mapping[str, Any], int]]
+"""What clearing a block would free, by block identity (blocks are never mutated); each entry
+holds its block, which keeps the id unique."""
+
+
+def block_gain(block: Mapping[str, Any], gains: Gains) -> int:
+    """The tokens clearing ``block`` would free (priced once per block)."""
+    known = gains.get(id(block))
+    if known is not None and known[0] is block:
+        return known[1]
+    gain = max(0, _block_tokens(block) - _PLACEHOLDER_TOKENS)
+    gains[id(block)] = (block, gain)
+    return gain
+
 
 @dataclass(slots=True)
 class ClearableResult:
     """Every occurrence of one compactable tool_use_id's result (ids should be unique)."""
 
     tool_use_id: str
+    first_position: int = 0
+    """The position (among tool_results with an id, from the thread start) of its first
+    occurrence."""
     positions: list[tuple[int, int]] = field(default_factory=list)
     """(message index, block index) of each occurrence, in order."""
     last_position: int = -1
@@ -88,12 +103,27 @@ class ClearableScan:
     newest_turn_ids: set[str]
     """Every tool_use_id answered in the newest turn (compactable or not)."""
 
+    def __contains__(self, tid: object) -> bool:
+        return tid in self.results
+
+    def get(self, tid: str) -> ClearableResult | None:
+        """Every occurrence of ``tid``."""
+        return self.results.get(tid)
+
     def newest_ids(self, keep: int) -> set[str]:
         """The ``keep`` most recent compactable results, by their latest occurrence."""
         if keep == 0:
             return set()
         ordered = sorted(self.results.values(), key=lambda r: r.last_position)
         return {r.tool_use_id for r in ordered[-keep:]}
+
+    def candidates(self, cleared: Mapping[str, str]) -> list[ClearableResult]:
+        """Every result not cleared, in order of first occurrence."""
+        return [r for tid, r in self.results.items() if tid not in cleared]
+
+    def kept(self, cleared: Mapping[str, str]) -> int:
+        """How many results are not cleared."""
+        return sum(1 for tid in self.results if tid not in cleared)
 
 
 def newest_turn_ids(messages: Sequence[Message], turn_start: int) -> set[str]:
@@ -128,20 +158,21 @@ def scan_clearable(
     turn_start: int,
     names: Mapping[str, str],
     tools: frozenset[str],
-    gains: dict[int, tuple[Mapping[str, Any], int]] | None = None,
+    gains: Gains | None = None,
+    position: int = 0,
 ) -> ClearableScan:
     """Every compactable result from ``start`` on: what clearing it would free, whether it may
     be cleared. ``turn_start``: first fragment of the last response (the newest turn follows).
 
-    ``gains`` keeps what clearing each block would free, by block identity (blocks are never
-    mutated), so a later scan prices only blocks it has not seen."""
+    ``gains`` keeps what clearing each block would free (see :func:`block_gain`), so a later
+    scan prices only blocks it has not seen. ``position``: how many results with an id come
+    before ``start`` (positions count on from there)."""
     if gains is None:
         gains = {}
     anchor = find_anchor(messages)
     anchor_index = anchor[0] if anchor is not None else -1
     results: dict[str, ClearableResult] = {}
     newest: set[str] = set()
-    position = 0
     for i in range(start, len(messages)):
         for j, b in tool_results(messages[i]):
             tid = b.get("tool_use_id")
@@ -155,94 +186,16 @@ def scan_clearable(
             # result whose tool_use is unknown counts as not compactable
             if names.get(tid) not in tools:
                 continue
-            r = results.setdefault(tid, ClearableResult(tid))
+            r = results.get(tid)
+            if r is None:
+                r = results[tid] = ClearableResult(tid, first_position=position)
             r.positions.append((i, j))
             r.last_position = position
-            if in_newest_turn or _is_protected_content(b.get("content")):
+            if in_newest_turn or is_protected_content(b.get("content")):
                 r.protected = True
                 continue
-            known = gains.get(id(b))
-            if known is not None and known[0] is b:
-                gain = known[1]
-            else:
-                gain = max(0, _block_tokens(b) - _PLACEHOLDER_TOKENS)
-                gains[id(b)] = (b, gain)  # holding the block keeps its id unique
+            gain = block_gain(b, gains)
             r.reclaim += gain
             if i < anchor_index:
                 r.tokens_before_anchor += gain
     return ClearableScan(results, newest)
-
-
-@dataclass(frozen=True, slots=True)
-class LastPass:
-    """What the previous pass sent, kept so the next pass can extend it."""
-
-    cleared: int
-    """``len(cleared)`` it was made with (clears are only ever added)."""
-    turn_start: int
-    """Where its newest turn began: from there on, what it sent may change with the next turn."""
-    newest_cleared: bool
-    """Some cleared id was held back only because it was in that newest turn."""
-    out: list[Message]
-    """What it sent, when that differs from its input (a private copy: callers may mutate the
-    list they were given; this one is never mutated)."""
-    first_patch: int
-    """First position where ``out`` differs from the pass's input (its length if none)."""
-    held: int
-    """Cleared ids present in the history and sent cleared (from the next pass on)."""
-    tools: frozenset[str]
-    """The compactable tools it applied clears to (a stage swapped in may differ)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Reapplied:
-    """Earlier clears applied to a history: the output, where it first differs from the
-    input, how many clears it holds, and whether one waited in the newest turn."""
-
-    out: list[Message]
-    first_patch: int
-    held: int
-    newest_cleared: bool
-
-
-@dataclass(slots=True)
-class ClearState:
-    """One session's clears: tool_use_id → the exact text sent instead, re-applied verbatim.
-
-    The text is stored (not rebuilt) so a later change of placeholder can never shift the
-    cached prefix of a resumed session.
-    """
-
-    cleared: dict[str, str] = field(default_factory=dict)
-    since: dict[str, list[str]] = field(default_factory=dict)
-    """Usage-anchor uuid -> ids cleared while it was the anchor: a pass that still anchors
-    there (a retried call) frees them again against that usage, which counted them."""
-    watch: AppendWatch = field(default_factory=AppendWatch)
-    last: LastPass | None = None
-    gains: dict[int, tuple[Mapping[str, Any], int]] = field(default_factory=dict)
-    """What clearing each block would free, by block identity (see ``scan_clearable``)."""
-    """The previous pass's re-application, while it can be extended."""
-    bad_records: int = 0
-    """Damaged records found on restore (not yet logged)."""
-
-    @classmethod
-    def restore(cls, records: list[Mapping[str, Any]], strategy: str) -> ClearState:
-        """A resumed session's clears; a damaged record is counted, and its results are
-        simply sent whole (it must not fail the turn)."""
-        state = cls()
-        for data in records:
-            if data.get("strategy", strategy) != strategy:
-                continue  # another strategy used this slot earlier; its records are not ours
-            ids, text = data.get("cleared"), data.get("placeholder", CLEARED_PLACEHOLDER)
-            if not isinstance(ids, list) or not isinstance(text, str):
-                state.bad_records += 1
-                continue
-            anchor = data.get("anchor")
-            for tid in ids:
-                if isinstance(tid, str):
-                    state.cleared.setdefault(tid, text)
-                    if isinstance(anchor, str):
-                        state.since.setdefault(anchor, []).append(tid)
-                else:
-                    state.bad_records += 1
-        return state

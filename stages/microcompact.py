@@ -41,12 +41,11 @@ from pipeline import Message, SessionContext
 from pipeline.incremental import first_difference
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
+from stages._clear_index import ClearView
+from stages._clear_state import ClearState, LastPass, Reapplied
 from stages._clearable import (
     ClearableResult,
     ClearableScan,
-    ClearState,
-    LastPass,
-    Reapplied,
     is_preview,
     newest_turn_ids,
     response_times,
@@ -107,7 +106,7 @@ def _first_difference(a: Sequence[Message], b: Sequence[Message], offset: int = 
 
 @dataclass(slots=True)
 class _Pass:
-    """One pass over one history: where things are, and the whole-history scan if it ran."""
+    """One pass over one history: where things are, and the compactable results if read."""
 
     messages: list[Message]
     start: int
@@ -115,16 +114,31 @@ class _Pass:
     response: tuple[int, int] | None
     names: Mapping[str, str]
     tools: frozenset[str]
-    gains: dict[int, tuple[Mapping[str, Any], int]]
-    _scan: ClearableScan | None = None
+    state: ClearState
+    incremental: bool
+    _scan: ClearableScan | ClearView | None = None
 
-    def scan(self) -> ClearableScan:
+    def scan(self) -> ClearableScan | ClearView:
         """The compactable results of the whole history (read only when a pass needs it)."""
         if self._scan is None:
-            self._scan = scan_clearable(
-                self.messages, self.start, self.turn_start, self.names, self.tools, self.gains
-            )
+            self._scan = self._read()
         return self._scan
+
+    def _read(self) -> ClearableScan | ClearView:
+        state = self.state
+        if not self.incremental:
+            return scan_clearable(
+                self.messages, self.start, self.turn_start, self.names, self.tools, state.gains
+            )
+        return state.index.view(
+            self.messages,
+            self.start,
+            self.turn_start,
+            self.names,
+            self.tools,
+            state.cleared,
+            state.gains,
+        )
 
 
 class Microcompact:
@@ -221,11 +235,15 @@ class Microcompact:
         state = self._state(ctx)
         state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
         grown = state.watch.advance(messages, reuse=self.incremental)
+        if grown is None:
+            state.index.valid = False  # anything but growth: fold the history in afresh
         start = state.watch.start
         response = last_response(messages, start)
         turn_start = response[0] if response is not None else start - 1
         names = state.watch.tool_names
-        p = _Pass(messages, start, turn_start, response, names, self._tools, state.gains)
+        p = _Pass(
+            messages, start, turn_start, response, names, self._tools, state, self.incremental
+        )
 
         # earlier decisions, byte for byte (never in the newest turn, never an excluded tool)
         held = self._reapply(p, state, last, grown)
@@ -280,9 +298,9 @@ class Microcompact:
         them, so they are freed against it again."""
         again = state.since.get(anchor_id, ()) if anchor_id is not None else ()
         if again:
-            known = p.scan().results
+            known = p.scan()
             ctx.report.tokens_freed += sum(
-                known[t].tokens_before_anchor for t in again if t in known
+                r.tokens_before_anchor for t in again if (r := known.get(t)) is not None
             )
 
     def _idle_gap(self, p: _Pass) -> float | None:
@@ -305,14 +323,11 @@ class Microcompact:
         newest = found.newest_ids(self.keep)
         eligible = [
             r
-            for r in found.results.values()
-            if r.tool_use_id not in state.cleared
-            and r.tool_use_id not in newest
-            and not r.protected
-            and r.reclaim > 0
+            for r in found.candidates(state.cleared)
+            if r.tool_use_id not in newest and not r.protected and r.reclaim > 0
         ]
         reclaimable = sum(r.reclaim for r in eligible)
-        facts[ATTR.KEPT] = sum(1 for tid in found.results if tid not in state.cleared)
+        facts[ATTR.KEPT] = found.kept(state.cleared)
         facts[ATTR.ELIGIBLE] = len(eligible)
         facts[ATTR.RECLAIMABLE_TOKENS] = reclaimable
         facts.update({ATTR.CLEARED: 0, ATTR.TOKENS_FREED: 0, ATTR.CACHE_REWRITE_TOKENS: 0})
@@ -338,6 +353,7 @@ class Microcompact:
         """Clear everything eligible at once (batching), remember it, write it down."""
         new = {r.tool_use_id: CLEARED_PLACEHOLDER for r in eligible}
         state.cleared.update(new)
+        state.index.note_cleared(new)
         if anchor_id is not None:
             state.since.setdefault(anchor_id, []).extend(new)
         at = sorted({i for r in eligible for i, _ in r.positions})
@@ -345,7 +361,7 @@ class Microcompact:
         freed = sum(r.tokens_before_anchor for r in eligible)
         ctx.report.tokens_freed += freed
         first = at[0]
-        facts[ATTR.KEPT] = sum(1 for tid in p.scan().results if tid not in state.cleared)
+        facts[ATTR.KEPT] = p.scan().kept(state.cleared)
         facts[ATTR.CLEARED] = len(eligible)
         facts[ATTR.TOKENS_FREED] = freed
         facts[ATTR.CACHE_REWRITE_TOKENS] = rough_tokens_for_messages(out[first:])
@@ -409,7 +425,7 @@ class Microcompact:
         texts = {
             tid: text
             for tid, text in state.cleared.items()
-            if tid in found.results and tid not in found.newest_turn_ids
+            if tid in found and tid not in found.newest_turn_ids
         }
         # only what the API sees (from the thread start), as a clear pass patches
         out = replace_results(messages, _clears(texts), range(p.start, n))
