@@ -1,4 +1,4 @@
-"""The budget stage's per-session cache can never go stale (issue 7, performance half).
+"""The budget stage's per-session cache can never go stale.
 
 ``ToolResultBudget`` keeps, per session, what earlier passes computed and on each pass redoes
 only the part of the history from the first changed position (see the docstring of

@@ -1,4 +1,4 @@
-"""The later stages' per-session reuse can never go stale (issue 7, performance half).
+"""The later stages' per-session reuse can never go stale.
 
 ``HistorySnip``, ``Microcompact`` and ``ContextCollapse`` keep their last output and, when the
 history only grew by records that reach nothing older (``pipeline/incremental.py``), redo only
@@ -6,8 +6,9 @@ the new part. The property runs random multi-turn sessions -- with the same edit
 messages as the budget's property (replace, insert, delete, truncate, swap, feed the output
 back, a new list) and thresholds low enough that every stage acts -- through
 ``tool_result_budget → history_snip → microcompact → context_collapse`` and checks every pass
-against a from-scratch pass: fresh stage objects and a fresh context restored from the stage
-records and the ledger as they stood before the pass (the resume path). Compared: the output
+against a from-scratch pass: fresh stage objects with ``incremental=False`` (every pass from
+the whole history) and a fresh context restored from the stage records and the ledger as they
+stood before the pass (the resume path). Compared: the output
 (as messages and ``json.dumps(to_api(...))``), which input objects pass through by reference,
 every stage's decision with its facts, ``tokens_freed``, the stage records the pass wrote
 and the ledger.
@@ -46,12 +47,20 @@ class TinySummarizer:
         return f"s{len(messages)}"
 
 
-def _stages() -> list[Any]:
+def _stages(incremental: bool = True) -> list[Any]:
     return [
-        ToolResultBudget(900),
-        HistorySnip(context_window=2_500, keep_recent_rounds=2),
-        Microcompact(keep=2, idle_minutes=0, trigger_tokens=700, min_reclaim_tokens=60),
-        ContextCollapse(TinySummarizer(), context_window=3_000, keep_recent_rounds=2),
+        ToolResultBudget(900, incremental=incremental),
+        HistorySnip(context_window=2_500, keep_recent_rounds=2, incremental=incremental),
+        Microcompact(
+            keep=2,
+            idle_minutes=0,
+            trigger_tokens=700,
+            min_reclaim_tokens=60,
+            incremental=incremental,
+        ),
+        ContextCollapse(
+            TinySummarizer(), context_window=3_000, keep_recent_rounds=2, incremental=incremental
+        ),
     ]
 
 
@@ -106,7 +115,7 @@ class Twin:
         out = await self.pipeline.run(history, self.ctx)
 
         ref_ctx = _ctx(self.store, replacement_state=ledger, stage_records=records)
-        fresh = _stages()
+        fresh = _stages(incremental=False)  # every pass from the whole history
         if breaker is not None:  # the circuit breaker is never recorded: carried over by hand
             restored = type(collapse).restore(ref_ctx.records_for("context_collapse"))
             restored.failures, restored.span_cap = breaker
@@ -207,6 +216,42 @@ async def test_a_steady_pass_reads_only_the_new_records(name: str) -> None:
     assert len(ctx.stage_records) == 1
     fresh = _ctx(MemoryStore(frozenset()), stage_records=ctx.stage_records)
     assert_same_messages(await Pipeline([STEADY[name]()]).run(history, fresh), out)
+
+
+@pytest.mark.asyncio
+async def test_a_clear_pass_on_a_grown_history_reads_only_the_recent_records() -> None:
+    """Microcompact keeps the results of the settled history (before the newest turn and the
+    usage anchor) across passes: a pass that clears reads the records since the last pass and
+    the ones it clears, not the whole history."""
+    reads = RecordReads()
+    ctx = _ctx(MemoryStore(frozenset()))
+    stage = Microcompact(keep=2, idle_minutes=0, trigger_tokens=500, min_reclaim_tokens=60)
+    pipe = Pipeline([stage])
+    history: list[Message] = [user_text("start")]
+    for t in range(60):
+        history += _turn(t, usage=1_000 + 800 * t)
+    history = reads.watch(history)
+    await pipe.run(history, ctx)
+    assert ctx.report.decisions["microcompact"].decision == Decision.CLEAR
+    assert reads.records == len(history)  # the first pass read everything
+    clears = 0
+    for t in range(60, 70):
+        reads.reset()
+        history += reads.watch(_turn(t, usage=ctx.report.estimated_tokens + 20))
+        await pipe.run(history, ctx)
+        made = ctx.report.decisions["microcompact"]
+        assert made.decision == Decision.CLEAR, t  # each turn's result two turns back
+        clears += 1
+        # the new turn, the one it clears (two turns back) and what lies between
+        assert reads.records <= 6, (t, reads.records, len(history))
+    assert clears == 10
+    fresh = _ctx(MemoryStore(frozenset()), stage_records=ctx.stage_records)
+    ref = Microcompact(
+        keep=2, idle_minutes=0, trigger_tokens=500, min_reclaim_tokens=60, incremental=False
+    )
+    assert_same_messages(
+        await Pipeline([ref]).run(history, fresh), await Pipeline([stage]).run(history, ctx)
+    )
 
 
 @pytest.mark.asyncio
