@@ -56,8 +56,8 @@ def test_incremental_request_equals_to_api(
             assert all(param is not p for p in cache.to_api(view))
 
 
-def test_a_grown_history_feeds_only_the_new_records() -> None:
-    """The point of the cache: a grown history costs its new records, not the whole list."""
+def _fed_tool_loop() -> tuple[RecordReads, WireCache, list[Message]]:
+    """A watched 50-round tool loop (101 records) and a cache that has built its request."""
     reads = RecordReads()
     cache = WireCache()
     history: list[Message] = [user_text("start")]
@@ -68,6 +68,12 @@ def test_a_grown_history_feeds_only_the_new_records() -> None:
         ]
     history = reads.watch(history)
     cache.to_api(history)
+    return reads, cache, history
+
+
+def test_a_grown_history_feeds_only_the_new_records() -> None:
+    """The point of the cache: a grown history costs its new records, not the whole list."""
+    reads, cache, history = _fed_tool_loop()
     assert reads.records == len(history)  # the first call reads everything
     history.append(user_text("and more"))  # merges into the last user message
     reads.reset()
@@ -151,16 +157,7 @@ def test_a_record_to_api_rejects_raises_every_time_and_the_cache_recovers() -> N
 def test_an_edit_redoes_only_what_follows_it() -> None:
     """A stage that clears a few old results rewrites records near the end: the cache rolls
     back to the first one and reads none before it."""
-    reads = RecordReads()
-    cache = WireCache()
-    history: list[Message] = [user_text("start")]
-    for k in range(50):
-        history += [
-            Message.assistant([tool_use(f"u{k}")], message_id=f"r{k}"),
-            results(tool_result(f"u{k}", "x" * k)),
-        ]
-    history = reads.watch(history)
-    cache.to_api(history)
+    reads, cache, history = _fed_tool_loop()
     edited = list(history)
     edited[90] = results(tool_result("u44", "[cleared]"))  # the 45th result
     reads.reset()
