@@ -1,5 +1,5 @@
-"""The per-session state of ``Microcompact``: what it cleared, and what it keeps to extend
-its last pass instead of redoing it."""
+"""The per-session state of ``Microcompact`` (what it cleared, and what it keeps to extend
+its last pass instead of redoing it) and one pass's view of the history."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 
 from pipeline.incremental import AppendWatch
 from pipeline.messages import Message
-from stages._clear_index import ClearIndex
-from stages._clearable import Gains
+from stages._clear_index import ClearIndex, ClearView
+from stages._clearable import ClearableScan, Gains, scan_clearable
 from stages._shared import CLEARED_PLACEHOLDER
 
-__all__ = ["ClearState", "LastPass", "Reapplied"]
+__all__ = ["ClearPass", "ClearState", "LastPass", "Reapplied"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +91,40 @@ class ClearState:
                 else:
                     state.bad_records += 1
         return state
+
+
+@dataclass(slots=True)
+class ClearPass:
+    """One pass over one history: where things are, and the compactable results if read."""
+
+    messages: list[Message]
+    start: int
+    turn_start: int
+    response: tuple[int, int] | None
+    names: Mapping[str, str]
+    tools: frozenset[str]
+    state: ClearState
+    incremental: bool
+    _scan: ClearableScan | ClearView | None = None
+
+    def scan(self) -> ClearableScan | ClearView:
+        """The compactable results of the whole history (read only when a pass needs it)."""
+        if self._scan is None:
+            self._scan = self._read()
+        return self._scan
+
+    def _read(self) -> ClearableScan | ClearView:
+        state = self.state
+        if not self.incremental:
+            return scan_clearable(
+                self.messages, self.start, self.turn_start, self.names, self.tools, state.gains
+            )
+        return state.index.view(
+            self.messages,
+            self.start,
+            self.turn_start,
+            self.names,
+            self.tools,
+            state.cleared,
+            state.gains,
+        )

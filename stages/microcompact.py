@@ -33,7 +33,6 @@ tell a real cache break (``cleared > 0``) from a byte-identical re-application.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,15 +40,12 @@ from pipeline import Message, SessionContext
 from pipeline.incremental import first_difference
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
-from stages._clear_index import ClearView
-from stages._clear_state import ClearState, LastPass, Reapplied
+from stages._clear_state import ClearPass, ClearState, LastPass, Reapplied
 from stages._clearable import (
     ClearableResult,
-    ClearableScan,
     is_preview,
     newest_turn_ids,
     response_times,
-    scan_clearable,
 )
 from stages._shared import (
     CLEARED_PLACEHOLDER,
@@ -102,43 +98,6 @@ def _first_difference(a: Sequence[Message], b: Sequence[Message], offset: int = 
     """``offset`` + the first index where ``a`` and ``b`` hold different objects, else + len."""
     first = first_difference(a, b)
     return offset + (len(a) if first is None else first)
-
-
-@dataclass(slots=True)
-class _Pass:
-    """One pass over one history: where things are, and the compactable results if read."""
-
-    messages: list[Message]
-    start: int
-    turn_start: int
-    response: tuple[int, int] | None
-    names: Mapping[str, str]
-    tools: frozenset[str]
-    state: ClearState
-    incremental: bool
-    _scan: ClearableScan | ClearView | None = None
-
-    def scan(self) -> ClearableScan | ClearView:
-        """The compactable results of the whole history (read only when a pass needs it)."""
-        if self._scan is None:
-            self._scan = self._read()
-        return self._scan
-
-    def _read(self) -> ClearableScan | ClearView:
-        state = self.state
-        if not self.incremental:
-            return scan_clearable(
-                self.messages, self.start, self.turn_start, self.names, self.tools, state.gains
-            )
-        return state.index.view(
-            self.messages,
-            self.start,
-            self.turn_start,
-            self.names,
-            self.tools,
-            state.cleared,
-            state.gains,
-        )
 
 
 class Microcompact:
@@ -241,7 +200,7 @@ class Microcompact:
         response = last_response(messages, start)
         turn_start = response[0] if response is not None else start - 1
         names = state.watch.tool_names
-        p = _Pass(
+        p = ClearPass(
             messages, start, turn_start, response, names, self._tools, state, self.incremental
         )
 
@@ -292,7 +251,7 @@ class Microcompact:
         return out
 
     def _free_again(
-        self, ctx: SessionContext, p: _Pass, state: ClearState, anchor_id: str | None
+        self, ctx: SessionContext, p: ClearPass, state: ClearState, anchor_id: str | None
     ) -> None:
         """Results cleared since the anchor's response (a retried call): its usage still counts
         them, so they are freed against it again."""
@@ -303,7 +262,7 @@ class Microcompact:
                 r.tokens_before_anchor for t in again if (r := known.get(t)) is not None
             )
 
-    def _idle_gap(self, p: _Pass) -> float | None:
+    def _idle_gap(self, p: ClearPass) -> float | None:
         """Minutes since the last response, or None when that response has no timestamp.
 
         "Now" is the newest timestamp recorded after that response (a replay then sees the gap
@@ -316,7 +275,7 @@ class Microcompact:
         return max(0.0, ((now or self.clock()) - last_time).total_seconds() / 60)
 
     def _choose(
-        self, p: _Pass, state: ClearState, idle_fired: bool, facts: dict[str, AttributeValue]
+        self, p: ClearPass, state: ClearState, idle_fired: bool, facts: dict[str, AttributeValue]
     ) -> tuple[Reason, list[ClearableResult]]:
         """What to clear now (all of it, or nothing), and why. Reads the whole history."""
         found = p.scan()
@@ -342,7 +301,7 @@ class Microcompact:
     async def _clear(
         self,
         ctx: SessionContext,
-        p: _Pass,
+        p: ClearPass,
         state: ClearState,
         current: list[Message],
         eligible: list[ClearableResult],
@@ -383,7 +342,7 @@ class Microcompact:
         return out
 
     def _reapply(
-        self, p: _Pass, state: ClearState, last: LastPass | None, grown: int | None
+        self, p: ClearPass, state: ClearState, last: LastPass | None, grown: int | None
     ) -> Reapplied:
         """Earlier clears applied to the history.
 
