@@ -25,7 +25,7 @@ edits to old messages.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress, count
 
 from pipeline.messages import Message, thread_start
@@ -84,7 +84,10 @@ def message_keys(m: Message) -> tuple[str, str | None, list[str]]:
     tids: list[str] = []
     if isinstance(m.content, list):
         tids = [
-            str(b.get(field)) for b in m.content if isinstance(b, dict) and b.get("type") == kind
+            # any mapping: the stages read tool_results from any mapping block
+            str(b.get(field))
+            for b in m.content
+            if isinstance(b, Mapping) and b.get("type") == kind
         ]
     return m.uuid, rid, tids
 

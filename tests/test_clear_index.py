@@ -4,6 +4,7 @@ every question exactly as a scan of the whole history does, pass after pass."""
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from pipeline import Message, Usage
 from pipeline.incremental import AppendWatch
+from pipeline.messages import SYNTHETIC_MODEL
 from pipeline.replacement import PERSISTED_OUTPUT_TAG
 from stages._clear_index import ClearIndex
 from stages._clearable import Gains, scan_clearable
@@ -56,6 +58,19 @@ def turn(draw: st.DrawFn, n: int, earlier: list[str]) -> list[Message]:
         for t in ids
     ]
     out = [Message.user(f"step {n}")] if draw(st.integers(0, 3)) == 0 else []
+    extra = draw(st.integers(0, 11))
+    if extra == 0:  # the conversation restarts from a summary after this record
+        out += [
+            Message(type="system", subtype="compact_boundary", content=""),
+            Message.user(f"summary {n}"),
+        ]
+    elif extra == 1:  # an assistant record no API response produced (with or without usage)
+        synthetic_usage = Usage(input_tokens=7, output_tokens=1) if draw(st.booleans()) else None
+        out.append(
+            Message.assistant(
+                "interrupted", message_id=f"s{n}", usage=synthetic_usage, model=SYNTHETIC_MODEL
+            )
+        )
     for f, blocks in enumerate(fragments):
         last = f == len(fragments) - 1
         out.append(
@@ -162,3 +177,17 @@ def test_a_settled_result_with_nothing_to_reclaim_becomes_eligible_by_a_later_oc
     view = index.view(history, 0, response[0], names, TOOLS, {}, {})
     assert index.settled == 3 and "t0" in index.results  # t0's first occurrence is settled
     assert _eligible(view, {}) == _eligible(full, {}) == ["t0", "t2"]
+
+
+def test_a_result_in_a_mapping_that_is_not_a_dict_still_counts_as_a_key() -> None:
+    """The stages read tool_results from any mapping block, so the append watch counts their
+    ids too: a later tool_use naming one is not growth, and the index is rebuilt."""
+    history = [
+        Message.user("start"),
+        Message.assistant([tool_use("a", "Read")], message_id="m0", usage=Usage(10, 5)),
+        Message.user([MappingProxyType(tool_result("x", "y" * 3_000))]),
+    ]
+    watch = AppendWatch()
+    watch.advance(history)
+    later = [Message.assistant([tool_use("x", "Read")], message_id="m1", usage=Usage(20, 5))]
+    assert watch.advance(history + later) is None
