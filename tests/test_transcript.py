@@ -181,6 +181,30 @@ def test_loads_a_claude_code_session(tmp_path: Path) -> None:
     ]
 
 
+def test_blocks_from_different_lines_share_their_key_strings(tmp_path: Path) -> None:
+    # one copy of "tool_use_id" per block was a tenth of a long session's memory
+    path = _write(tmp_path / "session.jsonl", _session_records() + _session_records())
+    results = [
+        b
+        for m in load_transcript(path).messages
+        if isinstance(m.content, list)
+        for b in m.content
+        if b.get("type") == "tool_result"
+    ]
+    uses = [
+        b
+        for m in load_transcript(path).messages
+        if isinstance(m.content, list)
+        for b in m.content
+        if b.get("type") == "tool_use"
+    ]
+    assert len(results) == len(uses) == 2
+    for blocks in (results, uses, [u["input"] for u in uses]):
+        first = {k: k for k in blocks[0]}
+        assert all(first[k] is k for b in blocks[1:] for k in b if k in first)
+    assert results[1] == RESULT  # same values, same key order
+
+
 def test_compact_summary_and_meta_flags(tmp_path: Path) -> None:
     path = _write(
         tmp_path / "s.jsonl",
