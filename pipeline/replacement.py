@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from pipeline.messages import Block, Message
 
 __all__ = [
+    "DECIDED_RECORD_STAGE",
     "PERSISTED_OUTPUT_TAG",
     "ReplacementRecord",
     "ReplacementState",
@@ -25,6 +26,31 @@ __all__ = [
 
 PERSISTED_OUTPUT_TAG = "<persisted-output>"
 PERSISTED_OUTPUT_CLOSING_TAG = "</persisted-output>"
+
+#: The ``stage`` of the ``stage-record`` a budget pass writes with the ids it decided to send
+#: whole (``{"seen": [...]}``): a resumed session freezes exactly those, wherever they stand.
+DECIDED_RECORD_STAGE = "tool_result_budget"
+
+
+class _StageRecordLike(Protocol):
+    @property
+    def stage(self) -> str: ...
+
+    @property
+    def data(self) -> Mapping[str, Any]: ...
+
+
+def decided_in(stage_records: Iterable[_StageRecordLike]) -> set[str]:
+    """The ids budget passes recorded as decided and sent whole; malformed entries are
+    ignored (the result then counts as unsent and is decided again, deterministically)."""
+    decided: set[str] = set()
+    for record in stage_records:
+        if record.stage != DECIDED_RECORD_STAGE:
+            continue
+        seen = record.data.get("seen")
+        if isinstance(seen, list):
+            decided.update(t for t in seen if isinstance(t, str))
+    return decided
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +134,25 @@ def iter_tool_results(messages: Iterable[Message]) -> Iterable[tuple[Message, Bl
             for b in m.content:
                 if b.get("type") == "tool_result":
                     yield m, b
+
+
+def _last_response_start(messages: Sequence[Message]) -> int:
+    """Index of the first record of the last real response (-1 if none). A response may be
+    recorded in fragments with its tool results between them; none of those results was sent
+    before the response was complete."""
+    start = -1
+    last_id: str | None = None
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.type != "assistant" or m.is_synthetic:
+            continue
+        if start == -1:
+            start, last_id = i, m.message_id
+        elif last_id is not None and m.message_id == last_id:
+            start = i
+        else:
+            break
+    return start
 
 
 class _Counter:
@@ -305,22 +350,36 @@ class ReplacementState:
         cls,
         messages: Sequence[Message],
         records: Iterable[ReplacementRecord],
+        *,
+        decided: AbstractSet[str] = frozenset(),
     ) -> ReplacementState:
         """Rebuild the state of a resumed session.
 
-        Every candidate present in ``messages`` was sent, so it is seen (frozen unless replaced);
-        replacements are restored only for ids still present as candidates, and the stored
-        strings are used verbatim, never rebuilt.
+        A candidate is seen (frozen unless replaced) when a pass recorded it as decided
+        (``decided``: see :func:`decided_in`) or when it stands before the last real response
+        (it was sent). Any other candidate may never have been sent (the process can die
+        between recording a result and recording the budget's decision on it), so it stays
+        fresh and the next pass decides it again: deterministically, so it matches what was
+        sent if the request did go out, and the files already written are reused. Replacements
+        are restored only for ids still present as candidates, and the stored strings are used
+        verbatim, never rebuilt.
         """
         state = cls()
+        last_response = _last_response_start(messages)
         present: set[str] = set()
-        for _m, block in iter_tool_results(messages):
-            if is_candidate(block):
-                tid = block.get("tool_use_id")
-                if isinstance(tid, str):
-                    present.add(tid)
-        state.seen_ids |= present
+        sent: set[str] = set()
+        for i, m in enumerate(messages):
+            if m.type != "user" or not isinstance(m.content, list):
+                continue
+            for block in m.content:
+                if block.get("type") == "tool_result" and is_candidate(block):
+                    tid = block.get("tool_use_id")
+                    if isinstance(tid, str):
+                        present.add(tid)
+                        if i < last_response or tid in decided:
+                            sent.add(tid)
+        state.seen_ids |= sent
         for record in records:
             if record.kind == "tool-result" and record.tool_use_id in present:
-                state.replacements[record.tool_use_id] = record.replacement
+                state.record_replacement(record.tool_use_id, record.replacement)
         return state

@@ -29,7 +29,7 @@ from pipeline import Message, SessionContext
 from pipeline.context import PersistedResult
 from pipeline.gate import Persisted, persist_content
 from pipeline.policies import MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
-from pipeline.replacement import ReplacementRecord
+from pipeline.replacement import DECIDED_RECORD_STAGE, ReplacementRecord
 from pipeline.tracing import (
     ATTR,
     SPAN_BUDGET_DECISION,
@@ -147,14 +147,23 @@ class ToolResultBudget:
         }
         new_records: list[ReplacementRecord] = []
         replaced_now: dict[str, str] = {}
+        decided: list[str] = []
         for index, group in enumerate(groups, start=first_group):
             if any(c.tool_use_id not in state.seen_ids for c in group):
-                new_records += await self._decide_group(index, group, ctx, replaced_now)
+                new_records += await self._decide_group(index, group, ctx, replaced_now, decided)
 
-        if new_records and ctx.transcript is not None:
-            # the decisions stand (they are in the ledger); only a resume would lose them
-            append = partial(ctx.transcript.append_replacements, new_records)
-            await write_off_loop(ctx, append, stage=self.name)
+        if decided and ctx.transcript is not None:
+            # the decisions stand (they are in the ledger); only a resume would lose them.
+            # Results sent whole are recorded too: a resume cannot tell them from results a
+            # crash left undecided (those are decided again) by where they stand.
+            whole = [t for t in decided if t not in replaced_now]
+            if new_records:
+                append = partial(ctx.transcript.append_replacements, new_records)
+                await write_off_loop(ctx, append, stage=self.name)
+            if whole:
+                data = {"seen": whole}
+                append = partial(ctx.transcript.append_stage_record, DECIDED_RECORD_STAGE, data)
+                await write_off_loop(ctx, append, stage=self.name)
         stage_span.set_attribute(ATTR.PERSISTED, len(new_records))
 
         if scan.malformed:
@@ -182,6 +191,7 @@ class ToolResultBudget:
         group: list[Candidate],
         ctx: SessionContext,
         apply: dict[str, str],
+        decided: list[str],
     ) -> list[ReplacementRecord]:
         state = ctx.replacement_state
         policies = ctx.tool_policies
@@ -204,6 +214,7 @@ class ToolResultBudget:
                 if c.tool_use_id not in state.seen_ids and c.tool_use_id not in fresh_ids:
                     fresh.append(c)
                     fresh_ids.add(c.tool_use_id)
+                    decided.append(c.tool_use_id)  # every fresh id is decided below
 
             # 1. never-persist tools: seen now, out of the sum
             unbounded = [c for c in fresh if policies.never_persist(c.tool_name)]

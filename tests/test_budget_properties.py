@@ -50,7 +50,7 @@ from pipeline import (
 )
 from pipeline.gate import persist_content
 from pipeline.pairing import check_pairing
-from pipeline.replacement import ReplacementRecord
+from pipeline.replacement import ReplacementRecord, decided_in
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from stages.tool_result_budget import Candidate, collect_groups, select_fresh_to_replace
@@ -661,12 +661,17 @@ async def simulate(session: Session, root: Path) -> None:
             loaded = load_transcript(live_path)
             assert loaded.problems == []
             assert _dumps(to_api(loaded.messages)) == _dumps(to_api(history))
-            state = ReplacementState.reconstruct(loaded.messages, loaded.replacement_records)
+            state = ReplacementState.reconstruct(
+                loaded.messages,
+                loaded.replacement_records,
+                decided=decided_in(loaded.stage_records),
+            )
             assert state.replacements == live_ctx.replacement_state.replacements
             # (whitespace-only results are not candidates for the stage, but reconstruct counts
             # them as seen -- see test_reconstruct_agrees_with_the_stage_on_blank_results)
             blank = {i for i, c in session.original.items() if spec_is_empty(c)}
-            assert state.seen_ids - blank == live_ctx.replacement_state.seen_ids
+            live_seen = live_ctx.replacement_state.seen_ids
+            assert state.seen_ids - blank == live_seen
             resumed_path = root / "resumed.jsonl"
             shutil.copyfile(live_path, resumed_path)
             resumed = Runner(
@@ -683,6 +688,7 @@ async def simulate(session: Session, root: Path) -> None:
             event(f"resumed, with {len(state.replacements)} replacement(s) restored")
             first = await resumed.run_pass(resumed_history)
             assert _dumps(first) == _dumps(requests["live"]), "resumed request differs"
+            assert resumed.ctx.replacement_state.seen_ids - blank == live_seen - blank
 
 
 @pytest.mark.slow
@@ -914,9 +920,8 @@ async def test_frozen_results_over_the_limit_are_never_changed(tmp_path: Path) -
         results(tool_result("a", "a" * 3_000)),
         results(tool_result("b", "b" * 3_000)),
     ]
-    # the model has seen a and b whole (e.g. a resumed session): they are frozen
-    state = ReplacementState.reconstruct(history, [])
-    assert state.classify("a") == state.classify("b") == "frozen"
+    # the model has seen a and b whole (e.g. an earlier pass sent them): they are frozen
+    state = ReplacementState(seen_ids={"a", "b"})
     ctx = _ctx(tmp_path, replacement_state=state)
     pipe = Pipeline([ToolResultBudget(5_000)])
     out = await pipe.run(history, ctx)
@@ -977,7 +982,7 @@ async def test_resume_uses_stored_replacements_verbatim_and_skips_dropped_ids(
     ]
     state = ReplacementState.reconstruct(history, records)
     assert state.replacements == {"kept": legacy}  # "gone" is no longer a candidate: skipped
-    assert state.seen_ids == {"kept", "small"}
+    assert state.seen_ids == {"kept"}  # "small" came after the last response: decided again
     ctx = _ctx(tmp_path, store=NoIOStore(), replacement_state=state)
     out = await Pipeline([ToolResultBudget(3_000)]).run(history, ctx)
     # never rebuilt: a new template or path layout cannot shift the cached prefix

@@ -26,7 +26,7 @@ from pipeline.core import Pipeline
 from pipeline.gate import gate_tool_result
 from pipeline.messages import Block, Message, Usage, now_timestamp
 from pipeline.readback import PersistedOutputReader
-from pipeline.replacement import ReplacementState
+from pipeline.replacement import ReplacementState, decided_in
 from pipeline.storage import FileToolResultStore
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
@@ -121,7 +121,11 @@ class Agent:
         loaded = load_transcript(transcript_path, strict=False)
         if loaded.session_id is None:
             raise ValueError(f"{transcript_path}: no session id in the transcript")
-        state = ReplacementState.reconstruct(loaded.messages, loaded.replacement_records)
+        state = ReplacementState.reconstruct(
+            loaded.messages,
+            loaded.replacement_records,
+            decided=decided_in(loaded.stage_records),
+        )
         ctx = SessionContext(
             loaded.session_id,
             root,

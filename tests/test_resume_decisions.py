@@ -1,0 +1,167 @@
+"""A resumed session decides again exactly the results whose decision never reached the
+transcript, and freezes the rest.
+
+The process can die after tool results are recorded but before the budget pass records what it
+decided (its files may be written by then). Those results were never sent: treating them as
+sent whole would send a request over the budget forever after.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline import (
+    Message,
+    Pipeline,
+    ReplacementState,
+    SessionContext,
+    ToolPolicies,
+    TranscriptWriter,
+    load_transcript,
+    to_api,
+)
+from pipeline.replacement import decided_in
+from pipeline.testing import QuietLogger
+from stages import ToolResultBudget
+from tests.builders import assistant, results, tool_result, tool_use, user_text
+
+SID = "resume-decisions"
+LIMIT = 200_000
+SIZE = 29_000  # under the per-tool gate; eight of them are 232,000 chars, over LIMIT
+
+
+def _ctx(
+    root: Path, transcript: TranscriptWriter | None, state: ReplacementState | None = None
+) -> SessionContext:
+    return SessionContext(
+        SID,
+        root / "store",
+        transcript=transcript,
+        replacement_state=state,
+        tool_policies=ToolPolicies.claude_code(),
+        logger=QuietLogger(),
+    )
+
+
+def _parallel(prefix: str, n: int = 8) -> list[Message]:
+    ids = [f"{prefix}{i}" for i in range(n)]
+    return [
+        assistant(f"msg_{prefix}", *(tool_use(t, "Bash") for t in ids)),
+        *(results(tool_result(t, chr(ord("a") + i) * (SIZE + i))) for i, t in enumerate(ids)),
+    ]
+
+
+def _chars_in_last_user(request: list[dict[str, object]]) -> int:
+    content = request[-1]["content"]
+    assert isinstance(content, list)
+    return sum(len(str(b.get("content", ""))) for b in content)
+
+
+def _store_files(root: Path) -> dict[str, tuple[int, bytes]]:
+    d = root / "store" / SID / "tool-results"
+    return {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted(d.iterdir())}
+
+
+@pytest.mark.anyio
+async def test_results_whose_decision_was_never_recorded_are_decided_again(tmp_path: Path) -> None:
+    pipe = Pipeline([ToolResultBudget(LIMIT)])
+    history = [user_text("run the eight jobs"), *_parallel("p")]
+    path = tmp_path / "t.jsonl"
+    TranscriptWriter(path, SID).append_messages(history)
+
+    # the live pass persists its files, then the process dies before the records are written
+    live = await pipe.run(history, _ctx(tmp_path, transcript=None))
+    live_request = to_api(live)
+    assert _chars_in_last_user(live_request) <= LIMIT
+    files = _store_files(tmp_path)
+    assert files  # something was persisted before the "crash"
+
+    loaded = load_transcript(path)
+    assert loaded.replacement_records == [] and loaded.stage_records == []
+    state = ReplacementState.reconstruct(
+        loaded.messages, loaded.replacement_records, decided=decided_in(loaded.stage_records)
+    )
+    assert state.seen_ids == set() and state.replacements == {}  # nothing was sent
+
+    resumed = await pipe.run(loaded.messages, _ctx(tmp_path, TranscriptWriter(path, SID), state))
+    request = to_api(resumed)
+    assert json.dumps(request) == json.dumps(live_request)  # the same decisions
+    assert _chars_in_last_user(request) <= LIMIT
+    assert _store_files(tmp_path) == files  # the files already written, reused as they are
+
+
+@pytest.mark.anyio
+async def test_recorded_decisions_freeze_results_wherever_they_stand(tmp_path: Path) -> None:
+    # a pass sends two results whole; a late parallel result joins their group before the next
+    # response. Resumed, the two stay frozen (recorded) and the late one is decided as live.
+    pipe = Pipeline([ToolResultBudget(5_000)])
+    path = tmp_path / "t.jsonl"
+    writer = TranscriptWriter(path, SID)
+    ctx = _ctx(tmp_path, writer)
+    history = [
+        user_text("go"),
+        assistant("msg_1", tool_use("a"), tool_use("b"), tool_use("c")),
+        results(tool_result("a", "a" * 2_000)),
+        results(tool_result("b", "b" * 2_000)),
+    ]
+    writer.append_messages(history)
+    await pipe.run(history, ctx)
+    late = results(tool_result("c", "c" * 2_000))
+    history.append(late)
+    writer.append_messages([late])
+    live = to_api(await pipe.run(history, ctx))
+
+    loaded = load_transcript(path)
+    state = ReplacementState.reconstruct(
+        loaded.messages, loaded.replacement_records, decided=decided_in(loaded.stage_records)
+    )
+    assert state.classify("a") == state.classify("b") == "frozen"
+    assert state.classify("c") == "must_reapply"  # c's own pass recorded its replacement
+    resumed = to_api(await pipe.run(loaded.messages, _ctx(tmp_path, None, state)))
+    assert json.dumps(resumed) == json.dumps(live)
+
+    # without the decision records, a and b would count as unsent and compete with c
+    unrecorded = ReplacementState.reconstruct(loaded.messages, loaded.replacement_records)
+    assert unrecorded.classify("a") == "fresh"
+
+
+def test_malformed_decision_records_are_ignored() -> None:
+    class Rec:
+        def __init__(self, stage: str, data: dict[str, object]) -> None:
+            self.stage, self.data = stage, data
+
+    records = [
+        Rec("tool_result_budget", {"seen": ["x", 5, None, "y"]}),
+        Rec("tool_result_budget", {"seen": "x"}),
+        Rec("tool_result_budget", {}),
+        Rec("history_snip", {"seen": ["z"]}),
+    ]
+    assert decided_in(records) == {"x", "y"}
+
+
+def test_a_synthetic_response_does_not_count_as_sending_what_came_before() -> None:
+    history = [
+        user_text("go"),
+        assistant("msg_1", tool_use("a")),
+        results(tool_result("a", "a" * 10)),
+        Message.assistant([{"type": "text", "text": "API Error: overloaded"}], model="<synthetic>"),
+    ]
+    assert ReplacementState.reconstruct(history, []).classify("a") == "fresh"
+    history.append(assistant("msg_2", {"type": "text", "text": "done"}))
+    assert ReplacementState.reconstruct(history, []).classify("a") == "frozen"
+
+
+def test_results_between_fragments_of_the_last_response_were_not_sent() -> None:
+    # a response is recorded in fragments with its tool results between them
+    history = [
+        user_text("go"),
+        assistant("msg_1", tool_use("a")),
+        results(tool_result("a", "a" * 10)),
+        assistant("msg_1", tool_use("b")),
+        results(tool_result("b", "b" * 10)),
+    ]
+    state = ReplacementState.reconstruct(history, [])
+    assert state.classify("a") == state.classify("b") == "fresh"
