@@ -18,6 +18,7 @@ from pipeline.replacement import (
     PERSISTED_OUTPUT_TAG,
     candidate_size,
     content_is_empty,
+    is_replacement_text,
 )
 from pipeline.storage import ToolResultStore
 from pipeline.tracing import Decision, Reason
@@ -156,7 +157,8 @@ async def gate_tool_result(
     store: ToolResultStore,
 ) -> GateOutcome:
     """Apply the per-tool gate to a fresh tool_result block, in this order: an empty result
-    gets a placeholder; images and earlier replacements go as they are; a never-persist
+    gets a placeholder; images and earlier replacements (:func:`is_replacement_text`) go as
+    they are; a never-persist
     tool's result is skipped; results at or under the threshold and block lists holding a
     non-text block go as they are; anything else is persisted (a failed write sends the
     original). See docs/behaviour.md §1.2."""
@@ -167,7 +169,7 @@ async def gate_tool_result(
     if _has_image(content):
         return GateOutcome(block, Decision.KEEP, Reason.IMAGE, 0, threshold)
     size = candidate_size(content)
-    if isinstance(content, str) and content.startswith(PERSISTED_OUTPUT_TAG):
+    if is_replacement_text(content):
         return GateOutcome(block, Decision.KEEP, Reason.ALREADY_REPLACED, size, threshold)
     if math.isinf(threshold):
         return GateOutcome(block, Decision.SKIP_UNBOUNDED_TOOL, Reason.PER_TOOL, size, threshold)

@@ -16,16 +16,39 @@ from pipeline.messages import Block, Message
 
 __all__ = [
     "DECIDED_RECORD_STAGE",
+    "MAX_REPLACEMENT_CHARS",
     "PERSISTED_OUTPUT_TAG",
     "ReplacementRecord",
     "ReplacementState",
     "candidate_size",
     "is_candidate",
+    "is_replacement_text",
     "iter_tool_results",
 ]
 
 PERSISTED_OUTPUT_TAG = "<persisted-output>"
 PERSISTED_OUTPUT_CLOSING_TAG = "</persisted-output>"
+
+#: The longest text a genuine replacement can be: a 2,000-char preview, a path of up to 4,096
+#: chars (PATH_MAX) and the frame around them.
+MAX_REPLACEMENT_CHARS = 2_000 + 4_096 + 256
+
+
+def is_replacement_text(content: Any) -> bool:
+    """Text that can be a replacement written by a budget or a per-tool gate: it opens and
+    closes with the tag and is no longer than a replacement can be.
+
+    Tool output is attacker-controlled: a longer text that merely begins with the tag is
+    ordinary output, gated and budgeted like any other (a short one that imitates a
+    replacement is no larger than a real one).
+    """
+    return (
+        isinstance(content, str)
+        and len(content) <= MAX_REPLACEMENT_CHARS
+        and content.startswith(PERSISTED_OUTPUT_TAG)
+        and content.rstrip().endswith(PERSISTED_OUTPUT_CLOSING_TAG)
+    )
+
 
 #: The ``stage`` of the ``stage-record`` a budget pass writes with the ids it decided to send
 #: whole (``{"seen": [...]}``): a resumed session freezes exactly those, wherever they stand.
@@ -122,7 +145,7 @@ def is_candidate(block: Mapping[str, Any]) -> bool:
     content = block.get("content")
     if content_is_empty(content):  # blank results get the placeholder, never a decision
         return False
-    if isinstance(content, str) and content.startswith(PERSISTED_OUTPUT_TAG):
+    if is_replacement_text(content):
         return False
     return not _content_has_image(content)
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.messages import Message
-from pipeline.replacement import PERSISTED_OUTPUT_TAG, content_is_empty
+from pipeline.replacement import content_is_empty, is_replacement_text
 from pipeline.tokens import find_anchor, rough_tokens_for_messages
 from stages._shared import CLEARED_PLACEHOLDER, result_ids, tool_results
 
@@ -31,7 +31,7 @@ __all__ = [
 
 def is_preview(content: Any) -> bool:
     """A persisted-output preview: already small, and it points at the full output."""
-    return isinstance(content, str) and content.startswith(PERSISTED_OUTPUT_TAG)
+    return is_replacement_text(content)
 
 
 def is_protected_content(content: Any) -> bool:

@@ -98,7 +98,14 @@ def spec_is_candidate(content: Any) -> bool:
     """docs/behaviour.md §2.2."""
     if spec_is_empty(content) or spec_has_image(content):
         return False
-    return not (isinstance(content, str) and content.startswith(TAG))
+    # a replacement: the tag at both ends, no longer than preview + PATH_MAX + frame; any
+    # other text that merely starts with the tag is ordinary (attacker-controlled) output
+    return not (
+        isinstance(content, str)
+        and content.startswith(TAG)
+        and content.rstrip().endswith("</persisted-output>")
+        and len(content) <= 2_000 + 4_096 + 256
+    )
 
 
 def spec_size(content: Any) -> int:
@@ -264,8 +271,8 @@ def result_contents(draw: st.DrawFn, tid: str) -> tuple[Any, dict[str, Any]]:
         content = [{"type": "text", "text": text}, DOC_BLOCK]
     elif kind == "empty":
         content = draw(st.sampled_from(EMPTIES))
-    else:  # a tool whose output happens to start with the tag: never a candidate
-        content = TAG + text
+    else:  # output that starts with the tag: a candidate unless it can be a replacement
+        content = TAG + text + draw(st.sampled_from(["", "\n</persisted-output>"]))
     return content, extra
 
 

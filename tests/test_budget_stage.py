@@ -420,7 +420,7 @@ def test_reconstruct_rules() -> None:
     msgs = [
         assistant("r1", tool_use("a"), tool_use("b"), tool_use("c")),
         results(tool_result("a", "A" * 10)),
-        results(tool_result("b", "<persisted-output>\nalready")),
+        results(tool_result("b", "<persisted-output>\nalready\n</persisted-output>")),
         results(tool_result("c", "")),
     ]
     records = [ReplacementRecord("a", "REP-A"), ReplacementRecord("gone", "REP-GONE")]

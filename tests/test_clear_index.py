@@ -28,6 +28,7 @@ CONTENTS: list[Any] = [
     "y" * 3_000,
     CLEARED_PLACEHOLDER,
     f"{PERSISTED_OUTPUT_TAG}\nOutput too large. Full output saved to: /tmp/f.txt",
+    f"{PERSISTED_OUTPUT_TAG}\nOutput too large. Saved to: /tmp/f.txt\n</persisted-output>",
     [],
     [{"type": "text", "text": "z" * 900}],
     [{"type": "text", "text": CLEARED_PLACEHOLDER}],

@@ -39,6 +39,7 @@ from pipeline import (
 )
 from pipeline.agent import Agent
 from pipeline.pairing import check_pairing
+from pipeline.replacement import is_replacement_text
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tools import tool
@@ -452,7 +453,9 @@ async def test_the_default_tool_list(tmp_path: Path) -> None:
 async def test_persisted_empty_and_already_cleared_results_are_left_as_they_are(
     tmp_path: Path,
 ) -> None:
-    persisted = "<persisted-output>\nOutput too large (50KB). Full output saved to: /x\n"
+    persisted = (
+        "<persisted-output>\nOutput too large (50KB). Full output saved to: /x\n</persisted-output>"
+    )
     contents = [persisted, "", [], CLEARED_PLACEHOLDER, "ok", output("BIG", 500)]
     msgs = [at(user_text("go"), 0)]
     for k, content in enumerate(contents):
@@ -912,7 +915,10 @@ async def test_server_side_config_goes_over_the_wire_with_the_beta_header(
 
 CONTENTS = st.one_of(
     st.just(""),
-    st.just("<persisted-output>\nOutput too large (1KB). Full output saved to: /p\n"),
+    st.just(
+        "<persisted-output>\nOutput too large (1KB). Full output saved to: /p\n</persisted-output>"
+    ),
+    st.just("<persisted-output>" + "x" * 7_000),  # not a replacement: ordinary output
     st.just(CLEARED_PLACEHOLDER),
     st.text(max_size=60),
     st.integers(0, 6_000).map(lambda n: "r" * n),
@@ -980,6 +986,6 @@ def test_property_pairing_idempotence_and_untouchables(
                 assert tid not in newest
                 assert names[tid] in ("Bash", "Read")
                 original = before[tid]["content"]
-                assert not (isinstance(original, str) and original.startswith("<persisted-output>"))
+                assert not is_replacement_text(original)
 
     anyio.run(run)
