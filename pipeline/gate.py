@@ -6,6 +6,7 @@ same pieces for results it is the first to see.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ __all__ = [
     "GateOutcome",
     "Persisted",
     "build_replacement",
+    "describe_error",
     "empty_result_text",
     "format_size",
     "gate_tool_result",
@@ -128,6 +130,17 @@ async def persist_content(store: ToolResultStore, tool_use_id: str, content: Any
     )
 
 
+def describe_error(exc: BaseException) -> str:
+    """A failed write, told apart without its message: ``OSError: ENOSPC (No space left on
+    device)`` -- the errno name and text say which failure it was, and carry no content (the
+    message of an arbitrary exception might)."""
+    name = type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno is not None:
+        code = errno.errorcode.get(exc.errno, str(exc.errno))
+        return f"{name}: {code} ({exc.strerror})" if exc.strerror else f"{name}: {code}"
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class GateOutcome:
     """What the per-tool gate did to one tool_result block."""
@@ -181,7 +194,7 @@ async def gate_tool_result(
     try:
         persisted = await persist_content(store, tool_use_id, content)
     except Exception as exc:  # any storage failure: send the original, report it
-        error = type(exc).__name__ + ": " + str(exc)
+        error = describe_error(exc)
         failed = Decision.PERSIST_FAILED
         return GateOutcome(block, failed, Reason.PER_TOOL, size, threshold, error=error)
     replaced = {**block, "content": persisted.replacement}

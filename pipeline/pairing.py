@@ -4,6 +4,7 @@ message, and no orphan result -- the Messages API rejects a request otherwise.""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -146,6 +147,11 @@ class PairingIndex:
             self._problems.append(problems or ())
             self._registered.append(registered or ())
             self.count += len(problems)
+
+    @property
+    def tool_use_ids(self) -> AbstractSet[str]:
+        """The tool_use ids of the request (a live view)."""
+        return self._first_use.keys()
 
     @property
     def problems(self) -> list[PairingProblem]:

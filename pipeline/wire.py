@@ -8,7 +8,8 @@ with progress and system records) into the ``MessageParam`` dicts that
 - drop progress and system records (``local_command`` output is kept as user text);
 - fold attachments into the neighbouring user message;
 - merge consecutive user messages (tool_result blocks hoisted first, ``\\n`` at a text seam);
-- merge assistant fragments sharing a response id, also when other ids interleave.
+- merge assistant fragments sharing a response id, also when other ids interleave;
+- replace lone surrogates (which no UTF-8 request can carry) with U+FFFD.
 
 :class:`WireCache` is the same for a conversation that changes between calls: it keeps the
 wire entries of the last call and redoes only what follows the first changed record. The
@@ -17,8 +18,10 @@ result always equals ``to_api(messages)``.
 
 from __future__ import annotations
 
+import re
 from array import array
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -29,7 +32,7 @@ from pipeline.pairing import PairingError, PairingIndex
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
-__all__ = ["WireCache", "request_chars", "to_api"]
+__all__ = ["WireCache", "encodable", "request_chars", "to_api", "wire_positions"]
 
 
 def _check_blocks(m: Message) -> None:
@@ -42,11 +45,56 @@ def _check_blocks(m: Message) -> None:
                 )
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings (keys included) replaced by U+FFFD;
+    the very same object when there is none (the common case costs one walk, no copy).
+
+    A lone surrogate has no UTF-8 form, so one in a request makes it unencodable: JavaScript
+    writes one when a cut splits an emoji, and text read with ``surrogateescape`` carries one
+    per invalid byte. The records keep the original; only the wire form is cleaned. Raises
+    ``ValueError`` for a value nested too deeply to rebuild (only when it needs cleaning).
+    """
+    if not _has_surrogate(value):
+        return value
+    try:
+        return _cleaned(value)
+    except RecursionError:
+        raise ValueError("content nested too deeply to clean of lone surrogates") from None
+
+
+def _has_surrogate(value: Any) -> bool:
+    stack = [value]  # no recursion: content may nest as deep as the interpreter allows
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def _cleaned(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+    if isinstance(value, dict):
+        return {_cleaned(k): _cleaned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cleaned(v) for v in value]
+    return value
+
+
 def _user_blocks(m: Message) -> list[Block]:
     if m.type == "system":  # local_command output is shown to the model as user text
         text = m.content if isinstance(m.content, str) else ""
-        return [{"type": "text", "text": text}] if text else list(m.blocks)
-    return list(m.blocks)
+        return [{"type": "text", "text": encodable(text)}] if text else list(encodable(m.blocks))
+    return list(encodable(m.blocks))
 
 
 def _hoist_tool_results(blocks: list[Block]) -> list[Block]:
@@ -94,7 +142,8 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
     - fold attachments into the neighbouring user message;
     - merge consecutive user messages (tool_result blocks hoisted first, ``\\n`` at a text seam);
     - merge assistant fragments sharing a response id, also when other ids interleave: a
-      fragment walks back past other-id assistants and tool_result-only user messages.
+      fragment walks back past other-id assistants and tool_result-only user messages;
+    - replace lone surrogates with U+FFFD (:func:`encodable`), so the request always encodes.
 
     The input is not modified; the output shares block dicts with it (do not mutate them).
     """
@@ -102,6 +151,14 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
     for m in messages[thread_start(messages) :]:
         wire.add(m)
     return [_entry_to_param(e) for e in wire.entries]
+
+
+def wire_positions(messages: Sequence[Message]) -> list[int]:
+    """Per record: the index of the ``to_api`` message it goes into, -1 when the wire drops it
+    (before the last compact boundary, progress and system records, empty content)."""
+    start = thread_start(messages)
+    wire = _Wire()
+    return [-1] * start + [wire.add(m) for m in messages[start:]]
 
 
 class _Wire:
@@ -171,7 +228,7 @@ class _Wire:
             prev.raw_text = None
             prev.merged = True
         else:
-            raw = m.content if isinstance(m.content, str) and m.type == "user" else None
+            raw = encodable(m.content) if isinstance(m.content, str) and m.type == "user" else None
             self.append(_WireEntry("user", _hoist_tool_results(blocks), raw))
         return len(out) - 1
 
@@ -186,10 +243,10 @@ class _Wire:
                 )
                 if not blocked:
                     entry = out[i]
-                    entry.blocks = [*entry.blocks, *m.blocks]
+                    entry.blocks = [*entry.blocks, *encodable(m.blocks)]
                     entry.merged = True
                     return i
-        self.append(_WireEntry("assistant", list(m.blocks), None, m.message_id))
+        self.append(_WireEntry("assistant", list(encodable(m.blocks)), None, m.message_id))
         return len(self.entries) - 1
 
 
@@ -244,6 +301,11 @@ class WireCache:
         out = params[:-k]
         out.extend(map(_fresh, params[-k:]))
         return out
+
+    @property
+    def tool_use_ids(self) -> AbstractSet[str]:
+        """The tool_use ids of the last request (a live view)."""
+        return self.pairing.tool_use_ids
 
     def ensure_paired(self) -> None:
         """Raise :class:`~pipeline.pairing.PairingError` naming every offending id if the last

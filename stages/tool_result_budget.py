@@ -27,7 +27,7 @@ from opentelemetry import trace
 
 from pipeline import Message, SessionContext
 from pipeline.context import PersistedResult
-from pipeline.gate import Persisted, persist_content
+from pipeline.gate import Persisted, describe_error, persist_content
 from pipeline.policies import MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
 from pipeline.replacement import DECIDED_RECORD_STAGE, ReplacementRecord
 from pipeline.tracing import (
@@ -312,7 +312,7 @@ class ToolResultBudget:
                     Decision.PERSIST_FAILED,
                     threshold,
                     reason=reason,
-                    error=type(outcome).__name__,
+                    error=describe_error(outcome),
                 )
         return records
 

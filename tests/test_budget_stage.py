@@ -171,7 +171,7 @@ async def test_gate_storage_error_keeps_original() -> None:
     store = CountingStore(fail=OSError(errno.ENOSPC, "No space left on device"))
     out = await gate_tool_result(block, tool_name="X", threshold=10, store=store)
     assert out.decision == "persist_failed" and out.block is block
-    assert out.error is not None and "No space" in out.error
+    assert out.error == "OSError: ENOSPC (No space left on device)"
 
 
 # -- grouping and selection ------------------------------------------------------------------
@@ -369,10 +369,15 @@ async def test_failed_write_keeps_original_and_freezes(tmp_path: Path) -> None:
     failing.fail = None  # the store recovers; the frozen result must still never change
     assert await pipe.run(msgs, ctx) is msgs
     assert failing.writes == []
-    assert [s.attributes[ATTR.DECISION] for s in spans(exp, SPAN_BUDGET_DECISION)] == [
+    decisions = spans(exp, SPAN_BUDGET_DECISION)
+    assert [s.attributes[ATTR.DECISION] for s in decisions] == [  # type: ignore[index]
         "keep",
         "persist_failed",
-    ]  # type: ignore[index]
+    ]
+    # which failure it was: EACCES is not ENOSPC or EROFS
+    assert decisions[1].attributes[ATTR.ERROR] == (  # type: ignore[index]
+        "PermissionError: EACCES (Permission denied)"
+    )
 
 
 @pytest.mark.asyncio

@@ -367,7 +367,8 @@ def check_failed(s: Session, tid: str, content: Any, fault: Fault, sent: dict[st
     assert s.ctx.replacement_state.classify(tid) == "frozen"
     (span,) = s.decisions()[tid]
     assert span[ATTR.DECISION] == "persist_failed"
-    assert span[ATTR.ERROR] == error_name(fault.err)
+    # the errno name tells the failures apart (ENOSPC is not EROFS)
+    assert span[ATTR.ERROR].startswith(f"{error_name(fault.err)}: {errno.errorcode[fault.err]} (")
     assert span[ATTR.REASON] == s.reason
     assert ATTR.PATH not in span
     assert any(

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import anyio
 from opentelemetry import trace
@@ -33,6 +36,27 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return with_tracing(args, go)
 
 
+_MAX_RETRIES = 10
+_MAX_RETRY_WAIT = 60.0
+
+
+def _check_environment(args: argparse.Namespace) -> None:
+    """What the API client needs, checked before anything is written."""
+    if not 0 <= args.max_retries <= _MAX_RETRIES:
+        raise CliError(f"--max-retries must be from 0 to {_MAX_RETRIES}, got {args.max_retries}")
+    if not (os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")):
+        raise CliError("no API key: set ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN)")
+    base_url = os.environ.get("ANTHROPIC_BASE_URL")
+    if base_url:
+        try:
+            parts = urlsplit(base_url)
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError as exc:
+            raise CliError(f"ANTHROPIC_BASE_URL: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CliError("ANTHROPIC_BASE_URL must be an http(s) URL with a host")
+
+
 def run_agent(
     args: argparse.Namespace,
     options: ReplayOptions,
@@ -40,22 +64,65 @@ def run_agent(
     provider: TracerProvider | None,
 ) -> int:
     """The ``agent`` command: a coding agent in the current directory."""
-    import uuid
+    from pipeline.agent import SessionBusyError, session_lock, store_root_of
 
+    _check_environment(args)
+    store = options.store
+    if store is not None and store.exists() and not store.is_dir():
+        raise CliError(f"--store: {store} is not a directory")
+    if args.resume is not None:
+        loaded = load(args.resume, lenient=True)
+        if loaded.session_id is None:
+            raise CliError(f"cannot resume {args.resume}: no session id in the transcript")
+        try:
+            session_id = validate_session_id(loaded.session_id)
+        except ValueError as exc:
+            raise CliError(f"cannot resume {args.resume}: {exc}") from None
+        root = store if store is not None else store_root_of(loaded.path, session_id)
+    else:
+        try:
+            session_id = validate_session_id(args.session_id or str(uuid.uuid4()))
+        except ValueError as exc:
+            raise CliError(f"--session-id: {exc}") from None
+        root = store if store is not None else Path(".sluicegate")
+        existing = root / session_id / "transcript.jsonl"
+        if existing.exists() or existing.is_symlink():
+            raise CliError(
+                f"session {session_id!r} already exists ({existing}): continue it with "
+                "--resume, or choose another --session-id"
+            )
+    try:
+        with session_lock(root / session_id):
+            return _run_locked(args, options, tracer, provider, root, session_id)
+    except SessionBusyError as exc:
+        raise CliError(str(exc), EXIT_FAILED) from None
+    except OSError as exc:
+        raise CliError(f"cannot use the session directory: {exc}", EXIT_FAILED) from None
+
+
+def _run_locked(
+    args: argparse.Namespace,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+    provider: TracerProvider | None,
+    root: Path,
+    session_id: str,
+) -> int:
     import anthropic
 
     from pipeline._cli.coding_tools import bash_tool, read_file_tool
-    from pipeline.agent import Agent, AgentAPIError, TurnLog
+    from pipeline.agent import Agent, AgentAPIError, RetryPolicy, TurnLog
 
-    root = options.store or Path(".sluicegate")
     cwd = Path.cwd()
     telemetry: Any = {"tracer_provider": provider} if provider is not None else None
     try:
-        client = anthropic.AsyncAnthropic(open_telemetry=telemetry, max_retries=args.max_retries)
-    except anthropic.AnthropicError as exc:
+        # the agent retries, bounded; the SDK would wait as long as retry-after says
+        client = anthropic.AsyncAnthropic(open_telemetry=telemetry, max_retries=0)
+    except (anthropic.AnthropicError, ValueError, TypeError) as exc:
         raise CliError(f"cannot create the API client: {exc}") from None
     pipe = options.pipeline()
     policies = ToolPolicies(cap=options.per_tool_chars)
+    retry = RetryPolicy(retries=args.max_retries, max_wait=_MAX_RETRY_WAIT)
 
     def report(log: TurnLog) -> None:
         done = [g for g in log.gated if g.decision == "persist"]
@@ -67,26 +134,26 @@ def run_agent(
         )
 
     if args.resume is not None:
-        agent = Agent.resume(
-            load(args.resume, lenient=True).path,
-            client,
-            model=args.model,
-            pipeline=pipe,
-            root=root,
-            readback=False,
-            max_tokens=args.max_tokens,
-            max_turns=args.max_turns,
-            on_turn=report,
-        )
+        try:
+            agent = Agent.resume(
+                args.resume,
+                client,
+                model=args.model,
+                pipeline=pipe,
+                root=root,
+                readback=False,
+                max_tokens=args.max_tokens,
+                max_turns=args.max_turns,
+                on_turn=report,
+                retry=retry,
+            )
+        except ValueError as exc:  # PairingError included: the API would refuse the history
+            raise CliError(f"cannot resume {args.resume}: {exc}") from None
         agent.ctx.tool_policies = policies
         if tracer is not None:
             agent.ctx.tracer = tracer
         transcript = args.resume
     else:
-        try:
-            session_id = validate_session_id(args.session_id or str(uuid.uuid4()))
-        except ValueError as exc:
-            raise CliError(f"--session-id: {exc}") from None
         transcript = root / session_id / "transcript.jsonl"
         ctx = SessionContext(
             session_id,
@@ -104,6 +171,7 @@ def run_agent(
             max_tokens=args.max_tokens,
             max_turns=args.max_turns,
             on_turn=report,
+            retry=retry,
         )
     store_dir = root / agent.ctx.session_id / TOOL_RESULTS_SUBDIR
     agent.add_tool(read_file_tool(cwd, store_dir))

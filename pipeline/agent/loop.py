@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import anyio
 import anyio.to_thread
-from anthropic.types import ToolParam
+from anthropic.types import MessageParam, ToolParam
 from opentelemetry.trace import Status, StatusCode
 
+from pipeline.agent.repair import INTERRUPTED_RESULT, repair_pairing
+from pipeline.agent.response import message_from_response
 from pipeline.agent.results import AgentAPIError, AgentResult, GatedResult, TurnLog
+from pipeline.agent.retry import RetryPolicy
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.gate import gate_tool_result
-from pipeline.messages import Block, Message, Usage, now_timestamp
+from pipeline.messages import Block, Message, now_timestamp
+from pipeline.pairing import PairingError
 from pipeline.readback import PersistedOutputReader
 from pipeline.replacement import ReplacementState, decided_in
 from pipeline.storage import FileToolResultStore
@@ -32,22 +37,25 @@ from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, SPAN_TOOL_EXECUTE, Decision, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
-from pipeline.wire import WireCache, to_api
+from pipeline.wire import WireCache
 
-__all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent"]
+__all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "store_root_of"]
 
 CANCELLED_RESULT = "Tool execution was cancelled before it finished."
-INTERRUPTED_RESULT = "Tool execution was interrupted (the session stopped before it finished)."
 
 
-def _blocks_of(response: anthropic.types.Message) -> list[Block]:
-    return [b.model_dump(mode="json", exclude_none=True) for b in response.content]
+def store_root_of(transcript_path: str | os.PathLike[str], session_id: str) -> Path:
+    """The store root a session's transcript belongs to: ``ROOT`` for
+    ``ROOT/<session_id>/transcript.jsonl`` (wherever the caller stands), else ``.sluicegate``."""
+    beside = Path(transcript_path).resolve().parent
+    return beside.parent if beside.name == session_id else Path(".sluicegate")
 
 
 class Agent:
     """A tool-using agent whose every request goes through ``pipeline``.
 
-    ``ctx`` carries the session: its store, ledger, transcript and tracer. Tools' declared
+    ``ctx`` carries the session: its store, ledger, transcript and tracer. ``retry``: how
+    a failed call is retried (none by default: the client's own retries apply). Tools' declared
     ``max_result_size_chars`` are added to ``ctx.tool_policies``. With a file store, the
     read-back tool for persisted outputs is registered automatically (never persisted itself).
     """
@@ -66,7 +74,9 @@ class Agent:
         history: Sequence[Message] = (),
         readback: bool = True,
         on_turn: Callable[[TurnLog], None] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
+        self.retry = retry or RetryPolicy()
         options = getattr(client, "open_telemetry", None)
         if isinstance(options, Mapping):
             # the SDK's own client span then carries gen_ai.conversation.id too
@@ -109,62 +119,57 @@ class Agent:
         *,
         model: str,
         pipeline: Pipeline,
-        root: str | os.PathLike[str] = ".sluicegate",
+        root: str | os.PathLike[str] | None = None,
         tools: Iterable[Tool] = (),
         **kwargs: Any,
     ) -> Agent:
         """Continue a session from its transcript with byte-identical budget decisions.
 
-        The ledger is rebuilt from the transcript; a torn last line (a crash
-        mid-write) is skipped; tool calls the crash left unanswered get an error result.
+        The ledger is rebuilt from the transcript; a torn last line (a crash mid-write) is
+        skipped. The tool pairing is repaired as :func:`~pipeline.agent.repair.repair_pairing`
+        says (a tool call left unanswered anywhere gets an error result, a late result moves
+        to its call, an orphan goes); a history it cannot repair (a tool_use id used twice)
+        raises :class:`~pipeline.pairing.PairingError` before anything is written. ``root``:
+        the store root; by default the one the transcript lives in
+        (``<root>/<session>/transcript.jsonl``), else ``.sluicegate``.
         """
-        loaded = load_transcript(transcript_path, strict=False)
-        if loaded.session_id is None:
-            raise ValueError(f"{transcript_path}: no session id in the transcript")
+        path = Path(transcript_path)
+        loaded = load_transcript(path, strict=False)
+        session_id = loaded.session_id
+        if session_id is None:
+            raise ValueError(f"{path}: no session id in the transcript")
+        repair = repair_pairing(loaded.messages)
+        if repair.remaining:
+            raise PairingError(repair.remaining)
+        if root is None:
+            root = store_root_of(path, session_id)
         state = ReplacementState.reconstruct(
-            loaded.messages,
+            repair.messages,
             loaded.replacement_records,
             decided=decided_in(loaded.stage_records),
         )
         ctx = SessionContext(
-            loaded.session_id,
+            session_id,
             root,
             replacement_state=state,
             # the calibration saved with the session: a resumed session does not start cold
-            token_tracker=TokenTracker.load(calibration_path_for(root, loaded.session_id)),
-            transcript=TranscriptWriter(transcript_path, loaded.session_id),
+            token_tracker=TokenTracker.load(calibration_path_for(root, session_id)),
+            transcript=TranscriptWriter(path, session_id),
             stage_records=loaded.stage_records,
         )
-        agent = cls(client, model=model, pipeline=pipeline, ctx=ctx, tools=tools, **kwargs)
-        agent.history = list(loaded.messages)
-        missing = agent._unanswered_tool_uses()
-        if missing:
-            repair = Message.user(
-                timestamp=now_timestamp(),
-                content=[
-                    {
-                        "type": "tool_result",
-                        "tool_use_id": tid,
-                        "content": INTERRUPTED_RESULT,
-                        "is_error": True,
-                    }
-                    for tid in missing
-                ],
+        if repair.answered or repair.dropped or repair.moved:
+            ctx.logger.warning(
+                "resume_repaired_pairing",
+                answered=len(repair.answered),
+                dropped=len(repair.dropped),
+                moved=len(repair.moved),
             )
-            agent.history.append(repair)
-            if ctx.transcript is not None:
-                ctx.transcript.append_messages([repair])
+        agent = cls(client, model=model, pipeline=pipeline, ctx=ctx, tools=tools, **kwargs)
+        agent.history = repair.messages
+        if repair.trailing and ctx.transcript is not None:
+            # at the end of the history they stand where a later load puts them
+            ctx.transcript.append_messages(repair.trailing)
         return agent
-
-    def _unanswered_tool_uses(self) -> list[str]:
-        """tool_use ids of the last response that no later tool_result answers."""
-        request = to_api(self.history)
-        if not request or request[-1]["role"] != "assistant":
-            return []
-        content: Any = request[-1]["content"]
-        if isinstance(content, str):
-            return []
-        return [b["id"] for b in content if b.get("type") == "tool_use"]
 
     # -- the loop ---------------------------------------------------------------------------
     @property
@@ -216,34 +221,24 @@ class Agent:
             if report.betas:
                 kwargs["extra_headers"] = {"anthropic-beta": ",".join(sorted(set(report.betas)))}
             try:
-                response = await self.client.messages.create(
-                    model=self.model, max_tokens=self.max_tokens, messages=request, **kwargs
-                )
-            except anthropic.APIError as exc:
-                error = AgentAPIError.from_sdk(exc)
+                message = await self._call(request, kwargs)
+            except AgentAPIError as error:
                 span.set_attribute(ATTR.ERROR, error.kind)
                 span.set_status(Status(StatusCode.ERROR, error.kind))
                 ctx.logger.error(
                     "api_error", kind=error.kind, status=error.status, request_id=error.request_id
                 )
-                raise error from exc
-            usage = Usage.from_mapping(response.usage.model_dump())
-            message = Message.assistant(
-                _blocks_of(response),
-                message_id=response.id,
-                usage=usage,
-                model=response.model,
-                stop_reason=response.stop_reason,
-                timestamp=now_timestamp(),  # the idle-gap triggers read these
-            )
+                raise
+            usage, model, message_id = message.usage, message.model, message.message_id
+            assert usage is not None and model is not None and message_id is not None
             # the usage is of the request as sent (projected), not of the raw history
             observation = ctx.token_tracker.observe(
-                projected, usage, model=response.model, tokens_freed=report.tokens_freed
+                projected, usage, model=model, tokens_freed=report.tokens_freed
             )
             if ctx.transcript is not None:  # resumable: keep the calibration with the session
                 path = calibration_path_for(ctx.root, ctx.session_id, ctx.agent_id)
                 await anyio.to_thread.run_sync(ctx.token_tracker.save, path)
-            span.set_attribute(ATTR.RESPONSE_ID, response.id)
+            span.set_attribute(ATTR.RESPONSE_ID, message_id)
             span.set_attribute(ATTR.USAGE_INPUT_TOKENS, usage.input_side)
             span.set_attribute(ATTR.USAGE_OUTPUT_TOKENS, usage.output_tokens)
             await self._record([message])
@@ -255,7 +250,7 @@ class Agent:
                 self.on_turn(
                     TurnLog(
                         number=self.turns_done,
-                        message_id=response.id,
+                        message_id=message_id,
                         request=request,
                         estimated_tokens=estimated,
                         usage=usage,
@@ -266,6 +261,45 @@ class Agent:
                 )
             self.turns_done += 1
             return message
+
+    async def _call(self, request: list[MessageParam], kwargs: dict[str, Any]) -> Message:
+        """The call, retried as :attr:`retry` allows; the response as a record."""
+        attempt = 0
+        while True:
+            try:
+                return await self._call_once(request, kwargs)
+            except AgentAPIError as error:
+                attempt += 1
+                wait = self.retry.wait_before(attempt, error.kind, error.retry_after)
+                if wait is None:
+                    raise
+                self.ctx.logger.warning(
+                    "api_retry", kind=error.kind, status=error.status, attempt=attempt, wait_s=wait
+                )
+                await anyio.sleep(wait)
+
+    async def _call_once(self, request: list[MessageParam], kwargs: dict[str, Any]) -> Message:
+        """One Messages API call; the response checked and made a record, or AgentAPIError."""
+        try:
+            raw = await self.client.messages.with_raw_response.create(
+                model=self.model, max_tokens=self.max_tokens, messages=request, **kwargs
+            )
+        except anthropic.APIError as exc:
+            raise AgentAPIError.from_sdk(exc) from exc
+        http = raw.http_response
+        where: dict[str, Any] = {
+            "request": http.request,
+            "status": http.status_code,
+            "request_id": http.headers.get("request-id"),
+        }
+        try:
+            response = await raw.parse()
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            why = f"its body cannot be parsed ({type(exc).__name__})"
+            raise AgentAPIError(
+                "bad_response", f"the API answered with a malformed message: {why}", **where
+            ) from None
+        return message_from_response(response, known_tool_ids=self._wire.tool_use_ids, **where)
 
     async def _record(self, messages: list[Message]) -> None:
         self.history.extend(messages)

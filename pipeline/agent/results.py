@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anthropic
 
+from pipeline.agent.retry import retry_after_seconds
 from pipeline.context import PassReport
 from pipeline.messages import Usage
 from pipeline.tokens import Observation
@@ -18,28 +19,48 @@ if TYPE_CHECKING:
 __all__ = ["AgentAPIError", "AgentResult", "GatedResult", "TurnLog"]
 
 
-class AgentAPIError(RuntimeError):
-    """The Messages API refused a call. Everything recorded before the call is kept.
+class AgentAPIError(anthropic.APIError):
+    """The Messages API refused a call, or answered with something that is not a message.
+    Everything recorded before the call is kept; nothing of the failed call is recorded.
 
-    ``kind``: ``overloaded``, ``prompt_too_long``, ``bad_request``, ``rate_limited``,
-    ``authentication``, ``permission``, ``not_found``, ``server``, ``connection``, ``timeout``.
+    An ``anthropic.APIError``, so ``except anthropic.APIError`` catches it. ``kind``:
+    ``overloaded``, ``prompt_too_long``, ``bad_request``, ``rate_limited``, ``authentication``,
+    ``permission``, ``not_found``, ``server``, ``connection``, ``timeout``, ``bad_response``
+    (a 200 whose body is not a well-formed message: see
+    :func:`~pipeline.agent.response.message_from_response`).
     """
 
     def __init__(
-        self, kind: str, message: str, *, status: int | None, request_id: str | None
+        self,
+        kind: str,
+        message: str,
+        *,
+        status: int | None,
+        request_id: str | None,
+        request: Any = None,
+        body: object | None = None,
+        retry_after: float | None = None,
     ) -> None:
         self.kind = kind
         self.status = status
         self.request_id = request_id
-        super().__init__(f"{kind} (status {status}, request id {request_id}): {message}")
+        self.retry_after = retry_after
+        """Seconds the API asked to wait before a retry (``retry-after``), if it said."""
+        super().__init__(
+            f"{kind} (status {status}, request id {request_id}): {message}", request, body=body
+        )
+
+    def __str__(self) -> str:
+        return self.message
 
     @classmethod
     def from_sdk(cls, exc: anthropic.APIError) -> AgentAPIError:
         """Classify an SDK exception."""
+        request = getattr(exc, "request", None)
         if isinstance(exc, anthropic.APITimeoutError):
-            return cls("timeout", str(exc), status=None, request_id=None)
+            return cls("timeout", str(exc), status=None, request_id=None, request=request)
         if isinstance(exc, anthropic.APIConnectionError):
-            return cls("connection", str(exc), status=None, request_id=None)
+            return cls("connection", str(exc), status=None, request_id=None, request=request)
         status = getattr(exc, "status_code", None)
         request_id = getattr(exc, "request_id", None)
         body = getattr(exc, "body", None)
@@ -59,7 +80,17 @@ class AgentAPIError(RuntimeError):
         kind = kinds.get(status or 0, "server" if (status or 0) >= 500 else "bad_request")
         if status in (400, 413) and "prompt is too long" in message.lower():
             kind = "prompt_too_long"
-        return cls(kind, message, status=status, request_id=request_id)
+        response = getattr(exc, "response", None)
+        headers = getattr(response, "headers", None)
+        return cls(
+            kind,
+            message,
+            status=status,
+            request_id=request_id,
+            request=request,
+            body=body,
+            retry_after=retry_after_seconds(headers),
+        )
 
 
 @dataclass(frozen=True, slots=True)

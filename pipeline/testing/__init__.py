@@ -2,7 +2,8 @@
 ``httpx.MockTransport`` serve their users (and what sluicegate's own tests use):
 
 - :class:`ScriptedMessagesServer`: a local stand-in for the Messages API (127.0.0.1, random
-  port) that the real ``anthropic`` SDK talks to over HTTP; a *script* picks each reply;
+  port) that the real ``anthropic`` SDK talks to over HTTP; a *script* picks each reply
+  (a :class:`Reply`, a :class:`ScriptError`, or a :class:`RawReply` sent byte for byte);
 - :class:`MemoryStore`: a tool-result store in memory;
 - :class:`SpanRecorder`: the spans a stage emits, in memory (needs the OpenTelemetry SDK);
 - :class:`QuietLogger`: a logger that keeps its events and prints nothing;
@@ -22,6 +23,7 @@ from pipeline.testing.doubles import (
     run_stage,
 )
 from pipeline.testing.server import (
+    RawReply,
     Reply,
     ScriptedMessagesServer,
     ScriptError,
@@ -31,6 +33,7 @@ from pipeline.testing.server import (
 __all__ = [
     "MemoryStore",
     "QuietLogger",
+    "RawReply",
     "RecordReads",
     "Reply",
     "ScriptError",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["Reply", "ScriptError", "ScriptedMessagesServer", "count_request_tokens"]
+__all__ = ["RawReply", "Reply", "ScriptError", "ScriptedMessagesServer", "count_request_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,17 @@ class ScriptError:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
-Script = Callable[[dict[str, Any]], Reply | ScriptError]
+@dataclass(frozen=True, slots=True)
+class RawReply:
+    """A scripted reply sent byte for byte: a misbehaving API (a 200 with HTML, invalid JSON,
+    a wrong shape) for tests of what a client does with it."""
+
+    body: bytes
+    status: int = 200
+    content_type: str = "application/json"
+
+
+Script = Callable[[dict[str, Any]], Reply | ScriptError | RawReply]
 
 
 def count_request_tokens(body: Mapping[str, Any]) -> int:
@@ -108,7 +118,9 @@ class ScriptedMessagesServer:
         self.close()
 
     # -- request handling -------------------------------------------------------------------
-    def _reply(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+    def _reply(
+        self, path: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, Any] | RawReply, dict[str, str]]:
         request_id = f"req_scripted_{next(self._ids):06d}"
         headers = {"request-id": request_id}
         if path.rstrip("/").endswith("/v1/messages/count_tokens"):
@@ -125,6 +137,8 @@ class ScriptedMessagesServer:
             outcome = self.script(body)
         except Exception as exc:  # a broken script is a server error, as a real outage would be
             return 500, _error("api_error", f"script failed: {type(exc).__name__}"), headers
+        if isinstance(outcome, RawReply):
+            return outcome.status, outcome, headers
         if isinstance(outcome, ScriptError):
             return (
                 outcome.status,
@@ -168,12 +182,16 @@ class ScriptedMessagesServer:
                         raise ValueError("body is not an object")
                 except ValueError:
                     headers: dict[str, str] = {}
+                    payload: dict[str, Any] | RawReply
                     status, payload = 400, _error("invalid_request_error", "bad JSON")
                 else:
                     status, payload, headers = server._reply(self.path, body)
-                data = json.dumps(payload).encode()
+                if isinstance(payload, RawReply):
+                    data, content_type = payload.body, payload.content_type
+                else:
+                    data, content_type = json.dumps(payload).encode(), "application/json"
                 self.send_response(status)
-                self.send_header("content-type", "application/json")
+                self.send_header("content-type", content_type)
                 self.send_header("content-length", str(len(data)))
                 for key, value in headers.items():
                     self.send_header(key, value)

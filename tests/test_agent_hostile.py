@@ -1,0 +1,443 @@
+"""The agent against a misbehaving API and damaged transcripts: a typed error or a repair, never
+a traceback, never a record its own loader rejects, never a session that cannot be resumed.
+
+The real SDK talks to the scripted server over HTTP; the CLI runs as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import anyio
+import pytest
+
+from pipeline import Pipeline, SessionContext, TranscriptWriter, load_transcript, to_api
+from pipeline.agent import (
+    INTERRUPTED_RESULT,
+    Agent,
+    AgentAPIError,
+    RetryPolicy,
+    SessionBusyError,
+    repair_pairing,
+    session_lock,
+    store_root_of,
+)
+from pipeline.agent.retry import retry_after_seconds
+from pipeline.pairing import PairingError, check_pairing
+from pipeline.testing import QuietLogger, RawReply, Reply, ScriptedMessagesServer, ScriptError
+from pipeline.tools import tool
+from stages import ToolResultBudget
+from tests.builders import assistant, results, tool_result, tool_use, user_text
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+PARTLY_ANSWERED = (
+    CORPUS / "claude-code_durban-designer-vsla" / "f6108699-47cc-4b21-8ca6-3223992990b3.jsonl"
+)
+
+Script = Callable[[dict[str, Any]], Reply | ScriptError | RawReply]
+
+
+def _message(**over: Any) -> bytes:
+    body: dict[str, Any] = {
+        "id": "msg_x",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [{"type": "text", "text": "hi"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 3, "output_tokens": 2},
+    }
+    body.update(over)
+    return json.dumps(body).encode()
+
+
+@tool(input_schema={"type": "object", "properties": {}})
+async def ping() -> str:
+    """Answer pong."""
+    return "pong"
+
+
+def _agent(server: ScriptedMessagesServer, root: Path, sid: str = "s1", **kw: Any) -> Agent:
+    client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+    ctx = SessionContext(
+        sid,
+        root,
+        transcript=TranscriptWriter(root / sid / "transcript.jsonl", sid),
+        logger=QuietLogger(),
+    )
+    return Agent(client, model="m", pipeline=Pipeline([]), ctx=ctx, tools=[ping], **kw)
+
+
+def _uses(*ids: str) -> list[dict[str, Any]]:
+    return [{"type": "tool_use", "id": t, "name": "ping", "input": {}} for t in ids]
+
+
+MALFORMED: dict[str, bytes] = {
+    "invalid JSON": b"{not json",
+    "empty body": b"",
+    "HTML": b"<html><body>Bad gateway</body></html>",
+    "wrong shape": b'{"foo": 1}',
+    "null content": _message(content=None),
+    "string content": _message(content="a string"),
+    "null usage": _message(usage=None),
+    "negative usage": _message(usage={"input_tokens": -5, "output_tokens": 1}),
+    "huge usage": _message(usage={"input_tokens": 10**13, "output_tokens": 1}),
+    "text is a number": _message(content=[{"type": "text", "text": 5}]),
+    "model is a number": _message(model=5),
+    "tool_use without id": _message(
+        content=[{"type": "tool_use", "name": "ping", "input": {}}], stop_reason="tool_use"
+    ),
+    "tool_use id is an int": _message(
+        content=[{"type": "tool_use", "id": 5, "name": "ping", "input": {}}]
+    ),
+    "duplicate tool_use ids": _message(content=_uses("dup", "dup"), stop_reason="tool_use"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_200_response_is_a_typed_api_error_and_nothing_is_recorded(
+    tmp_path: Path, case: str
+) -> None:
+    body = MALFORMED[case]
+    with ScriptedMessagesServer(lambda _b: RawReply(body)) as server:
+        agent = _agent(server, tmp_path)
+        with pytest.raises(anthropic.APIError) as info:
+            anyio.run(agent.run, "hello")
+    error = info.value
+    assert isinstance(error, AgentAPIError)
+    assert error.kind == "bad_response" and error.status == 200
+    assert "malformed message" in str(error)
+    loaded = load_transcript(tmp_path / "s1" / "transcript.jsonl")  # strict: every line loads
+    assert [m.type for m in loaded.messages] == ["user"]  # the prompt, nothing of the reply
+
+
+def test_a_tool_use_id_reused_from_an_earlier_turn_is_refused(tmp_path: Path) -> None:
+    replies = iter([_message(content=_uses("same"), stop_reason="tool_use")] * 2)
+    with ScriptedMessagesServer(lambda _b: RawReply(next(replies))) as server:
+        agent = _agent(server, tmp_path)
+        with pytest.raises(AgentAPIError, match="already used"):
+            anyio.run(agent.run, "hello")
+    loaded = load_transcript(tmp_path / "s1" / "transcript.jsonl")
+    assert check_pairing(to_api(loaded.messages)) == []  # resumable as it stands
+
+
+def _cli(
+    server: ScriptedMessagesServer | None, cwd: Path, *args: str, **env_over: str
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "ANTHROPIC_"))}
+    if server is not None:
+        env |= {"ANTHROPIC_BASE_URL": server.base_url, "ANTHROPIC_API_KEY": "test-key"}
+    env |= env_over
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "agent", "--model", "m", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_cli_reports_a_malformed_response_in_one_line(tmp_path: Path) -> None:
+    with ScriptedMessagesServer(lambda _b: RawReply(b"<html>oops</html>")) as server:
+        done = _cli(server, tmp_path, "hello", "--session-id", "bad")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "sluicegate: error: API error: bad_response" in done.stderr
+
+
+def test_lone_surrogates_never_make_a_request_unencodable(tmp_path: Path) -> None:
+    # a result cut in the middle of an emoji, as JavaScript writes it, in a transcript ...
+    path = tmp_path / "s1" / "transcript.jsonl"
+    writer = TranscriptWriter(path, "s1")
+    cut = "x" * 100 + "\ud83d"
+    writer.append_messages(
+        [
+            user_text("go"),
+            assistant("msg_0", tool_use("t0", "ping")),
+            results(tool_result("t0", cut)),
+        ]
+    )
+    # ... and a response that carries one too
+    replies = iter(
+        [
+            Reply([{"type": "text", "text": "half \ud800 an emoji"}]),
+            Reply([{"type": "text", "text": "fine"}]),
+        ]
+    )
+    with ScriptedMessagesServer(lambda _b: next(replies)) as server:
+        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        agent = Agent.resume(path, client, model="m", pipeline=Pipeline([]), tools=[ping])
+        anyio.run(agent.run, None)
+        anyio.run(agent.run, "and again")
+        sent = server.requests
+    assert len(sent) == 2
+    first = json.dumps(sent[0])
+    assert "x" * 100 + "\ufffd" in json.loads(first)["messages"][2]["content"][0]["content"]
+    assert sent[1]["messages"][3]["content"][0]["text"] == "half \ufffd an emoji"
+    # the records keep what was said; a later resume sends the same again
+    assert "\ud800" in load_transcript(path).messages[3].content[0]["text"]
+
+
+def _partly_answered(tmp_path: Path) -> Path:
+    path = tmp_path / "s1" / "transcript.jsonl"
+    TranscriptWriter(path, "s1").append_messages(
+        [
+            user_text("go"),
+            assistant("msg_0", tool_use("a", "ping"), tool_use("b", "ping"), tool_use("c", "ping")),
+            results(tool_result("a", "A")),  # the process died before b and c were recorded
+            user_text("continue please"),
+            assistant("msg_1", {"type": "text", "text": "ok"}),
+        ]
+    )
+    return path
+
+
+def test_resume_answers_every_unanswered_call_not_only_a_trailing_one(tmp_path: Path) -> None:
+    path = _partly_answered(tmp_path)
+    lines_before = path.read_text().count("\n")
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "done"}])) as server:
+        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        agent = Agent.resume(path, client, model="m", pipeline=Pipeline([]), tools=[ping])
+        anyio.run(agent.run, "next")
+        again = Agent.resume(path, client, model="m", pipeline=Pipeline([]), tools=[ping])
+        anyio.run(again.run, "and next")
+        sent = server.requests
+    assert check_pairing(sent[0]["messages"]) == []
+    answers = {
+        b["tool_use_id"]: b for b in sent[0]["messages"][2]["content"] if b["type"] == "tool_result"
+    }
+    assert answers["a"]["content"] == "A"
+    assert answers["b"]["content"] == answers["c"]["content"] == INTERRUPTED_RESULT
+    # the repair is not written mid-history; every resume makes the same one
+    assert path.read_text().count("\n") == lines_before + 4  # two prompts, two replies
+    # the second resume sends the first one's request again, byte for byte, as its prefix
+    n = len(sent[0]["messages"])
+    assert json.dumps(sent[1]["messages"][: n - 1]) == json.dumps(sent[0]["messages"][: n - 1])
+
+
+def test_repair_moves_a_late_result_and_drops_orphans_and_second_answers() -> None:
+    history = [
+        user_text("go"),
+        assistant("msg_0", tool_use("a", "ping"), tool_use("b", "ping")),
+        results(tool_result("a", "A"), tool_result("a", "A again"), tool_result("zz", "orphan")),
+        user_text("more"),
+        assistant("msg_1", {"type": "text", "text": "ok"}),
+        results(tool_result("b", "B, too late")),
+    ]
+    repair = repair_pairing(history)
+    assert repair.remaining == []
+    request = to_api(repair.messages)
+    assert check_pairing(request) == []
+    first_results = [b for b in request[2]["content"] if b["type"] == "tool_result"]
+    assert [(b["tool_use_id"], b["content"]) for b in first_results] == [
+        ("a", "A"),
+        ("b", "B, too late"),
+    ]
+    assert sorted(repair.dropped) == ["a", "zz"] and repair.moved == ["b"]
+    assert repair.trailing == []  # nothing stands at the end: nothing to append
+    assert len(history) == 6 and history[2].content[1]["content"] == "A again"  # not modified
+
+
+def test_a_history_that_cannot_be_repaired_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s1" / "transcript.jsonl"
+    TranscriptWriter(path, "s1").append_messages(
+        [
+            user_text("go"),
+            assistant("msg_0", tool_use("dup", "ping")),
+            results(tool_result("dup", "1")),
+            assistant("msg_1", tool_use("dup", "ping")),
+            results(tool_result("dup", "2")),
+        ]
+    )
+    before = path.read_bytes()
+    client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", api_key="k")
+    with pytest.raises(PairingError, match="duplicate_tool_use"):
+        Agent.resume(path, client, model="m", pipeline=Pipeline([]))
+    assert path.read_bytes() == before
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "x"}])) as server:
+        done = _cli(server, tmp_path, "--resume", str(path), "next")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "cannot resume" in done.stderr
+
+
+@pytest.mark.skipif(not PARTLY_ANSWERED.exists(), reason="corpus not available")
+def test_the_partly_answered_corpus_session_resumes(tmp_path: Path) -> None:
+    copy = tmp_path / "x.jsonl"
+    shutil.copyfile(PARTLY_ANSWERED, copy)
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as server:
+        done = _cli(server, tmp_path, "--resume", str(copy), "continue please")
+        sent = server.requests
+    assert done.returncode == 0, done.stderr
+    assert len(sent) == 1 and check_pairing(sent[0]["messages"]) == []
+
+
+def test_cut_between_two_parallel_results_at_every_line(tmp_path: Path) -> None:
+    full = tmp_path / "full.jsonl"
+    TranscriptWriter(full, "s1").append_messages(
+        [
+            user_text("go"),
+            assistant("msg_0", tool_use("a", "ping"), tool_use("b", "ping")),
+            results(tool_result("a", "A")),
+            results(tool_result("b", "B")),
+            assistant("msg_1", tool_use("c", "ping")),
+            results(tool_result("c", "C")),
+            assistant("msg_2", {"type": "text", "text": "done"}),
+        ]
+    )
+    lines = full.read_text().splitlines(keepends=True)
+    client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", api_key="k")
+    for n in range(1, len(lines) + 1):
+        cut = tmp_path / f"cut{n}" / "s1" / "transcript.jsonl"
+        cut.parent.mkdir(parents=True)
+        cut.write_text("".join(lines[:n]))
+        agent = Agent.resume(cut, client, model="m", pipeline=Pipeline([]))
+        assert check_pairing(to_api(agent.history)) == [], n
+
+
+def test_one_process_per_session(tmp_path: Path) -> None:
+    with session_lock(tmp_path / "s1"):
+        with pytest.raises(SessionBusyError), session_lock(tmp_path / "s1"):
+            pass
+        with session_lock(tmp_path / "s2"):  # another session is free
+            pass
+    with session_lock(tmp_path / "s1"):  # released
+        pass
+
+
+def test_the_cli_refuses_a_session_in_use_or_a_reused_id(tmp_path: Path) -> None:
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "x"}])) as server:
+        first = _cli(server, tmp_path, "first task", "--session-id", "dup")
+        assert first.returncode == 0, first.stderr
+        again = _cli(server, tmp_path, "second task", "--session-id", "dup")
+        assert again.returncode == 2 and "already exists" in again.stderr
+        with session_lock(tmp_path / ".sluicegate" / "dup"):
+            busy = _cli(server, tmp_path, "--resume", ".sluicegate/dup/transcript.jsonl", "go on")
+        assert busy.returncode == 1 and "in use by another process" in busy.stderr
+        assert len(server.requests) == 1
+    t = load_transcript(tmp_path / ".sluicegate" / "dup" / "transcript.jsonl")
+    assert [m.type for m in t.messages] == ["user", "assistant"]
+
+
+def test_resume_from_another_directory_keeps_the_store_of_the_session(tmp_path: Path) -> None:
+    a = tmp_path / "A"
+    big = "line\n" * 20_000
+    replies = iter(
+        [
+            Reply([{"type": "tool_use", "id": "t1", "name": "emit", "input": {}}], "tool_use"),
+            Reply([{"type": "text", "text": "saved"}]),
+            Reply([{"type": "text", "text": "read"}]),
+        ]
+    )
+
+    @tool(input_schema={"type": "object", "properties": {}})
+    async def emit() -> str:
+        """Emit a lot."""
+        return big
+
+    with ScriptedMessagesServer(lambda _b: next(replies)) as server:
+        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        sid = "mv1"
+        ctx = SessionContext(
+            sid,
+            a / ".sluicegate",
+            transcript=TranscriptWriter(a / ".sluicegate" / sid / "transcript.jsonl", sid),
+        )
+        agent = Agent(
+            client, model="m", pipeline=Pipeline([ToolResultBudget()]), ctx=ctx, tools=[emit]
+        )
+        anyio.run(agent.run, "go")
+        path = a / ".sluicegate" / sid / "transcript.jsonl"
+        elsewhere = tmp_path / "B"
+        elsewhere.mkdir()
+        cwd = Path.cwd()
+        os.chdir(elsewhere)
+        try:
+            assert (
+                store_root_of(Path("..") / "A" / ".sluicegate" / sid / "transcript.jsonl", sid)
+                == (a / ".sluicegate").resolve()
+            )
+            resumed = Agent.resume(path, client, model="m", pipeline=Pipeline([ToolResultBudget()]))
+        finally:
+            os.chdir(cwd)
+    assert Path(resumed.ctx.root).resolve() == (a / ".sluicegate").resolve()
+    saved = a / ".sluicegate" / sid / "tool-results" / "t1.txt"
+    assert saved.read_text() == big
+    assert not (elsewhere / ".sluicegate").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["hi"], {"ANTHROPIC_API_KEY": ""}, "no API key"),
+        (["hi", "--max-retries", "-5"], {}, "--max-retries must be from 0 to 10"),
+        (["hi"], {"ANTHROPIC_BASE_URL": "http://[::1"}, "ANTHROPIC_BASE_URL"),
+        (["hi"], {"ANTHROPIC_BASE_URL": "ftp://host"}, "ANTHROPIC_BASE_URL"),
+        (["hi", "--store", "afile"], {}, "not a directory"),
+        (["hi", "--session-id", "../../etc"], {}, "--session-id"),
+        (["--resume", "nosid.jsonl", "go"], {}, "no session id"),
+        (["--resume", "badsid.jsonl", "go"], {}, "cannot resume"),
+    ],
+)
+def test_setup_errors_are_one_line_and_leave_nothing_behind(
+    tmp_path: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
+    (tmp_path / "afile").write_text("x")
+    record = {
+        "type": "user",
+        "uuid": "u1",
+        "message": {"role": "user", "content": "hi"},
+    }
+    (tmp_path / "nosid.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "badsid.jsonl").write_text(json.dumps({**record, "sessionId": "../../etc"}) + "\n")
+    base = {"ANTHROPIC_API_KEY": "k", "ANTHROPIC_BASE_URL": "http://127.0.0.1:9"}
+    done = _cli(None, tmp_path, *args, **(base | env))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert message in done.stderr
+    assert not (tmp_path / ".sluicegate").exists()
+
+
+def test_retries_are_bounded_in_number_and_in_wait(tmp_path: Path) -> None:
+    replies: list[Reply | ScriptError] = [
+        ScriptError(529, "overloaded_error", "busy", headers={"retry-after": "0"}),
+        Reply([{"type": "text", "text": "after one retry"}]),
+    ]
+    it = iter(replies)
+    with ScriptedMessagesServer(lambda _b: next(it)) as server:
+        agent = _agent(server, tmp_path, retry=RetryPolicy(retries=2))
+        result = anyio.run(agent.run, "hello")
+    assert result.text == "after one retry" and len(server.requests) == 2
+
+    # the API asks for a day: refused at once, not waited for
+    far = ScriptError(429, "rate_limit_error", "slow down", headers={"retry-after": "100000"})
+    with ScriptedMessagesServer(lambda _b: far) as server:
+        agent = _agent(server, tmp_path / "2", retry=RetryPolicy(retries=5, max_wait=60))
+        with pytest.raises(AgentAPIError) as info:
+            anyio.run(agent.run, "hello")
+        assert len(server.requests) == 1
+    assert info.value.kind == "rate_limited" and info.value.retry_after == 100_000
+
+    policy = RetryPolicy(retries=3, base_delay=0.5, max_delay=2)
+    assert [policy.wait_before(n, "server", None) for n in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, None]
+    assert policy.wait_before(1, "bad_request", None) is None
+    assert policy.wait_before(1, "bad_response", None) is None
+    with pytest.raises(ValueError):
+        RetryPolicy(retries=-5)
+    with pytest.raises(ValueError):
+        RetryPolicy(max_wait=float("nan"))
+    assert retry_after_seconds({"retry-after-ms": "1500"}) == 1.5
+    assert retry_after_seconds({"retry-after": "nonsense"}) is None
+    assert retry_after_seconds({"retry-after": "inf"}) is None
