@@ -1,9 +1,10 @@
 """The tool-result store on a real file system, and what the budget stage does when it fails.
 
-docs/behaviour.md §3 and invariant 7: exclusive create, 0600 files / 0700 directories, ``.txt`` vs
-``.json``, hostile tool_use_ids that never escape ``<root>/<session>/tool-results/``, symlinks
-planted in the store's way, a store that cannot write (the turn completes with the original
-content, the id is frozen), and a crash between the temp write and the link.
+docs/behaviour.md §3 and invariant 7: an existing file reused only when it holds the same bytes,
+0600 files / 0700 directories, ``.txt`` vs ``.json``, hostile tool_use_ids that never escape
+``<root>/<session>/tool-results/``, symlinks planted in the store's way, a store that cannot write
+(the turn completes with the original content, the id is frozen), and a crash between the temp
+write and the link. Planted files, foreign directories and leftover temp files: test_store_hostile.
 """
 
 from __future__ import annotations
@@ -122,19 +123,28 @@ async def test_relative_root_still_returns_an_absolute_path(
 
 
 @pytest.mark.anyio
-async def test_exclusive_create_keeps_the_first_bytes_and_returns_the_same_path(
+async def test_same_id_same_content_reuses_the_file_other_content_gets_its_own(
     tmp_path: Path,
 ) -> None:
     store = _store(tmp_path)
     first = await store.persist("toolu_same", "first content", "txt")
+    inode = os.lstat(first).st_ino
+    # the same content again (a resumed session, a replay): the same file, untouched
+    assert await store.persist("toolu_same", "first content", "txt") == first
+    assert await _store(tmp_path).persist("toolu_same", "first content", "txt") == first
+    assert os.lstat(first).st_ino == inode
+    # other content under the same id: never served the first file's bytes
     second = await store.persist("toolu_same", "SECOND, different", "txt")
-    assert first == second
+    digest = hashlib.sha256(b"SECOND, different").hexdigest()[:12]
+    assert Path(second).name == f"toolu_same.{digest}.txt"
+    assert Path(second).read_text(encoding="utf-8") == "SECOND, different"
     assert Path(first).read_text(encoding="utf-8") == "first content"
-    # a second store object on the same directory (a resumed session) behaves the same
-    third = await _store(tmp_path).persist("toolu_same", "third", "txt")
-    assert third == first
-    assert Path(first).read_text(encoding="utf-8") == "first content"
-    assert _tmp_leftovers(Path(first).parent) == []
+    # a second store object on the same directory (a resumed session) finds the same paths
+    assert await _store(tmp_path).persist("toolu_same", "SECOND, different", "txt") == second
+    assert await _store(tmp_path).persist("toolu_same", "first content", "txt") == first
+    assert sorted(p.name for p in Path(first).parent.iterdir()) == sorted(
+        [Path(first).name, Path(second).name]
+    )
 
 
 @pytest.mark.anyio
@@ -507,13 +517,30 @@ async def test_stale_temp_file_from_an_earlier_crash_is_not_taken_for_the_result
 ) -> None:
     directory = tmp_path / SESSION / "tool-results"
     directory.mkdir(parents=True, mode=0o700)
-    stale = directory / ".tmp-0123456789abcdef-toolu_st.txt"
-    stale.write_text("partial", encoding="utf-8")
+    # a temp file as a live writer (this process, pid in the name) has it mid-write
+    mine = await _temp_name_of_this_process(tmp_path / "probe")
+    live = directory / (mine[: -len("toolu_probe.txt")] + "toolu_st.txt")
+    live.write_text("partial", encoding="utf-8")
     path = await _store(tmp_path).persist("toolu_st", "the complete output", "txt")
     assert Path(path).name == "toolu_st.txt"
     assert Path(path).read_text(encoding="utf-8") == "the complete output"
-    # the store's own temp files are gone; the stale one is none of its business
-    assert _tmp_leftovers(directory) == [stale.name]
+    # the store's own temp file is gone; a live writer's one is left alone
+    assert _tmp_leftovers(directory) == [live.name]
+
+
+async def _temp_name_of_this_process(root: Path) -> str:
+    """The name of the temp file this process uses for ``toolu_probe.txt`` (kept by a failing
+    unlink), which carries this process's pid and host."""
+    directory = root / SESSION / "tool-results"
+
+    def keep(path: Path) -> None:
+        raise OSError(errno.EIO, "kept")
+
+    store = FileToolResultStore(root, SESSION, file_ops=lambda _t: _Ops(unlink=keep))
+    with pytest.raises(OSError):
+        await store.persist("toolu_probe", "x", "txt")
+    (name,) = _tmp_leftovers(directory)
+    return name
 
 
 # --------------------------------------------------------------------------------------------
