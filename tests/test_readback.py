@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import tracemalloc
 from pathlib import Path
 
+import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pipeline import Pipeline, SessionContext, ToolPolicies
-from pipeline.readback import PersistedOutputReader, ReadbackError
+from pipeline import Pipeline, SessionContext, ToolPolicies, readback
+from pipeline.readback import LineReader, PersistedOutputReader, ReadbackError
 from pipeline.storage import FileToolResultStore
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use
@@ -120,3 +125,203 @@ async def test_reads_what_the_budget_persisted_and_is_never_persisted(tmp_path: 
     assert out2[3].content[0]["content"] == original  # type: ignore[index]
     assert reader.definition["name"] == reader_name
     assert reader.definition["input_schema"]["required"] == ["path"]  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile paths and values: ReadbackError only, with a bounded message
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hostile_root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "ok.txt").write_text("fine\n")
+    os.symlink("self", root / "self")
+    os.symlink("loop_b", root / "loop_a")
+    os.symlink("loop_a", root / "loop_b")
+    return root
+
+
+def _reader(root: Path, **kwargs: int) -> LineReader:
+    return LineReader([root], name="read_file", description="Read a file.", **kwargs)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param("\ud83d", id="lone-surrogate"),
+        pytest.param("ok.txt\ud800", id="surrogate-suffix"),
+        pytest.param("x" * 100_000, id="100k-name"),
+        pytest.param("/".join(["d"] * 50_000), id="100k-path"),
+        pytest.param("self", id="symlink-to-itself"),
+        pytest.param("loop_a", id="two-link-loop"),
+        pytest.param("self/ok.txt", id="loop-in-the-middle"),
+        pytest.param("ok.txt\x00/etc/passwd", id="nul"),
+    ],
+)
+async def test_hostile_paths_raise_only_a_bounded_readback_error(
+    hostile_root: Path, path: str
+) -> None:
+    for form in (path, f"{hostile_root}/{path}"):
+        with pytest.raises(ReadbackError) as info:
+            await _reader(hostile_root)({"path": form})
+        message = str(info.value)
+        assert len(message) < 400, message[:500]
+        message.encode("utf-8")  # safe to send: no lone surrogate in the message itself
+        if len(form) > 1_000:
+            assert f"({len(form):,} chars)" in message
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "request_",
+    [
+        pytest.param({"offset": -(10**6000)}, id="offset-beyond-int-str-limit"),
+        pytest.param({"offset": "x" * 100_000}, id="offset-100k-string"),
+        pytest.param({"limit": ["\ud83d"] * 10_000}, id="limit-long-list"),
+        pytest.param({"offset": 10**6000}, id="offset-past-end-huge"),
+        pytest.param({"path": "p" * 100_000 + "\x00"}, id="long-path-with-nul"),
+        pytest.param({"path": {"a": 1}}, id="path-object"),
+    ],
+)
+async def test_hostile_values_raise_a_bounded_readback_error(
+    hostile_root: Path, request_: dict[str, object]
+) -> None:
+    with pytest.raises(ReadbackError) as info:
+        await _reader(hostile_root)({"path": "ok.txt", **request_})
+    assert len(str(info.value)) < 400
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")
+async def test_a_read_error_is_a_readback_error(tmp_path: Path) -> None:
+    # /proc/<pid>/mem is a regular file whose first page is unmapped: reading it fails with EIO
+    reader = _reader(Path("/proc/self").resolve())
+    with pytest.raises(ReadbackError, match="cannot read 'mem'"):
+        await reader({"path": "mem"})
+
+
+# --------------------------------------------------------------------------------------------
+# Memory stays bounded whatever the file
+# --------------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+MEMORY_BOUND = 16 << 20
+
+
+async def _peak(reader: LineReader, request: dict[str, object]) -> tuple[str | Exception, int]:
+    """The reader's answer (or error) and the peak of Python allocations while serving it."""
+    tracemalloc.start()
+    try:
+        try:
+            answer: str | Exception = await reader(request)
+        except ReadbackError as exc:
+            answer = exc
+        return answer, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.fixture
+def gigabyte_line(tmp_path: Path) -> Path:
+    """A 1 GB first line of NULs with no line end, then two short lines (sparse: no disk)."""
+    path = tmp_path / "root" / "big.txt"
+    path.parent.mkdir()
+    with path.open("wb") as fh:
+        fh.truncate(GIB)
+        fh.seek(GIB)
+        fh.write(b"\nsecond line\nthird\n")
+    return path
+
+
+@pytest.mark.asyncio
+async def test_a_gigabyte_line_is_cut_in_bounded_memory(gigabyte_line: Path) -> None:
+    reader = PersistedOutputReader(gigabyte_line.parent)
+    page, peak = await _peak(reader, {"path": "big.txt", "limit": 1})
+    assert peak < MEMORY_BOUND, f"peak {peak:,} bytes"
+    assert isinstance(page, str)
+    body, _, notice = page.partition("\n[")
+    assert body == "\x00" * readback.DEFAULT_MAX_CHARS
+    assert notice.startswith(f"output cut at {readback.DEFAULT_MAX_CHARS} chars within line 1")
+    assert notice.endswith("next: offset=2]")
+
+
+@pytest.mark.asyncio
+async def test_paging_past_a_gigabyte_line_is_bounded_in_memory(gigabyte_line: Path) -> None:
+    reader = PersistedOutputReader(gigabyte_line.parent)
+    page, peak = await _peak(reader, {"path": "big.txt", "offset": 2, "limit": 1})
+    assert peak < MEMORY_BOUND, f"peak {peak:,} bytes"
+    assert page == "second line\n\n[lines 2-2 of 3; next: offset=3]"
+    error, peak = await _peak(reader, {"path": "big.txt", "offset": 5})
+    assert peak < MEMORY_BOUND, f"peak {peak:,} bytes"
+    assert isinstance(error, ReadbackError)
+    assert str(error) == "offset 5 is past the end (3 lines)"
+
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def _reference_lines(text: str) -> list[str]:
+    """``text`` split after each line end as the reader counts them (``\\r\\n``, ``\\r``,
+    ``\\n``)."""
+    ends = [m.end() for m in _LINE_END.finditer(text)]
+    starts = [0, *ends]
+    lines = [text[a:b] for a, b in zip(starts, [*ends, len(text)], strict=True)]
+    return [line for line in lines if line]
+
+
+def _reference_page(lines: list[str], offset: int, limit: int, max_chars: int) -> str:
+    """The page the reader should give, computed from the whole file in memory."""
+    out: list[str] = []
+    used = 0
+    for line in lines[offset - 1 : offset - 1 + limit]:
+        room = max_chars - used
+        if room == 0:
+            break
+        if len(line) > room:
+            out.append(line[:room])
+            last = offset + len(out) - 1
+            return "".join(out) + (
+                f"\n[output cut at {max_chars} chars within line {last}; "
+                f"the rest of that line is not shown; next: offset={last + 1}]"
+            )
+        out.append(line)
+        used += len(line)
+    last = offset + len(out) - 1
+    if last < len(lines):
+        return "".join(out) + f"\n[lines {offset}-{last} of {len(lines)}; next: offset={last + 1}]"
+    return "".join(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.lists(st.sampled_from([b"a", b"\xc3\xa9", b"\r", b"\n", b"\r\n", b"\xff", b"\x00"])),
+    chunk=st.integers(1, 9),
+    limit=st.integers(1, 5),
+    max_chars=st.integers(1, 12),
+)
+def test_every_page_matches_a_whole_file_reference_at_any_chunk_size(
+    tmp_path_factory: pytest.TempPathFactory,
+    data: list[bytes],
+    chunk: int,
+    limit: int,
+    max_chars: int,
+) -> None:
+    """Tiny read chunks split line ends (``\\r|\\n``) between reads: the pages stay exact."""
+    root = tmp_path_factory.mktemp("pages")
+    raw = b"".join(data)
+    (root / "f.txt").write_bytes(raw)
+    lines = _reference_lines(raw.decode("utf-8", errors="replace"))
+    reader = _reader(root, max_chars=max_chars, default_limit=limit)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(readback, "_CHUNK", chunk)
+        for offset in range(1, len(lines) + 1):
+            page = anyio.run(reader, {"path": "f.txt", "offset": offset})
+            assert page == _reference_page(lines, offset, limit, max_chars)
+        if lines:
+            with pytest.raises(ReadbackError, match=f"past the end \\({len(lines)} lines\\)"):
+                anyio.run(reader, {"path": "f.txt", "offset": len(lines) + 1})
+        else:
+            assert anyio.run(reader, {"path": "f.txt"}) == ""
