@@ -8,8 +8,11 @@ sidechain records. The loaded thread is the non-sidechain records where there ar
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import stat
 import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,12 +22,14 @@ from typing import Any
 
 from pipeline.messages import Block, Content, Message, Usage, new_uuid, now_timestamp
 from pipeline.replacement import ReplacementRecord
+from pipeline.tokens.checks import bounded_repr, bounded_text
 
 __all__ = [
     "LineProblem",
     "StageRecord",
     "Transcript",
     "TranscriptError",
+    "TranscriptPathError",
     "TranscriptWriter",
     "load_transcript",
     "message_to_record",
@@ -33,6 +38,10 @@ __all__ = [
 _MESSAGE_RECORD_TYPES = frozenset({"user", "assistant", "progress", "attachment", "system"})
 CONTENT_REPLACEMENT = "content-replacement"
 STAGE_RECORD = "stage-record"
+_BOM = "\ufeff"
+_MAX_REASON = 300
+"""Longest reason a malformed line reports: values are quoted at most ~80 characters each, and
+this caps whatever else an error might carry (a hostile line must not print megabytes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +185,27 @@ def _parse_message(raw: Mapping[str, Any]) -> Message:
     return Message(type="progress", **common)  # progress payloads are UI-only: not kept
 
 
+def _replacement_record(rep: Any) -> ReplacementRecord:
+    """One ``content-replacement`` entry. The fields are checked here first, so that every
+    value an error quotes is cut short (:func:`bounded_repr`): a hostile entry must not turn
+    into a message of megabytes."""
+    if not isinstance(rep, Mapping):
+        raise ValueError("content-replacement entry is not an object")
+    tool_use_id, replacement = rep.get("tool_use_id"), rep.get("replacement")
+    kind = rep.get("kind", "tool-result")
+    if not isinstance(tool_use_id, str) or not tool_use_id:
+        raise ValueError(f"replacement record: bad tool_use_id {bounded_repr(tool_use_id)}")
+    if not isinstance(replacement, str):
+        raise ValueError(
+            f"replacement record {bounded_repr(tool_use_id)}: replacement is not a string"
+        )
+    if not isinstance(kind, str):
+        raise ValueError(
+            f"replacement record {bounded_repr(tool_use_id)}: bad kind {bounded_repr(kind)}"
+        )
+    return ReplacementRecord.from_json(rep)
+
+
 MAX_NESTING = 256
 """Deepest JSON nesting a record may have. Real records stay under 20; anything deeper would
 only reach recursion limits later (estimating, serialising a request), far from its line."""
@@ -212,6 +242,8 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
     # JSONL lines end at "\n" only: a bare "\r" is JSON whitespace inside a record
     with p.open("r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
         for lineno, line in enumerate(fh, start=1):
+            if lineno == 1 and line.startswith(_BOM):
+                line = line[1:]  # a byte order mark some editors write: only at the file's start
             if not line.strip():
                 continue
             try:
@@ -226,9 +258,7 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
                     reps = raw.get("replacements")
                     if not isinstance(reps, list):
                         raise ValueError("content-replacement without a 'replacements' list")
-                    if not all(isinstance(rep, Mapping) for rep in reps):
-                        raise ValueError("content-replacement entry is not an object")
-                    parsed = [ReplacementRecord.from_json(rep) for rep in reps]  # all or none
+                    parsed = [_replacement_record(rep) for rep in reps]  # all or none
                     records.extend(parsed)
                 elif rtype == STAGE_RECORD:
                     stage, data = raw.get("stage"), raw.get("data")
@@ -241,7 +271,7 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
                     msg = _parse_message(raw)
                     (side if msg.is_sidechain else main).append(msg)
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
-                reason = f"malformed record: {exc}"
+                reason = f"malformed record: {bounded_text(str(exc), _MAX_REASON)}"
                 if strict:
                     raise TranscriptError(p, lineno, reason) from None
                 result.problems.append(LineProblem(lineno, reason))
@@ -313,11 +343,22 @@ def message_to_record(
     return rec
 
 
+class TranscriptPathError(OSError):
+    """The transcript cannot be written safely where it was asked for: the file or its
+    directory is a symbolic link, or not a regular file / a real directory. Nothing is written
+    there (following a planted link would append the conversation to another file)."""
+
+
 class TranscriptWriter:
     """Appends messages and ``content-replacement`` records to a session JSONL file.
 
     Each append is one ``write`` of whole lines followed by a flush and ``fsync``, so a crash
     leaves at most a torn last line, which a ``strict=False`` load skips and reports.
+
+    The file is created 0600 and missing directories above it 0700 (the conversation is
+    private). A transcript or session directory that is a symbolic link, or not a regular file
+    or a real directory, is refused with :class:`TranscriptPathError`, here when it is already
+    so and on every append (it may be planted later).
     """
 
     def __init__(
@@ -326,16 +367,13 @@ class TranscriptWriter:
         self.path = Path(path)
         self.session_id = session_id
         self.agent_id = agent_id
-        self._last_uuid: str | None = None
-        if self.path.exists():
-            self._last_uuid = _last_uuid(self.path)
+        self._last_uuid: str | None = _last_uuid(self.path)
 
     def _write_lines(self, records: Iterable[Mapping[str, Any]]) -> None:
         payload = b"".join(map(_encode_line, records))
         if not payload:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         try:
             # After a crash the file may end in a torn line: start on a fresh line, or the
             # first record appended now would be glued to it and lost with it.
@@ -381,10 +419,71 @@ class TranscriptWriter:
         self._write_lines([entry])
 
 
+def _make_private_dirs(directory: Path) -> None:
+    """Create ``directory`` and any missing parent 0700 (``Path.mkdir(parents=True)`` would
+    give the parents the default mode, 0755 under the usual umask)."""
+    missing: list[Path] = []
+    d = directory
+    while not os.path.lexists(d) and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        # made meanwhile (another writer): what it is gets checked on opening it
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+
+
+def _open_transcript(path: Path, flags: int) -> int:
+    """A descriptor for the transcript at ``path``, opened relative to its directory, which
+    itself is opened without following a link: no symbolic link at either place is ever
+    followed, even one planted between two appends. ``O_CREAT`` in ``flags`` creates what is
+    missing (the file 0600, directories 0700)."""
+    directory = path.parent
+    if flags & os.O_CREAT:
+        _make_private_dirs(directory)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise TranscriptPathError(
+                errno.ENOTDIR,
+                "refusing the transcript's directory: it is a symbolic link or not a directory "
+                "(give the real path)",
+                str(directory),
+            ) from None
+        raise
+    try:
+        fd = os.open(
+            path.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=dir_fd
+        )
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TranscriptPathError(
+                errno.ELOOP,
+                "refusing to write the transcript through a symbolic link (give the real path)",
+                str(path),
+            ) from None
+        raise
+    finally:
+        os.close(dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TranscriptPathError(errno.EINVAL, "the transcript is not a regular file", str(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _last_uuid(path: Path) -> str | None:
+    """The uuid of the last record of an existing transcript (None for a new one)."""
+    try:
+        fd = _open_transcript(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
     last: str | None = None
-    with path.open("r", encoding="utf-8", errors="surrogateescape") as fh:
-        for line in fh:
+    with os.fdopen(fd, "r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if lineno == 1 and line.startswith(_BOM):
+                line = line[1:]
             try:
                 raw = json.loads(line)
             except ValueError:

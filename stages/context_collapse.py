@@ -9,7 +9,9 @@ holding the latest prompt, the anchor's round and the last ``keep_recent_rounds`
 replaces each committed span by one user text ``SUMMARY_HEADER + summary``: after a user part
 (to_api merges it there, after the tool_results) or between responses, then a response — roles
 alternate, no pair splits. Active commits set ``suppress_autocompact``; commits are recorded
-(``{"uuids", "summary", "anchor"}``) so a resumed session restores them.
+(``{"uuids", "summary", "anchor"}``) so a resumed session restores them. A record that is
+malformed, or whose span names a record collapse keeps, is ignored with a warning
+(``stage_record.ignored``).
 
 Decision span per pass (``context_collapse.decision``): ``skip`` or ``reapply`` with
 ``no_summarizer``, ``below_trigger``, ``nothing_eligible`` or ``circuit_open`` (``max_failures``
@@ -21,7 +23,7 @@ failed or discarded summaries in a row: stop paying for them); ``collapse`` with
 from __future__ import annotations
 
 import uuid as _uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -42,6 +44,13 @@ from stages._shared import (
     reapply_projection,
     record_decision,
     session_state,
+)
+from stages._shared.records import (
+    check_not_kept,
+    check_optional_str,
+    check_uuid_list,
+    kept_uuids,
+    parse_records,
 )
 
 __all__ = ["SUMMARY_HEADER", "ContextCollapse"]
@@ -67,15 +76,26 @@ class _CollapseState:
     """The previous pass's output (``applied``: commits active), while it can be extended."""
 
     @classmethod
-    def restore(cls, records: list[Mapping[str, Any]]) -> _CollapseState:
-        """A resumed session's state: every recorded commit, repeated."""
-        state = cls()
-        for data in records:
-            uuids, summary, anchor = data.get("uuids"), data.get("summary"), data.get("anchor")
-            if isinstance(uuids, list) and uuids and isinstance(summary, str):
-                anchor = anchor if isinstance(anchor, str) else None
-                state.commits.append(_Commit(tuple(map(str, uuids)), summary, anchor))
-        return state
+    def restore(cls, commits: Iterable[_Commit]) -> _CollapseState:
+        """A resumed session's state: every recorded commit (checked), repeated."""
+        return cls(commits=list(commits))
+
+
+def _parse_commit(data: Mapping[str, Any], strategy: str, kept: Collection[str]) -> _Commit:
+    """The commit a record holds; ``ValueError`` when it is not one this stage could have
+    written: a wrong shape, or a span naming a record collapse always keeps in this history."""
+    if data.get("strategy", strategy) != strategy:
+        raise ValueError(f"not a {strategy} record")
+    summary = data.get("summary")
+    if not isinstance(summary, str) or not summary:
+        raise ValueError("'summary' must be a non-empty string")
+    commit = _Commit(
+        check_uuid_list(data.get("uuids"), "uuids"),
+        summary,
+        check_optional_str(data.get("anchor"), "anchor"),
+    )
+    check_not_kept(commit.uuids, kept, ContextCollapse.name)
+    return commit
 
 
 def _summary_message(commit: _Commit) -> Message:
@@ -180,8 +200,8 @@ class ContextCollapse:
         )
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        state = session_state(ctx, self.name, _CollapseState, _CollapseState.restore)
         view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
+        state = session_state(ctx, self.name, _CollapseState, partial(self._restore, ctx, view))
         project = partial(_project, messages, state.commits)
         out, active, last = reapply_projection(
             messages, state, len(state.commits), lambda: project(view.ok), reuse=self.incremental
@@ -231,6 +251,19 @@ class ContextCollapse:
             facts=facts,
         )
         return out
+
+    def _restore(
+        self, ctx: SessionContext, view: RoundView, records: list[Mapping[str, Any]]
+    ) -> _CollapseState:
+        """The state a resumed session's records give, on its first pass. A record that is
+        malformed, or whose span holds what collapse keeps (the first user message, the
+        latest prompt, the anchor's round, the recent rounds: a forged or damaged record), is
+        left out with a warning; the rest are repeated."""
+        if not records:
+            return _CollapseState()
+        kept = kept_uuids(view, self.keep_recent_rounds)
+        parse = partial(_parse_commit, strategy=self.strategy, kept=kept)
+        return _CollapseState.restore(parse_records(ctx, self.name, records, parse))
 
     def _select(self, view: RoundView, state: _CollapseState, before: int) -> list[Message]:
         """The oldest run of collapsible rounds covering the excess over the target, capped."""

@@ -8,7 +8,9 @@ them. Kept: the first user message, the round holding the latest prompt, the anc
 the last ``keep_recent_rounds``. Each removed run becomes one user text (:func:`snip_marker_text`):
 the model learns history is missing, and the wire alternates whatever borders the run; its text
 and uuid depend only on the run. Removals are cumulative, re-applied on every pass, and recorded
-(``{"removed": [new uuids], "anchor": ...}``) so a resumed session restores them.
+(``{"removed": [new uuids], "anchor": ...}``) so a resumed session restores them. A record
+that is malformed, or that names a record snip keeps (a damaged or edited transcript), is
+ignored with a warning (``stage_record.ignored``).
 
 Decision span per pass (``history_snip.decision``): ``skip`` or ``reapply`` with
 ``below_trigger`` or ``nothing_eligible``; ``snip`` with ``over_trigger``.
@@ -37,6 +39,13 @@ from stages._shared import (
     reapply_projection,
     record_decision,
     session_state,
+)
+from stages._shared.records import (
+    check_not_kept,
+    check_optional_str,
+    check_uuid_list,
+    kept_uuids,
+    parse_records,
 )
 
 __all__ = ["HistorySnip", "snip_marker_text"]
@@ -75,14 +84,33 @@ class _SnipState:
                     self.by_anchor.setdefault(anchor, []).append(uid)
 
     @classmethod
-    def restore(cls, records: list[Mapping[str, Any]]) -> _SnipState:
-        """A resumed session's state: every recorded removal, repeated."""
+    def restore(cls, removals: Iterable[_Removal]) -> _SnipState:
+        """A resumed session's state: every recorded removal (checked), repeated."""
         state = cls()
-        for data in records:
-            anchor = data.get("anchor")
-            uids = [u for u in data.get("removed") or () if isinstance(u, str)]
-            state.remove(uids, anchor if isinstance(anchor, str) else None)
+        for removal in removals:
+            state.remove(removal.uuids, removal.anchor)
         return state
+
+
+@dataclass(frozen=True, slots=True)
+class _Removal:
+    """One recorded snip: the uuids it removed and the usage anchor at the time."""
+
+    uuids: tuple[str, ...]
+    anchor: str | None
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], strategy: str, kept: Collection[str]) -> _Removal:
+        """The removal a record holds; ``ValueError`` when it is not one this stage could have
+        written: a wrong shape, or a uuid of a record snip always keeps in this history."""
+        if data.get("strategy", strategy) != strategy:
+            raise ValueError(f"not a {strategy} record")
+        removal = cls(
+            check_uuid_list(data.get("removed"), "removed"),
+            check_optional_str(data.get("anchor"), "anchor"),
+        )
+        check_not_kept(removal.uuids, kept, HistorySnip.name)
+        return removal
 
 
 def _wire_messages(run: Sequence[Message]) -> int:
@@ -185,8 +213,8 @@ class HistorySnip:
         )
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        state = session_state(ctx, self.name, _SnipState, _SnipState.restore)
         view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
+        state = session_state(ctx, self.name, _SnipState, partial(self._restore, ctx, view))
         project = partial(_project, messages, state.removed)
         out, reapplied, last = reapply_projection(
             messages, state, len(state.removed), lambda: project(view.ok), reuse=self.incremental
@@ -234,6 +262,19 @@ class HistorySnip:
             },
         )
         return out
+
+    def _restore(
+        self, ctx: SessionContext, view: RoundView, records: list[Mapping[str, Any]]
+    ) -> _SnipState:
+        """The state a resumed session's records give, on its first pass. A record that is
+        malformed, or that would remove what snip keeps (the first user message, the latest
+        prompt, the anchor's round, the recent rounds: a forged or damaged record), is left
+        out with a warning; the rest are repeated."""
+        if not records:
+            return _SnipState()
+        kept = kept_uuids(view, self.keep_recent_rounds)
+        parse = partial(_Removal.parse, strategy=self.strategy, kept=kept)
+        return _SnipState.restore(parse_records(ctx, self.name, records, parse))
 
     def _select(self, view: RoundView, removed: Collection[str], excess: int) -> list[str]:
         """uuids of the oldest removable rounds whose tokens cover ``excess``."""

@@ -20,13 +20,21 @@ from typing import Any
 import anthropic
 import pytest
 
-from pipeline import Pipeline, ReplacementState, SessionContext, load_transcript, to_api
+from pipeline import (
+    Pipeline,
+    ReplacementState,
+    SessionContext,
+    TranscriptWriter,
+    load_transcript,
+    to_api,
+)
 from pipeline.agent import INTERRUPTED_RESULT, Agent
 from pipeline.pairing import check_pairing
 from pipeline.replay import find_calls
 from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.tools import tool
-from stages import ToolResultBudget
+from stages import ContextCollapse, HistorySnip, ToolResultBudget
+from tests.rounds_support import agentic
 
 CHILD = """
 import sys, anyio, anthropic
@@ -147,3 +155,35 @@ async def test_sigkill_mid_turn_then_resume(tmp_path: Path) -> None:
     )
     final = load_transcript(log, strict=False)
     assert check_pairing(to_api(final.messages)) == []
+
+
+@pytest.mark.asyncio
+async def test_a_damaged_or_forged_stage_record_never_stops_a_resume(tmp_path: Path) -> None:
+    """A ``stage-record`` of the wrong shape, or one naming records the stage always keeps, is
+    ignored on resume (with a warning): the session goes on, its task still first."""
+    log = tmp_path / "t.jsonl"
+    writer = TranscriptWriter(log, "damaged")
+    history = agentic(34)
+    writer.append_messages(history)
+    every = [m.uuid for m in history]
+    writer.append_stage_record("history_snip", {"removed": 5})
+    writer.append_stage_record("history_snip", {"strategy": "snip-middle", "removed": every})
+    writer.append_stage_record("context_collapse", {"uuids": every[:5], "summary": "forged"})
+    pipe = Pipeline(
+        [
+            HistorySnip(context_window=10_000, keep_recent_rounds=4),
+            ContextCollapse(context_window=10_000, keep_recent_rounds=4),
+        ]
+    )
+    with ScriptedMessagesServer(lambda body: Reply([{"type": "text", "text": "done"}])) as server:
+        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        agent = Agent.resume(log, client, model="m", pipeline=pipe, root=tmp_path / "store")
+        result = await agent.run("continue")
+        [sent] = server.requests
+    assert result.text == "done"
+    first = sent["messages"][0]["content"]
+    assert first == "Fix the failing tests." or first[0]["text"].startswith(
+        "Fix the failing tests."
+    )
+    assert "forged" not in json.dumps(sent["messages"])
+    assert check_pairing(sent["messages"]) == []

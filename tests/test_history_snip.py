@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,6 +25,7 @@ from pipeline import (
 from pipeline.testing import assert_same_messages
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR
+from pipeline.transcript import StageRecord
 from stages import HistorySnip
 from stages.history_snip import snip_marker_text
 from tests.builders import tool_result, tool_use
@@ -236,6 +238,102 @@ async def test_a_resumed_session_sends_the_same_requests(tmp_path: Path) -> None
     # and they stay in step as the session goes on
     grown = answered(history, await run(stage, history, live), 45, 1_000)
     assert dump(await run(stage, grown, resumed)) == dump(await run(stage, grown, live))
+
+
+MALFORMED_SNIPS: list[dict[str, Any]] = [
+    {"removed": 5},
+    {"removed": "a0"},
+    {"removed": [1, 2]},
+    {"removed": [["a0"]]},
+    {"removed": []},
+    {"removed": None},
+    {},
+    {"removed": ["a0", "r0"], "anchor": 7},
+    {"strategy": "another", "removed": ["a0", "r0"]},
+]
+
+
+@pytest.mark.parametrize("data", MALFORMED_SNIPS, ids=[json.dumps(d) for d in MALFORMED_SNIPS])
+@pytest.mark.asyncio
+async def test_a_malformed_record_is_ignored_with_a_warning(
+    tmp_path: Path, data: dict[str, Any]
+) -> None:
+    history = agentic(34)
+    fresh = await run(small_snip(), history, make_ctx(tmp_path, session_id="fresh"))
+    with structlog.testing.capture_logs() as logs:  # (a context logs as it was made)
+        resumed = make_ctx(tmp_path, stage_records=[StageRecord("history_snip", data)])
+        out = await run(small_snip(), history, resumed)  # no StageError
+    assert dump(out) == dump(fresh)  # as if the record had never been written
+    [event] = [e for e in logs if e["event"] == "stage_record.ignored"]
+    assert event["stage"] == "history_snip" and event["record"] == 0
+    assert event["log_level"] == "warning"
+
+
+def _forged(history: list[Message]) -> dict[str, list[str]]:
+    every = [m.uuid for m in history]
+    return {
+        "everything": every,
+        "the-task-and-first-rounds": every[:7],
+        "the-recent-rounds": every[-8:],
+        "a-middle-round-and-the-latest": [*every[5:7], *every[-2:]],
+    }
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    [
+        "everything",
+        "the-task-and-first-rounds",
+        "the-recent-rounds",
+        "a-middle-round-and-the-latest",
+    ],
+)
+@pytest.mark.asyncio
+async def test_a_forged_removal_never_takes_what_snip_keeps(tmp_path: Path, forgery: str) -> None:
+    history = agentic(20)  # below the trigger: nothing of its own to snip
+    removed = _forged(history)[forgery]
+    with structlog.testing.capture_logs() as logs:
+        record = StageRecord("history_snip", {"removed": removed})
+        resumed = make_ctx(tmp_path, stage_records=[record])
+        out = await run(small_snip(), history, resumed)
+    assert out[0] is history[0]  # the first user message, verbatim
+    assert all(m in out for m in history[-8:])  # the last 4 rounds
+    assert out == history and wire_ok(out)
+    assert [e["event"] for e in logs].count("stage_record.ignored") == 1
+
+
+@pytest.mark.asyncio
+async def test_a_bad_record_costs_only_itself(tmp_path: Path) -> None:
+    """The valid records around a damaged one still restore the session byte for byte."""
+    stage = small_snip()
+    live = make_ctx(tmp_path)
+    history, _, freed = await live_session(stage, live, 45)
+    assert sum(1 for f in freed if f) >= 1
+    records = [
+        StageRecord("history_snip", {"removed": 5}),
+        *live.stage_records,
+        StageRecord("history_snip", {"removed": ["first"]}),
+    ]
+    resumed = make_ctx(tmp_path, stage_records=records)
+    assert dump(await run(stage, history, resumed)) == dump(await run(stage, history, live))
+
+
+@pytest.mark.asyncio
+async def test_a_malformed_record_in_the_transcript_does_not_stop_a_resume(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s1.jsonl"
+    writer = TranscriptWriter(path, "s1")
+    history = agentic(34)
+    writer.append_messages(history)
+    writer.append_stage_record("history_snip", {"removed": 5})
+    writer.append_stage_record("history_snip", {"removed": [m.uuid for m in history]})
+    loaded = load_transcript(path)  # the loader only checks that ``data`` is an object
+    assert len(loaded.stage_records) == 2
+    resumed = make_ctx(tmp_path, stage_records=loaded.stage_records)
+    out = await run(small_snip(), loaded.messages, resumed)
+    fresh = await run(small_snip(), history, make_ctx(tmp_path, session_id="fresh"))
+    assert dump(out) == dump(fresh) and out[0].uuid == "first"
 
 
 @pytest.mark.asyncio

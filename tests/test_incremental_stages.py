@@ -33,6 +33,8 @@ from pipeline.incremental import AppendWatch
 from pipeline.testing import MemoryStore, QuietLogger, RecordReads, assert_same_messages
 from pipeline.tracing import ATTR, Decision
 from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
+from stages.context_collapse import _CollapseState, _parse_commit
+from stages.history_snip import _Removal, _SnipState
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.edit_support import Gen, edit_history, records, run_sessions
 
@@ -116,10 +118,22 @@ class Twin:
 
         ref_ctx = _ctx(self.store, replacement_state=ledger, stage_records=records)
         fresh = _stages(incremental=False)  # every pass from the whole history
+        # Restored from the records, without the check that a record never takes what the
+        # stage keeps: a caller's edit (an insert at the front, a truncation) moves what is
+        # kept, so the check would refuse records the continuing session goes on applying.
+        removals = [
+            _Removal.parse(data, strategy=HistorySnip.strategy, kept=frozenset())
+            for data in ref_ctx.records_for("history_snip")
+        ]
+        ref_ctx.stage_state["history_snip"] = _SnipState.restore(removals)
+        commits = [
+            _parse_commit(data, strategy=ContextCollapse.strategy, kept=frozenset())
+            for data in ref_ctx.records_for("context_collapse")
+        ]
+        restored = _CollapseState.restore(commits)
         if breaker is not None:  # the circuit breaker is never recorded: carried over by hand
-            restored = type(collapse).restore(ref_ctx.records_for("context_collapse"))
             restored.failures, restored.span_cap = breaker
-            ref_ctx.stage_state["context_collapse"] = restored
+        ref_ctx.stage_state["context_collapse"] = restored
         ref = await Pipeline(fresh).run(history, ref_ctx)
         self.passes += 1
         where = f"pass {self.passes}"

@@ -31,8 +31,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.messages import Message, Usage, thread_start
+from pipeline.messages import MAX_TOKENS, Message, Usage, thread_start
 from pipeline.tokens.anchor import compaction_restart
+from pipeline.tokens.checks import (
+    bounded_repr,
+    check_int,
+    check_keys,
+    check_mapping,
+    checked_config,
+    checked_family,
+    or_empty,
+)
 from pipeline.tokens.family import FamilyModel, dot
 from pipeline.tokens.features import ContentVector, content_vector, is_wire_visible
 from pipeline.tokens.priors import (
@@ -387,22 +396,35 @@ class CalibratedEstimator:
         }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> CalibratedEstimator:
-        """Rebuild from :meth:`state_dict`; ValueError on another version or a bad shape."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported estimator state version {state.get('version')!r}")
-        est = cls(**dict(state.get("config") or {}))
-        est.last_family = state.get("last_family")
+    def from_state_dict(cls, state: Any) -> CalibratedEstimator:
+        """Rebuild from :meth:`state_dict`; ``ValueError`` on another version or on anything
+        :meth:`state_dict` could not have written (:mod:`pipeline.tokens.checks`)."""
+        state = check_mapping(state, "estimator state")
+        version = state.get("version")
+        if isinstance(version, bool) or version != STATE_VERSION:
+            raise ValueError(f"unsupported estimator state version {bounded_repr(version)}")
+        check_keys(
+            state, "estimator state", ("version", "config", "last_family", "overhead", "families")
+        )
+        est = cls(**checked_config(or_empty(state.get("config"))))
+        last_family = state.get("last_family")
+        est.last_family = None if last_family is None else checked_family(last_family)
         overhead = state.get("overhead")
-        est.overhead = None if overhead is None else int(overhead)
-        for name, raw in (state.get("families") or {}).items():
-            est.families[str(name)] = FamilyModel.from_json(raw, est.prior_multiplier)
+        est.overhead = (
+            None if overhead is None else check_int(overhead, "overhead", low=0, high=MAX_TOKENS)
+        )
+        families = check_mapping(or_empty(state.get("families")), "families")
+        for name, raw in families.items():
+            est.families[checked_family(name)] = FamilyModel.from_json(raw, est.prior_multiplier)
         return est
 
     def for_subagent(self) -> CalibratedEstimator:
         """What this one learned about how content tokenises (the multipliers per model
         family), none of what belongs to this conversation (its system-prompt-and-tools
         overhead)."""
-        state = self.state_dict()
-        state["overhead"] = None
-        return CalibratedEstimator.from_state_dict(state)
+        # a copy, not a trip through from_state_dict: a configuration the caller chose is
+        # theirs to keep, even where a saved file holding it would be refused
+        clone = CalibratedEstimator(**self.state_dict()["config"])
+        clone.last_family = self.last_family
+        clone.families = {name: model.copy() for name, model in self.families.items()}
+        return clone

@@ -8,11 +8,23 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pipeline.tokens.checks import (
+    MAX_MULTIPLIER,
+    check_int,
+    check_keys,
+    check_mapping,
+    check_number,
+    check_numbers,
+    check_psd,
+)
 from pipeline.tokens.priors import CLASSES
 
 __all__ = ["FamilyModel", "dot"]
 
 _MIN_MULTIPLIER = 0.05
+_MAX_VARIANCE = 1e6
+_MAX_COUNT = 1e15
+"""Characters and base tokens a session may have seen per class (far above any session)."""
 
 
 def dot(a: Sequence[float], b: Sequence[float]) -> float:
@@ -51,11 +63,24 @@ class FamilyModel:
         s = dot(x, px)
         y_hat = dot(self.mult, x)
         s += abs_noise**2 + (rel_noise * max(y_hat, 0.0)) ** 2
+        if not (math.isfinite(s) and s > 0.0 and math.isfinite(y)):
+            return  # a degenerate step teaches nothing; raising here would fail the turn
         cut = clip_sigma * math.sqrt(s)
         innovation = max(-cut, min(cut, y - y_hat))
         gain = [v / s for v in px]
-        self.mult = [max(_MIN_MULTIPLIER, self.mult[i] + gain[i] * innovation) for i in range(d)]
+        mult = [max(_MIN_MULTIPLIER, self.mult[i] + gain[i] * innovation) for i in range(d)]
+        if not all(math.isfinite(m) for m in mult):
+            return
+        self.mult = mult
         self.p = [[p[i][j] - gain[i] * px[j] for j in range(d)] for i in range(d)]
+
+    def copy(self) -> FamilyModel:
+        """An independent copy (lists copied, never shared)."""
+        model = FamilyModel(list(self.mult), [list(row) for row in self.p])
+        model.n_obs = self.n_obs
+        model.chars = list(self.chars)
+        model.base_tokens = list(self.base_tokens)
+        return model
 
     def to_json(self) -> dict[str, Any]:
         """JSON-serialisable state."""
@@ -68,20 +93,39 @@ class FamilyModel:
         }
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any], prior: Mapping[str, float]) -> FamilyModel:
+    def from_json(cls, raw: Any, prior: Mapping[str, float]) -> FamilyModel:
         """Rebuild from :meth:`to_json` (a class missing from ``mult`` starts at ``prior``);
-        ``ValueError`` when the shapes do not match the class list."""
+        ``ValueError`` on anything :meth:`to_json` could not have written: a wrong shape, a
+        multiplier that is not finite and > 0, a covariance that is not one, a negative count."""
         d = len(CLASSES)
-        mult = raw["mult"]
-        model = cls(
-            [float(mult.get(c, prior.get(c, 1.0))) for c in CLASSES],
-            [[float(v) for v in row] for row in raw["p"]],
-        )
-        if len(model.p) != d or any(len(row) != d for row in model.p):
+        raw = check_mapping(raw, "family")
+        check_keys(raw, "family", ("mult", "p", "n_obs", "chars", "base_tokens"))
+        mult = check_mapping(raw.get("mult"), "family mult")
+        check_keys(mult, "family mult", CLASSES)
+        mults = [
+            check_number(
+                mult.get(c, prior.get(c, 1.0)),
+                f"multiplier {c!r}",
+                low=0.0,
+                high=MAX_MULTIPLIER,
+                low_open=True,
+            )
+            for c in CLASSES
+        ]
+        rows = raw.get("p")
+        if not isinstance(rows, list) or len(rows) != d:
             raise ValueError("state covariance does not match the class list")
-        model.n_obs = int(raw.get("n_obs", 0))
-        model.chars = [float(v) for v in raw.get("chars", model.chars)]
-        model.base_tokens = [float(v) for v in raw.get("base_tokens", model.base_tokens)]
-        if len(model.chars) != d or len(model.base_tokens) != d:
-            raise ValueError("state counts do not match the class list")
+        p = [
+            check_numbers(row, f"covariance row {i}", d, low=-_MAX_VARIANCE, high=_MAX_VARIANCE)
+            for i, row in enumerate(rows)
+        ]
+        check_psd(p, "state covariance")
+        model = cls(mults, p)
+        model.n_obs = check_int(raw.get("n_obs", 0), "n_obs", low=0, high=10**12)
+        if "chars" in raw:
+            model.chars = check_numbers(raw["chars"], "chars", d, low=0.0, high=_MAX_COUNT)
+        if "base_tokens" in raw:
+            model.base_tokens = check_numbers(
+                raw["base_tokens"], "base_tokens", d, low=0.0, high=_MAX_COUNT
+            )
         return model

@@ -7,7 +7,7 @@ usage anywhere: estimate everything. It learns nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pipeline.messages import Message, Usage
@@ -98,8 +98,11 @@ class ReferenceEstimator:
         return None
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any] | None) -> ReferenceEstimator:
-        """A reference estimator (it has no state)."""
+    def from_state_dict(cls, state: Any) -> ReferenceEstimator:
+        """A reference estimator (it has no state: ``state`` must be None, as
+        :meth:`state_dict` writes it; ``ValueError`` otherwise)."""
+        if state is not None:
+            raise ValueError("a reference estimator has no state")
         return cls()
 
     def for_subagent(self) -> ReferenceEstimator:

@@ -22,14 +22,22 @@ import json
 import os
 import re
 import secrets
+import stat
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pipeline.messages import Message, Usage
+from pipeline.messages import MAX_TOKENS, Message, Usage
 from pipeline.tokens.anchor import find_anchor
 from pipeline.tokens.calibrated import CalibratedEstimator
+from pipeline.tokens.checks import (
+    bounded_repr,
+    bounded_text,
+    check_int,
+    check_keys,
+    check_mapping,
+)
 from pipeline.tokens.reference import ReferenceEstimator
 from pipeline.tokens.stats import BIG_GROWTH, ErrorStats, EstimateDetail, Observation
 from pipeline.tracing import get_logger
@@ -44,6 +52,12 @@ __all__ = ["CALIBRATION_FILE", "Estimator", "Method", "TokenTracker", "calibrati
 Method = Literal["calibrated", "reference"]
 TRACKER_STATE_VERSION = 1
 CALIBRATION_FILE = "token-calibration.json"
+MAX_ERROR_WINDOW = 1_000_000
+"""The largest ``error_window`` a saved state may ask for (the default is 512)."""
+MAX_STATE_BYTES = 64 * 1024 * 1024
+"""A calibration file larger than this is not read (a real one is a few KB, or a few MB with
+a very large error window)."""
+_STATE_KEYS = ("version", "method", "estimator", "errors", "error_window", "last_error")
 
 
 @runtime_checkable
@@ -275,22 +289,54 @@ class TokenTracker:
         }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> TokenTracker:
-        """Rebuild from :meth:`state_dict`; ValueError when the state is not one."""
-        if state.get("version") != TRACKER_STATE_VERSION:
-            raise ValueError(f"unsupported tracker state version {state.get('version')!r}")
-        method = state.get("method")
-        if method not in ("calibrated", "reference"):
-            raise ValueError(f"unknown token estimation method {method!r}")
-        raw = state.get("estimator")
+    def from_state_dict(cls, state: Any) -> TokenTracker:
+        """Rebuild from :meth:`state_dict`; ``ValueError`` when the state is not one.
+
+        Every field is checked (finite numbers, sane ranges, the right shapes): whatever is
+        wrong with ``state``, the error is a ``ValueError``, never another type.
+        """
         try:
-            estimator = _ESTIMATORS[method].from_state_dict(raw)
-            tracker = cls(method, estimator=estimator, error_window=int(state["error_window"]))
-            tracker._errors.extend((str(f), int(p), int(r)) for f, p, r in state["errors"])
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed tracker state: {exc!r}") from None
+            return cls._from_checked_state(state)
+        except ValueError:
+            raise
+        except (ArithmeticError, LookupError, TypeError, AttributeError, RecursionError) as exc:
+            # the checks should leave nothing for these; a state they missed is still only
+            # a malformed state to the caller
+            raise ValueError(f"malformed tracker state: {type(exc).__name__}") from None
+
+    @classmethod
+    def _from_checked_state(cls, state: Any) -> TokenTracker:
+        state = check_mapping(state, "tracker state")
+        version = state.get("version")
+        if isinstance(version, bool) or version != TRACKER_STATE_VERSION:
+            raise ValueError(f"unsupported tracker state version {bounded_repr(version)}")
+        check_keys(state, "tracker state", _STATE_KEYS)
+        method = state.get("method")
+        if not isinstance(method, str) or method not in _ESTIMATORS:
+            raise ValueError(f"unknown token estimation method {bounded_repr(method)}")
+        estimator = _ESTIMATORS[method].from_state_dict(state.get("estimator"))
+        window = check_int(state.get("error_window"), "error_window", low=1, high=MAX_ERROR_WINDOW)
+        tracker = cls(estimator=estimator, error_window=window)
+        errors = state.get("errors")
+        if not isinstance(errors, list):
+            raise ValueError("errors must be a list")
+        for i, entry in enumerate(errors[-window:]):
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+                raise ValueError(f"errors[{i}] must be [family, estimated part, real growth]")
+            family, part, growth = entry
+            tracker._errors.append(
+                (
+                    family,
+                    check_int(part, f"errors[{i}] estimated part", low=0, high=MAX_TOKENS),
+                    check_int(growth, f"errors[{i}] growth", low=-MAX_TOKENS, high=MAX_TOKENS),
+                )
+            )
         last = state.get("last_error")
-        tracker.last_error = None if last is None else int(last)
+        tracker.last_error = (
+            None
+            if last is None
+            else check_int(last, "last_error", low=-MAX_TOKENS, high=MAX_TOKENS)
+        )
         return tracker
 
     def for_subagent(self) -> TokenTracker:
@@ -307,12 +353,16 @@ class TokenTracker:
         and a failed save only means a resumed session starts cold, so it never fails a turn.
         """
         target = Path(path)
-        data = json.dumps(self.state_dict(), separators=(",", ":"))
+        data = json.dumps(self.state_dict(), separators=(",", ":")).encode("utf-8")
         tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
         try:
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             try:
-                with open(tmp, "x", encoding="utf-8") as f:  # "x": never through a planted file
+                # 0600 like the transcript: the state names the session's models and sizes;
+                # O_EXCL|O_NOFOLLOW: never through a planted file or link
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp, flags, 0o600)
+                with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
@@ -328,16 +378,31 @@ class TokenTracker:
     def load(cls, path: str | os.PathLike[str], *, method: Method = "calibrated") -> TokenTracker:
         """The tracker saved at ``path``; a fresh ``method`` tracker when there is none.
 
-        An unreadable or malformed file is logged and ignored (the session starts cold).
+        An unreadable or malformed file is logged and ignored (the session starts cold): not
+        valid JSON, not a state :meth:`from_state_dict` accepts, not a regular file, or larger
+        than :data:`MAX_STATE_BYTES`.
         """
         target = Path(path)
         try:
-            state = json.loads(target.read_text(encoding="utf-8"))
-            if not isinstance(state, Mapping):
-                raise ValueError("not a JSON object")
+            state = json.loads(_read_state_file(target))
             return cls.from_state_dict(state)
         except FileNotFoundError:
             return cls(method)
-        except (OSError, ValueError) as exc:
-            get_logger().warning("token_calibration.load_failed", path=str(target), error=str(exc))
+        except (OSError, ValueError, RecursionError) as exc:
+            # RecursionError: JSON nested too deeply for the decoder
+            reason = bounded_text(str(exc))
+            get_logger().warning("token_calibration.load_failed", path=str(target), error=reason)
             return cls(method)
+
+
+def _read_state_file(path: Path) -> bytes:
+    """The bytes of a calibration file; ``ValueError`` when it is not a regular file of at
+    most :data:`MAX_STATE_BYTES` (a FIFO would block the resume, ``/dev/zero`` never ends)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(MAX_STATE_BYTES + 1)
+    if len(data) > MAX_STATE_BYTES:
+        raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
+    return data

@@ -1,19 +1,40 @@
 """A stage's per-session state, restored from its records on first use, and the records a
-resumed session repeats its decisions from."""
+resumed session repeats its decisions from.
+
+A record comes from the transcript, a file that may be damaged or edited: the loader only
+knows that a ``stage-record`` holds an object, so the shape of that object is checked by the
+stage that wrote it (:func:`parse_records`), and so are the promises its decisions keep (a
+restored removal never takes a record the stage would have kept: :func:`kept_uuids`). A
+record that fails either is left out with a warning: the session goes on as if that decision
+had never been made, and the stage decides again from the history it sees.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from functools import partial
 from typing import Any, TypeVar
 
 import anyio.to_thread
 
 from pipeline.context import SessionContext
+from pipeline.messages import thread_start
+from pipeline.tokens.checks import bounded_repr
+from stages._shared.rounds import RoundView
 
-__all__ = ["record_decision", "session_state", "write_off_loop"]
+__all__ = [
+    "check_not_kept",
+    "check_optional_str",
+    "check_uuid_list",
+    "kept_uuids",
+    "parse_records",
+    "record_decision",
+    "session_state",
+    "write_off_loop",
+]
 
 S = TypeVar("S")
+D = TypeVar("D")
 
 
 def session_state(
@@ -30,6 +51,68 @@ def session_state(
         state = restore(ctx.records_for(stage))
         ctx.stage_state[stage] = state
     return state
+
+
+def parse_records(
+    ctx: SessionContext,
+    stage: str,
+    records: Iterable[Mapping[str, Any]],
+    parse: Callable[[Mapping[str, Any]], D],
+) -> list[D]:
+    """``parse`` applied to each of a stage's restored records, in order. A record it rejects
+    (``ValueError``, or any error a malformed shape raises on the way) is left out and logged
+    (``stage_record.ignored``, with the stage, the record's position and the reason): a
+    damaged record must cost at most that one decision, never the turn."""
+    out: list[D] = []
+    for index, data in enumerate(records):
+        try:
+            out.append(parse(data))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            reason = str(exc) if isinstance(exc, ValueError) else type(exc).__name__
+            ctx.logger.warning(
+                "stage_record.ignored", stage=stage, record=index, reason=reason[:300]
+            )
+    return out
+
+
+def check_uuid_list(value: Any, name: str) -> tuple[str, ...]:
+    """A non-empty list of non-empty strings (the uuids a decision names), as a tuple."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{name!r} must be a non-empty list of uuids, got {bounded_repr(value)}")
+    for u in value:
+        if not isinstance(u, str) or not u:
+            raise ValueError(f"{name!r} holds {bounded_repr(u)}, not a uuid")
+    return tuple(value)
+
+
+def check_optional_str(value: Any, name: str) -> str | None:
+    """``value`` when it is a string or None (a field a record may leave out)."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name!r} must be a string or null, got {bounded_repr(value)}")
+    return value
+
+
+def kept_uuids(view: RoundView, keep_recent: int) -> frozenset[str]:
+    """uuids of the records a stage that cuts whole rounds must keep in ``view``'s history:
+    everything after the last compact boundary that is not in a round it may take -- the
+    records before the first response (the first user message among them) and the protected
+    rounds (:func:`~stages._shared.rounds.protected_rounds`: the first user message, the
+    latest prompt, the usage anchor and the last ``keep_recent`` rounds)."""
+    messages = view.messages
+    takeable = [False] * len(messages)
+    for s, e, protected in view.rounds(keep_recent):
+        if not protected:
+            takeable[s:e] = [True] * (e - s)
+    start = thread_start(messages)
+    return frozenset(m.uuid for i, m in enumerate(messages) if i >= start and not takeable[i])
+
+
+def check_not_kept(uuids: Iterable[str], kept: Collection[str], stage: str) -> None:
+    """``ValueError`` when a restored decision names a record the stage keeps (a uuid shared
+    with such a record counts: a removal by uuid would take both)."""
+    hit = next((u for u in uuids if u in kept), None)
+    if hit is not None:
+        raise ValueError(f"names {bounded_repr(hit)}, a record {stage} always keeps")
 
 
 async def record_decision(ctx: SessionContext, stage: str, data: Mapping[str, Any]) -> None:

@@ -1,0 +1,260 @@
+"""A damaged or planted calibration file: logged and ignored, never a crash, never a negative or
+infinite estimate; and the file is written private (0600)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline import Message, TokenTracker, Usage
+from pipeline.tokens import calibration_path_for
+from tests.builders import results, tool_result, tool_use, user_text
+
+SONNET = "claude-sonnet-4-5"
+CODE = "def f(x):\n    return x + 1  # add one\n" * 40
+
+
+def _step(msgs: list[Message], n: int, usage: Usage) -> list[Message]:
+    return [
+        *msgs,
+        Message.assistant(
+            [tool_use(f"t{n}", "Bash")], message_id=f"m{n}", usage=usage, model=SONNET
+        ),
+        results(tool_result(f"t{n}", CODE * 2)),
+    ]
+
+
+def _trained() -> TokenTracker:
+    """A calibrated tracker after a few observed calls: learned multipliers, an overhead, errors."""
+    tracker = TokenTracker()
+    msgs: list[Message] = [user_text("start")]
+    tracker.observe(msgs, Usage(input_tokens=900), model=SONNET)
+    context = 1_000
+    for n in range(6):
+        msgs = _step(msgs, n, Usage(input_tokens=context, output_tokens=8))
+        context += 1_500 + 97 * n
+        tracker.observe(msgs, Usage(input_tokens=context), model=SONNET)
+    return tracker
+
+
+SAVED: dict[str, Any] = json.loads(json.dumps(_trained().state_dict()))
+COLD = TokenTracker().state_dict()
+
+PROBES: list[list[Message]] = [
+    [user_text("hello")],  # no anchor: content plus the measured overhead
+    _step([user_text("start")], 0, Usage(input_tokens=5_000, output_tokens=3)),  # an anchor
+]
+
+
+def _family(state: dict[str, Any]) -> dict[str, Any]:
+    fam: dict[str, Any] = state["estimator"]["families"]["sonnet"]
+    return fam
+
+
+def _set(*path: str | int, value: Any) -> Callable[[dict[str, Any]], None]:
+    def apply(state: dict[str, Any]) -> None:
+        node: Any = state
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return apply
+
+
+DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "families-a-list": _set("estimator", "families", value=[]),
+    "mult-a-list": _set("estimator", "families", "sonnet", "mult", value=[1.0] * 10),
+    "estimator-a-string": _set("estimator", value="x"),
+    "multiplier-nan": _set("estimator", "families", "sonnet", "mult", "prose", value=math.nan),
+    "multiplier-inf": _set("estimator", "families", "sonnet", "mult", "code", value=math.inf),
+    "multiplier-negative": _set("estimator", "families", "sonnet", "mult", "code", value=-3.5),
+    "multiplier-zero": _set("estimator", "families", "sonnet", "mult", "structure", value=0),
+    "margin-floor-nan": _set("estimator", "config", "margin_floor", value=math.nan),
+    "margin-cold-negative": _set("estimator", "config", "margin_cold", value=-5.0),
+    "last-error-inf": _set("last_error", value=math.inf),
+    "overhead-inf": _set("estimator", "overhead", value=math.inf),
+    "overhead-negative": _set("estimator", "overhead", value=-(10**9)),
+    "overhead-huge": _set("estimator", "overhead", value=10**4000),
+    "error-window-huge": _set("error_window", value=10**30),
+    "n-obs-negative": _set("estimator", "families", "sonnet", "n_obs", value=-1),
+    "covariance-negative": _set("estimator", "families", "sonnet", "p", 0, 0, value=-1e6),
+    "covariance-a-string": _set("estimator", "families", "sonnet", "p", 3, value="row"),
+    "abs-noise-zero": _set("estimator", "config", "abs_noise", value=0),
+    "weight-negative-call": _set("estimator", "config", "weights", "call", value=-1e4),
+    "weights-a-list": _set("estimator", "config", "weights", value=[1, 2]),
+    "config-unknown-key": _set("estimator", "config", "bogus", value=1),
+    "family-unknown": _set("estimator", "last_family", value=["opus"]),
+    "errors-entry-a-dict": _set("errors", 0, value={"a": 1}),
+    "errors-growth-nan": _set("errors", 0, 2, value=math.nan),
+    "method-a-list": _set("method", value=["calibrated"]),
+    "version-true": _set("version", value=True),
+}
+
+
+def _write(path: Path, state: Any) -> None:
+    path.write_text(json.dumps(state), encoding="utf-8")  # NaN and Infinity as JSON writes them
+
+
+def _estimates_are_sane(tracker: TokenTracker) -> None:
+    for msgs in PROBES:
+        detail = tracker.estimate_detail(msgs, model=SONNET)
+        assert 0 <= detail.total < 10**15 and detail.estimated_part >= 0
+        assert math.isfinite(detail.margin) and math.isfinite(detail.new_tokens)
+        assert 0 <= tracker.tokens_for_messages(msgs) < 10**15
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_a_damaged_calibration_file_is_logged_and_ignored(tmp_path: Path, damage: str) -> None:
+    assert SAVED["estimator"]["families"]["sonnet"]["n_obs"] == 6  # the damage hits real data
+    state = copy.deepcopy(SAVED)
+    DAMAGE[damage](state)
+    path = tmp_path / "token-calibration.json"
+    _write(path, state)
+    with structlog.testing.capture_logs() as logs:
+        tracker = TokenTracker.load(path)
+    assert tracker.state_dict() == COLD  # a cold start, as documented
+    [event] = [e for e in logs if e["event"] == "token_calibration.load_failed"]
+    assert event["log_level"] == "warning" and len(event["error"]) <= 210
+    with pytest.raises(ValueError):  # and never another exception type
+        TokenTracker.from_state_dict(state)
+    _estimates_are_sane(tracker)
+
+
+def test_the_intact_file_still_loads_warm(tmp_path: Path) -> None:
+    path = tmp_path / "token-calibration.json"
+    _write(path, SAVED)
+    tracker = TokenTracker.load(path)
+    assert tracker.state_dict() == SAVED and tracker.state_dict() != COLD
+    _estimates_are_sane(tracker)
+
+
+def test_a_file_nested_too_deeply_for_the_decoder_is_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "token-calibration.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    assert TokenTracker.load(path).state_dict() == COLD
+
+
+def test_a_fifo_in_place_of_the_file_does_not_block_the_resume(tmp_path: Path) -> None:
+    path = tmp_path / "token-calibration.json"
+    os.mkfifo(path)
+    done: list[TokenTracker] = []
+    worker = threading.Thread(target=lambda: done.append(TokenTracker.load(path)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    if worker.is_alive():  # let a blocked reader go (a writer that opens and closes at once)
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout=10)
+        pytest.fail("loading the calibration blocked on a FIFO")
+    assert done[0].state_dict() == COLD
+
+
+@pytest.fixture
+def umask_zero() -> Iterator[None]:
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_the_calibration_file_is_private(tmp_path: Path, umask_zero: None) -> None:
+    path = calibration_path_for(tmp_path / "root", "sess")
+    tracker = _trained()
+    assert tracker.save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert tracker.save(path)  # replacing it keeps it private
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    assert TokenTracker.load(path).state_dict() == tracker.state_dict()
+
+
+# --------------------------------------------------------------------------------------------
+# Property: any value of a real saved state replaced by a hostile one
+# --------------------------------------------------------------------------------------------
+
+
+def _paths(node: Any, prefix: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    """Every place in a JSON tree a value sits (containers included)."""
+    if prefix:
+        yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, (*prefix, i))
+
+
+PATHS = list(_paths(SAVED))
+HOSTILE: list[Any] = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    -1,
+    -1e300,
+    0,
+    1e308,
+    10**30,
+    10**4000,
+    -(10**4000),
+    True,
+    None,
+    "",
+    "x",
+    [],
+    [1, 2, 3],
+    [[math.nan]],
+    {},
+    {"a": 1},
+]
+_DROP = object()
+mutations = st.lists(
+    st.tuples(st.sampled_from(PATHS), st.sampled_from([*HOSTILE, _DROP])), min_size=1, max_size=3
+)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(changes=mutations)
+def test_load_of_a_mutated_saved_state_never_raises(
+    tmp_path_factory: pytest.TempPathFactory, changes: list[tuple[tuple[str | int, ...], Any]]
+) -> None:
+    state = copy.deepcopy(SAVED)
+    for path, value in changes:
+        node: Any = state
+        try:
+            for key in path[:-1]:
+                node = node[key]
+            if value is _DROP:
+                del node[path[-1]]
+            else:
+                node[path[-1]] = copy.deepcopy(value)
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier change replaced a container on this path
+    file = tmp_path_factory.mktemp("cal") / "token-calibration.json"
+    _write(file, state)
+    tracker = TokenTracker.load(file)  # never raises
+    _estimates_are_sane(tracker)
+    # and the loaded state survives a learning step (the first call after a resume)
+    msgs = _step(PROBES[1], 9, Usage(input_tokens=7_000, output_tokens=5))
+    tracker.observe(msgs, Usage(input_tokens=9_500), model=SONNET)
+    _estimates_are_sane(tracker)
+    with contextlib.suppress(ValueError):  # the only exception a malformed state may raise
+        TokenTracker.from_state_dict(state)
