@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
 from pipeline.messages import Block, Message
+from pipeline.tokens.checks import bounded_repr
 
 __all__ = [
     "DECIDED_RECORD_STAGE",
@@ -95,11 +96,12 @@ class ReplacementRecord:
         replacement = raw.get("replacement")
         kind = raw.get("kind", "tool-result")
         if not isinstance(tool_use_id, str) or not tool_use_id:
-            raise ValueError(f"replacement record: bad tool_use_id {tool_use_id!r}")
+            raise ValueError(f"replacement record: bad tool_use_id {bounded_repr(tool_use_id)}")
+        shown = bounded_repr(tool_use_id)
         if not isinstance(replacement, str):
-            raise ValueError(f"replacement record {tool_use_id!r}: replacement is not a string")
+            raise ValueError(f"replacement record {shown}: replacement is not a string")
         if not isinstance(kind, str):
-            raise ValueError(f"replacement record {tool_use_id!r}: bad kind {kind!r}")
+            raise ValueError(f"replacement record {shown}: bad kind {bounded_repr(kind)}")
         return cls(tool_use_id=tool_use_id, replacement=replacement, kind=kind)
 
 

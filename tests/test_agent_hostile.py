@@ -18,6 +18,8 @@ from typing import Any
 import anthropic
 import anyio
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline import Pipeline, SessionContext, TranscriptWriter, load_transcript, to_api
 from pipeline.agent import (
@@ -441,3 +443,65 @@ def test_retries_are_bounded_in_number_and_in_wait(tmp_path: Path) -> None:
     assert retry_after_seconds({"retry-after-ms": "1500"}) == 1.5
     assert retry_after_seconds({"retry-after": "nonsense"}) is None
     assert retry_after_seconds({"retry-after": "inf"}) is None
+
+
+# -- fuzz: any body a server may answer with ---------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = ["id", "type", "role", "model", "content", "stop_reason", "usage"]
+BLOCK_FIELDS = ["type", "text", "id", "name", "input", "thinking"]
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> bytes:
+    """A valid message with some fields (or block fields) replaced by arbitrary JSON, or
+    removed; now and then raw bytes."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.binary(max_size=40))
+    body: dict[str, Any] = json.loads(_message(content=_uses("t1", "t2"), stop_reason="tool_use"))
+    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=3, unique=True)):
+        if draw(st.booleans()):
+            body[name] = draw(JSON)
+        else:
+            body.pop(name, None)
+    if isinstance(body.get("content"), list) and body["content"] and draw(st.booleans()):
+        block = body["content"][0]
+        if isinstance(block, dict):
+            block[draw(st.sampled_from(BLOCK_FIELDS))] = draw(JSON)
+    if isinstance(body.get("usage"), dict) and draw(st.booleans()):
+        body["usage"]["input_tokens"] = draw(JSON)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.slow
+def test_fuzz_any_response_body_is_a_record_or_a_typed_error(tmp_path: Path) -> None:
+    current: list[bytes] = [b""]
+    with ScriptedMessagesServer(lambda _b: RawReply(current[0])) as server:
+        counter = iter(range(10**6))
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(bodies())
+        def check(body: bytes) -> None:
+            current[0] = body
+            root = tmp_path / str(next(counter))
+            agent = _agent(server, root)
+            agent.history = [user_text("hello")]
+            try:
+                message = anyio.run(agent.turn)
+            except AgentAPIError as exc:
+                assert exc.kind == "bad_response" and len(str(exc)) < 400
+                path = root / "s1" / "transcript.jsonl"
+                assert not path.exists() or not path.read_text()  # nothing of it is written
+                return
+            # accepted: what was recorded loads back strictly as the same record
+            loaded = load_transcript(root / "s1" / "transcript.jsonl").messages
+            assert loaded[0].content == message.content
+            assert check_pairing(to_api(agent.history)) == []
+
+        check()

@@ -25,7 +25,8 @@ class SessionBusyError(RuntimeError):
 @contextmanager
 def session_lock(session_dir: str | os.PathLike[str]) -> Iterator[None]:
     """Hold the session's exclusive lock for the ``with`` block; :class:`SessionBusyError` at
-    once when another process holds it (no waiting). Creates the directory (0700) if needed.
+    once when another process holds it (no waiting). Creates the directory and its parent
+    (0700) if needed.
 
     Where ``fcntl`` does not exist (Windows) no lock is taken.
     """
@@ -35,7 +36,8 @@ def session_lock(session_dir: str | os.PathLike[str]) -> Iterator[None]:
         yield
         return
     directory = Path(session_dir)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the store root: private
+    directory.mkdir(mode=0o700, exist_ok=True)
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(directory / LOCK_NAME, flags, 0o600)
     try:

@@ -109,7 +109,7 @@ def message_from_response(
     if not isinstance(usage_model, BaseModel):
         raise bad("it has no usage")
     try:
-        usage = Usage.from_mapping(usage_model.model_dump())
+        usage = Usage.from_mapping(usage_model.model_dump(warnings=False))
     except (ValueError, TypeError) as exc:
         raise bad(f"its usage is invalid ({exc})") from None
     return Message.assistant(
