@@ -85,6 +85,13 @@ def parse_stage_spec(spec: str) -> tuple[str, str, dict[str, Any]]:
     return slot.strip(), strategy.strip(), kwargs
 
 
+_NOT_SETTABLE = {
+    "summarizer": "the summarizer is not settable in a stage spec: it is an object the code "
+    "building the pipeline passes (build_pipeline(summarizer=...))",
+}
+"""Constructor parameters an option cannot set (not plain values), and why."""
+
+
 def build_stage(
     slot: str,
     strategy: str,
@@ -93,11 +100,22 @@ def build_stage(
     shared: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> Stage:
-    """The stage for ``slot`` using ``strategy``; ``ValueError`` naming what is unknown or bad.
+    """The stage for ``slot`` using ``strategy``; ``ValueError`` naming what is unknown or bad
+    (an unknown option lists the valid ones).
 
     ``shared`` settings (and ``summarizer``) are passed to the constructor where it takes them;
     ``kwargs`` win over them.
     """
+    return _build_stage(slot, strategy, summarizer, shared, kwargs)
+
+
+def _build_stage(
+    slot: str,
+    strategy: str,
+    summarizer: Summarizer | None,
+    shared: Mapping[str, Any] | None,
+    kwargs: Mapping[str, Any],
+) -> Stage:
     if slot not in STRATEGIES:
         raise ValueError(f"unknown stage slot {slot!r}; slots are: {', '.join(SLOTS)}")
     choices = STRATEGIES[slot]
@@ -106,8 +124,17 @@ def build_stage(
         raise ValueError(f"unknown strategy {strategy!r} for {slot}; choose one of: {known}")
     factory = choices[strategy]
     accepted = inspect.signature(factory).parameters
+    settable = [k for k in accepted if k not in _NOT_SETTABLE]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    for key in kwargs:
+        if key in _NOT_SETTABLE:
+            raise ValueError(f"{slot}={strategy}: {_NOT_SETTABLE[key]}")
+        if key not in accepted and not takes_any:
+            raise ValueError(
+                f"{slot}={strategy}: unknown option {key!r}; options are: {', '.join(settable)}"
+            )
     given = {"summarizer": summarizer, **(shared or {})}
-    args = {k: v for k, v in given.items() if k in accepted} | kwargs
+    args = {k: v for k, v in given.items() if k in accepted} | dict(kwargs)
     try:
         return factory(**args)
     except TypeError as exc:
@@ -151,7 +178,9 @@ def build_pipeline(
         if strategy == OFF:
             pipe = pipe.remove(slot)
         else:
-            stage = build_stage(slot, strategy, summarizer, shared=shared, **kwargs)
+            # not through build_stage(**kwargs): an option named like one of its own
+            # parameters (summarizer, shared) would collide with it
+            stage = _build_stage(slot, strategy, summarizer, shared, kwargs)
             pipe = pipe.replace(slot, stage)
     return pipe
 

@@ -40,6 +40,8 @@ SUMMARY_KEYS = {
     "reapplied",
     "persist_failed",
     "peak_request_chars",
+    "pairing_problems",
+    "calls_with_pairing_problems",
     "calls_with_actual_tokens",
     "abs_rel_error_median",
     "abs_rel_error_p95",

@@ -10,29 +10,63 @@ OTel SDK).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import IO
 
-from pipeline._cli.common import EXIT_FAILED, CliError
+from pipeline._cli.common import EXIT_FAILED, CliError, GuardedStdout, OutputError
 from pipeline._cli.parser import build_parser
+from pipeline._cli.safe_text import terminal_safe
 
 __all__ = ["build_parser", "main"]
+
+
+def _discard_stdout(stream: IO[str]) -> None:
+    """Point standard output at /dev/null, so the interpreter's final flush of what is still
+    buffered neither fails again nor prints a traceback at exit."""
+    with contextlib.suppress(OSError, ValueError):  # no descriptor (in-process capture)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (``sluicegate`` console script entry)."""
     args = build_parser().parse_args(argv)
+    stdout, stderr = sys.stdout, sys.stderr
+    if stderr is None:
+        # started with stderr closed: print(file=None) would write diagnostics to stdout
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
+    if stdout is None:  # started with stdout closed (``>&-``): nowhere to write the output
+        print("sluicegate: error: standard output is closed", file=sys.stderr)
+        _restore_stderr(stderr)
+        return EXIT_FAILED
+    sys.stdout = GuardedStdout(stdout)
     try:
         code: int = args.handler(args)
+        sys.stdout.flush()  # a full device is reported here, not at interpreter exit
         return code
+    except OutputError as exc:
+        _discard_stdout(stdout)
+        if not exc.broken_pipe:  # the reader went away (``| head``): stop quietly
+            print(f"sluicegate: error: {exc}", file=sys.stderr)
+        return exc.code
     except CliError as exc:
-        print(f"sluicegate: error: {exc}", file=sys.stderr)
+        print(f"sluicegate: error: {terminal_safe(str(exc))}", file=sys.stderr)
         return exc.code
     except BrokenPipeError:
-        # the reader went away (``| head``): stop quietly, without a traceback at exit
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _discard_stdout(stdout)
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("sluicegate: interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout = stdout
+        _restore_stderr(stderr)
+
+
+def _restore_stderr(stderr: IO[str] | None) -> None:
+    if sys.stderr is not stderr:
+        sys.stderr.close()
+        sys.stderr = stderr

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import structlog
 from opentelemetry import trace
 
-from pipeline._cli.dumps import DumpFormat, RequestDumper, parse_calls
+from pipeline._cli.dumps import DumpFormat, RequestDumper, existing_dumps, parse_calls
+from pipeline._cli.safe_text import terminal_safe
 from pipeline._cli.telemetry import TelemetrySetupError, configure_logging, setup_tracing
 from pipeline.core import Pipeline
 from pipeline.policies import (
@@ -47,6 +49,52 @@ class CliError(Exception):
         self.code = code
 
 
+class OutputError(CliError):
+    """Standard output cannot be written (a full device, a closed descriptor, a reader gone).
+
+    Not an ``OSError``: code that handles its own file errors must not swallow this one.
+    """
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(f"cannot write to standard output: {exc.strerror or exc}", EXIT_FAILED)
+        self.broken_pipe = isinstance(exc, BrokenPipeError)
+
+
+class GuardedStdout:
+    """Standard output whose write errors become :class:`OutputError` (one line on stderr,
+    exit 1) instead of a traceback; everything else is the wrapped stream's."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text``; raise :class:`OutputError` when the stream refuses it."""
+        try:
+            return self.stream.write(text)
+        except OSError as exc:
+            raise OutputError(exc) from None
+
+    def flush(self) -> None:
+        """Flush; raise :class:`OutputError` when the stream refuses it."""
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            raise OutputError(exc) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def pipeline_for(stage_specs: Sequence[str], per_message_chars: int) -> Pipeline:
+    """The default pipeline with ``SLOT=STRATEGY[:k=v...]`` choices; ``ValueError`` naming
+    what is wrong."""
+    config = {}
+    for spec in stage_specs:
+        slot, _, _ = stage_registry.parse_stage_spec(spec)
+        config[slot] = spec.partition("=")[2]
+    return stage_registry.build_pipeline(config, per_message_chars=per_message_chars)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplayOptions:
     """Everything a replay honours (the command-line contract in docs/behaviour.md)."""
@@ -67,27 +115,30 @@ class ReplayOptions:
 
     def pipeline(self) -> Pipeline:
         """The pipeline these options describe (the default one, with ``--stage`` choices)."""
-        config = {}
-        for spec in self.stage_specs:
-            try:
-                slot, _, _ = stage_registry.parse_stage_spec(spec)
-            except ValueError as exc:
-                raise CliError(f"--stage: {exc}") from None
-            config[slot] = spec.partition("=")[2]
         try:
-            return stage_registry.build_pipeline(config, per_message_chars=self.per_message_chars)
+            return pipeline_for(self.stage_specs, self.per_message_chars)
         except ValueError as exc:
             raise CliError(f"--stage: {exc}") from None
 
     def dumper(self) -> RequestDumper | None:
-        """The writer of ``--dump-requests`` (its directory created), or None."""
+        """The writer of ``--dump-requests`` (its directory created and writable), or None.
+
+        A directory already holding ``NNNN.json`` files is refused: they would be overwritten
+        (the input transcript among them, if it is named so) or, from a longer earlier run,
+        left mixed in with this run's.
+        """
         if self.dump_requests is None:
             return None
-        try:
-            self.dump_requests.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CliError(f"cannot create {self.dump_requests}: {exc.strerror}") from None
-        return RequestDumper(self.dump_requests, calls=self.dump_calls, format=self.dump_format)
+        directory = self.dump_requests
+        writable_dir(directory, "--dump-requests")
+        found = existing_dumps(directory)
+        if found:
+            shown = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
+            raise CliError(
+                f"--dump-requests {directory}: already holds {len(found)} request dump(s) "
+                f"({shown}), from an earlier run; give an empty or new directory"
+            )
+        return RequestDumper(directory, calls=self.dump_calls, format=self.dump_format)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplayOptions:
@@ -129,13 +180,15 @@ def load(path: Path, *, lenient: bool) -> Transcript:
 def _report_skipped(transcript: Transcript) -> None:
     problems = transcript.problems
     for p in problems[:_MAX_PROBLEMS_SHOWN]:
-        print(f"sluicegate: skipped {transcript.path}:{p.line}: {p.reason}", file=sys.stderr)
+        where = f"{transcript.path}:{p.line}: {p.reason}"
+        print(f"sluicegate: skipped {terminal_safe(where)}", file=sys.stderr)
     if len(problems) > _MAX_PROBLEMS_SHOWN:
         more = len(problems) - _MAX_PROBLEMS_SHOWN
         print(f"sluicegate: ... and {more} more skipped lines", file=sys.stderr)
     if problems:
         print(
-            f"sluicegate: {len(problems)} malformed line(s) skipped in {transcript.path}",
+            f"sluicegate: {len(problems)} malformed line(s) skipped in "
+            f"{terminal_safe(str(transcript.path))}",
             file=sys.stderr,
         )
 
@@ -159,11 +212,53 @@ def session_id_for(transcript: Transcript) -> str:
 
 
 def store_root(options: ReplayOptions) -> Path:
+    """The store directory of a replay: ``--store``, else a new temporary directory.
+
+    A ``--store`` that is not a directory is refused. One that cannot be written is not: the
+    budget then sends each result whole (``persist failed``), as a live session would.
+    """
     if options.store is None:
         return Path(tempfile.mkdtemp(prefix="sluicegate-"))
     if options.store.exists() and not options.store.is_dir():
         raise CliError(f"--store {options.store}: not a directory")
     return options.store
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why no file can be written in ``directory`` (created if missing), or None."""
+    if directory.exists() and not directory.is_dir():
+        return "not a directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # permissions alone do not tell (root ignores them; a read-only mount does not):
+        # create and remove a file
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".sluicegate-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"cannot write there: {exc.strerror or exc}"
+    return None
+
+
+def writable_dir(directory: Path, flag: str) -> None:
+    """Create ``directory`` if needed and make sure a file can be written in it, or raise
+    :class:`CliError` (exit 2) naming ``flag``: before any work, not halfway through it."""
+    problem = _unwritable(directory)
+    if problem is not None:
+        raise CliError(f"{flag} {directory}: {problem}")
+
+
+def writable_file(path: Path, flag: str) -> None:
+    """Make sure ``path`` can be created or replaced (its directory created if needed), or
+    raise :class:`CliError` (exit 2) naming ``flag``. Nothing is left at ``path``."""
+    if path.is_dir():
+        raise CliError(f"{flag} {path}: is a directory")
+    if path.exists() and not path.is_file():
+        # a device or a pipe: replacing it would unlink it (as root, /dev/null itself)
+        raise CliError(f"{flag} {path}: not a regular file")
+    problem = _unwritable(path.parent)
+    if problem is not None:
+        raise CliError(f"{flag} {path}: {path.parent}: {problem}")
 
 
 def _dump_calls(spec: str | None) -> frozenset[int] | None:

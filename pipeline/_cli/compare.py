@@ -15,14 +15,17 @@ Each pipeline replays the session (fresh state and store each); every request is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message
@@ -36,6 +39,7 @@ __all__ = [
     "compare_pipelines",
     "format_table",
     "load_prices",
+    "plot_formats",
     "plot_sizes",
     "price_for",
 ]
@@ -72,8 +76,32 @@ def price_for(model: str | None, prices: Mapping[str, Price] = PRICES) -> Price:
     return prices.get(key) or Price(3.0, 15.0)
 
 
+_PRICE_FIELDS = ("input", "output", "cache_write_factor", "cache_read_factor")
+
+
+def _price_value(path: str | Path, key: str, field_name: str, value: object) -> float:
+    """A finite, non-negative number, or ``ValueError`` naming the entry (a NaN or infinite
+    price would make every cost, and the ``--json`` output, meaningless)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{path}: {key!r} {field_name} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(
+            f"{path}: {key!r} {field_name} must be a finite number >= 0, got {value!r}"
+        )
+    return number
+
+
 def load_prices(path: str | Path) -> dict[str, Price]:
-    """A price table from JSON: ``{"sonnet": {"input": 3, "output": 15}, ...}``."""
+    """A price table from JSON: ``{"sonnet": {"input": 3, "output": 15}, ...}``.
+
+    Each entry needs ``input`` and ``output`` (USD per million tokens) and may set
+    ``cache_write_factor`` and ``cache_read_factor``; every value a finite number >= 0.
+    ``ValueError`` names the bad entry.
+    """
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a price table is a JSON object of model fragment → prices")
@@ -81,7 +109,13 @@ def load_prices(path: str | Path) -> dict[str, Price]:
     for key, value in raw.items():
         if not isinstance(value, dict) or not {"input", "output"} <= value.keys():
             raise ValueError(f"{path}: {key!r} needs 'input' and 'output' (USD per million)")
-        table[str(key)] = Price(**{k: float(v) for k, v in value.items()})
+        unknown = sorted(set(value) - set(_PRICE_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"{path}: {key!r} has unknown field(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(_PRICE_FIELDS)}"
+            )
+        table[str(key)] = Price(**{k: _price_value(path, str(key), k, v) for k, v in value.items()})
     return table
 
 
@@ -125,7 +159,8 @@ class RunStats:
             "prefix_breaks": self.prefix_breaks,
             "peak_tokens": self.peak_tokens,
             "calls_over_window": self.over_window,
-            "cost_usd": round(self.cost_usd, 4),
+            # JSON has no NaN or Infinity: an overflowing cost is null, never invalid output
+            "cost_usd": round(self.cost_usd, 4) if math.isfinite(self.cost_usd) else None,
         }
 
 
@@ -229,7 +264,7 @@ def format_table(runs: Sequence[RunStats]) -> str:
     )
     rows = [
         (
-            r.name,
+            terminal_safe(r.name),
             f"{r.tokens_sent:,}",
             f"{r.cache_read:,}",
             f"{r.cache_write:,}",
@@ -237,7 +272,7 @@ def format_table(runs: Sequence[RunStats]) -> str:
             str(r.prefix_breaks),
             f"{r.peak_tokens:,}",
             str(r.over_window),
-            f"{r.cost_usd:.2f}",
+            f"{r.cost_usd:.2f}" if math.isfinite(r.cost_usd) else "-",
         )
         for r in runs
     ]
@@ -251,8 +286,7 @@ def format_table(runs: Sequence[RunStats]) -> str:
     return "\n".join(lines)
 
 
-def plot_sizes(runs: Sequence[RunStats], path: str | Path, *, title: str = "") -> None:
-    """Draw request size per call per pipeline to ``path`` (needs the ``plot`` extra)."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -260,6 +294,28 @@ def plot_sizes(runs: Sequence[RunStats], path: str | Path, *, title: str = "") -
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("plotting needs matplotlib: pip install 'sluicegate[plot]'") from exc
+    return plt
+
+
+def plot_formats() -> frozenset[str]:
+    """The file extensions :func:`plot_sizes` can write (``RuntimeError`` without matplotlib)."""
+    plt = _pyplot()
+    fig = plt.figure()
+    try:
+        return frozenset(fig.canvas.get_supported_filetypes())
+    finally:
+        plt.close(fig)
+
+
+def plot_sizes(runs: Sequence[RunStats], path: str | Path, *, title: str = "") -> None:
+    """Draw request size per call per pipeline to ``path`` (needs the ``plot`` extra).
+
+    The format is ``path``'s extension (see :func:`plot_formats`). The image is written to a
+    temporary file beside ``path`` and renamed into place, so a failed write leaves no partial
+    image; ``OSError`` or ``ValueError`` (an unknown format) when it cannot be written.
+    """
+    plt = _pyplot()
+    target = Path(path)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for r in runs:
         ax.plot(range(len(r.sizes)), r.sizes, label=r.name, linewidth=1.4)
@@ -270,5 +326,14 @@ def plot_sizes(runs: Sequence[RunStats], path: str | Path, *, title: str = "") -
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # a name of our own rather than mkstemp's: the image gets the usual permissions
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=110, format=target.suffix[1:].lower() or None)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)

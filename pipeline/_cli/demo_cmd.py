@@ -23,11 +23,15 @@ from pipeline._cli.common import (
     load,
     store_root,
     with_tracing,
+    writable_dir,
+    writable_file,
 )
-from pipeline._cli.replay_cmd import run_replay
+from pipeline._cli.dumps import is_dump_name
+from pipeline._cli.replay_cmd import halted, run_replay
 from pipeline._cli.report import JsonOutput, Output, ReplaySummary, TableOutput
+from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
-from pipeline.core import StageError
+from pipeline.core import PipelineHalt, StageError
 from pipeline.policies import ToolPolicies
 from pipeline.replay import CallResult
 from pipeline.storage import TOOL_RESULTS_SUBDIR
@@ -38,9 +42,18 @@ if TYPE_CHECKING:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    # every path is checked before the session is generated or the server started
+    if args.store is not None:
+        writable_dir(args.store, "--store")
     store = args.store or Path(tempfile.mkdtemp(prefix="sluicegate-demo-"))
     options = dataclasses.replace(ReplayOptions.from_args(args), store=store)
     path: Path = args.out or store / "demo-session.jsonl"
+    writable_file(path, "--out" if args.out is not None else "--store")
+    options.pipeline()  # a bad --stage: exit 2 now
+    options.dumper()  # an unwritable or used --dump-requests directory: exit 2 now
+    dumps = options.dump_requests
+    if dumps is not None and is_dump_name(path.name) and path.parent.resolve() == dumps.resolve():
+        raise CliError(f"--out {path}: a request dump of --dump-requests would replace it")
 
     def go(tracer: trace.Tracer | None, provider: TracerProvider | None) -> int:
         if args.replay:
@@ -49,7 +62,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise CliError(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED) from None
             if not options.json:
-                print(f"generated a Claude Code session (seed {args.seed}): {path}")
+                shown = terminal_safe(str(path))
+                print(f"generated a Claude Code session (seed {args.seed}): {shown}")
             return run_replay(load(path, lenient=False), options, tracer)
         return run_live_demo(demo.generate_session(args.seed), path, options, tracer, provider)
 
@@ -68,7 +82,10 @@ def run_live_demo(
 
     from pipeline._cli.demo_agent import LiveDemo
 
-    transcript_path.unlink(missing_ok=True)
+    try:
+        transcript_path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot replace {transcript_path}: {exc.strerror or exc}") from None
     ctx = SessionContext(
         session.session_id,
         root=options.store or store_root(options),
@@ -86,7 +103,10 @@ def run_live_demo(
         else TableOutput(sys.stdout, ctx.root / session.session_id / TOOL_RESULTS_SUBDIR)
     )
     if not options.json:
-        print(f"live agent session {session.session_id} (transcript: {transcript_path})")
+        print(
+            f"live agent session {session.session_id} "
+            f"(transcript: {terminal_safe(str(transcript_path))})"
+        )
 
     dumper = options.dumper()
 
@@ -106,5 +126,12 @@ def run_live_demo(
         anyio.run(LiveDemo(session, pipe, ctx, on_call).run, client)
     except StageError as exc:
         raise CliError(f"demo: call {summary.calls}: {exc}", EXIT_FAILED) from None
+    except PipelineHalt as exc:
+        raise CliError(f"demo: call {summary.calls}: {halted(exc)}", EXIT_FAILED) from None
+    except OSError as exc:  # the transcript (or the store) failed mid-run: a full disk, say
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise CliError(
+            f"demo: call {summary.calls}: {where}{exc.strerror or exc}", EXIT_FAILED
+        ) from None
     output.summary(summary)
     return EXIT_OK

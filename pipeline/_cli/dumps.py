@@ -11,20 +11,56 @@ messages. Two ways to keep a long session from writing gigabytes:
 - ``--dump-format delta``: ``NNNN.json`` holds ``{"call": N, "prefix": K, "messages": [...]}``,
   the messages after the first ``K`` of the previous dumped call's request (which they extend):
   ``request(N) = request(previous)[:K] + messages``.
+
+Each file is written to a temporary name and renamed into place: a full disk leaves no
+truncated file under a call's name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.incremental import first_difference
 
-__all__ = ["DumpFormat", "RequestDumper", "parse_calls"]
+__all__ = ["DumpFormat", "RequestDumper", "existing_dumps", "is_dump_name", "parse_calls"]
 
 DumpFormat = Literal["full", "delta"]
+
+_DUMP_NAME = re.compile(r"[0-9]{4,}\.json")
+
+
+def is_dump_name(name: str) -> bool:
+    """Whether ``name`` is one a dump may be written under (``NNNN.json``)."""
+    return _DUMP_NAME.fullmatch(name) is not None
+
+
+def existing_dumps(directory: Path) -> list[Path]:
+    """The files in ``directory`` named as a dump names them (``NNNN.json``), sorted."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(directory / n for n in names if is_dump_name(n))
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    """``target`` holds ``data`` or, on failure, is untouched (no temporary file is left)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def parse_calls(spec: str) -> frozenset[int]:
@@ -105,7 +141,7 @@ class RequestDumper:
         else:
             data = b"[\n" + b",\n".join(frags) + b"\n]" if frags else b"[]"  # type: ignore[arg-type]
         self._dumped = frags
-        target.write_bytes(data)
+        _write_atomically(target, data)
 
     def _refresh(self, request: Sequence[Any]) -> list[bytes | None]:
         """The fragments of ``request``: the previous ones for the messages it still shares

@@ -38,7 +38,8 @@ tracing:
   OTEL_SERVICE_NAME is set); nothing is exported otherwise. Needs the SDK:
   pip install 'sluicegate[otel]'. Spans never hold message content.
 
-exit codes: 0 ok, 1 replay failed part-way, 2 bad usage or bad input.
+exit codes: 0 ok, 1 the command failed part-way (a stage stopped the session, an
+  output could not be written), 2 bad usage or bad input.
 """
 
 
@@ -55,6 +56,20 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def _path(text: str) -> Path:
+    # Path("") is ".": an empty value (an unset shell variable) would write into the
+    # current directory
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty value")
+    return Path(text)
+
+
+def _pipelines(text: str) -> str:
+    if not any(name.strip() for name in text.split(",")):
+        raise argparse.ArgumentTypeError(f"name at least one pipeline, got {text!r}")
+    return text
 
 
 def _add_replay_options(p: argparse.ArgumentParser) -> None:
@@ -75,7 +90,7 @@ def _add_replay_options(p: argparse.ArgumentParser) -> None:
         help="per-tool cap (default %(default)s); Claude Code's declared limits below it still "
         "apply (Bash 30000, Grep 20000, ...) and Read is never persisted",
     )
-    budget.add_argument("--store", type=Path, metavar="DIR", help=_STORE_HELP)
+    budget.add_argument("--store", type=_path, metavar="DIR", help=_STORE_HELP)
     budget.add_argument(
         "--stage",
         action="append",
@@ -93,9 +108,10 @@ def _add_replay_options(p: argparse.ArgumentParser) -> None:
     )
     out.add_argument(
         "--dump-requests",
-        type=Path,
+        type=_path,
         metavar="DIR",
-        help="write DIR/NNNN.json: the exact 'messages' array sent for call NNNN",
+        help="write DIR/NNNN.json: the exact 'messages' array sent for call NNNN (DIR must "
+        "hold no NNNN.json from an earlier run)",
     )
     out.add_argument(
         "--dump-calls",
@@ -163,17 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
     compare = replay.add_argument_group("comparing pipelines")
     compare.add_argument(
         "--compare",
+        type=_pipelines,
         metavar="A,B,...",
         help="replay under several pipelines and print a cost table instead: built-in "
         f"{', '.join(stage_registry.COMPARISON_POINTS)}, or SLOT=STRATEGY[:k=v] for the "
         "default pipeline with that change",
     )
     compare.add_argument(
-        "--plot", type=Path, metavar="FILE.png", help="with --compare: draw request size per call"
+        "--plot",
+        type=_path,
+        metavar="FILE.png",
+        help="with --compare: draw request size per call (the extension names the format)",
     )
     compare.add_argument(
         "--prices",
-        type=Path,
+        type=_path,
         metavar="FILE.json",
         help='with --compare: price table {"sonnet": {"input": 3, "output": 15}, ...}',
     )
@@ -196,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_p.add_argument(
         "--out",
-        type=Path,
+        type=_path,
         metavar="FILE",
         help="the session's transcript (replaced if it exists); default: "
         "demo-session.jsonl in the store directory",

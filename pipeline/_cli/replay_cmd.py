@@ -8,6 +8,8 @@ import gc
 import json
 import re
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -20,23 +22,67 @@ from pipeline._cli.common import (
     ReplayOptions,
     dump_request,
     load,
+    pipeline_for,
     session_id_for,
     store_root,
     with_tracing,
+    writable_file,
 )
 from pipeline._cli.dumps import RequestDumper
+from pipeline._cli.pairing_watch import PairingWatch
 from pipeline._cli.report import JsonOutput, Output, Progress, ReplaySummary, TableOutput
+from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
-from pipeline.core import Pipeline, StageError
+from pipeline.core import Pipeline, PipelineHalt, StageError
 from pipeline.policies import ToolPolicies
 from pipeline.replay import find_calls, replay_messages
 from pipeline.storage import TOOL_RESULTS_SUBDIR
 from pipeline.tracing import ATTR, SPAN_REPLAY, get_logger
 from pipeline.transcript import Transcript
 from stages import registry as stage_registry
+from stages.autocompact import ContextWindowExceeded
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
+
+    from pipeline._cli.compare import Price
+
+_MAX_PAIRING_WARNINGS = 20
+"""Calls warned about one by one; a problem early in a long session is in every later request,
+and the summary counts them all."""
+
+
+def halted(exc: PipelineHalt) -> str:
+    """Why a pipeline refused to build a request, naming the stage and its limit."""
+    if isinstance(exc, ContextWindowExceeded):
+        return (
+            f"autocompact stopped the session: the context (~{exc.size:,} tokens, estimated) is "
+            f"at or over its blocking limit of {exc.limit:,} tokens and compaction could not "
+            "bring it below; the session cannot be replayed with that setting"
+        )
+    return f"a stage stopped the session ({type(exc).__name__}): {exc}"
+
+
+def _warn_pairing(
+    watch: PairingWatch, count: int, result_number: int, summary: ReplaySummary
+) -> None:
+    summary.add_pairing(count)
+    if not count:
+        return
+    shown = summary.calls_with_pairing_problems
+    if shown <= _MAX_PAIRING_WARNINGS:
+        first = terminal_safe(str(watch.problems[0]))
+        print(
+            f"sluicegate: warning: call {result_number}: the request has {count} broken tool "
+            f"pairing(s) the API would reject, first: {first}",
+            file=sys.stderr,
+        )
+    if shown == _MAX_PAIRING_WARNINGS:
+        print(
+            "sluicegate: warning: further calls with broken pairing are only counted "
+            "(see the summary)",
+            file=sys.stderr,
+        )
 
 
 async def _replay_calls(
@@ -49,6 +95,7 @@ async def _replay_calls(
     progress: Progress,
 ) -> None:
     # one trace per replay: every call's pipeline.run is a child of this span
+    pairing = PairingWatch()
     with ctx.tracer.start_as_current_span(
         SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
     ):
@@ -57,6 +104,7 @@ async def _replay_calls(
             summary.add(result, chars)
             dump_request(dumper, result)
             progress.clear()
+            _warn_pairing(pairing, pairing.check(result.request), result.call.number, summary)
             output.call(result, chars)
             progress.advance()
     progress.clear()
@@ -66,6 +114,7 @@ async def _replay_calls(
 def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tracer | None) -> int:
     """Replay ``transcript`` through the default pipeline and write the results to stdout."""
     session_id = session_id_for(transcript)
+    pipe = options.pipeline()  # a bad --stage is refused before any directory is made
     store = store_root(options)
     dumper = options.dumper()  # a directory that cannot be made fails before the replay starts
     ctx = SessionContext(
@@ -74,7 +123,6 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
         tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
         tracer=tracer,
     )
-    pipe = options.pipeline()
     summary = ReplaySummary(session_id, store, options.per_message_chars, options.per_tool_chars)
     results_dir = store / session_id / TOOL_RESULTS_SUBDIR
     output: Output = (
@@ -89,70 +137,150 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
     except StageError as exc:
         progress.clear()
         raise CliError(f"{transcript.path}: call {summary.calls}: {exc}", EXIT_FAILED) from None
+    except PipelineHalt as exc:
+        progress.clear()
+        raise CliError(
+            f"{transcript.path}: call {summary.calls}: {halted(exc)}", EXIT_FAILED
+        ) from None
     log.info("replay.done", calls=summary.calls, persisted=summary.persisted)
     return EXIT_OK
 
 
-def run_compare(
-    transcript: Transcript,
-    args: argparse.Namespace,
-    options: ReplayOptions,
-    tracer: trace.Tracer | None,
-) -> int:
-    """``replay --compare``: one table row per pipeline."""
-    import pipeline._cli.compare as compare
-
+def _compare_pipelines(spec: str, options: ReplayOptions) -> dict[str, Pipeline]:
+    """The pipelines ``--compare`` names (at least one), or :class:`CliError` (exit 2)."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise CliError(
+            f"--compare {spec!r}: name at least one pipeline "
+            f"({', '.join(stage_registry.COMPARISON_POINTS)}, or SLOT=STRATEGY[:k=v])"
+        )
     pipelines: dict[str, Pipeline] = {}
-    for name in (n.strip() for n in args.compare.split(",") if n.strip()):
+    for name in names:
         try:
-            if "=" in name:
-                with_change = dataclasses.replace(options, stage_specs=(name,))
-                pipelines[name] = with_change.pipeline()
+            if "=" in name:  # the default pipeline with this one change
+                pipelines[name] = pipeline_for((name,), options.per_message_chars)
             else:
                 pipelines[name] = stage_registry.comparison_pipeline(
                     name, per_message_chars=options.per_message_chars
                 )
         except ValueError as exc:
             raise CliError(f"--compare: {exc}") from None
+    return pipelines
+
+
+def check_plot_path(path: Path) -> None:
+    """Refuse (exit 2) a ``--plot`` path that could not be written, before the replays run."""
+    import pipeline._cli.compare as compare
+
+    try:
+        formats = compare.plot_formats()
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from None
+    suffix = path.suffix[1:].lower()
+    if path.is_dir():
+        raise CliError(f"--plot {path}: is a directory; name the image file (e.g. sizes.png)")
+    if suffix not in formats:
+        why = f"unsupported format {suffix!r}" if suffix else "no file extension"
+        raise CliError(f"--plot {path}: {why}; use one of: {', '.join(sorted(formats))}")
+    writable_file(path, "--plot")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompareSetup:
+    """What ``--compare`` asks for, checked before any transcript is read."""
+
+    pipelines: dict[str, Pipeline]
+    prices: Mapping[str, Price]
+    plot: Path | None
+
+
+def prepare_compare(args: argparse.Namespace, options: ReplayOptions) -> CompareSetup:
+    """The pipelines, prices and plot path of ``replay --compare``, or :class:`CliError`
+    (exit 2) naming what is wrong."""
+    import pipeline._cli.compare as compare
+
+    pipelines = _compare_pipelines(args.compare, options)
+    if args.prices is not None and not args.prices.is_file():
+        # reading a FIFO would wait for a writer forever; a directory gives a raw OSError
+        reason = "no such file" if not args.prices.exists() else "not a regular file"
+        raise CliError(f"--prices {args.prices}: {reason}")
     try:
         prices = compare.load_prices(args.prices) if args.prices else compare.PRICES
     except (OSError, ValueError) as exc:
         raise CliError(f"--prices: {exc}") from None
+    if args.plot is not None:
+        check_plot_path(args.plot)
+    return CompareSetup(pipelines, prices, args.plot)
+
+
+def run_compare(
+    transcript: Transcript,
+    setup: CompareSetup,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+) -> int:
+    """``replay --compare``: one table row per pipeline."""
+    import pipeline._cli.compare as compare
+
     store = store_root(options)
     session_id = session_id_for(transcript)
     policies = ToolPolicies.claude_code(cap=options.per_tool_chars)
+    current = ""
 
     def context(name: str) -> SessionContext:
+        nonlocal current
+        current = name
         root = store / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
         return SessionContext(session_id, root, tool_policies=policies, tracer=tracer)
 
-    runs = anyio.run(
-        lambda: compare.compare_pipelines(transcript.messages, pipelines, context, prices=prices)
-    )
+    try:
+        runs = anyio.run(
+            lambda: compare.compare_pipelines(
+                transcript.messages, setup.pipelines, context, prices=setup.prices
+            )
+        )
+    except StageError as exc:
+        raise CliError(f"{transcript.path}: pipeline {current!r}: {exc}", EXIT_FAILED) from None
+    except PipelineHalt as exc:
+        raise CliError(
+            f"{transcript.path}: pipeline {current!r}: {halted(exc)}", EXIT_FAILED
+        ) from None
     if options.json:
         for run in runs:
-            print(json.dumps({"compare": run.row()}))
+            print(json.dumps({"compare": run.row()}, allow_nan=False))
     else:
-        print(f"{transcript.path.name}: {runs[0].calls if runs else 0} calls")
+        print(f"{terminal_safe(transcript.path.name)}: {runs[0].calls if runs else 0} calls")
         print(compare.format_table(runs))
-    if args.plot is not None:
+    if setup.plot is not None:
         try:
-            compare.plot_sizes(runs, args.plot, title=transcript.path.name)
+            compare.plot_sizes(runs, setup.plot, title=transcript.path.name)
         except RuntimeError as exc:
             raise CliError(str(exc)) from None
+        except (OSError, ValueError) as exc:  # the checks passed, yet the write failed
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise CliError(f"--plot {setup.plot}: cannot write: {reason}", EXIT_FAILED) from None
     return EXIT_OK
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     options = ReplayOptions.from_args(args)
+    # option errors are reported before the transcript is read (it may be large)
+    setup: CompareSetup | None = None
+    if args.compare is not None:
+        setup = prepare_compare(args, options)
+    else:
+        for flag, value in (("--prices", args.prices), ("--plot", args.plot)):
+            if value is not None:
+                raise CliError(f"{flag} requires --compare")
+        options.pipeline()
 
     def go(tracer: trace.Tracer | None, _provider: TracerProvider | None) -> int:
         transcript = load(args.transcript, lenient=args.lenient)
         # the loaded session lives until the end and never forms cycles to collect: keep the
         # collector from walking it again and again (an application's choice, not the library's)
         gc.freeze()
-        if args.compare:
-            return run_compare(transcript, args, options, tracer)
+        if setup is not None:
+            return run_compare(transcript, setup, options, tracer)
         return run_replay(transcript, options, tracer)
 
     return with_tracing(args, go)

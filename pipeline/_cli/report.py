@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from pipeline._cli.safe_text import terminal_safe
 from pipeline.replay import CallResult
 from pipeline.tokens.stats import UNDERCOUNT_TOLERANCE, ErrorStats, nearest_rank, rounded
 
@@ -32,6 +33,10 @@ class ReplaySummary:
     reapplied: int = 0
     persist_failed: int = 0
     peak_request_chars: int = 0
+    pairing_problems: int = 0
+    """Broken tool pairings over all requests (a problem still there next call counts again)."""
+    calls_with_pairing_problems: int = 0
+    """Requests the Messages API would reject for their tool pairing."""
     calls_with_actual_tokens: int = 0
     relative_errors: list[float] = dataclasses.field(default_factory=list)
     """(estimated − actual) / actual, for calls whose actual count is known and > 0."""
@@ -57,6 +62,11 @@ class ReplaySummary:
         for name, obs in result.observations.items():
             if obs.real_growth is not None:
                 self.part_pairs.setdefault(name, []).append((obs.estimated_part, obs.real_growth))
+
+    def add_pairing(self, problems: int) -> None:
+        """Count the pairing problems of the call just added."""
+        self.pairing_problems += problems
+        self.calls_with_pairing_problems += problems > 0
 
     def part_errors(self, estimator: str) -> ErrorStats:
         """Error of ``estimator``'s estimated part against the real growth since the anchor
@@ -93,6 +103,8 @@ class ReplaySummary:
             "reapplied": self.reapplied,
             "persist_failed": self.persist_failed,
             "peak_request_chars": self.peak_request_chars,
+            "pairing_problems": self.pairing_problems,
+            "calls_with_pairing_problems": self.calls_with_pairing_problems,
             "calls_with_actual_tokens": self.calls_with_actual_tokens,
             "abs_rel_error_median": rounded(self.median_abs_error),
             "abs_rel_error_p95": rounded(self.p95_abs_error),
@@ -225,7 +237,7 @@ class TableOutput:
             self._row(
                 [
                     str(result.call.number),
-                    result.call.message_id,
+                    terminal_safe(result.call.message_id),
                     _fmt_int(result.estimated_tokens),
                     _fmt_int(actual),
                     "-" if error is None else f"{error * 100:+.1f}%",
@@ -237,11 +249,13 @@ class TableOutput:
         )
         for p in result.persisted:
             lines.append(
-                f"      + persisted {self._show_path(p.path)}  {p.tool_name or '?'}, "
-                f"{p.chars:,} chars, {p.reason}"
+                f"      + persisted {terminal_safe(self._show_path(p.path))}  "
+                f"{terminal_safe(p.tool_name or '?')}, {p.chars:,} chars, {terminal_safe(p.reason)}"
             )
         for tool_use_id in result.persist_failed:
-            lines.append(f"      ! persist failed for {tool_use_id}: original content sent")
+            lines.append(
+                f"      ! persist failed for {terminal_safe(tool_use_id)}: original content sent"
+            )
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
 
@@ -249,10 +263,15 @@ class TableOutput:
         """Write the totals."""
         lines = [""] if self._header_written else []
         lines += [
-            f"session {s.session_id}: {s.calls} calls, {s.persisted} persisted "
+            f"session {terminal_safe(s.session_id)}: {s.calls} calls, {s.persisted} persisted "
             f"({s.persisted_chars:,} chars), {s.reapplied} re-applied, "
             f"{s.persist_failed} persist failures, peak request {s.peak_request_chars:,} chars",
         ]
+        if s.calls_with_pairing_problems:
+            lines.append(
+                f"broken tool pairing (the API would reject the request) in "
+                f"{s.calls_with_pairing_problems} of {s.calls} calls"
+            )
         if s.relative_errors:
             under = s.undercount_share or 0.0
             lines.append(
@@ -267,7 +286,7 @@ class TableOutput:
         lines.append(
             f"limits: {s.per_message_chars:,} chars per message, {s.per_tool_chars:,} per tool"
         )
-        lines.append(f"persisted results: {self.results_dir}")
+        lines.append(f"persisted results: {terminal_safe(str(self.results_dir))}")
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
 

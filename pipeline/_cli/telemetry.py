@@ -9,9 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
+from pipeline._cli.safe_text import terminal_safe
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -21,6 +24,7 @@ __all__ = [
     "OTLP_ENDPOINT_VARS",
     "TelemetrySetupError",
     "configure_logging",
+    "escape_controls",
     "setup_tracing",
 ]
 
@@ -30,6 +34,18 @@ DEFAULT_SERVICE_NAME = "sluicegate"
 
 class TelemetrySetupError(RuntimeError):
     """Tracing was asked for but cannot be set up (the SDK is missing)."""
+
+
+def escape_controls(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog processor for readable lines: string values (ids, tool names, paths from the
+    transcript) with control characters escaped, so none reaches the terminal raw. Other values
+    are rendered with ``repr``, which escapes them already; JSON lines need neither."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = terminal_safe(value)
+    return event_dict
 
 
 def configure_logging(verbosity: int, json_lines: bool) -> None:
@@ -45,6 +61,7 @@ def configure_logging(verbosity: int, json_lines: bool) -> None:
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *([] if json_lines else [escape_controls]),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
