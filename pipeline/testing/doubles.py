@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,8 +34,10 @@ __all__ = [
 class MemoryStore:
     """A :class:`~pipeline.storage.ToolResultStore` in memory: deterministic paths, no I/O.
 
-    ``files`` maps each path to the text stored there (the first write of an id wins, as in
-    the file store). Ids in ``failing`` fail to persist, every time, with ENOSPC.
+    ``files`` maps each path to the text stored there. As in the file store, a second write of
+    an id with the same text reuses the path and one with other text goes to
+    ``<id>.<first 12 hex of its sha256>.<ext>``. Ids in ``failing`` fail to persist, every
+    time, with ENOSPC.
     """
 
     def __init__(self, failing: Iterable[str] = (), *, prefix: str = "/mem") -> None:
@@ -47,7 +50,10 @@ class MemoryStore:
         if tool_use_id in self.failing:
             raise OSError(errno.ENOSPC, "No space left on device")
         path = f"{self.prefix}/{tool_use_id}.{ext}"
-        self.files.setdefault(path, text)
+        if self.files.setdefault(path, text) != text:
+            digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+            path = f"{self.prefix}/{tool_use_id}.{digest}.{ext}"
+            self.files.setdefault(path, text)
         return path
 
 
