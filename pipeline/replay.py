@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message, Usage
+from pipeline.pairing import PairingProblem
 from pipeline.tokens import Observation, TokenTracker
 from pipeline.wire import WireCache, request_chars
 
@@ -61,6 +62,9 @@ class CallResult:
     """Tokens of recorded content this request lacks (removed by this pass or earlier ones,
     counted against the usage the pass anchored on): its replayed usage is the recorded one
     less this."""
+    pairing_problems: list[PairingProblem] = field(default_factory=list)
+    """What in the request the API would reject for broken tool pairing (see
+    :func:`~pipeline.pairing.check_pairing`; kept up to date at the cost of what changed)."""
     observations: dict[str, Observation] = field(default_factory=dict)
     """The recorded call's usage against each estimator (``"default"``: the session's tracker,
     ``"reference"``: the fixed rough count), each estimating the projected request before
@@ -169,6 +173,7 @@ async def replay_messages(
             persist_failed=list(report.persist_failed),
             removed_tokens=removed,
             chars=wire.chars,
+            pairing_problems=wire.pairing.problems,
         )
         if call.usage is not None:
             usage = less_usage(call.usage, removed) if removed else call.usage

@@ -29,14 +29,10 @@ from pipeline import Message, TranscriptWriter, Usage
 from pipeline._cli.app import main
 from pipeline._cli.compare import RunStats, load_prices
 from pipeline._cli.dumps import RequestDumper
-from pipeline._cli.pairing_watch import PairingWatch
 from pipeline._cli.safe_text import terminal_safe
-from pipeline.pairing import check_pairing
-from pipeline.wire import WireCache, to_api
 from stages.registry import build_pipeline
 from tests.builders import results, tool_result, tool_use, user_text
 from tests.cli_support import clean_env, parse_json_lines
-from tests.edit_support import records
 
 HOSTILE = "\x1b]0;PWNED\x07\x1b[2J\x1b[31m"
 """Retitles the terminal, clears it and turns what follows red, if printed raw."""
@@ -504,33 +500,6 @@ def test_a_clean_session_reports_no_pairing_problem(session: Path, tmp_path: Pat
     assert code == 0 and err == ""
     _, summary = parse_json_lines(out)
     assert summary["pairing_problems"] == summary["calls_with_pairing_problems"] == 0
-
-
-@settings(max_examples=150, deadline=None)
-@given(records(), st.lists(st.integers(1, 8), min_size=1, max_size=6), st.data())
-def test_the_incremental_pairing_check_matches_the_whole_one(
-    history: list[Message], steps: list[int], data: st.DataObject
-) -> None:
-    """Through a WireCache (shared messages, fresh copies at the end, edits that roll it back,
-    truncations) and plain ``to_api`` (every message a new object): the watch agrees with
-    check_pairing over each whole request."""
-    watch = PairingWatch()
-    cache = WireCache()
-    view: list[Message] = []
-    for call, step in enumerate(steps):
-        view = view + history[len(view) : len(view) + step]
-        if data.draw(st.booleans()) and view:
-            view[data.draw(st.integers(0, len(view) - 1))] = user_text(f"edited {call}")
-        if data.draw(st.booleans()) and len(view) > 1:
-            view = view[: data.draw(st.integers(1, len(view)))]
-        try:
-            # mostly the shared messages of a cache, sometimes all new (equal) ones
-            request = cache.to_api(view) if data.draw(st.integers(0, 3)) else to_api(view)
-        except ValueError:
-            continue
-        expected = check_pairing(request)
-        assert watch.check(request) == len(expected)
-        assert watch.problems == expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,13 +29,12 @@ from pipeline._cli.common import (
     writable_file,
 )
 from pipeline._cli.dumps import RequestDumper
-from pipeline._cli.pairing_watch import PairingWatch
 from pipeline._cli.report import JsonOutput, Output, Progress, ReplaySummary, TableOutput
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline, PipelineHalt, StageError
 from pipeline.policies import ToolPolicies
-from pipeline.replay import find_calls, replay_messages
+from pipeline.replay import CallResult, find_calls, replay_messages
 from pipeline.storage import TOOL_RESULTS_SUBDIR
 from pipeline.tracing import ATTR, SPAN_REPLAY, get_logger
 from pipeline.transcript import Transcript
@@ -63,15 +62,16 @@ def halted(exc: PipelineHalt) -> str:
     return f"a stage stopped the session ({type(exc).__name__}): {exc}"
 
 
-def _warn_pairing(
-    watch: PairingWatch, count: int, result_number: int, summary: ReplaySummary
-) -> None:
+def _warn_pairing(result: CallResult, summary: ReplaySummary) -> None:
+    problems = result.pairing_problems
+    count = len(problems)
     summary.add_pairing(count)
     if not count:
         return
+    result_number = result.call.number
     shown = summary.calls_with_pairing_problems
     if shown <= _MAX_PAIRING_WARNINGS:
-        first = terminal_safe(str(watch.problems[0]))
+        first = terminal_safe(str(problems[0]))
         print(
             f"sluicegate: warning: call {result_number}: the request has {count} broken tool "
             f"pairing(s) the API would reject, first: {first}",
@@ -95,7 +95,6 @@ async def _replay_calls(
     progress: Progress,
 ) -> None:
     # one trace per replay: every call's pipeline.run is a child of this span
-    pairing = PairingWatch()
     with ctx.tracer.start_as_current_span(
         SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
     ):
@@ -104,7 +103,7 @@ async def _replay_calls(
             summary.add(result, chars)
             dump_request(dumper, result)
             progress.clear()
-            _warn_pairing(pairing, pairing.check(result.request), result.call.number, summary)
+            _warn_pairing(result, summary)
             output.call(result, chars)
             progress.advance()
     progress.clear()
