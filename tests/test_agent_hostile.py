@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -389,6 +390,8 @@ def test_resume_from_another_directory_keeps_the_store_of_the_session(tmp_path: 
         (["hi"], {"ANTHROPIC_BASE_URL": "ftp://host"}, "ANTHROPIC_BASE_URL"),
         (["hi", "--store", "afile"], {}, "not a directory"),
         (["hi", "--session-id", "../../etc"], {}, "--session-id"),
+        (["hi", "--timeout", "-1"], {}, "--timeout"),
+        (["hi", "--timeout", "nan"], {}, "--timeout"),
         (["--resume", "nosid.jsonl", "go"], {}, "no session id"),
         (["--resume", "badsid.jsonl", "go"], {}, "cannot resume"),
     ],
@@ -410,6 +413,19 @@ def test_setup_errors_are_one_line_and_leave_nothing_behind(
     assert "Traceback" not in done.stderr
     assert message in done.stderr
     assert not (tmp_path / ".sluicegate").exists()
+
+
+def test_a_stalled_api_fails_after_the_timeout(tmp_path: Path) -> None:
+    def stall(_body: dict[str, Any]) -> Reply:
+        time.sleep(6)
+        return Reply([{"type": "text", "text": "too late"}])
+
+    with ScriptedMessagesServer(stall) as server:
+        started = time.monotonic()
+        done = _cli(server, tmp_path, "hi", "--timeout", "1", "--max-retries", "0")
+        took = time.monotonic() - started
+    assert done.returncode == 1 and "API error: timeout" in done.stderr, done.stderr
+    assert took < 6  # it did not wait for the reply
 
 
 def test_retries_are_bounded_in_number_and_in_wait(tmp_path: Path) -> None:

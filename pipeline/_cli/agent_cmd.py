@@ -117,7 +117,9 @@ def _run_locked(
     telemetry: Any = {"tracer_provider": provider} if provider is not None else None
     try:
         # the agent retries, bounded; the SDK would wait as long as retry-after says
-        client = anthropic.AsyncAnthropic(open_telemetry=telemetry, max_retries=0)
+        client = anthropic.AsyncAnthropic(
+            open_telemetry=telemetry, max_retries=0, timeout=args.timeout
+        )
     except (anthropic.AnthropicError, ValueError, TypeError) as exc:
         raise CliError(f"cannot create the API client: {exc}") from None
     pipe = options.pipeline()

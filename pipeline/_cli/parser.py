@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import textwrap
 from pathlib import Path
@@ -55,6 +56,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not math.isfinite(value) or not 0 < value <= 3_600:
+        raise argparse.ArgumentTypeError(f"must be from 0 (exclusive) to 3600 s, got {text[:40]!r}")
     return value
 
 
@@ -268,7 +279,15 @@ def _add_agent_parser(sub: Any) -> None:
         type=int,
         default=2,
         metavar="N",
-        help="the SDK's retries of a failed call (default %(default)s)",
+        help="retries of a failed call, 0-10; retry-after honoured up to 60 s "
+        "(default %(default)s)",
+    )
+    agent_p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long one API call may take before it fails (default %(default)s)",
     )
     agent_p.add_argument("--max-tokens", type=_positive_int, default=8_192, metavar="N")
     agent_p.add_argument(
