@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from pipeline import Message, Usage
@@ -30,3 +31,15 @@ def assistant(message_id: str, *blocks: dict[str, Any], usage: Usage | None = No
 def results(*blocks: dict[str, Any]) -> Message:
     """A user record holding tool_result blocks."""
     return Message.user(list(blocks))
+
+
+def json_paths(node: Any, prefix: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    """Every place in a JSON tree a value sits (containers included), as key/index paths."""
+    if prefix:
+        yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from json_paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from json_paths(v, (*prefix, i))

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from pipeline import Message, TokenTracker, Usage
 from pipeline.tokens import calibration_path_for
-from tests.builders import results, tool_result, tool_use, user_text
+from tests.builders import json_paths, results, tool_result, tool_use, user_text
 
 SONNET = "claude-sonnet-4-5"
 CODE = "def f(x):\n    return x + 1  # add one\n" * 40
@@ -187,19 +187,7 @@ def test_the_calibration_file_is_private(tmp_path: Path, umask_zero: None) -> No
 # --------------------------------------------------------------------------------------------
 
 
-def _paths(node: Any, prefix: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
-    """Every place in a JSON tree a value sits (containers included)."""
-    if prefix:
-        yield prefix
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _paths(v, (*prefix, i))
-
-
-PATHS = list(_paths(SAVED))
+PATHS = list(json_paths(SAVED))
 HOSTILE: list[Any] = [
     math.nan,
     math.inf,

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from pipeline import Message, SessionContext, TranscriptWriter, load_transcript
 from pipeline.transcript import TranscriptError, TranscriptPathError
+from tests.builders import json_paths
 
 SESSION = "5f0c1e2a-0000-4000-8000-000000000001"
 
@@ -247,18 +248,7 @@ RECORDS: list[dict[str, Any]] = [
 ]
 
 
-def _places(node: Any, prefix: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
-    if prefix:
-        yield prefix
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _places(v, (*prefix, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _places(v, (*prefix, i))
-
-
-PLACES = [(i, p) for i, r in enumerate(RECORDS) for p in _places(r)]
+PLACES = [(i, p) for i, r in enumerate(RECORDS) for p in json_paths(r)]
 HUGE: list[Any] = [
     [0] * 200_000,
     {f"k{i}": i for i in range(50_000)},

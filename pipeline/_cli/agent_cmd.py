@@ -135,20 +135,18 @@ def _run_locked(
             file=sys.stderr,
         )
 
+    settings: dict[str, Any] = {
+        "model": args.model,
+        "pipeline": pipe,
+        "readback": False,  # read_file below reads the store too
+        "max_tokens": args.max_tokens,
+        "max_turns": args.max_turns,
+        "on_turn": report,
+        "retry": retry,
+    }
     if args.resume is not None:
         try:
-            agent = Agent.resume(
-                args.resume,
-                client,
-                model=args.model,
-                pipeline=pipe,
-                root=root,
-                readback=False,
-                max_tokens=args.max_tokens,
-                max_turns=args.max_turns,
-                on_turn=report,
-                retry=retry,
-            )
+            agent = Agent.resume(args.resume, client, root=root, **settings)
         except ValueError as exc:  # PairingError included: the API would refuse the history
             raise CliError(f"cannot resume {args.resume}: {exc}") from None
         agent.ctx.tool_policies = policies
@@ -164,17 +162,7 @@ def _run_locked(
             tracer=tracer,
             transcript=TranscriptWriter(transcript, session_id),
         )
-        agent = Agent(
-            client,
-            model=args.model,
-            pipeline=pipe,
-            ctx=ctx,
-            readback=False,
-            max_tokens=args.max_tokens,
-            max_turns=args.max_turns,
-            on_turn=report,
-            retry=retry,
-        )
+        agent = Agent(client, ctx=ctx, **settings)
     store_dir = root / agent.ctx.session_id / TOOL_RESULTS_SUBDIR
     agent.add_tool(read_file_tool(cwd, store_dir))
     if args.allow_bash:
