@@ -103,6 +103,11 @@ MALFORMED: dict[str, bytes] = {
         content=[{"type": "tool_use", "id": 5, "name": "ping", "input": {}}]
     ),
     "duplicate tool_use ids": _message(content=_uses("dup", "dup"), stop_reason="tool_use"),
+    # two ids that would be one on the wire (lone surrogates become U+FFFD there)
+    "ids that are not text": _message(content=_uses("t\ud800", "t\ud801"), stop_reason="tool_use"),
+    "nested past the decoder": _message(content=[{"type": "text", "text": "x"}]).replace(
+        b'"text": "x"', b'"text": "x", "deep": ' + b"[" * 3_000 + b"]" * 3_000
+    ),
 }
 
 
@@ -190,6 +195,37 @@ def test_lone_surrogates_never_make_a_request_unencodable(tmp_path: Path) -> Non
     assert sent[1]["messages"][3]["content"][0]["text"] == "half \ufffd an emoji"
     # the records keep what was said; a later resume sends the same again
     assert "\ud800" in load_transcript(path).messages[3].content[0]["text"]
+
+
+def test_what_the_caller_gives_encodes_too(tmp_path: Path) -> None:
+    @tool(input_schema={"type": "object", "properties": {}})
+    async def cut() -> str:
+        """A description cut in an emoji \ud83d."""
+        return "ok"
+
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "fine"}])) as server:
+        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        ctx = SessionContext("s1", tmp_path, logger=QuietLogger())
+        agent = Agent(
+            client,
+            model="m\udcff",
+            pipeline=Pipeline([]),
+            ctx=ctx,
+            tools=[cut],
+            system="sys \ud83d",
+        )
+        anyio.run(agent.run, "hello")
+        body = server.requests[0]
+    assert body["system"] == "sys \ufffd" and body["model"] == "m\ufffd"
+    assert body["tools"][0]["description"].endswith("emoji \ufffd.")
+
+
+def test_the_cli_prints_an_answer_with_a_lone_surrogate(tmp_path: Path) -> None:
+    answer = Reply([{"type": "text", "text": "final \ud83d cut"}])
+    with ScriptedMessagesServer(lambda _b: answer) as server:
+        done = _cli(server, tmp_path, "hi")
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert "final \ufffd cut" in done.stdout
 
 
 def _partly_answered(tmp_path: Path) -> Path:
@@ -311,12 +347,19 @@ def test_cut_between_two_parallel_results_at_every_line(tmp_path: Path) -> None:
 
 
 def test_one_process_per_session(tmp_path: Path) -> None:
-    with session_lock(tmp_path / "s1"):
-        with pytest.raises(SessionBusyError), session_lock(tmp_path / "s1"):
+    one, two = tmp_path / "s1" / "transcript.jsonl", tmp_path / "s2" / "transcript.jsonl"
+    with session_lock(one):
+        with pytest.raises(SessionBusyError), session_lock(one):
             pass
-        with session_lock(tmp_path / "s2"):  # another session is free
+        with session_lock(two):  # another session is free
             pass
-    with session_lock(tmp_path / "s1"):  # released
+    with session_lock(one):  # released
+        pass
+    assert one.stat().st_mode & 0o777 == 0o600
+    assert one.parent.stat().st_mode & 0o777 == 0o700
+    linked = tmp_path / "linked"
+    linked.symlink_to(tmp_path / "s1")
+    with pytest.raises(OSError, match="symlink"), session_lock(linked / "transcript.jsonl"):
         pass
 
 
@@ -326,9 +369,15 @@ def test_the_cli_refuses_a_session_in_use_or_a_reused_id(tmp_path: Path) -> None
         assert first.returncode == 0, first.stderr
         again = _cli(server, tmp_path, "second task", "--session-id", "dup")
         assert again.returncode == 2 and "already exists" in again.stderr
-        with session_lock(tmp_path / ".sluicegate" / "dup"):
-            busy = _cli(server, tmp_path, "--resume", ".sluicegate/dup/transcript.jsonl", "go on")
-        assert busy.returncode == 1 and "in use by another process" in busy.stderr
+        transcript = ".sluicegate/dup/transcript.jsonl"
+        with session_lock(tmp_path / transcript):
+            busy = _cli(server, tmp_path, "--resume", transcript, "go on")
+            # another store root, another directory: the lock is the transcript's own
+            other = _cli(server, tmp_path, "--resume", transcript, "go", "--store", "other")
+            (tmp_path / "elsewhere").mkdir()
+            away = _cli(server, tmp_path / "elsewhere", "--resume", f"../{transcript}", "go")
+        for done in (busy, other, away):
+            assert done.returncode == 1 and "in use by another process" in done.stderr
         assert len(server.requests) == 1
     t = load_transcript(tmp_path / ".sluicegate" / "dup" / "transcript.jsonl")
     assert [m.type for m in t.messages] == ["user", "assistant"]
@@ -390,6 +439,8 @@ def test_resume_from_another_directory_keeps_the_store_of_the_session(tmp_path: 
         (["hi"], {"ANTHROPIC_BASE_URL": "ftp://host"}, "ANTHROPIC_BASE_URL"),
         (["hi", "--store", "afile"], {}, "not a directory"),
         (["hi", "--session-id", "../../etc"], {}, "--session-id"),
+        (["hi"], {"ANTHROPIC_BASE_URL": "http://a\x7f/"}, "ANTHROPIC_BASE_URL"),
+        (["hi"], {"ANTHROPIC_API_KEY": "k\u00ff"}, "ANTHROPIC_API_KEY"),
         (["hi", "--timeout", "-1"], {}, "--timeout"),
         (["hi", "--timeout", "nan"], {}, "--timeout"),
         (["--resume", "nosid.jsonl", "go"], {}, "no session id"),

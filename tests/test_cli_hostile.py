@@ -437,6 +437,9 @@ def test_json_output_keeps_the_exact_values(tmp_path: Path) -> None:
 def test_terminal_safe() -> None:
     assert terminal_safe("msg_01ABC é 日本 😀") == "msg_01ABC é 日本 😀"
     assert terminal_safe("a\x1bb\x07\x9b\u202e\ud83d\n") == "a\\x1bb\\x07\\x9b\\u202e\\ud83d\\n"
+    # a valid id may be a megabyte long: one line shows its start and its length
+    assert terminal_safe("L" * 1_000_000) == "L" * 300 + "…(1,000,000 chars)"
+    assert terminal_safe("\x1b" * 400, limit=2) == "\\x1b\\x1b…(400 chars)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pipeline.context import SessionContext
 from pipeline.policies import ToolPolicies
 from pipeline.storage import TOOL_RESULTS_SUBDIR, validate_session_id
 from pipeline.transcript import TranscriptWriter
+from pipeline.wire import encodable
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -46,6 +47,13 @@ def _check_environment(args: argparse.Namespace) -> None:
         raise CliError(f"--max-retries must be from 0 to {_MAX_RETRIES}, got {args.max_retries}")
     if not (os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")):
         raise CliError("no API key: set ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN)")
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL"):
+        value = os.environ.get(name) or ""
+        if not (value.isascii() and value.isprintable()) or " " in value:
+            # a header or URL cannot carry it: the client would fail on every call
+            raise CliError(f"{name} holds characters a request cannot carry")
+    if not (args.model.isascii() and args.model.isprintable()):
+        raise CliError("--model holds characters a request cannot carry")
     base_url = os.environ.get("ANTHROPIC_BASE_URL")
     if base_url:
         try:
@@ -79,20 +87,22 @@ def run_agent(
         except ValueError as exc:
             raise CliError(f"cannot resume {args.resume}: {exc}") from None
         root = store if store is not None else store_root_of(loaded.path, session_id)
+        transcript = loaded.path
     else:
         try:
             session_id = validate_session_id(args.session_id or str(uuid.uuid4()))
         except ValueError as exc:
             raise CliError(f"--session-id: {exc}") from None
         root = store if store is not None else Path(".sluicegate")
-        existing = root / session_id / "transcript.jsonl"
-        if existing.exists() or existing.is_symlink():
+        transcript = root / session_id / "transcript.jsonl"
+        if transcript.is_symlink() or (transcript.exists() and transcript.stat().st_size):
             raise CliError(
-                f"session {session_id!r} already exists ({existing}): continue it with "
+                f"session {session_id!r} already exists ({transcript}): continue it with "
                 "--resume, or choose another --session-id"
             )
     try:
-        with session_lock(root / session_id):
+        # the lock is the transcript's, wherever the store root is
+        with session_lock(transcript):
             return _run_locked(args, options, tracer, provider, root, session_id)
     except SessionBusyError as exc:
         raise CliError(str(exc), EXIT_FAILED) from None
@@ -172,6 +182,6 @@ def _run_locked(
         result = anyio.run(agent.run, args.prompt)
     except AgentAPIError as exc:
         raise CliError(f"API error: {exc}", EXIT_FAILED) from None
-    print(result.text)
+    print(encodable(result.text))  # a lone surrogate in the answer cannot be printed
     print(f"[{result.stop_reason} after {result.turns} calls]", file=sys.stderr)
     return EXIT_OK

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sluicegate: error: {exc}", file=sys.stderr)
         return exc.code
     except CliError as exc:
-        print(f"sluicegate: error: {terminal_safe(str(exc))}", file=sys.stderr)
+        print(f"sluicegate: error: {terminal_safe(str(exc), limit=2_000)}", file=sys.stderr)
         return exc.code
     except BrokenPipeError:
         _discard_stdout(stdout)

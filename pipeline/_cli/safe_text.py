@@ -25,10 +25,17 @@ def _escape(ch: str) -> str:
     return f"\\U{code:08x}"
 
 
-def terminal_safe(text: str) -> str:
+MAX_SHOWN = 300
+"""The most characters of one value a line shows (a valid id may be a megabyte long)."""
+
+
+def terminal_safe(text: str, limit: int = MAX_SHOWN) -> str:
     """``text`` with every non-printable character (control and format characters, lone
     surrogates, line and paragraph separators) written as a ``repr``-style escape (``\\x1b``,
-    ``\\u202e``); printable text, spaces included, is returned as it is."""
-    if text.isprintable():  # the common case, checked in C
-        return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+    ``\\u202e``), and cut to its first ``limit`` characters (``…(N chars)`` says how long it
+    was); short printable text, spaces included, is returned as it is."""
+    long = len(text) > limit
+    cut = text[:limit] if long else text
+    if not cut.isprintable():  # the common case is checked in C
+        cut = "".join(ch if ch.isprintable() else _escape(ch) for ch in cut)
+    return f"{cut}…({len(text):,} chars)" if long else cut

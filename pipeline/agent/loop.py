@@ -37,7 +37,7 @@ from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, SPAN_TOOL_EXECUTE, Decision, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
-from pipeline.wire import WireCache
+from pipeline.wire import WireCache, encodable
 
 __all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "store_root_of"]
 
@@ -211,10 +211,11 @@ class Agent:
             self._wire.ensure_paired()
             estimated = ctx.report.estimated_tokens  # computed once, by the pipeline
             kwargs: dict[str, Any] = {}
+            # what the caller gave goes over the wire too: it must encode like the messages
             if self.system is not None:
-                kwargs["system"] = self.system
+                kwargs["system"] = encodable(self.system)
             if self.tools:
-                kwargs["tools"] = self.tool_definitions
+                kwargs["tools"] = encodable(self.tool_definitions)
             report = ctx.report  # what the stages asked of this request beyond its messages
             if report.request_extras:
                 kwargs["extra_body"] = dict(report.request_extras)
@@ -282,10 +283,17 @@ class Agent:
         """One Messages API call; the response checked and made a record, or AgentAPIError."""
         try:
             raw = await self.client.messages.with_raw_response.create(
-                model=self.model, max_tokens=self.max_tokens, messages=request, **kwargs
+                model=encodable(self.model), max_tokens=self.max_tokens, messages=request, **kwargs
             )
         except anthropic.APIError as exc:
             raise AgentAPIError.from_sdk(exc) from exc
+        except (ValueError, TypeError, UnicodeError) as exc:  # the client could not send it
+            raise AgentAPIError(
+                "bad_request",
+                f"the request could not be sent ({type(exc).__name__})",
+                status=None,
+                request_id=None,
+            ) from exc
         http = raw.http_response
         where: dict[str, Any] = {
             "request": http.request,
@@ -294,7 +302,7 @@ class Agent:
         }
         try:
             response = await raw.parse()
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             why = f"its body cannot be parsed ({type(exc).__name__})"
             raise AgentAPIError(
                 "bad_response", f"the API answered with a malformed message: {why}", **where

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from pipeline.agent.results import AgentAPIError
 from pipeline.messages import Block, Message, Usage, now_timestamp
+from pipeline.wire import encodable
 
 __all__ = ["message_from_response"]
 
@@ -51,6 +52,8 @@ def _check_block(i: int, block: Mapping[str, Any], ids: set[str], known: Set[str
         tid = block.get("id")
         if not isinstance(tid, str) or not tid or len(tid) > _MAX_ID_CHARS:
             return f"content[{i}]: tool_use whose id is {_brief(tid)}"
+        if encodable(tid) is not tid:  # two such ids could be one on the wire
+            return f"content[{i}]: tool_use id {_brief(tid)} is not valid text"
         if not isinstance(block.get("name"), str):
             return f"content[{i}]: tool_use {tid!r} without a string 'name'"
         if tid in ids:
