@@ -66,17 +66,36 @@ def encodable(value: Any) -> Any:
 
 
 def _has_surrogate(value: Any) -> bool:
-    stack = [value]  # no recursion: content may nest as deep as the interpreter allows
+    # str.isascii() reads a flag the string carries, so most text costs no search at all; the
+    # common block shapes are read directly, anything else walked (without recursion: content
+    # may nest as deep as the interpreter allows)
+    if isinstance(value, str):
+        return not value.isascii() and _SURROGATE.search(value) is not None
+    if not isinstance(value, dict | list):
+        return False
+    stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                return True
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
+        if isinstance(v, list):
+            for x in v:
+                if isinstance(x, str):
+                    if not x.isascii() and _SURROGATE.search(x):
+                        return True
+                elif isinstance(x, dict | list):
+                    stack.append(x)
+            continue
+        try:
+            plain_keys = all(map(str.isascii, v))
+        except TypeError:  # a key that is not a string (built content): look at each
+            plain_keys = False
+        if not plain_keys and any(isinstance(k, str) and _SURROGATE.search(k) for k in v):
+            return True
+        for x in v.values():
+            if isinstance(x, str):
+                if not x.isascii() and _SURROGATE.search(x):
+                    return True
+            elif isinstance(x, dict | list):
+                stack.append(x)
     return False
 
 
