@@ -49,7 +49,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def encodable(value: Any) -> Any:
-    """``value`` with every lone surrogate in its strings (keys included) replaced by U+FFFD;
+    """``value`` with every lone surrogate in its strings replaced by U+FFFD (in a dict key,
+    by its ``\\uXXXX`` escape, so that two keys never become one);
     the very same object when there is none (the common case costs one walk, no copy).
 
     A lone surrogate has no UTF-8 form, so one in a request makes it unencodable: JavaScript
@@ -99,11 +100,18 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
+def _escaped_key(key: Any) -> Any:
+    # U+FFFD would merge two keys into one: a key keeps its surrogates as visible escapes
+    if isinstance(key, str) and _SURROGATE.search(key):
+        return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", key)
+    return key
+
+
 def _cleaned(value: Any) -> Any:
     if isinstance(value, str):
         return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
     if isinstance(value, dict):
-        return {_cleaned(k): _cleaned(v) for k, v in value.items()}
+        return {_escaped_key(k): _cleaned(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_cleaned(v) for v in value]
     return value

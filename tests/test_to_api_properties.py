@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from pipeline import Message, to_api
 from pipeline.pairing import check_pairing
+from pipeline.wire import encodable
 
 PROPERTY_SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -378,3 +379,51 @@ def test_well_formed_conversation_gives_alternating_paired_request(msgs: list[Me
         if m.type == "assistant":
             expected.setdefault(m.message_id, []).extend(m.blocks)
     assert [p["content"] for p in out if p["role"] == "assistant"] == list(expected.values())
+
+
+# -- requests always encode ---------------------------------------------------------------------
+
+_TEXT = st.text(
+    alphabet=st.sampled_from(["a", "é", "日", "😀", "\ud800", "\udfff", "\udcff", "\n"]),
+    max_size=6,
+)
+_VALUES = st.recursive(
+    st.none() | st.integers() | _TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+    max_leaves=10,
+)
+
+
+def _is_surrogate(c: str) -> bool:
+    return 0xD800 <= ord(c) <= 0xDFFF
+
+
+def _expected(value: Any) -> Any:
+    """The rule: a lone surrogate becomes U+FFFD in text, its ``\\uXXXX`` escape in a key."""
+    if isinstance(value, str):
+        return "".join("\ufffd" if _is_surrogate(c) else c for c in value)
+    if isinstance(value, dict):
+        return {
+            "".join(f"\\u{ord(c):04x}" if _is_surrogate(c) else c for c in k): _expected(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_expected(v) for v in value]
+    return value
+
+
+@settings(max_examples=500, deadline=None)
+@given(_VALUES)
+def test_encodable_leaves_nothing_that_utf8_refuses(value: Any) -> None:
+    cleaned = encodable(value)
+    json.dumps(cleaned, ensure_ascii=False).encode("utf-8")  # never raises
+    assert cleaned == _expected(value)
+    if json.dumps(value) == json.dumps(_expected(value)):
+        assert cleaned is value  # nothing to clean: the very same object, no copy
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_TEXT, min_size=1, max_size=4))
+def test_a_request_with_lone_surrogates_always_encodes(texts: list[str]) -> None:
+    messages = [Message.user(t or "x") for t in texts]
+    json.dumps(to_api(messages), ensure_ascii=False).encode("utf-8")
