@@ -100,18 +100,28 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
-def _escaped_key(key: Any) -> Any:
-    # U+FFFD would merge two keys into one: a key keeps its surrogates as visible escapes
-    if isinstance(key, str) and _SURROGATE.search(key):
-        return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", key)
-    return key
+def _cleaned_dict(value: dict[Any, Any]) -> dict[Any, Any]:
+    # U+FFFD would merge two keys into one: a key keeps its surrogates as visible escapes, and
+    # one that still meets another key (the escape's own text) gets U+FFFD appended until free
+    out: dict[Any, Any] = {
+        k: None for k in value if not (isinstance(k, str) and _SURROGATE.search(k))
+    }
+    cleaned: dict[Any, Any] = {}
+    for k, v in value.items():
+        if isinstance(k, str) and _SURROGATE.search(k):
+            k = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", k)
+            while k in out:
+                k += "\ufffd"
+            out[k] = None
+        cleaned[k] = _cleaned(v)
+    return cleaned
 
 
 def _cleaned(value: Any) -> Any:
     if isinstance(value, str):
         return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
     if isinstance(value, dict):
-        return {_escaped_key(k): _cleaned(v) for k, v in value.items()}
+        return _cleaned_dict(value)
     if isinstance(value, list):
         return [_cleaned(v) for v in value]
     return value

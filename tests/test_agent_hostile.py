@@ -7,6 +7,7 @@ The real SDK talks to the scripted server over HTTP; the CLI runs as a subproces
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -22,7 +23,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import Pipeline, SessionContext, TranscriptWriter, load_transcript, to_api
+from pipeline import (
+    Message,
+    Pipeline,
+    SessionContext,
+    TranscriptWriter,
+    load_transcript,
+    stage,
+    to_api,
+)
 from pipeline.agent import (
     INTERRUPTED_RESULT,
     Agent,
@@ -103,6 +112,13 @@ MALFORMED: dict[str, bytes] = {
         content=[{"type": "tool_use", "id": 5, "name": "ping", "input": {}}]
     ),
     "duplicate tool_use ids": _message(content=_uses("dup", "dup"), stop_reason="tool_use"),
+    "tool_use input null": _message(
+        content=[{"type": "tool_use", "id": "t", "name": "ping", "input": None}]
+    ),
+    "tool_use input missing": _message(content=[{"type": "tool_use", "id": "t", "name": "ping"}]),
+    "tool_use input a string": _message(
+        content=[{"type": "tool_use", "id": "t", "name": "ping", "input": "abc"}]
+    ),
     # two ids that would be one on the wire (lone surrogates become U+FFFD there)
     "ids that are not text": _message(content=_uses("t\ud800", "t\ud801"), stop_reason="tool_use"),
     "nested past the decoder": _message(content=[{"type": "text", "text": "x"}]).replace(
@@ -126,6 +142,31 @@ def test_a_malformed_200_response_is_a_typed_api_error_and_nothing_is_recorded(
     assert "malformed message" in str(error)
     loaded = load_transcript(tmp_path / "s1" / "transcript.jsonl")  # strict: every line loads
     assert [m.type for m in loaded.messages] == ["user"]  # the prompt, nothing of the reply
+
+
+@stage("latest_prompt_only")
+async def latest_prompt_only(messages: list[Message], ctx: SessionContext) -> list[Message]:
+    """Sends only a fresh prompt (as a stage that drops old rounds would)."""
+    last = messages[-1]
+    return [last] if isinstance(last.content, str) else messages
+
+
+def test_an_id_reused_from_rounds_the_request_no_longer_holds_is_refused(tmp_path: Path) -> None:
+    replies = iter(
+        [
+            _message(content=_uses("same"), stop_reason="tool_use"),
+            _message(),
+            _message(content=_uses("same"), stop_reason="tool_use"),  # not in that request
+        ]
+    )
+    with ScriptedMessagesServer(lambda _b: RawReply(next(replies))) as server:
+        agent = _agent(server, tmp_path)
+        agent.pipeline = Pipeline([latest_prompt_only])
+        anyio.run(agent.run, "hello")
+        with pytest.raises(AgentAPIError, match="already used"):
+            anyio.run(agent.run, "again")
+    loaded = load_transcript(tmp_path / "s1" / "transcript.jsonl")
+    assert check_pairing(to_api(loaded.messages)) == []
 
 
 def test_a_tool_use_id_reused_from_an_earlier_turn_is_refused(tmp_path: Path) -> None:
@@ -279,13 +320,43 @@ def test_repair_moves_a_late_result_and_drops_orphans_and_second_answers() -> No
     request = to_api(repair.messages)
     assert check_pairing(request) == []
     first_results = [b for b in request[2]["content"] if b["type"] == "tool_result"]
-    assert [(b["tool_use_id"], b["content"]) for b in first_results] == [
+    assert sorted((b["tool_use_id"], b["content"]) for b in first_results) == [
         ("a", "A"),
         ("b", "B, too late"),
     ]
     assert sorted(repair.dropped) == ["a", "zz"] and repair.moved == ["b"]
     assert repair.trailing == []  # nothing stands at the end: nothing to append
     assert len(history) == 6 and history[2].content[1]["content"] == "A again"  # not modified
+
+
+def test_repair_never_loses_a_late_result_behind_a_copied_line() -> None:
+    history = [
+        user_text("go"),
+        assistant("msg_0", tool_use("t0", "ping"), tool_use("t1", "ping")),
+        results(tool_result("t1", "out t1")),
+        results(tool_result("t1", "out t1")),  # the same line, copied
+        assistant("msg_1", {"type": "text", "text": "ok"}),
+        results(tool_result("t0", "REAL OUTPUT of t0")),
+    ]
+    repair = repair_pairing(history)
+    request = to_api(repair.messages)
+    assert check_pairing(request) == [] and repair.moved == ["t0"] and repair.answered == []
+    sent = {b["tool_use_id"]: b["content"] for b in request[2]["content"]}
+    assert sent == {"t0": "REAL OUTPUT of t0", "t1": "out t1"}
+
+
+def test_repair_answers_a_call_whose_response_was_recorded_around_another() -> None:
+    # a later fragment of X recorded after an interleaved response Y
+    history = [
+        user_text("go"),
+        assistant("X", tool_use("a", "ping")),
+        assistant("Y", tool_use("b", "ping")),
+        results(tool_result("b", "B")),
+        assistant("X", {"type": "text", "text": "and more"}),
+    ]
+    repair = repair_pairing(history)
+    assert repair.remaining == [] and repair.answered == ["a"]
+    assert check_pairing(to_api(repair.messages)) == []
 
 
 def test_a_history_that_cannot_be_repaired_is_refused_before_anything_is_written(
@@ -509,7 +580,23 @@ def test_retries_are_bounded_in_number_and_in_wait(tmp_path: Path) -> None:
         RetryPolicy(max_wait=float("nan"))
     assert retry_after_seconds({"retry-after-ms": "1500"}) == 1.5
     assert retry_after_seconds({"retry-after": "nonsense"}) is None
-    assert retry_after_seconds({"retry-after": "inf"}) is None
+    # a wait past any max_wait (or past any calendar) means: do not retry
+    assert retry_after_seconds({"retry-after": "inf"}) == math.inf
+    assert retry_after_seconds({"retry-after": "nan"}) is None
+    assert retry_after_seconds({"retry-after": "Mon, 01 Jan 99999 00:00:00 GMT"}) == math.inf
+    assert policy.wait_before(1, "server", math.inf) is None
+
+
+def test_a_retry_after_date_past_any_calendar_is_a_typed_error(tmp_path: Path) -> None:
+    far = ScriptError(
+        429, "rate_limit_error", "slow", headers={"retry-after": "Mon, 01 Jan 99999 00:00:00 GMT"}
+    )
+    with ScriptedMessagesServer(lambda _b: far) as server:
+        agent = _agent(server, tmp_path, retry=RetryPolicy(retries=3))
+        with pytest.raises(AgentAPIError) as info:
+            anyio.run(agent.run, "hello")
+        assert len(server.requests) == 1
+    assert info.value.kind == "rate_limited" and info.value.retry_after == math.inf
 
 
 # -- fuzz: any body a server may answer with ---------------------------------------------------

@@ -427,3 +427,10 @@ def test_encodable_leaves_nothing_that_utf8_refuses(value: Any) -> None:
 def test_a_request_with_lone_surrogates_always_encodes(texts: list[str]) -> None:
     messages = [Message.user(t or "x") for t in texts]
     json.dumps(to_api(messages), ensure_ascii=False).encode("utf-8")
+
+
+def test_a_cleaned_key_never_meets_another() -> None:
+    # the escape of a surrogate is itself text a key may hold
+    cleaned = encodable({"\ud800": "first", "\\ud800": "second", "\\ud800\ufffd": "third"})
+    assert sorted(cleaned.values()) == ["first", "second", "third"]
+    json.dumps(cleaned, ensure_ascii=False).encode("utf-8")

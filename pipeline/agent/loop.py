@@ -90,6 +90,8 @@ class Agent:
         self.pipeline = pipeline
         self.ctx = ctx
         self._wire = WireCache()  # each request built from what changed since the last one
+        self._ids: set[str] = set()
+        self._ids_seen: tuple[int, Message | None] = (0, None)
         self.system = system
         self.max_tokens = max_tokens
         self.max_turns = max_turns
@@ -307,7 +309,25 @@ class Agent:
             raise AgentAPIError(
                 "bad_response", f"the API answered with a malformed message: {why}", **where
             ) from None
-        return message_from_response(response, known_tool_ids=self._wire.tool_use_ids, **where)
+        return message_from_response(response, known_tool_ids=self._tool_ids(), **where)
+
+    def _tool_ids(self) -> set[str]:
+        """Every tool_use id of the history (a response reusing one could never be answered,
+        and the ledger keys decisions by id), kept up to date as the history grows."""
+        history, seen = self.history, self._ids_seen
+        if seen[0] > len(history) or (seen[0] and history[seen[0] - 1] is not seen[1]):
+            self._ids.clear()  # not the history last seen grown: read it again
+            seen = (0, None)
+        for i in range(seen[0], len(history)):
+            m = history[i]
+            if m.type == "assistant" and isinstance(m.content, list):
+                self._ids.update(
+                    b["id"]
+                    for b in m.content
+                    if b.get("type") == "tool_use" and isinstance(b.get("id"), str)
+                )
+        self._ids_seen = (len(history), history[-1] if history else None)
+        return self._ids
 
     async def _record(self, messages: list[Message]) -> None:
         self.history.extend(messages)

@@ -22,7 +22,7 @@ from pipeline.pairing import PairingProblem, check_pairing
 from pipeline.wire import to_api, wire_positions
 
 if TYPE_CHECKING:
-    from anthropic.types import MessageParam
+    pass
 
 __all__ = ["INTERRUPTED_RESULT", "PairingRepair", "repair_pairing"]
 
@@ -59,7 +59,6 @@ def _interrupted(tool_use_id: str) -> Block:
 
 def _one_round(
     messages: list[Message],
-    request: list[MessageParam],
     problems: list[PairingProblem],
     repair: PairingRepair,
     inserted: set[int],
@@ -84,14 +83,14 @@ def _one_round(
                 tid = b.get("tool_use_id") if b.get("type") == "tool_result" else None
                 if (positions[i], tid) in orphans and tid in waiting and tid not in late:
                     late[str(tid)] = b
-    last_record = {entry: i for i, entry in enumerate(positions) if entry >= 0}
-    # answers go at the end of the user message after the call (in tool_use order after the
-    # results already there), or right after the call when no user message follows it
+    # Answers go right after the record that opened the call's response (its first fragment):
+    # an assistant record, so never one this round empties, and the wire folds later fragments
+    # of the response back past tool_result-only records -- also when another response was
+    # recorded in between (after the last fragment, the answer would land behind that one).
     after: dict[int, int] = {}
-    for entry in unanswered:
-        nxt = entry + 1
-        follows = nxt < len(request) and request[nxt]["role"] == "user"
-        after[last_record[nxt] if follows else last_record[entry]] = entry
+    for i, entry in enumerate(positions):
+        if entry in unanswered and messages[i].type == "assistant" and entry not in after.values():
+            after[i] = entry
     out: list[Message] = []
     seen: set[tuple[int, str]] = set()
     for i, m in enumerate(messages):
@@ -126,19 +125,19 @@ def _one_round(
 
 
 def repair_pairing(messages: Sequence[Message]) -> PairingRepair:
-    """``messages`` with every unanswered tool_use answered by an error result (placed right
-    after its response, where the API looks for it) and every orphan or second result removed.
+    """``messages`` with every unanswered tool_use answered by an error result (or by its own
+    result when that came too late), placed right after the call's response where the API
+    looks for it, and every orphan or second result removed.
     The input is not modified; an unchanged history comes back as an equal new list."""
     repair = PairingRepair(list(messages))
     inserted: set[int] = set()
     for _ in range(_MAX_ROUNDS):
-        request = to_api(repair.messages)
-        problems = check_pairing(request)
+        problems = check_pairing(to_api(repair.messages))
         fixable = [p for p in problems if p.kind != "duplicate_tool_use"]
         if not fixable:
             repair.remaining = problems
             break
-        repair.messages = _one_round(repair.messages, request, problems, repair, inserted)
+        repair.messages = _one_round(repair.messages, problems, repair, inserted)
     else:
         repair.remaining = check_pairing(to_api(repair.messages))
     tail = len(repair.messages)

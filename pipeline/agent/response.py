@@ -56,6 +56,8 @@ def _check_block(i: int, block: Mapping[str, Any], ids: set[str], known: Set[str
             return f"content[{i}]: tool_use id {_brief(tid)} is not valid text"
         if not isinstance(block.get("name"), str):
             return f"content[{i}]: tool_use {tid!r} without a string 'name'"
+        if not isinstance(block.get("input"), dict):  # the API requires an object
+            return f"content[{i}]: tool_use {tid!r} whose input is {_brief(block.get('input'))}"
         if tid in ids:
             return f"content[{i}]: tool_use id {tid!r} repeated in one response"
         if tid in known:

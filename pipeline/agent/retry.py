@@ -54,7 +54,7 @@ class RetryPolicy:
 
 def retry_after_seconds(headers: Mapping[str, str] | None) -> float | None:
     """The wait a response asks for: ``retry-after-ms``, or ``retry-after`` in seconds or as
-    an HTTP date; None when absent or unreadable."""
+    an HTTP date; ``math.inf`` for one past any calendar; None when absent or unreadable."""
     if headers is None:
         return None
     ms = headers.get("retry-after-ms")
@@ -71,8 +71,13 @@ def retry_after_seconds(headers: Mapping[str, str] | None) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        parsed = email.utils.parsedate_tz(raw)
-        if parsed is None:
-            return None
-        value = email.utils.mktime_tz(parsed) - time.time()
-    return max(value, 0.0) if math.isfinite(value) else None
+        try:
+            parsed = email.utils.parsedate_tz(raw)
+            if parsed is None:
+                return None
+            value = email.utils.mktime_tz(parsed) - time.time()
+        except (ValueError, OverflowError):  # a date no calendar holds: as good as never
+            return math.inf
+    if math.isnan(value):
+        return None
+    return max(value, 0.0)  # inf stays inf: longer than any max_wait, so no retry
