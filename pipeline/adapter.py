@@ -1,0 +1,204 @@
+"""A conversation as it arrives at the wire: a Messages request in, the request to send out.
+
+A client that already has its loop (the SDK, a proxy in front of any program) re-sends its own,
+unmodified history on every call. :class:`WireSession` turns each request's ``messages`` into
+records, runs the pipeline with the conversation's :class:`~pipeline.context.SessionContext`
+and gives back the ``messages`` to send. It is the layer ``wrap`` and the proxy stand on.
+
+- **Stable records.** A message equal to the one at the same position in the last request is
+  the same record object (the stages' incremental passes rest on identity); a new one gets a
+  uuid derived from the session, its position, role and content, so the same history gives the
+  same records in another process. Assistant messages carry no id on the wire: the response
+  id and usage the session observed are attached to the message that answered it.
+- **Decisions stay.** Earlier decisions are re-applied byte for byte (prefix-stable); they are
+  recorded in ``<root>/<session>/decisions.jsonl`` (replacement and stage records, responses),
+  so a new process continues with the same decisions.
+- **Cost.** Per call: one equality check per message (C-level) plus the new messages; the
+  pipeline and the request building are incremental as in the agent loop.
+
+Session identity: :func:`session_id_for`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.context import SessionContext
+from pipeline.core import Pipeline
+from pipeline.messages import Message, Usage
+from pipeline.replacement import ReplacementState, decided_in
+from pipeline.storage import validate_session_id
+from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.transcript import TranscriptWriter, load_transcript
+from pipeline.wire import WireCache
+
+if TYPE_CHECKING:
+    from anthropic.types import MessageParam
+
+__all__ = ["DECISIONS_FILE", "SESSION_HEADER", "WireSession", "session_id_for"]
+
+SESSION_HEADER = "x-sluicegate-session"
+"""The request header a proxy reads an explicit session id from."""
+
+DECISIONS_FILE = "decisions.jsonl"
+_RESPONSE_RECORD = "wire_session.response"
+_NAMESPACE = uuid.UUID("5b2f0e6c-3d1a-4c7e-9a41-7e0c2d9b6f13")
+_CLAUDE_CODE_SESSION = re.compile(r"_session_([0-9a-fA-F-]{36})$")
+
+
+def session_id_for(
+    body: Mapping[str, Any],
+    *,
+    explicit: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> str:
+    """The session a request belongs to.
+
+    In order: ``explicit`` (an argument of the caller); the ``x-sluicegate-session`` header;
+    the session part of Claude Code's ``metadata.user_id`` (``..._session_<uuid>``); else a
+    fingerprint of the conversation's start (system prompt and first message), so two
+    conversations never share a ledger. ``ValueError`` when an explicit id is not a safe
+    session id.
+    """
+    chosen = explicit
+    if chosen is None and headers is not None:
+        chosen = next((v for k, v in headers.items() if k.lower() == SESSION_HEADER), None)
+    if chosen is not None:
+        return validate_session_id(chosen)
+    metadata = body.get("metadata")
+    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    if isinstance(user_id, str):
+        found = _CLAUDE_CODE_SESSION.search(user_id)
+        if found:
+            return validate_session_id(found.group(1).lower())
+    messages = body.get("messages")
+    first = messages[0] if isinstance(messages, list) and messages else None
+    start = {"system": body.get("system"), "first": first}
+    return "fp-" + _digest(start)[:32]
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class WireSession:
+    """One conversation seen at the wire (see the module docstring).
+
+    ``prepare(messages)`` gives the messages to send; ``observe(...)`` takes the response's id
+    and usage (the token tracker learns from it, and the next request's answering message
+    carries them). Calls of one session must not overlap (the pipeline serialises them).
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        root: str | Path,
+        pipeline: Pipeline,
+        **context: Any,
+    ) -> None:
+        self.session_id = validate_session_id(session_id)
+        self.pipeline = pipeline
+        path = Path(root) / self.session_id / DECISIONS_FILE
+        loaded = load_transcript(path, strict=False) if path.exists() else None
+        self._calibration = calibration_path_for(root, self.session_id)
+        context.setdefault("token_tracker", TokenTracker.load(self._calibration))
+        self.ctx = SessionContext(
+            self.session_id,
+            root,
+            transcript=TranscriptWriter(path, self.session_id),
+            stage_records=loaded.stage_records if loaded is not None else (),
+            **context,
+        )
+        self._restored = loaded
+        self._responses: dict[int, tuple[str, Usage | None]] = {}
+        if loaded is not None:
+            for record in loaded.stage_records:
+                if record.stage == _RESPONSE_RECORD:
+                    self._restore_response(record.data)
+        self._params: list[Any] = []
+        self._records: list[Message] = []
+        self._wire = WireCache()
+        self._projected: list[Message] = []
+
+    # -- per call ---------------------------------------------------------------------------
+    async def prepare(self, messages: Sequence[MessageParam]) -> list[MessageParam]:
+        """The ``messages`` to send for a request whose own are ``messages``."""
+        records = self._sync(messages)
+        if self._restored is not None:
+            # a new process: the ledger from the recorded decisions and this history
+            self.ctx.replacement_state = ReplacementState.reconstruct(
+                records,
+                self._restored.replacement_records,
+                decided=decided_in(self._restored.stage_records),
+            )
+            self._restored = None
+        self._projected = await self.pipeline.run(records, self.ctx)
+        return self._wire.to_api(self._projected)
+
+    async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``body`` with its ``messages`` prepared (everything else as it was)."""
+        return {**body, "messages": await self.prepare(body.get("messages") or [])}
+
+    def observe(self, response_id: str, usage: Mapping[str, Any] | None, model: str) -> None:
+        """The response to the last prepared request: its usage feeds the token tracker, and
+        the message that answers it in the next request carries its id and usage."""
+        parsed = Usage.from_mapping(usage) if usage is not None else None
+        index = len(self._params)  # where the answer stands in the next request
+        self._responses[index] = (response_id, parsed)
+        data: dict[str, Any] = {"index": index, "id": response_id}
+        if usage is not None:
+            data["usage"] = dict(usage)
+        if self.ctx.transcript is not None:
+            self.ctx.transcript.append_stage_record(_RESPONSE_RECORD, data)
+        if parsed is not None:
+            tracker = self.ctx.token_tracker
+            tracker.observe(
+                self._projected, parsed, model=model, tokens_freed=self.ctx.report.tokens_freed
+            )
+            tracker.save(self._calibration)  # a new process does not start cold
+
+    # -- records ----------------------------------------------------------------------------
+    def _sync(self, messages: Sequence[Any]) -> list[Message]:
+        prev, records = self._params, self._records
+        out: list[Message] = []
+        for i, param in enumerate(messages):
+            if i < len(prev) and prev[i] == param:
+                out.append(records[i])  # the same record: the stages' work on it stands
+            else:
+                out.append(self._record(i, param))
+        self._params, self._records = list(messages), out
+        return out
+
+    def _record(self, index: int, param: Any) -> Message:
+        if not isinstance(param, Mapping):
+            raise ValueError(f"messages[{index}] is not an object")
+        role, content = param.get("role"), param.get("content")
+        if role not in ("user", "assistant"):
+            raise ValueError(f"messages[{index}]: role must be 'user' or 'assistant'")
+        if not isinstance(content, str | list):
+            raise ValueError(f"messages[{index}]: content must be a string or a list of blocks")
+        if isinstance(content, list) and not all(isinstance(b, dict) for b in content):
+            raise ValueError(f"messages[{index}]: content holds a non-block")
+        digest = _digest([role, content])
+        uid = str(uuid.uuid5(_NAMESPACE, f"{self.session_id}\x00{index}\x00{digest}"))
+        if role == "user":
+            return Message.user(content, uuid=uid)
+        response_id, usage = self._responses.get(index, (f"msg_wire_{digest[:24]}", None))
+        return Message.assistant(content, message_id=response_id, usage=usage, uuid=uid)
+
+    def _restore_response(self, data: Mapping[str, Any]) -> None:
+        index, rid, usage = data.get("index"), data.get("id"), data.get("usage")
+        if not isinstance(index, int) or not isinstance(rid, str):
+            return
+        try:
+            parsed = Usage.from_mapping(usage) if isinstance(usage, Mapping) else None
+        except ValueError:
+            parsed = None
+        self._responses[index] = (rid, parsed)

@@ -1,0 +1,187 @@
+"""The wire-level adapter: a client that re-sends its own history gets the budget, the same
+decisions on every call, and the same decisions in a new process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from pipeline import Pipeline, ToolPolicies
+from pipeline.adapter import DECISIONS_FILE, WireSession, session_id_for
+from pipeline.testing import QuietLogger
+from stages import ToolResultBudget, default_stages
+
+LIMIT = 200_000
+
+
+class Client:
+    """A client loop as an SDK user writes it: its own history, sent whole every call, with
+    its tools' outputs as they came (it never sees what the adapter sent)."""
+
+    def __init__(self) -> None:
+        self.params: list[dict[str, Any]] = [{"role": "user", "content": "fix the failing jobs"}]
+        self.turn = 0
+
+    def answer(self) -> tuple[str, dict[str, int]]:
+        """The model's reply to the last request: parallel tool calls, then their results."""
+        n = 3 + self.turn % 5
+        ids = [f"toolu_{self.turn:02d}_{i}" for i in range(n)]
+        self.params.append(
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": t, "name": "get_log", "input": {"job": t}}
+                    for t in ids
+                ],
+            }
+        )
+        self.params.append(
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": t,
+                        "content": f"[{t}]\n" + "log line\n" * (4_000 + 500 * i),
+                    }
+                    for i, t in enumerate(ids)
+                ],
+            }
+        )
+        self.turn += 1
+        usage = {"input_tokens": 10 + self.turn, "output_tokens": 50}
+        return f"msg_{self.turn:04d}", usage
+
+
+def _session(root: Path, pipeline: Pipeline | None = None) -> WireSession:
+    return WireSession(
+        "conv-1",
+        root,
+        pipeline or Pipeline([ToolResultBudget(LIMIT)]),
+        tool_policies=ToolPolicies.claude_code(),
+        logger=QuietLogger(),
+    )
+
+
+async def _run(
+    root: Path, calls: int, restart_at: int | None = None, small_window: bool = False
+) -> list[str]:
+    def pipeline() -> Pipeline:
+        # a window small enough that history snip acts on the token estimate
+        return Pipeline(default_stages(context_window=60_000)) if small_window else None
+
+    client, session = Client(), _session(root, pipeline())
+    sent: list[str] = []
+    for call in range(calls):
+        if call == restart_at:
+            session = _session(root, pipeline())  # a new process: only the disk is left
+        request = await session.prepare(client.params)
+        sent.append(json.dumps(request))
+        response_id, usage = client.answer()
+        usage["input_tokens"] = len(sent[-1]) // 3  # denser than any estimate guesses
+        session.observe(response_id, usage, model="claude-test")
+    return sent
+
+
+def _visible(result: dict[str, Any]) -> int:
+    content = result["content"]
+    return len(content) if isinstance(content, str) else 0
+
+
+def test_a_resending_client_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> None:
+    sent = [json.loads(r) for r in anyio.run(_run, tmp_path, 24)]
+    persisted = 0
+    for k, request in enumerate(sent):
+        last = request[-1]["content"]
+        if isinstance(last, list):
+            assert sum(_visible(b) for b in last) <= LIMIT, k
+            persisted += sum(str(b["content"]).startswith("<persisted-output>") for b in last)
+        if k:
+            # everything sent before is sent again, byte for byte
+            before = sent[k - 1]
+            assert json.dumps(request[: len(before)]) == json.dumps(before), k
+    assert persisted > 10
+    files = list((tmp_path / "conv-1" / "tool-results").iterdir())
+    assert len(files) == persisted  # each persisted once, re-applied after
+
+
+@pytest.mark.parametrize("small_window", [False, True])
+def test_a_new_process_continues_with_the_same_bytes(tmp_path: Path, small_window: bool) -> None:
+    live = anyio.run(_run, tmp_path / "a", 20, None, small_window)
+    restarted = anyio.run(_run, tmp_path / "b", 20, 12, small_window)
+    same_root = [r.replace(str(tmp_path / "a"), str(tmp_path / "b")) for r in live]
+    assert restarted == same_root
+    assert (tmp_path / "b" / "conv-1" / DECISIONS_FILE).exists()
+    if small_window:  # the stages acted, before and after the restart
+        assert "History snipped" in restarted[10] and "History snipped" in restarted[-1]
+
+
+def test_unchanged_messages_are_the_same_records(tmp_path: Path) -> None:
+    async def run() -> None:
+        client, session = Client(), _session(tmp_path)
+        await session.prepare(client.params)
+        client.answer()
+        first = list(session._records)
+        # the client sends new objects (parsed JSON) that are equal: same records
+        await session.prepare(json.loads(json.dumps(client.params)))
+        assert all(a is b for a, b in zip(first, session._records, strict=False))
+        assert len(session._records) == len(first) + 2
+
+    anyio.run(run)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[1], [{"role": "system", "content": "x"}], [{"role": "user", "content": 5}]],
+)
+def test_a_malformed_request_is_a_clear_error(tmp_path: Path, bad: list[Any]) -> None:
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        anyio.run(_session(tmp_path).prepare, bad)
+
+
+def test_session_identity() -> None:
+    body = {"system": "you help", "messages": [{"role": "user", "content": "hi"}]}
+    other = {"system": "you help", "messages": [{"role": "user", "content": "bye"}]}
+    grown = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "yo"}]}
+    # the start of the conversation: stable as it grows, different for another conversation
+    assert session_id_for(body) == session_id_for(grown) != session_id_for(other)
+    claude = {
+        **body,
+        "metadata": {
+            "user_id": "user_ab12_account_x_session_" + "0" * 8 + "-aaaa-bbbb-cccc-" + "1" * 12
+        },
+    }
+    assert session_id_for(claude) == "00000000-aaaa-bbbb-cccc-111111111111"
+    assert session_id_for(claude, headers={"X-Sluicegate-Session": "mine"}) == "mine"
+    assert (
+        session_id_for(claude, explicit="given", headers={"x-sluicegate-session": "x"}) == "given"
+    )
+    with pytest.raises(ValueError):
+        session_id_for(body, explicit="../../etc")
+
+
+def test_a_new_process_restores_the_ledger_and_the_responses(tmp_path: Path) -> None:
+    async def run() -> None:
+        client, live = Client(), _session(tmp_path)
+        for _ in range(8):
+            request = await live.prepare(client.params)
+            response_id, usage = client.answer()
+            usage["input_tokens"] = len(json.dumps(request)) // 3
+            live.observe(response_id, usage, model="claude-test")
+        await live.prepare(client.params)
+        restarted = _session(tmp_path)
+        await restarted.prepare(client.params)
+        assert restarted.ctx.replacement_state == live.ctx.replacement_state
+        assert len(live.ctx.replacement_state.replacements) > 5
+        answers = [m for m in restarted._records if m.type == "assistant"]
+        assert [m.message_id for m in answers] == [f"msg_{k:04d}" for k in range(1, 9)]
+        assert [m.usage for m in answers] == [
+            m.usage for m in live._records if m.type == "assistant"
+        ]
+        assert all(m.usage is not None for m in answers)
+
+    anyio.run(run)
