@@ -9,7 +9,10 @@ The budget runs first: it handles new large output, cheaply and without breaking
 cache. The four later slots hold strategies; swap one with ``Pipeline.replace(slot, stage)``.
 """
 
-from pipeline import Stage
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pipeline import Pipeline, Stage
 from pipeline.policies import DEFAULT_CONTEXT_WINDOW, MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
 from pipeline.summarizer import Summarizer
 from stages.autocompact import Autocompact
@@ -27,7 +30,13 @@ __all__ = [
     "ServerSideMicrocompact",
     "ToolResultBudget",
     "default_stages",
+    "wrap",
 ]
+
+if TYPE_CHECKING:  # the SDK is heavy to import: only wrap() needs it, when called
+    import anthropic
+
+C = TypeVar("C", "anthropic.Anthropic", "anthropic.AsyncAnthropic")
 
 
 def default_stages(
@@ -55,3 +64,25 @@ def default_stages(
         ContextCollapse(context_window=context_window, incremental=incremental),
         Autocompact(summarizer, context_window=context_window),
     ]
+
+
+def wrap(
+    client: C,
+    *,
+    root: str | Path = ".sluicegate",
+    session_id: str | None = None,
+    context_window: int = DEFAULT_CONTEXT_WINDOW,
+    **context: Any,
+) -> C:
+    """``client`` (sync or async) with every Messages request going through
+    ``default_stages(context_window=...)`` -- see :func:`pipeline.wrap.wrap` for the layer and
+    the sessions, and to choose other stages."""
+    from pipeline.wrap import wrap as wrap_with
+
+    return wrap_with(
+        client,
+        root=root,
+        pipeline=lambda: Pipeline(default_stages(context_window=context_window)),
+        session_id=session_id,
+        **context,
+    )

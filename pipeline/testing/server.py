@@ -77,6 +77,13 @@ def _common_prefix_tokens(previous: Mapping[str, Any] | None, body: Mapping[str,
     return count_request_tokens(prefix)
 
 
+class _Server(ThreadingHTTPServer):
+    # many clients at once (a test of concurrent sessions): the default backlog of 5 would
+    # reset connections the real API accepts
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class ScriptedMessagesServer:
     """Serve scripted replies on ``base_url`` until :meth:`close` (also a context manager).
 
@@ -92,8 +99,7 @@ class ScriptedMessagesServer:
         self.count_requests: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), self._handler_class())
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )

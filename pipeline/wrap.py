@@ -1,0 +1,146 @@
+"""``wrap(client)``: an existing anthropic SDK client whose every Messages request goes through
+the pipeline.
+
+The layer is the SDK's own client middleware (``client.with_middleware``): every method that
+sends a Messages request -- ``messages.create``, ``messages.stream``, ``beta.messages.*``, the
+tool runner -- passes through it, once per HTTP attempt, inside the SDK's retry loop (the
+pipeline's output for an unchanged request is the same, so a retry sends the same bytes). Other
+requests (``count_tokens``, models, batches) pass untouched. Each conversation gets its
+:class:`~pipeline.adapter.WireSession` (see :func:`~pipeline.adapter.session_id_for`), kept
+on disk under ``root``, so a restarted program continues with the same decisions.
+
+Not yet: the usage of a streamed response does not reach the token tracker (its request still
+goes through the pipeline; the estimate then runs on the tracker's defaults).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anthropic
+import anyio
+
+from pipeline.adapter import WireSession, session_id_for
+from pipeline.core import Pipeline
+
+__all__ = ["SluicegateMiddleware", "wrap"]
+
+C = TypeVar("C", anthropic.Anthropic, anthropic.AsyncAnthropic)
+T = TypeVar("T")
+
+
+def _is_messages_call(request: Any) -> bool:
+    url = str(request.url).split("?", 1)[0].rstrip("/")
+    return (
+        str(request.method).lower() == "post"
+        and url.endswith("/v1/messages")
+        and isinstance(request.json, Mapping)
+        and isinstance(request.json.get("messages"), list)
+    )
+
+
+class SluicegateMiddleware(anthropic.Middleware):
+    """The SDK middleware :func:`wrap` installs (usable directly with ``with_middleware``).
+
+    ``pipeline``: a factory of the stages every conversation runs (called once per
+    conversation; stage objects keep no per-session state, so a shared one is fine too).
+    ``session_id``: one explicit session for every request of this client; else each request
+    names its own (header, Claude Code metadata, or the conversation's fingerprint).
+    ``context``: keyword arguments of each session's ``SessionContext`` (tool policies, a
+    tracer, a logger).
+    """
+
+    def __init__(
+        self,
+        *,
+        root: str | Path = ".sluicegate",
+        pipeline: Callable[[], Pipeline],
+        session_id: str | None = None,
+        **context: Any,
+    ) -> None:
+        self.root = Path(root)
+        self.pipeline = pipeline
+        self.session_id = session_id
+        self.context = context
+        self.sessions: dict[str, WireSession] = {}
+
+    def _session(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> WireSession:
+        sid = session_id_for(body, explicit=self.session_id, headers=headers)
+        session = self.sessions.get(sid)
+        if session is None:
+            session = WireSession(sid, self.root, self.pipeline(), **self.context)
+            self.sessions[sid] = session
+        return session
+
+    async def handle_async(self, request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+        """Prepare a Messages request, send it, let its session observe the response."""
+        if not _is_messages_call(request):
+            return await call_next(request)
+        session = self._session(request.json, dict(request.headers or {}))
+        body = await session.prepare_request(request.json)
+        response = await call_next(_outgoing(session, request, body))
+        if not request.stream and response.status_code == 200:
+            _observe(session, await response.parse())
+        return response
+
+    def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
+        """The synchronous client's path: the same work, the pipeline run on a private event
+        loop (in a worker thread, so a caller that has a running loop is not disturbed)."""
+        if not _is_messages_call(request):
+            return call_next(request)
+        session = self._session(request.json, dict(request.headers or {}))
+        body = _run_sync(lambda: session.prepare_request(request.json))
+        response = call_next(_outgoing(session, request, body))
+        if not request.stream and response.status_code == 200:
+            _observe(session, response.parse())
+        return response
+
+
+def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
+    """The request to send: the prepared body, plus what a stage asked of the request (e.g.
+    server-side clearing's ``context_management`` and its beta header)."""
+    report = session.ctx.report
+    body.update(report.request_extras)
+    headers = dict(request.headers or {})
+    if report.betas:
+        given = str(headers.get("anthropic-beta", "")).split(",")
+        headers["anthropic-beta"] = ",".join(sorted({*report.betas, *filter(None, given)}))
+    return request.copy(body=body, headers=headers)
+
+
+def _observe(session: WireSession, message: Any) -> None:
+    usage = getattr(message, "usage", None)
+    if usage is not None and isinstance(getattr(message, "id", None), str):
+        session.observe(message.id, usage.model_dump(), model=str(message.model))
+
+
+def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await fn()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(anyio.run, main).result()
+
+
+def wrap(
+    client: C,
+    *,
+    root: str | Path = ".sluicegate",
+    pipeline: Callable[[], Pipeline] | None = None,
+    session_id: str | None = None,
+    **context: Any,
+) -> C:
+    """``client`` with every Messages request going through the pipeline (a copy: the client
+    given is unchanged). ``pipeline``: a factory (default: ``stages.default_stages()``; pass
+    one to choose the stages -- the library does not import ``stages`` itself)."""
+    if pipeline is None:
+        raise TypeError(
+            "wrap() needs pipeline=: a factory such as lambda: Pipeline(default_stages())"
+        )
+    middleware = SluicegateMiddleware(
+        root=root, pipeline=pipeline, session_id=session_id, **context
+    )
+    return client.with_middleware(middleware)

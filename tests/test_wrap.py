@@ -1,0 +1,178 @@
+"""``wrap(client)``: the real SDK, sync and async, against the scripted server — the user's own
+loop, one changed line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import anyio
+
+from pipeline import Pipeline
+from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.wrap import wrap as wrap_with
+from stages import ToolResultBudget, wrap
+
+TAG = "<persisted-output>"
+
+
+def script(body: dict[str, Any]) -> Reply:
+    """Six parallel calls per turn for ever (the client decides when to stop)."""
+    turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+    first = str(body["messages"][0]["content"])[:8].replace(" ", "_")
+    ids = [f"toolu_{first}_{turn:02d}_{i}" for i in range(6)]
+    return Reply(
+        [{"type": "tool_use", "id": t, "name": "get_log", "input": {}} for t in ids],
+        stop_reason="tool_use",
+    )
+
+
+def _results(content: list[Any]) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": b.id, "content": f"[{b.id}]" + "x" * 45_000}
+            for b in content
+            if b.type == "tool_use"
+        ],
+    }
+
+
+async def _loop(
+    client: anthropic.AsyncAnthropic, prompt: str, calls: int, beta: bool = False
+) -> None:
+    """The user's loop, unchanged: its own history, its tools' full outputs."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    for _ in range(calls):
+        create = client.beta.messages.create if beta else client.messages.create
+        response = await create(model="m", max_tokens=100, messages=messages)  # type: ignore[arg-type]
+        messages.append(
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in response.content],
+            }
+        )
+        messages.append(_results(response.content))
+
+
+def _visible(body: dict[str, Any]) -> int:
+    last = body["messages"][-1]["content"]
+    return sum(len(b["content"]) for b in last) if isinstance(last, list) else 0
+
+
+def test_an_async_loop_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> None:
+    with ScriptedMessagesServer(script) as server:
+        # the budget alone: the later stages may break the prefix by design (and say so)
+        client = wrap_with(
+            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            root=tmp_path,
+            pipeline=lambda: Pipeline([ToolResultBudget()]),
+        )
+        anyio.run(_loop, client, "first task", 22)
+        count = anyio.run(
+            lambda: client.messages.count_tokens(
+                model="m", messages=[{"role": "user", "content": "x" * 10}]
+            )
+        )
+        sent = server.requests
+    assert count.input_tokens > 0 and len(sent) == 22
+    for k, body in enumerate(sent):
+        assert _visible(body) <= 200_000, k  # 6 × 45K = 270K asked, 200K at most sent
+        if k:
+            before = sent[k - 1]["messages"]
+            assert json.dumps(body["messages"][: len(before)]) == json.dumps(before), k
+    persisted = sum(
+        str(b.get("content", "")).startswith(TAG)
+        for m in sent[-1]["messages"]
+        if isinstance(m["content"], list)
+        for b in m["content"]
+    )
+    assert persisted >= 21  # at least one per turn, each re-applied in every later request
+    sessions = list(tmp_path.iterdir())
+    assert len(sessions) == 1 and (sessions[0] / "decisions.jsonl").exists()
+
+
+def test_a_restarted_program_sends_the_same_bytes(tmp_path: Path) -> None:
+    async def run(root: Path, restart_at: int | None) -> list[str]:
+        with ScriptedMessagesServer(script) as server:
+
+            def client() -> anthropic.AsyncAnthropic:
+                raw = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+                return wrap(raw, root=root)
+
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "restart task"}]
+            current = client()
+            for call in range(12):
+                if call == restart_at:
+                    current = client()  # a new program: only what is on disk is left
+                response = await current.messages.create(
+                    model="m",
+                    max_tokens=100,
+                    messages=messages,  # type: ignore[arg-type]
+                )
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": [b.model_dump(exclude_none=True) for b in response.content],
+                    }
+                )
+                messages.append(_results(response.content))
+            return [json.dumps(b) for b in server.requests]
+
+    live = anyio.run(run, tmp_path / "a", None)
+    restarted = anyio.run(run, tmp_path / "b", 6)
+    assert restarted == [r.replace(str(tmp_path / "a"), str(tmp_path / "b")) for r in live]
+
+
+def test_conversations_never_share_a_ledger(tmp_path: Path) -> None:
+    async def many() -> None:
+        async with anyio.create_task_group() as tg:
+            for n in range(20):
+                tg.start_soon(_loop, client, f"task {n:03d}", 3)
+
+    with ScriptedMessagesServer(script) as server:
+        client = wrap(
+            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            root=tmp_path,
+        )
+        anyio.run(many)
+        sent = server.requests
+    sessions = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(sessions) == 20
+    for body in sent:
+        first = body["messages"][0]["content"][:8].replace(" ", "_")
+        for m in body["messages"]:
+            for b in m["content"] if isinstance(m["content"], list) else []:
+                text = str(b.get("content", ""))
+                if text.startswith(TAG):
+                    # a replacement points at its own conversation's store
+                    assert f"toolu_{first}" in text.split("saved to: ", 1)[1].split("\n", 1)[0]
+
+
+def test_the_sync_client_and_beta_messages(tmp_path: Path) -> None:
+    with ScriptedMessagesServer(script) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = wrap_with(raw, root=tmp_path, pipeline=lambda: Pipeline([ToolResultBudget()]))
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "sync task"}]
+        for _ in range(3):
+            response = client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [b.model_dump(exclude_none=True) for b in response.content],
+                }
+            )
+            messages.append(_results(response.content))
+        async_client = wrap(
+            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            root=tmp_path,
+        )
+        anyio.run(_loop, async_client, "beta task", 3, True)
+        sent = server.requests
+    assert len(sent) == 6
+    assert all(_visible(b) <= 200_000 for b in sent)
+    assert any(TAG in json.dumps(b) for b in sent[:3]) and any(
+        TAG in json.dumps(b) for b in sent[3:]
+    )
