@@ -9,19 +9,21 @@ requests (``count_tokens``, models, batches) pass untouched. Each conversation g
 :class:`~pipeline.adapter.WireSession` (see :func:`~pipeline.adapter.session_id_for`), kept
 on disk under ``root``, so a restarted program continues with the same decisions.
 
-Not yet: the usage of a streamed response does not reach the token tracker (its request still
-goes through the pipeline; the estimate then runs on the tracker's defaults).
+A streamed response is read as it passes to the caller (nothing held back): its id, model and
+usage reach the session when the stream has gone by.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Awaitable, Callable, Mapping
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anthropic
 import anyio
+import httpx2
 
 from pipeline.adapter import WireSession, session_id_for
 from pipeline.core import Pipeline
@@ -82,8 +84,11 @@ class SluicegateMiddleware(anthropic.Middleware):
         session = self._session(request.json, dict(request.headers or {}))
         body = await session.prepare_request(request.json)
         response = await call_next(_outgoing(session, request, body))
-        if not request.stream and response.status_code == 200:
-            _observe(session, await response.parse())
+        if response.status_code == 200:
+            if request.stream:
+                _tap(session, response.http_response)
+            else:
+                _observe(session, await response.parse())
         return response
 
     def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
@@ -94,8 +99,11 @@ class SluicegateMiddleware(anthropic.Middleware):
         session = self._session(request.json, dict(request.headers or {}))
         body = _run_sync(lambda: session.prepare_request(request.json))
         response = call_next(_outgoing(session, request, body))
-        if not request.stream and response.status_code == 200:
-            _observe(session, response.parse())
+        if response.status_code == 200:
+            if request.stream:
+                _tap(session, response.http_response)
+            else:
+                _observe(session, response.parse())
         return response
 
 
@@ -115,6 +123,90 @@ def _observe(session: WireSession, message: Any) -> None:
     usage = getattr(message, "usage", None)
     if usage is not None and isinstance(getattr(message, "id", None), str):
         session.observe(message.id, usage.model_dump(), model=str(message.model))
+
+
+class _StreamUsage:
+    """Reads a Messages event stream as it passes, for the response's id, model and usage
+    (``message_start``, then ``message_delta``'s running totals); the bytes are not changed,
+    held back or buffered beyond the current line."""
+
+    def __init__(self, session: WireSession) -> None:
+        self.session = session
+        self.pending = b""
+        self.message: dict[str, Any] = {}
+        self.usage: dict[str, Any] = {}
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self.pending + chunk).split(b"\n")
+        self.pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip())
+
+    def _event(self, data: bytes) -> None:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(event, dict):
+            return
+        if event.get("type") == "message_start" and isinstance(event.get("message"), dict):
+            self.message = event["message"]
+            if isinstance(self.message.get("usage"), dict):
+                self.usage = dict(self.message["usage"])
+        elif event.get("type") == "message_delta" and isinstance(event.get("usage"), dict):
+            self.usage.update({k: v for k, v in event["usage"].items() if v is not None})
+
+    def close(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        rid, model = self.message.get("id"), self.message.get("model")
+        if isinstance(rid, str) and self.usage:
+            try:
+                self.session.observe(rid, self.usage, model=str(model))
+            except ValueError:  # usage the tracker refuses: the estimate goes on without it
+                return
+
+
+class _AsyncTap(httpx2.AsyncByteStream):
+    def __init__(self, inner: Any, reader: _StreamUsage) -> None:
+        self.inner, self.reader = inner, reader
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner:
+            self.reader.feed(chunk)
+            yield chunk
+        self.reader.close()  # the whole stream went by: its usage is complete
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _SyncTap(httpx2.SyncByteStream):
+    def __init__(self, inner: Any, reader: _StreamUsage) -> None:
+        self.inner, self.reader = inner, reader
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.inner:
+            self.reader.feed(chunk)
+            yield chunk
+        self.reader.close()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _tap(session: WireSession, http: Any) -> None:
+    """Let the session observe a streamed response's usage as the caller reads it."""
+    reader = _StreamUsage(session)
+    stream = http.stream
+    http.stream = (
+        _AsyncTap(stream, reader)
+        if isinstance(stream, httpx2.AsyncByteStream)
+        else _SyncTap(stream, reader)
+    )
 
 
 def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:

@@ -176,3 +176,44 @@ def test_the_sync_client_and_beta_messages(tmp_path: Path) -> None:
     assert any(TAG in json.dumps(b) for b in sent[:3]) and any(
         TAG in json.dumps(b) for b in sent[3:]
     )
+
+
+def test_a_streamed_response_reaches_the_session_as_it_passes(tmp_path: Path) -> None:
+    async def run(server: ScriptedMessagesServer) -> list[str]:
+        client = wrap(
+            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            root=tmp_path,
+            session_id="streamed",
+        )
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "stream task"}]
+        texts = []
+        for _ in range(3):
+            async with client.messages.stream(
+                model="m",
+                max_tokens=10,
+                messages=messages,  # type: ignore[arg-type]
+            ) as stream:
+                final = await stream.get_final_message()
+            texts.append(final.id)
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [b.model_dump(exclude_none=True) for b in final.content],
+                }
+            )
+            messages.append(_results(final.content))
+        return texts
+
+    with ScriptedMessagesServer(script) as server:
+        ids = anyio.run(run, server)
+        sent = server.requests
+    assert all(_visible(b) <= 200_000 for b in sent)  # the budget applied to streamed calls
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "streamed" / "decisions.jsonl").read_text().splitlines()
+    ]
+    seen = [r["data"] for r in records if r.get("stage") == "wire_session.response"]
+    # each streamed response's id and full usage (input from message_start, output from
+    # message_delta) reached the session
+    assert [d["id"] for d in seen] == ids
+    assert all(d["usage"]["output_tokens"] > 1 and "input_tokens" in d["usage"] for d in seen)

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["RawReply", "Reply", "ScriptError", "ScriptedMessagesServer", "count_request_tokens"]
+__all__ = [
+    "RawReply",
+    "Reply",
+    "ScriptError",
+    "ScriptedMessagesServer",
+    "count_request_tokens",
+    "sse_events",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +180,8 @@ class ScriptedMessagesServer:
             "stop_sequence": None,
             "usage": usage,
         }
+        if body.get("stream") is True:  # the same message as server-sent events
+            return 200, RawReply(sse_events(message), content_type="text/event-stream"), headers
         return 200, message, headers
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
@@ -208,6 +217,35 @@ class ScriptedMessagesServer:
                 return  # keep test and demo output clean
 
         return Handler
+
+
+def sse_events(message: Mapping[str, Any]) -> bytes:
+    """``message`` as the Messages API streams it: ``message_start`` (input usage), each block
+    as start / delta / stop, ``message_delta`` (stop reason, output usage), ``message_stop``."""
+    usage = dict(message.get("usage") or {})
+    output = usage.pop("output_tokens", 0)
+    start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+    events: list[tuple[str, dict[str, Any]]] = [("message_start", {"message": start})]
+    for i, block in enumerate(message.get("content") or []):
+        btype = block.get("type")
+        if btype == "text":
+            head, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
+        elif btype == "tool_use":
+            head = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        else:
+            head, delta = block, None
+        events.append(("content_block_start", {"index": i, "content_block": head}))
+        if delta is not None:
+            events.append(("content_block_delta", {"index": i, "delta": delta}))
+        events.append(("content_block_stop", {"index": i}))
+    stop = {"stop_reason": message.get("stop_reason"), "stop_sequence": None}
+    events.append(("message_delta", {"delta": stop, "usage": {"output_tokens": output}}))
+    events.append(("message_stop", {}))
+    return b"".join(
+        f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
+        for name, data in events
+    )
 
 
 def _error(kind: str, message: str) -> dict[str, Any]:
