@@ -41,7 +41,13 @@ from pipeline.wire import WireCache
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
 
-__all__ = ["DECISIONS_FILE", "SESSION_HEADER", "WireSession", "session_id_for"]
+__all__ = [
+    "DECISIONS_FILE",
+    "SESSION_HEADER",
+    "EventStreamUsage",
+    "WireSession",
+    "session_id_for",
+]
 
 SESSION_HEADER = "x-sluicegate-session"
 """The request header a proxy reads an explicit session id from."""
@@ -202,3 +208,51 @@ class WireSession:
         except ValueError:
             parsed = None
         self._responses[index] = (rid, parsed)
+
+
+class EventStreamUsage:
+    """Reads a Messages event stream as it passes, for the response's id, model and usage
+    (``message_start``, then ``message_delta``'s running totals), and gives them to the
+    session at :meth:`close`; the bytes are not changed, held back or buffered beyond the
+    current line."""
+
+    def __init__(self, session: WireSession) -> None:
+        self.session = session
+        self.pending = b""
+        self.message: dict[str, Any] = {}
+        self.usage: dict[str, Any] = {}
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        """The next bytes of the stream."""
+        lines = (self.pending + chunk).split(b"\n")
+        self.pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip())
+
+    def _event(self, data: bytes) -> None:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(event, dict):
+            return
+        if event.get("type") == "message_start" and isinstance(event.get("message"), dict):
+            self.message = event["message"]
+            if isinstance(self.message.get("usage"), dict):
+                self.usage = dict(self.message["usage"])
+        elif event.get("type") == "message_delta" and isinstance(event.get("usage"), dict):
+            self.usage.update({k: v for k, v in event["usage"].items() if v is not None})
+
+    def close(self) -> None:
+        """The stream has gone by: the session observes the response (once)."""
+        if self.done:
+            return
+        self.done = True
+        rid, model = self.message.get("id"), self.message.get("model")
+        if isinstance(rid, str) and self.usage:
+            try:
+                self.session.observe(rid, self.usage, model=str(model))
+            except ValueError:  # usage the tracker refuses: the estimate goes on without it
+                return

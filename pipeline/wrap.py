@@ -16,7 +16,6 @@ usage reach the session when the stream has gone by.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +24,7 @@ import anthropic
 import anyio
 import httpx2
 
-from pipeline.adapter import WireSession, session_id_for
+from pipeline.adapter import EventStreamUsage, WireSession, session_id_for
 from pipeline.core import Pipeline
 
 __all__ = ["SluicegateMiddleware", "wrap"]
@@ -125,53 +124,8 @@ def _observe(session: WireSession, message: Any) -> None:
         session.observe(message.id, usage.model_dump(), model=str(message.model))
 
 
-class _StreamUsage:
-    """Reads a Messages event stream as it passes, for the response's id, model and usage
-    (``message_start``, then ``message_delta``'s running totals); the bytes are not changed,
-    held back or buffered beyond the current line."""
-
-    def __init__(self, session: WireSession) -> None:
-        self.session = session
-        self.pending = b""
-        self.message: dict[str, Any] = {}
-        self.usage: dict[str, Any] = {}
-        self.done = False
-
-    def feed(self, chunk: bytes) -> None:
-        lines = (self.pending + chunk).split(b"\n")
-        self.pending = lines.pop()
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._event(line[5:].strip())
-
-    def _event(self, data: bytes) -> None:
-        try:
-            event = json.loads(data)
-        except ValueError:
-            return
-        if not isinstance(event, dict):
-            return
-        if event.get("type") == "message_start" and isinstance(event.get("message"), dict):
-            self.message = event["message"]
-            if isinstance(self.message.get("usage"), dict):
-                self.usage = dict(self.message["usage"])
-        elif event.get("type") == "message_delta" and isinstance(event.get("usage"), dict):
-            self.usage.update({k: v for k, v in event["usage"].items() if v is not None})
-
-    def close(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        rid, model = self.message.get("id"), self.message.get("model")
-        if isinstance(rid, str) and self.usage:
-            try:
-                self.session.observe(rid, self.usage, model=str(model))
-            except ValueError:  # usage the tracker refuses: the estimate goes on without it
-                return
-
-
 class _AsyncTap(httpx2.AsyncByteStream):
-    def __init__(self, inner: Any, reader: _StreamUsage) -> None:
+    def __init__(self, inner: Any, reader: EventStreamUsage) -> None:
         self.inner, self.reader = inner, reader
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -185,7 +139,7 @@ class _AsyncTap(httpx2.AsyncByteStream):
 
 
 class _SyncTap(httpx2.SyncByteStream):
-    def __init__(self, inner: Any, reader: _StreamUsage) -> None:
+    def __init__(self, inner: Any, reader: EventStreamUsage) -> None:
         self.inner, self.reader = inner, reader
 
     def __iter__(self) -> Iterator[bytes]:
@@ -200,7 +154,7 @@ class _SyncTap(httpx2.SyncByteStream):
 
 def _tap(session: WireSession, http: Any) -> None:
     """Let the session observe a streamed response's usage as the caller reads it."""
-    reader = _StreamUsage(session)
+    reader = EventStreamUsage(session)
     stream = http.stream
     http.stream = (
         _AsyncTap(stream, reader)

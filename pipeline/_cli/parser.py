@@ -246,7 +246,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay_options(demo_p)
     demo_p.set_defaults(handler=cmd_demo)
     _add_agent_parser(sub)
+    _add_proxy_parser(sub)
     return parser
+
+
+def _add_proxy_parser(sub: Any) -> None:
+    from pipeline._cli.proxy_cmd import cmd_proxy
+
+    proxy_p = sub.add_parser(
+        "proxy",
+        help="a Messages API reverse proxy: point ANTHROPIC_BASE_URL at it",
+        description="POST /v1/messages goes through the pipeline, everything else passes "
+        "through; persisted outputs go under --store (default .sluicegate).",
+    )
+    proxy_p.add_argument("--host", default="127.0.0.1")
+    proxy_p.add_argument("--port", type=_positive_int, default=8787)
+    proxy_p.add_argument("--upstream", default="https://api.anthropic.com", metavar="URL")
+    _add_replay_options(proxy_p)
+    proxy_p.set_defaults(handler=cmd_proxy, store=None)
 
 
 def _add_agent_parser(sub: Any) -> None:

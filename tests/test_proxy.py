@@ -1,0 +1,210 @@
+"""The proxy: a real uvicorn server on 127.0.0.1 between the real SDK and the scripted
+server — non-streamed and streamed calls, passthrough, upstream errors, a restart, many
+conversations at once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import anyio
+import httpx2
+import pytest
+import uvicorn
+
+from pipeline import Pipeline
+from pipeline.proxy import build_app
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
+from stages import ToolResultBudget, default_stages
+
+TAG = "<persisted-output>"
+
+
+@contextmanager
+def proxy(upstream: str, root: Path, pipeline: Callable[[], Pipeline]) -> Iterator[str]:
+    """The proxy served on a random port for the ``with`` block; yields its base URL."""
+    app = build_app(pipeline=pipeline, root=root, upstream=upstream)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the proxy did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True  # graceful: requests in flight finish
+        thread.join(timeout=20)
+
+
+def script(body: dict[str, Any]) -> Reply:
+    turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+    first = str(body["messages"][0]["content"])[:8].replace(" ", "_")
+    ids = [f"toolu_{first}_{turn:02d}_{i}" for i in range(6)]
+    return Reply(
+        [{"type": "tool_use", "id": t, "name": "get_log", "input": {}} for t in ids],
+        stop_reason="tool_use",
+    )
+
+
+def _results(content: list[Any]) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": b.id, "content": f"[{b.id}]" + "x" * 45_000}
+            for b in content
+            if b.type == "tool_use"
+        ],
+    }
+
+
+async def _loop(base_url: str, prompt: str, calls: int, *, stream: bool = False) -> None:
+    client = anthropic.AsyncAnthropic(base_url=base_url, api_key="k", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    for _ in range(calls):
+        if stream:
+            async with client.messages.stream(
+                model="m",
+                max_tokens=10,
+                messages=messages,  # type: ignore[arg-type]
+            ) as s:
+                response = await s.get_final_message()
+        else:
+            response = await client.messages.create(
+                model="m",
+                max_tokens=10,
+                messages=messages,  # type: ignore[arg-type]
+            )
+        blocks = [b.model_dump(exclude_none=True) for b in response.content]
+        messages.append({"role": "assistant", "content": blocks})
+        messages.append(_results(response.content))
+
+
+def _visible(body: dict[str, Any]) -> int:
+    last = body["messages"][-1]["content"]
+    return sum(len(b["content"]) for b in last) if isinstance(last, list) else 0
+
+
+def budget_only() -> Pipeline:
+    return Pipeline([ToolResultBudget()])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_through_the_proxy_get_the_budget_and_a_stable_prefix(
+    tmp_path: Path, stream: bool
+) -> None:
+    with (
+        ScriptedMessagesServer(script) as upstream,
+        proxy(upstream.base_url, tmp_path, budget_only) as url,
+    ):
+        anyio.run(lambda: _loop(url, "proxied task", 20, stream=stream))
+        health = httpx2.get(f"{url}/healthz")
+        sent = upstream.requests
+    assert health.text == "ok"
+    assert len(sent) == 20
+    for k, body in enumerate(sent):
+        assert _visible(body) <= 200_000, k
+        if k:
+            before = sent[k - 1]["messages"]
+            assert json.dumps(body["messages"][: len(before)]) == json.dumps(before), k
+    assert TAG in json.dumps(sent[-1])
+    (session,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    responses = [
+        json.loads(line)["data"]
+        for line in (session / "decisions.jsonl").read_text().splitlines()
+        if '"wire_session.response"' in line
+    ]
+    assert len(responses) == 20  # every response's usage reached the session, streamed too
+    assert all(r["usage"]["output_tokens"] >= 1 for r in responses)
+
+
+def test_other_paths_and_upstream_errors_pass_as_they_are(tmp_path: Path) -> None:
+    busy = ScriptError(529, "overloaded_error", "Overloaded, try later")
+    with (
+        ScriptedMessagesServer(lambda _b: busy) as upstream,
+        proxy(upstream.base_url, tmp_path, budget_only) as url,
+    ):
+        client = anthropic.Anthropic(base_url=url, api_key="secret-key", max_retries=0)
+        count = client.messages.count_tokens(
+            model="m", messages=[{"role": "user", "content": "count me"}]
+        )
+        with pytest.raises(anthropic.APIStatusError) as info:
+            client.messages.create(
+                model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
+            )
+        counted = upstream.count_requests
+    assert count.input_tokens > 0
+    assert counted[0]["messages"] == [{"role": "user", "content": "count me"}]
+    assert info.value.status_code == 529 and "Overloaded, try later" in str(info.value)
+
+
+def test_a_restarted_proxy_sends_the_same_bytes(tmp_path: Path) -> None:
+    def run(root: Path, restart_at: int | None) -> list[str]:
+        async def calls(url_box: list[str], restart: Callable[[], None]) -> None:
+            client_messages: list[dict[str, Any]] = [{"role": "user", "content": "restart task"}]
+            for call in range(10):
+                if call == restart_at:
+                    restart()
+                client = anthropic.AsyncAnthropic(base_url=url_box[0], api_key="k", max_retries=0)
+                response = await client.messages.create(
+                    model="m",
+                    max_tokens=10,
+                    messages=client_messages,  # type: ignore[arg-type]
+                )
+                blocks = [b.model_dump(exclude_none=True) for b in response.content]
+                client_messages.append({"role": "assistant", "content": blocks})
+                client_messages.append(_results(response.content))
+
+        with ScriptedMessagesServer(script) as upstream:
+            stack: list[Any] = []
+            box: list[str] = []
+
+            def start() -> None:
+                while stack:  # the old proxy stops: only the disk is left
+                    stack.pop().__exit__(None, None, None)
+                ctx = proxy(upstream.base_url, root, lambda: Pipeline(default_stages()))
+                box[:] = [ctx.__enter__()]
+                stack.append(ctx)
+
+            start()
+            try:
+                anyio.run(calls, box, start)
+            finally:
+                while stack:
+                    stack.pop().__exit__(None, None, None)
+            return [json.dumps(b) for b in upstream.requests]
+
+    live = run(tmp_path / "a", None)
+    restarted = run(tmp_path / "b", 5)
+    assert restarted == [r.replace(str(tmp_path / "a"), str(tmp_path / "b")) for r in live]
+
+
+def test_many_conversations_at_once_never_cross(tmp_path: Path) -> None:
+    async def many(url: str) -> None:
+        async with anyio.create_task_group() as tg:
+            for n in range(50):
+                tg.start_soon(_loop, url, f"task {n:04d}", 2)
+
+    with (
+        ScriptedMessagesServer(script) as upstream,
+        proxy(upstream.base_url, tmp_path, budget_only) as url,
+    ):
+        anyio.run(many, url)
+        sent = upstream.requests
+    assert len(sent) == 100
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 50
+    for body in sent:
+        first = body["messages"][0]["content"][:8].replace(" ", "_")
+        for m in body["messages"]:
+            for b in m["content"] if isinstance(m["content"], list) else []:
+                text = str(b.get("content", ""))
+                if text.startswith(TAG):
+                    assert f"toolu_{first}" in text
