@@ -109,3 +109,28 @@ def test_agent_with_tools(server: ScriptedMessagesServer, tmp_path: Path) -> Non
     assert results["toolu_cfg"] == "250"
     assert "persisted: toolu_logs.txt" in out
     assert (tmp_path / ".sluicegate" / "agent-example.jsonl").exists()
+
+
+def test_wrap_client(server: ScriptedMessagesServer, tmp_path: Path) -> None:
+    out = run_example("wrap_client.py", server, tmp_path)
+    assert "SCRIPTED ANSWER" in out
+    sent = tool_results(server.requests[0])["toolu_1"]
+    assert sent.startswith("<persisted-output>\nOutput too large (214.8KB).")
+    (session,) = (tmp_path / ".sluicegate").iterdir()
+    assert (session / "tool-results" / "toolu_1.txt").stat().st_size == 220_000
+
+
+def test_proxy_server(server: ScriptedMessagesServer, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a free port for the proxy
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["PROXY_PORT"] = str(port)
+    try:
+        out = run_example("proxy_server.py", server, tmp_path)
+    finally:
+        del os.environ["PROXY_PORT"]
+    assert "SCRIPTED ANSWER" in out
+    sent = tool_results(server.requests[0])["toolu_log"]
+    assert sent.startswith("<persisted-output>\nOutput too large (")
