@@ -56,6 +56,7 @@ DECISIONS_FILE = "decisions.jsonl"
 _RESPONSE_RECORD = "wire_session.response"
 _NAMESPACE = uuid.UUID("5b2f0e6c-3d1a-4c7e-9a41-7e0c2d9b6f13")
 _CLAUDE_CODE_SESSION = re.compile(r"_session_([0-9a-fA-F-]{36})$")
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
 def session_id_for(
@@ -67,26 +68,41 @@ def session_id_for(
     """The session a request belongs to.
 
     In order: ``explicit`` (an argument of the caller); the ``x-sluicegate-session`` header;
-    the session part of Claude Code's ``metadata.user_id`` (``..._session_<uuid>``); else a
-    fingerprint of the conversation's start (system prompt and first message), so two
-    conversations never share a ledger. ``ValueError`` when an explicit id is not a safe
-    session id.
+    Claude Code's session (``metadata.user_id``: a JSON object with ``session_id`` in 2.x,
+    ``..._session_<uuid>`` before), one per conversation within it -- its main thread, each
+    sub-agent and each side request are conversations of their own; else a fingerprint of the
+    conversation's start (system prompt and first message), so two conversations never share a
+    ledger. ``ValueError`` when an explicit id is not a safe session id.
     """
     chosen = explicit
     if chosen is None and headers is not None:
         chosen = next((v for k, v in headers.items() if k.lower() == SESSION_HEADER), None)
     if chosen is not None:
         return validate_session_id(chosen)
-    metadata = body.get("metadata")
-    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-    if isinstance(user_id, str):
-        found = _CLAUDE_CODE_SESSION.search(user_id)
-        if found:
-            return validate_session_id(found.group(1).lower())
     messages = body.get("messages")
     first = messages[0] if isinstance(messages, list) and messages else None
-    start = {"system": body.get("system"), "first": first}
-    return "fp-" + _digest(start)[:32]
+    fingerprint = _digest({"system": body.get("system"), "first": first})
+    claude_code = _claude_code_session(body.get("metadata"))
+    if claude_code is not None:
+        return f"{claude_code}-{fingerprint[:16]}"
+    return "fp-" + fingerprint[:32]
+
+
+def _claude_code_session(metadata: Any) -> str | None:
+    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    if not isinstance(user_id, str):
+        return None
+    try:
+        parsed = json.loads(user_id)
+    except ValueError:
+        parsed = None
+    session = parsed.get("session_id") if isinstance(parsed, dict) else None
+    if session is None:
+        found = _CLAUDE_CODE_SESSION.search(user_id)
+        session = found.group(1) if found else None
+    if isinstance(session, str) and _UUID.fullmatch(session):
+        return session.lower()
+    return None
 
 
 def _digest(value: Any) -> str:

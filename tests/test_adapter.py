@@ -149,39 +149,17 @@ def test_session_identity() -> None:
     grown = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "yo"}]}
     # the start of the conversation: stable as it grows, different for another conversation
     assert session_id_for(body) == session_id_for(grown) != session_id_for(other)
-    claude = {
-        **body,
-        "metadata": {
-            "user_id": "user_ab12_account_x_session_" + "0" * 8 + "-aaaa-bbbb-cccc-" + "1" * 12
-        },
-    }
-    assert session_id_for(claude) == "00000000-aaaa-bbbb-cccc-111111111111"
-    assert session_id_for(claude, headers={"X-Sluicegate-Session": "mine"}) == "mine"
-    assert (
-        session_id_for(claude, explicit="given", headers={"x-sluicegate-session": "x"}) == "given"
-    )
+    session = "de804c2f-1e20-4494-bd5b-ba955b3f60f1"
+    user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": session})
+    main = {**body, "metadata": {"user_id": user_id}}
+    side = {**other, "metadata": {"user_id": user_id}}  # a title request of the same session
+    assert session_id_for(main).startswith(session + "-")
+    assert session_id_for(main) != session_id_for(side)  # one ledger per conversation
+    legacy = {**body, "metadata": {"user_id": f"user_ab12_account_x_session_{session}"}}
+    assert session_id_for(legacy) == session_id_for(main)
+    assert session_id_for(main, headers={"X-Sluicegate-Session": "mine"}) == "mine"
+    assert session_id_for(main, explicit="given", headers={"x-sluicegate-session": "x"}) == "given"
+    forged = {**body, "metadata": {"user_id": json.dumps({"session_id": "../../etc"})}}
+    assert session_id_for(forged) == session_id_for(body)  # not a session id: the fingerprint
     with pytest.raises(ValueError):
         session_id_for(body, explicit="../../etc")
-
-
-def test_a_new_process_restores_the_ledger_and_the_responses(tmp_path: Path) -> None:
-    async def run() -> None:
-        client, live = Client(), _session(tmp_path)
-        for _ in range(8):
-            request = await live.prepare(client.params)
-            response_id, usage = client.answer()
-            usage["input_tokens"] = len(json.dumps(request)) // 3
-            live.observe(response_id, usage, model="claude-test")
-        await live.prepare(client.params)
-        restarted = _session(tmp_path)
-        await restarted.prepare(client.params)
-        assert restarted.ctx.replacement_state == live.ctx.replacement_state
-        assert len(live.ctx.replacement_state.replacements) > 5
-        answers = [m for m in restarted._records if m.type == "assistant"]
-        assert [m.message_id for m in answers] == [f"msg_{k:04d}" for k in range(1, 9)]
-        assert [m.usage for m in answers] == [
-            m.usage for m in live._records if m.type == "assistant"
-        ]
-        assert all(m.usage is not None for m in answers)
-
-    anyio.run(run)
