@@ -21,6 +21,7 @@ Session identity: :func:`session_id_for`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -199,21 +200,16 @@ class WireSession:
         return out
 
     def _record(self, index: int, param: Any) -> Message:
-        if not isinstance(param, Mapping):
-            raise ValueError(f"messages[{index}] is not an object")
-        role, content = param.get("role"), param.get("content")
-        if role not in ("user", "assistant"):
-            raise ValueError(f"messages[{index}]: role must be 'user' or 'assistant'")
-        if not isinstance(content, str | list):
-            raise ValueError(f"messages[{index}]: content must be a string or a list of blocks")
-        if isinstance(content, list) and not all(isinstance(b, dict) for b in content):
-            raise ValueError(f"messages[{index}]: content holds a non-block")
-        digest = _digest([role, content])
+        try:
+            record = Message.from_param(param)
+        except ValueError as exc:
+            raise ValueError(f"messages[{index}]: {exc}") from None
+        digest = _digest([record.type, record.content])
         uid = str(uuid.uuid5(_NAMESPACE, f"{self.session_id}\x00{index}\x00{digest}"))
-        if role == "user":
-            return Message.user(content, uuid=uid)
+        if record.type == "user":
+            return dataclasses.replace(record, uuid=uid)
         response_id, usage = self._responses.get(index, (f"msg_wire_{digest[:24]}", None))
-        return Message.assistant(content, message_id=response_id, usage=usage, uuid=uid)
+        return dataclasses.replace(record, uuid=uid, message_id=response_id, usage=usage)
 
     def _restore_response(self, data: Mapping[str, Any]) -> None:
         index, rid, usage = data.get("index"), data.get("id"), data.get("usage")

@@ -182,6 +182,36 @@ class Message:
         """An assistant record; ``message_id`` is the API response id (one per API call)."""
         return cls(type="assistant", content=content, message_id=message_id, usage=usage, **kw)
 
+    @classmethod
+    def from_param(cls, param: Mapping[str, Any], **kw: Any) -> Message:
+        """A record of one SDK ``MessageParam`` (``{"role", "content"}``), content as it is;
+        ``ValueError`` naming what is wrong with a param the API would refuse too."""
+        if not isinstance(param, Mapping):
+            raise ValueError("a message param must be an object")
+        role, content = param.get("role"), param.get("content")
+        if role not in ("user", "assistant"):
+            raise ValueError("a message param's role must be 'user' or 'assistant'")
+        if not isinstance(content, str | list):
+            raise ValueError("a message param's content must be a string or a list of blocks")
+        if isinstance(content, list) and not all(isinstance(b, dict) for b in content):
+            raise ValueError("a message param's content holds a non-block")
+        return cls(type=role, content=content, **kw)
+
+    @classmethod
+    def from_response(cls, response: Any, **kw: Any) -> Message:
+        """The assistant record of an SDK response (``anthropic.types.Message``): its blocks as
+        param dicts, its id, model, stop reason and usage. It trusts the response; the agent
+        loop checks one first (:func:`pipeline.agent.response.message_from_response`)."""
+        usage = getattr(response, "usage", None)
+        return cls.assistant(
+            [b.model_dump(mode="json", exclude_none=True) for b in response.content],
+            message_id=response.id,
+            usage=Usage.from_mapping(usage.model_dump()) if usage is not None else None,
+            model=response.model,
+            stop_reason=response.stop_reason,
+            **kw,
+        )
+
     def with_content(self, content: Content) -> Message:
         """A copy with new content and every other field kept."""
         return dataclasses.replace(self, content=content)

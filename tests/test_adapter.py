@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from pipeline import Pipeline, ToolPolicies
+from pipeline import Message, Pipeline, ToolPolicies, to_api
 from pipeline.adapter import DECISIONS_FILE, WireSession, session_id_for
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget, default_stages
@@ -163,3 +163,36 @@ def test_session_identity() -> None:
     assert session_id_for(forged) == session_id_for(body)  # not a session id: the fingerprint
     with pytest.raises(ValueError):
         session_id_for(body, explicit="../../etc")
+
+
+def test_converters_between_sdk_params_responses_and_records() -> None:
+    import anthropic
+
+    response = anthropic.types.Message.model_validate(
+        {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-test",
+            "content": [{"type": "tool_use", "id": "t1", "name": "x", "input": {"a": 1}}],
+            "stop_reason": "tool_use",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 7, "output_tokens": 3},
+        }
+    )
+    record = Message.from_response(response)
+    assert (record.type, record.message_id, record.model) == ("assistant", "msg_1", "claude-test")
+    assert record.content == [{"type": "tool_use", "id": "t1", "name": "x", "input": {"a": 1}}]
+    assert record.usage is not None and record.usage.input_side == 7
+    param = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}],
+    }
+    back = Message.from_param(param)
+    assert back.type == "user" and back.content is param["content"]
+    assert to_api([Message.user("go"), record, back])[1:] == [
+        {"role": "assistant", "content": record.content},
+        param,
+    ]
+    with pytest.raises(ValueError, match="role"):
+        Message.from_param({"role": "system", "content": "x"})
