@@ -26,7 +26,8 @@ import hashlib
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,17 +37,20 @@ from pipeline.messages import Message, Usage
 from pipeline.replacement import ReplacementState, decided_in
 from pipeline.storage import validate_session_id
 from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript import TranscriptWriter, load_transcript
 from pipeline.wire import WireCache
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
+    from opentelemetry.trace import Span
 
 __all__ = [
     "DECISIONS_FILE",
     "SESSION_HEADER",
     "EventStreamUsage",
     "WireSession",
+    "beta_header",
     "session_id_for",
 ]
 
@@ -104,6 +108,11 @@ def _claude_code_session(metadata: Any) -> str | None:
     if isinstance(session, str) and _UUID.fullmatch(session):
         return session.lower()
     return None
+
+
+def beta_header(given: str | None, betas: Iterable[str]) -> str:
+    """An ``anthropic-beta`` value holding the client's betas and the ones a stage asked for."""
+    return ",".join(sorted({*betas, *filter(None, (given or "").split(","))}))
 
 
 def _digest(value: Any) -> str:
@@ -164,6 +173,13 @@ class WireSession:
             self._restored = None
         self._projected = await self.pipeline.run(records, self.ctx)
         return self._wire.to_api(self._projected)
+
+    def request_span(self, messages: int) -> AbstractContextManager[Span]:
+        """The span of one client request (its pipeline pass becomes a child)."""
+        return self.ctx.tracer.start_as_current_span(
+            SPAN_WIRE_REQUEST,
+            attributes={ATTR.CONVERSATION_ID: self.session_id, ATTR.MESSAGES: messages},
+        )
 
     async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """``body`` with its ``messages`` prepared (everything else as it was)."""

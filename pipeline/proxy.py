@@ -30,8 +30,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.adapter import EventStreamUsage, WireSession, session_id_for
+from pipeline.adapter import EventStreamUsage, WireSession, beta_header, session_id_for
 from pipeline.core import Pipeline
+from pipeline.tracing import ATTR
 
 __all__ = ["DEFAULT_UPSTREAM", "build_app"]
 
@@ -81,21 +82,16 @@ def build_app(
             return _error(400, "invalid_request_error", str(exc)[:300])
         session = session_for(sid)
         async with locks[sid]:  # one call of a conversation at a time, as a client makes them
-            try:
-                prepared = await session.prepare_request(body)
-            except ValueError as exc:
-                return _error(400, "invalid_request_error", str(exc)[:300])
-            report = session.ctx.report
-            prepared.update(report.request_extras)
-            headers = _forwarded(request)
-            if report.betas:
-                given = headers.get("anthropic-beta", "").split(",")
-                headers["anthropic-beta"] = ",".join(sorted({*report.betas, *filter(None, given)}))
-            upstream_request = client.build_request(
-                "POST", request.url.path, params=request.query_params, headers=headers,
-                content=json.dumps(prepared).encode("utf-8"),
-            )  # fmt: skip
-            upstream_response = await client.send(upstream_request, stream=True)
+            with session.request_span(len(body["messages"])) as span:
+                try:
+                    prepared = await session.prepare_request(body)
+                except ValueError as exc:
+                    return _error(400, "invalid_request_error", str(exc)[:300])
+                try:
+                    upstream_response = await _send(client, request, session, prepared)
+                except httpx2.HTTPError as exc:
+                    return _unreachable(exc)
+                span.set_attribute(ATTR.HTTP_STATUS, upstream_response.status_code)
         return _relay(upstream_response, session)
 
     async def passthrough(request: Request) -> Response:
@@ -103,7 +99,10 @@ def build_app(
             request.method, request.url.path, params=request.query_params,
             headers=_forwarded(request), content=await request.body(),
         )  # fmt: skip
-        return _relay(await client.send(upstream_request, stream=True), None)
+        try:
+            return _relay(await client.send(upstream_request, stream=True), None)
+        except httpx2.HTTPError as exc:
+            return _unreachable(exc)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -118,8 +117,29 @@ def build_app(
     return Starlette(routes=routes, lifespan=lifespan)
 
 
+async def _send(
+    client: httpx2.AsyncClient, request: Request, session: WireSession, prepared: dict[str, Any]
+) -> httpx2.Response:
+    """The prepared request upstream, with what a stage asked of it (extras, beta header)."""
+    report = session.ctx.report
+    prepared.update(report.request_extras)
+    headers = _forwarded(request)
+    if report.betas:
+        headers["anthropic-beta"] = beta_header(headers.get("anthropic-beta"), report.betas)
+    upstream_request = client.build_request(
+        "POST", request.url.path, params=request.query_params, headers=headers,
+        content=json.dumps(prepared).encode("utf-8"),
+    )  # fmt: skip
+    return await client.send(upstream_request, stream=True)
+
+
 def _forwarded(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+
+
+def _unreachable(exc: httpx2.HTTPError) -> Response:
+    # as the API reports an outage, so a client retries it as one
+    return _error(502, "api_error", f"upstream unreachable ({type(exc).__name__})")
 
 
 def _error(status: int, kind: str, message: str) -> Response:

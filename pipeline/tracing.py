@@ -28,6 +28,7 @@ __all__ = [
     "SPAN_PIPELINE_RUN",
     "SPAN_REPLAY",
     "SPAN_TOOL_EXECUTE",
+    "SPAN_WIRE_REQUEST",
     "TRACER_NAME",
     "AttributeValue",
     "Decision",
@@ -59,6 +60,8 @@ SPAN_BUDGET_DECISION = "tool_result_budget.decision"
 """The budget's decision on one fresh tool result."""
 SPAN_AGENT_TURN = "agent.turn"
 """One model call of the agent loop and the tool calls it asked for."""
+SPAN_WIRE_REQUEST = "wire.request"
+"""One Messages request from a client (``wrap`` or the proxy): its ``pipeline.run`` is a child."""
 SPAN_TOOL_EXECUTE = "execute_tool"
 """The GenAI operation name of a tool execution (see :func:`tool_span_name`)."""
 
@@ -121,6 +124,8 @@ class ATTR:
     FAILURES = "sluicegate.failures"
     """Consecutive failed or discarded summaries (a circuit opens at the stage's maximum)."""
     ERROR = "sluicegate.error"
+    HTTP_STATUS = "http.response.status_code"
+    MESSAGES = "sluicegate.messages"
     """The type of an exception that was handled (never its message)."""
 
     # the tool-result budget and the per-tool gate

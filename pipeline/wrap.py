@@ -24,8 +24,9 @@ import anthropic
 import anyio
 import httpx2
 
-from pipeline.adapter import EventStreamUsage, WireSession, session_id_for
+from pipeline.adapter import EventStreamUsage, WireSession, beta_header, session_id_for
 from pipeline.core import Pipeline
+from pipeline.tracing import ATTR
 
 __all__ = ["SluicegateMiddleware", "wrap"]
 
@@ -81,13 +82,15 @@ class SluicegateMiddleware(anthropic.Middleware):
         if not _is_messages_call(request):
             return await call_next(request)
         session = self._session(request.json, dict(request.headers or {}))
-        body = await session.prepare_request(request.json)
-        response = await call_next(_outgoing(session, request, body))
-        if response.status_code == 200:
-            if request.stream:
-                _tap(session, response.http_response)
-            else:
-                _observe(session, await response.parse())
+        with session.request_span(len(request.json["messages"])) as span:
+            body = await session.prepare_request(request.json)
+            response = await call_next(_outgoing(session, request, body))
+            span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
+            if response.status_code == 200:
+                if request.stream:
+                    _tap(session, response.http_response)
+                else:
+                    _observe(session, await response.parse())
         return response
 
     def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
@@ -96,13 +99,15 @@ class SluicegateMiddleware(anthropic.Middleware):
         if not _is_messages_call(request):
             return call_next(request)
         session = self._session(request.json, dict(request.headers or {}))
-        body = _run_sync(lambda: session.prepare_request(request.json))
-        response = call_next(_outgoing(session, request, body))
-        if response.status_code == 200:
-            if request.stream:
-                _tap(session, response.http_response)
-            else:
-                _observe(session, response.parse())
+        with session.request_span(len(request.json["messages"])) as span:
+            body = _run_sync(lambda: session.prepare_request(request.json))
+            response = call_next(_outgoing(session, request, body))
+            span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
+            if response.status_code == 200:
+                if request.stream:
+                    _tap(session, response.http_response)
+                else:
+                    _observe(session, response.parse())
         return response
 
 
@@ -113,8 +118,7 @@ def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
     body.update(report.request_extras)
     headers = dict(request.headers or {})
     if report.betas:
-        given = str(headers.get("anthropic-beta", "")).split(",")
-        headers["anthropic-beta"] = ",".join(sorted({*report.betas, *filter(None, given)}))
+        headers["anthropic-beta"] = beta_header(headers.get("anthropic-beta"), report.betas)
     return request.copy(body=body, headers=headers)
 
 

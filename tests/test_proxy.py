@@ -190,7 +190,7 @@ def test_a_restarted_proxy_sends_the_same_bytes(tmp_path: Path) -> None:
 def test_many_conversations_at_once_never_cross(tmp_path: Path) -> None:
     async def many(url: str) -> None:
         async with anyio.create_task_group() as tg:
-            for n in range(50):
+            for n in range(200):
                 tg.start_soon(_loop, url, f"task {n:04d}", 2)
 
     with (
@@ -199,8 +199,8 @@ def test_many_conversations_at_once_never_cross(tmp_path: Path) -> None:
     ):
         anyio.run(many, url)
         sent = upstream.requests
-    assert len(sent) == 100
-    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 50
+    assert len(sent) == 400
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 200
     for body in sent:
         first = body["messages"][0]["content"][:8].replace(" ", "_")
         for m in body["messages"]:
@@ -208,3 +208,40 @@ def test_many_conversations_at_once_never_cross(tmp_path: Path) -> None:
                 text = str(b.get("content", ""))
                 if text.startswith(TAG):
                     assert f"toolu_{first}" in text
+
+
+def test_a_client_that_goes_away_mid_stream_leaves_the_proxy_serving(tmp_path: Path) -> None:
+    body = {
+        "model": "m",
+        "max_tokens": 10,
+        "stream": True,
+        "messages": [{"role": "user", "content": "stream and leave"}],
+    }
+    with (
+        ScriptedMessagesServer(script) as upstream,
+        proxy(upstream.base_url, tmp_path, budget_only) as url,
+    ):
+        with httpx2.Client() as raw, raw.stream("POST", f"{url}/v1/messages", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_bytes())  # the first events, then the client is gone
+        anyio.run(lambda: _loop(url, "after the leaver", 2, stream=True))
+        health = httpx2.get(f"{url}/healthz")
+        sent = upstream.requests
+    assert health.text == "ok" and len(sent) == 3
+
+
+def test_an_unreachable_upstream_is_a_502_the_client_can_retry(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nothing listens there once closed
+    with proxy(f"http://127.0.0.1:{dead}", tmp_path, budget_only) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as info:
+            client.messages.create(
+                model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
+            )
+        passthrough = httpx2.get(f"{url}/v1/models")
+    assert info.value.status_code == 502 and "upstream unreachable" in str(info.value)
+    assert passthrough.status_code == 502

@@ -217,3 +217,27 @@ def test_a_streamed_response_reaches_the_session_as_it_passes(tmp_path: Path) ->
     # message_delta) reached the session
     assert [d["id"] for d in seen] == ids
     assert all(d["usage"]["output_tokens"] > 1 and "input_tokens" in d["usage"] for d in seen)
+
+
+def test_each_request_is_a_span_with_its_pipeline_pass_beneath(tmp_path: Path) -> None:
+    from pipeline.testing import SpanRecorder
+
+    spans = SpanRecorder()
+    with ScriptedMessagesServer(script) as server:
+        client = wrap(
+            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            root=tmp_path,
+            tracer=spans.tracer,
+        )
+        anyio.run(_loop, client, "traced task", 2)
+    requests = spans.named("wire.request")
+    runs = spans.named("pipeline.run")
+    assert len(requests) == len(runs) == 2
+    for request, run in zip(requests, runs, strict=True):
+        assert run.parent is not None and run.parent.span_id == request.context.span_id
+        assert request.attributes is not None
+        assert request.attributes["http.response.status_code"] == 200
+        assert request.attributes["gen_ai.conversation.id"].startswith("fp-")
+    # no content in the spans: only ids, counts, names
+    dumped = json.dumps([dict(s.attributes or {}) for s in spans.spans])
+    assert "traced task" not in dumped and "xxxx" not in dumped
