@@ -39,7 +39,7 @@ from pipeline.storage import validate_session_id
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript import TranscriptWriter, load_transcript
-from pipeline.wire import WireCache
+from pipeline.wire import WireCache, add_cache_breakpoint
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
@@ -123,6 +123,8 @@ def _digest(value: Any) -> str:
 class WireSession:
     """One conversation seen at the wire (see the module docstring).
 
+    ``cache_breakpoint``: for a client that sets no ``cache_control`` itself, put one on the
+    last block (a client's own breakpoints are always left alone).
     ``prepare(messages)`` gives the messages to send; ``observe(...)`` takes the response's id
     and usage (the token tracker learns from it, and the next request's answering message
     carries them). Calls of one session must not overlap (the pipeline serialises them).
@@ -133,10 +135,13 @@ class WireSession:
         session_id: str,
         root: str | Path,
         pipeline: Pipeline,
+        *,
+        cache_breakpoint: bool = False,
         **context: Any,
     ) -> None:
         self.session_id = validate_session_id(session_id)
         self.pipeline = pipeline
+        self.cache_breakpoint = cache_breakpoint
         path = Path(root) / self.session_id / DECISIONS_FILE
         loaded = load_transcript(path, strict=False) if path.exists() else None
         self._calibration = calibration_path_for(root, self.session_id)
@@ -172,7 +177,10 @@ class WireSession:
             )
             self._restored = None
         self._projected = await self.pipeline.run(records, self.ctx)
-        return self._wire.to_api(self._projected)
+        request = self._wire.to_api(self._projected)
+        if self.cache_breakpoint and not self._wire.breakpoints:
+            add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
+        return request
 
     def request_span(self, messages: int) -> AbstractContextManager[Span]:
         """The span of one client request (its pipeline pass becomes a child)."""

@@ -32,7 +32,15 @@ from pipeline.pairing import PairingError, PairingIndex
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
-__all__ = ["WireCache", "encodable", "request_chars", "to_api", "wire_positions"]
+__all__ = [
+    "WireCache",
+    "add_cache_breakpoint",
+    "encodable",
+    "has_cache_breakpoint",
+    "request_chars",
+    "to_api",
+    "wire_positions",
+]
 
 
 def _check_blocks(m: Message) -> None:
@@ -188,6 +196,49 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
     for m in messages[thread_start(messages) :]:
         wire.add(m)
     return [_entry_to_param(e) for e in wire.entries]
+
+
+_NO_BREAKPOINT = frozenset({"thinking", "redacted_thinking"})
+"""Blocks that cannot carry ``cache_control``."""
+
+
+def _param_breakpoints(param: MessageParam) -> int:
+    content: Any = param["content"]
+    if not isinstance(content, list):
+        return 0
+    return sum(1 for b in content if isinstance(b, dict) and "cache_control" in b)
+
+
+def has_cache_breakpoint(request: Sequence[MessageParam]) -> bool:
+    """Whether any block of ``request`` already carries ``cache_control``."""
+    return any(map(_param_breakpoints, request))
+
+
+def add_cache_breakpoint(request: list[MessageParam]) -> bool:
+    """Ask the API to cache the request's prefix: ``cache_control`` on the last block that can
+    carry one (a message sent as a plain string stays one; the API caches everything up to
+    the breakpoint, and the next request, which extends this one, reads it back). The message
+    is replaced by a copy with a new content list; no shared block is touched. Returns
+    whether a breakpoint was placed."""
+    for i in range(len(request) - 1, -1, -1):
+        param = request[i]
+        blocks: Any = param["content"]
+        if isinstance(blocks, str):
+            continue  # kept a string, as sent before: the breakpoint goes on a block before it
+        for j in range(len(blocks) - 1, -1, -1):
+            block = blocks[j]
+            if not isinstance(block, dict) or block.get("type") in _NO_BREAKPOINT:
+                continue
+            if block.get("type") == "text" and not block.get("text"):
+                continue  # the API refuses cache_control on empty text
+            marked = [
+                *blocks[:j],
+                {**block, "cache_control": {"type": "ephemeral"}},
+                *blocks[j + 1 :],
+            ]
+            request[i] = cast("MessageParam", {"role": param["role"], "content": marked})
+            return True
+    return False
 
 
 def wire_positions(messages: Sequence[Message]) -> list[int]:
@@ -361,6 +412,9 @@ class WireCache:
         self._params: list[MessageParam] = []
         self._chars: list[int] = []
         self.chars = 0
+        self._breakpoints: list[int] = []
+        self.breakpoints = 0
+        """Blocks of the last request that carry ``cache_control`` (the API allows four)."""
         """Characters of visible text in the last request (see :func:`request_chars`)."""
         self.pairing = PairingIndex()
         """The pairing problems of the last request (see :meth:`ensure_paired`)."""
@@ -419,6 +473,11 @@ class WireCache:
         counted = [_param_chars(p) for p in fresh]
         self._chars += counted
         self.chars += sum(counted)
+        self.breakpoints -= sum(self._breakpoints[keep:])
+        del self._breakpoints[keep:]
+        marked = [_param_breakpoints(p) for p in fresh]
+        self._breakpoints += marked
+        self.breakpoints += sum(marked)
         self.pairing.update(self._params, keep)
 
 

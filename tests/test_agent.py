@@ -14,7 +14,7 @@ import pytest
 from pipeline import Message, Pipeline, SessionContext, TranscriptWriter, load_transcript, to_api
 from pipeline.agent import CANCELLED_RESULT, INTERRUPTED_RESULT, Agent, AgentAPIError
 from pipeline.pairing import check_pairing
-from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, without_cache_control
 from pipeline.tools import Tool, tool
 from stages import ToolResultBudget, default_stages
 
@@ -311,7 +311,7 @@ async def test_resume_answers_tool_calls_a_crash_left_open(
         tools=[emit],
     )
     await agent.run()
-    sent = server.requests[0]["messages"]
+    sent = without_cache_control(server.requests[0]["messages"])
     assert sent[-1]["content"] == [
         {
             "type": "tool_result",

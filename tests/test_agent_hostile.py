@@ -44,7 +44,14 @@ from pipeline.agent import (
 )
 from pipeline.agent.retry import retry_after_seconds
 from pipeline.pairing import PairingError, check_pairing
-from pipeline.testing import QuietLogger, RawReply, Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import (
+    QuietLogger,
+    RawReply,
+    Reply,
+    ScriptedMessagesServer,
+    ScriptError,
+    without_cache_control,
+)
 from pipeline.tools import tool
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -302,8 +309,8 @@ def test_resume_answers_every_unanswered_call_not_only_a_trailing_one(tmp_path: 
     # the repair is not written mid-history; every resume makes the same one
     assert path.read_text().count("\n") == lines_before + 4  # two prompts, two replies
     # the second resume sends the first one's request again, byte for byte, as its prefix
-    n = len(sent[0]["messages"])
-    assert json.dumps(sent[1]["messages"][: n - 1]) == json.dumps(sent[0]["messages"][: n - 1])
+    first, again = (without_cache_control(s["messages"]) for s in sent)  # breakpoints move
+    assert json.dumps(again[: len(first) - 1]) == json.dumps(first[:-1])
 
 
 def test_repair_moves_a_late_result_and_drops_orphans_and_second_answers() -> None:
@@ -659,3 +666,25 @@ def test_fuzz_any_response_body_is_a_record_or_a_typed_error(tmp_path: Path) -> 
             assert check_pairing(to_api(agent.history)) == []
 
         check()
+
+
+def test_the_agent_asks_for_its_prefix_to_be_cached(tmp_path: Path) -> None:
+    replies = iter(
+        [
+            _message(content=_uses("c1"), stop_reason="tool_use"),
+            _message(),
+        ]
+    )
+    with ScriptedMessagesServer(lambda _b: RawReply(next(replies))) as server:
+        agent = _agent(server, tmp_path)
+        anyio.run(agent.run, "hello")
+        first, second = (r["messages"] for r in server.requests)
+    # the first request is a plain string prompt: it stays one, with nothing to mark
+    assert first == [{"role": "user", "content": "hello"}]
+    marked = [
+        (i, b["type"]) for i, m in enumerate(second) for b in m["content"]
+        if isinstance(m["content"], list) and "cache_control" in b
+    ]  # fmt: skip
+    assert marked == [(2, "tool_result")]  # one breakpoint, on the last block
+    recorded = load_transcript(tmp_path / "s1" / "transcript.jsonl").messages
+    assert "cache_control" not in json.dumps([m.content for m in recorded])

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline import load_transcript, to_api
 from pipeline.pairing import check_pairing
-from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, without_cache_control
 
 
 def _env(server: ScriptedMessagesServer) -> dict[str, str]:
@@ -114,7 +114,7 @@ def test_resume_continues_the_session(tmp_path: Path) -> None:
         assert first.returncode == 0, first.stderr
         transcript = tmp_path / ".sluicegate" / "s-1" / "transcript.jsonl"
         second = _run(server, tmp_path, "--resume", str(transcript), "and again")
-        bodies = server.requests
+        bodies = [{**b, "messages": without_cache_control(b["messages"])} for b in server.requests]
     assert second.returncode == 0, second.stderr
     # the resumed request starts with everything the first session sent and received
     assert bodies[2]["messages"][:4] == (

@@ -241,3 +241,33 @@ def test_each_request_is_a_span_with_its_pipeline_pass_beneath(tmp_path: Path) -
     # no content in the spans: only ids, counts, names
     dumped = json.dumps([dict(s.attributes or {}) for s in spans.spans])
     assert "traced task" not in dumped and "xxxx" not in dumped
+
+
+def test_cache_breakpoints_for_clients_that_set_none(tmp_path: Path) -> None:
+    def ask(client: anthropic.Anthropic, messages: list[dict[str, Any]]) -> None:
+        client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
+
+    tool_turn: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "x", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "out"}],
+        },
+    ]
+    own = json.loads(json.dumps(tool_turn))
+    own[1]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        ask(wrap(raw, root=tmp_path / "on", cache_breakpoint=True), tool_turn)
+        ask(wrap(raw, root=tmp_path / "own", cache_breakpoint=True), own)
+        ask(wrap(raw, root=tmp_path / "off"), tool_turn)
+        on, kept, off = (r["messages"] for r in server.requests)
+    marked = [b for m in on for b in m["content"] if isinstance(b, dict) and "cache_control" in b]
+    assert marked == [{**tool_turn[2]["content"][0], "cache_control": {"type": "ephemeral"}}]
+    assert kept == own  # the client's own breakpoint, alone
+    assert off == tool_turn
+    assert "cache_control" not in json.dumps(tool_turn)  # the caller's messages untouched

@@ -262,6 +262,12 @@ def _add_proxy_parser(sub: Any) -> None:
     proxy_p.add_argument("--host", default="127.0.0.1")
     proxy_p.add_argument("--port", type=_positive_int, default=8787)
     proxy_p.add_argument("--upstream", default="https://api.anthropic.com", metavar="URL")
+    proxy_p.add_argument(
+        "--cache-breakpoint",
+        action="store_true",
+        help="for clients that set no cache_control, mark the last block so the API caches "
+        "the prefix (a client's own breakpoints are left alone)",
+    )
     _add_replay_options(proxy_p)
     proxy_p.set_defaults(handler=cmd_proxy, store=None)
 

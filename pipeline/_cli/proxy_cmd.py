@@ -29,6 +29,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         root=options.store or Path(".sluicegate"),
         upstream=args.upstream,
         tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
+        cache_breakpoint=args.cache_breakpoint,
     )
     print(
         f"sluicegate proxy on http://{args.host}:{args.port} -> {args.upstream} "

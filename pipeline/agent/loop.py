@@ -37,11 +37,12 @@ from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, SPAN_TOOL_EXECUTE, Decision, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
-from pipeline.wire import WireCache, encodable
+from pipeline.wire import WireCache, add_cache_breakpoint, encodable
 
 __all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "store_root_of"]
 
 CANCELLED_RESULT = "Tool execution was cancelled before it finished."
+_MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request
 
 
 def store_root_of(transcript_path: str | os.PathLike[str], session_id: str) -> Path:
@@ -55,7 +56,9 @@ class Agent:
     """A tool-using agent whose every request goes through ``pipeline``.
 
     ``ctx`` carries the session: its store, ledger, transcript and tracer. ``retry``: how
-    a failed call is retried (none by default: the client's own retries apply). Tools' declared
+    a failed call is retried (none by default: the client's own retries apply); ``cache``: ask
+    the API to cache each request's prefix (a ``cache_control`` breakpoint on its last block,
+    while the request holds fewer than four). Tools' declared
     ``max_result_size_chars`` are added to ``ctx.tool_policies``. With a file store, the
     read-back tool for persisted outputs is registered automatically (never persisted itself).
     """
@@ -75,8 +78,10 @@ class Agent:
         readback: bool = True,
         on_turn: Callable[[TurnLog], None] | None = None,
         retry: RetryPolicy | None = None,
+        cache: bool = True,
     ) -> None:
         self.retry = retry or RetryPolicy()
+        self.cache = cache
         options = getattr(client, "open_telemetry", None)
         if isinstance(options, Mapping):
             # the SDK's own client span then carries gen_ai.conversation.id too
@@ -211,6 +216,8 @@ class Agent:
             projected = await self.pipeline.run(self.history, ctx)
             request = self._wire.to_api(projected)
             self._wire.ensure_paired()
+            if self.cache and self._wire.breakpoints < _MAX_BREAKPOINTS:
+                add_cache_breakpoint(request)  # the stable prefix is cached, and read next turn
             estimated = ctx.report.estimated_tokens  # computed once, by the pipeline
             kwargs: dict[str, Any] = {}
             # what the caller gave goes over the wire too: it must encode like the messages

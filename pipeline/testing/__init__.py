@@ -10,7 +10,8 @@
 - :func:`run_stage`: one stage run exactly as the pipeline runs it; :class:`RecordReads`:
   which old records a pass looked at (is a pass as cheap as its new part?);
 - :func:`assert_same_messages`: two message lists compared field by field, content byte for
-  byte (messages themselves compare by identity).
+  byte (messages themselves compare by identity); :func:`without_cache_control`: a received
+  request's messages without the breakpoints a client moves every call.
 """
 
 from pipeline.testing.doubles import (
@@ -21,6 +22,7 @@ from pipeline.testing.doubles import (
     assert_same_messages,
     message_fields,
     run_stage,
+    without_cache_control,
 )
 from pipeline.testing.server import (
     RawReply,
@@ -43,4 +45,5 @@ __all__ = [
     "count_request_tokens",
     "message_fields",
     "run_stage",
+    "without_cache_control",
 ]

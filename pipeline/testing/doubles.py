@@ -237,3 +237,19 @@ class RecordReads:
         """Start counting afresh."""
         self._touched.clear()
         self.fields = 0
+
+
+def without_cache_control(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` (a request's, as a server received them) with every ``cache_control``
+    removed: what to compare with ``to_api`` of the records, since a client moves its cache
+    breakpoint to the last block on every call."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = [
+                {k: v for k, v in b.items() if k != "cache_control"} if isinstance(b, dict) else b
+                for b in content
+            ]
+        out.append({**m, "content": content})
+    return out
