@@ -271,3 +271,19 @@ def test_cache_breakpoints_for_clients_that_set_none(tmp_path: Path) -> None:
     assert kept == own  # the client's own breakpoint, alone
     assert off == tool_turn
     assert "cache_control" not in json.dumps(tool_turn)  # the caller's messages untouched
+
+
+def test_what_a_stage_asks_of_the_request_is_sent(tmp_path: Path) -> None:
+    from stages import ServerSideMicrocompact
+
+    with ScriptedMessagesServer(script) as server:
+        client = wrap_with(
+            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            root=tmp_path,
+            pipeline=lambda: Pipeline([ToolResultBudget(), ServerSideMicrocompact()]),
+        )
+        anyio.run(_loop, client, "server clearing", 2)
+        sent = server.requests
+    # server-side clearing's configuration, without the user's help
+    assert all("context_management" in b for b in sent)
+    assert all(_visible(b) <= 200_000 for b in sent)
