@@ -33,3 +33,13 @@ def store_root(tmp_path: Path) -> Iterator[Path]:
     """A fresh directory for a session store."""
     root = tmp_path / "store"
     yield root
+
+
+@pytest.fixture
+def umask_zero() -> Iterator[None]:
+    """A umask of 0 for the test: modes the code sets must not come from the umask."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)

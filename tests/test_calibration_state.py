@@ -10,7 +10,7 @@ import math
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,15 +159,6 @@ def test_a_fifo_in_place_of_the_file_does_not_block_the_resume(tmp_path: Path) -
         worker.join(timeout=10)
         pytest.fail("loading the calibration blocked on a FIFO")
     assert done[0].state_dict() == COLD
-
-
-@pytest.fixture
-def umask_zero() -> Iterator[None]:
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def test_the_calibration_file_is_private(tmp_path: Path, umask_zero: None) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline import Pipeline
 from stages import default_stages
-from tests.test_proxy import proxy
+from tests.wire_support import proxy
 
 RECORD = Path(__file__).resolve().parents[2] / "shared" / "tools" / "record-claude-code"
 CLAUDE = Path("/tmp/claude-code-2.1.328/node_modules/.bin/claude")

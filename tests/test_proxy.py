@@ -5,10 +5,7 @@ conversations at once."""
 from __future__ import annotations
 
 import json
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,81 +13,15 @@ import anthropic
 import anyio
 import httpx2
 import pytest
-import uvicorn
 
 from pipeline import Pipeline
-from pipeline.proxy import build_app
-from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
+from pipeline.testing import ScriptedMessagesServer, ScriptError
 from stages import ToolResultBudget, default_stages
-
-TAG = "<persisted-output>"
-
-
-@contextmanager
-def proxy(upstream: str, root: Path, pipeline: Callable[[], Pipeline]) -> Iterator[str]:
-    """The proxy served on a random port for the ``with`` block; yields its base URL."""
-    app = build_app(pipeline=pipeline, root=root, upstream=upstream)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the proxy did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True  # graceful: requests in flight finish
-        thread.join(timeout=20)
+from tests.wire_support import TAG, client_loop, proxy, results, script, visible
 
 
-def script(body: dict[str, Any]) -> Reply:
-    turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
-    first = str(body["messages"][0]["content"])[:8].replace(" ", "_")
-    ids = [f"toolu_{first}_{turn:02d}_{i}" for i in range(6)]
-    return Reply(
-        [{"type": "tool_use", "id": t, "name": "get_log", "input": {}} for t in ids],
-        stop_reason="tool_use",
-    )
-
-
-def _results(content: list[Any]) -> dict[str, Any]:
-    return {
-        "role": "user",
-        "content": [
-            {"type": "tool_result", "tool_use_id": b.id, "content": f"[{b.id}]" + "x" * 45_000}
-            for b in content
-            if b.type == "tool_use"
-        ],
-    }
-
-
-async def _loop(base_url: str, prompt: str, calls: int, *, stream: bool = False) -> None:
-    client = anthropic.AsyncAnthropic(base_url=base_url, api_key="k", max_retries=0)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
-    for _ in range(calls):
-        if stream:
-            async with client.messages.stream(
-                model="m",
-                max_tokens=10,
-                messages=messages,  # type: ignore[arg-type]
-            ) as s:
-                response = await s.get_final_message()
-        else:
-            response = await client.messages.create(
-                model="m",
-                max_tokens=10,
-                messages=messages,  # type: ignore[arg-type]
-            )
-        blocks = [b.model_dump(exclude_none=True) for b in response.content]
-        messages.append({"role": "assistant", "content": blocks})
-        messages.append(_results(response.content))
-
-
-def _visible(body: dict[str, Any]) -> int:
-    last = body["messages"][-1]["content"]
-    return sum(len(b["content"]) for b in last) if isinstance(last, list) else 0
+def _client(url: str) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
 
 
 def budget_only() -> Pipeline:
@@ -105,13 +36,13 @@ def test_calls_through_the_proxy_get_the_budget_and_a_stable_prefix(
         ScriptedMessagesServer(script) as upstream,
         proxy(upstream.base_url, tmp_path, budget_only) as url,
     ):
-        anyio.run(lambda: _loop(url, "proxied task", 20, stream=stream))
+        anyio.run(lambda: client_loop(_client(url), "proxied task", 20, stream=stream))
         health = httpx2.get(f"{url}/healthz")
         sent = upstream.requests
     assert health.text == "ok"
     assert len(sent) == 20
     for k, body in enumerate(sent):
-        assert _visible(body) <= 200_000, k
+        assert visible(body) <= 200_000, k
         if k:
             before = sent[k - 1]["messages"]
             assert json.dumps(body["messages"][: len(before)]) == json.dumps(before), k
@@ -161,7 +92,7 @@ def test_a_restarted_proxy_sends_the_same_bytes(tmp_path: Path) -> None:
                 )
                 blocks = [b.model_dump(exclude_none=True) for b in response.content]
                 client_messages.append({"role": "assistant", "content": blocks})
-                client_messages.append(_results(response.content))
+                client_messages.append(results(response.content))
 
         with ScriptedMessagesServer(script) as upstream:
             stack: list[Any] = []
@@ -191,7 +122,7 @@ def test_many_conversations_at_once_never_cross(tmp_path: Path) -> None:
     async def many(url: str) -> None:
         async with anyio.create_task_group() as tg:
             for n in range(200):
-                tg.start_soon(_loop, url, f"task {n:04d}", 2)
+                tg.start_soon(client_loop, _client(url), f"task {n:04d}", 2)
 
     with (
         ScriptedMessagesServer(script) as upstream,
@@ -224,7 +155,7 @@ def test_a_client_that_goes_away_mid_stream_leaves_the_proxy_serving(tmp_path: P
         with httpx2.Client() as raw, raw.stream("POST", f"{url}/v1/messages", json=body) as r:
             assert r.status_code == 200
             next(r.iter_bytes())  # the first events, then the client is gone
-        anyio.run(lambda: _loop(url, "after the leaver", 2, stream=True))
+        anyio.run(lambda: client_loop(_client(url), "after the leaver", 2, stream=True))
         health = httpx2.get(f"{url}/healthz")
         sent = upstream.requests
     assert health.text == "ok" and len(sent) == 3

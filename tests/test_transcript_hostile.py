@@ -8,7 +8,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,15 +183,6 @@ def test_a_fifo_in_place_of_the_transcript_is_refused_without_blocking(tmp_path:
     os.mkfifo(path)
     error = _blocks_at_most(10, lambda: TranscriptWriter(path, "s"), path)
     assert isinstance(error, TranscriptPathError) and "regular file" in str(error)
-
-
-@pytest.fixture
-def umask_zero() -> Iterator[None]:
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def test_the_session_directories_and_transcript_are_private(

@@ -14,52 +14,7 @@ from pipeline import Pipeline
 from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.wrap import wrap as wrap_with
 from stages import ToolResultBudget, wrap
-
-TAG = "<persisted-output>"
-
-
-def script(body: dict[str, Any]) -> Reply:
-    """Six parallel calls per turn for ever (the client decides when to stop)."""
-    turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
-    first = str(body["messages"][0]["content"])[:8].replace(" ", "_")
-    ids = [f"toolu_{first}_{turn:02d}_{i}" for i in range(6)]
-    return Reply(
-        [{"type": "tool_use", "id": t, "name": "get_log", "input": {}} for t in ids],
-        stop_reason="tool_use",
-    )
-
-
-def _results(content: list[Any]) -> dict[str, Any]:
-    return {
-        "role": "user",
-        "content": [
-            {"type": "tool_result", "tool_use_id": b.id, "content": f"[{b.id}]" + "x" * 45_000}
-            for b in content
-            if b.type == "tool_use"
-        ],
-    }
-
-
-async def _loop(
-    client: anthropic.AsyncAnthropic, prompt: str, calls: int, beta: bool = False
-) -> None:
-    """The user's loop, unchanged: its own history, its tools' full outputs."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
-    for _ in range(calls):
-        create = client.beta.messages.create if beta else client.messages.create
-        response = await create(model="m", max_tokens=100, messages=messages)  # type: ignore[arg-type]
-        messages.append(
-            {
-                "role": "assistant",
-                "content": [b.model_dump(exclude_none=True) for b in response.content],
-            }
-        )
-        messages.append(_results(response.content))
-
-
-def _visible(body: dict[str, Any]) -> int:
-    last = body["messages"][-1]["content"]
-    return sum(len(b["content"]) for b in last) if isinstance(last, list) else 0
+from tests.wire_support import TAG, client_loop, results, script, visible
 
 
 def test_an_async_loop_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> None:
@@ -70,7 +25,7 @@ def test_an_async_loop_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> No
             root=tmp_path,
             pipeline=lambda: Pipeline([ToolResultBudget()]),
         )
-        anyio.run(_loop, client, "first task", 22)
+        anyio.run(client_loop, client, "first task", 22)
         count = anyio.run(
             lambda: client.messages.count_tokens(
                 model="m", messages=[{"role": "user", "content": "x" * 10}]
@@ -79,7 +34,7 @@ def test_an_async_loop_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> No
         sent = server.requests
     assert count.input_tokens > 0 and len(sent) == 22
     for k, body in enumerate(sent):
-        assert _visible(body) <= 200_000, k  # 6 × 45K = 270K asked, 200K at most sent
+        assert visible(body) <= 200_000, k  # 6 × 45K = 270K asked, 200K at most sent
         if k:
             before = sent[k - 1]["messages"]
             assert json.dumps(body["messages"][: len(before)]) == json.dumps(before), k
@@ -118,7 +73,7 @@ def test_a_restarted_program_sends_the_same_bytes(tmp_path: Path) -> None:
                         "content": [b.model_dump(exclude_none=True) for b in response.content],
                     }
                 )
-                messages.append(_results(response.content))
+                messages.append(results(response.content))
             return [json.dumps(b) for b in server.requests]
 
     live = anyio.run(run, tmp_path / "a", None)
@@ -130,7 +85,7 @@ def test_conversations_never_share_a_ledger(tmp_path: Path) -> None:
     async def many() -> None:
         async with anyio.create_task_group() as tg:
             for n in range(20):
-                tg.start_soon(_loop, client, f"task {n:03d}", 3)
+                tg.start_soon(client_loop, client, f"task {n:03d}", 3)
 
     with ScriptedMessagesServer(script) as server:
         client = wrap(
@@ -164,15 +119,15 @@ def test_the_sync_client_and_beta_messages(tmp_path: Path) -> None:
                     "content": [b.model_dump(exclude_none=True) for b in response.content],
                 }
             )
-            messages.append(_results(response.content))
+            messages.append(results(response.content))
         async_client = wrap(
             anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
             root=tmp_path,
         )
-        anyio.run(_loop, async_client, "beta task", 3, True)
+        anyio.run(lambda: client_loop(async_client, "beta task", 3, beta=True))
         sent = server.requests
     assert len(sent) == 6
-    assert all(_visible(b) <= 200_000 for b in sent)
+    assert all(visible(b) <= 200_000 for b in sent)
     assert any(TAG in json.dumps(b) for b in sent[:3]) and any(
         TAG in json.dumps(b) for b in sent[3:]
     )
@@ -201,13 +156,13 @@ def test_a_streamed_response_reaches_the_session_as_it_passes(tmp_path: Path) ->
                     "content": [b.model_dump(exclude_none=True) for b in final.content],
                 }
             )
-            messages.append(_results(final.content))
+            messages.append(results(final.content))
         return texts
 
     with ScriptedMessagesServer(script) as server:
         ids = anyio.run(run, server)
         sent = server.requests
-    assert all(_visible(b) <= 200_000 for b in sent)  # the budget applied to streamed calls
+    assert all(visible(b) <= 200_000 for b in sent)  # the budget applied to streamed calls
     records = [
         json.loads(line)
         for line in (tmp_path / "streamed" / "decisions.jsonl").read_text().splitlines()
@@ -229,7 +184,7 @@ def test_each_request_is_a_span_with_its_pipeline_pass_beneath(tmp_path: Path) -
             root=tmp_path,
             tracer=spans.tracer,
         )
-        anyio.run(_loop, client, "traced task", 2)
+        anyio.run(client_loop, client, "traced task", 2)
     requests = spans.named("wire.request")
     runs = spans.named("pipeline.run")
     assert len(requests) == len(runs) == 2
@@ -282,8 +237,8 @@ def test_what_a_stage_asks_of_the_request_is_sent(tmp_path: Path) -> None:
             root=tmp_path,
             pipeline=lambda: Pipeline([ToolResultBudget(), ServerSideMicrocompact()]),
         )
-        anyio.run(_loop, client, "server clearing", 2)
+        anyio.run(client_loop, client, "server clearing", 2)
         sent = server.requests
     # server-side clearing's configuration, without the user's help
     assert all("context_management" in b for b in sent)
-    assert all(_visible(b) <= 200_000 for b in sent)
+    assert all(visible(b) <= 200_000 for b in sent)

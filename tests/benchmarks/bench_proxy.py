@@ -27,7 +27,7 @@ import anthropic  # noqa: E402
 from pipeline import Pipeline  # noqa: E402
 from pipeline.testing import Reply, ScriptedMessagesServer  # noqa: E402
 from stages import default_stages, wrap  # noqa: E402
-from tests.test_proxy import proxy  # noqa: E402
+from tests.wire_support import proxy  # noqa: E402
 
 
 def history(n: int) -> list[dict[str, Any]]:

@@ -1,0 +1,95 @@
+"""A client's own loop, as an SDK user writes it, for the wrap and proxy tests: its history
+sent whole every call, its tools' outputs as they came."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import uvicorn
+
+from pipeline import Pipeline
+from pipeline.proxy import build_app
+from pipeline.testing import Reply
+
+TAG = "<persisted-output>"
+
+
+def script(body: dict[str, Any]) -> Reply:
+    """Six parallel calls per turn for ever (the client decides when to stop); ids name the
+    conversation (its first words), so a test can tell conversations apart."""
+    turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+    first = str(body["messages"][0]["content"])[:8].replace(" ", "_")
+    ids = [f"toolu_{first}_{turn:02d}_{i}" for i in range(6)]
+    return Reply(
+        [{"type": "tool_use", "id": t, "name": "get_log", "input": {}} for t in ids],
+        stop_reason="tool_use",
+    )
+
+
+def results(content: list[Any]) -> dict[str, Any]:
+    """The user message answering every tool_use of ``content`` with 45,000 chars."""
+    return {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": b.id, "content": f"[{b.id}]" + "x" * 45_000}
+            for b in content
+            if b.type == "tool_use"
+        ],
+    }
+
+
+async def client_loop(
+    client: anthropic.AsyncAnthropic,
+    prompt: str,
+    calls: int,
+    *,
+    stream: bool = False,
+    beta: bool = False,
+) -> None:
+    """The user's loop, unchanged: ``calls`` calls, each answered with the tools' outputs."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    for _ in range(calls):
+        if stream:
+            async with client.messages.stream(
+                model="m",
+                max_tokens=10,
+                messages=messages,  # type: ignore[arg-type]
+            ) as s:
+                response = await s.get_final_message()
+        else:
+            create = client.beta.messages.create if beta else client.messages.create
+            response = await create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
+        blocks = [b.model_dump(exclude_none=True) for b in response.content]
+        messages.append({"role": "assistant", "content": blocks})
+        messages.append(results(response.content))
+
+
+def visible(body: dict[str, Any]) -> int:
+    """Characters of tool output in a request's last message."""
+    last = body["messages"][-1]["content"]
+    return sum(len(b["content"]) for b in last) if isinstance(last, list) else 0
+
+
+@contextmanager
+def proxy(upstream: str, root: Path, pipeline: Callable[[], Pipeline]) -> Iterator[str]:
+    """The proxy served on a random port for the ``with`` block; yields its base URL."""
+    app = build_app(pipeline=pipeline, root=root, upstream=upstream)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the proxy did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True  # graceful: requests in flight finish
+        thread.join(timeout=20)
