@@ -409,7 +409,7 @@ def _open_temp(ops: FileOps, target: Path) -> tuple[Path, int]:
     """A new private temp file next to ``target``, named after the writer (see ``_TEMP_NAME``)."""
     pid = os.getpid()
     pid_field = pid if 0 < pid <= 0xFFFFFFFF else 0  # 0: unknown writer, removed by age only
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC  # not to children
     for attempt in range(_TEMP_ATTEMPTS):
         token = f"{pid_field:08x}{_host_tag():04x}{secrets.randbits(16):04x}"
         tmp = target.with_name(f".tmp-{token}-{target.name}")
