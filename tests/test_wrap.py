@@ -242,3 +242,44 @@ def test_what_a_stage_asks_of_the_request_is_sent(tmp_path: Path) -> None:
     # server-side clearing's configuration, without the user's help
     assert all("context_management" in b for b in sent)
     assert all(visible(b) <= 200_000 for b in sent)
+
+
+def test_the_sdk_tool_runner(tmp_path: Path) -> None:
+    @anthropic.beta_async_tool
+    async def get_log() -> str:
+        """The job's log."""
+        return "log line\n" * 5_000  # 45,000 chars, six at a time: 270K a turn
+
+    def runner_script(body: dict[str, Any]) -> Reply:
+        turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        if turn >= 2:
+            return Reply([{"type": "text", "text": "all read"}])
+        ids = [f"toolu_r{turn}_{i}" for i in range(6)]
+        return Reply(
+            [{"type": "tool_use", "id": t, "name": "get_log", "input": {}} for t in ids],
+            stop_reason="tool_use",
+        )
+
+    async def run(url: str) -> str:
+        client = wrap(
+            anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0), root=tmp_path
+        )
+        runner = client.beta.messages.tool_runner(
+            model="m",
+            max_tokens=10,
+            tools=[get_log],
+            messages=[{"role": "user", "content": "go"}],
+            thread=False,  # the history in the requests (thread mode keeps it on the server)
+        )
+        last = None
+        async for message in runner:
+            last = message
+        assert last is not None
+        return str(last.content[0].text)  # type: ignore[union-attr]
+
+    with ScriptedMessagesServer(runner_script) as server:
+        answer = anyio.run(run, server.base_url)
+        sent = server.requests
+    assert answer == "all read" and len(sent) == 3
+    assert all(visible(b) <= 200_000 for b in sent)
+    assert TAG in json.dumps(sent[1]) and TAG in json.dumps(sent[2])
