@@ -5,6 +5,7 @@ conversations at once."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
-from pipeline.testing import ScriptedMessagesServer, ScriptError
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from stages import ToolResultBudget, default_stages
 from tests.wire_support import TAG, client_loop, proxy, results, script, visible
 
@@ -176,3 +177,35 @@ def test_an_unreachable_upstream_is_a_502_the_client_can_retry(tmp_path: Path) -
         passthrough = httpx2.get(f"{url}/v1/models")
     assert info.value.status_code == 502 and "upstream unreachable" in str(info.value)
     assert passthrough.status_code == 502
+
+
+def test_shutdown_lets_a_request_in_flight_finish(tmp_path: Path) -> None:
+    import time as clock
+
+    from stages import ServerSideMicrocompact
+
+    def slow(_body: dict[str, Any]) -> Reply:
+        clock.sleep(1.0)
+        return Reply([{"type": "text", "text": "finished"}])
+
+    answers: list[str] = []
+
+    def call(url: str) -> None:
+        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+        reply = client.messages.create(
+            model="m", max_tokens=10, messages=[{"role": "user", "content": "slow one"}]
+        )
+        answers.append(reply.content[0].text)  # type: ignore[union-attr]
+
+    def with_clearing() -> Pipeline:
+        return Pipeline([ToolResultBudget(), ServerSideMicrocompact()])
+
+    with ScriptedMessagesServer(slow) as upstream:
+        with proxy(upstream.base_url, tmp_path, with_clearing) as url:
+            caller = threading.Thread(target=call, args=(url,))
+            caller.start()
+            clock.sleep(0.3)  # the request is upstream now; leaving the block shuts down
+        caller.join(timeout=20)
+        sent = upstream.requests
+    assert answers == ["finished"]  # graceful: the request in flight was answered
+    assert "context_management" in sent[0]  # what a stage asked of the request went upstream
