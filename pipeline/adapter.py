@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.caching import add_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message, Usage
@@ -39,7 +40,7 @@ from pipeline.storage import validate_session_id
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript import TranscriptWriter, load_transcript
-from pipeline.wire import WireCache, add_cache_breakpoint
+from pipeline.wire import WireCache
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam

@@ -9,7 +9,7 @@ with progress and system records) into the ``MessageParam`` dicts that
 - fold attachments into the neighbouring user message;
 - merge consecutive user messages (tool_result blocks hoisted first, ``\\n`` at a text seam);
 - merge assistant fragments sharing a response id, also when other ids interleave;
-- replace lone surrogates (which no UTF-8 request can carry) with U+FFFD.
+- replace lone surrogates (which no UTF-8 request can carry): :func:`pipeline.encoding.encodable`.
 
 :class:`WireCache` is the same for a conversation that changes between calls: it keeps the
 wire entries of the last call and redoes only what follows the first changed record. The
@@ -18,13 +18,14 @@ result always equals ``to_api(messages)``.
 
 from __future__ import annotations
 
-import re
 from array import array
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from pipeline.caching import param_breakpoints
+from pipeline.encoding import encodable
 from pipeline.incremental import InputLog
 from pipeline.messages import Block, Message, thread_start
 from pipeline.pairing import PairingError, PairingIndex
@@ -32,15 +33,7 @@ from pipeline.pairing import PairingError, PairingIndex
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
-__all__ = [
-    "WireCache",
-    "add_cache_breakpoint",
-    "encodable",
-    "has_cache_breakpoint",
-    "request_chars",
-    "to_api",
-    "wire_positions",
-]
+__all__ = ["WireCache", "request_chars", "to_api", "wire_positions"]
 
 
 def _check_blocks(m: Message) -> None:
@@ -51,88 +44,6 @@ def _check_blocks(m: Message) -> None:
                     f"record {m.uuid!r}: content item {i} is a {type(b).__name__}, "
                     "not a content block (dict)"
                 )
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def encodable(value: Any) -> Any:
-    """``value`` with every lone surrogate in its strings replaced by U+FFFD (in a dict key,
-    by its ``\\uXXXX`` escape, so that two keys never become one);
-    the very same object when there is none (the common case costs one walk, no copy).
-
-    A lone surrogate has no UTF-8 form, so one in a request makes it unencodable: JavaScript
-    writes one when a cut splits an emoji, and text read with ``surrogateescape`` carries one
-    per invalid byte. The records keep the original; only the wire form is cleaned. Raises
-    ``ValueError`` for a value nested too deeply to rebuild (only when it needs cleaning).
-    """
-    if not _has_surrogate(value):
-        return value
-    try:
-        return _cleaned(value)
-    except RecursionError:
-        raise ValueError("content nested too deeply to clean of lone surrogates") from None
-
-
-def _has_surrogate(value: Any) -> bool:
-    # str.isascii() reads a flag the string carries, so most text costs no search at all; the
-    # common block shapes are read directly, anything else walked (without recursion: content
-    # may nest as deep as the interpreter allows)
-    if isinstance(value, str):
-        return not value.isascii() and _SURROGATE.search(value) is not None
-    if not isinstance(value, dict | list):
-        return False
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, list):
-            for x in v:
-                if isinstance(x, str):
-                    if not x.isascii() and _SURROGATE.search(x):
-                        return True
-                elif isinstance(x, dict | list):
-                    stack.append(x)
-            continue
-        try:
-            plain_keys = all(map(str.isascii, v))
-        except TypeError:  # a key that is not a string (built content): look at each
-            plain_keys = False
-        if not plain_keys and any(isinstance(k, str) and _SURROGATE.search(k) for k in v):
-            return True
-        for x in v.values():
-            if isinstance(x, str):
-                if not x.isascii() and _SURROGATE.search(x):
-                    return True
-            elif isinstance(x, dict | list):
-                stack.append(x)
-    return False
-
-
-def _cleaned_dict(value: dict[Any, Any]) -> dict[Any, Any]:
-    # U+FFFD would merge two keys into one: a key keeps its surrogates as visible escapes, and
-    # one that still meets another key (the escape's own text) gets U+FFFD appended until free
-    out: dict[Any, Any] = {
-        k: None for k in value if not (isinstance(k, str) and _SURROGATE.search(k))
-    }
-    cleaned: dict[Any, Any] = {}
-    for k, v in value.items():
-        if isinstance(k, str) and _SURROGATE.search(k):
-            k = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", k)
-            while k in out:
-                k += "\ufffd"
-            out[k] = None
-        cleaned[k] = _cleaned(v)
-    return cleaned
-
-
-def _cleaned(value: Any) -> Any:
-    if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
-    if isinstance(value, dict):
-        return _cleaned_dict(value)
-    if isinstance(value, list):
-        return [_cleaned(v) for v in value]
-    return value
 
 
 def _user_blocks(m: Message) -> list[Block]:
@@ -196,49 +107,6 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
     for m in messages[thread_start(messages) :]:
         wire.add(m)
     return [_entry_to_param(e) for e in wire.entries]
-
-
-_NO_BREAKPOINT = frozenset({"thinking", "redacted_thinking"})
-"""Blocks that cannot carry ``cache_control``."""
-
-
-def _param_breakpoints(param: MessageParam) -> int:
-    content: Any = param["content"]
-    if not isinstance(content, list):
-        return 0
-    return sum(1 for b in content if isinstance(b, dict) and "cache_control" in b)
-
-
-def has_cache_breakpoint(request: Sequence[MessageParam]) -> bool:
-    """Whether any block of ``request`` already carries ``cache_control``."""
-    return any(map(_param_breakpoints, request))
-
-
-def add_cache_breakpoint(request: list[MessageParam]) -> bool:
-    """Ask the API to cache the request's prefix: ``cache_control`` on the last block that can
-    carry one (a message sent as a plain string stays one; the API caches everything up to
-    the breakpoint, and the next request, which extends this one, reads it back). The message
-    is replaced by a copy with a new content list; no shared block is touched. Returns
-    whether a breakpoint was placed."""
-    for i in range(len(request) - 1, -1, -1):
-        param = request[i]
-        blocks: Any = param["content"]
-        if isinstance(blocks, str):
-            continue  # kept a string, as sent before: the breakpoint goes on a block before it
-        for j in range(len(blocks) - 1, -1, -1):
-            block = blocks[j]
-            if not isinstance(block, dict) or block.get("type") in _NO_BREAKPOINT:
-                continue
-            if block.get("type") == "text" and not block.get("text"):
-                continue  # the API refuses cache_control on empty text
-            marked = [
-                *blocks[:j],
-                {**block, "cache_control": {"type": "ephemeral"}},
-                *blocks[j + 1 :],
-            ]
-            request[i] = cast("MessageParam", {"role": param["role"], "content": marked})
-            return True
-    return False
 
 
 def wire_positions(messages: Sequence[Message]) -> list[int]:
@@ -475,7 +343,7 @@ class WireCache:
         self.chars += sum(counted)
         self.breakpoints -= sum(self._breakpoints[keep:])
         del self._breakpoints[keep:]
-        marked = [_param_breakpoints(p) for p in fresh]
+        marked = [param_breakpoints(p) for p in fresh]
         self._breakpoints += marked
         self.breakpoints += sum(marked)
         self.pairing.update(self._params, keep)

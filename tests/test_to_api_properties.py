@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, to_api
+from pipeline.encoding import encodable
 from pipeline.pairing import check_pairing
-from pipeline.wire import encodable
 
 PROPERTY_SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]

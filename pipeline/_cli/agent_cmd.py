@@ -15,10 +15,10 @@ from opentelemetry import trace
 
 from pipeline._cli.common import EXIT_FAILED, EXIT_OK, CliError, ReplayOptions, load, with_tracing
 from pipeline.context import SessionContext
+from pipeline.encoding import encodable
 from pipeline.policies import ToolPolicies
 from pipeline.storage import TOOL_RESULTS_SUBDIR, validate_session_id
 from pipeline.transcript import TranscriptWriter
-from pipeline.wire import encodable
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

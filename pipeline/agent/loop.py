@@ -25,8 +25,10 @@ from pipeline.agent.repair import INTERRUPTED_RESULT, repair_pairing
 from pipeline.agent.response import message_from_response
 from pipeline.agent.results import AgentAPIError, AgentResult, GatedResult, TurnLog
 from pipeline.agent.retry import RetryPolicy
+from pipeline.caching import add_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
+from pipeline.encoding import encodable
 from pipeline.gate import gate_tool_result
 from pipeline.messages import Block, Message, now_timestamp
 from pipeline.pairing import PairingError
@@ -37,7 +39,7 @@ from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_AGENT_TURN, SPAN_TOOL_EXECUTE, Decision, tool_span_name
 from pipeline.transcript import TranscriptWriter, load_transcript
-from pipeline.wire import WireCache, add_cache_breakpoint, encodable
+from pipeline.wire import WireCache
 
 __all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "store_root_of"]
 

@@ -1,0 +1,95 @@
+"""Text every request can carry: lone surrogates cleaned from what goes over the wire.
+
+A lone surrogate has no UTF-8 form, so one in a request makes it unencodable (the SDK fails
+inside its JSON encoder): JavaScript writes one when a cut splits an emoji, and text read with
+``surrogateescape`` carries one per invalid byte. ``to_api`` cleans every record it sends; the
+agent cleans what the caller gives (system prompt, tool definitions, model).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["encodable"]
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings replaced by U+FFFD (in a dict key,
+    by its ``\\uXXXX`` escape, so that two keys never become one);
+    the very same object when there is none (the common case costs one walk, no copy).
+
+    A lone surrogate has no UTF-8 form, so one in a request makes it unencodable: JavaScript
+    writes one when a cut splits an emoji, and text read with ``surrogateescape`` carries one
+    per invalid byte. The records keep the original; only the wire form is cleaned. Raises
+    ``ValueError`` for a value nested too deeply to rebuild (only when it needs cleaning).
+    """
+    if not _has_surrogate(value):
+        return value
+    try:
+        return _cleaned(value)
+    except RecursionError:
+        raise ValueError("content nested too deeply to clean of lone surrogates") from None
+
+
+def _has_surrogate(value: Any) -> bool:
+    # str.isascii() reads a flag the string carries, so most text costs no search at all; the
+    # common block shapes are read directly, anything else walked (without recursion: content
+    # may nest as deep as the interpreter allows)
+    if isinstance(value, str):
+        return not value.isascii() and _SURROGATE.search(value) is not None
+    if not isinstance(value, dict | list):
+        return False
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list):
+            for x in v:
+                if isinstance(x, str):
+                    if not x.isascii() and _SURROGATE.search(x):
+                        return True
+                elif isinstance(x, dict | list):
+                    stack.append(x)
+            continue
+        try:
+            plain_keys = all(map(str.isascii, v))
+        except TypeError:  # a key that is not a string (built content): look at each
+            plain_keys = False
+        if not plain_keys and any(isinstance(k, str) and _SURROGATE.search(k) for k in v):
+            return True
+        for x in v.values():
+            if isinstance(x, str):
+                if not x.isascii() and _SURROGATE.search(x):
+                    return True
+            elif isinstance(x, dict | list):
+                stack.append(x)
+    return False
+
+
+def _cleaned_dict(value: dict[Any, Any]) -> dict[Any, Any]:
+    # U+FFFD would merge two keys into one: a key keeps its surrogates as visible escapes, and
+    # one that still meets another key (the escape's own text) gets U+FFFD appended until free
+    out: dict[Any, Any] = {
+        k: None for k in value if not (isinstance(k, str) and _SURROGATE.search(k))
+    }
+    cleaned: dict[Any, Any] = {}
+    for k, v in value.items():
+        if isinstance(k, str) and _SURROGATE.search(k):
+            k = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", k)
+            while k in out:
+                k += "\ufffd"
+            out[k] = None
+        cleaned[k] = _cleaned(v)
+    return cleaned
+
+
+def _cleaned(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+    if isinstance(value, dict):
+        return _cleaned_dict(value)
+    if isinstance(value, list):
+        return [_cleaned(v) for v in value]
+    return value
