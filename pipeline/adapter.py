@@ -191,7 +191,9 @@ class WireSession:
         )
 
     async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """``body`` with its ``messages`` prepared (everything else as it was)."""
+        """``body`` with its ``messages`` prepared (everything else as it was); its system
+        prompt and tools are counted by the token tracker."""
+        self.ctx.token_tracker.set_request(system=body.get("system"), tools=body.get("tools"))
         return {**body, "messages": await self.prepare(body.get("messages") or [])}
 
     def observe(self, response_id: str, usage: Mapping[str, Any] | None, model: str) -> None:

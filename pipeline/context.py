@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 from opentelemetry import trace
 
+from pipeline.incremental import ThreadStart
 from pipeline.messages import Message, Usage
 from pipeline.policies import ToolPolicies
 from pipeline.replacement import ReplacementState
@@ -117,6 +118,9 @@ class SessionContext:
         """Records a resumed session's stages restore their decisions from."""
         self.lock = anyio.Lock()
         self.report = PassReport()
+        self.thread_start = ThreadStart()
+        """Where the part of a pass's input the API sees begins (after the last compaction):
+        the stages see only that part, as the API does."""
 
     def begin_pass(self, messages: Sequence[Message] = ()) -> PassReport:
         """Start a new pass report for a pass over ``messages``; called by the pipeline at the

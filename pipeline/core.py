@@ -136,9 +136,16 @@ class Pipeline:
 
         Turns of one session are serialised on ``ctx.lock`` (do not call ``run`` from inside a
         stage with the same context). Returns the projected messages; the input is untouched.
+
+        The stages see what the API will see: the records from the last compact boundary (or
+        compact summary) on, the boundary included; what lies before it is never sent, so no
+        stage decides anything about it.
         """
         current = messages if isinstance(messages, list) else list(messages)
         async with ctx.lock:
+            start = ctx.thread_start(current)
+            if start:
+                current = current[start:]
             ctx.begin_pass(current)
             # The SDK's default exception handling would put the exception text (which may
             # quote message content) into the span's status and an event: set the status here.

@@ -30,7 +30,7 @@ from itertools import compress, count
 
 from pipeline.messages import Message, thread_start
 
-__all__ = ["AppendWatch", "InputLog", "first_difference", "message_keys"]
+__all__ = ["AppendWatch", "InputLog", "ThreadStart", "first_difference", "message_keys"]
 
 
 def first_difference(a: Sequence[object], b: Sequence[object]) -> int | None:
@@ -70,6 +70,30 @@ class InputLog:
     def clear(self) -> None:
         """Forget the last input: the next :meth:`take` reports a change at position 0."""
         self.inputs = []
+
+
+class ThreadStart:
+    """Where the part of a history the API sees begins, at the cost of what changed.
+
+    That is the last compact boundary or compact summary (the boundary itself kept, so that the
+    token tracker still sees that a compaction happened), or 0. A pass whose input only grew
+    looks at the new records alone; a change at or before the known start looks again at all.
+    """
+
+    def __init__(self) -> None:
+        self._log = InputLog()
+        self._start = 0
+
+    def __call__(self, messages: Sequence[Message]) -> int:
+        """The index of the first record the API's view holds (0: the whole history)."""
+        first = self._log.take(messages)
+        if first <= self._start:
+            first, self._start = 0, 0
+        for i in range(len(messages) - 1, first - 1, -1):
+            if messages[i].restarts_thread:
+                self._start = i
+                break
+        return self._start
 
 
 def message_keys(m: Message) -> tuple[str, str | None, list[str]]:

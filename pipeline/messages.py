@@ -17,7 +17,9 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 __all__ = [
+    "REMINDER",
     "SYNTHETIC_MODEL",
+    "WIRE_MESSAGE",
     "Block",
     "Content",
     "Message",
@@ -39,6 +41,15 @@ Content = str | list[Block]
 _MESSAGE_TYPES: frozenset[str] = frozenset(
     ("user", "assistant", "progress", "attachment", "system")
 )
+REMINDER = "reminder"
+"""``subtype`` of an attachment record that the agent renders as ``<system-reminder>`` text the
+way Claude Code 2.1 does (a transcript's ``rendered`` attachments): on the wire it goes before
+the prompt it came with, or into the content of the tool result it follows
+(:func:`pipeline.wire.to_api`)."""
+WIRE_MESSAGE = "wire"
+"""``subtype`` of a user or assistant record that holds one whole message exactly as a call
+sent it (recorded by Claude Code 2.1): on the wire it is that message, never merged with a
+neighbour (:func:`pipeline.recorded.apply_recorded_wire`)."""
 SYNTHETIC_MODEL = "<synthetic>"
 """Model name of assistant records that no API call produced (errors, interruptions)."""
 
@@ -142,7 +153,8 @@ class Message:
       fragments of one streamed response share ``message_id``.
     - ``progress``: UI-only, dropped on the wire.
     - ``attachment``: context the agent adds (``content`` = the blocks it contributes); folded
-      into the neighbouring user message on the wire.
+      into the neighbouring user message on the wire. ``subtype=REMINDER``: rendered as
+      Claude Code 2.1 renders its attachments (see :data:`REMINDER`).
     - ``system``: dropped on the wire, except ``subtype="local_command"`` which is sent as user
       text; ``subtype="compact_boundary"`` marks where a compacted conversation restarts.
     """
@@ -228,6 +240,22 @@ class Message:
     def is_synthetic(self) -> bool:
         """An assistant record that no real API response produced."""
         return self.type == "assistant" and self.model == SYNTHETIC_MODEL
+
+    @property
+    def restarts_thread(self) -> bool:
+        """A compact boundary, or a compact summary: the API's view of the conversation starts
+        over here (see :func:`thread_start`)."""
+        return self.is_compact_boundary or (self.type == "user" and self.is_compact_summary)
+
+    @property
+    def is_wire_message(self) -> bool:
+        """One whole message as a call sent it (see :data:`WIRE_MESSAGE`)."""
+        return self.subtype == WIRE_MESSAGE and self.type in ("user", "assistant")
+
+    @property
+    def is_reminder(self) -> bool:
+        """An attachment rendered the Claude Code 2.1 way (see :data:`REMINDER`)."""
+        return self.type == "attachment" and self.subtype == REMINDER
 
     @property
     def is_compact_boundary(self) -> bool:

@@ -25,6 +25,7 @@ from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message, Usage
 from pipeline.pairing import PairingProblem
+from pipeline.recorded import RecordedRequest
 from pipeline.tokens import Observation, TokenTracker
 from pipeline.wire import WireCache, request_chars
 
@@ -136,13 +137,19 @@ def less_usage(usage: Usage, tokens: int) -> Usage:
 
 
 async def replay_messages(
-    messages: Sequence[Message], pipeline: Pipeline, ctx: SessionContext
+    messages: Sequence[Message],
+    pipeline: Pipeline,
+    ctx: SessionContext,
+    *,
+    requests: Sequence[RecordedRequest] = (),
 ) -> AsyncIterator[CallResult]:
     """Yield, call by call, what ``pipeline`` would have sent for the recorded session.
 
     After each call the tracker of ``ctx`` observes the call's usage (the recorded one, less
     what the pipeline has removed so far), so its estimates for the next calls and the stages'
-    decisions use what a live loop would have learned.
+    decisions use what a live loop would have learned. ``requests`` (a 2.1 transcript's
+    ``Transcript.requests``): each call's system prompt and tools are given to that tracker
+    (:meth:`~pipeline.tokens.TokenTracker.set_request`), so its estimates count them.
     """
     reference = TokenTracker("reference")
     history = list(messages)  # responses get their replayed usage here, never in ``messages``
@@ -156,10 +163,18 @@ async def replay_messages(
     # One list grown call by call, as a live loop grows its history: a fresh slice per call
     # would copy the whole history every call.
     sent: list[Message] = []
+    recorded = sorted(requests, key=lambda r: r.position)
+    k = 0
     for call in calls:
         if call.index < len(sent):
             del sent[call.index :]
         sent.extend(history[len(sent) : call.index])
+        while k < len(recorded) and recorded[k].position <= call.index:
+            k += 1  # the call's own request: the last one recorded before its response
+        if k:
+            ctx.token_tracker.set_request(
+                system=recorded[k - 1].system, tools=recorded[k - 1].tools
+            )
         projected = await pipeline.run(sent, ctx)
         report = ctx.report
         # tokens_freed counts against that anchored usage: what it lacks beyond ``anchored``

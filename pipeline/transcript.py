@@ -20,7 +20,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.messages import Block, Content, Message, Usage, new_uuid, now_timestamp
+from pipeline.messages import (
+    REMINDER,
+    Block,
+    Content,
+    Message,
+    Usage,
+    new_uuid,
+    now_timestamp,
+)
+from pipeline.recorded import (
+    API_REQUEST,
+    API_REQUEST_BLOB,
+    API_REQUEST_SHAPE,
+    IGNORED_RECORD_TYPES,
+    RecordedRequest,
+    WireCheck,
+    apply_recorded_wire,
+    parse_blob,
+    parse_request,
+    parse_shape,
+)
 from pipeline.replacement import ReplacementRecord
 from pipeline.tokens.checks import bounded_repr, bounded_text
 
@@ -80,6 +100,13 @@ class Transcript:
     session_id: str | None = None
     skipped_types: Counter[str] = field(default_factory=Counter)
     """Records not part of the prompt or of an unknown type, by type (never fatal)."""
+    requests: list[RecordedRequest] = field(default_factory=list)
+    """What each call sent besides its messages (Claude Code 2.1's ``api-request`` records):
+    model, system prompt, tools; in file order."""
+    wire_check: WireCheck = field(default_factory=WireCheck)
+    """How the records compared with what each call recorded sending (Claude Code 2.1): how
+    many recorded messages replaced records that did not render to them, and how many calls
+    could not be made exact (:func:`pipeline.recorded.apply_recorded_wire`)."""
     sidechain_skipped: int = 0
     """Sub-agent records interleaved with the main thread and left out of it."""
     problems: list[LineProblem] = field(default_factory=list)
@@ -90,6 +117,12 @@ class Transcript:
     def records_for(self, stage: str) -> list[Mapping[str, Any]]:
         """The data of every record stage ``stage`` wrote, in order."""
         return [r.data for r in self.stage_records if r.stage == stage]
+
+    @property
+    def unknown_types(self) -> Counter[str]:
+        """Skipped records of a type the loader does not know (a newer format, say)."""
+        known = IGNORED_RECORD_TYPES | {API_REQUEST, API_REQUEST_SHAPE, API_REQUEST_BLOB}
+        return Counter({t: n for t, n in self.skipped_types.items() if t not in known})
 
 
 def _require_str(raw: Mapping[str, Any], key: str, *, optional: bool = True) -> str | None:
@@ -178,11 +211,30 @@ def _parse_message(raw: Mapping[str, Any]) -> Message:
             **common,
         )
     if rtype == "attachment":
+        rendered = raw.get("rendered")
+        if rendered is not None:  # Claude Code 2.1: the text it sends, already rendered
+            return Message(
+                type="attachment", content=_rendered_blocks(rendered), subtype=REMINDER, **common
+            )
         att = raw.get("attachment")
         att_content: Any = att.get("content") if isinstance(att, Mapping) else None
         content = _parse_blocks(att_content, "attachment.content") if att_content else ""
         return Message(type="attachment", content=content, **common)
     return Message(type="progress", **common)  # progress payloads are UI-only: not kept
+
+
+def _rendered_blocks(rendered: Any) -> list[Block]:
+    """The text blocks of a 2.1 attachment's ``rendered`` list (``[{"content": str}, ...]``)."""
+    if not isinstance(rendered, list):
+        raise ValueError("attachment 'rendered' must be a list")
+    blocks: list[Block] = []
+    for i, item in enumerate(rendered):
+        text = item.get("content") if isinstance(item, Mapping) else None
+        if not isinstance(text, str):
+            raise ValueError(f"attachment rendered[{i}] has no string 'content'")
+        if text:
+            blocks.append({"type": "text", "text": text})
+    return blocks
 
 
 def _replacement_record(rep: Any) -> ReplacementRecord:
@@ -227,18 +279,29 @@ def _check_depth(raw: Any, line: str) -> None:
             stack.extend((v, depth + 1) for v in value)
 
 
-def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Transcript:
+def load_transcript(
+    path: str | os.PathLike[str], *, strict: bool = True, recorded_wire: bool = True
+) -> Transcript:
     """Read a Claude Code session JSONL file.
 
     A malformed line raises :class:`TranscriptError` naming the file and line; with
     ``strict=False`` it is skipped and listed in ``Transcript.problems`` instead. Unknown record
     types are skipped and counted in ``Transcript.skipped_types``, never fatal.
+
+    Claude Code 2.1 records what each call sent: ``api-request`` records become
+    ``Transcript.requests``; with ``recorded_wire`` (default) a user message whose records do
+    not render to what the call recorded sending (its ``api-request`` chain and
+    ``api-request-blob`` records) is replaced by the recorded messages, so that
+    :func:`~pipeline.wire.to_api` rebuilds exactly what was sent (``Transcript.wire_check``).
     """
     p = Path(path)
     main: list[Message] = []
     side: list[Message] = []
     records: list[ReplacementRecord] = []
     result = Transcript(path=p, messages=main)
+    shapes: dict[str, Mapping[str, Any]] = {}
+    requests: list[tuple[int, int, Mapping[str, Any]]] = []
+    blobs: list[tuple[int, int, Mapping[str, Any]]] = []
     # JSONL lines end at "\n" only: a bare "\r" is JSON whitespace inside a record
     with p.open("r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -265,6 +328,16 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
                     if not isinstance(stage, str) or not isinstance(data, dict):
                         raise ValueError("stage-record needs a string 'stage' and an object 'data'")
                     result.stage_records.append(StageRecord(stage, data))
+                elif rtype == API_REQUEST_SHAPE:
+                    digest, shape = parse_shape(raw)
+                    shapes[digest] = shape
+                    result.skipped_types[rtype] += 1
+                elif rtype in (API_REQUEST, API_REQUEST_BLOB):
+                    parse_request(raw, shapes, 0) if rtype == API_REQUEST else parse_blob(raw, 0)
+                    (requests if rtype == API_REQUEST else blobs).append(
+                        (len(main), len(side), raw)
+                    )
+                    result.skipped_types[rtype] += 1
                 elif rtype not in _MESSAGE_RECORD_TYPES:
                     result.skipped_types[rtype] += 1
                 else:
@@ -279,11 +352,22 @@ def load_transcript(path: str | os.PathLike[str], *, strict: bool = True) -> Tra
             # only a record that loaded names the session (a skipped line decides nothing)
             if result.session_id is None and isinstance(raw.get("sessionId"), str):
                 result.session_id = raw["sessionId"]
-    if not main and side:
+    on_side = not main and bool(side)
+    if on_side:
         result.messages = side
     else:
         result.sidechain_skipped = len(side)
     result.replacement_records = records
+    result.requests = [
+        parse_request(raw, shapes, at_side if on_side else at_main)
+        for at_main, at_side, raw in requests
+    ]
+    if recorded_wire and (blobs or result.requests):
+        result.messages, result.wire_check = apply_recorded_wire(
+            result.messages,
+            result.requests,
+            [parse_blob(raw, at_side if on_side else at_main) for at_main, at_side, raw in blobs],
+        )
     return result
 
 
@@ -336,6 +420,9 @@ def message_to_record(
     elif m.type == "system":
         rec["subtype"] = m.subtype
         rec["content"] = m.content if isinstance(m.content, str) else ""
+    elif m.is_reminder:
+        rec["attachment"] = {"type": REMINDER}
+        rec["rendered"] = [{"content": b.get("text", "")} for b in m.blocks]
     elif m.type == "attachment":
         rec["attachment"] = {"type": "content", "content": m.content}
     else:

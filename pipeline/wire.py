@@ -6,7 +6,9 @@ with progress and system records) into the ``MessageParam`` dicts that
 
 - slice at the last compact boundary;
 - drop progress and system records (``local_command`` output is kept as user text);
-- fold attachments into the neighbouring user message;
+- fold attachments into the neighbouring user message; a Claude Code 2.1 reminder
+  (:data:`~pipeline.messages.REMINDER`) goes before the prompt it came with, or into the content
+  of the tool result it follows (:func:`_fold_reminder`);
 - merge consecutive user messages (tool_result blocks hoisted first, ``\\n`` at a text seam);
 - merge assistant fragments sharing a response id, also when other ids interleave;
 - replace lone surrogates (which no UTF-8 request can carry): :func:`pipeline.encoding.encodable`.
@@ -76,9 +78,32 @@ def _join_at_seam(a: list[Block], b: list[Block]) -> list[Block]:
 def _is_tool_result_only(entry: _WireEntry) -> bool:
     return (
         entry.role == "user"
+        and not entry.lead
         and bool(entry.blocks)
         and all(b.get("type") == "tool_result" for b in entry.blocks)
     )
+
+
+def _fold_reminder(blocks: list[Block], texts: list[str]) -> list[Block] | None:
+    """``blocks`` with reminder ``texts`` added to the content of its last tool_result, as
+    Claude Code 2.1 sends a reminder that follows tool results: a string content loses its
+    trailing whitespace and gets ``"\\n\\n" + text`` per reminder, a list content one text
+    block per reminder. None when
+    ``blocks`` holds no tool_result (the reminder then goes before the prompt)."""
+    for i in range(len(blocks) - 1, -1, -1):
+        block = blocks[i]
+        if block.get("type") != "tool_result":
+            continue
+        inner = block.get("content")
+        folded = dict(block)  # the record's block is shared: never edit it
+        if isinstance(inner, list):
+            folded["content"] = [*inner, *({"type": "text", "text": t} for t in texts)]
+        else:
+            folded["content"] = (inner.rstrip() if isinstance(inner, str) else "") + "".join(
+                "\n\n" + t for t in texts
+            )
+        return [*blocks[:i], folded, *blocks[i + 1 :]]
+    return None
 
 
 @dataclass(slots=True)
@@ -88,6 +113,11 @@ class _WireEntry:
     raw_text: str | None  # a lone user string stays a string, as the agent wrote it
     message_id: str | None = None
     merged: bool = False
+    closed: bool = False
+    """A recorded whole message: nothing merges into it."""
+    lead: list[Block] | None = None
+    """Reminders that go before the prompt's blocks (Claude Code 2.1 moves its attachments
+    above the prompt they came with)."""
 
 
 def to_api(messages: Sequence[Message]) -> list[MessageParam]:
@@ -95,7 +125,9 @@ def to_api(messages: Sequence[Message]) -> list[MessageParam]:
 
     - slice at the last compact boundary;
     - drop progress and system records (``local_command`` output is kept as user text);
-    - fold attachments into the neighbouring user message;
+    - fold attachments into the neighbouring user message; a Claude Code 2.1 reminder
+      (:data:`~pipeline.messages.REMINDER`) goes before the prompt it came with, or into the
+      content of the tool result it follows;
     - merge consecutive user messages (tool_result blocks hoisted first, ``\\n`` at a text seam);
     - merge assistant fragments sharing a response id, also when other ids interleave: a
       fragment walks back past other-id assistants and tool_result-only user messages;
@@ -177,8 +209,20 @@ class _Wire:
         blocks = _user_blocks(m)
         if not blocks:  # the API rejects empty content; an empty record adds nothing
             return -1
+        if m.is_reminder:
+            return self.add_reminder(blocks)
         out = self.entries
-        if out and out[-1].role == "user":
+        if m.is_wire_message:
+            self.append(
+                _WireEntry(
+                    "user",
+                    blocks,
+                    encodable(m.content) if isinstance(m.content, str) else None,
+                    closed=True,
+                )
+            )
+            return len(out) - 1
+        if out and out[-1].role == "user" and not out[-1].closed:
             prev = out[-1]
             prev.blocks = _hoist_tool_results(_join_at_seam(prev.blocks, blocks))
             prev.raw_text = None
@@ -188,8 +232,27 @@ class _Wire:
             self.append(_WireEntry("user", _hoist_tool_results(blocks), raw))
         return len(out) - 1
 
+    def add_reminder(self, blocks: list[Block]) -> int:
+        """A Claude Code 2.1 reminder: into the content of the last tool result of the user
+        message it follows, else before that message's prompt (a user message of its own
+        until the prompt comes)."""
+        out = self.entries
+        if out and out[-1].role == "user" and not out[-1].closed:
+            prev = out[-1]
+            texts = [str(b.get("text", "")) for b in blocks if b.get("type") == "text"]
+            folded = _fold_reminder(prev.blocks, texts) if len(texts) == len(blocks) else None
+            if folded is not None:
+                prev.blocks = folded
+            else:
+                prev.lead = [*(prev.lead or ()), *blocks]
+            prev.raw_text = None
+            prev.merged = True
+        else:
+            self.append(_WireEntry("user", [], None, lead=blocks, merged=True))
+        return len(out) - 1
+
     def add_assistant(self, m: Message) -> int:
-        if m.message_id is not None:
+        if m.message_id is not None and not m.is_wire_message:
             i = self.latest.get(m.message_id)
             if i is not None:
                 out = self.entries
@@ -202,14 +265,25 @@ class _Wire:
                     entry.blocks = [*entry.blocks, *encodable(m.blocks)]
                     entry.merged = True
                     return i
-        self.append(_WireEntry("assistant", list(encodable(m.blocks)), None, m.message_id))
+        closed = m.is_wire_message
+        raw = encodable(m.content) if closed and isinstance(m.content, str) else None
+        entry = _WireEntry("assistant", list(encodable(m.blocks)), raw, m.message_id, closed=closed)
+        self.append(entry)
         return len(self.entries) - 1
 
 
 def _entry_to_param(e: _WireEntry) -> MessageParam:
     if e.raw_text is not None and not e.merged:
         return cast("MessageParam", {"role": e.role, "content": e.raw_text})
+    if e.lead:
+        return cast("MessageParam", {"role": e.role, "content": _with_lead(e.lead, e.blocks)})
     return cast("MessageParam", {"role": e.role, "content": e.blocks})
+
+
+def _with_lead(lead: list[Block], blocks: list[Block]) -> list[Block]:
+    """The reminders, then the prompt's blocks, a ``\\n`` at a text seam (tool results first,
+    should a tool result ever follow a reminder)."""
+    return _hoist_tool_results(_join_at_seam(lead, blocks))
 
 
 class WireCache:
@@ -292,7 +366,7 @@ class WireCache:
         first = self._log.take(messages)
         if first == n_old == len(messages) and not self._fresh:
             return  # the very same records
-        restart = any(map(_restarts, messages[first:]))
+        restart = any(m.restarts_thread for m in messages[first:])
         if self._fresh or restart or first < self._start:
             self._fresh = False
             self._reset(thread_start(messages))
@@ -347,11 +421,6 @@ class WireCache:
         self._breakpoints += marked
         self.breakpoints += sum(marked)
         self.pairing.update(self._params, keep)
-
-
-def _restarts(m: Message) -> bool:
-    """A record after which the API's view restarts (a compact boundary or summary)."""
-    return m.is_compact_boundary or (m.type == "user" and m.is_compact_summary)
 
 
 def _block_chars(block: Any) -> int:

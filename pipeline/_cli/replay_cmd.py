@@ -98,7 +98,9 @@ async def _replay_calls(
     with ctx.tracer.start_as_current_span(
         SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
     ):
-        async for result in replay_messages(transcript.messages, pipe, ctx):
+        async for result in replay_messages(
+            transcript.messages, pipe, ctx, requests=transcript.requests
+        ):
             chars = result.request_chars
             summary.add(result, chars)
             dump_request(dumper, result)

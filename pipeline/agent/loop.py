@@ -215,6 +215,7 @@ class Agent:
             record_exception=False,  # exception text may quote content: status set by hand
             set_status_on_exception=False,
         ) as span:
+            ctx.token_tracker.set_request(system=self.system, tools=self.tool_definitions)
             projected = await self.pipeline.run(self.history, ctx)
             request = self._wire.to_api(projected)
             self._wire.ensure_paired()

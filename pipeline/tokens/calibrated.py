@@ -176,8 +176,11 @@ class CalibratedEstimator:
         self, messages: Sequence[Message], anchor: tuple[int, Usage] | None
     ) -> _Split:
         if anchor is None:
-            new, count = self._visible_sum(messages[thread_start(messages) :])
-            return _Split(None, None, ContentVector(), new, count, crossed=False)
+            start = thread_start(messages)
+            new, count = self._visible_sum(messages[start:])
+            # a history cut at a compaction (what the pipeline's stages see) starts with it
+            crossed = start > 0 or (bool(messages) and messages[0].restarts_thread)
+            return _Split(None, None, ContentVector(), new, count, crossed=crossed)
         i, usage = anchor
         first = messages[i]
         restart = compaction_restart(messages, i)

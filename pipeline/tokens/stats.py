@@ -47,6 +47,10 @@ class EstimateDetail:
     """An anchor was found and no compaction lies between it and the end."""
     crossed_compaction: bool
     """A compaction lies after the anchor: the request was rebuilt, its usage does not apply."""
+    request_overhead: int = 0
+    """Tokens added for the system prompt and tool schemas the next call carries (see
+    :meth:`~pipeline.tokens.TokenTracker.set_request`): all of them without an anchor, their
+    change since the anchor's call with one. Included in ``total`` and ``estimated_part``."""
 
 
 @dataclass(frozen=True, slots=True)

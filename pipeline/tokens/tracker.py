@@ -18,6 +18,7 @@ saved next to the session (:func:`calibration_path_for`) so a resumed session st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -153,11 +154,61 @@ class TokenTracker:
         """(family, estimated part, real growth) of recent measurable calls."""
         self._last_observed: tuple[int, Message] | None = None
         """Length and last message of the latest learned-from list (see :meth:`observe`)."""
+        self._request: tuple[object, object, str, int] | None = None
+        """(system, tools, their text, its tokens) of the next call (:meth:`set_request`)."""
+        self._request_seen: int | None = None
+        """Tokens of the system prompt and tools of the latest observed call (None: unknown)."""
 
     @property
     def method(self) -> str:
         """``"calibrated"`` or ``"reference"``: the estimator's name."""
         return self.estimator.method
+
+    # -- the request around the messages -------------------------------------------------------
+    def set_request(self, *, system: Any = None, tools: Sequence[Any] | None = None) -> int:
+        """Tell the tracker what the next calls carry besides their messages: the system prompt
+        (a string or text blocks) and the tool schemas. Returns their tokens.
+
+        Every call sends them, and the messages alone leave them out: a first call's estimate
+        (no usage yet) adds them whole, a later one adds how much they changed since the call
+        its usage came from (an anchor's usage already counts them). Pricing is cached while
+        the same objects are passed again.
+        """
+        current = self._request
+        if current is not None and current[0] is system and current[1] is tools:
+            return current[3]
+        text = _request_text(system, tools)
+        if current is not None and current[2] == text:
+            tokens = current[3]
+        else:
+            tokens = self.estimator.tokens_for_messages([Message.user(text)]) if text else 0
+        self._request = (system, tools, text, tokens)
+        return tokens
+
+    @property
+    def request_tokens(self) -> int | None:
+        """Tokens of the system prompt and tools last given to :meth:`set_request`."""
+        return None if self._request is None else self._request[3]
+
+    def _with_request(self, detail: EstimateDetail) -> EstimateDetail:
+        """``detail`` plus the system prompt and tools (see :meth:`set_request`)."""
+        if self._request is None:
+            return detail
+        now = self._request[3]
+        measured = getattr(self.estimator, "overhead", None)
+        if detail.has_anchor or measured is not None:
+            # the anchor's usage (or the measured overhead) counted them as they were then
+            extra = now - self._request_seen if self._request_seen is not None else 0
+        else:
+            extra = now
+        if not extra:
+            return detail
+        return dataclasses.replace(
+            detail,
+            total=detail.total + extra,
+            estimated_part=detail.estimated_part + extra,
+            request_overhead=extra,
+        )
 
     # -- estimating ---------------------------------------------------------------------------
     def estimate_detail(
@@ -165,7 +216,8 @@ class TokenTracker:
     ) -> EstimateDetail:
         """The estimate with its parts. ``model``: the model about to be called (default: the
         anchor's model)."""
-        return self.estimator.estimate_detail(messages, find_anchor(messages), model=model)
+        detail = self.estimator.estimate_detail(messages, find_anchor(messages), model=model)
+        return self._with_request(detail)
 
     def estimate(self, messages: Sequence[Message], *, model: str | None = None) -> int:
         """Tokens the context holds if ``messages`` were sent now."""
@@ -206,9 +258,14 @@ class TokenTracker:
             skip = "already observed"
         elif tokens_freed > 0:
             skip = "stages removed anchored content"
+        now = self.request_tokens
+        if skip is None and now is not None and self._request_seen not in (None, now):
+            skip = "system prompt or tools changed"
         detail, learned, reason = self.estimator.observe(
             messages, find_anchor(messages), usage, model=model, skip=skip
         )
+        detail = self._with_request(detail)
+        self._request_seen = now
         if skip is None and messages:
             # holding the message (not its id) keeps the identity test sound
             self._last_observed = (len(messages), messages[-1])
@@ -393,6 +450,19 @@ class TokenTracker:
             reason = bounded_text(str(exc))
             get_logger().warning("token_calibration.load_failed", path=str(target), error=reason)
             return cls(method)
+
+
+def _request_text(system: Any, tools: Sequence[Any] | None) -> str:
+    """The system prompt's text and the tools' JSON: what a call sends besides its messages."""
+    if isinstance(system, str):
+        parts = [system]
+    elif isinstance(system, Sequence):
+        parts = [str(b.get("text", "")) for b in system if isinstance(b, dict)]
+    else:
+        parts = []
+    if tools:
+        parts.append(json.dumps(list(tools), ensure_ascii=False, default=str))
+    return "\n".join(parts)
 
 
 def _read_state_file(path: Path) -> bytes:
