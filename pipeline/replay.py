@@ -79,6 +79,8 @@ class CallResult:
 
     chars: int | None = None
     """Characters of visible text in the request, when the replay counted them."""
+    request_tokens: int | None = None
+    """Tokens of the system prompt and tools the estimate counted (None: not recorded)."""
 
     @property
     def request_chars(self) -> int:
@@ -189,6 +191,7 @@ async def replay_messages(
             removed_tokens=removed,
             chars=wire.chars,
             pairing_problems=wire.pairing.problems,
+            request_tokens=ctx.token_tracker.request_tokens,
         )
         if call.usage is not None:
             usage = less_usage(call.usage, removed) if removed else call.usage

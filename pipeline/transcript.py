@@ -103,6 +103,8 @@ class Transcript:
     requests: list[RecordedRequest] = field(default_factory=list)
     """What each call sent besides its messages (Claude Code 2.1's ``api-request`` records):
     model, system prompt, tools; in file order."""
+    version: str | None = None
+    """The Claude Code version that wrote the first record naming one (``"2.1.328"``...)."""
     wire_check: WireCheck = field(default_factory=WireCheck)
     """How the records compared with what each call recorded sending (Claude Code 2.1): how
     many recorded messages replaced records that did not render to them, and how many calls
@@ -352,6 +354,8 @@ def load_transcript(
             # only a record that loaded names the session (a skipped line decides nothing)
             if result.session_id is None and isinstance(raw.get("sessionId"), str):
                 result.session_id = raw["sessionId"]
+            if result.version is None and isinstance(raw.get("version"), str):
+                result.version = raw["version"][:40]
     on_side = not main and bool(side)
     if on_side:
         result.messages = side

@@ -47,6 +47,8 @@ SUMMARY_KEYS = {
     "abs_rel_error_p95",
     "undercount_gt_10pct_share",
     "estimated_part",
+    "request_tokens",
+    "transcript",
     "per_message_chars",
     "per_tool_chars",
     "store",

@@ -111,6 +111,7 @@ def run_live_demo(
     dumper = options.dumper()
 
     def on_call(result: CallResult) -> None:
+        result.request_tokens = ctx.token_tracker.request_tokens  # the agent's system + tools
         chars = result.request_chars
         summary.add(result, chars)
         dump_request(dumper, result)

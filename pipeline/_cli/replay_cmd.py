@@ -29,7 +29,14 @@ from pipeline._cli.common import (
     writable_file,
 )
 from pipeline._cli.dumps import RequestDumper
-from pipeline._cli.report import JsonOutput, Output, Progress, ReplaySummary, TableOutput
+from pipeline._cli.report import (
+    JsonOutput,
+    Output,
+    Progress,
+    ReplaySummary,
+    TableOutput,
+    transcript_info,
+)
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline, PipelineHalt, StageError
@@ -125,6 +132,7 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
         tracer=tracer,
     )
     summary = ReplaySummary(session_id, store, options.per_message_chars, options.per_tool_chars)
+    summary.transcript = transcript_info(transcript)
     results_dir = store / session_id / TOOL_RESULTS_SUBDIR
     output: Output = (
         JsonOutput(sys.stdout) if options.json else TableOutput(sys.stdout, results_dir)

@@ -5,15 +5,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.replay import CallResult
 from pipeline.tokens.stats import UNDERCOUNT_TOLERANCE, ErrorStats, nearest_rank, rounded
+from pipeline.transcript import Transcript
 
-__all__ = ["ESTIMATORS", "JsonOutput", "Output", "Progress", "ReplaySummary", "TableOutput"]
+__all__ = [
+    "ESTIMATORS",
+    "JsonOutput",
+    "Output",
+    "Progress",
+    "ReplaySummary",
+    "TableOutput",
+    "transcript_info",
+]
 
 ESTIMATORS = ("default", "reference")
 """The estimators a replay measures side by side (keys of ``CallResult.observations``)."""
@@ -46,9 +55,17 @@ class ReplaySummary:
     """Per estimator: (estimated part, real growth since the anchor) of each call where the
     growth is measurable (an anchor, no compaction since it, known usage)."""
 
+    request_tokens: int | None = None
+    """Tokens of the system prompt and tools the last call's estimate counted (None: the
+    transcript does not record them)."""
+    transcript: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What the loader read besides the messages (see :func:`transcript_info`)."""
+
     def add(self, result: CallResult, request_chars: int) -> None:
         """Count one call."""
         self.calls += 1
+        if result.request_tokens is not None:
+            self.request_tokens = result.request_tokens
         self.persisted += len(result.persisted)
         self.persisted_chars += sum(p.chars for p in result.persisted)
         self.reapplied += result.reapplied
@@ -110,6 +127,8 @@ class ReplaySummary:
             "abs_rel_error_p95": rounded(self.p95_abs_error),
             "undercount_gt_10pct_share": rounded(self.undercount_share),
             "estimated_part": {name: self.part_errors(name).to_json() for name in ESTIMATORS},
+            "request_tokens": self.request_tokens,
+            "transcript": self.transcript,
             "per_message_chars": self.per_message_chars,
             "per_tool_chars": self.per_tool_chars,
             "store": str(self.store),
@@ -283,12 +302,48 @@ class TableOutput:
         else:
             lines.append("token estimate vs API usage: no call with known usage")
         lines += _part_lines(s)
+        if s.request_tokens is not None:
+            lines.append(
+                f"system prompt + tools: ~{s.request_tokens:,} tokens per call (the last call's), "
+                "counted in the estimates"
+            )
+        lines += _transcript_lines(s.transcript)
         lines.append(
             f"limits: {s.per_message_chars:,} chars per message, {s.per_tool_chars:,} per tool"
         )
         lines.append(f"persisted results: {terminal_safe(str(self.results_dir))}")
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
+
+
+def transcript_info(transcript: Transcript) -> dict[str, Any]:
+    """What a replay reports about the transcript besides its calls: the Claude Code version
+    that wrote it, the calls it recorded (2.1), how the recorded wire compared with the
+    records, and record types the loader does not know."""
+    check = transcript.wire_check
+    return {
+        "version": transcript.version,
+        "recorded_requests": len(transcript.requests),
+        "wire_replaced": check.replaced,
+        "wire_unverified": check.unverified,
+        "unknown_record_types": dict(sorted(transcript.unknown_types.items())),
+    }
+
+
+def _transcript_lines(info: Mapping[str, Any]) -> list[str]:
+    lines: list[str] = []
+    if info.get("recorded_requests"):
+        lines.append(
+            f"transcript: Claude Code {terminal_safe(str(info.get('version')))}, "
+            f"{info['recorded_requests']} recorded requests; recorded messages used where the "
+            f"records render otherwise: {info['wire_replaced']}, calls not verifiable: "
+            f"{info['wire_unverified']}"
+        )
+    unknown = info.get("unknown_record_types")
+    if unknown:
+        shown = ", ".join(f"{terminal_safe(t)} ×{n}" for t, n in list(unknown.items())[:10])
+        lines.append(f"record types not understood (skipped): {shown}")
+    return lines
 
 
 def _part_lines(s: ReplaySummary) -> list[str]:

@@ -190,17 +190,20 @@ class TokenTracker:
         """Tokens of the system prompt and tools last given to :meth:`set_request`."""
         return None if self._request is None else self._request[3]
 
-    def _with_request(self, detail: EstimateDetail) -> EstimateDetail:
-        """``detail`` plus the system prompt and tools (see :meth:`set_request`)."""
+    def _request_extra(self, has_anchor: bool) -> int:
+        """Tokens of system prompt and tools an estimate must add (see :meth:`set_request`)."""
         if self._request is None:
-            return detail
+            return 0
         now = self._request[3]
-        measured = getattr(self.estimator, "overhead", None)
-        if detail.has_anchor or measured is not None:
+        if has_anchor or getattr(self.estimator, "overhead", None) is not None:
             # the anchor's usage (or the measured overhead) counted them as they were then
-            extra = now - self._request_seen if self._request_seen is not None else 0
-        else:
-            extra = now
+            return now - self._request_seen if self._request_seen is not None else 0
+        return now
+
+    def _with_request(self, detail: EstimateDetail, extra: int | None = None) -> EstimateDetail:
+        """``detail`` plus the system prompt and tools (see :meth:`set_request`)."""
+        if extra is None:
+            extra = self._request_extra(detail.has_anchor)
         if not extra:
             return detail
         return dataclasses.replace(
@@ -261,10 +264,14 @@ class TokenTracker:
         now = self.request_tokens
         if skip is None and now is not None and self._request_seen not in (None, now):
             skip = "system prompt or tools changed"
+        anchor = find_anchor(messages)
+        # priced as the estimate stood before the call, before the estimator learns from it
+        before = self.estimator.estimate_detail(messages, anchor, model=model)
+        extra = self._request_extra(before.has_anchor)
         detail, learned, reason = self.estimator.observe(
-            messages, find_anchor(messages), usage, model=model, skip=skip
+            messages, anchor, usage, model=model, skip=skip
         )
-        detail = self._with_request(detail)
+        detail = self._with_request(detail, extra)
         self._request_seen = now
         if skip is None and messages:
             # holding the message (not its id) keeps the identity test sound
