@@ -20,6 +20,7 @@ recorded messages (the recording wins; the count is reported).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -168,16 +169,23 @@ class WireCheck:
 
     replaced: int = 0
     """Recorded messages put in place of records that did not render to them."""
+    left_out: int = 0
+    """Records left out because they rendered messages beyond what the call recorded sending."""
     unverified: int = 0
     """Calls whose rebuild differs from the recording where no blob holds what was sent (an
     assistant message only known by its hash): left as the records render it."""
+
+    @property
+    def changed(self) -> bool:
+        """Whether the recording changed the records at all."""
+        return bool(self.replaced or self.left_out)
 
 
 def apply_recorded_wire(
     messages: list[Message],
     requests: Sequence[RecordedRequest],
     blobs: Sequence[RecordedBlob],
-) -> tuple[list[Message], WireCheck]:
+) -> tuple[list[Message], list[RecordedRequest], WireCheck]:
     """``messages`` changed so that each recorded call's messages rebuild exactly.
 
     The records are fed to the wire builder in order (afresh at each compaction, as the calls
@@ -186,12 +194,13 @@ def apply_recorded_wire(
     records render to. Equal: nothing changes. Different from message ``j`` on, with every
     recorded message from there in a blob: the records that went into messages ``j``... are
     replaced by one record per recorded message (:data:`~pipeline.messages.WIRE_MESSAGE`: sent
-    as it is, never merged with a neighbour). One pass over the records; the comparison costs
-    each call's new messages only.
+    as it is, never merged with a neighbour); records that render messages after the last one a
+    call sent are left out. The requests come back with their positions moved accordingly. One
+    pass over the records; the comparison costs each call's new messages only.
     """
     check = WireCheck()
     if not requests and not blobs:
-        return messages, check
+        return messages, list(requests), check
     by_hash = {b.digest: b for b in blobs if b.digest is not None}
     records: list[Message] = list(messages)
     """The records, then the ones made here (indices from ``len(messages)`` on)."""
@@ -243,6 +252,8 @@ def apply_recorded_wire(
             continue
         covered = sorted({i for group in members[first:] for i in group})
         dropped.update(covered)
+        if not rest:  # the records render messages after the last one the call sent
+            check.left_out += len(covered)
         at = covered[0] if covered else fed
         wire.truncate(first)
         del members[first:]
@@ -254,14 +265,20 @@ def apply_recorded_wire(
             inserted.setdefault(at, []).append(len(records) - 1)
             feed(len(records) - 1)
             check.replaced += 1
-    if not check.replaced:
-        return messages, check
+    if not dropped:
+        return messages, list(requests), check
     out: list[Message] = []
+    moved: list[int] = []
+    """Per original position: where it is in ``out`` (what precedes a request there)."""
     for i in range(len(messages) + 1):
         out.extend(records[j] for j in inserted.get(i, ()) if j not in dropped)
+        moved.append(len(out))
         if i < len(messages) and i not in dropped:
             out.append(messages[i])
-    return out, check
+    placed = [
+        dataclasses.replace(r, position=moved[min(r.position, len(messages))]) for r in requests
+    ]
+    return out, placed, check
 
 
 def _wire_message(blob: RecordedBlob, uid: str) -> Message:

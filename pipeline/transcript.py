@@ -367,7 +367,7 @@ def load_transcript(
         for at_main, at_side, raw in requests
     ]
     if recorded_wire and (blobs or result.requests):
-        result.messages, result.wire_check = apply_recorded_wire(
+        result.messages, result.requests, result.wire_check = apply_recorded_wire(
             result.messages,
             result.requests,
             [parse_blob(raw, at_side if on_side else at_main) for at_main, at_side, raw in blobs],

@@ -325,6 +325,7 @@ def transcript_info(transcript: Transcript) -> dict[str, Any]:
         "version": transcript.version,
         "recorded_requests": len(transcript.requests),
         "wire_replaced": check.replaced,
+        "wire_left_out": check.left_out,
         "wire_unverified": check.unverified,
         "unknown_record_types": dict(sorted(transcript.unknown_types.items())),
     }
@@ -336,8 +337,8 @@ def _transcript_lines(info: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"transcript: Claude Code {terminal_safe(str(info.get('version')))}, "
             f"{info['recorded_requests']} recorded requests; recorded messages used where the "
-            f"records render otherwise: {info['wire_replaced']}, calls not verifiable: "
-            f"{info['wire_unverified']}"
+            f"records render otherwise: {info['wire_replaced']}, records left out as never sent: "
+            f"{info['wire_left_out']}, calls not verifiable: {info['wire_unverified']}"
         )
     unknown = info.get("unknown_record_types")
     if unknown:
