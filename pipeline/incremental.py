@@ -75,8 +75,9 @@ class InputLog:
 class ThreadStart:
     """Where the part of a history the API sees begins, at the cost of what changed.
 
-    That is the last compact boundary or compact summary (the boundary itself kept, so that the
-    token tracker still sees that a compaction happened), or 0. A pass whose input only grew
+    That is the last compact boundary or compact summary (the boundary itself kept, also when
+    a summary follows it, so that the token tracker still sees that a compaction happened), or
+    0. A pass whose input only grew
     looks at the new records alone; a change at or before the known start looks again at all.
     """
 
@@ -91,7 +92,9 @@ class ThreadStart:
             first, self._start = 0, 0
         for i in range(len(messages) - 1, first - 1, -1):
             if messages[i].restarts_thread:
-                self._start = i
+                # Claude Code 2.x writes the boundary, then the summary: start at the boundary
+                boundary = i > 0 and not messages[i].is_compact_boundary
+                self._start = i - 1 if boundary and messages[i - 1].is_compact_boundary else i
                 break
         return self._start
 

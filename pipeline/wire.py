@@ -178,7 +178,7 @@ class _Wire:
         self.latest = {
             e.message_id: i
             for i, e in enumerate(self.entries)
-            if e.role == "assistant" and e.message_id is not None
+            if e.role == "assistant" and e.message_id is not None and not e.closed
         }
         self.barrier = -1
         for i in range(n - 2, -1, -1):
@@ -191,7 +191,7 @@ class _Wire:
         out = self.entries
         if out and out[-1].role == "user" and not _is_tool_result_only(out[-1]):
             self.barrier = len(out) - 1
-        if entry.role == "assistant" and entry.message_id is not None:
+        if entry.role == "assistant" and entry.message_id is not None and not entry.closed:
             self.latest[entry.message_id] = len(out)
         out.append(entry)
 
@@ -367,7 +367,8 @@ class WireCache:
         if first == n_old == len(messages) and not self._fresh:
             return  # the very same records
         restart = any(m.restarts_thread for m in messages[first:])
-        if self._fresh or restart or first < self._start:
+        # a change at the thread's first record (a summary, say) may move where it starts
+        if self._fresh or restart or first <= self._start:
             self._fresh = False
             self._reset(thread_start(messages))
             self._feed(messages, self._start, 0)

@@ -19,6 +19,7 @@ from pipeline import (
     SessionContext,
     ToolPolicies,
 )
+from pipeline.messages import REMINDER
 from pipeline.testing import MemoryStore, QuietLogger
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
@@ -84,7 +85,7 @@ EMPTY_CONTENTS: tuple[Any, ...] = (None, "", [])
 BLANK_CONTENTS: tuple[Any, ...] = ("  \n", [{"type": "text", "text": " "}])
 
 
-SINGLE_KINDS = ("results", "assistant", "user", "progress", "attach")
+SINGLE_KINDS = ("results", "assistant", "user", "progress", "attach", "reminder")
 
 
 OPS = (
@@ -93,6 +94,11 @@ OPS = (
     + ("feed_back", "new_list", "new_ledger", "grow_ledger", "grow_ledger", "shrink_ledger")
     + ("shrink_ledger", "noop")
 )
+
+
+def reminder(text: str) -> Message:
+    """A Claude Code 2.1 reminder attachment (as the loader builds it from ``rendered``)."""
+    return Message(type="attachment", content=[{"type": "text", "text": text}], subtype=REMINDER)
 
 
 class Gen:
@@ -201,6 +207,8 @@ class Gen:
             return user_text("interjection")
         if kind == "attach":
             return Message(type="attachment", content=[{"type": "text", "text": "ctx"}])
+        if kind == "reminder":
+            return reminder("<system-reminder>r</system-reminder>")
         return Message(type="progress")
 
     def edited(self, m: Message) -> Message:
@@ -279,7 +287,8 @@ def run_sessions(run: Callable[[bytes], Awaitable[None]], examples: int) -> None
 
 RECORD_KINDS = st.sampled_from(
     ("asst",) * 3
-    + ("asst_none", "results", "results", "results", "text", "mixed", "attach", "progress")
+    + ("asst_none", "results", "results", "results", "text", "mixed", "attach", "reminder")
+    + ("progress",)
     + ("local", "system", "boundary", "empty")
 )
 
@@ -303,6 +312,8 @@ def records(draw: st.DrawFn) -> list[Message]:
             out.append(results(tool_result(f"u{k}", f"r{k}"), {"type": "text", "text": f"m{k}"}))
         elif kind == "attach":
             out.append(Message(type="attachment", content=[{"type": "text", "text": f"a{k}"}]))
+        elif kind == "reminder":
+            out.append(reminder(f"rem{k}"))
         elif kind == "local":
             out.append(Message(type="system", subtype="local_command", content=f"l{k}"))
         elif kind == "system":

@@ -409,6 +409,25 @@ class _Entry:
     raw_text: str | None
     message_id: str | None = None
     merged: bool = False
+    lead: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _fold(entry: _Entry, texts: list[str]) -> bool:
+    """Claude Code 2.1's reminder after tool results, into the last one's content."""
+    spots = [i for i, b in enumerate(entry.blocks) if b.get("type") == "tool_result"]
+    if not spots:
+        return False
+    k = spots[-1]
+    block = dict(entry.blocks[k])
+    inner = block.get("content")
+    if isinstance(inner, list):
+        block["content"] = [*inner, *({"type": "text", "text": t} for t in texts)]
+    else:
+        block["content"] = (inner.rstrip() if isinstance(inner, str) else "") + "".join(
+            "\n\n" + t for t in texts
+        )
+    entry.blocks = [*entry.blocks[:k], block, *entry.blocks[k + 1 :]]
+    return True
 
 
 def _tool_results_first(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -444,7 +463,10 @@ def linear_to_api(messages: Sequence[Message]) -> list[Any]:
                         entry.merged = True
                         break
                     continue
-                if not (entry.blocks and all(b.get("type") == "tool_result" for b in entry.blocks)):
+                only_results = entry.blocks and all(
+                    b.get("type") == "tool_result" for b in entry.blocks
+                )
+                if entry.lead or not only_results:
                     out.append(_Entry("assistant", list(m.blocks), None, m.message_id))
                     break
             else:
@@ -457,6 +479,15 @@ def linear_to_api(messages: Sequence[Message]) -> list[Any]:
             blocks = list(m.blocks)
         if not blocks:
             continue
+        if m.is_reminder:
+            if out and out[-1].role == "user":
+                texts = [str(b.get("text", "")) for b in blocks]
+                if not _fold(out[-1], texts):
+                    out[-1].lead = [*out[-1].lead, *blocks]
+                out[-1].merged = True
+            else:
+                out.append(_Entry("user", [], None, merged=True, lead=list(blocks)))
+            continue
         if out and out[-1].role == "user":
             prev = out[-1]
             prev.blocks = _tool_results_first(_join(prev.blocks, blocks))
@@ -465,7 +496,14 @@ def linear_to_api(messages: Sequence[Message]) -> list[Any]:
         else:
             raw = m.content if isinstance(m.content, str) and m.type == "user" else None
             out.append(_Entry("user", _tool_results_first(blocks), raw))
-    plain = [e.raw_text if e.raw_text is not None and not e.merged else e.blocks for e in out]
+    plain = [
+        e.raw_text
+        if e.raw_text is not None and not e.merged
+        else _tool_results_first(_join(e.lead, e.blocks))
+        if e.lead
+        else e.blocks
+        for e in out
+    ]
     return [{"role": e.role, "content": c} for e, c in zip(out, plain, strict=True)]
 
 
