@@ -85,6 +85,8 @@ class RecordedRequest:
     """How many of the base call's messages this call sent first."""
     tail: tuple[str, ...] | None = None
     """Hashes of the messages it sent after those (None: no chain recorded)."""
+    line: int = 0
+    """Its line in the transcript (orders it among the blobs written at the same place)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,7 @@ class RecordedBlob:
     role: str
     content: str | list[Block]
     digest: str | None = None
+    line: int = 0
 
 
 def parse_shape(raw: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
@@ -108,7 +111,7 @@ def parse_shape(raw: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
 
 
 def parse_request(
-    raw: Mapping[str, Any], shapes: Mapping[str, Mapping[str, Any]], position: int
+    raw: Mapping[str, Any], shapes: Mapping[str, Mapping[str, Any]], position: int, line: int = 0
 ) -> RecordedRequest:
     """A :class:`RecordedRequest` from an ``api-request`` record and the shapes read so far."""
     params = raw.get("params")
@@ -140,10 +143,11 @@ def parse_request(
         base=ids[1],
         keep=keep,
         tail=None if tail is None else tuple(tail),
+        line=line,
     )
 
 
-def parse_blob(raw: Mapping[str, Any], position: int) -> RecordedBlob:
+def parse_blob(raw: Mapping[str, Any], position: int, line: int = 0) -> RecordedBlob:
     """A :class:`RecordedBlob` from an ``api-request-blob`` record."""
     message = raw.get("message")
     role = message.get("role") if isinstance(message, Mapping) else None
@@ -157,7 +161,7 @@ def parse_blob(raw: Mapping[str, Any], position: int) -> RecordedBlob:
     elif not isinstance(content, str):
         raise ValueError("api-request-blob: content must be a string or a list of blocks")
     digest = raw.get("hash") if isinstance(raw.get("hash"), str) else None
-    return RecordedBlob(position, str(role), content, digest)
+    return RecordedBlob(position, str(role), content, digest, line)
 
 
 _WIRE_NAMESPACE = uuid.UUID("5b0c9f5e-0f7e-4c53-9a55-2f1f6bb0c6d1")
@@ -205,6 +209,9 @@ def apply_recorded_wire(
     records: list[Message] = list(messages)
     """The records, then the ones made here (indices from ``len(messages)`` on)."""
     inserted: dict[int, list[int]] = {}
+    """original position -> the records made to go before it."""
+    origin: dict[int, int] = {}
+    """made record -> the original position it goes before."""
     dropped: set[int] = set()
     wire = _Wire()
     members: list[list[int]] = []
@@ -221,13 +228,13 @@ def apply_recorded_wire(
         elif went >= 0:
             members[went].append(i)
 
-    events = sorted(
-        [(r.position, 1, n) for n, r in enumerate(requests)]
-        + [(b.position, 0, n) for n, b in enumerate(blobs)]
+    events = sorted(  # file order: a blob belongs to the next request written after it
+        [(r.position, r.line, 1, n) for n, r in enumerate(requests)]
+        + [(b.position, b.line, 0, n) for n, b in enumerate(blobs)]
     )
     fed = 0
     since: list[RecordedBlob] = []
-    for position, kind, n in events:
+    for position, _, kind, n in events:
         while fed < min(position, len(messages)):
             feed(fed)
             fed += 1
@@ -247,25 +254,33 @@ def apply_recorded_wire(
         if first is None:
             continue
         rest = expected[first - keep :] if first >= keep else []
-        if first < keep or any(blob is None for _, blob in rest):
+        covered = sorted({i for group in members[first:] for i in group})
+        if (
+            first < keep
+            or any(blob is None for _, blob in rest)
+            or any(_is_response(records[i]) for i in covered)
+        ):
+            # what was sent is not all in blobs, or making it exact would drop a response
+            # (a call of its own): left as the records render it
             check.unverified += 1
             continue
-        covered = sorted({i for group in members[first:] for i in group})
         dropped.update(covered)
         if not rest:  # the records render messages after the last one the call sent
             check.left_out += len(covered)
-        at = covered[0] if covered else fed
+        at = min((origin.get(i, i) for i in covered), default=fed)
         wire.truncate(first)
         del members[first:]
+        seed = records[covered[0]].uuid if covered else str(at)
         for k, (digest, blob) in enumerate(rest):
             assert blob is not None
-            name = f"{request.request_id}:{k}:{digest}"
+            name = f"{n}:{k}:{request.request_id}:{digest}:{seed}"
             made = _wire_message(blob, stable_uuid(_WIRE_NAMESPACE, name))
             records.append(made)
+            origin[len(records) - 1] = at
             inserted.setdefault(at, []).append(len(records) - 1)
             feed(len(records) - 1)
             check.replaced += 1
-    if not dropped:
+    if not dropped and not inserted:
         return messages, list(requests), check
     out: list[Message] = []
     moved: list[int] = []
@@ -279,6 +294,16 @@ def apply_recorded_wire(
         dataclasses.replace(r, position=moved[min(r.position, len(messages))]) for r in requests
     ]
     return out, placed, check
+
+
+def _is_response(m: Message) -> bool:
+    """A record of a real API response (a call of its own in a replay)."""
+    return (
+        m.type == "assistant"
+        and m.message_id is not None
+        and not m.is_synthetic
+        and not m.is_wire_message
+    )
 
 
 def _wire_message(blob: RecordedBlob, uid: str) -> Message:
@@ -296,6 +321,8 @@ def _first_difference(
     response the transcript has as assistant records, not as a blob) cannot be compared: any
     entry there agrees."""
     entries = wire.entries
+    if keep > len(entries):  # the call kept more than the records render: cannot be matched
+        return len(entries)
     for k, (_, blob) in enumerate(expected):
         e = keep + k
         if e >= len(entries):

@@ -302,8 +302,8 @@ def load_transcript(
     records: list[ReplacementRecord] = []
     result = Transcript(path=p, messages=main)
     shapes: dict[str, Mapping[str, Any]] = {}
-    requests: list[tuple[int, int, Mapping[str, Any]]] = []
-    blobs: list[tuple[int, int, Mapping[str, Any]]] = []
+    requests: list[tuple[int, int, int, Mapping[str, Any]]] = []
+    blobs: list[tuple[int, int, int, Mapping[str, Any]]] = []
     # JSONL lines end at "\n" only: a bare "\r" is JSON whitespace inside a record
     with p.open("r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -337,7 +337,7 @@ def load_transcript(
                 elif rtype in (API_REQUEST, API_REQUEST_BLOB):
                     parse_request(raw, shapes, 0) if rtype == API_REQUEST else parse_blob(raw, 0)
                     (requests if rtype == API_REQUEST else blobs).append(
-                        (len(main), len(side), raw)
+                        (len(main), len(side), lineno, raw)
                     )
                     result.skipped_types[rtype] += 1
                 elif rtype not in _MESSAGE_RECORD_TYPES:
@@ -363,14 +363,17 @@ def load_transcript(
         result.sidechain_skipped = len(side)
     result.replacement_records = records
     result.requests = [
-        parse_request(raw, shapes, at_side if on_side else at_main)
-        for at_main, at_side, raw in requests
+        parse_request(raw, shapes, at_side if on_side else at_main, lineno)
+        for at_main, at_side, lineno, raw in requests
     ]
     if recorded_wire and (blobs or result.requests):
         result.messages, result.requests, result.wire_check = apply_recorded_wire(
             result.messages,
             result.requests,
-            [parse_blob(raw, at_side if on_side else at_main) for at_main, at_side, raw in blobs],
+            [
+                parse_blob(raw, at_side if on_side else at_main, lineno)
+                for at_main, at_side, lineno, raw in blobs
+            ],
         )
     return result
 

@@ -162,36 +162,51 @@ class _Wire:
     earlier entry is a barrier is settled when the next entry is appended.
     """
 
-    __slots__ = ("barrier", "entries", "latest")
+    __slots__ = ("_barriers", "_ids", "barrier", "entries", "latest")
 
     def __init__(self) -> None:
         self.entries: list[_WireEntry] = []
         self.latest: dict[str, int] = {}
         """response id -> index of the latest assistant entry of that id."""
+        self._ids: dict[str, list[int]] = {}
+        """response id -> indices of every assistant entry of that id, for the ids that have
+        more than one (a truncation falls back to the one before)."""
         self.barrier = -1
         """Index of the last barrier among the entries before ``entries[-1]``."""
+        self._barriers: list[int] = []
+        """Every such barrier, ascending (what ``barrier`` falls back to on a truncation)."""
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` entries, as they stood when entry ``n`` was appended (the caller
-        guarantees no later record changed them)."""
-        del self.entries[n:]
-        self.latest = {
-            e.message_id: i
-            for i, e in enumerate(self.entries)
-            if e.role == "assistant" and e.message_id is not None and not e.closed
-        }
-        self.barrier = -1
-        for i in range(n - 2, -1, -1):
-            e = self.entries[i]
-            if e.role == "user" and not _is_tool_result_only(e):
-                self.barrier = i
-                break
+        guarantees no later record changed them). Costs the entries removed."""
+        out = self.entries
+        n = max(0, min(n, len(out)))
+        for idx in range(len(out) - 1, n - 1, -1):
+            e = out[idx]
+            if e.role == "assistant" and e.message_id is not None and not e.closed:
+                seen = self._ids.get(e.message_id)
+                if seen is None:
+                    del self.latest[e.message_id]
+                    continue
+                seen.pop()  # appended in order: the last is this one
+                self.latest[e.message_id] = seen[-1]
+                if len(seen) == 1:
+                    del self._ids[e.message_id]
+        del out[n:]
+        barriers = self._barriers
+        while barriers and barriers[-1] >= n - 1:
+            barriers.pop()  # entries[n - 1] is the last one again: not settled
+        self.barrier = barriers[-1] if barriers else -1
 
     def append(self, entry: _WireEntry) -> None:
         out = self.entries
         if out and out[-1].role == "user" and not _is_tool_result_only(out[-1]):
             self.barrier = len(out) - 1
+            self._barriers.append(self.barrier)
         if entry.role == "assistant" and entry.message_id is not None and not entry.closed:
+            before = self.latest.get(entry.message_id)
+            if before is not None:
+                self._ids.setdefault(entry.message_id, [before]).append(len(out))
             self.latest[entry.message_id] = len(out)
         out.append(entry)
 

@@ -3,6 +3,7 @@ the tool schemas (``TokenTracker.set_request``), in the agent loop and at the wi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,87 @@ async def test_the_wire_session_counts_the_requests_system_and_tools(tmp_path: P
     assert plain.ctx.token_tracker.request_tokens == 0
     diff = told.ctx.report.estimated_tokens - plain.ctx.report.estimated_tokens
     assert diff == tokens
+
+
+M = "claude-sonnet-4-5"
+MORE_TOOLS: list[dict[str, Any]] = [
+    {"name": f"extra{i}", "description": "does a thing " * 30, "input_schema": {"type": "object"}}
+    for i in range(20)
+]
+
+
+def _reply(text: str, tokens: int, mid: str) -> Message:
+    return Message.assistant(
+        [{"type": "text", "text": text}],
+        message_id=mid,
+        usage=Usage(input_tokens=tokens, output_tokens=5),
+        model=M,
+    )
+
+
+def test_tools_added_before_a_compaction_are_counted_after_it() -> None:
+    """The no-anchor overhead was measured with the old tools: the new ones come on top."""
+    tracker = TokenTracker()
+    tracker.set_request(system=SYSTEM, tools=[])
+    first = [Message.user("hello " * 50)]
+    tracker.observe(first, Usage(input_tokens=900), model=M)
+    before = tracker.request_tokens
+    grown = tracker.set_request(system=SYSTEM, tools=MORE_TOOLS)
+    assert before is not None and grown - before > 1_000
+    history = [*first, _reply("hi", 900, "m1"), Message.user("more " * 50)]
+    tracker.observe(history, Usage(input_tokens=900 + 80 + grown - before), model=M)
+    after = [
+        Message("system", "Conversation compacted", subtype="compact_boundary"),
+        Message.user("summary " * 40, is_compact_summary=True),
+        Message.user("go on"),
+    ]
+    detail = tracker.estimate_detail(after)
+    assert detail.request_overhead == grown - before
+
+
+def test_a_resumed_tracker_still_sees_a_change_of_tools() -> None:
+    history = [Message.user("hello " * 50), _reply("hi", 400, "m1"), Message.user("more " * 50)]
+    results = []
+    for resume in (False, True):
+        tracker = TokenTracker()
+        tracker.set_request(system="sys", tools=[])
+        tracker.observe(history[:1], Usage(input_tokens=400), model=M)
+        if resume:
+            tracker = TokenTracker.from_state_dict(json.loads(json.dumps(tracker.state_dict())))
+        tokens = tracker.set_request(system="sys", tools=MORE_TOOLS)
+        detail = tracker.estimate_detail(history)
+        obs = tracker.observe(history, Usage(input_tokens=470 + tokens), model=M)
+        results.append((detail.request_overhead, obs.learned, obs.reason))
+    assert results[0] == results[1]
+    assert results[0][0] > 1_000 and results[0][1] is False
+
+
+def test_a_state_saved_before_the_request_existed_still_loads() -> None:
+    state = TokenTracker().state_dict()
+    del state["request"]
+    assert TokenTracker.from_state_dict(state).request.seen is None
+    state["request"] = {"seen": -1, "at_overhead": None}
+    with pytest.raises(ValueError):
+        TokenTracker.from_state_dict(state)
+
+
+def test_an_unchanged_prompt_keeps_its_price_as_the_session_learns() -> None:
+    tracker = TokenTracker()
+    system = "You are a coding agent. Follow the rules. " * 300
+    start = tracker.set_request(system=system + "date: 2026-01-01", tools=[])
+    history = [Message.user("hello " * 50)]
+    total = 4_000
+    tracker.observe(history, Usage(input_tokens=total), model=M)
+    for i in range(30):  # this session's prose costs 1.6x what the priors say
+        history = [*history, _reply("ok", total, f"m{i}"), Message.user("word " * 400)]
+        total += int(tracker.estimate_detail(history).estimated_part * 1.6)
+        tracker.observe(history, Usage(input_tokens=total), model=M)
+    assert tracker.ratios()["prose"]["multiplier"] > 1.05  # it did learn
+    assert abs(tracker.set_request(system=system + "date: 2026-01-02", tools=[]) - start) <= 2
+
+
+@pytest.mark.parametrize("tools", [5, True, "tool", {"name": "x"}, None])
+def test_a_request_with_hostile_tools_counts_only_its_system(tools: Any) -> None:
+    assert TokenTracker().set_request(
+        system="sys prompt", tools=tools
+    ) == TokenTracker().set_request(system="sys prompt")

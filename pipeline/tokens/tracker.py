@@ -40,6 +40,7 @@ from pipeline.tokens.checks import (
     check_mapping,
 )
 from pipeline.tokens.reference import ReferenceEstimator
+from pipeline.tokens.request import RequestOverhead
 from pipeline.tokens.stats import BIG_GROWTH, ErrorStats, EstimateDetail, Observation
 from pipeline.tracing import get_logger
 from pipeline.wire import to_api
@@ -58,7 +59,15 @@ MAX_ERROR_WINDOW = 1_000_000
 MAX_STATE_BYTES = 64 * 1024 * 1024
 """A calibration file larger than this is not read (a real one is a few KB, or a few MB with
 a very large error window)."""
-_STATE_KEYS = ("version", "method", "estimator", "errors", "error_window", "last_error")
+_STATE_KEYS = (
+    "version",
+    "method",
+    "estimator",
+    "errors",
+    "error_window",
+    "last_error",
+    "request",
+)
 
 
 @runtime_checkable
@@ -154,10 +163,8 @@ class TokenTracker:
         """(family, estimated part, real growth) of recent measurable calls."""
         self._last_observed: tuple[int, Message] | None = None
         """Length and last message of the latest learned-from list (see :meth:`observe`)."""
-        self._request: tuple[object, object, str, int] | None = None
-        """(system, tools, their text, its tokens) of the next call (:meth:`set_request`)."""
-        self._request_seen: int | None = None
-        """Tokens of the system prompt and tools of the latest observed call (None: unknown)."""
+        self.request = RequestOverhead()
+        """The system prompt and tools of the next call (see :meth:`set_request`)."""
 
     @property
     def method(self) -> str:
@@ -171,39 +178,26 @@ class TokenTracker:
 
         Every call sends them, and the messages alone leave them out: a first call's estimate
         (no usage yet) adds them whole, a later one adds how much they changed since the call
-        its usage came from (an anchor's usage already counts them). Pricing is cached while
-        the same objects are passed again.
+        its usage came from (an anchor's usage already counts them). A call whose system prompt
+        or tools changed since its anchor's is not learned from. Priced with the prior ratios
+        (an unchanged prompt keeps its price), cached while they do not change.
         """
-        current = self._request
-        if current is not None and current[0] is system and current[1] is tools:
-            return current[3]
-        text = _request_text(system, tools)
-        if current is not None and current[2] == text:
-            tokens = current[3]
-        else:
-            tokens = self.estimator.tokens_for_messages([Message.user(text)]) if text else 0
-        self._request = (system, tools, text, tokens)
-        return tokens
+        return self.request.set(system, tools)
 
     @property
     def request_tokens(self) -> int | None:
         """Tokens of the system prompt and tools last given to :meth:`set_request`."""
-        return None if self._request is None else self._request[3]
+        return self.request.tokens
 
-    def _request_extra(self, has_anchor: bool) -> int:
-        """Tokens of system prompt and tools an estimate must add (see :meth:`set_request`)."""
-        if self._request is None:
-            return 0
-        now = self._request[3]
-        if has_anchor or getattr(self.estimator, "overhead", None) is not None:
-            # the anchor's usage (or the measured overhead) counted them as they were then
-            return now - self._request_seen if self._request_seen is not None else 0
-        return now
+    def _overhead_measured(self) -> bool:
+        return getattr(self.estimator, "overhead", None) is not None
 
     def _with_request(self, detail: EstimateDetail, extra: int | None = None) -> EstimateDetail:
         """``detail`` plus the system prompt and tools (see :meth:`set_request`)."""
         if extra is None:
-            extra = self._request_extra(detail.has_anchor)
+            extra = self.request.extra(
+                has_anchor=detail.has_anchor, overhead_measured=self._overhead_measured()
+            )
         if not extra:
             return detail
         return dataclasses.replace(
@@ -261,18 +255,20 @@ class TokenTracker:
             skip = "already observed"
         elif tokens_freed > 0:
             skip = "stages removed anchored content"
-        now = self.request_tokens
-        if skip is None and now is not None and self._request_seen not in (None, now):
-            skip = "system prompt or tools changed"
         anchor = find_anchor(messages)
         # priced as the estimate stood before the call, before the estimator learns from it
         before = self.estimator.estimate_detail(messages, anchor, model=model)
-        extra = self._request_extra(before.has_anchor)
+        if skip is None:
+            skip = self.request.skip_reason(has_anchor=before.has_anchor)
+        measured = self._overhead_measured()
+        extra = self.request.extra(has_anchor=before.has_anchor, overhead_measured=measured)
         detail, learned, reason = self.estimator.observe(
             messages, anchor, usage, model=model, skip=skip
         )
         detail = self._with_request(detail, extra)
-        self._request_seen = now
+        # a call without an anchor (and no compaction) is where an overhead gets measured
+        fresh = not before.has_anchor and not before.crossed_compaction and skip is None
+        self.request.observed(overhead_measured_now=fresh)
         if skip is None and messages:
             # holding the message (not its id) keeps the identity test sound
             self._last_observed = (len(messages), messages[-1])
@@ -350,6 +346,7 @@ class TokenTracker:
             "errors": [list(e) for e in self._errors],
             "error_window": self._errors.maxlen,
             "last_error": self.last_error,
+            "request": self.request.state_dict(),
         }
 
     @classmethod
@@ -401,6 +398,8 @@ class TokenTracker:
             if last is None
             else check_int(last, "last_error", low=-MAX_TOKENS, high=MAX_TOKENS)
         )
+        if state.get("request") is not None:  # absent from states saved before it existed
+            tracker.request.load_state(state["request"])
         return tracker
 
     def for_subagent(self) -> TokenTracker:
@@ -457,19 +456,6 @@ class TokenTracker:
             reason = bounded_text(str(exc))
             get_logger().warning("token_calibration.load_failed", path=str(target), error=reason)
             return cls(method)
-
-
-def _request_text(system: Any, tools: Sequence[Any] | None) -> str:
-    """The system prompt's text and the tools' JSON: what a call sends besides its messages."""
-    if isinstance(system, str):
-        parts = [system]
-    elif isinstance(system, Sequence):
-        parts = [str(b.get("text", "")) for b in system if isinstance(b, dict)]
-    else:
-        parts = []
-    if tools:
-        parts.append(json.dumps(list(tools), ensure_ascii=False, default=str))
-    return "\n".join(parts)
 
 
 def _read_state_file(path: Path) -> bytes:
