@@ -32,6 +32,22 @@ def _history() -> list[Message]:
     return [Message.user("hello there, please look at the repository")]
 
 
+M = "claude-sonnet-4-5"
+MORE_TOOLS: list[dict[str, Any]] = [
+    {"name": f"extra{i}", "description": "does a thing " * 30, "input_schema": {"type": "object"}}
+    for i in range(20)
+]
+
+
+def _reply(text: str, tokens: int, mid: str) -> Message:
+    return Message.assistant(
+        [{"type": "text", "text": text}],
+        message_id=mid,
+        usage=Usage(input_tokens=tokens, output_tokens=5),
+        model=M,
+    )
+
+
 def test_a_first_call_counts_system_and_tools_whole() -> None:
     bare, told = TokenTracker(), TokenTracker()
     tokens = told.set_request(system=SYSTEM, tools=TOOLS)
@@ -56,12 +72,7 @@ def test_after_a_response_only_a_change_of_system_or_tools_is_added() -> None:
     tracker.observe(first, Usage(input_tokens=3_000), model="claude-sonnet-4-5")
     history = [
         *first,
-        Message.assistant(
-            [{"type": "text", "text": "sure"}],
-            message_id="msg_1",
-            usage=Usage(input_tokens=3_000, output_tokens=5),
-            model="claude-sonnet-4-5",
-        ),
+        _reply("sure", 3_000, "msg_1"),
         Message.user("next"),
     ]
     same = tracker.estimate_detail(history)
@@ -81,12 +92,7 @@ def test_a_call_whose_tools_changed_is_not_learned_from() -> None:
     tracker.observe(first, Usage(input_tokens=3_000), model="claude-sonnet-4-5")
     history = [
         *first,
-        Message.assistant(
-            [{"type": "text", "text": "ok"}],
-            message_id="msg_1",
-            usage=Usage(input_tokens=3_000, output_tokens=2),
-            model="claude-sonnet-4-5",
-        ),
+        _reply("ok", 3_000, "msg_1"),
         Message.user("x " * 3_000),
     ]
     tracker.set_request(system=SYSTEM, tools=TOOLS[:2])
@@ -94,12 +100,7 @@ def test_a_call_whose_tools_changed_is_not_learned_from() -> None:
     assert not obs.learned and obs.reason == "system prompt or tools changed"
     history2 = [
         *history,
-        Message.assistant(
-            [{"type": "text", "text": "ok"}],
-            message_id="msg_2",
-            usage=Usage(input_tokens=5_500, output_tokens=2),
-            model="claude-sonnet-4-5",
-        ),
+        _reply("ok", 5_500, "msg_2"),
         Message.user("y " * 3_000),
     ]
     obs = tracker.observe(history2, Usage(input_tokens=8_000), model="claude-sonnet-4-5")
@@ -180,22 +181,6 @@ async def test_the_wire_session_counts_the_requests_system_and_tools(tmp_path: P
     assert plain.ctx.token_tracker.request_tokens == 0
     diff = told.ctx.report.estimated_tokens - plain.ctx.report.estimated_tokens
     assert diff == tokens
-
-
-M = "claude-sonnet-4-5"
-MORE_TOOLS: list[dict[str, Any]] = [
-    {"name": f"extra{i}", "description": "does a thing " * 30, "input_schema": {"type": "object"}}
-    for i in range(20)
-]
-
-
-def _reply(text: str, tokens: int, mid: str) -> Message:
-    return Message.assistant(
-        [{"type": "text", "text": text}],
-        message_id=mid,
-        usage=Usage(input_tokens=tokens, output_tokens=5),
-        model=M,
-    )
 
 
 def test_tools_added_before_a_compaction_are_counted_after_it() -> None:
