@@ -164,6 +164,7 @@ class WireSession:
         self._records: list[Message] = []
         self._wire = WireCache()
         self._projected: list[Message] = []
+        self._calls = 0
 
     # -- per call ---------------------------------------------------------------------------
     async def prepare(self, messages: Sequence[MessageParam]) -> list[MessageParam]:
@@ -184,10 +185,13 @@ class WireSession:
         return request
 
     def request_span(self, messages: int) -> AbstractContextManager[Span]:
-        """The span of one client request (its pipeline pass becomes a child)."""
+        """The span of one client request (its pipeline pass becomes a child), numbered within
+        the session as this process saw it."""
+        self.ctx.call = self._calls
+        self._calls += 1
         return self.ctx.tracer.start_as_current_span(
             SPAN_WIRE_REQUEST,
-            attributes={ATTR.CONVERSATION_ID: self.session_id, ATTR.MESSAGES: messages},
+            attributes={**self.ctx.span_attributes(), ATTR.MESSAGES: messages},
         )
 
     async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,12 +12,20 @@ import anyio
 from opentelemetry import trace
 
 from pipeline.incremental import ThreadStart
+from pipeline.logs import get_logger
 from pipeline.messages import Message, Usage
 from pipeline.policies import ToolPolicies
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore, ToolResultStore, validate_session_id
 from pipeline.tokens import TokenTracker, find_anchor
-from pipeline.tracing import AttributeValue, Decision, Reason, emit_decision, get_logger, get_tracer
+from pipeline.tracing import (
+    ATTR,
+    AttributeValue,
+    Decision,
+    Reason,
+    emit_decision,
+    get_tracer,
+)
 from pipeline.transcript import StageRecord, TranscriptWriter
 
 __all__ = ["PassReport", "PersistedResult", "SessionContext", "StageDecision"]
@@ -33,6 +41,12 @@ class PersistedResult:
     path: str
     reason: str
     """Which limit applied: ``"per_tool"``, ``"per_message"`` or ``"per_tool_gate"``."""
+    limit: float | None = None
+    """That limit, in characters."""
+    group_results: int | None = None
+    """How many tool results the API-level user message held (the budget's group)."""
+    group_chars: int | None = None
+    """Their characters together, before anything in it was persisted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +92,9 @@ class PassReport:
     against); None when unknown or when there is none."""
 
 
+_MAX_TOOL_SPANS = 4_096
+
+
 class SessionContext:
     """One session's shared state: replacement ledger, token tracker, store, transcript,
     per-tool policies, tracer and logger.
@@ -118,6 +135,12 @@ class SessionContext:
         """Records a resumed session's stages restore their decisions from."""
         self.lock = anyio.Lock()
         self.report = PassReport()
+        self.call: int | None = None
+        """The number of the call being prepared (0-based; set by a replay and by the agent
+        loop): every span of its pass carries it (``sluicegate.call``)."""
+        self.tool_spans: dict[str, tuple[trace.SpanContext, int | None]] = {}
+        """tool_use_id -> the span that executed it and its call number (the agent loop fills
+        it): a decision on that result in a later pass links to it. The latest 4,096."""
         self.thread_start = ThreadStart()
         """Where the part of a pass's input the API sees begins (after the last compaction):
         the stages see only that part, as the API does."""
@@ -148,6 +171,24 @@ class SessionContext:
                 freed = 0
         return max(0, estimate - freed)
 
+    def span_attributes(self) -> dict[str, AttributeValue]:
+        """What every span of this session's passes carries: its conversation id and, within
+        a numbered call, the call number."""
+        attrs: dict[str, AttributeValue] = {ATTR.CONVERSATION_ID: self.session_id}
+        if self.call is not None:
+            attrs[ATTR.CALL] = self.call
+        return attrs
+
+    def remember_tool_span(self, tool_use_id: str, span: trace.Span) -> None:
+        """Keep the span that executed ``tool_use_id`` (see :attr:`tool_spans`)."""
+        context = span.get_span_context()
+        if not context.is_valid:
+            return
+        spans = self.tool_spans
+        spans[tool_use_id] = (context, self.call)
+        if len(spans) > _MAX_TOOL_SPANS:
+            del spans[next(iter(spans))]  # the oldest: dicts keep insertion order
+
     def decide(
         self,
         stage: str,
@@ -158,7 +199,7 @@ class SessionContext:
         tokens_after: int | None = None,
         facts: Mapping[str, AttributeValue] | None = None,
     ) -> StageDecision:
-        """Record a stage's decision for this pass: its decision span (``<stage>.decision``)
+        """Record a stage's decision for this pass: its decision span (``<stage>.<decision>``)
         and ``report.decisions[stage]``. ``facts`` are span attributes (keys from
         :class:`pipeline.tracing.ATTR`); never content."""
         made = StageDecision(decision, reason, tokens_before, tokens_after, dict(facts or {}))
@@ -174,6 +215,7 @@ class SessionContext:
             tokens_before=tokens_before,
             tokens_after=tokens_after,
             attributes=made.facts,
+            call=self.call,
         )
         return made
 

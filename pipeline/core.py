@@ -151,7 +151,7 @@ class Pipeline:
             # quote message content) into the span's status and an event: set the status here.
             with ctx.tracer.start_as_current_span(
                 SPAN_PIPELINE_RUN,
-                attributes={ATTR.CONVERSATION_ID: ctx.session_id, ATTR.MESSAGES_IN: len(current)},
+                attributes={**ctx.span_attributes(), ATTR.MESSAGES_IN: len(current)},
                 record_exception=False,
                 set_status_on_exception=False,
             ) as run_span:
@@ -178,7 +178,7 @@ class Pipeline:
             ctx.tracer,
             stage_span_name(st.name),
             attributes={
-                ATTR.CONVERSATION_ID: ctx.session_id,
+                **ctx.span_attributes(),
                 ATTR.STAGE: st.name,
                 ATTR.BREAKS_CACHE: breaks,
             },

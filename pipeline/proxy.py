@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,15 @@ def build_app(
     root: str | Path = ".sluicegate",
     upstream: str = DEFAULT_UPSTREAM,
     transport: httpx2.AsyncBaseTransport | None = None,
+    background: Sequence[Callable[[], Coroutine[Any, Any, object]]] = (),
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
     ``context``: keyword arguments of each session's ``SessionContext``; ``transport``: how to
-    reach the upstream (tests pass one; default: the network)."""
+    reach the upstream (tests pass one; default: the network); ``background``: tasks run for
+    the app's lifetime, started when it starts and cancelled when it shuts down (periodic
+    store pruning, say). A background task must handle its own errors: one that raises takes
+    the server down with it."""
     sessions: dict[str, WireSession] = {}
     locks: dict[str, anyio.Lock] = {}
     client = httpx2.AsyncClient(
@@ -106,7 +110,11 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
+        async with anyio.create_task_group() as tasks:
+            for task in background:
+                tasks.start_soon(task)
+            yield
+            tasks.cancel_scope.cancel()
         await client.aclose()  # graceful shutdown: the server has drained its requests
 
     routes = [

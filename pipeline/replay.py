@@ -21,12 +21,17 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from structlog.contextvars import bound_contextvars
+
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message, Usage
 from pipeline.pairing import PairingProblem
 from pipeline.recorded import RecordedRequest
 from pipeline.tokens import Observation, TokenTracker
+from pipeline.tracing import ATTR, SPAN_REPLAY_CALL
 from pipeline.wire import WireCache, request_chars
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
@@ -147,6 +152,9 @@ async def replay_messages(
 ) -> AsyncIterator[CallResult]:
     """Yield, call by call, what ``pipeline`` would have sent for the recorded session.
 
+    Each call's pass is traced as its own trace (a ``replay.call`` root span, linked to the
+    span current when the replay runs, and the call number on every span).
+
     After each call the tracker of ``ctx`` observes the call's usage (the recorded one, less
     what the pipeline has removed so far), so its estimates for the next calls and the stages'
     decisions use what a live loop would have learned. ``requests`` (a 2.1 transcript's
@@ -177,7 +185,22 @@ async def replay_messages(
             ctx.token_tracker.set_request(
                 system=recorded[k - 1].system, tools=recorded[k - 1].tools
             )
-        projected = await pipeline.run(sent, ctx)
+        ctx.call = call.number
+        # each call its own trace (a replay of thousands of calls is no single readable tree),
+        # linked to the span the replay runs under (the session's, with its totals)
+        session = trace.get_current_span().get_span_context()
+        with (
+            # every log line of the pass says its call (where the logger merges context
+            # variables, as the library's own does); never across a yield, where the caller runs
+            bound_contextvars(call=call.number),
+            ctx.tracer.start_as_current_span(
+                SPAN_REPLAY_CALL,
+                context=otel_context.Context(),
+                links=[trace.Link(session)] if session.is_valid else (),
+                attributes={**ctx.span_attributes(), ATTR.RESPONSE_ID: call.message_id},
+            ),
+        ):
+            projected = await pipeline.run(sent, ctx)
         report = ctx.report
         # tokens_freed counts against that anchored usage: what it lacks beyond ``anchored``
         removed = anchored + report.tokens_freed

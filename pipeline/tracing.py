@@ -1,6 +1,8 @@
 """Every name sluicegate traces under -- span names, attribute keys, decisions, reasons -- and the
 tracer and structlog glue.
 
+(``get_logger`` and ``add_trace_ids`` live in :mod:`pipeline.logs`; they are re-exported here.)
+
 Names are constants here and nowhere else (as ``opentelemetry.semconv`` does): a stage imports
 :data:`ATTR`, :class:`Decision` and :class:`Reason` rather than spelling a key. One quantity has
 one key and one type across stages. The library depends on ``opentelemetry-api`` only: with no
@@ -11,22 +13,24 @@ content.
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from enum import StrEnum
 from typing import Any
 
-import structlog
 from opentelemetry import trace
+
+from pipeline.logs import add_trace_ids, get_logger
 
 __all__ = [
     "ATTR",
+    "SPAN_AGENT_INVOKE",
     "SPAN_AGENT_TURN",
     "SPAN_BUDGET_DECISION",
     "SPAN_BUDGET_GROUP",
     "SPAN_PIPELINE_RUN",
     "SPAN_REPLAY",
+    "SPAN_REPLAY_CALL",
     "SPAN_TOOL_EXECUTE",
     "SPAN_WIRE_REQUEST",
     "TRACER_NAME",
@@ -35,6 +39,7 @@ __all__ = [
     "GroupOutcome",
     "Reason",
     "add_trace_ids",
+    "agent_span_name",
     "decision_span_name",
     "emit_decision",
     "get_logger",
@@ -53,11 +58,16 @@ AttributeValue = str | int | float | bool
 SPAN_PIPELINE_RUN = "pipeline.run"
 """One pipeline pass (a child span per stage, see :func:`stage_span_name`)."""
 SPAN_REPLAY = "replay.session"
-"""One replayed session: every call's ``pipeline.run`` is its child."""
+"""One replayed session, its own trace, carrying the totals; each call links to it."""
+SPAN_REPLAY_CALL = "replay.call"
+"""One replayed call: the root of its own trace (a few dozen spans), linked to the session."""
+SPAN_AGENT_INVOKE = "invoke_agent"
+"""The GenAI operation name of one agent run (see :func:`agent_span_name`)."""
 SPAN_BUDGET_GROUP = "tool_result_budget.group"
 """One API-level user message the budget evaluated."""
 SPAN_BUDGET_DECISION = "tool_result_budget.decision"
-"""The budget's decision on one fresh tool result."""
+"""Former name of the budget's decision spans; they are now named after the decision
+(:func:`decision_span_name`: ``tool_result_budget.persist``, ``tool_result_budget.keep``...)."""
 SPAN_AGENT_TURN = "agent.turn"
 """One model call of the agent loop and the tool calls it asked for."""
 SPAN_WIRE_REQUEST = "wire.request"
@@ -71,9 +81,16 @@ def stage_span_name(stage_name: str) -> str:
     return f"stage.{stage_name}"
 
 
-def decision_span_name(stage_name: str) -> str:
-    """The span of one stage's decision in a pass, "not now" included: ``<stage>.decision``."""
-    return f"{stage_name}.decision"
+def decision_span_name(stage_name: str, decision: str) -> str:
+    """The span of one decision of a stage, "not now" included, named so that a trace tree
+    shows what happened: ``<stage>.<decision>`` (``tool_result_budget.persist``,
+    ``microcompact.skip``...)."""
+    return f"{stage_name}.{decision}"
+
+
+def agent_span_name(agent_name: str) -> str:
+    """The span of one agent run (GenAI convention): ``invoke_agent <name>``."""
+    return f"{SPAN_AGENT_INVOKE} {agent_name}"
 
 
 def tool_span_name(tool_name: str) -> str:
@@ -93,15 +110,22 @@ class ATTR:
 
     # GenAI semantic conventions
     CONVERSATION_ID = "gen_ai.conversation.id"
+    AGENT_NAME = "gen_ai.agent.name"
+    PROVIDER_NAME = "gen_ai.provider.name"
+    TOOL_TYPE = "gen_ai.tool.type"
     OPERATION_NAME = "gen_ai.operation.name"
     REQUEST_MODEL = "gen_ai.request.model"
     RESPONSE_ID = "gen_ai.response.id"
-    USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
-    USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     TOOL_NAME = "gen_ai.tool.name"
     TOOL_CALL_ID = "gen_ai.tool.call.id"
 
     # a pass and its stages
+    CALL = "sluicegate.call"
+    """The call's number in its session (0-based): on every span of a replayed call or an
+    agent turn."""
+    CALLS = "sluicegate.calls"
+    INPUT_SIDE_TOKENS = "sluicegate.usage.input_side_tokens"
+    """The response's input + cache tokens (the SDK's own span reports the GenAI usage)."""
     MESSAGES_IN = "sluicegate.messages.in"
     MESSAGES_OUT = "sluicegate.messages.out"
     TOKENS_BEFORE = "sluicegate.tokens.estimated_before"
@@ -131,8 +155,19 @@ class ATTR:
     # the tool-result budget and the per-tool gate
     CHARS = "sluicegate.chars"
     LIMIT = "sluicegate.limit"
+    """The limit that drove this decision (the per-tool threshold or the per-message budget)."""
+    LIMIT_PER_TOOL = "sluicegate.limit.per_tool"
+    LIMIT_PER_MESSAGE = "sluicegate.limit.per_message"
+    GROUP_CHARS = "sluicegate.group.chars"
+    """All tool-result characters of the API-level user message the result is in."""
+    REPLACEMENT_CHARS = "sluicegate.replacement_chars"
+    """What the model sees instead of a persisted result: the replacement's length."""
+    PREVIEW_CHARS = "sluicegate.preview_chars"
+    EXECUTED_IN_CALL = "sluicegate.executed_in_call"
+    """The call whose response asked for this tool result (the agent's turn number)."""
     PATH = "sluicegate.path"
     PERSISTED = "sluicegate.persisted"
+    PERSIST_FAILED = "sluicegate.persist_failed"
     GROUP_INDEX = "sluicegate.group.index"
     GROUP_CANDIDATES = "sluicegate.group.candidates"
     FROZEN_CHARS = "sluicegate.group.frozen_chars"
@@ -205,6 +240,10 @@ class Reason(StrEnum):
     PER_MESSAGE = "per_message"
     PER_TOOL_GATE = "per_tool_gate"
     UNDER_THRESHOLD = "under_threshold"
+    WITHIN_BUDGET = "within_budget"
+    """Kept: its message's results fit the per-message budget (after any persisted)."""
+    NEVER_PERSIST = "never_persist"
+    """A tool that bounds its own output (``Read``): never persisted."""
     EMPTY = "empty"
     IMAGE = "image"
     NOT_PERSISTABLE = "not_persistable"
@@ -266,6 +305,7 @@ def emit_decision(
     tokens_before: int | None = None,
     tokens_after: int | None = None,
     attributes: Mapping[str, AttributeValue] | None = None,
+    call: int | None = None,
 ) -> None:
     """Emit one decision span (a child of the current span): :func:`decision_span_name`, with
     the decision, its reason, token counts and ``attributes`` (keys from :class:`ATTR`; never
@@ -280,9 +320,11 @@ def emit_decision(
         attrs[ATTR.TOKENS_BEFORE] = tokens_before
     if tokens_after is not None:
         attrs[ATTR.TOKENS_AFTER] = tokens_after
+    if call is not None:
+        attrs[ATTR.CALL] = call
     if attributes:
         attrs.update(attributes)
-    tracer.start_span(decision_span_name(stage_name), attributes=attrs).end()
+    tracer.start_span(decision_span_name(stage_name, str(decision)), attributes=attrs).end()
 
 
 # -- tracer and logger --------------------------------------------------------------------------
@@ -291,29 +333,3 @@ def emit_decision(
 def get_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
     """The ``sluicegate`` tracer from ``provider`` (default: the global provider)."""
     return trace.get_tracer(TRACER_NAME, tracer_provider=provider)
-
-
-def add_trace_ids(
-    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
-) -> MutableMapping[str, Any]:
-    """structlog processor: add ``trace_id``/``span_id`` of the current span, if any."""
-    ctx = trace.get_current_span().get_span_context()
-    if ctx.is_valid:
-        event_dict.setdefault("trace_id", format(ctx.trace_id, "032x"))
-        event_dict.setdefault("span_id", format(ctx.span_id, "016x"))
-    return event_dict
-
-
-def get_logger(**initial: Any) -> Any:
-    """A structlog logger whose events carry the current trace and span ids.
-
-    The processor is bound to this logger, so it works whatever the app's structlog setup is.
-    An app that configured structlog gets its own levels and output; an app that did not gets
-    warnings and errors only -- a library must not fill stdout with per-decision debug lines.
-    """
-    extra: dict[str, Any] = {}
-    if not structlog.is_configured():
-        extra["wrapper_class"] = structlog.make_filtering_bound_logger(logging.WARNING)
-    return structlog.wrap_logger(
-        None, processors=[add_trace_ids, *structlog.get_config()["processors"]], **extra
-    ).bind(**initial)

@@ -32,12 +32,12 @@ from pipeline.policies import MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
 from pipeline.replacement import DECIDED_RECORD_STAGE, ReplacementRecord
 from pipeline.tracing import (
     ATTR,
-    SPAN_BUDGET_DECISION,
     SPAN_BUDGET_GROUP,
     AttributeValue,
     Decision,
     GroupOutcome,
     Reason,
+    decision_span_name,
     span_if,
 )
 from stages._budget_scan import BudgetCache, Candidate, collect_groups
@@ -196,15 +196,20 @@ class ToolResultBudget:
         state = ctx.replacement_state
         policies = ctx.tool_policies
         tracer = ctx.tracer
+        group_facts: dict[str, AttributeValue] = {
+            ATTR.LIMIT_PER_MESSAGE: float(self.limit),
+            ATTR.GROUP_CANDIDATES: len(group),
+            ATTR.GROUP_CHARS: sum(c.size for c in group),
+        }
         with span_if(
             ctx.report.recording,
             tracer,
             SPAN_BUDGET_GROUP,
             attributes={
-                ATTR.CONVERSATION_ID: ctx.session_id,
+                **ctx.span_attributes(),
                 ATTR.GROUP_INDEX: index,
-                ATTR.GROUP_CANDIDATES: len(group),
                 ATTR.LIMIT: float(self.limit),
+                **group_facts,
             },
         ) as span:
             # ids may repeat in hostile input; decide each id once
@@ -221,14 +226,21 @@ class ToolResultBudget:
             unbounded_ids = {c.tool_use_id for c in unbounded}
             for c in unbounded:
                 state.seen_ids.add(c.tool_use_id)
-                self._decision(ctx, c, Decision.SKIP_UNBOUNDED_TOOL, math.inf)
+                self._decision(
+                    ctx,
+                    c,
+                    Decision.SKIP_UNBOUNDED_TOOL,
+                    math.inf,
+                    Reason.NEVER_PERSIST,
+                    group_facts,
+                )
 
             # 2. the per-tool gate, for results this stage is the first to see
             bounded = [c for c in fresh if not policies.never_persist(c.tool_name)]
             over_tool = [
                 c for c in bounded if c.persistable and c.size > policies.threshold(c.tool_name)
             ]
-            records = await self._persist(ctx, over_tool, Reason.PER_TOOL, apply)
+            records = await self._persist(ctx, over_tool, Reason.PER_TOOL, apply, group_facts)
 
             # 3. the per-message budget over what is left
             eligible = [c for c in bounded if c.tool_use_id not in state.seen_ids]
@@ -243,11 +255,14 @@ class ToolResultBudget:
             fresh_size = sum(c.size for c in eligible)
             selected = select_fresh_to_replace(eligible, frozen_size, self.limit)
             selected_ids = {c.tool_use_id for c in selected}
+            group_facts[ATTR.FROZEN_CHARS] = frozen_size
+            group_facts[ATTR.FRESH_CHARS] = fresh_size
             for c in eligible:
                 if c.tool_use_id not in selected_ids:
                     state.seen_ids.add(c.tool_use_id)
-                    self._decision(ctx, c, Decision.KEEP, policies.threshold(c.tool_name))
-            records += await self._persist(ctx, selected, Reason.PER_MESSAGE, apply)
+                    why = Reason.WITHIN_BUDGET if c.persistable else Reason.NOT_PERSISTABLE
+                    self._decision(ctx, c, Decision.KEEP, float(self.limit), why, group_facts)
+            records += await self._persist(ctx, selected, Reason.PER_MESSAGE, apply, group_facts)
 
             if frozen_size + fresh_size <= self.limit:
                 outcome = GroupOutcome.UNDER_BUDGET
@@ -271,6 +286,7 @@ class ToolResultBudget:
         chosen: list[Candidate],
         reason: Reason,
         apply: dict[str, str],
+        facts: dict[str, AttributeValue],
     ) -> list[ReplacementRecord]:
         """Persist ``chosen`` concurrently; mark each seen together with its replacement."""
         if not chosen:
@@ -291,17 +307,26 @@ class ToolResultBudget:
         records: list[ReplacementRecord] = []
         for c in chosen:
             outcome = results[c.tool_use_id]
-            threshold = ctx.tool_policies.threshold(c.tool_name)
+            limit = ctx.tool_policies.threshold(c.tool_name)
+            if reason is Reason.PER_MESSAGE:
+                limit = float(self.limit)
             if isinstance(outcome, Persisted):
                 state.record_replacement(c.tool_use_id, outcome.replacement)
                 apply[c.tool_use_id] = outcome.replacement
                 records.append(ReplacementRecord(c.tool_use_id, outcome.replacement))
                 ctx.report.persisted.append(
-                    PersistedResult(c.tool_use_id, c.tool_name, c.size, outcome.path, str(reason))
+                    PersistedResult(
+                        c.tool_use_id,
+                        c.tool_name,
+                        c.size,
+                        outcome.path,
+                        str(reason),
+                        limit=limit,
+                        group_results=int(facts[ATTR.GROUP_CANDIDATES]),
+                        group_chars=int(facts[ATTR.GROUP_CHARS]),
+                    )
                 )
-                self._decision(
-                    ctx, c, Decision.PERSIST, threshold, path=outcome.path, reason=reason
-                )
+                self._decision(ctx, c, Decision.PERSIST, limit, reason, facts, persisted=outcome)
             else:
                 # the original is what gets sent, so it is frozen as it is
                 state.seen_ids.add(c.tool_use_id)
@@ -310,8 +335,9 @@ class ToolResultBudget:
                     ctx,
                     c,
                     Decision.PERSIST_FAILED,
-                    threshold,
-                    reason=reason,
+                    limit,
+                    reason,
+                    facts,
                     error=describe_error(outcome),
                 )
         return records
@@ -321,32 +347,49 @@ class ToolResultBudget:
         ctx: SessionContext,
         c: Candidate,
         decision: Decision,
-        threshold: float,
+        limit: float,
+        reason: Reason,
+        facts: dict[str, AttributeValue],
         *,
-        path: str | None = None,
-        reason: Reason | None = None,
+        persisted: Persisted | None = None,
         error: str | None = None,
     ) -> None:
-        attributes: dict[str, AttributeValue] = {
-            ATTR.CONVERSATION_ID: ctx.session_id,
-            ATTR.DECISION: str(decision),
-            ATTR.TOOL_CALL_ID: c.tool_use_id,
-            ATTR.TOOL_NAME: c.tool_name or "",
-            ATTR.CHARS: c.size,
-            ATTR.LIMIT: float(threshold),
-        }
-        if path is not None:
-            attributes[ATTR.PATH] = path
-        if reason is not None:
-            attributes[ATTR.REASON] = str(reason)
-        if error is not None:
-            attributes[ATTR.ERROR] = error
+        """One decision on one fresh result: its span (``tool_result_budget.<decision>``) says
+        what was decided, why, under which limit, the sizes that drove it and, for a persist,
+        what the model sees instead; a log event inside it."""
+        path = persisted.path if persisted is not None else None
         log = {Decision.PERSIST: ctx.logger.info, Decision.PERSIST_FAILED: ctx.logger.warning}.get(
             decision, ctx.logger.debug
         )
-        # log inside the span so the event carries the decision span's id
         recording = ctx.report.recording
-        with span_if(recording, ctx.tracer, SPAN_BUDGET_DECISION, attributes=attributes):
+        links: list[trace.Link] = []
+        attributes: dict[str, AttributeValue] = {}
+        if recording:
+            attributes = {
+                **ctx.span_attributes(),
+                ATTR.STAGE: self.name,
+                ATTR.DECISION: str(decision),
+                ATTR.REASON: str(reason),
+                ATTR.TOOL_CALL_ID: c.tool_use_id,
+                ATTR.TOOL_NAME: c.tool_name or "",
+                ATTR.CHARS: c.size,
+                ATTR.LIMIT: float(limit),
+                ATTR.LIMIT_PER_TOOL: float(ctx.tool_policies.threshold(c.tool_name)),
+                **facts,
+            }
+            if persisted is not None:
+                attributes[ATTR.PATH] = persisted.path
+                attributes[ATTR.REPLACEMENT_CHARS] = len(persisted.replacement)
+            if error is not None:
+                attributes[ATTR.ERROR] = error
+            executed = ctx.tool_spans.get(c.tool_use_id)
+            if executed is not None:  # the tool ran in an earlier turn: its own trace
+                links.append(trace.Link(executed[0]))
+                if executed[1] is not None:
+                    attributes[ATTR.EXECUTED_IN_CALL] = executed[1]
+        # log inside the span so the event carries the decision span's id
+        name = decision_span_name(self.name, str(decision))
+        with span_if(recording, ctx.tracer, name, attributes=attributes, links=links):
             log(
                 "tool_result_budget.decision",
                 decision=decision,

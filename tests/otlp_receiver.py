@@ -38,6 +38,8 @@ class ReceivedSpan:
     attributes: dict[str, Any]
     resource: dict[str, Any]
     scope: str
+    links: tuple[str, ...] = ()
+    """The span ids this span links to."""
 
 
 def _value(v: AnyValue) -> Any:
@@ -69,6 +71,7 @@ def decode(body: bytes) -> list[ReceivedSpan]:
                         attributes={kv.key: _value(kv.value) for kv in s.attributes},
                         resource=resource,
                         scope=ss.scope.name,
+                        links=tuple(link.span_id.hex() for link in s.links),
                     )
                 )
     return spans

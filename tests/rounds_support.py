@@ -24,7 +24,6 @@ from pipeline import (
 from pipeline.pairing import check_pairing
 from pipeline.testing import SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages
-from pipeline.tracing import decision_span_name
 from tests.builders import tool_result, tool_use
 
 
@@ -32,8 +31,8 @@ class Spans(SpanRecorder):
     """Decision spans of one context."""
 
     def decisions(self, stage: str) -> list[dict[str, Any]]:
-        """Attributes of every ``<stage>.decision`` span, in order."""
-        return [dict(a) for a in self.attributes(decision_span_name(stage))]
+        """Attributes of every ``<stage>.<decision>`` span, in order."""
+        return [dict(a) for a in self.decision_attributes(stage)]
 
 
 def make_ctx(tmp_path: Path, spans: Spans | None = None, **kw: Any) -> SessionContext:

@@ -83,11 +83,7 @@ def decisions(exporter: SpanRecorder) -> list[dict[str, Any]]:
     """The attributes of every autocompact decision span, short keys, in order."""
     return [
         {k.removeprefix("sluicegate.").replace("tokens.estimated_", "tokens_"): v for k, v in attrs}
-        for attrs in (
-            (s.attributes or {}).items()
-            for s in exporter.get_finished_spans()
-            if s.name == "autocompact.decision"
-        )
+        for attrs in ((s.attributes or {}).items() for s in exporter.decisions("autocompact"))
     ]
 
 

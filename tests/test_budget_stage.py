@@ -25,7 +25,7 @@ from pipeline.gate import build_replacement, format_size, gate_tool_result, gene
 from pipeline.replacement import ReplacementRecord
 from pipeline.storage import FileToolResultStore
 from pipeline.testing import SpanRecorder
-from pipeline.tracing import ATTR, SPAN_BUDGET_DECISION, SPAN_BUDGET_GROUP
+from pipeline.tracing import ATTR, SPAN_BUDGET_GROUP
 from stages import ToolResultBudget
 from stages.tool_result_budget import collect_groups, select_fresh_to_replace
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -322,7 +322,7 @@ async def test_never_persist_tool_is_left_whole_and_out_of_the_sum(tmp_path: Pat
     assert "read1" in ctx.replacement_state.seen_ids
     decisions = {
         s.attributes[ATTR.TOOL_CALL_ID]: s.attributes[ATTR.DECISION]
-        for s in spans(exp, SPAN_BUDGET_DECISION)
+        for s in exp.decisions("tool_result_budget")
     }  # type: ignore[index]
     assert decisions == {"read1": "skip_unbounded_tool", "o1": "keep"}
 
@@ -369,7 +369,7 @@ async def test_failed_write_keeps_original_and_freezes(tmp_path: Path) -> None:
     failing.fail = None  # the store recovers; the frozen result must still never change
     assert await pipe.run(msgs, ctx) is msgs
     assert failing.writes == []
-    decisions = spans(exp, SPAN_BUDGET_DECISION)
+    decisions = exp.decisions("tool_result_budget")
     assert [s.attributes[ATTR.DECISION] for s in decisions] == [  # type: ignore[index]
         "keep",
         "persist_failed",
@@ -482,7 +482,7 @@ async def test_spans_describe_groups_and_decisions_without_content(tmp_path: Pat
     assert group.attributes[ATTR.FRESH_CHARS] == len(marker) * 4000
     assert group.attributes[ATTR.FROZEN_CHARS] == 0
     assert group.attributes[ATTR.OUTCOME] == "persisted"
-    by_id = {s.attributes[ATTR.TOOL_CALL_ID]: s for s in spans(exporter, SPAN_BUDGET_DECISION)}  # type: ignore[index]
+    by_id = {s.attributes[ATTR.TOOL_CALL_ID]: s for s in exporter.decisions("tool_result_budget")}  # type: ignore[index]
     a = by_id["a"].attributes
     assert a is not None and a[ATTR.DECISION] == "persist" and a[ATTR.CHARS] == len(marker) * 3000
     assert str(a[ATTR.PATH]).endswith("/sess-1/tool-results/a.txt")

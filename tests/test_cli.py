@@ -52,6 +52,7 @@ SUMMARY_KEYS = {
     "per_message_chars",
     "per_tool_chars",
     "store",
+    "store_kept",
 }
 STAGE_NAMES = [
     "tool_result_budget",
@@ -546,9 +547,17 @@ def test_spans_exported_over_otlp_form_the_documented_tree(tmp_path: Path) -> No
     assert len(runs) == len(calls)
     by_id = {s.span_id: s for s in spans}
     (replay,) = [s for s in spans if s.name == "replay.session"]
-    assert replay.parent_span_id == ""  # one trace per replay
-    for run in runs:
-        assert run.parent_span_id == replay.span_id
+    assert replay.parent_span_id == ""  # the session's own trace, with the totals
+    assert replay.attributes["sluicegate.calls"] == len(calls)
+    assert replay.attributes["sluicegate.persisted"] == summary["persisted"]
+    traces = set()
+    for number, run in enumerate(runs):
+        call = by_id[run.parent_span_id]  # a trace per call, its root linked to the session
+        assert call.name == "replay.call" and call.parent_span_id == ""
+        assert call.links == (replay.span_id,)
+        traces.add(call.trace_id)
+        in_call = [s for s in spans if s.trace_id == call.trace_id]
+        assert {s.attributes["sluicegate.call"] for s in in_call} == {number}
         assert run.attributes["gen_ai.conversation.id"] == summary["session_id"]
         assert "gen_ai.operation.name" not in run.attributes
         stage_spans = _children(spans, run)
@@ -556,7 +565,12 @@ def test_spans_exported_over_otlp_form_the_documented_tree(tmp_path: Path) -> No
         for s in stage_spans:
             assert s.attributes["gen_ai.conversation.id"] == summary["session_id"]
 
-    decisions = [s for s in spans if s.name == "tool_result_budget.decision"]
+    decisions = [
+        s
+        for s in spans
+        if s.name == f"tool_result_budget.{s.attributes.get('sluicegate.decision')}"
+    ]
+    assert decisions
     for d in decisions:
         group = by_id[d.parent_span_id]
         assert group.name == "tool_result_budget.group"

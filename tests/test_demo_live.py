@@ -59,9 +59,15 @@ def test_live_demo_trace_tree_over_otlp(tmp_path: Path) -> None:
     turns = [s for s in spans if s.name == "agent.turn"]
     assert len(turns) == len(calls)
     conversation = summary["session_id"]
+    (agent,) = [s for s in spans if s.name == "invoke_agent sluicegate"]
+    assert (
+        agent.parent_span_id == "" and agent.attributes["gen_ai.operation.name"] == "invoke_agent"
+    )
     tool_calls = 0
-    for turn in turns:
-        assert turn.parent_span_id == ""  # one trace per model call
+    for number, turn in enumerate(turns):
+        assert turn.parent_span_id == agent.span_id  # the run's trace, a turn per model call
+        assert turn.attributes["sluicegate.call"] == number
+        assert not any(k.startswith("gen_ai.usage.") for k in turn.attributes)  # the SDK's
         children = _children(spans, turn)
         names = [s.name for s in children]
         assert names.count("pipeline.run") == 1
@@ -90,6 +96,17 @@ def test_live_demo_trace_tree_over_otlp(tmp_path: Path) -> None:
     assert tool_calls == 15  # 10 + 2 + 1 + 2 tool calls in the session
     gate = [s for s in spans if s.attributes.get("sluicegate.decision") == "persist"]
     assert any(s.name == "execute_tool Bash" for s in gate)
+    # the five job logs the budget persisted in call 1 link to their executions in call 0
+    executed = {s.span_id: s for s in spans if s.name.startswith("execute_tool ")}
+    persisted = [s for s in spans if s.name == "tool_result_budget.persist"]
+    assert len(persisted) == 5
+    for d in persisted:
+        (link,) = d.links
+        assert (
+            executed[link].attributes["gen_ai.tool.call.id"] == d.attributes["gen_ai.tool.call.id"]
+        )
+        assert d.attributes["sluicegate.executed_in_call"] == 0
+        assert d.attributes["sluicegate.call"] == 1
     for s in spans:
         if s.scope == "sluicegate":
             assert s.attributes.get("gen_ai.conversation.id") == conversation, s.name

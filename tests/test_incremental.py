@@ -41,7 +41,7 @@ from pipeline import (
     to_api,
 )
 from pipeline.testing import MemoryStore, RecordReads, assert_same_messages
-from pipeline.tracing import SPAN_BUDGET_DECISION, SPAN_BUDGET_GROUP
+from pipeline.tracing import SPAN_BUDGET_GROUP, Decision, decision_span_name
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.edit_support import (
@@ -116,7 +116,8 @@ class Twin:
         assert self.ctx.report.persist_failed == ref_ctx.report.persist_failed, where
         spans = self.tracer.take()
         assert spans == self.ref_tracer.take(), where
-        assert {name for name, _ in spans} <= {SPAN_BUDGET_GROUP, SPAN_BUDGET_DECISION}
+        decisions = {decision_span_name("tool_result_budget", d) for d in Decision}
+        assert {name for name, _ in spans} <= {SPAN_BUDGET_GROUP, *decisions}
         if out is not history:
             event("pass changed the output")
         if self.ctx.report.persisted:

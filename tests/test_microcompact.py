@@ -43,7 +43,7 @@ from pipeline.replacement import is_replacement_text
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tools import tool
-from pipeline.tracing import ATTR, Reason, decision_span_name
+from pipeline.tracing import ATTR, Reason
 from pipeline.transcript import StageRecord
 from stages import Microcompact, ServerSideMicrocompact, default_stages
 from stages._shared import CLEARED_PLACEHOLDER
@@ -52,7 +52,6 @@ from stages.server_microcompact import CONTEXT_MANAGEMENT_BETA
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 T0 = datetime(2025, 3, 1, 9, 0, tzinfo=UTC)
-DECISION_SPAN = decision_span_name("microcompact")
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +142,7 @@ def spans() -> SpanRecorder:
 
 def decisions(exporter: SpanRecorder) -> list[dict[str, Any]]:
     """Attributes of every microcompact decision span, in order."""
-    return [dict(a) for a in exporter.attributes(DECISION_SPAN)]
+    return [dict(a) for a in exporter.decision_attributes("microcompact")]
 
 
 def new_ctx(tmp_path: Path, session: str = "s1", **kw: Any) -> SessionContext:
@@ -703,7 +702,7 @@ async def test_one_decision_span_per_pass_without_content(
             assert "Fix the build" not in text and CLEARED_PLACEHOLDER not in text
     # the decision span is a child of the stage span
     stage_spans = [s for s in exporter.get_finished_spans() if s.name == "stage.microcompact"]
-    child = next(s for s in exporter.get_finished_spans() if s.name == DECISION_SPAN)
+    child = exporter.decisions("microcompact")[0]
     assert child.parent is not None and child.parent.span_id == stage_spans[0].context.span_id
 
 

@@ -79,7 +79,7 @@ from pipeline.gate import gate_tool_result
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, ReplacementState
 from pipeline.storage import OsFileOps
 from pipeline.testing import QuietLogger, SpanRecorder
-from pipeline.tracing import ATTR, SPAN_BUDGET_DECISION
+from pipeline.tracing import ATTR
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
@@ -257,7 +257,7 @@ class Session:
 
     def decisions(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}
-        for attrs in self.spans.attributes(SPAN_BUDGET_DECISION):
+        for attrs in self.spans.decision_attributes("tool_result_budget"):
             out.setdefault(str(attrs[ATTR.TOOL_CALL_ID]), []).append(dict(attrs))
         return out
 

@@ -4,21 +4,24 @@ the store directory, request dumps and the logging/tracing set-up."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
+import shutil
+import stat
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import structlog
 from opentelemetry import trace
 
 from pipeline._cli.dumps import DumpFormat, RequestDumper, existing_dumps, parse_calls
+from pipeline._cli.logging_setup import configure_logging
 from pipeline._cli.safe_text import terminal_safe
-from pipeline._cli.telemetry import TelemetrySetupError, configure_logging, setup_tracing
+from pipeline._cli.telemetry import TelemetrySetupError, setup_tracing
 from pipeline.core import Pipeline
 from pipeline.policies import (
     DEFAULT_MAX_RESULT_SIZE_CHARS,
@@ -102,6 +105,8 @@ class ReplayOptions:
     per_message_chars: int = MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
     per_tool_chars: int = DEFAULT_MAX_RESULT_SIZE_CHARS
     store: Path | None = None
+    keep_store: bool = False
+    """Keep the temporary store made when ``store`` is None (``--keep-store``)."""
     json: bool = False
     dump_requests: Path | None = None
     dump_calls: frozenset[int] | None = None
@@ -147,6 +152,7 @@ class ReplayOptions:
             per_message_chars=args.per_message_chars,
             per_tool_chars=args.per_tool_chars,
             store=args.store,
+            keep_store=getattr(args, "keep_store", False),
             json=args.json,
             dump_requests=args.dump_requests,
             dump_calls=_dump_calls(getattr(args, "dump_calls", None)),
@@ -211,17 +217,80 @@ def session_id_for(transcript: Transcript) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def store_root(options: ReplayOptions) -> Path:
-    """The store directory of a replay: ``--store``, else a new temporary directory.
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreDir:
+    """The store directory of one command (see :func:`store_root`)."""
 
-    A ``--store`` that is not a directory is refused. One that cannot be written is not: the
-    budget then sends each result whole (``persist failed``), as a live session would.
+    path: Path
+    temporary: bool
+    """Made by this command because no ``--store`` was given."""
+    kept: bool
+    """Still there when the command ends: a ``--store``, or a temporary one kept by
+    ``--keep-store``. What the output says of persisted files depends on it."""
+
+
+@contextlib.contextmanager
+def store_root(options: ReplayOptions, *, prefix: str = "sluicegate-") -> Iterator[StoreDir]:
+    """The store directory of a command, for the ``with`` block: ``--store``, else a new
+    temporary directory that is removed when the block ends (returns, fails or is
+    interrupted) unless ``--keep-store`` was given.
+
+    A ``--store`` is never removed. A ``--store`` that is not a directory is refused. One that
+    cannot be written is not: the budget then sends each result whole (``persist failed``), as
+    a live session would.
     """
-    if options.store is None:
-        return Path(tempfile.mkdtemp(prefix="sluicegate-"))
-    if options.store.exists() and not options.store.is_dir():
-        raise CliError(f"--store {options.store}: not a directory")
-    return options.store
+    if options.store is not None:
+        if options.store.exists() and not options.store.is_dir():
+            raise CliError(f"--store {options.store}: not a directory")
+        yield StoreDir(options.store, temporary=False, kept=True)
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    made = os.lstat(path)  # what is removed at the end must be this very directory
+    try:
+        yield StoreDir(path, temporary=True, kept=options.keep_store)
+    finally:
+        if not options.keep_store:
+            remove_made_dir(path, (made.st_dev, made.st_ino))
+
+
+def remove_made_dir(path: Path, identity: tuple[int, int]) -> bool:
+    """Remove the directory a command made at ``path`` and everything in it; whether it is gone.
+
+    ``identity`` is its ``(st_dev, st_ino)`` when it was made: should ``path`` now be a
+    symlink or another directory (swapped in by someone else), nothing is removed. Nothing
+    inside is followed either (``shutil.rmtree`` removes a symlink, never its target). A
+    failure is one warning on stderr, never an exception: the command's own result stands.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        _warn_not_removed(path, exc.strerror or str(exc))
+        return False
+    if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != identity:
+        _warn_not_removed(path, "it is no longer the directory this command made")
+        return False
+    failures: list[str] = []
+
+    def failed(_func: Callable[..., Any], where: str, exc: BaseException) -> None:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        failures.append(f"{where}: {reason}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=failed)
+    else:
+        shutil.rmtree(path, onerror=lambda func, where, info: failed(func, where, info[1]))
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        _warn_not_removed(path, failures[0] + more)
+        return False
+    return True
+
+
+def _warn_not_removed(path: Path, reason: str) -> None:
+    shown = terminal_safe(f"{path}: {reason}", limit=500)
+    print(f"sluicegate: warning: temporary store not removed: {shown}", file=sys.stderr)
 
 
 def _unwritable(directory: Path) -> str | None:
@@ -286,11 +355,11 @@ def with_tracing(
 ) -> int:
     """Set up logging and tracing, run, and always flush spans before returning.
 
-    The global structlog configuration is restored afterwards, so ``main()`` can be called
-    in-process (tests, notebooks) without leaving loggers bound to this run's stderr.
+    The logging set-up (a stderr handler on the ``sluicegate`` logger) is undone afterwards, so
+    ``main()`` can be called in-process (tests, notebooks) without leaving a handler bound to
+    this run's stderr.
     """
-    saved_logging = structlog.get_config()
-    configure_logging(args.verbose, args.log_json)
+    restore_logging = configure_logging(args.verbose, args.log_json)
     provider: TracerProvider | None = None
     try:
         try:
@@ -302,4 +371,4 @@ def with_tracing(
     finally:
         if provider is not None:
             provider.shutdown()  # flushes the batch processor
-        structlog.configure(**saved_logging)
+        restore_logging()

@@ -17,7 +17,11 @@ from pipeline.agent import Agent, TurnLog
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Block, Content
-from pipeline.policies import CLAUDE_CODE_DECLARED, UNDECLARED_MAX_RESULT_SIZE_CHARS
+from pipeline.policies import (
+    CLAUDE_CODE_DECLARED,
+    UNDECLARED_MAX_RESULT_SIZE_CHARS,
+    ToolPolicies,
+)
 from pipeline.replay import Call, CallResult
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tools import Tool, ToolOutput
@@ -109,10 +113,18 @@ def call_result(log: TurnLog, previous_gate: list[PersistedResult]) -> CallResul
     )
 
 
-def gate_persisted(log: TurnLog) -> list[PersistedResult]:
-    """The tool results the per-tool gate persisted after this turn's response."""
+def gate_persisted(log: TurnLog, policies: ToolPolicies | None = None) -> list[PersistedResult]:
+    """The tool results the per-tool gate persisted after this turn's response (with the
+    limit that applied, when ``policies`` are given)."""
     return [
-        PersistedResult(g.tool_use_id, g.tool_name, g.chars, g.path, str(Reason.PER_TOOL_GATE))
+        PersistedResult(
+            g.tool_use_id,
+            g.tool_name,
+            g.chars,
+            g.path,
+            str(Reason.PER_TOOL_GATE),
+            limit=policies.threshold(g.tool_name) if policies is not None else None,
+        )
         for g in log.gated
         if g.decision == Decision.PERSIST and g.path is not None
     ]
@@ -145,7 +157,7 @@ class LiveDemo:
         def observe(log: TurnLog) -> None:
             nonlocal pending
             self.on_call(call_result(log, pending))
-            pending = gate_persisted(log)
+            pending = gate_persisted(log, self.ctx.tool_policies)
 
         prompt = next(m for m in self.session.messages if m.type == "user")
         with ScriptedMessagesServer(self._script()) as server:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from pipeline._cli.common import (
     EXIT_OK,
     CliError,
     ReplayOptions,
+    StoreDir,
     dump_request,
     load,
     store_root,
@@ -45,9 +45,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # every path is checked before the session is generated or the server started
     if args.store is not None:
         writable_dir(args.store, "--store")
-    store = args.store or Path(tempfile.mkdtemp(prefix="sluicegate-demo-"))
-    options = dataclasses.replace(ReplayOptions.from_args(args), store=store)
-    path: Path = args.out or store / "demo-session.jsonl"
+    options = ReplayOptions.from_args(args)
+    # without --store: a temporary directory (the transcript too, unless --out), removed on
+    # every way out of the command (an option refused below included) unless --keep-store
+    with store_root(options, prefix="sluicegate-demo-") as store:
+        return _demo_in(args, dataclasses.replace(options, store=store.path), store)
+
+
+_TRANSCRIPT_REMOVED = (
+    "temporary: removed at the end; keep it with --keep-store, --store DIR or --out FILE"
+)
+
+
+def _transcript_note(path: Path, store: StoreDir, out: Path | None) -> str:
+    """The transcript's path as shown, saying it goes at the end when its temporary store
+    does: the user is never pointed at a file that will not be there."""
+    shown = terminal_safe(str(path))
+    if out is not None or store.kept:
+        return shown
+    return f"{shown}; {_TRANSCRIPT_REMOVED}"
+
+
+def _demo_in(args: argparse.Namespace, options: ReplayOptions, store: StoreDir) -> int:
+    path: Path = args.out or store.path / "demo-session.jsonl"
     writable_file(path, "--out" if args.out is not None else "--store")
     options.pipeline()  # a bad --stage: exit 2 now
     options.dumper()  # an unwritable or used --dump-requests directory: exit 2 now
@@ -62,10 +82,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise CliError(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED) from None
             if not options.json:
-                shown = terminal_safe(str(path))
+                shown = _transcript_note(path, store, args.out)
                 print(f"generated a Claude Code session (seed {args.seed}): {shown}")
-            return run_replay(load(path, lenient=False), options, tracer)
-        return run_live_demo(demo.generate_session(args.seed), path, options, tracer, provider)
+            return run_replay(load(path, lenient=False), options, tracer, store)
+        return run_live_demo(
+            demo.generate_session(args.seed),
+            path,
+            options,
+            tracer,
+            provider,
+            store,
+            transcript_shown=_transcript_note(path, store, args.out),
+        )
 
     return with_tracing(args, go)
 
@@ -76,8 +104,15 @@ def run_live_demo(
     options: ReplayOptions,
     tracer: trace.Tracer | None,
     provider: TracerProvider | None,
+    store: StoreDir,
+    *,
+    transcript_shown: str | None = None,
 ) -> int:
-    """Run the demo session live: agent loop, real SDK, scripted local server."""
+    """Run the demo session live: agent loop, real SDK, scripted local server.
+
+    ``store``: where results are persisted (the caller removes it if it is temporary);
+    ``transcript_shown``: how the transcript is named in the first line (default: its path).
+    """
     import anthropic  # heavy: only the live commands need the SDK at run time
 
     from pipeline._cli.demo_agent import LiveDemo
@@ -88,7 +123,7 @@ def run_live_demo(
         raise CliError(f"cannot replace {transcript_path}: {exc.strerror or exc}") from None
     ctx = SessionContext(
         session.session_id,
-        root=options.store or store_root(options),
+        root=store.path,
         tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
         tracer=tracer,
         transcript=TranscriptWriter(transcript_path, session.session_id),
@@ -97,16 +132,15 @@ def run_live_demo(
     summary = ReplaySummary(
         session.session_id, ctx.root, options.per_message_chars, options.per_tool_chars
     )
+    summary.store_kept = store.kept
     output: Output = (
         JsonOutput(sys.stdout)
         if options.json
         else TableOutput(sys.stdout, ctx.root / session.session_id / TOOL_RESULTS_SUBDIR)
     )
     if not options.json:
-        print(
-            f"live agent session {session.session_id} "
-            f"(transcript: {terminal_safe(str(transcript_path))})"
-        )
+        shown = transcript_shown or terminal_safe(str(transcript_path))
+        print(f"live agent session {session.session_id} (transcript: {shown})")
 
     dumper = options.dumper()
 

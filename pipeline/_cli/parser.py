@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ import pipeline._cli.demo_session as demo
 from pipeline._cli.agent_cmd import cmd_agent
 from pipeline._cli.demo_cmd import cmd_demo
 from pipeline._cli.replay_cmd import cmd_replay
+from pipeline._cli.store_cmd import cmd_store_prune, parse_duration, parse_size
 from pipeline.policies import (
     DEFAULT_MAX_RESULT_SIZE_CHARS,
     MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
@@ -28,16 +30,24 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------
 
 _STORE_HELP = (
-    "directory for persisted results (<DIR>/<session>/tool-results/). Default: a new temporary "
-    "directory, which is KEPT so the paths in the output stay readable; its location is printed "
-    "in the summary (and in the JSON summary's 'store'). Delete it when done."
+    "directory for persisted results (<DIR>/<session>/tool-results/); never removed by the "
+    "command. Default: a new temporary directory, removed when the command ends (done, failed "
+    "or interrupted with Ctrl-C) unless --keep-store"
 )
+_KEEP_STORE_HELP = (
+    "keep the temporary store made when no --store is given (the demo's transcript is in it "
+    "too): its location is printed in the summary (and in the JSON summary's 'store', with "
+    "'store_kept': true). Delete it when done. Has no effect with --store"
+)
+_LONG_LIVED_STORE_HELP = "directory for persisted results (<DIR>/<session>/tool-results/)"
 _TRACING_EPILOG = """\
 tracing:
-  Spans are exported over OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT or
+  Spans are exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT or
   OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (service.name "sluicegate" unless
-  OTEL_SERVICE_NAME is set); nothing is exported otherwise. Needs the SDK:
-  pip install 'sluicegate[otel]'. Spans never hold message content.
+  OTEL_SERVICE_NAME is set); nothing is exported otherwise. The protocol comes from
+  OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL: http/protobuf
+  (default; pip install 'sluicegate[otel]') or grpc (pip install
+  'sluicegate[otel-grpc]'). Spans never hold message content.
 
 exit codes: 0 ok, 1 the command failed part-way (a stage stopped the session, an
   output could not be written), 2 bad usage or bad input.
@@ -77,13 +87,29 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
+def _duration(text: str) -> timedelta:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _pipelines(text: str) -> str:
     if not any(name.strip() for name in text.split(",")):
         raise argparse.ArgumentTypeError(f"name at least one pipeline, got {text!r}")
     return text
 
 
-def _add_replay_options(p: argparse.ArgumentParser) -> None:
+def _add_replay_options(p: argparse.ArgumentParser, *, temporary_store: bool) -> None:
+    """The options every pipeline command takes; ``temporary_store``: the command makes a
+    temporary store when no ``--store`` is given (and so takes ``--keep-store``)."""
     budget = p.add_argument_group("budget")
     budget.add_argument(
         "--per-message-chars",
@@ -101,7 +127,10 @@ def _add_replay_options(p: argparse.ArgumentParser) -> None:
         help="per-tool cap (default %(default)s); Claude Code's declared limits below it still "
         "apply (Bash 30000, Grep 20000, ...) and Read is never persisted",
     )
-    budget.add_argument("--store", type=_path, metavar="DIR", help=_STORE_HELP)
+    store_help = _STORE_HELP if temporary_store else _LONG_LIVED_STORE_HELP
+    budget.add_argument("--store", type=_path, metavar="DIR", help=store_help)
+    if temporary_store:
+        budget.add_argument("--keep-store", action="store_true", help=_KEEP_STORE_HELP)
     budget.add_argument(
         "--stage",
         action="append",
@@ -186,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip malformed lines (listed on stderr) instead of failing on the first",
     )
-    _add_replay_options(replay)
+    _add_replay_options(replay, temporary_store=True)
     compare = replay.add_argument_group("comparing pipelines")
     compare.add_argument(
         "--compare",
@@ -230,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_path,
         metavar="FILE",
         help="the session's transcript (replaced if it exists); default: "
-        "demo-session.jsonl in the store directory",
+        "demo-session.jsonl in the store directory (removed with a temporary one)",
     )
     demo_p.add_argument(
         "--replay",
@@ -243,10 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=demo.DEFAULT_SEED,
         help="generator seed (default %(default)s); the same seed gives the same file",
     )
-    _add_replay_options(demo_p)
+    _add_replay_options(demo_p, temporary_store=True)
     demo_p.set_defaults(handler=cmd_demo)
     _add_agent_parser(sub)
     _add_proxy_parser(sub)
+    _add_store_parser(sub)
     return parser
 
 
@@ -268,8 +298,71 @@ def _add_proxy_parser(sub: Any) -> None:
         help="for clients that set no cache_control, mark the last block so the API caches "
         "the prefix (a client's own breakpoints are left alone)",
     )
-    _add_replay_options(proxy_p)
+    retention = proxy_p.add_argument_group(
+        "retention",
+        "The store lives as long as the proxy: prune it at start-up, then every hour. A "
+        "conversation still going on may read back a result that is removed (the read then "
+        "fails): choose limits past the sessions you use.",
+    )
+    retention.add_argument(
+        "--retain",
+        type=_duration,
+        metavar="AGE",
+        help="remove persisted results last modified more than AGE ago (e.g. 12h, 7d, 2w)",
+    )
+    retention.add_argument(
+        "--max-store-size",
+        type=_size,
+        metavar="SIZE",
+        help="then remove the oldest persisted results until they total at most SIZE (e.g. "
+        "500M, 2G; powers of 1024)",
+    )
+    _add_replay_options(proxy_p, temporary_store=False)
     proxy_p.set_defaults(handler=cmd_proxy, store=None)
+
+
+def _add_store_parser(sub: Any) -> None:
+    store_p = sub.add_parser(
+        "store",
+        help="look after a store directory (prune old persisted results)",
+        description="Look after a long-lived store directory (<DIR>/<session>/tool-results/).",
+    )
+    actions = store_p.add_subparsers(dest="store_action", metavar="ACTION", required=True)
+    prune = actions.add_parser(
+        "prune",
+        help="remove persisted results by age and/or total size",
+        description=_para(
+            "Remove persisted tool results from a store: those last modified more than "
+            "--older-than ago, then the oldest until the rest total at most --max-size; then "
+            "the tool-results and session directories this empties. Only files named as the "
+            "store names persisted results are touched: temp files being written, transcripts, "
+            "other files and symlinks (and what they point at) never are. A result a "
+            "conversation still going on refers to may be removed, and the model's read of it "
+            "then fails: which age is safe is your call."
+        ),
+        epilog="exit codes: 0 done, 1 some files could not be removed (listed on stderr), "
+        "2 bad usage.",
+    )
+    prune.add_argument("--store", type=_path, required=True, metavar="DIR", help="the store")
+    prune.add_argument(
+        "--older-than",
+        type=_duration,
+        metavar="AGE",
+        help="remove results last modified more than AGE ago: a number, then s, m, h, d or w "
+        "(30m, 12h, 7d)",
+    )
+    prune.add_argument(
+        "--max-size",
+        type=_size,
+        metavar="SIZE",
+        help="then remove the oldest until the results total at most SIZE: bytes, or a number "
+        "then K, M, G or T (200K, 500M, 2G; powers of 1024)",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="remove nothing; list what would be removed"
+    )
+    prune.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    prune.set_defaults(handler=cmd_store_prune)
 
 
 def _add_agent_parser(sub: Any) -> None:
@@ -317,5 +410,5 @@ def _add_agent_parser(sub: Any) -> None:
         "--resume", type=Path, metavar="TRANSCRIPT", help="continue the session of this transcript"
     )
     agent_p.add_argument("--session-id", help="id of a new session (default: random)")
-    _add_replay_options(agent_p)
+    _add_replay_options(agent_p, temporary_store=False)
     agent_p.set_defaults(handler=cmd_agent, store=None)

@@ -20,6 +20,7 @@ from pipeline._cli.common import (
     EXIT_OK,
     CliError,
     ReplayOptions,
+    StoreDir,
     dump_request,
     load,
     pipeline_for,
@@ -40,10 +41,11 @@ from pipeline._cli.report import (
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline, PipelineHalt, StageError
+from pipeline.logs import get_logger
 from pipeline.policies import ToolPolicies
 from pipeline.replay import CallResult, find_calls, replay_messages
 from pipeline.storage import TOOL_RESULTS_SUBDIR
-from pipeline.tracing import ATTR, SPAN_REPLAY, get_logger
+from pipeline.tracing import ATTR, SPAN_REPLAY
 from pipeline.transcript import Transcript
 from stages import registry as stage_registry
 from stages.autocompact import ContextWindowExceeded
@@ -101,10 +103,10 @@ async def _replay_calls(
     summary: ReplaySummary,
     progress: Progress,
 ) -> None:
-    # one trace per replay: every call's pipeline.run is a child of this span
+    # the session's own trace, carrying the totals; each call is a trace linked to it
     with ctx.tracer.start_as_current_span(
         SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
-    ):
+    ) as session:
         async for result in replay_messages(
             transcript.messages, pipe, ctx, requests=transcript.requests
         ):
@@ -115,15 +117,46 @@ async def _replay_calls(
             _warn_pairing(result, summary)
             output.call(result, chars)
             progress.advance()
+        session.set_attributes(
+            {
+                ATTR.CALLS: summary.calls,
+                ATTR.PERSISTED: summary.persisted,
+                ATTR.REAPPLIED: summary.reapplied,
+                ATTR.PERSIST_FAILED: summary.persist_failed,
+            }
+        )
     progress.clear()
     output.summary(summary)
 
 
-def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tracer | None) -> int:
-    """Replay ``transcript`` through the default pipeline and write the results to stdout."""
-    session_id = session_id_for(transcript)
+def run_replay(
+    transcript: Transcript,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+    store: StoreDir | None = None,
+) -> int:
+    """Replay ``transcript`` through the default pipeline and write the results to stdout.
+
+    ``store``: the store directory the caller holds (the demo's, which its transcript is in);
+    default: ``--store``, else a temporary directory removed at the end unless
+    ``--keep-store``.
+    """
     pipe = options.pipeline()  # a bad --stage is refused before any directory is made
-    store = store_root(options)
+    if store is not None:
+        return _replay_into(store, transcript, pipe, options, tracer)
+    with store_root(options) as made:
+        return _replay_into(made, transcript, pipe, options, tracer)
+
+
+def _replay_into(
+    store_dir: StoreDir,
+    transcript: Transcript,
+    pipe: Pipeline,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+) -> int:
+    session_id = session_id_for(transcript)
+    store = store_dir.path
     dumper = options.dumper()  # a directory that cannot be made fails before the replay starts
     ctx = SessionContext(
         session_id,
@@ -133,6 +166,7 @@ def run_replay(transcript: Transcript, options: ReplayOptions, tracer: trace.Tra
     )
     summary = ReplaySummary(session_id, store, options.per_message_chars, options.per_tool_chars)
     summary.transcript = transcript_info(transcript)
+    summary.store_kept = store_dir.kept
     results_dir = store / session_id / TOOL_RESULTS_SUBDIR
     output: Output = (
         JsonOutput(sys.stdout) if options.json else TableOutput(sys.stdout, results_dir)
@@ -228,10 +262,27 @@ def run_compare(
     options: ReplayOptions,
     tracer: trace.Tracer | None,
 ) -> int:
-    """``replay --compare``: one table row per pipeline."""
+    """``replay --compare``: one table row per pipeline (their stores under one ``--store``,
+    else under one temporary directory removed at the end unless ``--keep-store``)."""
+    with store_root(options) as store_dir:
+        code = _compare_into(store_dir.path, transcript, setup, options, tracer)
+        if store_dir.temporary and store_dir.kept:
+            # the cost table names no path: say where --keep-store kept the results (on
+            # stderr, so --json output stays JSON lines)
+            shown = terminal_safe(str(store_dir.path.absolute()))
+            print(f"sluicegate: persisted results kept in {shown}", file=sys.stderr)
+        return code
+
+
+def _compare_into(
+    store: Path,
+    transcript: Transcript,
+    setup: CompareSetup,
+    options: ReplayOptions,
+    tracer: trace.Tracer | None,
+) -> int:
     import pipeline._cli.compare as compare
 
-    store = store_root(options)
     session_id = session_id_for(transcript)
     policies = ToolPolicies.claude_code(cap=options.per_tool_chars)
     current = ""

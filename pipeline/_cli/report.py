@@ -16,6 +16,7 @@ from pipeline.transcript import Transcript
 
 __all__ = [
     "ESTIMATORS",
+    "REMOVED_WITH_TEMPORARY_STORE",
     "JsonOutput",
     "Output",
     "Progress",
@@ -23,6 +24,11 @@ __all__ = [
     "TableOutput",
     "transcript_info",
 ]
+
+REMOVED_WITH_TEMPORARY_STORE = (
+    "removed with the temporary store (use --keep-store or --store DIR to keep them)"
+)
+"""What the table says of persisted results whose temporary store the command removes."""
 
 ESTIMATORS = ("default", "reference")
 """The estimators a replay measures side by side (keys of ``CallResult.observations``)."""
@@ -60,9 +66,16 @@ class ReplaySummary:
     transcript does not record them)."""
     transcript: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What the loader read besides the messages (see :func:`transcript_info`)."""
+    store_kept: bool = True
+    """Whether ``store`` is still there after the command: False for a temporary store
+    removed at the end (no ``--keep-store``), whose persisted paths then no longer exist."""
+
+    story: Story = dataclasses.field(default_factory=lambda: Story())
+    """The decisions in plain words, for the table's end."""
 
     def add(self, result: CallResult, request_chars: int) -> None:
         """Count one call."""
+        self.story.add(result)
         self.calls += 1
         if result.request_tokens is not None:
             self.request_tokens = result.request_tokens
@@ -132,6 +145,7 @@ class ReplaySummary:
             "per_message_chars": self.per_message_chars,
             "per_tool_chars": self.per_tool_chars,
             "store": str(self.store),
+            "store_kept": self.store_kept,
         }
 
 
@@ -308,12 +322,85 @@ class TableOutput:
                 "counted in the estimates"
             )
         lines += _transcript_lines(s.transcript)
+        lines += s.story.lines()
         lines.append(
             f"limits: {s.per_message_chars:,} chars per message, {s.per_tool_chars:,} per tool"
         )
-        lines.append(f"persisted results: {terminal_safe(str(self.results_dir))}")
+        if s.store_kept:
+            lines.append(f"persisted results: {terminal_safe(str(self.results_dir))}")
+        else:  # the directory is gone by the time this is read: do not point at it
+            lines.append(f"persisted results: {REMOVED_WITH_TEMPORARY_STORE}")
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
+
+
+_STORY_LINES = 12
+
+
+def _k(chars: float) -> str:
+    return f"{chars / 1000:,.0f}K" if chars >= 1000 else f"{chars:,.0f}"
+
+
+class Story:
+    """What the stages did, in plain words: one line per call that persisted something."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._more = 0
+        self._reapplied = 0
+
+    def add(self, result: CallResult) -> None:
+        """Tell one call."""
+        self._reapplied += result.reapplied
+        said = _tell(result)
+        if not said:
+            return
+        if len(self._lines) < _STORY_LINES:
+            self._lines.append(f"  call {result.call.number}: {said}")
+        else:
+            self._more += 1
+
+    def lines(self) -> list[str]:
+        """The story's lines (none when nothing was persisted or re-applied)."""
+        if not self._lines:
+            return []
+        out = ["what happened:", *self._lines]
+        if self._more:
+            out.append(f"  ... and {self._more} more calls that persisted results")
+        if self._reapplied:
+            out.append(
+                f"  each later request re-applied the earlier replacements byte for byte "
+                f"({self._reapplied:,} in all), so the cached prompt prefix never changed"
+            )
+        return out
+
+
+def _tell(result: CallResult) -> str:
+    """One call's persisted results in a sentence (empty when it persisted none)."""
+    parts: list[str] = []
+    by_message = [p for p in result.persisted if p.reason == "per_message"]
+    if by_message:
+        first = by_message[0]
+        count = len(by_message)
+        together = f"{first.group_results} results, {_k(first.group_chars or 0)} chars together"
+        budget = _k(first.limit or 0)
+        parts.append(
+            f"{together}, over the {budget} per-message budget: the {count} largest "
+            f"{'was' if count == 1 else 'were'} saved to disk"
+        )
+    for p in result.persisted:
+        if p.reason == "per_message":
+            continue
+        tool = terminal_safe(p.tool_name or "tool")
+        limit = f" ({_k(p.limit)})" if p.limit is not None else ""
+        parts.append(
+            f"a {tool} result of {_k(p.chars)} chars, over its per-tool limit{limit}: saved to "
+            "disk as it arrived"
+        )
+    if not parts:
+        return ""
+    each = "each" if len(result.persisted) > 1 else "it"
+    return "; ".join(parts) + f"; the model sees a ~2K preview of {each} and the file's path"
 
 
 def transcript_info(transcript: Transcript) -> dict[str, Any]:

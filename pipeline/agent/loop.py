@@ -20,6 +20,7 @@ import anyio
 import anyio.to_thread
 from anthropic.types import MessageParam, ToolParam
 from opentelemetry.trace import Status, StatusCode
+from structlog.contextvars import bound_contextvars
 
 from pipeline.agent.repair import INTERRUPTED_RESULT, repair_pairing
 from pipeline.agent.response import message_from_response
@@ -37,7 +38,15 @@ from pipeline.replacement import ReplacementState, decided_in
 from pipeline.storage import FileToolResultStore
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
-from pipeline.tracing import ATTR, SPAN_AGENT_TURN, SPAN_TOOL_EXECUTE, Decision, tool_span_name
+from pipeline.tracing import (
+    ATTR,
+    SPAN_AGENT_INVOKE,
+    SPAN_AGENT_TURN,
+    SPAN_TOOL_EXECUTE,
+    Decision,
+    agent_span_name,
+    tool_span_name,
+)
 from pipeline.transcript import TranscriptWriter, load_transcript
 from pipeline.wire import WireCache
 
@@ -52,6 +61,10 @@ def store_root_of(transcript_path: str | os.PathLike[str], session_id: str) -> P
     ``ROOT/<session_id>/transcript.jsonl`` (wherever the caller stands), else ``.sluicegate``."""
     beside = Path(transcript_path).resolve().parent
     return beside.parent if beside.name == session_id else Path(".sluicegate")
+
+
+AGENT_NAME = "sluicegate"
+"""``gen_ai.agent.name`` of the agent loop's spans."""
 
 
 class Agent:
@@ -187,7 +200,29 @@ class Agent:
         return [t.definition for t in self.tools.values()]
 
     async def run(self, prompt: str | None = None) -> AgentResult:
-        """Add ``prompt`` (if any) and loop until ``end_turn``, ``max_turns`` or cancellation."""
+        """Add ``prompt`` (if any) and loop until ``end_turn``, ``max_turns`` or cancellation.
+
+        Traced as one GenAI ``invoke_agent sluicegate`` span, the turns its children."""
+        ctx = self.ctx
+        with ctx.tracer.start_as_current_span(
+            agent_span_name(AGENT_NAME),
+            attributes={
+                ATTR.CONVERSATION_ID: ctx.session_id,
+                ATTR.OPERATION_NAME: SPAN_AGENT_INVOKE,
+                ATTR.AGENT_NAME: AGENT_NAME,
+                ATTR.PROVIDER_NAME: "anthropic",
+                ATTR.REQUEST_MODEL: self.model,
+            },
+            record_exception=False,  # exception text may quote content
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                return await self._run(prompt)
+            except BaseException as exc:
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                raise
+
+    async def _run(self, prompt: str | None) -> AgentResult:
         if prompt is not None:
             await self._record([Message.user(prompt, timestamp=now_timestamp())])
         stop_reason = "max_turns"
@@ -209,12 +244,16 @@ class Agent:
     async def turn(self) -> Message:
         """One model call and the tool calls it asks for. Returns the assistant message."""
         ctx = self.ctx
-        with ctx.tracer.start_as_current_span(
-            SPAN_AGENT_TURN,
-            attributes={ATTR.CONVERSATION_ID: ctx.session_id, ATTR.REQUEST_MODEL: self.model},
-            record_exception=False,  # exception text may quote content: status set by hand
-            set_status_on_exception=False,
-        ) as span:
+        ctx.call = self.turns_done  # every span of this turn's pass carries it, every log line
+        with (
+            bound_contextvars(call=self.turns_done),
+            ctx.tracer.start_as_current_span(
+                SPAN_AGENT_TURN,
+                attributes={**ctx.span_attributes(), ATTR.REQUEST_MODEL: self.model},
+                record_exception=False,  # exception text may quote content: status set by hand
+                set_status_on_exception=False,
+            ) as span,
+        ):
             ctx.token_tracker.set_request(system=self.system, tools=self.tool_definitions)
             projected = await self.pipeline.run(self.history, ctx)
             request = self._wire.to_api(projected)
@@ -252,8 +291,9 @@ class Agent:
                 path = calibration_path_for(ctx.root, ctx.session_id, ctx.agent_id)
                 await anyio.to_thread.run_sync(ctx.token_tracker.save, path)
             span.set_attribute(ATTR.RESPONSE_ID, message_id)
-            span.set_attribute(ATTR.USAGE_INPUT_TOKENS, usage.input_side)
-            span.set_attribute(ATTR.USAGE_OUTPUT_TOKENS, usage.output_tokens)
+            # the SDK's own client span reports the GenAI usage: not repeated here (a backend
+            # would count the cost twice); the context size it measured is ours to report
+            span.set_attribute(ATTR.INPUT_SIDE_TOKENS, usage.input_side)
             await self._record([message])
             tool_uses = [b for b in message.blocks if b.get("type") == "tool_use"]
             gated: list[GatedResult] = []
@@ -374,12 +414,14 @@ class Agent:
         with ctx.tracer.start_as_current_span(
             tool_span_name(name),
             attributes={
-                ATTR.CONVERSATION_ID: ctx.session_id,
+                **ctx.span_attributes(),
                 ATTR.OPERATION_NAME: SPAN_TOOL_EXECUTE,
                 ATTR.TOOL_NAME: name,
                 ATTR.TOOL_CALL_ID: tool_use_id,
+                ATTR.TOOL_TYPE: "function",
             },
         ) as span:
+            ctx.remember_tool_span(tool_use_id, span)
             block: Block = {"type": "tool_result", "tool_use_id": tool_use_id}
             t = self.tools.get(name)
             tool_input = tool_use.get("input")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline, Stage
 from pipeline.messages import Message
-from pipeline.tracing import get_tracer
+from pipeline.tracing import ATTR, decision_span_name, get_tracer
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
@@ -104,7 +104,7 @@ class SpanRecorder:
         spans = SpanRecorder()
         ctx = SessionContext("s1", tmp_path, tracer=spans.tracer)
         ...
-        [decision] = spans.named("tool_result_budget.decision")
+        [decision] = spans.decisions("tool_result_budget")
     """
 
     def __init__(self) -> None:
@@ -139,6 +139,22 @@ class SpanRecorder:
     def attributes(self, name: str) -> list[Mapping[str, Any]]:
         """The attributes of every finished span called ``name``."""
         return [dict(s.attributes or {}) for s in self.named(name)]
+
+    def decisions(self, stage: str) -> list[ReadableSpan]:
+        """The decision spans of ``stage`` (``<stage>.<decision>``, whatever the decision), in
+        the order they ended."""
+        found = []
+        for s in self.spans:
+            attrs = s.attributes or {}
+            decision = attrs.get(ATTR.DECISION)
+            named = isinstance(decision, str) and s.name == decision_span_name(stage, decision)
+            if named and attrs.get(ATTR.STAGE) == stage:
+                found.append(s)
+        return found
+
+    def decision_attributes(self, stage: str) -> list[Mapping[str, Any]]:
+        """The attributes of :meth:`decisions`."""
+        return [dict(s.attributes or {}) for s in SpanRecorder.decisions(self, stage)]
 
     def clear(self) -> None:
         """Forget the spans recorded so far."""

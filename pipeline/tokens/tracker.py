@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from pipeline.logs import get_logger
 from pipeline.messages import MAX_TOKENS, Message, Usage
 from pipeline.tokens.anchor import find_anchor
 from pipeline.tokens.calibrated import CalibratedEstimator
@@ -42,7 +43,6 @@ from pipeline.tokens.checks import (
 from pipeline.tokens.reference import ReferenceEstimator
 from pipeline.tokens.request import RequestOverhead
 from pipeline.tokens.stats import BIG_GROWTH, ErrorStats, EstimateDetail, Observation
-from pipeline.tracing import get_logger
 from pipeline.wire import to_api
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here

@@ -1,0 +1,423 @@
+"""Retention for long-lived stores: remove persisted tool results by age, then by total size.
+
+A store that lives for weeks (the proxy's, an agent's ``.sluicegate``) only grows: every
+oversized tool result of every session stays under ``<root>/<session>/tool-results/``.
+:func:`prune_store` removes the old ones.
+
+What it may remove is narrow on purpose: regular files directly inside a real (not symlinked)
+``<root>/<session>/tool-results/`` directory whose names are the names
+:class:`~pipeline.storage.FileToolResultStore` gives persisted results (``<id>.txt``,
+``<id>.json``, ``unsafe.<sha256>.<ext>``, and their ``.<12 hex>`` content-named variants).
+A writer's temp file (``.tmp-*``), a transcript, ``decisions.jsonl``, a lock, anything else
+anyone put there, and whatever a symlink points at are never touched. Then each
+``tool-results`` directory it emptied is removed, and its session directory if that is empty
+too: a session directory holding anything else stays.
+
+Pruning is a policy decision only the user can make. A persisted file is what a replacement
+in some conversation points at: the model may read it back at any later turn, for as long as
+that conversation goes on (or is resumed). Once it is removed, such a read fails. Choose an
+age past which no session you still use refers back (the sessions' own life span, not the
+files'), and a size bound that leaves room for what live sessions persisted recently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import functools
+import math
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+import anyio
+import anyio.to_thread
+
+from pipeline.storage import TOOL_RESULTS_SUBDIR, safe_file_stem, validate_session_id
+
+__all__ = ["PruneReport", "PrunedFile", "is_persisted_name", "prune_periodically", "prune_store"]
+
+# <stem>[.<12 hex of the content's sha256>].<txt|json>, the stem an id safe as it is or
+# unsafe.<sha256 hex> (see pipeline.storage); a temp file starts with "." and never matches
+_PERSISTED_NAME = re.compile(
+    r"(?P<stem>unsafe\.[0-9a-f]{64}|[A-Za-z0-9_-]{1,128})(?:\.[0-9a-f]{12})?\.(?:txt|json)"
+)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def is_persisted_name(name: str) -> bool:
+    """Whether ``name`` is a name :class:`~pipeline.storage.FileToolResultStore` gives a
+    persisted result (a temp file's, a Windows device name's, or any other name is not)."""
+    match = _PERSISTED_NAME.fullmatch(name)
+    if match is None:
+        return False
+    stem = match["stem"]
+    # a stem the store would have hashed (CON, nul, ...) was never written under that name
+    return stem.startswith("unsafe.") or safe_file_stem(stem) == stem
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrunedFile:
+    """One persisted result removed (or, in a dry run, that would be)."""
+
+    path: Path
+    size: int
+    mtime: float
+    """Modification time (POSIX seconds) when it was looked at."""
+    reason: Literal["age", "size"]
+    """``age``: older than ``max_age``; ``size``: among the oldest over ``max_bytes``."""
+
+
+@dataclasses.dataclass(slots=True)
+class PruneReport:
+    """What :func:`prune_store` removed (in a dry run: would remove) and what is left."""
+
+    root: Path
+    dry_run: bool
+    removed: list[PrunedFile] = dataclasses.field(default_factory=list)
+    removed_dirs: list[Path] = dataclasses.field(default_factory=list)
+    """``tool-results`` and session directories removed once empty."""
+    kept_files: int = 0
+    """Persisted results left in place."""
+    kept_bytes: int = 0
+    vanished: int = 0
+    """Files chosen for removal that were already gone (another prune, a user): not errors."""
+    errors: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
+    """Files or directories that could not be removed or read, and why."""
+
+    @property
+    def removed_count(self) -> int:
+        """How many persisted results were removed."""
+        return len(self.removed)
+
+    @property
+    def removed_bytes(self) -> int:
+        """Their total size in bytes."""
+        return sum(f.size for f in self.removed)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as plain JSON values (paths as strings)."""
+        return {
+            "store": str(self.root),
+            "dry_run": self.dry_run,
+            "removed_files": self.removed_count,
+            "removed_bytes": self.removed_bytes,
+            "removed_by_age": sum(1 for f in self.removed if f.reason == "age"),
+            "removed_by_size": sum(1 for f in self.removed if f.reason == "size"),
+            "removed_dirs": [str(d) for d in self.removed_dirs],
+            "kept_files": self.kept_files,
+            "kept_bytes": self.kept_bytes,
+            "vanished": self.vanished,
+            "errors": [{"path": str(p), "error": e} for p, e in self.errors],
+            "files": [
+                {"path": str(f.path), "bytes": f.size, "mtime": f.mtime, "reason": f.reason}
+                for f in self.removed
+            ],
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Found:
+    session: str
+    name: str
+    size: int
+    mtime: float
+    identity: tuple[int, int]
+    """(st_dev, st_ino) when scanned: a file swapped in under the name since is not removed."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Session:
+    name: str
+    entries: set[str]
+    """Every name in the session directory."""
+    results: set[str]
+    """Every name in its ``tool-results`` directory (temp and foreign files included)."""
+
+
+def prune_store(
+    root: str | os.PathLike[str],
+    *,
+    max_age: timedelta | None = None,
+    max_bytes: int | None = None,
+    now: datetime | None = None,
+    dry_run: bool = False,
+) -> PruneReport:
+    """Remove persisted tool results under ``root``: those last modified more than
+    ``max_age`` before ``now``, then the oldest (by modification time) of the rest until
+    they total at most ``max_bytes``. Then remove each ``tool-results`` directory this
+    emptied, and its session directory if nothing else is in it.
+
+    Only files :class:`~pipeline.storage.FileToolResultStore` names as persisted results, in
+    real ``<root>/<session>/tool-results/`` directories, are ever looked at: see the module
+    docstring. ``max_bytes`` bounds those files only (transcripts and other files are neither
+    counted nor removed). ``dry_run``: remove nothing, report what would go.
+
+    **Whether a file may go is the caller's call.** A persisted file is referenced by the
+    replacement the model saw in its conversation, and the model may read it back at any
+    later turn of a session that is still going on (or is resumed): pruning it makes that
+    read fail. This function cannot know which sessions are still in use; pass an age past
+    which none of yours refers back, and a size bound that leaves room for recent results.
+
+    A missing ``root`` is an empty store (nothing to prune). A file that vanishes meanwhile
+    is counted in :attr:`PruneReport.vanished`, never raised; other errors on single files
+    or directories are collected in :attr:`PruneReport.errors`. Raises ``ValueError`` for
+    no or negative limits, ``NotADirectoryError`` when ``root`` is not a directory, and
+    ``OSError`` when ``root`` cannot be read. Blocking file I/O: from async code, call it in
+    a worker thread. POSIX only (removals are made relative to directory descriptors, so a
+    directory swapped for a symlink during the prune cannot redirect them).
+    """
+    _check_limits(max_age, max_bytes)
+    root_path = Path(root)
+    report = PruneReport(root_path, dry_run)
+    now_ts = now.timestamp() if now is not None else time.time()
+    try:
+        # the root is the caller's choice of directory, a symlink to one included; nothing
+        # below it is followed
+        root_fd = os.open(root_path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    except FileNotFoundError:
+        return report
+    except NotADirectoryError:
+        raise NotADirectoryError(
+            errno.ENOTDIR, "store root is not a directory", str(root)
+        ) from None
+    try:
+        sessions, found = _scan(root_path, root_fd, report)
+        doomed = _choose(found, max_age, max_bytes, now_ts)
+        kept = [f for f in found if (f.session, f.name) not in doomed]
+        report.kept_files = len(kept)
+        report.kept_bytes = sum(f.size for f in kept)
+        by_session: dict[str, list[tuple[_Found, Literal["age", "size"]]]] = {}
+        for f in found:
+            reason = doomed.get((f.session, f.name))
+            if reason is not None:
+                by_session.setdefault(f.session, []).append((f, reason))
+        for session in sorted(by_session):
+            _remove_session_files(
+                root_path, root_fd, sessions[session], by_session[session], report
+            )
+    finally:
+        os.close(root_fd)
+    return report
+
+
+async def prune_periodically(
+    root: str | os.PathLike[str],
+    *,
+    interval: float,
+    max_age: timedelta | None = None,
+    max_bytes: int | None = None,
+    on_report: Callable[[PruneReport], None] | None = None,
+    on_error: Callable[[Exception], None] | None = None,
+) -> NoReturn:
+    """:func:`prune_store` every ``interval`` seconds, until cancelled (for a long-lived
+    process such as the proxy; the same caution about live sessions applies).
+
+    The first prune is one ``interval`` after the start: prune at start-up by calling
+    :func:`prune_store` first. Each prune runs in a worker thread; its report goes to
+    ``on_report``. An error (the root unreadable, say) goes to ``on_error`` and the next
+    prune is tried an interval later: this never raises but for bad arguments
+    (``ValueError``, at once).
+    """
+    if not (math.isfinite(interval) and interval > 0):
+        raise ValueError(f"interval must be a positive number of seconds, got {interval}")
+    _check_limits(max_age, max_bytes)
+    prune = functools.partial(prune_store, root, max_age=max_age, max_bytes=max_bytes)
+    while True:
+        await anyio.sleep(interval)
+        try:
+            report = await anyio.to_thread.run_sync(prune)
+        except Exception as exc:  # a background task that raised would stop its host
+            if on_error is not None:
+                on_error(exc)
+            continue
+        if on_report is not None:
+            on_report(report)
+
+
+def _check_limits(max_age: timedelta | None, max_bytes: int | None) -> None:
+    if max_age is None and max_bytes is None:
+        raise ValueError("give max_age or max_bytes (or both): nothing to prune by")
+    if max_age is not None and max_age < timedelta(0):
+        raise ValueError(f"max_age must not be negative, got {max_age}")
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must not be negative, got {max_bytes}")
+
+
+def _scan(
+    root: Path, root_fd: int, report: PruneReport
+) -> tuple[dict[str, _Session], list[_Found]]:
+    """Every persisted result under the root, and what each session directory holds."""
+    sessions: dict[str, _Session] = {}
+    found: list[_Found] = []
+    for session in sorted(_listdir(root_fd, root, report)):
+        try:
+            validate_session_id(session)
+        except ValueError:
+            continue  # not a name the store gives a session directory
+        with _open_dir(root, root_fd, session, report) as session_fd:
+            if session_fd is None:
+                continue
+            entries = set(_listdir(session_fd, root / session, report))
+            if TOOL_RESULTS_SUBDIR not in entries:
+                continue
+            where = root / session / TOOL_RESULTS_SUBDIR
+            with _open_dir(where.parent, session_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
+                if results_fd is None:
+                    continue
+                results = set(_listdir(results_fd, where, report))
+                sessions[session] = _Session(session, entries, results)
+                for name in sorted(results):
+                    if not is_persisted_name(name):
+                        continue
+                    st = _lstat(results_fd, where, name, report)
+                    if st is None or not stat.S_ISREG(st.st_mode) or not _owned(st):
+                        continue  # a symlink, a directory, another user's file: not ours
+                    found.append(
+                        _Found(session, name, st.st_size, st.st_mtime, (st.st_dev, st.st_ino))
+                    )
+    return sessions, found
+
+
+def _choose(
+    found: list[_Found], max_age: timedelta | None, max_bytes: int | None, now: float
+) -> dict[tuple[str, str], Literal["age", "size"]]:
+    """(session, name) → why, of each file to remove."""
+    doomed: dict[tuple[str, str], Literal["age", "size"]] = {}
+    rest = found
+    if max_age is not None:
+        cutoff = now - max_age.total_seconds()
+        for f in found:
+            if f.mtime < cutoff:
+                doomed[f.session, f.name] = "age"
+        rest = [f for f in found if (f.session, f.name) not in doomed]
+    if max_bytes is not None:
+        total = sum(f.size for f in rest)
+        # oldest first; the name breaks ties so the same store always loses the same files
+        for f in sorted(rest, key=lambda f: (f.mtime, f.session, f.name)):
+            if total <= max_bytes:
+                break
+            doomed[f.session, f.name] = "size"
+            total -= f.size
+    return doomed
+
+
+def _remove_session_files(
+    root: Path,
+    root_fd: int,
+    session: _Session,
+    victims: list[tuple[_Found, Literal["age", "size"]]],
+    report: PruneReport,
+) -> None:
+    """Remove one session's chosen files, then the directories that leaves empty."""
+    where = root / session.name / TOOL_RESULTS_SUBDIR
+    gone: set[str] = set()
+    with _open_dir(root, root_fd, session.name, report) as session_fd:
+        if session_fd is None:
+            report.vanished += len(victims)
+            return
+        with _open_dir(where.parent, session_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
+            if results_fd is None:
+                report.vanished += len(victims)
+                return
+            for f, reason in victims:
+                outcome = _remove_file(results_fd, where, f, report)
+                if outcome == "removed":
+                    report.removed.append(PrunedFile(where / f.name, f.size, f.mtime, reason))
+                if outcome != "kept":
+                    gone.add(f.name)
+        if session.results - gone:
+            return  # anything else there (a temp file in flight, a foreign file) stays
+        if not _remove_dir(session_fd, where.parent, TOOL_RESULTS_SUBDIR, report):
+            return
+        if session.entries - {TOOL_RESULTS_SUBDIR}:
+            return
+    _remove_dir(root_fd, root, session.name, report)
+
+
+def _remove_file(
+    dir_fd: int, where: Path, f: _Found, report: PruneReport
+) -> Literal["removed", "vanished", "kept"]:
+    """Unlink ``f`` if the name still holds the file scanned (in a dry run: say it would)."""
+    try:
+        st = os.stat(f.name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != f.identity:
+            return "kept"  # replaced since the scan: not the file that was chosen
+        if not report.dry_run:
+            # unlink never follows a symlink, and relative to the descriptor of the directory
+            # scanned, a directory swapped for a symlink since cannot redirect it
+            os.unlink(f.name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        report.vanished += 1
+        return "vanished"
+    except OSError as exc:
+        report.errors.append((where / f.name, exc.strerror or str(exc)))
+        return "kept"
+    return "removed"
+
+
+def _remove_dir(parent_fd: int, parent: Path, name: str, report: PruneReport) -> bool:
+    """rmdir ``name`` if empty; whether it was (or, in a dry run, would be) removed."""
+    path = parent / name
+    if not report.dry_run:
+        try:
+            os.rmdir(name, dir_fd=parent_fd)
+        except OSError:
+            # not empty after all (a writer persisted meanwhile), or gone: both fine
+            return False
+    report.removed_dirs.append(path)
+    return True
+
+
+@contextlib.contextmanager
+def _open_dir(parent: Path, parent_fd: int, name: str, report: PruneReport) -> Iterator[int | None]:
+    """A descriptor of the real directory ``name`` in ``parent`` (None: missing, a symlink or
+    not a directory), closed on exit."""
+    flags = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=parent_fd)
+    except OSError as exc:
+        # ELOOP/ENOTDIR: a symlink or a file where a directory is expected, never followed
+        if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            report.errors.append((parent / name, exc.strerror or str(exc)))
+        yield None
+        return
+    try:
+        st = os.fstat(fd)
+        yield fd if stat.S_ISDIR(st.st_mode) and _owned(st) else None
+    finally:
+        os.close(fd)
+
+
+def _listdir(fd: int, where: Path, report: PruneReport) -> list[str]:
+    try:
+        return os.listdir(fd)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        report.errors.append((where, exc.strerror or str(exc)))
+        return []
+
+
+def _lstat(dir_fd: int, where: Path, name: str, report: PruneReport) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        report.errors.append((where / name, exc.strerror or str(exc)))
+        return None
+
+
+def _owned(st: os.stat_result) -> bool:
+    # the store only writes (and trusts) what this user owns; another user's file was not
+    # written by it
+    return not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
