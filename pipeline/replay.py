@@ -31,7 +31,7 @@ from pipeline.messages import Message, Usage
 from pipeline.pairing import PairingProblem
 from pipeline.recorded import RecordedRequest
 from pipeline.tokens import Observation, TokenTracker
-from pipeline.tracing import ATTR, SPAN_REPLAY_CALL
+from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute
 from pipeline.wire import WireCache, request_chars
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
@@ -197,7 +197,10 @@ async def replay_messages(
                 SPAN_REPLAY_CALL,
                 context=otel_context.Context(),
                 links=[trace.Link(session)] if session.is_valid else (),
-                attributes={**ctx.span_attributes(), ATTR.RESPONSE_ID: call.message_id},
+                attributes={
+                    **ctx.span_attributes(),
+                    ATTR.RESPONSE_ID: bounded_attribute(call.message_id),
+                },
             ),
         ):
             projected = await pipeline.run(sent, ctx)

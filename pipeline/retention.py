@@ -130,8 +130,9 @@ class _Found:
     name: str
     size: int
     mtime: float
-    identity: tuple[int, int]
-    """(st_dev, st_ino) when scanned: a file swapped in under the name since is not removed."""
+    identity: tuple[int, ...]
+    """What the file was when scanned (device, inode, ctime, mtime, size): a file written
+    under the name since -- a freed inode number is reused at once -- is not removed."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -150,6 +151,7 @@ def prune_store(
     max_bytes: int | None = None,
     now: datetime | None = None,
     dry_run: bool = False,
+    remove_empty_dirs: bool = True,
 ) -> PruneReport:
     """Remove persisted tool results under ``root``: those last modified more than
     ``max_age`` before ``now``, then the oldest (by modification time) of the rest until
@@ -160,6 +162,8 @@ def prune_store(
     real ``<root>/<session>/tool-results/`` directories, are ever looked at: see the module
     docstring. ``max_bytes`` bounds those files only (transcripts and other files are neither
     counted nor removed). ``dry_run``: remove nothing, report what would go.
+    ``remove_empty_dirs=False`` leaves the directories in place: beside live sessions (the
+    proxy's periodic prune) removing one could race a persist that just made it.
 
     **Whether a file may go is the caller's call.** A persisted file is referenced by the
     replacement the model saw in its conversation, and the model may read it back at any
@@ -202,7 +206,12 @@ def prune_store(
                 by_session.setdefault(f.session, []).append((f, reason))
         for session in sorted(by_session):
             _remove_session_files(
-                root_path, root_fd, sessions[session], by_session[session], report
+                root_path,
+                root_fd,
+                sessions[session],
+                by_session[session],
+                report,
+                remove_empty_dirs=remove_empty_dirs,
             )
     finally:
         os.close(root_fd)
@@ -222,7 +231,8 @@ async def prune_periodically(
     process such as the proxy; the same caution about live sessions applies).
 
     The first prune is one ``interval`` after the start: prune at start-up by calling
-    :func:`prune_store` first. Each prune runs in a worker thread; its report goes to
+    :func:`prune_store` first. It leaves empty directories in place (a live session may be
+    about to write into one). Each prune runs in a worker thread; its report goes to
     ``on_report``. An error (the root unreadable, say) goes to ``on_error`` and the next
     prune is tried an interval later: this never raises but for bad arguments
     (``ValueError``, at once).
@@ -230,7 +240,9 @@ async def prune_periodically(
     if not (math.isfinite(interval) and interval > 0):
         raise ValueError(f"interval must be a positive number of seconds, got {interval}")
     _check_limits(max_age, max_bytes)
-    prune = functools.partial(prune_store, root, max_age=max_age, max_bytes=max_bytes)
+    prune = functools.partial(
+        prune_store, root, max_age=max_age, max_bytes=max_bytes, remove_empty_dirs=False
+    )
     while True:
         await anyio.sleep(interval)
         try:
@@ -281,9 +293,7 @@ def _scan(
                     st = _lstat(results_fd, where, name, report)
                     if st is None or not stat.S_ISREG(st.st_mode) or not _owned(st):
                         continue  # a symlink, a directory, another user's file: not ours
-                    found.append(
-                        _Found(session, name, st.st_size, st.st_mtime, (st.st_dev, st.st_ino))
-                    )
+                    found.append(_Found(session, name, st.st_size, st.st_mtime, _identity(st)))
     return sessions, found
 
 
@@ -316,6 +326,8 @@ def _remove_session_files(
     session: _Session,
     victims: list[tuple[_Found, Literal["age", "size"]]],
     report: PruneReport,
+    *,
+    remove_empty_dirs: bool = True,
 ) -> None:
     """Remove one session's chosen files, then the directories that leaves empty."""
     where = root / session.name / TOOL_RESULTS_SUBDIR
@@ -334,7 +346,7 @@ def _remove_session_files(
                     report.removed.append(PrunedFile(where / f.name, f.size, f.mtime, reason))
                 if outcome != "kept":
                     gone.add(f.name)
-        if session.results - gone:
+        if not remove_empty_dirs or session.results - gone:
             return  # anything else there (a temp file in flight, a foreign file) stays
         if not _remove_dir(session_fd, where.parent, TOOL_RESULTS_SUBDIR, report):
             return
@@ -343,13 +355,17 @@ def _remove_session_files(
     _remove_dir(root_fd, root, session.name, report)
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size)
+
+
 def _remove_file(
     dir_fd: int, where: Path, f: _Found, report: PruneReport
 ) -> Literal["removed", "vanished", "kept"]:
     """Unlink ``f`` if the name still holds the file scanned (in a dry run: say it would)."""
     try:
         st = os.stat(f.name, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != f.identity:
+        if not stat.S_ISREG(st.st_mode) or _identity(st) != f.identity:
             return "kept"  # replaced since the scan: not the file that was chosen
         if not report.dry_run:
             # unlink never follows a symlink, and relative to the descriptor of the directory

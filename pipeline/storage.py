@@ -233,7 +233,8 @@ class FileToolResultStore:
       user; group and other permission bits found on them are removed (0777 becomes 0700).
       A symlink, a non-directory or another user's directory fails the persist
       (:class:`StoreError`).
-    - A file already under the result's name is reused, byte for byte and unchanged, only
+    - A file already under the result's name is reused, byte for byte (its modification time
+      refreshed, so that retention counts from the last use), only
       when it is a regular file owned by this user, has no other hard link (apart from the
       temp-file name of a writer that has linked it and not yet removed that name) and
       holds exactly the bytes being persisted. Any other file there (different content, a
@@ -328,6 +329,10 @@ class FileToolResultStore:
     def _place(self, ops: FileOps, target: Path, data: bytes) -> bool:
         """Make ``target`` hold ``data``: True when it does, False when another file is there."""
         held = _holds(ops, target, data)
+        if held:
+            # reused: retention counts age from the last use, not the first write
+            with contextlib.suppress(OSError):
+                os.utime(target, follow_symlinks=False)
         if held is not None:
             return held
         tmp, fd = _open_temp(ops, target)

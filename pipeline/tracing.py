@@ -40,6 +40,7 @@ __all__ = [
     "Reason",
     "add_trace_ids",
     "agent_span_name",
+    "bounded_attribute",
     "decision_span_name",
     "emit_decision",
     "get_logger",
@@ -95,7 +96,19 @@ def agent_span_name(agent_name: str) -> str:
 
 def tool_span_name(tool_name: str) -> str:
     """The span of one tool execution (GenAI convention): ``execute_tool <name>``."""
-    return f"{SPAN_TOOL_EXECUTE} {tool_name}"
+    return f"{SPAN_TOOL_EXECUTE} {bounded_attribute(tool_name)}"
+
+
+MAX_ATTRIBUTE_CHARS = 256
+"""Longest id or name a span carries: ids and tool names come from outside (a transcript, a
+model's response) and a megabyte one must not become a megabyte attribute."""
+
+
+def bounded_attribute(value: str) -> str:
+    """``value`` cut to :data:`MAX_ATTRIBUTE_CHARS` (an ellipsis marks the cut)."""
+    if len(value) <= MAX_ATTRIBUTE_CHARS:
+        return value
+    return value[: MAX_ATTRIBUTE_CHARS - 1] + "…"
 
 
 # -- attribute keys -----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from pipeline.tracing import (
     Decision,
     GroupOutcome,
     Reason,
+    bounded_attribute,
     decision_span_name,
     span_if,
 )
@@ -370,8 +371,8 @@ class ToolResultBudget:
                 ATTR.STAGE: self.name,
                 ATTR.DECISION: str(decision),
                 ATTR.REASON: str(reason),
-                ATTR.TOOL_CALL_ID: c.tool_use_id,
-                ATTR.TOOL_NAME: c.tool_name or "",
+                ATTR.TOOL_CALL_ID: bounded_attribute(c.tool_use_id),
+                ATTR.TOOL_NAME: bounded_attribute(c.tool_name or ""),
                 ATTR.CHARS: c.size,
                 ATTR.LIMIT: float(limit),
                 ATTR.LIMIT_PER_TOOL: float(ctx.tool_policies.threshold(c.tool_name)),

@@ -51,3 +51,14 @@ def test_hostile_tool_names_are_escaped() -> None:
     story = Story()
     story.add(_result(0, [PersistedResult("x", "\x1b]0;PWNED\x07", 60_000, "/p", "per_tool")]))
     assert "\x1b" not in "\n".join(story.lines())
+
+
+def test_two_groups_in_one_call_get_a_clause_each() -> None:
+    a = PersistedResult("a", "t", 50_000, "/a", "per_message", 200_000.0, 5, 250_000)
+    b = PersistedResult("b", "t", 60_000, "/b", "per_message", 200_000.0, 4, 260_000)
+    c = PersistedResult("c", "t", 61_000, "/c", "per_message", 200_000.0, 4, 260_000)
+    story = Story()
+    story.add(_result(2, [a, b, c]))
+    line = story.lines()[1]
+    assert "5 results, 250K chars together" in line and "the 1 largest was saved" in line
+    assert "4 results, 260K chars together" in line and "the 2 largest were saved" in line

@@ -170,3 +170,21 @@ async def test_a_replay_is_one_trace_per_call_linked_to_the_session(tmp_path: Pa
         assert all((s.attributes or {}).get(ATTR.CALL) == number for s in members)
         assert len(members) <= 60  # small enough for a trace UI
     assert trace.get_current_span().get_span_context().is_valid is False
+
+
+@pytest.mark.asyncio
+async def test_hostile_ids_and_names_are_bounded_on_spans(tmp_path: Path) -> None:
+    long_id, long_name = "t" + "x" * 100_000, "n" * 100_000
+    history = [
+        user_text("go"),
+        assistant("m" * 100_000, tool_use(long_id, long_name), usage=Usage(10, 1)),
+        results(tool_result(long_id, "y" * 60_000)),
+        assistant("msg_2", {"type": "text", "text": "ok"}, usage=Usage(20, 1)),
+    ]
+    spans = SpanRecorder()
+    ctx = SessionContext("s-long", tmp_path, tracer=spans.tracer)
+    async for _ in replay_messages(history, Pipeline(default_stages()), ctx):
+        pass
+    longest = max(len(str(v)) for s in spans.spans for v in (s.attributes or {}).values())
+    assert longest <= 4_096  # ids and names cut at 256; a store path is the longest left
+    assert max(len(s.name) for s in spans.spans) < 300

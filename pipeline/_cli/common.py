@@ -369,6 +369,8 @@ def with_tracing(
         tracer = get_tracer(provider) if provider is not None else None
         return run(tracer, provider)
     finally:
-        if provider is not None:
-            provider.shutdown()  # flushes the batch processor
-        restore_logging()
+        try:
+            if provider is not None:
+                provider.shutdown()  # flushes the batch processor
+        finally:
+            restore_logging()

@@ -378,23 +378,24 @@ class Story:
 def _tell(result: CallResult) -> str:
     """One call's persisted results in a sentence (empty when it persisted none)."""
     parts: list[str] = []
-    by_message = [p for p in result.persisted if p.reason == "per_message"]
-    if by_message:
-        first = by_message[0]
-        count = len(by_message)
-        together = f"{first.group_results} results, {_k(first.group_chars or 0)} chars together"
-        budget = _k(first.limit or 0)
+    groups: dict[tuple[int | None, int | None, float | None], int] = {}
+    for p in result.persisted:
+        if p.reason == "per_message":  # one clause per API-level user message
+            key = (p.group_results, p.group_chars, p.limit)
+            groups[key] = groups.get(key, 0) + 1
+    for (results, chars, limit), count in groups.items():
+        together = f"{results} results, {_k(chars or 0)} chars together"
         parts.append(
-            f"{together}, over the {budget} per-message budget: the {count} largest "
+            f"{together}, over the {_k(limit or 0)} per-message budget: the {count} largest "
             f"{'was' if count == 1 else 'were'} saved to disk"
         )
     for p in result.persisted:
         if p.reason == "per_message":
             continue
         tool = terminal_safe(p.tool_name or "tool")
-        limit = f" ({_k(p.limit)})" if p.limit is not None else ""
+        shown = f" ({_k(p.limit)})" if p.limit is not None else ""
         parts.append(
-            f"a {tool} result of {_k(p.chars)} chars, over its per-tool limit{limit}: saved to "
+            f"a {tool} result of {_k(p.chars)} chars, over its per-tool limit{shown}: saved to "
             "disk as it arrived"
         )
     if not parts:

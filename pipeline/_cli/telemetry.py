@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -266,7 +267,10 @@ class ExportWatch(logging.Handler):
         if self._saved_propagate is not None:
             logger.propagate = self._saved_propagate
             self._saved_propagate = None
-        line = self.warning()
+        try:
+            line = self.warning()
+        except Exception as exc:  # a warning that cannot be built must not fail the command
+            line = f"sluicegate: warning: spans could not be exported ({type(exc).__name__})"
         if line is not None:
             print(line, file=sys.stderr)
 
@@ -292,7 +296,8 @@ class ExportWatch(logging.Handler):
             # the HTTP exporter names the error only when it has time left to retry: ask the
             # network whether the endpoint can be reached at all
             first = messages[0] if messages else "the exporter gave no reason"
-            reason = _unreachable(target.endpoint) or terminal_safe(first, limit=200)
+            shown = _without_secrets(first, target.endpoint)
+            reason = _unreachable(target.endpoint) or terminal_safe(shown, limit=200)
         port = _port_of(target.endpoint)
         var = target.protocol_var or OTLP_PROTOCOL_VARS[-1]
         hint = ""
@@ -323,11 +328,25 @@ def _port_of(endpoint: str) -> int | None:
         return None
 
 
+def _without_secrets(message: str, endpoint: str) -> str:
+    """An exporter's message with the endpoint as given (it may hold a password or a token in
+    its query) replaced by the shown one, and any other ``user:password@`` cut out."""
+    if endpoint:
+        message = message.replace(endpoint, _shown_endpoint(endpoint))
+    return _USERINFO.sub(r"\1***@", message)
+
+
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://|'|\s|^)[^\s/@'\"]+:[^\s/@'\"]*@")
+
+
 def _unreachable(endpoint: str) -> str | None:
     """Why no TCP connection to ``endpoint`` can be opened (within a second), or None when one
-    can (or the endpoint names no host)."""
-    parts = _split(endpoint)
-    port = _port_of(endpoint) or (443 if parts.scheme == "https" else 80)
+    can (or the endpoint names no host, or cannot be read as a URL)."""
+    try:
+        parts = _split(endpoint)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:
+        return terminal_safe(f"the endpoint is not a valid URL ({exc})", limit=200)
     if not parts.hostname:
         return None
     try:
@@ -342,9 +361,12 @@ def _unreachable(endpoint: str) -> str | None:
 
 
 def _shown_endpoint(endpoint: str) -> str:
-    """``endpoint`` for a message: any ``user:password@`` left out, control characters escaped."""
-    parts = _split(endpoint)
-    if "@" in parts.netloc:
-        netloc = parts.netloc.rpartition("@")[2]
-        endpoint = urlunsplit(parts._replace(netloc=netloc)).removeprefix("//")
+    """``endpoint`` for a message: any ``user:password@`` and query left out, control characters
+    escaped (an endpoint that is no valid URL is cut short)."""
+    try:
+        parts = _split(endpoint)
+    except ValueError:
+        return terminal_safe(endpoint.rpartition("@")[2], limit=100)
+    netloc = parts.netloc.rpartition("@")[2]
+    endpoint = urlunsplit(parts._replace(netloc=netloc, query="")).removeprefix("//")
     return terminal_safe(endpoint, limit=300)

@@ -45,6 +45,7 @@ from pipeline.tracing import (
     SPAN_TOOL_EXECUTE,
     Decision,
     agent_span_name,
+    bounded_attribute,
     tool_span_name,
 )
 from pipeline.transcript import TranscriptWriter, load_transcript
@@ -290,7 +291,7 @@ class Agent:
             if ctx.transcript is not None:  # resumable: keep the calibration with the session
                 path = calibration_path_for(ctx.root, ctx.session_id, ctx.agent_id)
                 await anyio.to_thread.run_sync(ctx.token_tracker.save, path)
-            span.set_attribute(ATTR.RESPONSE_ID, message_id)
+            span.set_attribute(ATTR.RESPONSE_ID, bounded_attribute(message_id))
             # the SDK's own client span reports the GenAI usage: not repeated here (a backend
             # would count the cost twice); the context size it measured is ours to report
             span.set_attribute(ATTR.INPUT_SIDE_TOKENS, usage.input_side)
@@ -416,8 +417,8 @@ class Agent:
             attributes={
                 **ctx.span_attributes(),
                 ATTR.OPERATION_NAME: SPAN_TOOL_EXECUTE,
-                ATTR.TOOL_NAME: name,
-                ATTR.TOOL_CALL_ID: tool_use_id,
+                ATTR.TOOL_NAME: bounded_attribute(name),
+                ATTR.TOOL_CALL_ID: bounded_attribute(tool_use_id),
                 ATTR.TOOL_TYPE: "function",
             },
         ) as span:
