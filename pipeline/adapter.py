@@ -12,7 +12,9 @@ and gives back the ``messages`` to send. It is the layer ``wrap`` and the proxy 
   id and usage the session observed are attached to the message that answered it.
 - **Decisions stay.** Earlier decisions are re-applied byte for byte (prefix-stable); they are
   recorded in ``<root>/<session>/decisions.jsonl`` (replacement and stage records, responses),
-  so a new process continues with the same decisions.
+  or wherever the session's ``storage`` keeps records (an object store shared by a fleet:
+  :func:`~pipeline.session_storage.open_session_state`), so a new process continues with the
+  same decisions.
 - **Cost.** Per call: one equality check per message (C-level) plus the new messages; the
   pipeline and the request building are incremental as in the agent loop.
 
@@ -36,10 +38,10 @@ from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message, Usage
 from pipeline.replacement import ReplacementState, decided_in
+from pipeline.session_storage import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.storage import validate_session_id
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
-from pipeline.transcript import TranscriptWriter, load_transcript
 from pipeline.wire import WireCache
 
 if TYPE_CHECKING:
@@ -58,7 +60,6 @@ __all__ = [
 SESSION_HEADER = "x-sluicegate-session"
 """The request header a proxy reads an explicit session id from."""
 
-DECISIONS_FILE = "decisions.jsonl"
 _RESPONSE_RECORD = "wire_session.response"
 _NAMESPACE = uuid.UUID("5b2f0e6c-3d1a-4c7e-9a41-7e0c2d9b6f13")
 _CLAUDE_CODE_SESSION = re.compile(r"_session_([0-9a-fA-F-]{36})$")
@@ -125,7 +126,10 @@ class WireSession:
     """One conversation seen at the wire (see the module docstring).
 
     ``cache_breakpoint``: for a client that sets no ``cache_control`` itself, put one on the
-    last block (a client's own breakpoints are always left alone).
+    last block (a client's own breakpoints are always left alone). ``storage``: where the
+    session's results and decisions live -- a :class:`~pipeline.session_storage.SessionStorage`
+    or a location for :func:`~pipeline.session_storage.open_session_state` (``s3://...``);
+    by default the files under ``root``. ``root`` also holds the token calibration.
     ``prepare(messages)`` gives the messages to send; ``observe(...)`` takes the response's id
     and usage (the token tracker learns from it, and the next request's answering message
     carries them). Calls of one session must not overlap (the pipeline serialises them).
@@ -138,19 +142,29 @@ class WireSession:
         pipeline: Pipeline,
         *,
         cache_breakpoint: bool = False,
+        storage: SessionStorage | str | None = None,
         **context: Any,
     ) -> None:
         self.session_id = validate_session_id(session_id)
         self.pipeline = pipeline
         self.cache_breakpoint = cache_breakpoint
-        path = Path(root) / self.session_id / DECISIONS_FILE
-        loaded = load_transcript(path, strict=False) if path.exists() else None
+        if not isinstance(storage, SessionStorage):
+            # a root is a directory, whatever it looks like: a URL must come as ``storage``
+            where = Path(root) if storage is None else storage
+            storage = open_session_state(where, self.session_id)
+        elif storage.session_id != self.session_id:
+            raise ValueError(
+                f"storage is for session {storage.session_id!r}, not {self.session_id!r}"
+            )
+        self.storage = storage
+        loaded = storage.load()
         self._calibration = calibration_path_for(root, self.session_id)
         context.setdefault("token_tracker", TokenTracker.load(self._calibration))
+        context.setdefault("store", storage.store)
         self.ctx = SessionContext(
             self.session_id,
             root,
-            transcript=TranscriptWriter(path, self.session_id),
+            transcript=storage.records,
             stage_records=loaded.stage_records if loaded is not None else (),
             **context,
         )
@@ -210,7 +224,13 @@ class WireSession:
         if usage is not None:
             data["usage"] = dict(usage)
         if self.ctx.transcript is not None:
-            self.ctx.transcript.append_stage_record(_RESPONSE_RECORD, data)
+            try:
+                self.ctx.transcript.append_stage_record(_RESPONSE_RECORD, data)
+            except OSError as exc:
+                # the response was delivered: only a new process would miss its id and usage
+                self.ctx.logger.error(
+                    "stage_record.write_failed", stage=_RESPONSE_RECORD, error=type(exc).__name__
+                )
         if parsed is not None:
             tracker = self.ctx.token_tracker
             tracker.observe(

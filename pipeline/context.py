@@ -15,6 +15,7 @@ from pipeline.incremental import ThreadStart
 from pipeline.logs import get_logger
 from pipeline.messages import Message, Usage
 from pipeline.policies import ToolPolicies
+from pipeline.records import RecordLog
 from pipeline.replacement import ReplacementState
 from pipeline.storage import FileToolResultStore, ToolResultStore, validate_session_id
 from pipeline.tokens import TokenTracker, find_anchor
@@ -26,7 +27,7 @@ from pipeline.tracing import (
     emit_decision,
     get_tracer,
 )
-from pipeline.transcript import StageRecord, TranscriptWriter
+from pipeline.transcript import StageRecord
 
 __all__ = ["PassReport", "PersistedResult", "SessionContext", "StageDecision"]
 
@@ -111,7 +112,7 @@ class SessionContext:
         store: ToolResultStore | None = None,
         replacement_state: ReplacementState | None = None,
         token_tracker: TokenTracker | None = None,
-        transcript: TranscriptWriter | None = None,
+        transcript: RecordLog | None = None,
         tool_policies: ToolPolicies | None = None,
         tracer: trace.Tracer | None = None,
         logger: Any = None,
@@ -230,9 +231,7 @@ class SessionContext:
         if self.transcript is not None:
             self.transcript.append_stage_record(stage, record.data)
 
-    def for_subagent(
-        self, agent_id: str, transcript: TranscriptWriter | None = None
-    ) -> SessionContext:
+    def for_subagent(self, agent_id: str, transcript: RecordLog | None = None) -> SessionContext:
         """A context for a sub-agent: same session, store and policies; a COPY of the ledger."""
         return SessionContext(
             self.session_id,

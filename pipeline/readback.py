@@ -14,7 +14,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +25,21 @@ from pipeline.tools import Tool
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import ToolParam
 
-__all__ = ["READBACK_TOOL_NAME", "LineReader", "PersistedOutputReader", "ReadbackError"]
+__all__ = [
+    "READBACK_DESCRIPTION",
+    "READBACK_TOOL_NAME",
+    "LineReader",
+    "PagedReader",
+    "PersistedOutputReader",
+    "ReadbackError",
+]
 
 READBACK_TOOL_NAME = "read_persisted_output"
+READBACK_DESCRIPTION = (
+    "Read a tool output that was too large to show in full and was saved to a "
+    "file (the path after 'Full output saved to:' in a <persisted-output> block)."
+)
+"""The read-back tool's description, the same whichever store holds the outputs."""
 DEFAULT_LIMIT_LINES = 2_000
 DEFAULT_MAX_CHARS = 40_000
 
@@ -97,7 +109,7 @@ def _open_regular(real: Path, path: str) -> io.BufferedReader:
         raise
 
 
-def _skip_lines(raw: io.BufferedReader, count: int) -> tuple[int, int]:
+def _skip_lines(raw: io.BufferedReader[Any], count: int) -> tuple[int, int]:
     """Skip ``count`` lines from the start of ``raw``.
 
     Returns ``(byte offset where the next line starts, lines skipped)``; fewer lines skipped
@@ -141,36 +153,27 @@ def _count_lines(text: io.TextIOWrapper) -> int:
     return ends + (1 if last not in ("", "\n", "\r") else 0)
 
 
-class LineReader:
-    """A file-reading tool confined to some directories: definition + async handler.
+class PagedReader:
+    """What every read-back tool shares: its definition, the checks on its input, and how a
+    page of lines is cut from a byte stream. A subclass says where ``path`` leads
+    (:meth:`_read`).
 
-    Reads ``limit`` lines from line ``offset`` (1-based) of a file under one of ``roots``
-    (symlinks are resolved first, so a link cannot lead outside). Never persisted
-    (``max_result_size_chars = math.inf``); ``max_chars`` bounds one call's output instead.
-
-    Memory stays bounded whatever the file: a line is read only up to what is left of
-    ``max_chars`` (a longer line is cut, and the page says so), and lines are skipped and
-    counted in fixed-size chunks. Time is not bounded the same way: an ``offset`` far into a
-    huge file costs a scan up to it, and a page that does not reach the end scans the rest of
-    the file to count its lines. A bad request of any kind raises :class:`ReadbackError` only.
+    Never persisted (``max_result_size_chars = math.inf``); ``max_chars`` bounds one call's
+    output instead. A bad request of any kind raises :class:`ReadbackError` only.
     """
 
     max_result_size_chars: float = math.inf
 
     def __init__(
         self,
-        roots: list[Path],
         *,
         name: str,
         description: str,
         default_limit: int = DEFAULT_LIMIT_LINES,
         max_chars: int = DEFAULT_MAX_CHARS,
     ) -> None:
-        if not roots:
-            raise ValueError("LineReader needs at least one root directory")
         if default_limit < 1 or max_chars < 1:
             raise ValueError("default_limit and max_chars must be >= 1")
-        self.roots = [Path(r) for r in roots]
         self.name = name
         self.description = description
         self.default_limit = default_limit
@@ -221,6 +224,88 @@ class LineReader:
                 raise ReadbackError(f"'{key}' must be an integer >= 1, got {_brief(value)}")
         return await anyio.to_thread.run_sync(self._read, path, offset, limit)
 
+    def _read(self, path: str, offset: int, limit: int) -> str:
+        """Lines ``offset``.. of what ``path`` names (blocking: runs in a worker thread)."""
+        raise NotImplementedError
+
+    def _page_at(
+        self,
+        raw: io.BufferedReader[Any],
+        offset: int,
+        limit: int,
+        count_rest: Callable[[io.TextIOWrapper, int], int],
+    ) -> str:
+        """The page of up to ``limit`` lines from line ``offset``, ``raw`` standing at that
+        line's first byte; ``count_rest(text, last)`` tells how many lines follow line ``last``
+        (``text`` stands right after it)."""
+        with io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="") as text:
+            lines: list[str] = []
+            used = 0
+            cut = at_end = False
+            while len(lines) < limit and used < self.max_chars:
+                room = self.max_chars - used
+                # one char more than fits tells a cut line from one that just fits, and
+                # a 1 GB line without a line end costs no more than this
+                line = text.readline(room + 1)
+                if not line:
+                    at_end = True
+                    break
+                if len(line) > room:
+                    lines.append(line[:room])
+                    cut = True
+                    break
+                lines.append(line)
+                used += len(line)
+            if not lines and offset > 1:
+                raise self._past_end(offset, offset - 1)
+            body = "".join(lines)
+            last = offset + len(lines) - 1
+            if cut:
+                # the rest of a long line is never read, so the total is not counted
+                return (
+                    body + f"\n[output cut at {self.max_chars} chars within line {last}; "
+                    f"the rest of that line is not shown; next: offset={last + 1}]"
+                )
+            rest = 0 if at_end else count_rest(text, last)
+        if rest:
+            return body + f"\n[lines {offset}-{last} of {last + rest}; next: offset={last + 1}]"
+        return body
+
+    @staticmethod
+    def _past_end(offset: int, total: int) -> ReadbackError:
+        return ReadbackError(f"offset {_brief(offset)} is past the end ({total} lines)")
+
+
+class LineReader(PagedReader):
+    """A file-reading tool confined to some directories: definition + async handler.
+
+    Reads ``limit`` lines from line ``offset`` (1-based) of a file under one of ``roots``
+    (symlinks are resolved first, so a link cannot lead outside). Never persisted
+    (``max_result_size_chars = math.inf``); ``max_chars`` bounds one call's output instead.
+
+    Memory stays bounded whatever the file: a line is read only up to what is left of
+    ``max_chars`` (a longer line is cut, and the page says so), and lines are skipped and
+    counted in fixed-size chunks. Time is not bounded the same way: an ``offset`` far into a
+    huge file costs a scan up to it, and a page that does not reach the end scans the rest of
+    the file to count its lines. A bad request of any kind raises :class:`ReadbackError` only.
+    """
+
+    def __init__(
+        self,
+        roots: list[Path],
+        *,
+        name: str,
+        description: str,
+        default_limit: int = DEFAULT_LIMIT_LINES,
+        max_chars: int = DEFAULT_MAX_CHARS,
+    ) -> None:
+        if not roots:
+            raise ValueError("LineReader needs at least one root directory")
+        super().__init__(
+            name=name, description=description, default_limit=default_limit, max_chars=max_chars
+        )
+        self.roots = [Path(r) for r in roots]
+
     def resolve(self, path: str) -> Path:
         """The real file ``path`` names, refused unless it lies inside one of the roots.
 
@@ -259,42 +344,7 @@ class LineReader:
             if skipped < offset - 1:
                 raise self._past_end(offset, skipped)
             raw.seek(start)
-            with io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="") as text:
-                lines: list[str] = []
-                used = 0
-                cut = at_end = False
-                while len(lines) < limit and used < self.max_chars:
-                    room = self.max_chars - used
-                    # one char more than fits tells a cut line from one that just fits, and
-                    # a 1 GB line without a line end costs no more than this
-                    line = text.readline(room + 1)
-                    if not line:
-                        at_end = True
-                        break
-                    if len(line) > room:
-                        lines.append(line[:room])
-                        cut = True
-                        break
-                    lines.append(line)
-                    used += len(line)
-                if not lines and offset > 1:
-                    raise self._past_end(offset, offset - 1)
-                body = "".join(lines)
-                last = offset + len(lines) - 1
-                if cut:
-                    # the rest of a long line is never read, so the total is not counted
-                    return (
-                        body + f"\n[output cut at {self.max_chars} chars within line {last}; "
-                        f"the rest of that line is not shown; next: offset={last + 1}]"
-                    )
-                rest = 0 if at_end else _count_lines(text)
-        if rest:
-            return body + f"\n[lines {offset}-{last} of {last + rest}; next: offset={last + 1}]"
-        return body
-
-    @staticmethod
-    def _past_end(offset: int, total: int) -> ReadbackError:
-        return ReadbackError(f"offset {_brief(offset)} is past the end ({total} lines)")
+            return self._page_at(raw, offset, limit, lambda text, _last: _count_lines(text))
 
 
 class PersistedOutputReader(LineReader):
@@ -315,10 +365,7 @@ class PersistedOutputReader(LineReader):
         super().__init__(
             [Path(directory)],
             name=READBACK_TOOL_NAME,
-            description=(
-                "Read a tool output that was too large to show in full and was saved to a "
-                "file (the path after 'Full output saved to:' in a <persisted-output> block)."
-            ),
+            description=READBACK_DESCRIPTION,
             default_limit=default_limit,
             max_chars=max_chars,
         )

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import stat
 import sys
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,17 @@ from pipeline.replacement import ReplacementRecord
 from pipeline.tokens.checks import bounded_repr, bounded_text
 
 __all__ = [
+    "JsonlRecordWriter",
     "LineProblem",
     "StageRecord",
     "Transcript",
     "TranscriptError",
     "TranscriptPathError",
     "TranscriptWriter",
+    "encode_records",
+    "jsonl_lines",
     "load_transcript",
+    "load_transcript_lines",
     "message_to_record",
 ]
 
@@ -297,6 +302,30 @@ def load_transcript(
     :func:`~pipeline.wire.to_api` rebuilds exactly what was sent (``Transcript.wire_check``).
     """
     p = Path(path)
+    # JSONL lines end at "\n" only: a bare "\r" is JSON whitespace inside a record
+    with p.open("r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
+        return load_transcript_lines(fh, p, strict=strict, recorded_wire=recorded_wire)
+
+
+def jsonl_lines(text: str) -> Iterator[str]:
+    """The lines of JSONL ``text`` as a file read with ``newline="\n"`` gives them: split at
+    ``"\n"`` only, each with its line end (``str.splitlines`` would also split at ``"\r"``,
+    ``"\u2028"`` and others, which are whitespace or string content inside a record)."""
+    return iter(io.StringIO(text, newline="\n"))
+
+
+def load_transcript_lines(
+    lines: Iterable[str],
+    name: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    recorded_wire: bool = True,
+) -> Transcript:
+    """:func:`load_transcript` on lines already read: ``lines`` as iterating a file opened
+    with ``newline="\n"`` yields them (see :func:`jsonl_lines`); ``name`` is what
+    ``Transcript.path`` and a :class:`TranscriptError` call the source. Same rules, same
+    errors as reading a file."""
+    p = Path(name)
     main: list[Message] = []
     side: list[Message] = []
     records: list[ReplacementRecord] = []
@@ -304,58 +333,56 @@ def load_transcript(
     shapes: dict[str, Mapping[str, Any]] = {}
     requests: list[tuple[int, int, int, Mapping[str, Any]]] = []
     blobs: list[tuple[int, int, int, Mapping[str, Any]]] = []
-    # JSONL lines end at "\n" only: a bare "\r" is JSON whitespace inside a record
-    with p.open("r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if lineno == 1 and line.startswith(_BOM):
-                line = line[1:]  # a byte order mark some editors write: only at the file's start
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-                if not isinstance(raw, dict):
-                    raise ValueError("a record must be a JSON object")
-                rtype = raw.get("type")
-                if not isinstance(rtype, str):
-                    raise ValueError("record without a string 'type'")
-                _check_depth(raw, line)
-                if rtype == CONTENT_REPLACEMENT:
-                    reps = raw.get("replacements")
-                    if not isinstance(reps, list):
-                        raise ValueError("content-replacement without a 'replacements' list")
-                    parsed = [_replacement_record(rep) for rep in reps]  # all or none
-                    records.extend(parsed)
-                elif rtype == STAGE_RECORD:
-                    stage, data = raw.get("stage"), raw.get("data")
-                    if not isinstance(stage, str) or not isinstance(data, dict):
-                        raise ValueError("stage-record needs a string 'stage' and an object 'data'")
-                    result.stage_records.append(StageRecord(stage, data))
-                elif rtype == API_REQUEST_SHAPE:
-                    digest, shape = parse_shape(raw)
-                    shapes[digest] = shape
-                    result.skipped_types[rtype] += 1
-                elif rtype in (API_REQUEST, API_REQUEST_BLOB):
-                    parse_request(raw, shapes, 0) if rtype == API_REQUEST else parse_blob(raw, 0)
-                    (requests if rtype == API_REQUEST else blobs).append(
-                        (len(main), len(side), lineno, raw)
-                    )
-                    result.skipped_types[rtype] += 1
-                elif rtype not in _MESSAGE_RECORD_TYPES:
-                    result.skipped_types[rtype] += 1
-                else:
-                    msg = _parse_message(raw)
-                    (side if msg.is_sidechain else main).append(msg)
-            except (ValueError, KeyError, TypeError, RecursionError) as exc:
-                reason = f"malformed record: {bounded_text(str(exc), _MAX_REASON)}"
-                if strict:
-                    raise TranscriptError(p, lineno, reason) from None
-                result.problems.append(LineProblem(lineno, reason))
-                continue
-            # only a record that loaded names the session (a skipped line decides nothing)
-            if result.session_id is None and isinstance(raw.get("sessionId"), str):
-                result.session_id = raw["sessionId"]
-            if result.version is None and isinstance(raw.get("version"), str):
-                result.version = raw["version"][:40]
+    for lineno, line in enumerate(lines, start=1):
+        if lineno == 1 and line.startswith(_BOM):
+            line = line[1:]  # a byte order mark some editors write: only at the file's start
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+            if not isinstance(raw, dict):
+                raise ValueError("a record must be a JSON object")
+            rtype = raw.get("type")
+            if not isinstance(rtype, str):
+                raise ValueError("record without a string 'type'")
+            _check_depth(raw, line)
+            if rtype == CONTENT_REPLACEMENT:
+                reps = raw.get("replacements")
+                if not isinstance(reps, list):
+                    raise ValueError("content-replacement without a 'replacements' list")
+                parsed = [_replacement_record(rep) for rep in reps]  # all or none
+                records.extend(parsed)
+            elif rtype == STAGE_RECORD:
+                stage, data = raw.get("stage"), raw.get("data")
+                if not isinstance(stage, str) or not isinstance(data, dict):
+                    raise ValueError("stage-record needs a string 'stage' and an object 'data'")
+                result.stage_records.append(StageRecord(stage, data))
+            elif rtype == API_REQUEST_SHAPE:
+                digest, shape = parse_shape(raw)
+                shapes[digest] = shape
+                result.skipped_types[rtype] += 1
+            elif rtype in (API_REQUEST, API_REQUEST_BLOB):
+                parse_request(raw, shapes, 0) if rtype == API_REQUEST else parse_blob(raw, 0)
+                (requests if rtype == API_REQUEST else blobs).append(
+                    (len(main), len(side), lineno, raw)
+                )
+                result.skipped_types[rtype] += 1
+            elif rtype not in _MESSAGE_RECORD_TYPES:
+                result.skipped_types[rtype] += 1
+            else:
+                msg = _parse_message(raw)
+                (side if msg.is_sidechain else main).append(msg)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            reason = f"malformed record: {bounded_text(str(exc), _MAX_REASON)}"
+            if strict:
+                raise TranscriptError(p, lineno, reason) from None
+            result.problems.append(LineProblem(lineno, reason))
+            continue
+        # only a record that loaded names the session (a skipped line decides nothing)
+        if result.session_id is None and isinstance(raw.get("sessionId"), str):
+            result.session_id = raw["sessionId"]
+        if result.version is None and isinstance(raw.get("version"), str):
+            result.version = raw["version"][:40]
     on_side = not main and bool(side)
     if on_side:
         result.messages = side
@@ -391,6 +418,11 @@ def _encode_line(record: Mapping[str, Any]) -> bytes:
         return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
         return (json.dumps(record) + "\n").encode("ascii")
+
+
+def encode_records(records: Iterable[Mapping[str, Any]]) -> bytes:
+    """Records as the JSONL bytes a transcript holds for them, one line each."""
+    return b"".join(map(_encode_line, records))
 
 
 def message_to_record(
@@ -443,41 +475,22 @@ class TranscriptPathError(OSError):
     there (following a planted link would append the conversation to another file)."""
 
 
-class TranscriptWriter:
-    """Appends messages and ``content-replacement`` records to a session JSONL file.
+class JsonlRecordWriter:
+    """The records a transcript appends, in Claude Code's JSONL format: messages chained by
+    ``parentUuid``, ``content-replacement`` and ``stage-record`` entries. A subclass says where
+    the lines go (:meth:`_write_lines`), so every backend writes the same lines.
 
-    Each append is one ``write`` of whole lines followed by a flush and ``fsync``, so a crash
-    leaves at most a torn last line, which a ``strict=False`` load skips and reports.
-
-    The file is created 0600 and missing directories above it 0700 (the conversation is
-    private). A transcript or session directory that is a symbolic link, or not a regular file
-    or a real directory, is refused with :class:`TranscriptPathError`, here when it is already
-    so and on every append (it may be planted later).
+    ``_last_uuid``: the uuid the next message chains from (None: the first of the thread).
     """
 
-    def __init__(
-        self, path: str | os.PathLike[str], session_id: str, *, agent_id: str | None = None
-    ) -> None:
-        self.path = Path(path)
-        self.session_id = session_id
-        self.agent_id = agent_id
-        self._last_uuid: str | None = _last_uuid(self.path)
+    session_id: str
+    agent_id: str | None
+    _last_uuid: str | None
 
-    def _write_lines(self, records: Iterable[Mapping[str, Any]]) -> None:
-        payload = b"".join(map(_encode_line, records))
-        if not payload:
-            return
-        fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
-        try:
-            # After a crash the file may end in a torn line: start on a fresh line, or the
-            # first record appended now would be glued to it and lost with it.
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                payload = b"\n" + payload
-            os.write(fd, payload)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append ``records`` as one unit, or raise ``OSError`` (nothing of them then counts
+        as written)."""
+        raise NotImplementedError
 
     def append_messages(self, messages: Sequence[Message]) -> None:
         """Append messages, chaining ``parentUuid`` from the last one written."""
@@ -511,6 +524,43 @@ class TranscriptWriter:
         entry["stage"] = stage
         entry["data"] = dict(data)
         self._write_lines([entry])
+
+
+class TranscriptWriter(JsonlRecordWriter):
+    """Appends messages and ``content-replacement`` records to a session JSONL file.
+
+    Each append is one ``write`` of whole lines followed by a flush and ``fsync``, so a crash
+    leaves at most a torn last line, which a ``strict=False`` load skips and reports.
+
+    The file is created 0600 and missing directories above it 0700 (the conversation is
+    private). A transcript or session directory that is a symbolic link, or not a regular file
+    or a real directory, is refused with :class:`TranscriptPathError`, here when it is already
+    so and on every append (it may be planted later).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], session_id: str, *, agent_id: str | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.session_id = session_id
+        self.agent_id = agent_id
+        self._last_uuid = _last_uuid(self.path)
+
+    def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
+        payload = encode_records(records)
+        if not payload:
+            return
+        fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        try:
+            # After a crash the file may end in a torn line: start on a fresh line, or the
+            # first record appended now would be glued to it and lost with it.
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                payload = b"\n" + payload
+            os.write(fd, payload)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _make_private_dirs(directory: Path) -> None:

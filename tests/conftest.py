@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.objectstore_support import MotoS3
 
 CORPUS = Path(
     os.environ.get("SLUICEGATE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")
@@ -43,3 +47,16 @@ def umask_zero() -> Iterator[None]:
         yield
     finally:
         os.umask(old)
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3]:
+    """moto's S3 API server on 127.0.0.1 for this test process (skipped when it cannot start);
+    each test takes a new bucket (``moto_s3.new_bucket()``)."""
+    from tests.objectstore_support import start_moto
+
+    server = start_moto()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,226 @@
+"""A session's records on an object store: one immutable object per append.
+
+No shared file is read, modified and written back. Each append creates one new object,
+``<prefix>/<session>/records/<sequence:012d>-<writer_id>.jsonl``, holding the same JSONL lines
+:class:`~pipeline.transcript.TranscriptWriter` would append, and it is created exclusively
+(``mode="create"``): an object once written is never replaced.
+
+Order. Before an append the log lists what was added since its last listing and takes the
+number after the highest it has seen, so a record sorts after every record its writer could
+know of. Two writers that take the same number write different keys (the writer id is part of
+it) and both land; the load order of all records is (sequence, writer id), the same for every
+reader. A create conflict -- the key exists: a writer with the same id got there first, or the
+listing lagged -- takes the next number and tries again (:data:`APPEND_ATTEMPTS` in all); when
+the key holds exactly the bytes being appended, it is this append's own create, retried by the
+client after a lost reply, and counts as done (no record twice).
+
+Reading (:meth:`ObjectRecordLog.load`) lists the records, sorts them and parses them in order as
+one transcript with ``strict=False``: a malformed line of any object is skipped and reported as
+it is in a file. A listed object that cannot be read yet (eventual consistency) is tried again
+a few times, then skipped with a warning; any other store error fails the load (``StoreError``)
+rather than give a partial record set that would silently change decisions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from pipeline.logs import get_logger
+from pipeline.objectstore import ObjectLayout, ObjectStoreAPI, is_create_conflict
+from pipeline.storage import StoreError
+from pipeline.transcript import (
+    JsonlRecordWriter,
+    Transcript,
+    encode_records,
+    jsonl_lines,
+    load_transcript_lines,
+)
+
+__all__ = ["APPEND_ATTEMPTS", "ObjectRecordLog"]
+
+APPEND_ATTEMPTS = 8
+"""Create conflicts an append survives before it fails (each takes the next number)."""
+_RECORD_NAME = re.compile(r"([0-9]{12})-([A-Za-z0-9_.-]{1,64})\.jsonl")
+_WRITER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_MAX_SEQUENCE = 10**12 - 1
+
+
+def _store_error(action: str, key: str, exc: BaseException) -> StoreError:
+    """A store failure as an ``OSError`` (what callers of a record log catch), named by its
+    type only: an ``obstore`` message carries the request URL and the server's reply."""
+    return StoreError(errno.EIO, f"record {action} failed ({type(exc).__name__})", key)
+
+
+class ObjectRecordLog(JsonlRecordWriter):
+    """:class:`~pipeline.records.RecordLog` on an object store (see the module docstring).
+
+    ``store``: an ``obstore`` store (or anything with
+    :class:`~pipeline.objectstore.ObjectStoreAPI`'s methods); ``prefix``, ``session_id``,
+    ``uri_base``: see :class:`~pipeline.objectstore.ObjectLayout`. ``writer_id``
+    (``[A-Za-z0-9_.-]{1,64}``) names this writer in its keys; by default a random one, so two
+    logs never share it. ``read_attempts`` and ``retry_delay`` (seconds, doubled each time):
+    how long :meth:`load` waits for a listed object to become readable.
+
+    Appends block (a LIST and a PUT): run them in a worker thread from async code. They raise
+    :class:`~pipeline.storage.StoreError` (an ``OSError``) when the store fails.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStoreAPI,
+        *,
+        prefix: str = "",
+        session_id: str,
+        uri_base: str = "memory://",
+        writer_id: str | None = None,
+        agent_id: str | None = None,
+        read_attempts: int = 4,
+        retry_delay: float = 0.1,
+        logger: Any = None,
+    ) -> None:
+        if writer_id is None:
+            writer_id = secrets.token_hex(8)
+        if not isinstance(writer_id, str) or not _WRITER_ID.fullmatch(writer_id):
+            raise ValueError(f"writer_id must match [A-Za-z0-9_.-]{{1,64}}, got {writer_id!r:.80}")
+        if read_attempts < 1 or retry_delay < 0:
+            raise ValueError("read_attempts must be >= 1 and retry_delay >= 0")
+        self.store = store
+        self.layout = ObjectLayout(session_id, prefix, uri_base)
+        self.session_id = self.layout.session_id
+        self.agent_id = agent_id
+        self.writer_id = writer_id
+        self.read_attempts = read_attempts
+        self.retry_delay = retry_delay
+        self.logger = logger or get_logger(session_id=self.session_id)
+        self._last_uuid = None
+        self._next = 0
+        """The number the next append tries first: one past the highest seen."""
+        self._listed_after: str | None = None
+        """The greatest key seen by a listing: the next listing asks only for what follows."""
+        self._lock = threading.Lock()
+
+    # -- appending --------------------------------------------------------------------------
+    def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
+        payload = encode_records(records)
+        if payload:
+            with self._lock:  # one append at a time: each takes the number after the last
+                self._append(payload)
+
+    def _append(self, payload: bytes) -> str:
+        key = ""
+        for _ in range(APPEND_ATTEMPTS):
+            try:
+                self._catch_up()
+            except Exception as exc:
+                raise _store_error("listing", self.layout.records_dir, exc) from exc
+            if self._next > _MAX_SEQUENCE:
+                raise StoreError(errno.EOVERFLOW, "record numbers exhausted", key)
+            key = f"{self.layout.records_dir}/{self._next:012d}-{self.writer_id}.jsonl"
+            try:
+                self.store.put(key, payload, mode="create")
+            except Exception as exc:
+                if not is_create_conflict(exc):
+                    raise _store_error("append", key, exc) from exc
+                if not self._holds(key, payload):
+                    # taken (a writer with our id, or a listing that lags): the next number
+                    self._next += 1
+                    continue
+                # our own create, whose reply was lost and which the client sent again
+            self._next += 1
+            return key
+        raise StoreError(errno.EEXIST, f"no free record number in {APPEND_ATTEMPTS} attempts", key)
+
+    def _holds(self, key: str, payload: bytes) -> bool:
+        """Whether ``key`` holds exactly ``payload`` (False when it cannot be read)."""
+        try:
+            found = self.store.get(key)
+            return found.meta["size"] == len(payload) and bytes(found.bytes()) == payload
+        except Exception:  # unreadable now: count it as taken, the append takes the next number
+            return False
+
+    def _catch_up(self) -> None:
+        for _key, sequence, _writer in self._listing(after=self._listed_after):
+            self._next = max(self._next, sequence + 1)
+
+    def _listing(self, *, after: str | None = None) -> Iterator[tuple[str, int, str]]:
+        """(key, sequence, writer id) of every record object listed, after ``after`` if given;
+        other names under ``records/`` are not ours and are left out."""
+        head = self.layout.records_dir + "/"
+        for chunk in self.store.list(self.layout.records_dir, offset=after):
+            for meta in chunk:
+                key = meta["path"]
+                if self._listed_after is None or key > self._listed_after:
+                    self._listed_after = key
+                match = _RECORD_NAME.fullmatch(key[len(head) :]) if key.startswith(head) else None
+                if match is not None:
+                    yield key, int(match[1]), match[2]
+
+    # -- loading ----------------------------------------------------------------------------
+    def load(self) -> Transcript | None:
+        """Every record of the session, in (sequence, writer id) order, as one transcript
+        (``strict=False``: malformed lines are in ``Transcript.problems``, each also logged with
+        its object); None when the session has no record object yet (as for a transcript file
+        that does not exist). The next message appended chains from the last message loaded.
+
+        Raises :class:`~pipeline.storage.StoreError` when the store cannot be listed or read
+        (an object that lists but is not found yet is skipped after a few tries instead)."""
+        with self._lock:
+            try:
+                entries = sorted(self._listing(), key=lambda e: (e[1], e[2]))
+            except Exception as exc:
+                raise _store_error("listing", self.layout.records_dir, exc) from exc
+            if not entries:
+                return None
+            self._next = max(self._next, entries[-1][1] + 1)
+        starts: list[int] = []
+        names: list[str] = []
+
+        def lines() -> Iterator[str]:
+            count = 0
+            for key, _sequence, _writer in entries:
+                data = self._read(key)
+                if data is None:
+                    continue
+                text = data.decode("utf-8", errors="surrogateescape")
+                if text and not text.endswith("\n"):
+                    text += "\n"  # a torn object must not swallow the next one's first line
+                starts.append(count + 1)
+                names.append(key)
+                for line in jsonl_lines(text):
+                    count += 1
+                    yield line
+
+        loaded = load_transcript_lines(lines(), self.layout.records_dir, strict=False)
+        for problem in loaded.problems:
+            at = bisect.bisect_right(starts, problem.line) - 1
+            self.logger.warning(
+                "records.malformed_line",
+                key=names[at],
+                line=problem.line - starts[at] + 1,
+                reason=problem.reason,
+            )
+        if loaded.messages:
+            with self._lock:
+                self._last_uuid = loaded.messages[-1].uuid
+        return loaded
+
+    def _read(self, key: str) -> bytes | None:
+        """The bytes of ``key``; None when it stays not found (it listed: a store whose reads
+        lag its listings)."""
+        for attempt in range(self.read_attempts):
+            try:
+                return bytes(self.store.get(key).bytes())
+            except FileNotFoundError:
+                if attempt + 1 < self.read_attempts:
+                    time.sleep(self.retry_delay * 2**attempt)
+            except Exception as exc:
+                raise _store_error("read", key, exc) from exc
+        self.logger.warning("records.unreadable_object", key=key, attempts=self.read_attempts)
+        return None

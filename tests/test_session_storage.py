@@ -1,0 +1,224 @@
+"""One location, a session's whole state: the local default unchanged, object store URLs, the
+errors for a bad URL, and wire sessions of a fleet sharing decisions through the store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+pytest.importorskip("obstore", reason="the objectstore extra (obstore) is not installed")
+
+from obstore.store import MemoryStore
+
+from pipeline import FileToolResultStore, Pipeline, ToolPolicies, TranscriptWriter
+from pipeline.adapter import WireSession
+from pipeline.objectreader import ObjectOutputReader
+from pipeline.objectrecords import ObjectRecordLog
+from pipeline.objectstore import ObjectToolResultStore
+from pipeline.readback import PersistedOutputReader
+from pipeline.records import RecordLog
+from pipeline.session_storage import DECISIONS_FILE, SessionStorage, open_session_state
+from pipeline.testing import QuietLogger
+from stages import ToolResultBudget
+from tests.objectstore_support import MotoS3, keys_of
+
+SESSION = "conv-1"
+
+
+def test_a_directory_is_the_file_backend(tmp_path: Path) -> None:
+    storage = open_session_state(tmp_path / "root", SESSION, writer_id="ignored-here")
+    assert isinstance(storage.store, FileToolResultStore)
+    assert isinstance(storage.records, TranscriptWriter)
+    assert isinstance(storage.reader, PersistedOutputReader)
+    assert isinstance(storage.records, RecordLog)
+    assert storage.records.path == tmp_path / "root" / SESSION / DECISIONS_FILE
+    assert storage.load() is None
+    path = anyio.run(storage.store.persist, "toolu_1", "x\n", "txt")
+    # the form the model sees stays Claude Code's: the absolute local path
+    assert path == str((tmp_path / "root" / SESSION / "tool-results" / "toolu_1.txt").absolute())
+    storage.records.append_stage_record("s", {"n": 1})
+    loaded = storage.load()
+    assert loaded is not None and [r.data for r in loaded.stage_records] == [{"n": 1}]
+    assert anyio.run(storage.reader, {"path": path}) == "x\n"
+    with pytest.raises(ValueError, match="object store URLs"):
+        open_session_state(tmp_path, SESSION, retry_config={})
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("gs://bucket/x", "unsupported store URL scheme 'gs'"),
+        ("ftp://host/x", "unsupported store URL scheme 'ftp'"),
+        ("file:///tmp/x", "unsupported store URL scheme 'file'"),
+        ("s3://", "not a valid S3 bucket name"),
+        ("s3://Upper-Case/x", "not a valid S3 bucket name"),
+        ("s3://b/x", "not a valid S3 bucket name"),
+        ("s3://bucket:99/x", "no port"),
+        ("s3://bucket:notaport/x", "malformed store URL"),
+        ("s3://bucket/x?versionId=1", "no port, query or fragment"),
+        ("s3://bucket/x#frag", "no port, query or fragment"),
+        ("s3://bucket/../x", "segment"),
+        ("s3://bucket/a//b/./c", "segment"),
+        ("s3://bucket/a b", "segment"),
+        ("memory://host/x", "no host"),
+    ],
+)
+def test_bad_urls_are_refused_clearly(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        open_session_state(url, SESSION)
+
+
+def test_credentials_in_a_url_are_refused_unseen() -> None:
+    with pytest.raises(ValueError, match="credentials") as caught:
+        open_session_state("s3://AKIDX:hunter2secret@bucket/x", SESSION)
+    assert "hunter2secret" not in str(caught.value) and "AKIDX" not in str(caught.value)
+    with pytest.raises(ValueError) as bad_option:
+        open_session_state("s3://bucket/x", SESSION, no_such_option="hunter2secret")
+    assert "hunter2secret" not in str(bad_option.value)
+    with pytest.raises(ValueError, match="session_id"):
+        open_session_state("memory:///x", "../escape")
+
+
+def test_memory_urls_share_a_given_store() -> None:
+    memory = MemoryStore()
+    a = open_session_state("memory:///team/", SESSION, object_store=memory, writer_id="a")
+    b = open_session_state("memory:///team", SESSION, object_store=memory, writer_id="b")
+    assert a.location == "memory:///team"
+    assert isinstance(a.store, ObjectToolResultStore) and isinstance(a.records, ObjectRecordLog)
+    assert isinstance(a.reader, ObjectOutputReader)
+    assert isinstance(a.records, RecordLog)
+    uri = anyio.run(a.store.persist, "toolu_1", "shared\n", "txt")
+    assert uri == f"memory:///team/{SESSION}/tool-results/toolu_1.txt"
+    assert anyio.run(b.reader, {"path": uri}) == "shared\n"
+    assert open_session_state("memory://", SESSION).location == "memory://"
+
+
+def test_s3_configured_by_the_environment(moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in moto_s3.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    storage = open_session_state(f"s3://{bucket}/team/sessions", SESSION, writer_id="w1")
+    assert storage.location == f"s3://{bucket}/team/sessions"
+    uri = anyio.run(storage.store.persist, "toolu_1", "on s3\n", "txt")
+    assert uri == f"s3://{bucket}/team/sessions/{SESSION}/tool-results/toolu_1.txt"
+    storage.records.append_stage_record("s", {"n": 1})
+    assert keys_of(moto_s3.store(bucket)) == [
+        f"team/sessions/{SESSION}/records/000000000000-w1.jsonl",
+        f"team/sessions/{SESSION}/tool-results/toolu_1.txt",
+    ]
+    again = open_session_state(f"s3://{bucket}/team/sessions", SESSION)
+    assert anyio.run(again.reader, {"path": uri}) == "on s3\n"
+    loaded = again.load()
+    assert loaded is not None and [r.data for r in loaded.stage_records] == [{"n": 1}]
+
+
+# --------------------------------------------------------------------------------------------
+# a fleet of wire sessions
+# --------------------------------------------------------------------------------------------
+
+
+class Client:
+    """A client re-sending its whole history each call; large tool outputs every turn."""
+
+    def __init__(self) -> None:
+        self.params: list[dict[str, Any]] = [{"role": "user", "content": "fix the failing jobs"}]
+        self.turn = 0
+
+    def answer(self) -> tuple[str, dict[str, int]]:
+        ids = [f"toolu_{self.turn:02d}_{i}" for i in range(2 + self.turn % 3)]
+        self.params.append(
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": t, "name": "get_log", "input": {}} for t in ids
+                ],
+            }
+        )
+        self.params.append(
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": t,
+                        "content": f"[{t}]\n" + "log line\n" * (300 + 200 * i),
+                    }
+                    for i, t in enumerate(ids)
+                ],
+            }
+        )
+        self.turn += 1
+        return f"msg_{self.turn:04d}", {"input_tokens": 100 * self.turn, "output_tokens": 5}
+
+
+def _session(root: Path, storage: SessionStorage | None) -> WireSession:
+    return WireSession(
+        SESSION,
+        root,
+        Pipeline([ToolResultBudget(3_000)]),
+        storage=storage,
+        tool_policies=ToolPolicies(cap=2_000),
+        logger=QuietLogger(),
+    )
+
+
+async def _calls(sessions: Any, calls: int) -> list[str]:
+    client = Client()
+    sent = []
+    for call in range(calls):
+        session = sessions(call)
+        request = await session.prepare(client.params)
+        sent.append(json.dumps(request))
+        response_id, usage = client.answer()
+        session.observe(response_id, usage, model="claude-test")
+    return sent
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"])
+def test_a_fleet_without_affinity_sends_what_one_process_sends(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Every call of a conversation goes to a new worker (alternately two hosts, each with
+    its own local directory for the calibration), all sharing one object store: the requests
+    are those of one long-lived local session, byte for byte (with the file paths shown as
+    the store's URIs)."""
+    if backend == "s3":
+        moto: MotoS3 = request.getfixturevalue("moto_s3")
+        bucket = moto.new_bucket()
+        url = f"s3://{bucket}/fleet"
+
+        def storage(writer: str) -> SessionStorage:
+            return open_session_state(
+                url, SESSION, writer_id=writer, object_store=moto.store(bucket)
+            )
+    else:
+        memory = MemoryStore()
+        url = "memory:///fleet"
+
+        def storage(writer: str) -> SessionStorage:
+            return open_session_state(url, SESSION, writer_id=writer, object_store=memory)
+
+    calls = 12
+    local_root = tmp_path / "local"
+    one = _session(local_root, None)
+    alone = anyio.run(_calls, lambda _call: one, calls)
+
+    def worker(call: int) -> WireSession:
+        host = "ab"[call % 2]
+        return _session(tmp_path / f"host-{host}", storage(f"{host}{call}"))
+
+    fleet = anyio.run(_calls, worker, calls)
+    local_dir = str(local_root / SESSION / "tool-results")
+    shared_dir = f"{url}/{SESSION}/tool-results"
+    assert sum(r.count("<persisted-output>") for r in alone) > 10
+    assert fleet == [r.replace(local_dir, shared_dir) for r in alone]
+
+
+def test_storage_of_another_session_is_refused(tmp_path: Path) -> None:
+    other = open_session_state("memory:///x", "conv-2")
+    with pytest.raises(ValueError, match="conv-2"):
+        _session(tmp_path, other)
