@@ -17,13 +17,19 @@ and gives back the ``messages`` to send. It is the layer ``wrap`` and the proxy 
   same decisions.
 - **Cost.** Per call: one equality check per message (C-level) plus the new messages; the
   pipeline and the request building are incremental as in the agent loop.
+- **Off the event loop.** :meth:`WireSession.open` loads the recorded decisions in a worker
+  thread and :meth:`WireSession.observe_async` appends in one (an object store's request, a
+  file's fsync); the stages' own appends already run there. The constructor and
+  :meth:`WireSession.observe` do the same inline, for synchronous callers.
 
 Session identity: :func:`session_id_for`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
 import hashlib
 import json
 import re
@@ -32,6 +38,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
 
 from pipeline.caching import add_cache_breakpoint
 from pipeline.context import SessionContext
@@ -42,6 +50,7 @@ from pipeline.session_storage import DECISIONS_FILE, SessionStorage, open_sessio
 from pipeline.storage import validate_session_id
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
+from pipeline.transcript import Transcript
 from pipeline.wire import WireCache
 
 if TYPE_CHECKING:
@@ -117,6 +126,11 @@ def beta_header(given: str | None, betas: Iterable[str]) -> str:
     return ",".join(sorted({*betas, *filter(None, (given or "").split(","))}))
 
 
+class _Load(enum.Enum):
+    NOW = "now"
+    """Load the recorded decisions in the constructor (blocking)."""
+
+
 def _digest(value: Any) -> str:
     text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
@@ -129,7 +143,10 @@ class WireSession:
     last block (a client's own breakpoints are always left alone). ``storage``: where the
     session's results and decisions live -- a :class:`~pipeline.session_storage.SessionStorage`
     or a location for :func:`~pipeline.session_storage.open_session_state` (``s3://...``);
-    by default the files under ``root``. ``root`` also holds the token calibration.
+    by default the files under ``root``. ``root`` also holds the token calibration (always a
+    local directory: each host learns its own). ``loaded``: the records ``storage.load()``
+    returned, when the caller has loaded them (:meth:`open` does so off the event loop); by
+    default the constructor loads them.
     ``prepare(messages)`` gives the messages to send; ``observe(...)`` takes the response's id
     and usage (the token tracker learns from it, and the next request's answering message
     carries them). Calls of one session must not overlap (the pipeline serialises them).
@@ -143,28 +160,22 @@ class WireSession:
         *,
         cache_breakpoint: bool = False,
         storage: SessionStorage | str | None = None,
+        loaded: Transcript | _Load | None = _Load.NOW,
         **context: Any,
     ) -> None:
         self.session_id = validate_session_id(session_id)
         self.pipeline = pipeline
         self.cache_breakpoint = cache_breakpoint
-        if not isinstance(storage, SessionStorage):
-            # a root is a directory, whatever it looks like: a URL must come as ``storage``
-            where = Path(root) if storage is None else storage
-            storage = open_session_state(where, self.session_id)
-        elif storage.session_id != self.session_id:
-            raise ValueError(
-                f"storage is for session {storage.session_id!r}, not {self.session_id!r}"
-            )
-        self.storage = storage
-        loaded = storage.load()
+        self.storage = self._storage_for(self.session_id, root, storage)
+        if isinstance(loaded, _Load):
+            loaded = self.storage.load()
         self._calibration = calibration_path_for(root, self.session_id)
         context.setdefault("token_tracker", TokenTracker.load(self._calibration))
-        context.setdefault("store", storage.store)
+        context.setdefault("store", self.storage.store)
         self.ctx = SessionContext(
             self.session_id,
             root,
-            transcript=storage.records,
+            transcript=self.storage.records,
             stage_records=loaded.stage_records if loaded is not None else (),
             **context,
         )
@@ -179,6 +190,39 @@ class WireSession:
         self._wire = WireCache()
         self._projected: list[Message] = []
         self._calls = 0
+
+    @classmethod
+    async def open(
+        cls,
+        session_id: str,
+        root: str | Path,
+        pipeline: Pipeline,
+        *,
+        storage: SessionStorage | str | None = None,
+        **options: Any,
+    ) -> WireSession:
+        """A session as the constructor makes it, its recorded decisions loaded in a worker
+        thread (an object store's listing and reads must not hold up the event loop).
+        ``OSError`` (:class:`~pipeline.storage.StoreError`) when the store cannot be read."""
+        sid = validate_session_id(session_id)
+        resolved = cls._storage_for(sid, root, storage)
+        loaded = await anyio.to_thread.run_sync(resolved.load)
+        if "token_tracker" not in options:  # a local file, but a read all the same
+            path = calibration_path_for(root, sid)
+            options["token_tracker"] = await anyio.to_thread.run_sync(TokenTracker.load, path)
+        return cls(sid, root, pipeline, storage=resolved, loaded=loaded, **options)
+
+    @staticmethod
+    def _storage_for(
+        session_id: str, root: str | Path, storage: SessionStorage | str | None
+    ) -> SessionStorage:
+        if not isinstance(storage, SessionStorage):
+            # a root is a directory, whatever it looks like: a URL must come as ``storage``
+            where = Path(root) if storage is None else storage
+            return open_session_state(where, session_id)
+        if storage.session_id != session_id:
+            raise ValueError(f"storage is for session {storage.session_id!r}, not {session_id!r}")
+        return storage
 
     # -- per call ---------------------------------------------------------------------------
     async def prepare(self, messages: Sequence[MessageParam]) -> list[MessageParam]:
@@ -216,27 +260,58 @@ class WireSession:
 
     def observe(self, response_id: str, usage: Mapping[str, Any] | None, model: str) -> None:
         """The response to the last prepared request: its usage feeds the token tracker, and
-        the message that answers it in the next request carries its id and usage."""
+        the message that answers it in the next request carries its id and usage. The record
+        and the calibration are written inline (blocking): on an event loop, use
+        :meth:`observe_async`."""
+        parsed, data = self._response(response_id, usage)
+        self._append_response(data)
+        if parsed is not None:
+            self._learn(parsed, model)
+            self.ctx.token_tracker.save(self._calibration)  # a new process does not start cold
+
+    async def observe_async(
+        self, response_id: str, usage: Mapping[str, Any] | None, model: str
+    ) -> None:
+        """:meth:`observe` with the writes in a worker thread. It returns once the record is
+        written (or has failed, logged): a caller that holds the response back until then
+        knows that another worker serving the next call will find it."""
+        parsed, data = self._response(response_id, usage)
+        await anyio.to_thread.run_sync(self._append_response, data)
+        if parsed is not None:
+            self._learn(parsed, model)
+            # the snapshot taken here: the tracker is not to be read from another thread
+            state = self.ctx.token_tracker.state_dict()
+            await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state)
+
+    def _response(
+        self, response_id: str, usage: Mapping[str, Any] | None
+    ) -> tuple[Usage | None, dict[str, Any]]:
+        """Remember a response for the message that will answer it; its usage (``ValueError``
+        when malformed) and the record to append."""
         parsed = Usage.from_mapping(usage) if usage is not None else None
         index = len(self._params)  # where the answer stands in the next request
         self._responses[index] = (response_id, parsed)
         data: dict[str, Any] = {"index": index, "id": response_id}
         if usage is not None:
             data["usage"] = dict(usage)
-        if self.ctx.transcript is not None:
-            try:
-                self.ctx.transcript.append_stage_record(_RESPONSE_RECORD, data)
-            except OSError as exc:
-                # the response was delivered: only a new process would miss its id and usage
-                self.ctx.logger.error(
-                    "stage_record.write_failed", stage=_RESPONSE_RECORD, error=type(exc).__name__
-                )
-        if parsed is not None:
-            tracker = self.ctx.token_tracker
-            tracker.observe(
-                self._projected, parsed, model=model, tokens_freed=self.ctx.report.tokens_freed
+        return parsed, data
+
+    def _append_response(self, data: dict[str, Any]) -> None:
+        if self.ctx.transcript is None:
+            return
+        try:
+            self.ctx.transcript.append_stage_record(_RESPONSE_RECORD, data)
+        except OSError as exc:
+            # the response was delivered: only another worker or a new process would miss its
+            # id and usage
+            self.ctx.logger.error(
+                "stage_record.write_failed", stage=_RESPONSE_RECORD, error=type(exc).__name__
             )
-            tracker.save(self._calibration)  # a new process does not start cold
+
+    def _learn(self, usage: Usage, model: str) -> None:
+        self.ctx.token_tracker.observe(
+            self._projected, usage, model=model, tokens_freed=self.ctx.report.tokens_freed
+        )
 
     # -- records ----------------------------------------------------------------------------
     def _sync(self, messages: Sequence[Any]) -> list[Message]:
@@ -276,14 +351,16 @@ class WireSession:
 class EventStreamUsage:
     """Reads a Messages event stream as it passes, for the response's id, model and usage
     (``message_start``, then ``message_delta``'s running totals), and gives them to the
-    session at :meth:`close`; the bytes are not changed, held back or buffered beyond the
-    current line."""
+    session at :meth:`close` (or :meth:`aclose`); the bytes are not changed, held back or
+    buffered beyond the current line. ``final`` turns True once ``message_delta`` has been
+    read: the usage is complete from there on."""
 
     def __init__(self, session: WireSession) -> None:
         self.session = session
         self.pending = b""
         self.message: dict[str, Any] = {}
         self.usage: dict[str, Any] = {}
+        self.final = False
         self.done = False
 
     def feed(self, chunk: bytes) -> None:
@@ -307,15 +384,28 @@ class EventStreamUsage:
                 self.usage = dict(self.message["usage"])
         elif event.get("type") == "message_delta" and isinstance(event.get("usage"), dict):
             self.usage.update({k: v for k, v in event["usage"].items() if v is not None})
+            self.final = True
 
-    def close(self) -> None:
-        """The stream has gone by: the session observes the response (once)."""
+    def _take(self) -> tuple[str, dict[str, Any], str] | None:
+        """What the session observes (once): id, usage and model; None without them."""
         if self.done:
-            return
+            return None
         self.done = True
         rid, model = self.message.get("id"), self.message.get("model")
         if isinstance(rid, str) and self.usage:
-            try:
-                self.session.observe(rid, self.usage, model=str(model))
-            except ValueError:  # usage the tracker refuses: the estimate goes on without it
-                return
+            return rid, self.usage, str(model)
+        return None
+
+    def close(self) -> None:
+        """The stream has gone by: the session observes the response (once)."""
+        taken = self._take()
+        if taken is not None:
+            with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
+                self.session.observe(*taken)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, the session's writes in a worker thread."""
+        taken = self._take()
+        if taken is not None:
+            with contextlib.suppress(ValueError):
+                await self.session.observe_async(*taken)

@@ -19,6 +19,12 @@ one transcript with ``strict=False``: a malformed line of any object is skipped 
 it is in a file. A listed object that cannot be read yet (eventual consistency) is tried again
 a few times, then skipped with a warning; any other store error fails the load (``StoreError``)
 rather than give a partial record set that would silently change decisions.
+
+A worker that keeps a session in memory while others may serve it asks
+:meth:`ObjectRecordLog.changed_elsewhere` before each call: one listing of the keys after the
+last one it has seen, True when another writer added records since this log last loaded. The
+bytes of every record object this log has read or written are kept (objects are immutable), so
+loading again after a move reads only the objects that are new.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.logs import get_logger
@@ -43,10 +50,12 @@ from pipeline.transcript import (
     load_transcript_lines,
 )
 
-__all__ = ["APPEND_ATTEMPTS", "ObjectRecordLog"]
+__all__ = ["APPEND_ATTEMPTS", "READERS", "ObjectRecordLog"]
 
 APPEND_ATTEMPTS = 8
 """Create conflicts an append survives before it fails (each takes the next number)."""
+READERS = 16
+"""Record objects a load reads at once."""
 _RECORD_NAME = re.compile(r"([0-9]{12})-([A-Za-z0-9_.-]{1,64})\.jsonl")
 _WRITER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_SEQUENCE = 10**12 - 1
@@ -69,7 +78,10 @@ class ObjectRecordLog(JsonlRecordWriter):
     how long :meth:`load` waits for a listed object to become readable.
 
     Appends block (a LIST and a PUT): run them in a worker thread from async code. They raise
-    :class:`~pipeline.storage.StoreError` (an ``OSError``) when the store fails.
+    :class:`~pipeline.storage.StoreError` (an ``OSError``) when the store fails. The log keeps
+    the bytes of the records it has read or written (what the session's decisions take: a
+    replacement record holds its preview, about 2 KB), so a later :meth:`load` reads only what
+    is new.
     """
 
     def __init__(
@@ -104,6 +116,10 @@ class ObjectRecordLog(JsonlRecordWriter):
         """The number the next append tries first: one past the highest seen."""
         self._listed_after: str | None = None
         """The greatest key seen by a listing: the next listing asks only for what follows."""
+        self._known: dict[str, bytes] = {}
+        """The bytes of every record object read or written by this log, by key."""
+        self._unloaded: set[str] = set()
+        """Keys of other writers' records listed since the last load and not loaded yet."""
         self._lock = threading.Lock()
 
     # -- appending --------------------------------------------------------------------------
@@ -134,6 +150,7 @@ class ObjectRecordLog(JsonlRecordWriter):
                     continue
                 # our own create, whose reply was lost and which the client sent again
             self._next += 1
+            self._known[key] = payload
             return key
         raise StoreError(errno.EEXIST, f"no free record number in {APPEND_ATTEMPTS} attempts", key)
 
@@ -146,8 +163,20 @@ class ObjectRecordLog(JsonlRecordWriter):
             return False
 
     def _catch_up(self) -> None:
-        for _key, sequence, _writer in self._listing(after=self._listed_after):
+        for key, sequence, _writer in self._listing(after=self._listed_after):
             self._next = max(self._next, sequence + 1)
+            if key not in self._known:
+                self._unloaded.add(key)  # another writer's: the next load must read it
+
+    def changed_elsewhere(self) -> bool:
+        """Whether another writer added records this log has not loaded (one listing of the
+        keys after the last seen). Blocking; ``StoreError`` when the store cannot be listed."""
+        with self._lock:
+            try:
+                self._catch_up()
+            except Exception as exc:
+                raise _store_error("listing", self.layout.records_dir, exc) from exc
+            return bool(self._unloaded)
 
     def _listing(self, *, after: str | None = None) -> Iterator[tuple[str, int, str]]:
         """(key, sequence, writer id) of every record object listed, after ``after`` if given;
@@ -179,15 +208,35 @@ class ObjectRecordLog(JsonlRecordWriter):
             if not entries:
                 return None
             self._next = max(self._next, entries[-1][1] + 1)
+        # every object is read before any is parsed: a read that fails fails the load whole,
+        # and then nothing counts as loaded; one skipped as unreadable stays unloaded (the
+        # next check asks for a load again)
+        missing = [key for key, _sequence, _writer in entries if key not in self._known]
+        fetched: dict[str, bytes | None] = {}
+        if missing:
+            # several reads at once: a new worker's first load of a long session is one GET
+            # per record object, and each waits on the store's latency
+            with ThreadPoolExecutor(max_workers=min(READERS, len(missing))) as pool:
+                fetched = dict(zip(missing, pool.map(self._read, missing), strict=True))
+        contents: list[tuple[str, bytes]] = []
+        for key, _sequence, _writer in entries:
+            data = self._known.get(key)
+            if data is None:
+                data = fetched.get(key)
+            if data is not None:
+                contents.append((key, data))
+        with self._lock:
+            for key, data in contents:
+                self._known[key] = data
+            read = {key for key, _data in contents}
+            self._unloaded.difference_update(read)
+            self._unloaded.update(key for key, _seq, _writer in entries if key not in read)
         starts: list[int] = []
         names: list[str] = []
 
         def lines() -> Iterator[str]:
             count = 0
-            for key, _sequence, _writer in entries:
-                data = self._read(key)
-                if data is None:
-                    continue
+            for key, data in contents:
                 text = data.decode("utf-8", errors="surrogateescape")
                 if text and not text.endswith("\n"):
                     text += "\n"  # a torn object must not swallow the next one's first line

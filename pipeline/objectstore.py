@@ -25,7 +25,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.to_thread
 
@@ -40,6 +40,8 @@ from pipeline.storage import TOOL_RESULTS_SUBDIR, StoreError, safe_file_stem, va
 
 if TYPE_CHECKING:
     from obstore import GetOptions, GetResult, ListStream, ObjectMeta, PutMode, PutResult
+
+    from pipeline.objectreader import ObjectOutputReader
 
 __all__ = [
     "RECORDS_SUBDIR",
@@ -172,6 +174,20 @@ class ObjectToolResultStore:
         self.store = store
         self.layout = ObjectLayout(session_id, prefix, uri_base)
         self.session_id = self.layout.session_id
+
+    def output_reader(self, **options: Any) -> ObjectOutputReader:
+        """The read-back tool for the results this store persists (``options``: its
+        ``default_limit``, ``max_chars``)."""
+        from pipeline.objectreader import ObjectOutputReader  # it imports this module
+
+        layout = self.layout
+        return ObjectOutputReader(
+            self.store,
+            prefix=layout.prefix,
+            session_id=layout.session_id,
+            uri_base=layout.uri_base,
+            **options,
+        )
 
     def key_for(self, tool_use_id: str, ext: str) -> str:
         """The key of ``tool_use_id``'s result when nothing else is in the way."""

@@ -13,17 +13,35 @@ An ASGI app on Starlette (the ``proxy`` extra: ``pip install '.[proxy]'``); ``py
 pipeline proxy`` serves it with uvicorn. Persisted outputs are files on the proxy's host: the
 model reads them back only where the client's tools see that file system (Claude Code on the
 same machine does).
+
+A fleet. With ``storage="s3://bucket/prefix"`` every proxy given that URL shares the sessions'
+results and decisions, and a conversation may move between them at any call. A proxy keeps
+each conversation in memory and, before each call, lists what other workers recorded since
+(one LIST): when another worker served it, the session is loaded again (only the new record
+objects are read). The response's record is written before the client sees the response end
+(an event stream's ``message_delta`` is held back until then; a JSON body is passed on whole
+once read), so the worker serving the next call finds it.
+
+The store never fails a request. A result that cannot be persisted is sent whole (the
+budget's ``persist_failed``); a record that cannot be written is logged
+(``stage_record.write_failed``) and the call goes on; a conversation whose records cannot be
+read when this proxy first meets it is sent upstream as the client sent it
+(``wire_session.load_failed``), and loading is tried again on its next call; one whose news
+cannot be listed goes on from what this proxy knows (``wire_session.refresh_failed``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import httpx2
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -32,6 +50,8 @@ from starlette.routing import Route
 
 from pipeline.adapter import EventStreamUsage, WireSession, beta_header, session_id_for
 from pipeline.core import Pipeline
+from pipeline.logs import get_logger
+from pipeline.session_storage import SessionStates, SessionStorage
 from pipeline.tracing import ATTR
 
 __all__ = ["DEFAULT_UPSTREAM", "build_app"]
@@ -43,6 +63,16 @@ _DROP_REQUEST = {"host", "content-length", "connection", "accept-encoding", "tra
 _DROP_RESPONSE = {"content-length", "connection", "transfer-encoding", "content-encoding"}
 
 
+@dataclass
+class _Conversation:
+    """One conversation as this proxy holds it: its storage (kept across reloads: its record
+    log keeps what it has read), its session once loaded, the lock its calls take turns on."""
+
+    storage: SessionStorage
+    session: WireSession | None = None
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+
 def build_app(
     *,
     pipeline: Callable[[], Pipeline],
@@ -50,6 +80,7 @@ def build_app(
     upstream: str = DEFAULT_UPSTREAM,
     transport: httpx2.AsyncBaseTransport | None = None,
     background: Sequence[Callable[[], Coroutine[Any, Any, object]]] = (),
+    storage: SessionStates | str | os.PathLike[str] | None = None,
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
@@ -57,20 +88,44 @@ def build_app(
     reach the upstream (tests pass one; default: the network); ``background``: tasks run for
     the app's lifetime, started when it starts and cancelled when it shuts down (periodic
     store pruning, say). A background task must handle its own errors: one that raises takes
-    the server down with it."""
-    sessions: dict[str, WireSession] = {}
-    locks: dict[str, anyio.Lock] = {}
+    the server down with it. ``storage``: where the sessions' results and decisions live -- a
+    :class:`~pipeline.session_storage.SessionStates` or a location for one (a directory,
+    ``s3://bucket/prefix``); by default the files under ``root``, which always holds the token
+    calibration (local to each host)."""
+    states = storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
+    conversations: dict[str, _Conversation] = {}
     client = httpx2.AsyncClient(
         base_url=upstream.rstrip("/"), timeout=httpx2.Timeout(600.0), transport=transport
     )
 
-    def session_for(sid: str) -> WireSession:
-        session = sessions.get(sid)
-        if session is None:
-            session = WireSession(sid, root, pipeline(), **context)
-            sessions[sid] = session
-            locks[sid] = anyio.Lock()
-        return session
+    def conversation(sid: str) -> _Conversation:
+        found = conversations.get(sid)
+        if found is None:
+            found = conversations[sid] = _Conversation(states.open(sid))
+        return found
+
+    async def session_for(sid: str, held: _Conversation) -> WireSession | None:
+        """The conversation's session, current with what other workers recorded; None when
+        it cannot be loaded (held under the conversation's lock)."""
+        logger = context.get("logger") or get_logger(session_id=sid)
+        if held.session is not None:
+            if not states.shared:
+                return held.session  # local files: this process is the only writer
+            try:
+                moved = await anyio.to_thread.run_sync(held.storage.changed_elsewhere)
+            except OSError as exc:
+                logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
+                return held.session
+            if not moved:
+                return held.session
+        try:
+            held.session = await WireSession.open(
+                sid, root, pipeline(), storage=held.storage, **context
+            )
+        except OSError as exc:
+            event = "wire_session.refresh_failed" if held.session else "wire_session.load_failed"
+            logger.warning(event, error=type(exc).__name__)
+        return held.session
 
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok")
@@ -84,8 +139,14 @@ def build_app(
             sid = session_id_for(body, headers=dict(request.headers))
         except ValueError as exc:  # what the API would say of it, before any upstream call
             return _error(400, "invalid_request_error", str(exc)[:300])
-        session = session_for(sid)
-        async with locks[sid]:  # one call of a conversation at a time, as a client makes them
+        held = conversation(sid)
+        async with held.lock:  # one call of a conversation at a time, as a client makes them
+            session = await session_for(sid, held)
+            if session is None:  # its state cannot be read: the request goes as it came
+                try:
+                    return _relay(await _send_as_is(client, request, raw), None)
+                except httpx2.HTTPError as exc:
+                    return _unreachable(exc)
             with session.request_span(len(body["messages"])) as span:
                 try:
                     prepared = await session.prepare_request(body)
@@ -125,6 +186,15 @@ def build_app(
     return Starlette(routes=routes, lifespan=lifespan)
 
 
+async def _send_as_is(client: httpx2.AsyncClient, request: Request, raw: bytes) -> httpx2.Response:
+    """The client's request upstream unchanged (its conversation's state cannot be read)."""
+    upstream_request = client.build_request(
+        "POST", request.url.path, params=request.query_params, headers=_forwarded(request),
+        content=raw,
+    )  # fmt: skip
+    return await client.send(upstream_request, stream=True)
+
+
 async def _send(
     client: httpx2.AsyncClient, request: Request, session: WireSession, prepared: dict[str, Any]
 ) -> httpx2.Response:
@@ -155,20 +225,34 @@ def _error(status: int, kind: str, message: str) -> Response:
 
 
 def _relay(upstream: httpx2.Response, session: WireSession | None) -> Response:
-    """The upstream response passed on as it arrives; a 200 from ``/v1/messages`` read for
-    its id and usage on the way (a JSON body once complete, an event stream event by event)."""
+    """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
+    on the way, and the session's record of it written before the client can see the end: an
+    event stream passes chunk by chunk as it arrives, the chunk that completes the usage
+    (``message_delta``) once the record is written; a JSON body is passed on whole once read
+    and recorded."""
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
     reader = _UsageReader(session) if session is not None and upstream.status_code == 200 else None
     streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def body() -> AsyncIterator[bytes]:
         try:
+            held: list[bytes] = []
             async for chunk in upstream.aiter_bytes():
-                if reader is not None:
-                    reader.feed(chunk, streamed)
-                yield chunk
+                if reader is None:
+                    yield chunk
+                elif streamed:
+                    reader.events.feed(chunk)
+                    if reader.events.final:
+                        await reader.events.aclose()  # once; the client has not seen the end
+                    yield chunk
+                else:
+                    held.append(chunk)
             if reader is not None:
-                reader.close(streamed)
+                if streamed:
+                    await reader.events.aclose()  # a stream that ended without message_delta
+                else:
+                    await reader.observe_json(b"".join(held))
+                    yield b"".join(held)
         finally:
             await upstream.aclose()
 
@@ -181,25 +265,16 @@ class _UsageReader:
     def __init__(self, session: WireSession) -> None:
         self.events = EventStreamUsage(session)
         self.session = session
-        self.buffer: list[bytes] = []
 
-    def feed(self, chunk: bytes, streamed: bool) -> None:
-        if streamed:
-            self.events.feed(chunk)
-        else:
-            self.buffer.append(chunk)  # a JSON body: read once it is complete
-
-    def close(self, streamed: bool) -> None:
-        if streamed:
-            self.events.close()
-            return
+    async def observe_json(self, body: bytes) -> None:
+        """A JSON body's id and usage to the session (nothing when it holds none)."""
         try:
-            message = json.loads(b"".join(self.buffer))
+            message = json.loads(body)
         except ValueError:
+            return
+        if not isinstance(message, dict):
             return
         usage, rid = message.get("usage"), message.get("id")
         if isinstance(usage, dict) and isinstance(rid, str):
-            try:
-                self.session.observe(rid, usage, model=str(message.get("model")))
-            except ValueError:
-                return
+            with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
+                await self.session.observe_async(rid, usage, model=str(message.get("model")))

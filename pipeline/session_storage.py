@@ -8,33 +8,82 @@ model as Claude Code shows them); ``s3://bucket/prefix`` puts the same state on 
 every worker given the same URL (:mod:`pipeline.objectstore`, :mod:`pipeline.objectrecords`,
 :mod:`pipeline.objectreader`; needs the ``objectstore`` extra); ``memory:///prefix`` keeps it
 in memory (tests).
+
+:class:`SessionStates` is the same for many sessions of one worker (a proxy): the location
+checked once, one store client shared by every session. Calls made while a client waits (a
+persist, an append, a load) are bounded: :func:`in_turn_options` gives obstore's client a few
+seconds and a few attempts (:data:`STORE_TIMEOUT`, :data:`STORE_RETRIES`) instead of its
+default of ten retries over up to three minutes, so an unreachable store costs a turn a bounded
+delay, never the turn.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pipeline.readback import PagedReader, PersistedOutputReader
 from pipeline.records import RecordLog
-from pipeline.storage import FileToolResultStore, ToolResultStore, validate_session_id
+from pipeline.storage import (
+    FileToolResultStore,
+    StoreError,
+    ToolResultStore,
+    validate_session_id,
+)
 from pipeline.transcript import Transcript, TranscriptWriter, load_transcript
 
 if TYPE_CHECKING:
     from pipeline.objectstore import ObjectStoreAPI
 
-__all__ = ["DECISIONS_FILE", "SessionStorage", "open_session_state"]
+__all__ = [
+    "DECISIONS_FILE",
+    "STORE_RETRIES",
+    "STORE_TIMEOUT",
+    "SessionStates",
+    "SessionStorage",
+    "in_turn_options",
+    "open_session_state",
+]
 
 DECISIONS_FILE = "decisions.jsonl"
 """The local backend's record file: ``<root>/<session>/decisions.jsonl``."""
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 """S3's bucket naming rules (the part that matters here: no slash, no case, no space)."""
+
+STORE_TIMEOUT = 3.0
+"""Seconds one object-store request may take (connecting: at most 1 s of it) by default."""
+STORE_RETRIES = 2
+"""Retries of a failed object-store request by default (connection errors, 5xx, timeouts)."""
+
+_CLIENT_KEYS = (
+    "allow_http",
+    "allow_invalid_certificates",
+    "connect_timeout",
+    "default_content_type",
+    "http1_only",
+    "http2_keep_alive_interval",
+    "http2_keep_alive_timeout",
+    "http2_keep_alive_while_idle",
+    "http2_only",
+    "pool_idle_timeout",
+    "pool_max_idle_per_host",
+    "proxy_url",
+    "proxy_ca_certificate",
+    "proxy_excludes",
+    "randomize_addresses",
+    "read_timeout",
+    "timeout",
+    "user_agent",
+)
+"""obstore's HTTP client options that S3 also reads from ``AWS_<KEY>`` variables."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +101,39 @@ class SessionStorage:
     """The records appended so far, ``strict=False``; None when there are none yet."""
     reader: PagedReader
     """The read-back tool for the results ``store`` persists."""
+    changed_elsewhere: Callable[[], bool] = lambda: False
+    """Whether another writer appended records that ``load`` has not returned yet (blocking:
+    one listing of what is new). The local backend has one writer, this process: always False.
+    A worker that keeps a session in memory asks before each call and loads again when True."""
+
+
+def in_turn_options(timeout: float = STORE_TIMEOUT, retries: int = STORE_RETRIES) -> dict[str, Any]:
+    """obstore options for requests a client waits on: each request at most ``timeout``
+    seconds (connecting at most 1 s of it), ``retries`` retries after a short backoff, no retry
+    started after ``timeout * (retries + 1)`` seconds. ``ValueError`` for a timeout that is not
+    a positive number of seconds up to 600, or retries outside 0-10."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (0 < timeout <= 600)
+    ):
+        raise ValueError(f"a store timeout must be from 0 (exclusive) to 600 s, got {timeout!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 10:
+        raise ValueError(f"store retries must be a whole number from 0 to 10, got {retries!r}")
+    return {
+        "client_options": {
+            "timeout": timedelta(seconds=timeout),
+            "connect_timeout": timedelta(seconds=min(timeout, 1.0)),
+        },
+        "retry_config": {
+            "max_retries": retries,
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=50),
+                "max_backoff": timedelta(milliseconds=500),
+            },
+            "retry_timeout": timedelta(seconds=timeout * (retries + 1)),
+        },
+    }
 
 
 def open_session_state(
@@ -70,7 +152,8 @@ def open_session_state(
       ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``,
       ``AWS_ALLOW_HTTP`` for a plain-HTTP endpoint...) or from ``options`` (passed on:
       ``config``, ``client_options``, ``retry_config``, ``credential_provider`` or
-      ``S3Config`` keys);
+      ``S3Config`` keys). Timeouts and retries are :func:`in_turn_options`' unless
+      ``client_options`` (merged over them) or ``retry_config`` (instead of them) say otherwise;
     - ``memory:///[prefix]``: a new in-memory store.
 
     ``object_store``: use this ``obstore`` store instead of building one from the URL (two
@@ -78,14 +161,85 @@ def open_session_state(
     ``writer_id``: names this worker's record objects (object stores only; a local file has
     one writer at a time). ``ValueError`` for an unsupported scheme or a malformed URL.
     """
-    sid = validate_session_id(session_id)
-    text = os.fspath(location)
-    if not isinstance(text, str):
-        raise ValueError("a store location must be a path or a URL string, not bytes")
-    if "://" not in text:
-        if options or object_store is not None:
-            raise ValueError("store options apply to object store URLs, not to a local directory")
-        return _local(Path(text), sid)
+    states = SessionStates(location, writer_id=writer_id, object_store=object_store, **options)
+    return states.open(session_id)
+
+
+class SessionStates:
+    """Where every session of one worker keeps its state: ``location`` (as for
+    :func:`open_session_state`) checked once, and for an object store one client made once and
+    shared by every session (one connection pool, not one per conversation).
+
+    ``open(session_id)`` gives a session's :class:`SessionStorage`; ``shared`` tells whether
+    the location can be shared by several workers (an object store).
+    """
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str],
+        *,
+        writer_id: str | None = None,
+        object_store: ObjectStoreAPI | None = None,
+        **options: Any,
+    ) -> None:
+        text = os.fspath(location)
+        if not isinstance(text, str):
+            raise ValueError("a store location must be a path or a URL string, not bytes")
+        self.writer_id = writer_id
+        self._root: Path | None = None
+        self._store: ObjectStoreAPI | None = None
+        self._prefix = self._uri_base = ""
+        if "://" not in text:
+            if options or object_store is not None:
+                raise ValueError(
+                    "store options apply to object store URLs, not to a local directory"
+                )
+            self._root = Path(text)
+            self.location = str(self._root)
+            return
+        kind, uri_base, path = _parse_url(text)
+        # imported here: the local default must not need the objectstore extra
+        from pipeline.objectstore import normalize_prefix
+
+        try:
+            self._prefix = normalize_prefix(path)
+        except ValueError as exc:
+            raise ValueError(f"store URL {_shown(text)}: {exc}") from None
+        self._uri_base = uri_base
+        self._store = (
+            object_store if object_store is not None else _build_store(kind, uri_base, options)
+        )
+        self.location = f"{uri_base}/{self._prefix}" if self._prefix else uri_base
+
+    @property
+    def shared(self) -> bool:
+        """Whether this is an object store (workers given the same URL share its state)."""
+        return self._store is not None
+
+    def check(self) -> None:
+        """Ask an object store for one listing under the prefix (a directory: nothing):
+        :class:`~pipeline.storage.StoreError` naming the failure's type when it cannot answer
+        now (credentials, bucket, endpoint, network)."""
+        if self._store is None:
+            return
+        try:
+            next(iter(self._store.list(self._prefix or None)), None)
+        except Exception as exc:  # obstore's text holds the request URL: the type only
+            raise StoreError(errno.EIO, f"cannot list the store ({type(exc).__name__})") from exc
+
+    def open(self, session_id: str) -> SessionStorage:
+        """The storage of ``session_id`` here (``ValueError`` for an unsafe session id)."""
+        sid = validate_session_id(session_id)
+        if self._root is not None:
+            return _local(self._root, sid)
+        assert self._store is not None
+        return _on_objects(
+            self._store, self._uri_base, self._prefix, sid, self.writer_id, self.location
+        )
+
+
+def _parse_url(text: str) -> tuple[str, str, str]:
+    """(kind, URI base, key prefix path) of a store URL; ``ValueError`` for a bad one."""
     try:
         parts = urlsplit(text)
         port = parts.port
@@ -100,13 +254,11 @@ def open_session_state(
     if scheme == "s3":
         if not _BUCKET.fullmatch(parts.hostname or "") or parts.netloc != parts.hostname:
             raise ValueError(f"store URL {_shown(text)}: not a valid S3 bucket name")
-        return _on_objects(
-            f"s3://{parts.netloc}", parts.path, sid, writer_id, object_store, options, "s3"
-        )
+        return "s3", f"s3://{parts.netloc}", parts.path
     if scheme == "memory":
         if parts.netloc:
             raise ValueError(f"store URL {_shown(text)}: a memory URL has no host (memory:///x)")
-        return _on_objects("memory://", parts.path, sid, writer_id, object_store, options, "memory")
+        return "memory", "memory://", parts.path
     raise ValueError(
         f"unsupported store URL scheme {scheme[:20]!r} in {_shown(text)}: give a local "
         "directory, s3://bucket/prefix or memory:///prefix"
@@ -139,32 +291,28 @@ def _local(root: Path, sid: str) -> SessionStorage:
 
 
 def _on_objects(
+    store: ObjectStoreAPI,
     uri_base: str,
-    path: str,
+    prefix: str,
     sid: str,
     writer_id: str | None,
-    object_store: ObjectStoreAPI | None,
-    options: dict[str, Any],
-    kind: str,
+    location: str,
 ) -> SessionStorage:
-    # imported here: the local default must not need the objectstore extra
     from pipeline.objectreader import ObjectOutputReader
     from pipeline.objectrecords import ObjectRecordLog
-    from pipeline.objectstore import ObjectLayout, ObjectToolResultStore
+    from pipeline.objectstore import ObjectToolResultStore
 
-    layout = ObjectLayout(sid, path, uri_base)  # ValueError for a bad prefix
-    store = object_store if object_store is not None else _build_store(kind, uri_base, options)
-    prefix, base = layout.prefix, layout.uri_base
     records = ObjectRecordLog(
-        store, prefix=prefix, session_id=sid, uri_base=base, writer_id=writer_id
+        store, prefix=prefix, session_id=sid, uri_base=uri_base, writer_id=writer_id
     )
     return SessionStorage(
         session_id=sid,
-        location=layout.uri(prefix) if prefix else base,
-        store=ObjectToolResultStore(store, prefix=prefix, session_id=sid, uri_base=base),
+        location=location,
+        store=ObjectToolResultStore(store, prefix=prefix, session_id=sid, uri_base=uri_base),
         records=records,
         load=records.load,
-        reader=ObjectOutputReader(store, prefix=prefix, session_id=sid, uri_base=base),
+        reader=ObjectOutputReader(store, prefix=prefix, session_id=sid, uri_base=uri_base),
+        changed_elsewhere=records.changed_elsewhere,
     )
 
 
@@ -176,6 +324,7 @@ def _build_store(kind: str, uri_base: str, options: dict[str, Any]) -> ObjectSto
         if options:
             raise ValueError("a memory store takes no options")
         return MemoryStore()
+    options = _with_in_turn_defaults(options)
     try:
         # the bucket only: the key prefix is ours to apply (it is in every key and URI)
         return S3Store.from_url(uri_base, **options)
@@ -183,3 +332,21 @@ def _build_store(kind: str, uri_base: str, options: dict[str, Any]) -> ObjectSto
         raise ValueError(
             f"cannot configure the S3 store {_shown(uri_base)}: {str(exc)[:300]}"
         ) from None
+
+
+def _with_in_turn_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` over :func:`in_turn_options`. Client options given in code win over
+    ``AWS_<KEY>`` variables, which win over the defaults: obstore drops the environment's
+    client options (``AWS_ALLOW_HTTP`` among them) once any are passed, so they are read here."""
+    defaults = in_turn_options()
+    given = options.get("client_options")
+    if given is not None and not isinstance(given, Mapping):
+        raise ValueError("client_options must be a mapping of obstore client options")
+    from_env = {
+        key: value
+        for key in _CLIENT_KEYS
+        if (value := os.environ.get(f"AWS_{key.upper()}")) is not None
+    }
+    merged = {**defaults, **options}
+    merged["client_options"] = {**defaults["client_options"], **from_env, **(given or {})}
+    return merged

@@ -73,17 +73,23 @@ class MotoS3:
         }
 
     def stop(self) -> None:
-        """Stop the server: every later request to it fails to connect."""
+        """Stop the server: every later request to it fails to connect (refused: moto's own
+        stop leaves the socket listening, where a request would hang until its timeout)."""
         self.server.stop()
+        inner = getattr(self.server, "_server", None)
+        if inner is not None:
+            inner.server_close()
 
 
-def start_moto() -> MotoS3:
-    """Start moto's S3 server on 127.0.0.1, a port the system picks; skip when it cannot."""
+def start_moto(port: int = 0) -> MotoS3:
+    """Start moto's S3 server on 127.0.0.1, on ``port`` (0: one the system picks); skip when
+    it cannot. moto keeps its buckets per process, not per server: a server started again on
+    the port of a stopped one serves what that one held (a store that comes back)."""
     server_module = pytest.importorskip(
         "moto.server", reason="moto[server] is not installed (the dev extra has it)"
     )
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     # start() waits forever for a server thread that died binding: wait from another thread
     starter = threading.Thread(target=server.start, daemon=True)
     starter.start()

@@ -288,6 +288,70 @@ async def test_resume_gives_byte_identical_requests(
 
 
 @pytest.mark.asyncio
+async def test_a_session_on_an_object_store_resumes_from_its_records(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    """The library path of a fleet's agent: results and records on an object store
+    (``SessionContext(store=..., transcript=...)``); another process resumes from the
+    records alone (``Agent.resume_from``) and sends what an uninterrupted run sends."""
+    pytest.importorskip("obstore", reason="the objectstore extra (obstore) is not installed")
+    from obstore.store import MemoryStore
+
+    from pipeline.session_storage import open_session_state
+
+    pipeline = Pipeline([ToolResultBudget(limit=20_000)])
+    url = "memory:///agents"
+
+    def agent_on(server: ScriptedMessagesServer, memory: MemoryStore, host: Path) -> Agent:
+        storage = open_session_state(url, "sess", object_store=memory)
+        ctx = SessionContext("sess", host, store=storage.store, transcript=storage.records)
+        return Agent(
+            client_for(server), model="claude-test", pipeline=pipeline, ctx=ctx, tools=[emit]
+        )
+
+    live_server = server_factory(scripted(*_turns()))
+    await agent_on(live_server, MemoryStore(), tmp_path / "live").run("go")
+
+    part_server, part_store = server_factory(scripted(*_turns())), MemoryStore()
+    part = agent_on(part_server, part_store, tmp_path / "part")
+    part.max_turns = 2
+    await part.run("go")
+    resumed = Agent.resume_from(
+        open_session_state(url, "sess", object_store=part_store),
+        client_for(part_server),
+        model="claude-test",
+        pipeline=pipeline,
+        root=tmp_path / "elsewhere",  # a new host: nothing local carries over
+        tools=[emit],
+    )
+    await resumed.run()
+
+    live = [json.dumps(b["messages"]) for b in live_server.requests]
+    part = [json.dumps(b["messages"]) for b in part_server.requests]
+    assert len(live) == 5 and part == live
+    big = next(
+        b
+        for m in part_server.requests[-1]["messages"]
+        if isinstance(m["content"], list)
+        for b in m["content"]
+        if b.get("tool_use_id") == "b0"
+    )["content"]
+    uri = big.split("Full output saved to: ")[1].split("\n")[0]
+    assert uri == "memory:///agents/sess/tool-results/b0.txt"
+    # the read-back tool comes with an object store too, and reads the result by its URI
+    readback = resumed.tools["read_persisted_output"]
+    page = await readback.handler({"path": uri, "offset": 1, "limit": 1})
+    assert page.startswith(MARK.strip())
+    with pytest.raises(ValueError, match="no recorded messages"):
+        Agent.resume_from(
+            open_session_state(url, "other", object_store=part_store),
+            client_for(part_server),
+            model="claude-test",
+            pipeline=pipeline,
+        )
+
+
+@pytest.mark.asyncio
 async def test_resume_answers_tool_calls_a_crash_left_open(
     server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
 ) -> None:

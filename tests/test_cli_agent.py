@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipeline import load_transcript, to_api
 from pipeline.pairing import check_pairing
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, without_cache_control
@@ -20,11 +22,13 @@ def _env(server: ScriptedMessagesServer) -> dict[str, str]:
     return env
 
 
-def _run(server: ScriptedMessagesServer, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    server: ScriptedMessagesServer, cwd: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pipeline", "agent", "--model", "claude-test", *args],
         cwd=cwd,
-        env=_env(server),
+        env=env if env is not None else _env(server),
         capture_output=True,
         text=True,
         timeout=120,
@@ -124,6 +128,58 @@ def test_resume_continues_the_session(tmp_path: Path) -> None:
         ]
     )
     assert bodies[2]["messages"][-1] == {"role": "user", "content": "and again"}
+
+
+def test_results_on_s3_are_read_back_by_their_uri_and_survive_a_resume(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """``--store s3://BUCKET/PREFIX``: the persisted output is an object (moto's S3 on
+    127.0.0.1), read_file reads it by its URI, the transcript stays local, and a resume (with
+    the same --store) reads it again."""
+    moto = request.getfixturevalue("moto_s3")
+    bucket = moto.new_bucket()
+    store = f"s3://{bucket}/agents"
+
+    def script(body: dict[str, Any]) -> Reply:
+        k = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        if k == 0:
+            return Reply([_use("toolu_sh", "bash", command="seq 1 20000")], stop_reason="tool_use")
+        if k in (1, 3):  # in the first run, and again in the resumed one
+            replaced = _results(body)["toolu_sh"]["content"]
+            uri = replaced.split("Full output saved to: ")[1].split("\n")[0]
+            read = _use(f"toolu_rd{k}", "read_file", path=uri, offset=19_990, limit=2)
+            return Reply([read], stop_reason="tool_use")
+        return Reply([{"type": "text", "text": "FINAL ANSWER"}])
+
+    with ScriptedMessagesServer(script) as server:
+        env = {k: v for k, v in _env(server).items() if not k.startswith("AWS_")} | moto.env()
+        args = ["--allow-bash", "--store", store, "--session-id", "s3-session"]
+        proc = _run(server, tmp_path, *args, "count to 20000", env=env)
+        transcript = tmp_path / ".sluicegate" / "s3-session" / "transcript.jsonl"
+        resumed = _run(
+            server, tmp_path, "--store", store, "--resume", str(transcript), "again", env=env
+        )
+        bodies = server.requests
+    assert proc.returncode == 0, proc.stderr
+    assert f"results on {store}" in proc.stderr
+    uri = f"{store}/s3-session/tool-results/toolu_sh.txt"
+    assert f"Full output saved to: {uri}" in _results(bodies[1])["toolu_sh"]["content"]
+    page = "19990\n19991\n\n[lines 19990-19991 of 20000; next: offset=19992]"
+    assert _results(bodies[2])["toolu_rd1"]["content"] == page
+    assert transcript.is_file()
+    assert not (tmp_path / ".sluicegate" / "s3-session" / "tool-results").exists()
+    assert resumed.returncode == 0, resumed.stderr
+    assert _results(bodies[-1])["toolu_rd3"]["content"] == page
+    objects = [m["path"] for chunk in moto.store(bucket).list("agents") for m in chunk]
+    assert objects == ["agents/s3-session/tool-results/toolu_sh.txt"]
+
+
+def test_the_agent_refuses_a_store_url_it_cannot_use(tmp_path: Path) -> None:
+    with ScriptedMessagesServer(lambda body: Reply([{"type": "text", "text": "x"}])) as server:
+        proc = _run(server, tmp_path, "--store", "memory:///x", "hi")
+        timeout = _run(server, tmp_path, "--store-timeout", "2", "hi")
+    assert proc.returncode == 2 and "s3://BUCKET/PREFIX" in proc.stderr
+    assert timeout.returncode == 2 and "apply to an s3:// --store" in timeout.stderr
 
 
 def test_api_error_is_reported_without_a_traceback(tmp_path: Path) -> None:

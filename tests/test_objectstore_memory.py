@@ -219,6 +219,13 @@ def test_load_waits_for_a_listed_object_then_skips_it() -> None:
     assert [ev for _lv, ev, _kw in logger.events] == ["records.unreadable_object"]
     assert logger.events[0][2]["key"] == f"{RECORDS}/000000000002-w.jsonl"
     assert lagging.calls["get"] == 1 + 3 + 4
+    # the object skipped is still to be loaded: a worker asking for news is told so
+    assert reader.changed_elsewhere() is True
+    misses.clear()
+    again = reader.load()
+    assert again is not None and [r.data["n"] for r in again.stage_records] == [0, 1, 2]
+    assert lagging.calls["get"] == 1 + 3 + 4 + 1  # only the one it had not read
+    assert reader.changed_elsewhere() is False
 
 
 def test_torn_and_foreign_objects_are_skipped_like_bad_lines() -> None:
@@ -399,3 +406,48 @@ def test_a_create_whose_reply_was_lost_is_not_appended_twice() -> None:
     assert keys_of(memory) == [f"{RECORDS}/000000000000-w.jsonl", f"{RECORDS}/000000000001-w.jsonl"]
     loaded = ObjectRecordLog(memory, **WHERE).load()
     assert loaded is not None and [r.data["n"] for r in loaded.stage_records] == [0, 1]
+
+
+def test_a_log_tells_when_another_writer_recorded_and_reads_only_what_is_new() -> None:
+    """A worker that keeps a session asks before each call whether others recorded since:
+    one listing, True until it loads again; its own appends never count; a load after a move
+    reads only the objects it has not read or written before (objects are immutable)."""
+    memory = MemoryStore()
+    mine = Wrapped(memory)
+    first = ObjectRecordLog(mine, **WHERE, writer_id="a", logger=QuietLogger())
+    other = ObjectRecordLog(memory, **WHERE, writer_id="b")
+    first.append_stage_record("s", {"n": 1})
+    assert first.changed_elsewhere() is False  # its own record
+    other.append_stage_record("s", {"n": 2})
+    assert first.changed_elsewhere() is True
+    assert first.changed_elsewhere() is True  # still unloaded: asking again changes nothing
+    gets = len(mine.gets)
+    loaded = first.load()
+    assert loaded is not None and [r.data["n"] for r in loaded.stage_records] == [1, 2]
+    assert [key for key, _ in mine.gets[gets:]] == [f"{RECORDS}/000000000001-b.jsonl"]
+    assert first.changed_elsewhere() is False
+    # another writer's record seen by an append's own listing counts too
+    other.append_stage_record("s", {"n": 3})
+    first.append_stage_record("s", {"n": 4})
+    assert first.changed_elsewhere() is True
+    gets = len(mine.gets)
+    loaded = first.load()
+    assert loaded is not None and [r.data["n"] for r in loaded.stage_records] == [1, 2, 3, 4]
+    assert [key for key, _ in mine.gets[gets:]] == [f"{RECORDS}/000000000002-b.jsonl"]
+
+
+def test_a_log_that_cannot_list_says_so_and_keeps_what_it_knew() -> None:
+    memory = MemoryStore()
+    failing = Wrapped(memory)
+    log = ObjectRecordLog(failing, **WHERE, writer_id="a", logger=QuietLogger())
+    ObjectRecordLog(memory, **WHERE, writer_id="b").append_stage_record("s", {"n": 1})
+
+    def down(*_args: Any, **_kwargs: Any) -> None:
+        raise GenericError("http://127.0.0.1:1/bucket?X-Amz-Credential=secret")
+
+    failing.before["list"] = down
+    with pytest.raises(StoreError) as caught:
+        log.changed_elsewhere()
+    assert "secret" not in str(caught.value) and "127.0.0.1" not in str(caught.value)
+    del failing.before["list"]
+    assert log.changed_elsewhere() is True  # nothing was lost by the failed listing

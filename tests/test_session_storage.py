@@ -4,6 +4,8 @@ errors for a bad URL, and wire sessions of a fleet sharing decisions through the
 from __future__ import annotations
 
 import json
+import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,19 @@ from pipeline.objectrecords import ObjectRecordLog
 from pipeline.objectstore import ObjectToolResultStore
 from pipeline.readback import PersistedOutputReader
 from pipeline.records import RecordLog
-from pipeline.session_storage import DECISIONS_FILE, SessionStorage, open_session_state
+from pipeline.session_storage import (
+    DECISIONS_FILE,
+    STORE_RETRIES,
+    SessionStates,
+    SessionStorage,
+    _with_in_turn_defaults,
+    in_turn_options,
+    open_session_state,
+)
+from pipeline.storage import StoreError
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
-from tests.objectstore_support import MotoS3, keys_of
+from tests.objectstore_support import SECRET_KEY, MotoS3, keys_of, start_moto
 
 SESSION = "conv-1"
 
@@ -222,3 +233,79 @@ def test_storage_of_another_session_is_refused(tmp_path: Path) -> None:
     other = open_session_state("memory:///x", "conv-2")
     with pytest.raises(ValueError, match="conv-2"):
         _session(tmp_path, other)
+
+
+# --------------------------------------------------------------------------------------------
+# one worker's sessions, and how long a call may wait on the store
+# --------------------------------------------------------------------------------------------
+
+
+def test_in_turn_options_bound_every_request() -> None:
+    options = in_turn_options(2.0, 3)
+    assert options["client_options"] == {
+        "timeout": timedelta(seconds=2),
+        "connect_timeout": timedelta(seconds=1),
+    }
+    retry = options["retry_config"]
+    assert retry["max_retries"] == 3 and retry["retry_timeout"] == timedelta(seconds=8)
+    assert in_turn_options()["retry_config"]["max_retries"] == STORE_RETRIES
+    assert in_turn_options(0.5)["client_options"]["connect_timeout"] == timedelta(seconds=0.5)
+    for timeout, retries in ((0, 2), (-1, 2), (601, 2), (True, 2), (3, -1), (3, 11), (3, 1.5)):
+        with pytest.raises(ValueError, match="store"):
+            in_turn_options(timeout, retries)  # type: ignore[arg-type]
+
+
+def test_client_options_come_from_code_then_environment_then_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """obstore forgets the environment's client options (AWS_ALLOW_HTTP...) once any are
+    passed: they are read and merged, below what the code gives and above the defaults."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_TIMEOUT", "9s")
+    merged = _with_in_turn_defaults({"client_options": {"user_agent": "fleet"}, "region": "x"})
+    assert merged["client_options"] == {
+        "timeout": "9s",
+        "connect_timeout": timedelta(seconds=1),
+        "allow_http": "true",
+        "user_agent": "fleet",
+    }
+    assert merged["region"] == "x" and merged["retry_config"]["max_retries"] == STORE_RETRIES
+    mine = {"max_retries": 0}
+    assert _with_in_turn_defaults({"retry_config": mine})["retry_config"] is mine
+    with pytest.raises(ValueError, match="client_options"):
+        _with_in_turn_defaults({"client_options": "timeout=1s"})
+
+
+def test_session_states_open_many_sessions_on_one_store(
+    moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name, value in moto_s3.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    states = SessionStates(f"s3://{bucket}/team/", writer_id="w")
+    assert states.shared and states.location == f"s3://{bucket}/team"
+    states.check()  # the bucket answers
+    one, two = states.open("conv-1"), states.open("conv-2")
+    assert isinstance(one.store, ObjectToolResultStore)
+    assert isinstance(two.store, ObjectToolResultStore)
+    assert one.store.store is two.store.store  # one client, one connection pool
+    one.records.append_stage_record("s", {"n": 1})
+    assert two.changed_elsewhere() is False and one.changed_elsewhere() is False
+    assert keys_of(moto_s3.store(bucket)) == ["team/conv-1/records/000000000000-w.jsonl"]
+    local = SessionStates(tmp_path)
+    assert not local.shared
+    local.check()  # a directory: nothing to ask
+    assert local.open("conv-1").changed_elsewhere() is False
+    with pytest.raises(ValueError, match="session_id"):
+        states.open("../escape")
+
+    gone = start_moto()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", gone.endpoint)
+    gone.stop()
+    unreachable = SessionStates(f"s3://{bucket}/team", retry_config={"max_retries": 0})
+    with pytest.raises(StoreError) as caught:
+        unreachable.check()
+    assert "cannot list the store" in str(caught.value)
+    assert SECRET_KEY not in str(caught.value) and gone.endpoint not in str(caught.value)

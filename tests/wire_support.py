@@ -77,9 +77,12 @@ def visible(body: dict[str, Any]) -> int:
 
 
 @contextmanager
-def proxy(upstream: str, root: Path, pipeline: Callable[[], Pipeline]) -> Iterator[str]:
-    """The proxy served on a random port for the ``with`` block; yields its base URL."""
-    app = build_app(pipeline=pipeline, root=root, upstream=upstream)
+def proxy(
+    upstream: str, root: Path, pipeline: Callable[[], Pipeline], **options: Any
+) -> Iterator[str]:
+    """The proxy served on a random port for the ``with`` block; yields its base URL.
+    ``options``: more arguments of ``build_app`` (``storage``, session context)."""
+    app = build_app(pipeline=pipeline, root=root, upstream=upstream, **options)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -13,10 +13,20 @@ from urllib.parse import urlsplit
 import anyio
 from opentelemetry import trace
 
-from pipeline._cli.common import EXIT_FAILED, EXIT_OK, CliError, ReplayOptions, load, with_tracing
+from pipeline._cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+    ReplayOptions,
+    load,
+    object_store_states,
+    with_tracing,
+)
+from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
 from pipeline.encoding import encodable
 from pipeline.policies import ToolPolicies
+from pipeline.session_storage import SessionStorage
 from pipeline.storage import TOOL_RESULTS_SUBDIR, validate_session_id
 from pipeline.transcript import TranscriptWriter
 
@@ -75,7 +85,8 @@ def run_agent(
     from pipeline.agent import SessionBusyError, session_lock, store_root_of
 
     _check_environment(args)
-    store = options.store
+    store = options.store  # a local --store; None with an s3:// one
+    shared = object_store_states(args)
     if store is not None and store.exists() and not store.is_dir():
         raise CliError(f"--store: {store} is not a directory")
     if args.resume is not None:
@@ -103,7 +114,8 @@ def run_agent(
     try:
         # the lock is the transcript's, wherever the store root is
         with session_lock(transcript):
-            return _run_locked(args, options, tracer, provider, root, session_id)
+            storage = shared.open(session_id) if shared is not None else None
+            return _run_locked(args, options, tracer, provider, root, session_id, storage)
     except SessionBusyError as exc:
         raise CliError(str(exc), EXIT_FAILED) from None
     except OSError as exc:
@@ -117,7 +129,10 @@ def _run_locked(
     provider: TracerProvider | None,
     root: Path,
     session_id: str,
+    storage: SessionStorage | None,
 ) -> int:
+    """The session under its lock. ``storage``: the persisted results on an object store
+    (``--store s3://``); the transcript and the calibration stay local under ``root``."""
     import anthropic
 
     from pipeline._cli.coding_tools import bash_tool, read_file_tool
@@ -162,22 +177,29 @@ def _run_locked(
         agent.ctx.tool_policies = policies
         if tracer is not None:
             agent.ctx.tracer = tracer
+        if storage is not None:
+            agent.ctx.store = storage.store  # the replacements recorded name its objects
         transcript = args.resume
     else:
         transcript = root / session_id / "transcript.jsonl"
         ctx = SessionContext(
             session_id,
             root,
+            store=storage.store if storage is not None else None,
             tool_policies=policies,
             tracer=tracer,
             transcript=TranscriptWriter(transcript, session_id),
         )
         agent = Agent(client, ctx=ctx, **settings)
-    store_dir = root / agent.ctx.session_id / TOOL_RESULTS_SUBDIR
-    agent.add_tool(read_file_tool(cwd, store_dir))
+    if storage is not None:
+        agent.add_tool(read_file_tool(cwd, store_reader=storage.reader))
+        where = f"; results on {terminal_safe(storage.location)}"
+    else:
+        agent.add_tool(read_file_tool(cwd, root / agent.ctx.session_id / TOOL_RESULTS_SUBDIR))
+        where = ""
     if args.allow_bash:
         agent.add_tool(bash_tool(cwd))
-    print(f"session {agent.ctx.session_id}: transcript {transcript}", file=sys.stderr)
+    print(f"session {agent.ctx.session_id}: transcript {transcript}{where}", file=sys.stderr)
     try:
         result = anyio.run(agent.run, args.prompt)
     except AgentAPIError as exc:

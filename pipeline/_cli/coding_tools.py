@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from pipeline.readback import LineReader
+from pipeline.readback import LineReader, PagedReader
 from pipeline.tools import Tool
 
 __all__ = ["BASH_DECLARED_LIMIT", "bash_tool", "read_file_tool", "run_shell"]
@@ -25,8 +26,12 @@ _DRAIN_BYTES = 1 << 22
 left the shell's process group (``setsid``) could keep writing to it forever."""
 
 
-def read_file_tool(cwd: Path, store_directory: Path | None = None) -> Tool:
-    """``read_file {path, offset?, limit?}``: files under ``cwd`` and persisted outputs.
+def read_file_tool(
+    cwd: Path, store_directory: Path | None = None, *, store_reader: PagedReader | None = None
+) -> Tool:
+    """``read_file {path, offset?, limit?}``: files under ``cwd`` and persisted outputs --
+    files under ``store_directory``, or, with ``store_reader``, the object store URIs
+    (``s3://...``) it reads.
 
     Never persisted (``math.inf``): persisting the output of the tool that reads persisted
     outputs would be a loop; its own per-call character bound applies instead. A bad path or
@@ -42,7 +47,17 @@ def read_file_tool(cwd: Path, store_directory: Path | None = None) -> Tool:
             "'Full output saved to:' in a <persisted-output> block)."
         ),
     )
-    return reader.as_tool()
+    if store_reader is None:
+        return reader.as_tool()
+    objects = store_reader
+
+    async def read(tool_input: dict[str, Any]) -> str:
+        path = tool_input.get("path")
+        # a URI names a persisted output on the store; anything else is a local file
+        chosen = objects if isinstance(path, str) and "://" in path else reader
+        return await chosen(tool_input)
+
+    return dataclasses.replace(reader.as_tool(), handler=read)
 
 
 def _kill_group(pgid: int) -> None:

@@ -28,6 +28,7 @@ from pipeline.policies import (
     MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
 )
 from pipeline.replay import CallResult
+from pipeline.session_storage import STORE_RETRIES, STORE_TIMEOUT, SessionStates, in_turn_options
 from pipeline.storage import validate_session_id
 from pipeline.tracing import get_tracer
 from pipeline.transcript import Transcript, TranscriptError, load_transcript
@@ -151,7 +152,8 @@ class ReplayOptions:
         return cls(
             per_message_chars=args.per_message_chars,
             per_tool_chars=args.per_tool_chars,
-            store=args.store,
+            # an object store URL (proxy, agent) is the command's own business
+            store=args.store if not isinstance(args.store, str) else None,
             keep_store=getattr(args, "keep_store", False),
             json=args.json,
             dump_requests=args.dump_requests,
@@ -161,6 +163,43 @@ class ReplayOptions:
             console_spans=args.console_spans,
             stage_specs=tuple(getattr(args, "stage", None) or ()),
         )
+
+
+def object_store_states(args: argparse.Namespace) -> SessionStates | None:
+    """The sessions' states on the object store ``--store`` names (with ``--store-timeout``
+    and ``--store-retries``); None for a local ``--store`` (or none), where those two are
+    refused. ``CliError`` for a URL that is not ``s3://BUCKET/PREFIX`` or a missing extra."""
+    location = args.store
+    timeout, retries = getattr(args, "store_timeout", None), getattr(args, "store_retries", None)
+    if not isinstance(location, str):
+        if timeout is not None or retries is not None:
+            raise CliError("--store-timeout and --store-retries apply to an s3:// --store")
+        return None
+    if not location.lower().startswith("s3://"):
+        # a memory:// store would live and die with one process: nothing a fleet can share
+        raise CliError(f"--store: give a directory or s3://BUCKET/PREFIX, got {safe_url(location)}")
+    options: dict[str, Any] = {}
+    if timeout is not None or retries is not None:
+        options = in_turn_options(
+            STORE_TIMEOUT if timeout is None else timeout,
+            STORE_RETRIES if retries is None else retries,
+        )
+    try:
+        return SessionStates(location, **options)
+    except ImportError:
+        raise CliError(
+            "an s3:// store needs the objectstore extra: pip install 'sluicegate[objectstore]'"
+        ) from None
+    except ValueError as exc:
+        raise CliError(f"--store: {exc}") from None
+
+
+def safe_url(url: str) -> str:
+    """A URL as safe to print: its scheme and host only (a userinfo or a query may hold a
+    secret), bounded and terminal-safe."""
+    scheme, sep, rest = url.partition("://")
+    host = rest.split("/", 1)[0].rsplit("@", 1)[-1]
+    return repr(terminal_safe(f"{scheme[:20]}{sep}{host[:100]}/..."))
 
 
 # ---------------------------------------------------------------------------------------------

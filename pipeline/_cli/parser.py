@@ -19,6 +19,7 @@ from pipeline.policies import (
     DEFAULT_MAX_RESULT_SIZE_CHARS,
     MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
 )
+from pipeline.session_storage import STORE_RETRIES, STORE_TIMEOUT
 from stages import registry as stage_registry
 
 if TYPE_CHECKING:
@@ -40,6 +41,16 @@ _KEEP_STORE_HELP = (
     "'store_kept': true). Delete it when done. Has no effect with --store"
 )
 _LONG_LIVED_STORE_HELP = "directory for persisted results (<DIR>/<session>/tool-results/)"
+_PROXY_STORE_HELP = (
+    "where the sessions' persisted results and decisions live: a directory "
+    "(<DIR>/<session>/...), or s3://BUCKET/PREFIX shared by every proxy given the same URL "
+    "(a fleet; the objectstore extra). Default .sluicegate"
+)
+_AGENT_STORE_HELP = (
+    "directory for the session (<DIR>/<session>/transcript.jsonl and tool-results/), or "
+    "s3://BUCKET/PREFIX for the persisted results (the objectstore extra; the transcript and "
+    "the token calibration stay in .sluicegate, or beside the --resume transcript)"
+)
 _TRACING_EPILOG = """\
 tracing:
   Spans are exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT or
@@ -87,6 +98,68 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text[:40]!r}") from None
+    if not 0 <= value <= 65_535:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {value}")
+    return value
+
+
+def _store_location(text: str) -> Path | str:
+    # a URL stays text: Path("s3://b/x") would fold the "//" and name a local directory
+    if "://" in text:
+        return text
+    return _path(text)
+
+
+def _store_timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not math.isfinite(value) or not 0 < value <= 600:
+        raise argparse.ArgumentTypeError(f"must be from 0 (exclusive) to 600 s, got {text[:40]!r}")
+    return value
+
+
+def _store_retries(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}") from None
+    if not 0 <= value <= 10:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 10, got {value}")
+    return value
+
+
+def _add_object_store_options(p: argparse.ArgumentParser) -> None:
+    """``--store-timeout`` and ``--store-retries``: how long a call may wait on an
+    ``s3://`` store."""
+    group = p.add_argument_group(
+        "object store",
+        "With --store s3://BUCKET/PREFIX: credentials, region and endpoint come from the usual "
+        "AWS environment variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
+        "AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP...; AWS_TIMEOUT and AWS_CONNECT_TIMEOUT "
+        "too, below the flags here). A store that fails never fails a call: a result it cannot "
+        "hold is sent whole.",
+    )
+    group.add_argument(
+        "--store-timeout",
+        type=_store_timeout,
+        metavar="SECONDS",
+        help=f"how long one store request may take (default {STORE_TIMEOUT:g})",
+    )
+    group.add_argument(
+        "--store-retries",
+        type=_store_retries,
+        metavar="N",
+        help=f"retries of a failed store request, 0-10 (default {STORE_RETRIES})",
+    )
+
+
 def _duration(text: str) -> timedelta:
     try:
         return parse_duration(text)
@@ -107,9 +180,12 @@ def _pipelines(text: str) -> str:
     return text
 
 
-def _add_replay_options(p: argparse.ArgumentParser, *, temporary_store: bool) -> None:
+def _add_replay_options(
+    p: argparse.ArgumentParser, *, temporary_store: bool, store_help: str | None = None
+) -> None:
     """The options every pipeline command takes; ``temporary_store``: the command makes a
-    temporary store when no ``--store`` is given (and so takes ``--keep-store``)."""
+    temporary store when no ``--store`` is given (and so takes ``--keep-store``);
+    ``store_help``: the command's ``--store`` also takes an object store URL, as this says."""
     budget = p.add_argument_group("budget")
     budget.add_argument(
         "--per-message-chars",
@@ -127,8 +203,13 @@ def _add_replay_options(p: argparse.ArgumentParser, *, temporary_store: bool) ->
         help="per-tool cap (default %(default)s); Claude Code's declared limits below it still "
         "apply (Bash 30000, Grep 20000, ...) and Read is never persisted",
     )
-    store_help = _STORE_HELP if temporary_store else _LONG_LIVED_STORE_HELP
-    budget.add_argument("--store", type=_path, metavar="DIR", help=store_help)
+    if store_help is not None:
+        budget.add_argument(
+            "--store", type=_store_location, metavar="DIR|s3://BUCKET/PREFIX", help=store_help
+        )
+    else:
+        help_text = _STORE_HELP if temporary_store else _LONG_LIVED_STORE_HELP
+        budget.add_argument("--store", type=_path, metavar="DIR", help=help_text)
     if temporary_store:
         budget.add_argument("--keep-store", action="store_true", help=_KEEP_STORE_HELP)
     budget.add_argument(
@@ -287,10 +368,16 @@ def _add_proxy_parser(sub: Any) -> None:
         "proxy",
         help="a Messages API reverse proxy: point ANTHROPIC_BASE_URL at it",
         description="POST /v1/messages goes through the pipeline, everything else passes "
-        "through; persisted outputs go under --store (default .sluicegate).",
+        "through; persisted outputs and decisions go under --store (default .sluicegate), "
+        "shared by a fleet of proxies when it is s3://BUCKET/PREFIX.",
     )
     proxy_p.add_argument("--host", default="127.0.0.1")
-    proxy_p.add_argument("--port", type=_positive_int, default=8787)
+    proxy_p.add_argument(
+        "--port",
+        type=_port,
+        default=8787,
+        help="port to listen on; 0: one the system picks, printed at start (default %(default)s)",
+    )
     proxy_p.add_argument("--upstream", default="https://api.anthropic.com", metavar="URL")
     proxy_p.add_argument(
         "--cache-breakpoint",
@@ -302,7 +389,8 @@ def _add_proxy_parser(sub: Any) -> None:
         "retention",
         "The store lives as long as the proxy: prune it at start-up, then every hour. A "
         "conversation still going on may read back a result that is removed (the read then "
-        "fails): choose limits past the sessions you use.",
+        "fails): choose limits past the sessions you use. A local --store only: for "
+        "s3://, expire objects with the bucket's lifecycle rules.",
     )
     retention.add_argument(
         "--retain",
@@ -317,7 +405,8 @@ def _add_proxy_parser(sub: Any) -> None:
         help="then remove the oldest persisted results until they total at most SIZE (e.g. "
         "500M, 2G; powers of 1024)",
     )
-    _add_replay_options(proxy_p, temporary_store=False)
+    _add_replay_options(proxy_p, temporary_store=False, store_help=_PROXY_STORE_HELP)
+    _add_object_store_options(proxy_p)
     proxy_p.set_defaults(handler=cmd_proxy, store=None)
 
 
@@ -410,5 +499,6 @@ def _add_agent_parser(sub: Any) -> None:
         "--resume", type=Path, metavar="TRANSCRIPT", help="continue the session of this transcript"
     )
     agent_p.add_argument("--session-id", help="id of a new session (default: random)")
-    _add_replay_options(agent_p, temporary_store=False)
+    _add_replay_options(agent_p, temporary_store=False, store_help=_AGENT_STORE_HELP)
+    _add_object_store_options(agent_p)
     agent_p.set_defaults(handler=cmd_agent, store=None)

@@ -4,23 +4,33 @@ from __future__ import annotations
 
 import argparse
 import functools
+import socket
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipeline._cli.common import EXIT_OK, CliError, ReplayOptions
+from pipeline._cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+    ReplayOptions,
+    object_store_states,
+)
+from pipeline._cli.logging_setup import configure_logging
 from pipeline._cli.safe_text import terminal_safe
 from pipeline._cli.store_cmd import describe, warn_errors
 from pipeline.policies import ToolPolicies
 from pipeline.retention import PruneReport, prune_periodically, prune_store
+from pipeline.session_storage import SessionStates
 
 PRUNE_INTERVAL = 3_600.0
 """Seconds between two prunes of the store while the proxy runs (``--retain``,
 ``--max-store-size``)."""
 
 _PREFIX = "sluicegate proxy"
+_BACKLOG = 2_048
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -36,22 +46,73 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         raise CliError(f"--upstream must be an http(s) URL, got {args.upstream[:80]!r}")
     options = ReplayOptions.from_args(args)
     options.pipeline()  # a bad --stage is refused before the server starts
+    shared = object_store_states(args)
+    if shared is not None and (args.retain is not None or args.max_store_size is not None):
+        raise CliError(
+            "--retain and --max-store-size prune a local --store; on s3:// expire the "
+            "objects under the prefix with the bucket's lifecycle rules instead"
+        )
+    # the token calibration is per host: on a local directory even when the state is shared
     root = options.store or Path(".sluicegate")
-    app = build_app(
-        pipeline=options.pipeline,
-        root=root,
-        upstream=args.upstream,
-        tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
-        cache_breakpoint=args.cache_breakpoint,
-        background=retention(args, root),
-    )
-    print(
-        f"sluicegate proxy on http://{args.host}:{args.port} -> {args.upstream} "
-        f"(ANTHROPIC_BASE_URL=http://{args.host}:{args.port})",
-        file=sys.stderr,
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    background = retention(args, root) if shared is None else []
+    restore_logging = configure_logging(args.verbose, args.log_json)
+    try:
+        if shared is not None:
+            _check_store(shared)
+        app = build_app(
+            pipeline=options.pipeline,
+            root=root,
+            upstream=args.upstream,
+            tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
+            cache_breakpoint=args.cache_breakpoint,
+            background=background,
+            storage=shared,
+        )
+        sock = _listen(args.host, args.port)
+        port = sock.getsockname()[1]
+        where = f"http://{args.host}:{port}"
+        store = f"; store {terminal_safe(shared.location)}" if shared is not None else ""
+        print(
+            f"sluicegate proxy on {where} -> {args.upstream} (ANTHROPIC_BASE_URL={where}){store}",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[sock])
+    finally:
+        restore_logging()
     return EXIT_OK
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port`` (0: a port the system picks), bound before the
+    banner is printed so the banner can name the port; connections made before the server
+    runs wait in the backlog."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        raise CliError(f"cannot listen on {host}:{port}: {reason}", EXIT_FAILED) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check_store(states: SessionStates) -> None:
+    """One listing of the shared store at start: a warning when it does not answer (the proxy
+    serves all the same: results are sent whole until it does)."""
+    try:
+        states.check()
+    except OSError as exc:
+        print(
+            f"{_PREFIX}: warning: store {terminal_safe(states.location)} does not answer now "
+            f"({exc.strerror}); serving anyway: results are sent whole until it does",
+            file=sys.stderr,
+        )
 
 
 def retention(

@@ -11,6 +11,7 @@ a concrete stage.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,11 @@ from pipeline.encoding import encodable
 from pipeline.gate import gate_tool_result
 from pipeline.messages import Block, Message, now_timestamp
 from pipeline.pairing import PairingError
-from pipeline.readback import PersistedOutputReader
+from pipeline.readback import PagedReader, PersistedOutputReader
+from pipeline.records import RecordLog
 from pipeline.replacement import ReplacementState, decided_in
-from pipeline.storage import FileToolResultStore
+from pipeline.session_storage import SessionStorage
+from pipeline.storage import FileToolResultStore, ToolResultStore
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import (
@@ -48,10 +51,10 @@ from pipeline.tracing import (
     bounded_attribute,
     tool_span_name,
 )
-from pipeline.transcript import TranscriptWriter, load_transcript
+from pipeline.transcript import Transcript, TranscriptWriter, load_transcript
 from pipeline.wire import WireCache
 
-__all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "store_root_of"]
+__all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "readback_for", "store_root_of"]
 
 CANCELLED_RESULT = "Tool execution was cancelled before it finished."
 _MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request
@@ -62,6 +65,20 @@ def store_root_of(transcript_path: str | os.PathLike[str], session_id: str) -> P
     ``ROOT/<session_id>/transcript.jsonl`` (wherever the caller stands), else ``.sluicegate``."""
     beside = Path(transcript_path).resolve().parent
     return beside.parent if beside.name == session_id else Path(".sluicegate")
+
+
+def readback_for(store: object) -> PagedReader | None:
+    """The read-back tool for what ``store`` persists: local files or an object store's
+    objects; None for a store of another kind."""
+    if isinstance(store, FileToolResultStore):
+        return PersistedOutputReader(store.directory)
+    # an object store is an instance of a class of pipeline.objectstore, which is then
+    # imported: a session without obstore never imports it
+    objectstore = sys.modules.get("pipeline.objectstore")
+    if objectstore is not None and isinstance(store, objectstore.ObjectToolResultStore):
+        reader: PagedReader = store.output_reader()
+        return reader
+    return None
 
 
 AGENT_NAME = "sluicegate"
@@ -75,8 +92,9 @@ class Agent:
     a failed call is retried (none by default: the client's own retries apply); ``cache``: ask
     the API to cache each request's prefix (a ``cache_control`` breakpoint on its last block,
     while the request holds fewer than four). Tools' declared
-    ``max_result_size_chars`` are added to ``ctx.tool_policies``. With a file store, the
-    read-back tool for persisted outputs is registered automatically (never persisted itself).
+    ``max_result_size_chars`` are added to ``ctx.tool_policies``. With a file store or an
+    object store (:class:`~pipeline.objectstore.ObjectToolResultStore`), the read-back tool for
+    persisted outputs is registered automatically (never persisted itself).
     """
 
     def __init__(
@@ -119,8 +137,9 @@ class Agent:
         self.history: list[Message] = list(history)
         self.tools: dict[str, Tool] = {}
         all_tools = list(tools)
-        if readback and isinstance(ctx.store, FileToolResultStore):
-            all_tools.append(PersistedOutputReader(ctx.store.directory).as_tool())
+        reader = readback_for(ctx.store) if readback else None
+        if reader is not None:
+            all_tools.append(reader.as_tool())
         for t in all_tools:
             self.add_tool(t)
 
@@ -158,14 +177,75 @@ class Agent:
         """
         path = Path(transcript_path)
         loaded = load_transcript(path, strict=False)
-        session_id = loaded.session_id
-        if session_id is None:
+        if loaded.session_id is None:
             raise ValueError(f"{path}: no session id in the transcript")
+        if root is None:
+            root = store_root_of(path, loaded.session_id)
+        return cls._resume(
+            loaded,
+            client,
+            transcript=TranscriptWriter(path, loaded.session_id),
+            root=root,
+            model=model,
+            pipeline=pipeline,
+            tools=tools,
+            **kwargs,
+        )
+
+    @classmethod
+    def resume_from(
+        cls,
+        storage: SessionStorage,
+        client: anthropic.AsyncAnthropic,
+        *,
+        model: str,
+        pipeline: Pipeline,
+        root: str | os.PathLike[str] = ".sluicegate",
+        tools: Iterable[Tool] = (),
+        **kwargs: Any,
+    ) -> Agent:
+        """:meth:`resume` from a session's records wherever they live (an object store's
+        record log: :func:`~pipeline.session_storage.open_session_state`), its results in
+        ``storage.store``; the session continues appending there. ``root``: the local
+        directory of the token calibration. Blocking (the records are loaded): call it before
+        the event loop runs, or in a worker thread. ``ValueError`` when nothing is recorded.
+        Nothing locks the session: running two agents on it at once is the caller's to avoid.
+        """
+        loaded = storage.load()
+        if loaded is None or not loaded.messages:
+            raise ValueError(f"no recorded messages for session {storage.session_id!r}")
+        loaded.session_id = storage.session_id
+        return cls._resume(
+            loaded,
+            client,
+            transcript=storage.records,
+            root=root,
+            store=storage.store,
+            model=model,
+            pipeline=pipeline,
+            tools=tools,
+            **kwargs,
+        )
+
+    @classmethod
+    def _resume(
+        cls,
+        loaded: Transcript,
+        client: anthropic.AsyncAnthropic,
+        *,
+        transcript: RecordLog,
+        root: str | os.PathLike[str],
+        model: str,
+        pipeline: Pipeline,
+        tools: Iterable[Tool],
+        store: ToolResultStore | None = None,
+        **kwargs: Any,
+    ) -> Agent:
+        session_id = loaded.session_id
+        assert session_id is not None
         repair = repair_pairing(loaded.messages)
         if repair.remaining:
             raise PairingError(repair.remaining)
-        if root is None:
-            root = store_root_of(path, session_id)
         state = ReplacementState.reconstruct(
             repair.messages,
             loaded.replacement_records,
@@ -174,10 +254,11 @@ class Agent:
         ctx = SessionContext(
             session_id,
             root,
+            store=store,
             replacement_state=state,
             # the calibration saved with the session: a resumed session does not start cold
             token_tracker=TokenTracker.load(calibration_path_for(root, session_id)),
-            transcript=TranscriptWriter(path, session_id),
+            transcript=transcript,
             stage_records=loaded.stage_records,
         )
         if repair.answered or repair.dropped or repair.moved:

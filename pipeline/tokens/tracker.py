@@ -25,7 +25,7 @@ import re
 import secrets
 import stat
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -415,8 +415,14 @@ class TokenTracker:
         Returns False, and logs a warning, when it cannot: the calibration is an optimisation
         and a failed save only means a resumed session starts cold, so it never fails a turn.
         """
+        return self.save_state(path, self.state_dict())
+
+    @staticmethod
+    def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> bool:
+        """Write a :meth:`state_dict` taken earlier, as :meth:`save` does: the snapshot is
+        taken on the event loop, the write (an fsync) goes to a worker thread."""
         target = Path(path)
-        data = json.dumps(self.state_dict(), separators=(",", ":")).encode("utf-8")
+        data = json.dumps(state, separators=(",", ":")).encode("utf-8")
         tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
         try:
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
