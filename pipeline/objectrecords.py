@@ -1,18 +1,19 @@
 """A session's records on an object store: one immutable object per append.
 
 No shared file is read, modified and written back. Each append creates one new object,
-``<prefix>/<session>/records/<sequence:012d>-<writer_id>.jsonl``, holding the same JSONL lines
+``<prefix>/<session>/records/<sequence:012d>.jsonl``, holding the same JSONL lines
 :class:`~pipeline.transcript.TranscriptWriter` would append, and it is created exclusively
-(``mode="create"``): an object once written is never replaced.
+(``mode="create"``): an object once written is never replaced, and a number is taken once.
 
 Order. Before an append the log lists what was added since its last listing and takes the
-number after the highest it has seen, so a record sorts after every record its writer could
-know of. Two writers that take the same number write different keys (the writer id is part of
-it) and both land; the load order of all records is (sequence, writer id), the same for every
-reader. A create conflict -- the key exists: a writer with the same id got there first, or the
-listing lagged -- takes the next number and tries again (:data:`APPEND_ATTEMPTS` in all); when
-the key holds exactly the bytes being appended, it is this append's own create, retried by the
-client after a lost reply, and counts as done (no record twice).
+number after the highest it has seen. Two writers that reach for the same number race on one
+key: one create wins, the other gets a conflict and takes the next number. Numbers thus have no
+gaps (a writer only goes past a number it found taken), number N exists before N + 1 is
+written, and listing the keys after the last one seen finds every record added since --
+whatever lag a listing had. The load order is the number order, the same for every reader, and
+it is the order the appends committed. A conflict on a key that holds exactly the bytes being
+appended is this append's own create, retried by the client after a lost reply (or another
+writer appending the very same lines there): it counts as done, no record twice.
 
 Reading (:meth:`ObjectRecordLog.load`) lists the records, sorts them and parses them in order as
 one transcript with ``strict=False``: a malformed line of any object is skipped and reported as
@@ -56,7 +57,7 @@ APPEND_ATTEMPTS = 8
 """Create conflicts an append survives before it fails (each takes the next number)."""
 READERS = 16
 """Record objects a load reads at once."""
-_RECORD_NAME = re.compile(r"([0-9]{12})-([A-Za-z0-9_.-]{1,64})\.jsonl")
+_RECORD_NAME = re.compile(r"([0-9]{12})\.jsonl")
 _WRITER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_SEQUENCE = 10**12 - 1
 
@@ -73,8 +74,8 @@ class ObjectRecordLog(JsonlRecordWriter):
     ``store``: an ``obstore`` store (or anything with
     :class:`~pipeline.objectstore.ObjectStoreAPI`'s methods); ``prefix``, ``session_id``,
     ``uri_base``: see :class:`~pipeline.objectstore.ObjectLayout`. ``writer_id``
-    (``[A-Za-z0-9_.-]{1,64}``) names this writer in its keys; by default a random one, so two
-    logs never share it. ``read_attempts`` and ``retry_delay`` (seconds, doubled each time):
+    (``[A-Za-z0-9_.-]{1,64}``) names this writer in what it logs; by default a random one.
+    ``read_attempts`` and ``retry_delay`` (seconds, doubled each time):
     how long :meth:`load` waits for a listed object to become readable.
 
     Appends block (a LIST and a PUT): run them in a worker thread from async code. They raise
@@ -138,14 +139,14 @@ class ObjectRecordLog(JsonlRecordWriter):
                 raise _store_error("listing", self.layout.records_dir, exc) from exc
             if self._next > _MAX_SEQUENCE:
                 raise StoreError(errno.EOVERFLOW, "record numbers exhausted", key)
-            key = f"{self.layout.records_dir}/{self._next:012d}-{self.writer_id}.jsonl"
+            key = f"{self.layout.records_dir}/{self._next:012d}.jsonl"
             try:
                 self.store.put(key, payload, mode="create")
             except Exception as exc:
                 if not is_create_conflict(exc):
                     raise _store_error("append", key, exc) from exc
                 if not self._holds(key, payload):
-                    # taken (a writer with our id, or a listing that lags): the next number
+                    # taken by another writer (or our listing lagged): the next number
                     self._next += 1
                     continue
                 # our own create, whose reply was lost and which the client sent again
@@ -163,7 +164,7 @@ class ObjectRecordLog(JsonlRecordWriter):
             return False
 
     def _catch_up(self) -> None:
-        for key, sequence, _writer in self._listing(after=self._listed_after):
+        for key, sequence in self._listing(after=self._listed_after):
             self._next = max(self._next, sequence + 1)
             if key not in self._known:
                 self._unloaded.add(key)  # another writer's: the next load must read it
@@ -178,8 +179,8 @@ class ObjectRecordLog(JsonlRecordWriter):
                 raise _store_error("listing", self.layout.records_dir, exc) from exc
             return bool(self._unloaded)
 
-    def _listing(self, *, after: str | None = None) -> Iterator[tuple[str, int, str]]:
-        """(key, sequence, writer id) of every record object listed, after ``after`` if given;
+    def _listing(self, *, after: str | None = None) -> Iterator[tuple[str, int]]:
+        """(key, sequence) of every record object listed, after ``after`` if given;
         other names under ``records/`` are not ours and are left out."""
         head = self.layout.records_dir + "/"
         for chunk in self.store.list(self.layout.records_dir, offset=after):
@@ -189,11 +190,11 @@ class ObjectRecordLog(JsonlRecordWriter):
                     self._listed_after = key
                 match = _RECORD_NAME.fullmatch(key[len(head) :]) if key.startswith(head) else None
                 if match is not None:
-                    yield key, int(match[1]), match[2]
+                    yield key, int(match[1])
 
     # -- loading ----------------------------------------------------------------------------
     def load(self) -> Transcript | None:
-        """Every record of the session, in (sequence, writer id) order, as one transcript
+        """Every record of the session, in number order, as one transcript
         (``strict=False``: malformed lines are in ``Transcript.problems``, each also logged with
         its object); None when the session has no record object yet (as for a transcript file
         that does not exist). The next message appended chains from the last message loaded.
@@ -202,7 +203,7 @@ class ObjectRecordLog(JsonlRecordWriter):
         (an object that lists but is not found yet is skipped after a few tries instead)."""
         with self._lock:
             try:
-                entries = sorted(self._listing(), key=lambda e: (e[1], e[2]))
+                entries = sorted(self._listing(), key=lambda e: e[1])
             except Exception as exc:
                 raise _store_error("listing", self.layout.records_dir, exc) from exc
             if not entries:
@@ -211,7 +212,7 @@ class ObjectRecordLog(JsonlRecordWriter):
         # every object is read before any is parsed: a read that fails fails the load whole,
         # and then nothing counts as loaded; one skipped as unreadable stays unloaded (the
         # next check asks for a load again)
-        missing = [key for key, _sequence, _writer in entries if key not in self._known]
+        missing = [key for key, _sequence in entries if key not in self._known]
         fetched: dict[str, bytes | None] = {}
         if missing:
             # several reads at once: a new worker's first load of a long session is one GET
@@ -219,7 +220,7 @@ class ObjectRecordLog(JsonlRecordWriter):
             with ThreadPoolExecutor(max_workers=min(READERS, len(missing))) as pool:
                 fetched = dict(zip(missing, pool.map(self._read, missing), strict=True))
         contents: list[tuple[str, bytes]] = []
-        for key, _sequence, _writer in entries:
+        for key, _sequence in entries:
             data = self._known.get(key)
             if data is None:
                 data = fetched.get(key)
@@ -230,7 +231,7 @@ class ObjectRecordLog(JsonlRecordWriter):
                 self._known[key] = data
             read = {key for key, _data in contents}
             self._unloaded.difference_update(read)
-            self._unloaded.update(key for key, _seq, _writer in entries if key not in read)
+            self._unloaded.update(key for key, _seq in entries if key not in read)
         starts: list[int] = []
         names: list[str] = []
 

@@ -77,11 +77,23 @@ class SluicegateMiddleware(anthropic.Middleware):
             self.sessions[sid] = session
         return session
 
+    async def _session_async(
+        self, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> WireSession:
+        """:meth:`_session` with the session's records loaded off the event loop (an object
+        store's reads must not hold up the caller's loop)."""
+        sid = session_id_for(body, explicit=self.session_id, headers=headers)
+        session = self.sessions.get(sid)
+        if session is None:
+            session = await WireSession.open(sid, self.root, self.pipeline(), **self.context)
+            session = self.sessions.setdefault(sid, session)
+        return session
+
     async def handle_async(self, request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         """Prepare a Messages request, send it, let its session observe the response."""
         if not _is_messages_call(request):
             return await call_next(request)
-        session = self._session(request.json, dict(request.headers or {}))
+        session = await self._session_async(request.json, dict(request.headers or {}))
         with session.request_span(len(request.json["messages"])) as span:
             body = await session.prepare_request(request.json)
             response = await call_next(_outgoing(session, request, body))
@@ -90,7 +102,12 @@ class SluicegateMiddleware(anthropic.Middleware):
                 if request.stream:
                     _tap(session, response.http_response)
                 else:
-                    _observe(session, await response.parse())
+                    message = await response.parse()
+                    usage = getattr(message, "usage", None)
+                    if usage is not None and isinstance(getattr(message, "id", None), str):
+                        await session.observe_async(
+                            message.id, usage.model_dump(), model=str(message.model)
+                        )
         return response
 
     def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:

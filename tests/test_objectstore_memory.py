@@ -152,7 +152,7 @@ def test_appends_number_objects_and_chain_messages() -> None:
     log.append_messages([first])
     log.append_messages([second])
     log.append_replacements([])  # nothing to record: no object
-    assert keys_of(memory) == [f"{RECORDS}/000000000000-w.jsonl", f"{RECORDS}/000000000001-w.jsonl"]
+    assert keys_of(memory) == [f"{RECORDS}/000000000000.jsonl", f"{RECORDS}/000000000001.jsonl"]
     other = ObjectRecordLog(memory, writer_id="v", **WHERE)
     loaded = other.load()
     assert loaded is not None and [m.content for m in loaded.messages] == ["a", "b"]
@@ -161,14 +161,14 @@ def test_appends_number_objects_and_chain_messages() -> None:
     again = ObjectRecordLog(memory, **WHERE).load()
     assert again is not None
     assert [m.uuid for m in again.messages] == [first.uuid, second.uuid, third.uuid]
-    line = bytes(memory.get(f"{RECORDS}/000000000002-v.jsonl").bytes())
+    line = bytes(memory.get(f"{RECORDS}/000000000002.jsonl").bytes())
     assert f'"parentUuid": "{second.uuid}"'.encode() in line
 
 
 def test_conflicts_past_the_limit_fail_the_append() -> None:
     memory = MemoryStore()
     for n in range(APPEND_ATTEMPTS):
-        memory.put(f"{RECORDS}/{n:012d}-w.jsonl", b"\n")
+        memory.put(f"{RECORDS}/{n:012d}.jsonl", b"\n")
     blind = Wrapped(memory, stale_lists=10**6)  # it never sees what is there
     with pytest.raises(StoreError) as caught:
         ObjectRecordLog(blind, writer_id="w", **WHERE).append_stage_record("s", {})
@@ -203,7 +203,7 @@ def test_load_waits_for_a_listed_object_then_skips_it() -> None:
     for n in range(3):
         writer.append_stage_record("s", {"n": n})
     lagging = Wrapped(memory)
-    misses = {f"{RECORDS}/000000000001-w.jsonl": 2, f"{RECORDS}/000000000002-w.jsonl": 99}
+    misses = {f"{RECORDS}/000000000001.jsonl": 2, f"{RECORDS}/000000000002.jsonl": 99}
 
     def not_yet(path: str, **_kw: Any) -> None:
         if misses.get(path, 0) > 0:
@@ -217,7 +217,7 @@ def test_load_waits_for_a_listed_object_then_skips_it() -> None:
     assert loaded is not None
     assert [r.data["n"] for r in loaded.stage_records] == [0, 1]  # 1 on its third try
     assert [ev for _lv, ev, _kw in logger.events] == ["records.unreadable_object"]
-    assert logger.events[0][2]["key"] == f"{RECORDS}/000000000002-w.jsonl"
+    assert logger.events[0][2]["key"] == f"{RECORDS}/000000000002.jsonl"
     assert lagging.calls["get"] == 1 + 3 + 4
     # the object skipped is still to be loaded: a worker asking for news is told so
     assert reader.changed_elsewhere() is True
@@ -233,8 +233,8 @@ def test_torn_and_foreign_objects_are_skipped_like_bad_lines() -> None:
     log = ObjectRecordLog(memory, writer_id="w", **WHERE)
     log.append_stage_record("s", {"n": 0})
     # a torn object (no line end) followed by a good one: the good one's line stands alone
-    memory.put(f"{RECORDS}/000000000001-x.jsonl", b'{"type": "stage-record", "sess')
-    memory.put(f"{RECORDS}/000000000002-x.jsonl", b"not json\n" + log_line(1))
+    memory.put(f"{RECORDS}/000000000001.jsonl", b'{"type": "stage-record", "sess')
+    memory.put(f"{RECORDS}/000000000002.jsonl", b"not json\n" + log_line(1))
     memory.put(f"{RECORDS}/notes.txt", b"ignored: not a record name\n")
     memory.put(f"{RECORDS}/000000000003-bad id.jsonl", log_line(99))
     memory.put(f"{RECORDS}/12-x.jsonl", log_line(98))
@@ -245,8 +245,8 @@ def test_torn_and_foreign_objects_are_skipped_like_bad_lines() -> None:
     assert [p.line for p in loaded.problems] == [2, 3]
     warned = [(kw["key"], kw["line"]) for _lv, ev, kw in logger.events if ev.endswith("line")]
     assert warned == [
-        (f"{RECORDS}/000000000001-x.jsonl", 1),
-        (f"{RECORDS}/000000000002-x.jsonl", 1),
+        (f"{RECORDS}/000000000001.jsonl", 1),
+        (f"{RECORDS}/000000000002.jsonl", 1),
     ]
 
 
@@ -403,7 +403,7 @@ def test_a_create_whose_reply_was_lost_is_not_appended_twice() -> None:
     log.append_stage_record("s", {"n": 0})
     del lossy.before["put"]
     log.append_stage_record("s", {"n": 1})
-    assert keys_of(memory) == [f"{RECORDS}/000000000000-w.jsonl", f"{RECORDS}/000000000001-w.jsonl"]
+    assert keys_of(memory) == [f"{RECORDS}/000000000000.jsonl", f"{RECORDS}/000000000001.jsonl"]
     loaded = ObjectRecordLog(memory, **WHERE).load()
     assert loaded is not None and [r.data["n"] for r in loaded.stage_records] == [0, 1]
 
@@ -424,7 +424,7 @@ def test_a_log_tells_when_another_writer_recorded_and_reads_only_what_is_new() -
     gets = len(mine.gets)
     loaded = first.load()
     assert loaded is not None and [r.data["n"] for r in loaded.stage_records] == [1, 2]
-    assert [key for key, _ in mine.gets[gets:]] == [f"{RECORDS}/000000000001-b.jsonl"]
+    assert [key for key, _ in mine.gets[gets:]] == [f"{RECORDS}/000000000001.jsonl"]
     assert first.changed_elsewhere() is False
     # another writer's record seen by an append's own listing counts too
     other.append_stage_record("s", {"n": 3})
@@ -433,7 +433,7 @@ def test_a_log_tells_when_another_writer_recorded_and_reads_only_what_is_new() -
     gets = len(mine.gets)
     loaded = first.load()
     assert loaded is not None and [r.data["n"] for r in loaded.stage_records] == [1, 2, 3, 4]
-    assert [key for key, _ in mine.gets[gets:]] == [f"{RECORDS}/000000000002-b.jsonl"]
+    assert [key for key, _ in mine.gets[gets:]] == [f"{RECORDS}/000000000002.jsonl"]
 
 
 def test_a_log_that_cannot_list_says_so_and_keeps_what_it_knew() -> None:
@@ -451,3 +451,30 @@ def test_a_log_that_cannot_list_says_so_and_keeps_what_it_knew() -> None:
     assert "secret" not in str(caught.value) and "127.0.0.1" not in str(caught.value)
     del failing.before["list"]
     assert log.changed_elsewhere() is True  # nothing was lost by the failed listing
+
+
+def test_a_record_written_after_a_lagging_listing_is_still_seen_by_every_worker() -> None:
+    """Worker A's listing lags and misses B's newest record: A's append still gets a number of
+    its own (after a conflict), B's next check for news sees it, and every reader loads the
+    records in the order they were committed."""
+    memory = MemoryStore()
+    lagging = Wrapped(memory)
+    a = ObjectRecordLog(lagging, writer_id="a", **WHERE)
+    b = ObjectRecordLog(memory, writer_id="b", **WHERE)
+    b.append_stage_record("b", {"n": 0})
+    b.append_stage_record("b", {"n": 1})
+    a.load()
+    b.append_stage_record("b", {"n": 2})
+    assert b.changed_elsewhere() is False  # B's cursor is now past its own third record
+    lagging.stale_lists = 1  # A's next listing sees nothing new
+    a.append_stage_record("a", {"n": 0})
+    assert keys_of(memory) == [f"{RECORDS}/{n:012d}.jsonl" for n in range(4)]
+    assert b.changed_elsewhere() is True  # the record A wrote is found
+    loaded = ObjectRecordLog(memory, **WHERE).load()
+    assert loaded is not None
+    assert [(r.stage, r.data["n"]) for r in loaded.stage_records] == [
+        ("b", 0),
+        ("b", 1),
+        ("b", 2),
+        ("a", 0),
+    ]

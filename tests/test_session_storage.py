@@ -118,7 +118,7 @@ def test_s3_configured_by_the_environment(moto_s3: MotoS3, monkeypatch: pytest.M
     assert uri == f"s3://{bucket}/team/sessions/{SESSION}/tool-results/toolu_1.txt"
     storage.records.append_stage_record("s", {"n": 1})
     assert keys_of(moto_s3.store(bucket)) == [
-        f"team/sessions/{SESSION}/records/000000000000-w1.jsonl",
+        f"team/sessions/{SESSION}/records/000000000000.jsonl",
         f"team/sessions/{SESSION}/tool-results/toolu_1.txt",
     ]
     again = open_session_state(f"s3://{bucket}/team/sessions", SESSION)
@@ -293,7 +293,7 @@ def test_session_states_open_many_sessions_on_one_store(
     assert one.store.store is two.store.store  # one client, one connection pool
     one.records.append_stage_record("s", {"n": 1})
     assert two.changed_elsewhere() is False and one.changed_elsewhere() is False
-    assert keys_of(moto_s3.store(bucket)) == ["team/conv-1/records/000000000000-w.jsonl"]
+    assert keys_of(moto_s3.store(bucket)) == ["team/conv-1/records/000000000000.jsonl"]
     local = SessionStates(tmp_path)
     assert not local.shared
     local.check()  # a directory: nothing to ask
