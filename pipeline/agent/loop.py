@@ -23,6 +23,7 @@ from anthropic.types import MessageParam, ToolParam
 from opentelemetry.trace import Status, StatusCode
 from structlog.contextvars import bound_contextvars
 
+from pipeline.agent.execution import CANCELLED_RESULT, run_tool_calls
 from pipeline.agent.repair import INTERRUPTED_RESULT, repair_pairing
 from pipeline.agent.response import message_from_response
 from pipeline.agent.results import AgentAPIError, AgentResult, GatedResult, TurnLog
@@ -31,7 +32,6 @@ from pipeline.caching import add_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.encoding import encodable
-from pipeline.gate import gate_tool_result
 from pipeline.messages import Block, Message, now_timestamp
 from pipeline.pairing import PairingError
 from pipeline.readback import PagedReader, PersistedOutputReader
@@ -45,18 +45,14 @@ from pipeline.tracing import (
     ATTR,
     SPAN_AGENT_INVOKE,
     SPAN_AGENT_TURN,
-    SPAN_TOOL_EXECUTE,
-    Decision,
     agent_span_name,
     bounded_attribute,
-    tool_span_name,
 )
 from pipeline.transcript import Transcript, TranscriptWriter, load_transcript
 from pipeline.wire import WireCache
 
 __all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "readback_for", "store_root_of"]
 
-CANCELLED_RESULT = "Tool execution was cancelled before it finished."
 _MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request
 
 
@@ -468,73 +464,4 @@ class Agent:
 
     async def _run_tools(self, tool_uses: list[Block], gated: list[GatedResult]) -> None:
         """Run every tool call concurrently; always answer each one, even on cancellation."""
-        done: dict[str, Block] = {}
-        try:
-            async with anyio.create_task_group() as tg:
-                for tu in tool_uses:
-                    tg.start_soon(self._run_one, tu, done, gated)
-        finally:
-            blocks = [
-                done.get(tu["id"])
-                or {
-                    "type": "tool_result",
-                    "tool_use_id": tu["id"],
-                    "content": CANCELLED_RESULT,
-                    "is_error": True,
-                }
-                for tu in tool_uses
-            ]
-            with anyio.CancelScope(shield=True):
-                await self._record([Message.user(blocks, timestamp=now_timestamp())])
-
-    async def _run_one(
-        self, tool_use: Block, done: dict[str, Block], gated_log: list[GatedResult]
-    ) -> None:
-        ctx = self.ctx
-        name = str(tool_use.get("name"))
-        tool_use_id = str(tool_use["id"])
-        with ctx.tracer.start_as_current_span(
-            tool_span_name(name),
-            attributes={
-                **ctx.span_attributes(),
-                ATTR.OPERATION_NAME: SPAN_TOOL_EXECUTE,
-                ATTR.TOOL_NAME: bounded_attribute(name),
-                ATTR.TOOL_CALL_ID: bounded_attribute(tool_use_id),
-                ATTR.TOOL_TYPE: "function",
-            },
-        ) as span:
-            ctx.remember_tool_span(tool_use_id, span)
-            block: Block = {"type": "tool_result", "tool_use_id": tool_use_id}
-            t = self.tools.get(name)
-            tool_input = tool_use.get("input")
-            if t is None:
-                block |= {"content": f"Error: there is no tool named {name!r}.", "is_error": True}
-            elif not isinstance(tool_input, dict):
-                block |= {"content": "Error: tool input must be a JSON object.", "is_error": True}
-            else:
-                try:
-                    block["content"] = await t.handler(tool_input)
-                except Exception as exc:  # the model sees the error; the loop goes on
-                    block |= {"content": f"Error: {type(exc).__name__}: {exc}", "is_error": True}
-                    span.set_attribute(ATTR.ERROR, type(exc).__name__)
-            gated = await gate_tool_result(
-                block, tool_name=name, threshold=ctx.tool_policies.threshold(name), store=ctx.store
-            )
-            span.set_attribute(ATTR.DECISION, str(gated.decision))
-            span.set_attribute(ATTR.REASON, str(gated.reason))
-            span.set_attribute(ATTR.CHARS, gated.size)
-            if gated.path is not None:
-                span.set_attribute(ATTR.PATH, gated.path)
-            if gated.decision in (Decision.PERSIST, Decision.PERSIST_FAILED):
-                log = ctx.logger.info if gated.decision is Decision.PERSIST else ctx.logger.warning
-                log(
-                    "tool_result_gate",
-                    decision=gated.decision,
-                    tool_use_id=tool_use_id,
-                    tool_name=name,
-                    chars=gated.size,
-                    path=gated.path,
-                    error=gated.error,
-                )
-            gated_log.append(GatedResult(tool_use_id, name, gated.decision, gated.size, gated.path))
-            done[tool_use_id] = gated.block
+        await run_tool_calls(self.ctx, self.tools, tool_uses, gated, self._record)

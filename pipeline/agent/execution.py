@@ -1,0 +1,113 @@
+"""The agent's tool calls: run concurrently, each traced as a GenAI ``execute_tool`` span and
+passed through the per-tool gate as it is produced; every call answered, even on
+cancellation."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+
+import anyio
+
+from pipeline.agent.results import GatedResult
+from pipeline.context import SessionContext
+from pipeline.gate import gate_tool_result
+from pipeline.messages import Block, Message, now_timestamp
+from pipeline.tools import Tool
+from pipeline.tracing import (
+    ATTR,
+    SPAN_TOOL_EXECUTE,
+    Decision,
+    bounded_attribute,
+    tool_span_name,
+)
+
+__all__ = ["CANCELLED_RESULT", "execute_tool_call", "run_tool_calls"]
+
+CANCELLED_RESULT = "Tool execution was cancelled before it finished."
+
+
+async def run_tool_calls(
+    ctx: SessionContext,
+    tools: Mapping[str, Tool],
+    tool_uses: list[Block],
+    gated: list[GatedResult],
+    record: Callable[[list[Message]], Awaitable[None]],
+) -> None:
+    """Run every tool call concurrently and ``record`` one user message answering them all,
+    also when cancelled (a call that did not finish gets :data:`CANCELLED_RESULT`)."""
+    done: dict[str, Block] = {}
+    try:
+        async with anyio.create_task_group() as tg:
+            for tu in tool_uses:
+                tg.start_soon(execute_tool_call, ctx, tools, tu, done, gated)
+    finally:
+        blocks = [
+            done.get(tu["id"])
+            or {
+                "type": "tool_result",
+                "tool_use_id": tu["id"],
+                "content": CANCELLED_RESULT,
+                "is_error": True,
+            }
+            for tu in tool_uses
+        ]
+        with anyio.CancelScope(shield=True):
+            await record([Message.user(blocks, timestamp=now_timestamp())])
+
+
+async def execute_tool_call(
+    ctx: SessionContext,
+    tools: Mapping[str, Tool],
+    tool_use: Block,
+    done: dict[str, Block],
+    gated_log: list[GatedResult],
+) -> None:
+    """Run one tool call, gate its result, put the answer in ``done`` and the gate's decision
+    in ``gated_log``."""
+    name = str(tool_use.get("name"))
+    tool_use_id = str(tool_use["id"])
+    with ctx.tracer.start_as_current_span(
+        tool_span_name(name),
+        attributes={
+            **ctx.span_attributes(),
+            ATTR.OPERATION_NAME: SPAN_TOOL_EXECUTE,
+            ATTR.TOOL_NAME: bounded_attribute(name),
+            ATTR.TOOL_CALL_ID: bounded_attribute(tool_use_id),
+            ATTR.TOOL_TYPE: "function",
+        },
+    ) as span:
+        ctx.remember_tool_span(tool_use_id, span)
+        block: Block = {"type": "tool_result", "tool_use_id": tool_use_id}
+        t = tools.get(name)
+        tool_input = tool_use.get("input")
+        if t is None:
+            block |= {"content": f"Error: there is no tool named {name!r}.", "is_error": True}
+        elif not isinstance(tool_input, dict):
+            block |= {"content": "Error: tool input must be a JSON object.", "is_error": True}
+        else:
+            try:
+                block["content"] = await t.handler(tool_input)
+            except Exception as exc:  # the model sees the error; the loop goes on
+                block |= {"content": f"Error: {type(exc).__name__}: {exc}", "is_error": True}
+                span.set_attribute(ATTR.ERROR, type(exc).__name__)
+        gated = await gate_tool_result(
+            block, tool_name=name, threshold=ctx.tool_policies.threshold(name), store=ctx.store
+        )
+        span.set_attribute(ATTR.DECISION, str(gated.decision))
+        span.set_attribute(ATTR.REASON, str(gated.reason))
+        span.set_attribute(ATTR.CHARS, gated.size)
+        if gated.path is not None:
+            span.set_attribute(ATTR.PATH, gated.path)
+        if gated.decision in (Decision.PERSIST, Decision.PERSIST_FAILED):
+            log = ctx.logger.info if gated.decision is Decision.PERSIST else ctx.logger.warning
+            log(
+                "tool_result_gate",
+                decision=gated.decision,
+                tool_use_id=tool_use_id,
+                tool_name=name,
+                chars=gated.size,
+                path=gated.path,
+                error=gated.error,
+            )
+        gated_log.append(GatedResult(tool_use_id, name, gated.decision, gated.size, gated.path))
+        done[tool_use_id] = gated.block
