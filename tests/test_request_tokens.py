@@ -249,3 +249,15 @@ def test_a_request_with_hostile_tools_counts_only_its_system(tools: Any) -> None
     assert TokenTracker().set_request(
         system="sys prompt", tools=tools
     ) == TokenTracker().set_request(system="sys prompt")
+
+
+def test_equal_new_objects_keep_the_price_and_the_tracker_follows_them() -> None:
+    """Each proxied request parses its own system and tools: equal new objects are not priced
+    again, and an edit after them is."""
+    tracker = TokenTracker()
+    tokens = tracker.set_request(system=SYSTEM, tools=TOOLS)
+    copy = json.loads(json.dumps(TOOLS))
+    assert tracker.set_request(system=str(SYSTEM), tools=copy) == tokens
+    edited = json.loads(json.dumps(copy))  # a change comes as new objects, as a request does
+    edited[0]["description"] += " And one more sentence about it."
+    assert tracker.set_request(system=SYSTEM, tools=edited) > tokens

@@ -332,7 +332,8 @@ class Agent:
                 set_status_on_exception=False,
             ) as span,
         ):
-            ctx.token_tracker.set_request(system=self.system, tools=self.tool_definitions)
+            definitions = self.tool_definitions  # built once a turn: counted, then sent
+            ctx.token_tracker.set_request(system=self.system, tools=definitions)
             projected = await self.pipeline.run(self.history, ctx)
             request = self._wire.to_api(projected)
             self._wire.ensure_paired()
@@ -344,7 +345,7 @@ class Agent:
             if self.system is not None:
                 kwargs["system"] = encodable(self.system)
             if self.tools:
-                kwargs["tools"] = encodable(self.tool_definitions)
+                kwargs["tools"] = encodable(definitions)
             report = ctx.report  # what the stages asked of this request beyond its messages
             if report.request_extras:
                 kwargs["extra_body"] = dict(report.request_extras)

@@ -56,6 +56,11 @@ class RequestOverhead:
         current = self._current
         if current is not None and current[0] is system and current[1] is tools:
             return current[3]
+        if current is not None and current[0] == system and current[1] == tools:
+            # equal new objects (each proxied request parses its own): a C-level comparison,
+            # not a re-serialisation of every tool schema per call
+            self._current = (system, tools, current[2], current[3])
+            return current[3]
         text = request_text(system, tools)
         if current is not None and current[2] == text:
             tokens = current[3]

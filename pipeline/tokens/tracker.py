@@ -180,7 +180,9 @@ class TokenTracker:
         (no usage yet) adds them whole, a later one adds how much they changed since the call
         its usage came from (an anchor's usage already counts them). A call whose system prompt
         or tools changed since its anchor's is not learned from. Priced with the prior ratios
-        (an unchanged prompt keeps its price), cached while they do not change.
+        (an unchanged prompt keeps its price), cached while the same or equal objects come
+        again: pass new objects when they change (an object edited in place after it was
+        passed is not seen).
         """
         return self.request.set(system, tools)
 
