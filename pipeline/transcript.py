@@ -154,15 +154,19 @@ def _parse_blocks(content: Any, where: str) -> Content:
     for i, block in enumerate(content):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise ValueError(f"{where}[{i}] is not a content block with a string 'type'")
-        btype = block["type"]
+        btype = block["type"] = _shared(block["type"])
         if btype == "tool_use":
             if not isinstance(block.get("id"), str):
                 raise ValueError(f"{where}[{i}]: tool_use without a string 'id'")
+            block["id"] = _shared(block["id"])
+            if isinstance(block.get("name"), str):
+                block["name"] = _shared(block["name"])
             if isinstance(block.get("input"), dict):
                 block["input"] = _shared_keys(block["input"])
         if btype == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise ValueError(f"{where}[{i}]: tool_result without a string 'tool_use_id'")
+            block["tool_use_id"] = _shared(block["tool_use_id"])
             inner = block.get("content")
             if inner is not None and not isinstance(inner, str | list):
                 raise ValueError(f"{where}[{i}]: tool_result content must be a string or a list")
@@ -172,6 +176,23 @@ def _parse_blocks(content: Any, where: str) -> Content:
                 block["content"] = [_shared_keys(b) for b in inner]
         blocks.append(_shared_keys(block))
     return blocks
+
+
+_SHARED_MAX = 64
+"""Longest value :func:`_shared` interns: ids, names and types, never content."""
+
+
+def _shared(value: str) -> str:
+    """One string object for every equal short value (block types, tool names and ids, model
+    names): the JSON decoder makes a new string per occurrence, so a long session held
+    thousands of copies of ``"tool_use"`` and each tool id twice (a tenth of the loaded
+    transcript's overhead). Long values are left alone: interning them would cost a hash of
+    the content and keep nothing."""
+    return sys.intern(value) if len(value) <= _SHARED_MAX else value
+
+
+def _shared_opt(value: str | None) -> str | None:
+    return None if value is None else _shared(value)
 
 
 def _shared_keys(block: dict[str, Any]) -> dict[str, Any]:
@@ -208,9 +229,9 @@ def _parse_message(raw: Mapping[str, Any]) -> Message:
             type="assistant",
             content=content,
             message_id=_require_str(body, "id"),
-            model=_require_str(body, "model"),
+            model=_shared_opt(_require_str(body, "model")),
             usage=Usage.from_mapping(usage_raw) if usage_raw is not None else None,
-            stop_reason=_require_str(body, "stop_reason"),
+            stop_reason=_shared_opt(_require_str(body, "stop_reason")),
             **common,
         )
     if rtype == "system":

@@ -99,7 +99,7 @@ class CalibratedEstimator:
         clip_sigma: float = 2.0,
         learn: bool = True,
         compaction_extra: int = 0,
-        cache_size: int = 4096,
+        cache_size: int = 1024,
     ) -> None:
         self.weights = dict(PRIOR_WEIGHTS if weights is None else weights)
         self.prior_sd = dict(PRIOR_SD if prior_sd is None else prior_sd)
@@ -336,11 +336,13 @@ class CalibratedEstimator:
             return detail, False, "model family changed"
         state = self._state(family)
         self.last_family = family
-        x = [split.response.tokens[i] + split.new.tokens[i] for i in range(len(CLASSES))]
+        r_tokens, n_tokens = split.response.tokens, split.new.tokens
+        x = [r_tokens[i] + n_tokens[i] for i in range(len(CLASSES))]
         if split.new_messages:
             x[_STRUCTURE] += self.weights["call"]
+        r_chars, n_chars = split.response.chars, split.new.chars
         for i in range(len(CLASSES)):
-            state.chars[i] += split.response.chars[i] + split.new.chars[i]
+            state.chars[i] += r_chars[i] + n_chars[i]
             state.base_tokens[i] += x[i]
         state.n_obs += 1
         if not self.learn:

@@ -103,29 +103,44 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
         yield Segment("other", json.dumps(block, ensure_ascii=False, default=str))
 
 
-_ZERO_CLASSES = bytes(8 * len(CLASSES))
-_ZERO_FEATURES = bytes(8 * len(FEATURES))
+_NC, _NF = len(CLASSES), len(FEATURES)
+_ZERO = bytes(8 * (2 * _NC + _NF))
 
 
 class ContentVector:
-    """Base tokens and characters per content class, and the raw features, of some content."""
+    """Base tokens and characters per content class, and the raw features, of some content.
 
-    __slots__ = ("chars", "features", "tokens")
+    One array of doubles holds all three (tokens, then characters, then features): an
+    estimator caches thousands of these, and three arrays cost twice the headers of one (a
+    list of floats would be about three times the size). ``tokens``, ``chars`` and
+    ``features`` are copies of their part (write through ``data``).
+    """
+
+    __slots__ = ("data",)
 
     def __init__(self) -> None:
-        # arrays of doubles: an estimator caches thousands of these (a list of floats is
-        # about three times the size)
-        self.tokens = array("d", _ZERO_CLASSES)
-        self.chars = array("d", _ZERO_CLASSES)
-        self.features = array("d", _ZERO_FEATURES)
+        self.data = array("d", _ZERO)
+
+    @property
+    def tokens(self) -> array[float]:
+        """Base tokens per class, in :data:`CLASSES` order."""
+        return self.data[:_NC]
+
+    @property
+    def chars(self) -> array[float]:
+        """Characters per class, in :data:`CLASSES` order."""
+        return self.data[_NC : 2 * _NC]
+
+    @property
+    def features(self) -> array[float]:
+        """Raw text features, in :data:`FEATURES` order."""
+        return self.data[2 * _NC :]
 
     def add(self, other: ContentVector) -> None:
         """Accumulate ``other`` into this vector."""
-        for i in range(len(CLASSES)):
-            self.tokens[i] += other.tokens[i]
-            self.chars[i] += other.chars[i]
-        for i in range(len(FEATURES)):
-            self.features[i] += other.features[i]
+        mine, theirs = self.data, other.data
+        for i in range(len(mine)):
+            mine[i] += theirs[i]
 
 
 def _add_text(vec: ContentVector, text: str, kind: TextKind, weights: Sequence[float]) -> None:
@@ -135,10 +150,11 @@ def _add_text(vec: ContentVector, text: str, kind: TextKind, weights: Sequence[f
     ci = CLASS_INDEX[text_class(text, stats, kind=kind)]
     base = sum(w * f for w, f in zip(weights, stats.features, strict=True))
     # never below 12 chars/token: the negative blank-run weight must not price text at ~0
-    vec.tokens[ci] += max(base, stats.chars / 12.0)
-    vec.chars[ci] += stats.chars
-    for i, f in enumerate(stats.features):
-        vec.features[i] += f
+    data = vec.data
+    data[ci] += max(base, stats.chars / 12.0)
+    data[_NC + ci] += stats.chars
+    for i, f in enumerate(stats.features, 2 * _NC):
+        data[i] += f
 
 
 def _add_media(vec: ContentVector, block: Mapping[str, Any], weights: Sequence[float]) -> None:
@@ -147,9 +163,9 @@ def _add_media(vec: ContentVector, block: Mapping[str, Any], weights: Sequence[f
         if isinstance(source, Mapping) and source.get("type") == "text":
             _add_text(vec, str(source.get("data") or ""), "text", weights)
             return
-        vec.tokens[CLASS_INDEX["media"]] += IMAGE_TOKENS  # PDFs and the like: no cheap size
+        vec.data[CLASS_INDEX["media"]] += IMAGE_TOKENS  # PDFs and the like: no cheap size
         return
-    vec.tokens[CLASS_INDEX["media"]] += image_tokens(block)
+    vec.data[CLASS_INDEX["media"]] += image_tokens(block)
 
 
 def content_vector(message: Message, weights: Sequence[float]) -> ContentVector:
@@ -162,8 +178,8 @@ def content_vector(message: Message, weights: Sequence[float]) -> ContentVector:
                 _add_media(vec, seg.block, weights)
             continue
         if seg.kind in ("tool_use", "tool_result"):  # ids (sent twice) and block wrappers
-            vec.tokens[CLASS_INDEX["structure"]] += tool_block
-            vec.features[FEATURE_INDEX["tool_blocks"]] += 1.0
+            vec.data[CLASS_INDEX["structure"]] += tool_block
+            vec.data[2 * _NC + FEATURE_INDEX["tool_blocks"]] += 1.0
         _add_text(vec, seg.text, _text_kind(seg), weights)
     return vec
 
