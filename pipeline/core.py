@@ -22,6 +22,14 @@ class Stage(Protocol):
 
     A stage never mutates its input; untouched messages pass through by reference. A stage may
     set ``may_break_cache = True`` when it can change content the model has already seen.
+
+    The list a stage returns is read-only for whoever receives it, and valid until the stage's
+    next pass on the same session: the library's stages keep their output and extend it in
+    place on the next pass, so that a history that only grew costs what is new rather than a
+    copy of the whole list per stage. :meth:`Pipeline.run` hands its caller a list of its own.
+    A stage that sets ``readonly_input = True`` promises never to mutate its input list (the
+    library's stages do); any other stage is given a copy, so that a stage that edits its
+    input in place cannot corrupt what an earlier stage keeps.
     """
 
     name: str
@@ -55,6 +63,11 @@ class FunctionStage:
 
     def __repr__(self) -> str:
         return f"FunctionStage({self.name!r})"
+
+
+def _reads_input_only(st: object) -> bool:
+    """Whether ``st`` promised never to mutate its input list (``readonly_input = True``)."""
+    return getattr(st, "readonly_input", False) is True
 
 
 def stage(name: str, *, may_break_cache: bool = False) -> Callable[[StageFn], FunctionStage]:
@@ -135,7 +148,8 @@ class Pipeline:
         """Run every stage in order on ``messages`` for one turn of ``ctx``'s session.
 
         Turns of one session are serialised on ``ctx.lock`` (do not call ``run`` from inside a
-        stage with the same context). Returns the projected messages; the input is untouched.
+        stage with the same context). Returns the projected messages, a list the caller owns
+        (or ``messages`` itself when no stage changed anything); the input is untouched.
 
         The stages see what the API will see: the records from the last compact boundary (or
         compact summary) on, the boundary included; what lies before it is never sent, so no
@@ -146,6 +160,7 @@ class Pipeline:
             start = ctx.thread_start(current)
             if start:
                 current = current[start:]
+            own = current  # a list no stage keeps: the caller's, or this pass's slice
             ctx.begin_pass(current)
             # The SDK's default exception handling would put the exception text (which may
             # quote message content) into the span's status and an event: set the status here.
@@ -168,7 +183,8 @@ class Pipeline:
                 run_span.set_attribute(ATTR.MESSAGES_OUT, len(current))
                 ctx.report.estimated_tokens = ctx.size_of(current)
                 run_span.set_attribute(ATTR.TOKENS_AFTER, ctx.report.estimated_tokens)
-        return current
+        # a stage's output is kept (and extended in place) by that stage: one copy for the caller
+        return current if current is own else list(current)
 
     @staticmethod
     async def _run_stage(st: Stage, messages: list[Message], ctx: SessionContext) -> list[Message]:
@@ -186,8 +202,13 @@ class Pipeline:
             record_exception=False,
             set_status_on_exception=False,
         ) as span:
+            given = messages if _reads_input_only(st) else list(messages)
             try:
-                out = await st(messages, ctx)
+                out = await st(given, ctx)
+                if out is not messages and out is given and given == messages:
+                    # its copy, untouched (identity sweep): hand on the list itself, so that
+                    # later stages see no change and reuse their work
+                    out = messages
             except PipelineHalt as exc:
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 raise

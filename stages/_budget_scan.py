@@ -362,7 +362,9 @@ class BudgetCache:
             self._dirty.add(index)
 
     def output(self, messages: list[Message]) -> list[Message]:
-        """The projected list: the input itself when nothing changed, else a fresh list."""
+        """The projected list: the input itself when nothing changed, else the cache's own
+        list, brought up to date in place on every pass (read-only for its receivers, as every
+        stage's output: see :class:`pipeline.core.Stage`)."""
         sent = self._sent
         del sent[len(messages) :]
         sent.extend(messages[len(sent) :])
@@ -371,4 +373,4 @@ class BudgetCache:
             if index < len(sent):
                 sent[index] = patches.get(index, messages[index])
         self._dirty.clear()
-        return sent[:] if patches else messages
+        return sent if patches else messages

@@ -148,6 +148,7 @@ class Autocompact:
 
     name = "autocompact"
     may_break_cache = True
+    readonly_input = True
     strategy = "summarize"
 
     def __init__(

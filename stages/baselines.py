@@ -26,6 +26,7 @@ class HeadTailTruncate:
     name = "truncate"
     strategy = "head-tail"
     may_break_cache = False  # a pure function of each result: what was sent stays the same
+    readonly_input = True
 
     def __init__(self, max_chars: int = 10_000) -> None:
         self.max_chars = check_int("max_chars", max_chars, minimum=2)
@@ -54,6 +55,7 @@ class ClearEveryTurn:
     name = "microcompact"
     strategy = "clear-every-turn"
     may_break_cache = True
+    readonly_input = True
 
     def __init__(self, keep: int = 3, trigger_tokens: int = 100_000) -> None:
         self.keep = check_int("keep", keep)

@@ -160,6 +160,7 @@ class ContextCollapse:
     name = "context_collapse"
     strategy = "summarize-spans"
     may_break_cache = True
+    readonly_input = True
 
     def __init__(
         self,

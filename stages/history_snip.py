@@ -174,6 +174,7 @@ class HistorySnip:
     name = "history_snip"
     strategy = "snip-middle"
     may_break_cache = True
+    readonly_input = True
 
     def __init__(
         self,

@@ -145,6 +145,7 @@ class Microcompact:
     name = "microcompact"
     strategy = "clear-oldest"
     may_break_cache = True
+    readonly_input = True
 
     def __init__(
         self,
@@ -232,7 +233,7 @@ class Microcompact:
             cleared=len(state.cleared),
             turn_start=max(turn_start, start),
             newest_cleared=held.newest_cleared,
-            out=out[:] if first_patch < len(out) else [],
+            out=out if first_patch < len(out) else [],  # its own list: extended in place next
             first_patch=first_patch,
             held=held.held + cleared,
             tools=self._tools,
@@ -377,8 +378,9 @@ class Microcompact:
                     return Reapplied(messages, n, held, newest_cleared)
                 first = _first_difference(redone, region, k)
                 return Reapplied(messages[:k] + redone, first, held, newest_cleared)
-            out = last.out[:k]  # one slice extended in place (unpacking copies twice)
-            out.extend(redone)
+            out = last.out  # the last output, brought up to date in place (a copy costs O(n))
+            del out[k:]
+            out += redone
             return Reapplied(out, last.first_patch, held, newest_cleared)
         found = p.scan()
         texts = {

@@ -42,6 +42,7 @@ class ServerSideMicrocompact:
     name = "microcompact"
     strategy = "server-clear"
     may_break_cache = False
+    readonly_input = True
 
     def __init__(
         self,

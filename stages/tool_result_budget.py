@@ -81,6 +81,7 @@ class ToolResultBudget:
     name = "tool_result_budget"
     strategy = "budget"
     may_break_cache = False
+    readonly_input = True
 
     def __init__(
         self, limit: float = MAX_TOOL_RESULTS_PER_MESSAGE_CHARS, *, incremental: bool = True

@@ -17,7 +17,7 @@ from opentelemetry.trace import StatusCode
 import stages
 from pipeline import Message, Pipeline, SessionContext, Stage, StageError, TokenTracker, stage
 from pipeline.core import FunctionStage
-from pipeline.testing import SpanRecorder
+from pipeline.testing import MemoryStore, SpanRecorder, assert_same_messages
 from pipeline.tracing import ATTR
 from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -444,3 +444,107 @@ async def test_log_events_carry_the_current_trace_and_span_ids(
     assert event["session_id"] == "log-session" and event["n"] == 3
     (outside,) = [e for e in logs if e["event"] == "outside_any_span"]
     assert "trace_id" not in outside and "span_id" not in outside
+
+
+# --------------------------------------------------------------------------------------------
+# Who may edit which list: stages keep their output, the caller owns what run returns
+# --------------------------------------------------------------------------------------------
+
+
+def _persisting_turns(first: int, last: int) -> list[Message]:
+    """Turns whose parallel results overflow a small budget (so the budget's output is its
+    own list)."""
+    out: list[Message] = [user_text("start")] if first == 0 else []
+    for t in range(first, last):
+        out += [
+            assistant(f"r{t}", tool_use(f"t{t}a"), tool_use(f"t{t}b")),
+            results(tool_result(f"t{t}a", "a" * 4_000), tool_result(f"t{t}b", "b" * 4_000)),
+        ]
+    return out
+
+
+def _budget_ctx(tmp_path: Path) -> SessionContext:
+    return SessionContext("owned", tmp_path / "store", store=MemoryStore())
+
+
+async def _reference(history: list[Message], tmp_path: Path) -> list[Message]:
+    fresh = SessionContext("reference", tmp_path / "ref", store=MemoryStore())
+    return await Pipeline([stages.ToolResultBudget(limit=6_000)]).run(history, fresh)
+
+
+@pytest.mark.anyio
+async def test_a_stage_that_edits_its_input_cannot_corrupt_what_an_earlier_stage_keeps(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """A stage without ``readonly_input`` gets a copy: its in-place edit reaches the requests
+    after it, never the budget's kept output (which would otherwise carry the edit into the
+    next pass, where no stage made it)."""
+    budget = stages.ToolResultBudget(limit=6_000)
+    vandal_text = "edited in place"
+
+    @stage("vandal")
+    async def vandal(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        for i, m in enumerate(messages):
+            messages[i] = Message.user(vandal_text, uuid=m.uuid)
+        return messages
+
+    ctx = _budget_ctx(tmp_path)
+    history = _persisting_turns(0, 4)
+    out = await Pipeline([budget, vandal]).run(history, ctx)
+    assert ctx.report.persisted, "the budget must act for its output to be its own list"
+    assert all(m.content == vandal_text for m in out)  # the edit applies where it was made
+
+    history += _persisting_turns(4, 6)
+    again = await Pipeline([budget]).run(history, ctx)  # the same budget cache, no vandal
+    assert not any(m.content == vandal_text for m in again)
+    assert_same_messages(again, await _reference(history, tmp_path))
+
+
+@pytest.mark.anyio
+async def test_the_caller_owns_the_list_run_returns(anyio_backend: str, tmp_path: Path) -> None:
+    """What ``run`` returns is the caller's: vandalising it changes nothing in the next pass,
+    and a later pass (which extends the stages' kept lists in place) never changes it."""
+    pipe = Pipeline([stages.ToolResultBudget(limit=6_000)])
+    ctx = _budget_ctx(tmp_path)
+    history = _persisting_turns(0, 3)
+    first = await pipe.run(history, ctx)
+    assert first is not history and ctx.report.persisted
+    kept = list(first)
+
+    history += _persisting_turns(3, 5)
+    second = await pipe.run(history, ctx)
+    assert first == kept  # the next pass did not grow or patch the caller's list
+    second.clear()
+    second.append(user_text("the caller's own edit"))
+
+    history += _persisting_turns(5, 7)
+    third = await pipe.run(history, ctx)
+    assert_same_messages(third, await _reference(history, tmp_path))
+
+
+@pytest.mark.anyio
+async def test_readonly_stages_get_the_list_itself_and_others_a_copy(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    seen: dict[str, list[Message]] = {}
+
+    @stage("plain")
+    async def plain(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        seen["plain"] = messages
+        return messages  # untouched: the pipeline hands on the list it was given
+
+    class Trusting:
+        name = "trusting"
+        readonly_input = True
+
+        async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+            seen["trusting"] = messages
+            return messages
+
+    history = small_conversation()
+    out = await Pipeline([plain, Trusting()]).run(history, ctx_for(tmp_path))
+    assert seen["plain"] is not history and seen["plain"] == history
+    assert seen["trusting"] is history  # the copy, returned untouched, was not handed on
+    assert out is history
+    for st in stages.default_stages():
+        assert getattr(st, "readonly_input", False) is True, st.name

@@ -160,6 +160,7 @@ async def run_session(tape: bytes) -> None:
     twin = Twin()
     history: list[Message] = [user_text("start")]
     last_out: list[Message] = history
+    returned: list[tuple[list[Message], list[Message]]] = []  # (what run returned, a copy)
     for _ in range(4 + gen.below(24)):
         op = gen.pick(("turn",) * 10 + ("replace", "insert", "delete", "truncate", "swap"))
         if gen.one_in(8):
@@ -168,6 +169,15 @@ async def run_session(tape: bytes) -> None:
         event(f"op: {op}")
         if not gen.one_in(4):
             last_out = await twin.check_pass(history)
+            # the caller owns what run returns: later passes never change it (the stages
+            # extend their own kept lists in place), and the caller may change it
+            for out, copy in returned:
+                assert out == copy
+            if last_out is not history:  # (the caller's own history it edits in place)
+                if gen.one_in(5):
+                    event("caller edits the returned list")
+                    last_out.reverse()
+                returned.append((last_out, list(last_out)))
     await twin.check_pass(history)
     await twin.check_pass(history)
 

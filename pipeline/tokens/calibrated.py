@@ -99,7 +99,7 @@ class CalibratedEstimator:
         clip_sigma: float = 2.0,
         learn: bool = True,
         compaction_extra: int = 0,
-        cache_size: int = 1024,
+        cache_size: int = 4096,
     ) -> None:
         self.weights = dict(PRIOR_WEIGHTS if weights is None else weights)
         self.prior_sd = dict(PRIOR_SD if prior_sd is None else prior_sd)

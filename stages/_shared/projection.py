@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,8 +25,9 @@ class Projection:
     """How many decisions the output applied."""
     members: frozenset[str]
     """The uuids those decisions name."""
-    out: tuple[Message, ...]
-    """What the pass sent, when it differed from its input (a copy: callers may edit lists)."""
+    out: list[Message]
+    """What the pass sent, when it differed from its input: the stage's own list, extended in
+    place by the next pass (its receivers only read it: see :class:`pipeline.core.Stage`)."""
     applied: int
     """What the stage counts as applied (0: the input went through as it was)."""
 
@@ -36,20 +37,23 @@ class Projection:
         last: Projection | None,
         decisions: int,
         members: Callable[[], Iterable[str]],
-        out: Sequence[Message],
+        out: list[Message],
         applied: int,
     ) -> Projection:
-        """The projection of this pass (``members`` is only read when decisions changed)."""
+        """The projection of this pass (``members`` is only read when decisions changed);
+        ``out`` is kept, not copied: a list the stage built (or ``messages`` when ``applied``
+        is 0, which is not kept)."""
         named = last.members if last is not None and last.decisions == decisions else None
         if named is None:
             named = frozenset(members())
-        return cls(decisions, named, tuple(out) if applied else (), applied)
+        return cls(decisions, named, out if applied else [], applied)
 
     def extend(
         self, messages: list[Message], grown: int | None, decisions: int
     ) -> tuple[list[Message], int] | None:
         """This output plus the records new since (``grown``: the old length, from
-        :meth:`AppendWatch.advance`), or ``None`` when it must be computed afresh."""
+        :meth:`AppendWatch.advance`), or ``None`` when it must be computed afresh. The kept
+        list is extended in place: a pass costs the new records, not a copy of the history."""
         if (
             grown is None
             or decisions != self.decisions
@@ -58,7 +62,9 @@ class Projection:
             return None
         if self.applied == 0:
             return messages, 0
-        return [*self.out, *messages[grown:]], self.applied
+        out = self.out
+        out += messages[grown:]
+        return out, self.applied
 
 
 class ProjectionState(Protocol):
