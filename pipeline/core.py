@@ -144,12 +144,17 @@ class Pipeline:
         i = self._index(name)
         return Pipeline((*self._stages[:i], *self._stages[i + 1 :]))
 
-    async def run(self, messages: Sequence[Message], ctx: SessionContext) -> list[Message]:
+    async def run(
+        self, messages: Sequence[Message], ctx: SessionContext, *, shared: bool = False
+    ) -> list[Message]:
         """Run every stage in order on ``messages`` for one turn of ``ctx``'s session.
 
         Turns of one session are serialised on ``ctx.lock`` (do not call ``run`` from inside a
         stage with the same context). Returns the projected messages, a list the caller owns
         (or ``messages`` itself when no stage changed anything); the input is untouched.
+        ``shared=True`` returns the last stage's own list instead of a copy of it, for a caller
+        that only reads it before the next pass of the session (the list changes in place on
+        that pass): one copy of the history less per call.
 
         The stages see what the API will see: the records from the last compact boundary (or
         compact summary) on, the boundary included; what lies before it is never sent, so no
@@ -184,7 +189,7 @@ class Pipeline:
                 ctx.report.estimated_tokens = ctx.size_of(current)
                 run_span.set_attribute(ATTR.TOKENS_AFTER, ctx.report.estimated_tokens)
         # a stage's output is kept (and extended in place) by that stage: one copy for the caller
-        return current if current is own else list(current)
+        return current if shared or current is own else list(current)
 
     @staticmethod
     async def _run_stage(st: Stage, messages: list[Message], ctx: SessionContext) -> list[Message]:

@@ -203,7 +203,7 @@ async def replay_messages(
                 },
             ),
         ):
-            projected = await pipeline.run(sent, ctx)
+            projected = await pipeline.run(sent, ctx, shared=True)  # read before the next
         report = ctx.report
         # tokens_freed counts against that anchored usage: what it lacks beyond ``anchored``
         removed = anchored + report.tokens_freed

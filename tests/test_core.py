@@ -548,3 +548,20 @@ async def test_readonly_stages_get_the_list_itself_and_others_a_copy(
     assert out is history
     for st in stages.default_stages():
         assert getattr(st, "readonly_input", False) is True, st.name
+
+
+@pytest.mark.anyio
+async def test_shared_run_returns_the_stages_own_list(anyio_backend: str, tmp_path: Path) -> None:
+    """``shared=True`` skips the caller's copy: the list is the one the stages keep, brought up
+    to date in place by the next pass (so read it before then)."""
+    pipe = Pipeline([stages.ToolResultBudget(limit=6_000)])
+    ctx = _budget_ctx(tmp_path)
+    history = _persisting_turns(0, 2)
+    first = await pipe.run(history, ctx, shared=True)
+    history += _persisting_turns(2, 3)
+    second = await pipe.run(history, ctx, shared=True)
+    assert second is first and len(first) == len(history)  # grown in place
+    assert_same_messages(second, await _reference(history, tmp_path))
+    history += _persisting_turns(3, 4)
+    copied = await pipe.run(history, ctx)
+    assert copied is not first and copied == first

@@ -334,7 +334,8 @@ class Agent:
         ):
             definitions = self.tool_definitions  # built once a turn: counted, then sent
             ctx.token_tracker.set_request(system=self.system, tools=definitions)
-            projected = await self.pipeline.run(self.history, ctx)
+            # read before the next pass (turns are sequential): no copy of the history
+            projected = await self.pipeline.run(self.history, ctx, shared=True)
             request = self._wire.to_api(projected)
             self._wire.ensure_paired()
             if self.cache and self._wire.breakpoints < _MAX_BREAKPOINTS:
