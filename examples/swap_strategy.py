@@ -2,7 +2,9 @@
 
 This strategy clears the content of all but the newest ``keep`` tool results once the context
 estimate passes ``trigger_tokens``. Clearing changes what the model already saw, so it declares
-``may_break_cache = True`` (the pipeline's spans record that).
+``may_break_cache = True`` (the pipeline's spans record that). It never edits the list it is
+given, so it says ``readonly_input = True``: the pipeline then hands it the list itself rather
+than a copy.
 """
 
 import asyncio
@@ -19,6 +21,7 @@ CLEARED = "[Old tool result content cleared]"
 class ClearOldToolResults:
     name = "microcompact"
     may_break_cache = True
+    readonly_input = True  # builds a new list; never edits the one it is given
 
     def __init__(self, keep: int = 2, trigger_tokens: int = 10_000) -> None:
         self.keep, self.trigger_tokens = keep, trigger_tokens

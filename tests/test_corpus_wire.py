@@ -41,6 +41,7 @@ class Watched:
         self.inner = inner
         self.name = inner.name
         self.may_break_cache = bool(getattr(inner, "may_break_cache", False))
+        self.readonly_input = getattr(inner, "readonly_input", False)
         self.changed = False
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:

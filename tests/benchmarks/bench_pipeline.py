@@ -268,6 +268,7 @@ class Timed:
         self.inner = inner
         self.name = inner.name
         self.may_break_cache = getattr(inner, "may_break_cache", False)
+        self.readonly_input = getattr(inner, "readonly_input", False)  # a copy costs O(n)
         self.times = times
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
