@@ -265,6 +265,16 @@ def rss_child(*cli: str) -> None:
     print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
 
 
+def load_rss_child(path: Path) -> None:
+    """In a child process (the CLI's imports done): peak RSS (KiB) before and after loading."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    transcript = load_transcript(path)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"before": before, "after": after, "records": len(transcript.messages)}))
+
+
 async def _copied_texts(path: Path) -> tuple[int, int]:
     """(tool outputs sent as equal copies of the loaded strings, tool outputs sent) over a
     replay (replacements and placeholders the stages made are not the loaded output)."""
@@ -302,6 +312,13 @@ def bench_memory(calls: int) -> None:
     print(
         f"peak RSS {peak / 1024:.1f} MiB, idle CLI {base / 1024:.1f} MiB: the replay adds "
         f"{grown / 2**20:.1f} MiB = {grown / size:.2f}x the transcript ({size / 1e6:.1f} MB)"
+    )
+    load = _run_child("_load_rss", str(path))
+    loaded = (load["after"] - load["before"]) * 1024
+    print(
+        f"of which loading the transcript alone (parsed records, every text kept): "
+        f"{loaded / 2**20:.1f} MiB = {loaded / size:.2f}x; the replay's own state (stage "
+        f"caches, token estimates, the request cache) the rest: {(grown - loaded) / size:.2f}x"
     )
     copies, sent = anyio.run(_copied_texts, path)
     print(f"tool-result texts sent: {sent:,}; sent as copies of the loaded strings: {copies}")
@@ -348,6 +365,9 @@ def bench_dumps(calls: int) -> None:
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_load_rss":
+        load_rss_child(Path(sys.argv[2]))
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_replay":
         replay_child(Path(sys.argv[2]), sys.argv[3])
         return 0
