@@ -51,12 +51,20 @@ class PipelineHalt(RuntimeError):
 class FunctionStage:
     """Adapter: a plain ``async def f(messages, ctx)`` becomes a named stage."""
 
-    def __init__(self, name: str, fn: StageFn, *, may_break_cache: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        fn: StageFn,
+        *,
+        may_break_cache: bool = False,
+        readonly_input: bool = False,
+    ) -> None:
         if not name:
             raise ValueError("a stage needs a non-empty name")
         self.name = name
         self.fn = fn
         self.may_break_cache = may_break_cache
+        self.readonly_input = readonly_input
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         return await self.fn(messages, ctx)
@@ -70,11 +78,16 @@ def _reads_input_only(st: object) -> bool:
     return getattr(st, "readonly_input", False) is True
 
 
-def stage(name: str, *, may_break_cache: bool = False) -> Callable[[StageFn], FunctionStage]:
-    """Decorator form of :class:`FunctionStage`: ``@stage("redact")``."""
+def stage(
+    name: str, *, may_break_cache: bool = False, readonly_input: bool = False
+) -> Callable[[StageFn], FunctionStage]:
+    """Decorator form of :class:`FunctionStage`: ``@stage("redact")``; ``readonly_input=True``
+    when the function never edits the list it is given (it then gets that list, not a copy)."""
 
     def wrap(fn: StageFn) -> FunctionStage:
-        return FunctionStage(name, fn, may_break_cache=may_break_cache)
+        return FunctionStage(
+            name, fn, may_break_cache=may_break_cache, readonly_input=readonly_input
+        )
 
     return wrap
 
@@ -154,7 +167,8 @@ class Pipeline:
         (or ``messages`` itself when no stage changed anything); the input is untouched.
         ``shared=True`` returns the last stage's own list instead of a copy of it, for a caller
         that only reads it before the next pass of the session (the list changes in place on
-        that pass): one copy of the history less per call.
+        that pass, so never keep it across an await another pass may run in, nor pass it back
+        as the next input): one copy of the history less per call.
 
         The stages see what the API will see: the records from the last compact boundary (or
         compact summary) on, the boundary included; what lies before it is never sent, so no

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import random
 import re
 import secrets
 import threading
@@ -53,13 +54,18 @@ from pipeline.transcript import (
 
 __all__ = ["APPEND_ATTEMPTS", "READERS", "ObjectRecordLog"]
 
-APPEND_ATTEMPTS = 8
+APPEND_ATTEMPTS = 16
 """Create conflicts an append survives before it fails (each takes the next number)."""
+_BACKOFF_CAP = 0.05
+"""Longest pause (seconds) after a lost number: writers racing for one conversation take
+turns instead of one starving (a writer that lost eight numbers in a row to a busy peer failed,
+under CPU load, before the pause)."""
 READERS = 16
 """Record objects a load reads at once."""
 _RECORD_NAME = re.compile(r"([0-9]{12})\.jsonl")
 _WRITER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_SEQUENCE = 10**12 - 1
+_SYSTEM_RANDOM = random.SystemRandom()
 
 
 def _store_error(action: str, key: str, exc: BaseException) -> StoreError:
@@ -132,7 +138,7 @@ class ObjectRecordLog(JsonlRecordWriter):
 
     def _append(self, payload: bytes) -> str:
         key = ""
-        for _ in range(APPEND_ATTEMPTS):
+        for attempt in range(APPEND_ATTEMPTS):
             try:
                 self._catch_up()
             except Exception as exc:
@@ -146,8 +152,10 @@ class ObjectRecordLog(JsonlRecordWriter):
                 if not is_create_conflict(exc):
                     raise _store_error("append", key, exc) from exc
                 if not self._holds(key, payload):
-                    # taken by another writer (or our listing lagged): the next number
+                    # taken by another writer (or our listing lagged): the next number, after
+                    # a short random pause that lets a busy peer's run of appends end
                     self._next += 1
+                    time.sleep(_SYSTEM_RANDOM.uniform(0, min(_BACKOFF_CAP, 0.001 * 2**attempt)))
                     continue
                 # our own create, whose reply was lost and which the client sent again
             self._next += 1

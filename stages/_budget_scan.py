@@ -18,9 +18,10 @@ gives the same output as a from-scratch pass (``tests/test_incremental.py`` prov
 for byte, state included).
 
 What a pass costs: Python work for the new (or changed) messages and for the groups they
-touch, C-level sweeps over the history (comparing the message lists, copying the output list
-the stage must return: tens of nanoseconds per message), and one step per message that
-carries a replacement.
+touch, a C-level sweep over the history (comparing the message lists: under a nanosecond per
+message), and one step per message that carries a replacement. The output is the cache's own
+list, brought up to date in place (its receivers only read it: see
+:class:`pipeline.core.Stage`), so no pass copies the history.
 
 The contract that makes the cache safe:
 
@@ -260,7 +261,8 @@ class BudgetCache:
         """position -> the message sent there in place of the input's (only changed ones)."""
         self._sent: list[Message] = []
         """The input with the patches applied, as of the positions kept in sync so far: the
-        output is a copy of it, so a pass costs one C-level copy, not a sweep of every patch."""
+        output itself (when anything is patched), so a pass costs what changed, not a copy of
+        the history or a sweep of every patch."""
         self._dirty: set[int] = set()
         """Positions whose patch changed since ``_sent`` was last brought up to date."""
         self.busy = False

@@ -27,8 +27,9 @@ class LastPass:
     newest_cleared: bool
     """Some cleared id was held back only because it was in that newest turn."""
     out: list[Message]
-    """What it sent, when that differs from its input (a private copy: callers may mutate the
-    list they were given; this one is never mutated)."""
+    """What it sent, when that differs from its input: the list the stage returned, brought up
+    to date in place by its next pass (its receivers only read it: see
+    :class:`pipeline.core.Stage`)."""
     first_patch: int
     """First position where ``out`` differs from the pass's input (its length if none)."""
     held: int

@@ -390,3 +390,65 @@ async def test_resume_answers_tool_calls_a_crash_left_open(
     assert len(reloaded.problems) == 1
     assert [m.type for m in reloaded.messages] == ["user", "assistant", "user", "assistant"]
     assert reloaded.messages[2].content == sent[-1]["content"]
+
+
+async def _observed_with(tmp_path: Path, *, pass_during_call: bool) -> tuple[int, int]:
+    """One agent turn whose API call waits until (optionally) another pass has run on the
+    agent's context; the turn's observed estimate and the request's length."""
+    import threading
+
+    from pipeline import TokenTracker
+    from pipeline.testing import MemoryStore
+    from tests.builders import assistant, results, tool_result, tool_use, user_text
+
+    entered, release = threading.Event(), threading.Event()
+
+    def script(body: dict[str, Any]) -> Reply:
+        entered.set()
+        release.wait(10)
+        return Reply([{"type": "text", "text": "done"}])
+
+    history = [user_text("start")]
+    for t in range(2):  # parallel results over the budget: its output is a list it keeps
+        history += [
+            assistant(f"r{t}", tool_use(f"t{t}a"), tool_use(f"t{t}b")),
+            results(tool_result(f"t{t}a", "a" * 4_000), tool_result(f"t{t}b", "b" * 4_000)),
+        ]
+    history.append(user_text("go on"))
+    pipe = Pipeline([ToolResultBudget(limit=6_000)])
+    ctx = SessionContext(
+        "s", tmp_path / "store", store=MemoryStore(), token_tracker=TokenTracker("reference")
+    )
+    logs: list[Any] = []
+    with ScriptedMessagesServer(script) as server:
+        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        agent = Agent(
+            client,
+            model="claude-sonnet-4-6",
+            pipeline=pipe,
+            ctx=ctx,
+            history=history,
+            on_turn=logs.append,
+            readback=False,
+            cache=False,
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(agent.turn)
+            while not entered.is_set():
+                await anyio.sleep(0.01)
+            if pass_during_call:  # say, a preview of the next request with a draft prompt
+                await pipe.run([*agent.history, user_text("draft " + "x" * 20_000)], ctx)
+            release.set()
+    return logs[0].observation.estimate, len(logs[0].request)
+
+
+@pytest.mark.anyio
+async def test_a_pass_during_the_api_call_does_not_change_what_the_turn_observes(
+    tmp_path: Path,
+) -> None:
+    """The tracker learns from the request the turn sent, even when another pass on the same
+    context runs while the call is in flight (the stages bring their kept lists up to date in
+    place: the turn must hold its own copy)."""
+    alone = await _observed_with(tmp_path / "a", pass_during_call=False)
+    during = await _observed_with(tmp_path / "b", pass_during_call=True)
+    assert during == alone

@@ -541,10 +541,16 @@ async def test_readonly_stages_get_the_list_itself_and_others_a_copy(
             seen["trusting"] = messages
             return messages
 
+    @stage("promised", readonly_input=True)
+    async def promised(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        seen["promised"] = messages
+        return messages
+
     history = small_conversation()
-    out = await Pipeline([plain, Trusting()]).run(history, ctx_for(tmp_path))
+    out = await Pipeline([plain, Trusting(), promised]).run(history, ctx_for(tmp_path))
     assert seen["plain"] is not history and seen["plain"] == history
     assert seen["trusting"] is history  # the copy, returned untouched, was not handed on
+    assert seen["promised"] is history
     assert out is history
     for st in stages.default_stages():
         assert getattr(st, "readonly_input", False) is True, st.name

@@ -334,8 +334,9 @@ class Agent:
         ):
             definitions = self.tool_definitions  # built once a turn: counted, then sent
             ctx.token_tracker.set_request(system=self.system, tools=definitions)
-            # read before the next pass (turns are sequential): no copy of the history
-            projected = await self.pipeline.run(self.history, ctx, shared=True)
+            # a copy: the tracker observes it after the API call, and another pass on this
+            # context (a preview of the next request, say) may run during that await
+            projected = await self.pipeline.run(self.history, ctx)
             request = self._wire.to_api(projected)
             self._wire.ensure_paired()
             if self.cache and self._wire.breakpoints < _MAX_BREAKPOINTS:
