@@ -21,9 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-import secrets
-import stat
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,6 +39,12 @@ from pipeline.tokens.checks import (
 )
 from pipeline.tokens.reference import ReferenceEstimator
 from pipeline.tokens.request import RequestOverhead
+from pipeline.tokens.state_file import (
+    CALIBRATION_FILE,
+    calibration_path_for,
+    read_state_file,
+    write_state,
+)
 from pipeline.tokens.stats import BIG_GROWTH, ErrorStats, EstimateDetail, Observation
 from pipeline.wire import to_api
 
@@ -53,12 +56,8 @@ __all__ = ["CALIBRATION_FILE", "Estimator", "Method", "TokenTracker", "calibrati
 
 Method = Literal["calibrated", "reference"]
 TRACKER_STATE_VERSION = 1
-CALIBRATION_FILE = "token-calibration.json"
 MAX_ERROR_WINDOW = 1_000_000
 """The largest ``error_window`` a saved state may ask for (the default is 512)."""
-MAX_STATE_BYTES = 64 * 1024 * 1024
-"""A calibration file larger than this is not read (a real one is a few KB, or a few MB with
-a very large error window)."""
 _STATE_KEYS = (
     "version",
     "method",
@@ -118,17 +117,6 @@ class Estimator(Protocol):
 
 
 _ESTIMATORS: dict[str, Any] = {"calibrated": CalibratedEstimator, "reference": ReferenceEstimator}
-
-
-def calibration_path_for(
-    root: str | os.PathLike[str], session_id: str, agent_id: str | None = None
-) -> Path:
-    """Where a session's tracker state lives: ``<root>/<session>/token-calibration.json``
-    (``token-calibration-<agent_id>.json`` for a sub-agent, which has its own tracker)."""
-    if agent_id is None:
-        return Path(root) / session_id / CALIBRATION_FILE
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", agent_id)  # an id is never a path
-    return Path(root) / session_id / f"token-calibration-{safe}.json"
 
 
 class TokenTracker:
@@ -423,27 +411,7 @@ class TokenTracker:
     def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> bool:
         """Write a :meth:`state_dict` taken earlier, as :meth:`save` does: the snapshot is
         taken on the event loop, the write (an fsync) goes to a worker thread."""
-        target = Path(path)
-        data = json.dumps(state, separators=(",", ":")).encode("utf-8")
-        tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            try:
-                # 0600 like the transcript: the state names the session's models and sizes;
-                # O_EXCL|O_NOFOLLOW: never through a planted file or link
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                fd = os.open(tmp, flags, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)  # readers see the old state or the new, never half
-            finally:
-                tmp.unlink(missing_ok=True)
-        except OSError as exc:
-            get_logger().warning("token_calibration.save_failed", path=str(target), error=str(exc))
-            return False
-        return True
+        return write_state(path, state)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, method: Method = "calibrated") -> TokenTracker:
@@ -455,7 +423,7 @@ class TokenTracker:
         """
         target = Path(path)
         try:
-            state = json.loads(_read_state_file(target))
+            state = json.loads(read_state_file(target))
             return cls.from_state_dict(state)
         except FileNotFoundError:
             return cls(method)
@@ -464,16 +432,3 @@ class TokenTracker:
             reason = bounded_text(str(exc))
             get_logger().warning("token_calibration.load_failed", path=str(target), error=reason)
             return cls(method)
-
-
-def _read_state_file(path: Path) -> bytes:
-    """The bytes of a calibration file; ``ValueError`` when it is not a regular file of at
-    most :data:`MAX_STATE_BYTES` (a FIFO would block the resume, ``/dev/zero`` never ends)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        data = f.read(MAX_STATE_BYTES + 1)
-    if len(data) > MAX_STATE_BYTES:
-        raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
-    return data

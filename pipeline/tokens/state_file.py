@@ -1,0 +1,77 @@
+"""A tracker's saved state on disk: where it lives, written atomically, read defensively."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline.logs import get_logger
+
+__all__ = [
+    "CALIBRATION_FILE",
+    "MAX_STATE_BYTES",
+    "calibration_path_for",
+    "read_state_file",
+    "write_state",
+]
+
+CALIBRATION_FILE = "token-calibration.json"
+MAX_STATE_BYTES = 64 * 1024 * 1024
+"""A calibration file larger than this is not read (a real one is a few KB, or a few MB with
+a very large error window)."""
+
+
+def calibration_path_for(
+    root: str | os.PathLike[str], session_id: str, agent_id: str | None = None
+) -> Path:
+    """Where a session's tracker state lives: ``<root>/<session>/token-calibration.json``
+    (``token-calibration-<agent_id>.json`` for a sub-agent, which has its own tracker)."""
+    if agent_id is None:
+        return Path(root) / session_id / CALIBRATION_FILE
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", agent_id)  # an id is never a path
+    return Path(root) / session_id / f"token-calibration-{safe}.json"
+
+
+def write_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> bool:
+    """Write ``state`` as JSON to ``path`` atomically (temp file, fsync, rename); False, and a
+    warning logged, when it cannot."""
+    target = Path(path)
+    data = json.dumps(state, separators=(",", ":")).encode("utf-8")
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            # 0600 like the transcript: the state names the session's models and sizes;
+            # O_EXCL|O_NOFOLLOW: never through a planted file or link
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)  # readers see the old state or the new, never half
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        get_logger().warning("token_calibration.save_failed", path=str(target), error=str(exc))
+        return False
+    return True
+
+
+def read_state_file(path: Path) -> bytes:
+    """The bytes of a calibration file; ``ValueError`` when it is not a regular file of at
+    most :data:`MAX_STATE_BYTES` (a FIFO would block the resume, ``/dev/zero`` never ends)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(MAX_STATE_BYTES + 1)
+    if len(data) > MAX_STATE_BYTES:
+        raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
+    return data
