@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -24,22 +23,20 @@ from opentelemetry.trace import Status, StatusCode
 from structlog.contextvars import bound_contextvars
 
 from pipeline.agent.execution import CANCELLED_RESULT, run_tool_calls
-from pipeline.agent.repair import INTERRUPTED_RESULT, repair_pairing
+from pipeline.agent.repair import INTERRUPTED_RESULT
 from pipeline.agent.response import message_from_response
 from pipeline.agent.results import AgentAPIError, AgentResult, GatedResult, TurnLog
+from pipeline.agent.resume import resume_from_storage, resume_from_transcript, store_root_of
 from pipeline.agent.retry import RetryPolicy
 from pipeline.caching import add_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.encoding import encodable
 from pipeline.messages import Block, Message, now_timestamp
-from pipeline.pairing import PairingError
 from pipeline.readback import PagedReader, PersistedOutputReader
-from pipeline.records import RecordLog
-from pipeline.replacement import ReplacementState, decided_in
 from pipeline.session_storage import SessionStorage
-from pipeline.storage import FileToolResultStore, ToolResultStore
-from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.storage import FileToolResultStore
+from pipeline.tokens import calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import (
     ATTR,
@@ -48,19 +45,11 @@ from pipeline.tracing import (
     agent_span_name,
     bounded_attribute,
 )
-from pipeline.transcript import Transcript, TranscriptWriter, load_transcript
 from pipeline.wire import WireCache
 
 __all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "readback_for", "store_root_of"]
 
 _MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request
-
-
-def store_root_of(transcript_path: str | os.PathLike[str], session_id: str) -> Path:
-    """The store root a session's transcript belongs to: ``ROOT`` for
-    ``ROOT/<session_id>/transcript.jsonl`` (wherever the caller stands), else ``.sluicegate``."""
-    beside = Path(transcript_path).resolve().parent
-    return beside.parent if beside.name == session_id else Path(".sluicegate")
 
 
 def readback_for(store: object) -> PagedReader | None:
@@ -171,19 +160,13 @@ class Agent:
         the store root; by default the one the transcript lives in
         (``<root>/<session>/transcript.jsonl``), else ``.sluicegate``.
         """
-        path = Path(transcript_path)
-        loaded = load_transcript(path, strict=False)
-        if loaded.session_id is None:
-            raise ValueError(f"{path}: no session id in the transcript")
-        if root is None:
-            root = store_root_of(path, loaded.session_id)
-        return cls._resume(
-            loaded,
+        return resume_from_transcript(
+            cls,
+            transcript_path,
             client,
-            transcript=TranscriptWriter(path, loaded.session_id),
-            root=root,
             model=model,
             pipeline=pipeline,
+            root=root,
             tools=tools,
             **kwargs,
         )
@@ -207,69 +190,9 @@ class Agent:
         the event loop runs, or in a worker thread. ``ValueError`` when nothing is recorded.
         Nothing locks the session: running two agents on it at once is the caller's to avoid.
         """
-        loaded = storage.load()
-        if loaded is None or not loaded.messages:
-            raise ValueError(f"no recorded messages for session {storage.session_id!r}")
-        loaded.session_id = storage.session_id
-        return cls._resume(
-            loaded,
-            client,
-            transcript=storage.records,
-            root=root,
-            store=storage.store,
-            model=model,
-            pipeline=pipeline,
-            tools=tools,
-            **kwargs,
+        return resume_from_storage(
+            cls, storage, client, model=model, pipeline=pipeline, root=root, tools=tools, **kwargs
         )
-
-    @classmethod
-    def _resume(
-        cls,
-        loaded: Transcript,
-        client: anthropic.AsyncAnthropic,
-        *,
-        transcript: RecordLog,
-        root: str | os.PathLike[str],
-        model: str,
-        pipeline: Pipeline,
-        tools: Iterable[Tool],
-        store: ToolResultStore | None = None,
-        **kwargs: Any,
-    ) -> Agent:
-        session_id = loaded.session_id
-        assert session_id is not None
-        repair = repair_pairing(loaded.messages)
-        if repair.remaining:
-            raise PairingError(repair.remaining)
-        state = ReplacementState.reconstruct(
-            repair.messages,
-            loaded.replacement_records,
-            decided=decided_in(loaded.stage_records),
-        )
-        ctx = SessionContext(
-            session_id,
-            root,
-            store=store,
-            replacement_state=state,
-            # the calibration saved with the session: a resumed session does not start cold
-            token_tracker=TokenTracker.load(calibration_path_for(root, session_id)),
-            transcript=transcript,
-            stage_records=loaded.stage_records,
-        )
-        if repair.answered or repair.dropped or repair.moved:
-            ctx.logger.warning(
-                "resume_repaired_pairing",
-                answered=len(repair.answered),
-                dropped=len(repair.dropped),
-                moved=len(repair.moved),
-            )
-        agent = cls(client, model=model, pipeline=pipeline, ctx=ctx, tools=tools, **kwargs)
-        agent.history = repair.messages
-        if repair.trailing and ctx.transcript is not None:
-            # at the end of the history they stand where a later load puts them
-            ctx.transcript.append_messages(repair.trailing)
-        return agent
 
     # -- the loop ---------------------------------------------------------------------------
     @property
