@@ -3,7 +3,8 @@
 A stage is any object with a ``name`` and ``async __call__(messages, ctx)``; a plain async function
 becomes one with the ``@stage`` decorator. This one masks API-key-looking strings in tool output.
 It must be deterministic: it runs before every call, and the same input must give the same bytes
-or the prompt cache breaks.
+or the prompt cache breaks. It builds a new list and never edits the one it is given, so it says
+``readonly_input=True``: the pipeline then hands it the list itself instead of a copy.
 """
 
 import asyncio
@@ -18,7 +19,7 @@ from stages import default_stages
 SECRET = re.compile(r"sk-[A-Za-z0-9_-]{16,}")
 
 
-@stage("redact_secrets")
+@stage("redact_secrets", readonly_input=True)
 async def redact_secrets(messages: list[Message], ctx: SessionContext) -> list[Message]:
     out, changed = [], False
     for m in messages:
