@@ -249,9 +249,15 @@ def _long_transcript(path: Path, calls: int) -> None:
     TranscriptWriter(path, "long-session").append_messages(messages)
 
 
-def test_ctrl_c_mid_replay_leaves_nothing(
-    tmpdir_env: tuple[Path, dict[str, str]], tmp_path: Path
+@pytest.mark.parametrize(
+    ("sig", "code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+)
+def test_a_signal_mid_replay_leaves_nothing(
+    tmpdir_env: tuple[Path, dict[str, str]], tmp_path: Path, sig: int, code: int, said: str
 ) -> None:
+    """Ctrl-C and SIGTERM (what a service manager or ``timeout`` sends) both end the replay
+    with its temporary store removed; the exit code names the signal."""
     tmp, env = tmpdir_env
     transcript = tmp_path / "long.jsonl"
     _long_transcript(transcript, 150)
@@ -270,13 +276,13 @@ def test_ctrl_c_mid_replay_leaves_nothing(
         first = json.loads(out.readline())
         assert first["call"] == 0  # the store is made and in use
         assert len(list(tmp.iterdir())) == 1
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rest = out.read()
     assert proc.stderr is not None
     stderr = proc.stderr.read().decode()
     proc.stderr.close()
-    assert proc.wait(timeout=120) == 130, stderr
-    assert "interrupted" in stderr
+    assert proc.wait(timeout=120) == code, stderr
+    assert said in stderr
     assert b'"summary"' not in rest  # it stopped before the end
     assert list(tmp.iterdir()) == []
 

@@ -5,14 +5,20 @@ library (everything else under ``pipeline``) never imports it.
 
 Exit codes: 0 done; 1 the command failed part-way (a stage error, an unwritable dump directory,
 an API error); 2 bad usage or bad input (a missing file, a malformed transcript line, a missing
-OTel SDK).
+OTel SDK); 130 interrupted (SIGINT); 143 terminated (SIGTERM). An interrupted or terminated
+command still removes the temporary store it made.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
 from typing import IO
 
 from pipeline._cli.common import EXIT_FAILED, CliError, GuardedStdout, OutputError
@@ -31,9 +37,40 @@ def _discard_stdout(stream: IO[str]) -> None:
         os.close(devnull)
 
 
+class _Termination:
+    """SIGTERM taken the way Ctrl-C is (a ``KeyboardInterrupt`` where the command stands), so
+    that its ``finally`` blocks run -- the temporary store is removed -- instead of the process
+    dying where it is; remembered, so that the exit code says which signal it was."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handler for the block (main thread only: elsewhere signals cannot be set)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (``sluicegate`` console script entry)."""
     args = build_parser().parse_args(argv)
+    termination = _Termination()
+    with termination.installed():
+        return _run(args, termination)
+
+
+def _run(args: argparse.Namespace, termination: _Termination) -> int:
     stdout, stderr = sys.stdout, sys.stderr
     if stderr is None:
         # started with stderr closed: print(file=None) would write diagnostics to stdout
@@ -59,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         _discard_stdout(stdout)
         return EXIT_FAILED
     except KeyboardInterrupt:
+        if termination.received:
+            print("sluicegate: terminated", file=sys.stderr)
+            return 143
         print("sluicegate: interrupted", file=sys.stderr)
         return 130
     finally:
