@@ -51,7 +51,7 @@ from pipeline.storage import validate_session_id
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript import Transcript
-from pipeline.wire import WireCache
+from pipeline.wire_cache import WireCache
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam

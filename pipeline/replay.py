@@ -32,7 +32,7 @@ from pipeline.pairing import PairingProblem
 from pipeline.recorded import RecordedRequest
 from pipeline.tokens import Observation, TokenTracker
 from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute
-from pipeline.wire import WireCache, request_chars
+from pipeline.wire_cache import WireCache, request_chars
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam

@@ -24,7 +24,7 @@ from pipeline import (
 from pipeline.incremental import ThreadStart
 from pipeline.messages import REMINDER, thread_start
 from pipeline.testing import MemoryStore, QuietLogger
-from pipeline.wire import WireCache
+from pipeline.wire_cache import WireCache
 from stages import ToolResultBudget, default_stages
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pipeline import Message, to_api
 from pipeline.pairing import PairingError, check_pairing
 from pipeline.testing import RecordReads
-from pipeline.wire import WireCache, request_chars
+from pipeline.wire_cache import WireCache, request_chars
 from tests.builders import results, tool_result, tool_use, user_text
 from tests.edit_support import records
 

@@ -45,7 +45,7 @@ from pipeline.tracing import (
     agent_span_name,
     bounded_attribute,
 )
-from pipeline.wire import WireCache
+from pipeline.wire_cache import WireCache
 
 __all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "readback_for", "store_root_of"]
 

@@ -57,7 +57,7 @@ from pipeline import (  # noqa: E402
 from pipeline.pairing import check_pairing  # noqa: E402
 from pipeline.replay import find_calls, replay_messages  # noqa: E402
 from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
-from pipeline.wire import WireCache, request_chars  # noqa: E402
+from pipeline.wire_cache import WireCache, request_chars  # noqa: E402
 from stages import ToolResultBudget, default_stages  # noqa: E402
 from tests.benchmarks.bench_pipeline import FullRescanBudget, HistoryGen  # noqa: E402
 from tests.benchmarks.long_session import write as write_session  # noqa: E402

@@ -503,7 +503,7 @@ def bench_replay(corpus: Path, runs: int) -> None:
         f"({calls / (re_ - lo):,.0f} calls/s of replay)"
     )
     # where the replay's time goes (one more run, instrumented)
-    from pipeline.wire import WireCache
+    from pipeline.wire_cache import WireCache
 
     stage_times: dict[str, list[float]] = {}
     wire_times: list[float] = []

@@ -1,0 +1,197 @@
+"""The incremental wire form: :class:`WireCache` builds each call's request at the cost of what
+changed since the last call, equal to :func:`pipeline.wire.to_api` of the whole history; and
+:func:`request_chars`, the size of a request's visible text."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any, cast
+
+from pipeline.caching import param_breakpoints
+from pipeline.incremental import InputLog
+from pipeline.messages import Message, thread_start
+from pipeline.pairing import PairingError, PairingIndex
+from pipeline.wire import _entry_to_param, _Wire
+
+if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
+    from anthropic.types import MessageParam
+
+__all__ = ["WireCache", "request_chars"]
+
+
+class WireCache:
+    """``to_api`` for one conversation across calls, at the cost of what changed.
+
+    :attr:`chars` is ``request_chars`` of the last request and :attr:`pairing` its
+    :func:`~pipeline.pairing.check_pairing`, both kept up to date the same way.
+
+    A call finds the first record that differs from the last call's input (one C-level
+    identity sweep), rolls the wire entries back to the first one a changed record went into,
+    and feeds the records from there: a history that only grew costs its new records, an edit
+    (a stage clearing old results, say) what follows it. A changed or new compact boundary
+    starts over.
+
+    The messages of a returned request are shared with the cache and with the next requests,
+    except the last ``editable`` ones (default 2), which are new dicts with new content lists:
+    a caller may edit those (say, add a ``cache_control`` breakpoint by replacing a block) but
+    must not mutate the earlier ones. Block dicts are shared with the records, as with
+    ``to_api``: never mutate those. (Copying every message on every call made a long session's
+    requests quadratic, and kept the garbage collector busy with the copies.)
+    """
+
+    def __init__(self, *, editable: int = 2) -> None:
+        self.editable = editable
+        self._log = InputLog()
+        self._reset(0)
+        self._fresh = True
+
+    def to_api(self, messages: Sequence[Message]) -> list[MessageParam]:
+        """Exactly ``to_api(messages)`` (and raises where it raises)."""
+        try:
+            self._extend(messages)
+        except BaseException:
+            # a record to_api rejects (or a cancellation) midway: start over next time
+            self._log.clear()
+            self._fresh = True
+            raise
+        params, k = self._params, self.editable
+        if len(params) <= k:
+            return [_fresh(p) for p in params]
+        if not k:
+            return list(params)
+        # one slice, extended in place: unpacking a slice copies it twice (a cost that grows
+        # with the history, paid on every call)
+        out = params[:-k]
+        out.extend(map(_fresh, params[-k:]))
+        return out
+
+    @property
+    def tool_use_ids(self) -> AbstractSet[str]:
+        """The tool_use ids of the last request (a live view)."""
+        return self.pairing.tool_use_ids
+
+    def ensure_paired(self) -> None:
+        """Raise :class:`~pipeline.pairing.PairingError` naming every offending id if the last
+        request's tool pairing is broken (``ensure_paired`` at the cost of what changed)."""
+        if self.pairing.count:
+            raise PairingError(self.pairing.problems)
+
+    def _reset(self, start: int) -> None:
+        self._wire = _Wire()
+        self._start = start
+        """Index of the first record the wire holds (after the last compact boundary)."""
+        self._entry_of = array("q")
+        """Per record from ``_start``: the entry it went into (-1: dropped)."""
+        self._first_record = array("q")
+        """Per entry: the index of the record that created it."""
+        self._params: list[MessageParam] = []
+        self._chars: list[int] = []
+        self.chars = 0
+        self._breakpoints: list[int] = []
+        self.breakpoints = 0
+        """Blocks of the last request that carry ``cache_control`` (the API allows four)."""
+        """Characters of visible text in the last request (see :func:`request_chars`)."""
+        self.pairing = PairingIndex()
+        """The pairing problems of the last request (see :meth:`ensure_paired`)."""
+
+    def _extend(self, messages: Sequence[Message]) -> None:
+        n_old = len(self._log.inputs)
+        first = self._log.take(messages)
+        if first == n_old == len(messages) and not self._fresh:
+            return  # the very same records
+        restart = any(m.restarts_thread for m in messages[first:])
+        # a change at the thread's first record (a summary, say) may move where it starts
+        if self._fresh or restart or first <= self._start:
+            self._fresh = False
+            self._reset(thread_start(messages))
+            self._feed(messages, self._start, 0)
+            return
+        entries = len(self._wire.entries)
+        rollback, r0 = self._rollback(first)
+        if rollback < entries:
+            self._wire.truncate(rollback)
+            del self._first_record[rollback:]
+        del self._entry_of[r0 - self._start :]
+        self._feed(messages, r0, min(rollback, entries))
+
+    def _rollback(self, first: int) -> tuple[int, int]:
+        """The first entry a record from ``first`` on went into, and the record to feed from:
+        re-feeding starts at the record that created that entry (or at ``first``, if that comes
+        sooner), so the first entry any record from there went into, and so on."""
+        entry_of, start, first_record = self._entry_of, self._start, self._first_record
+        r0, e = first, len(self._wire.entries)
+        while True:
+            low = min((x for x in entry_of[r0 - start :] if x >= 0), default=e)
+            if low >= e:
+                return e, r0
+            e = low
+            r0 = min(r0, first_record[e])
+
+    def _feed(self, messages: Sequence[Message], r0: int, keep: int) -> None:
+        """Add the records from ``r0`` on; refresh the params from entry ``keep`` and from the
+        first entry a new record went into, whichever comes first."""
+        wire, entry_of, first_record = self._wire, self._entry_of, self._first_record
+        before = len(wire.entries)
+        low = before
+        for idx in range(r0, len(messages)):
+            went = wire.add(messages[idx])
+            entry_of.append(went)
+            if went >= 0:
+                low = min(low, went)
+                if went == len(first_record):
+                    first_record.append(idx)
+        keep = min(keep, low, before)
+        fresh = [_entry_to_param(e) for e in wire.entries[keep:]]
+        del self._params[keep:]
+        self._params += fresh
+        self.chars -= sum(self._chars[keep:])
+        del self._chars[keep:]
+        counted = [_param_chars(p) for p in fresh]
+        self._chars += counted
+        self.chars += sum(counted)
+        self.breakpoints -= sum(self._breakpoints[keep:])
+        del self._breakpoints[keep:]
+        marked = [param_breakpoints(p) for p in fresh]
+        self._breakpoints += marked
+        self.breakpoints += sum(marked)
+        self.pairing.update(self._params, keep)
+
+
+def _block_chars(block: Any) -> int:
+    if not isinstance(block, dict):
+        return 0
+    btype = block.get("type")
+    if btype == "text":
+        return len(str(block.get("text") or ""))
+    if btype == "thinking":
+        return len(str(block.get("thinking") or ""))
+    if btype == "tool_use":
+        return len(str(block.get("name") or "")) + len(repr(block.get("input")))
+    if btype == "tool_result":
+        content = block.get("content")
+        if isinstance(content, str):
+            return len(content)
+        if isinstance(content, list):
+            return sum(_block_chars(b) for b in content)
+    return 0
+
+
+def request_chars(request: Sequence[MessageParam]) -> int:
+    """Characters of text, thinking, tool input and tool output in a request (images: 0)."""
+    return sum(map(_param_chars, request))
+
+
+def _fresh(param: MessageParam) -> MessageParam:
+    """A new message dict with a new content list (the blocks themselves are shared)."""
+    content: Any = param["content"]
+    fresh = {"role": param["role"], "content": content if isinstance(content, str) else [*content]}
+    return cast("MessageParam", fresh)
+
+
+def _param_chars(param: MessageParam) -> int:
+    content: Any = param["content"]
+    if isinstance(content, str):
+        return len(content)
+    return sum(_block_chars(b) for b in content)
