@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import textwrap
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pipeline._cli.demo_session as demo
 from pipeline._cli.agent_cmd import cmd_agent
+from pipeline._cli.arg_types import (
+    duration,
+    nonempty_path,
+    pipelines,
+    port,
+    positive_int,
+    seconds,
+    size,
+    store_location,
+    store_retries,
+    store_timeout,
+)
 from pipeline._cli.demo_cmd import cmd_demo
 from pipeline._cli.replay_cmd import cmd_replay
-from pipeline._cli.store_cmd import cmd_store_prune, parse_duration, parse_size
+from pipeline._cli.store_cmd import cmd_store_prune
 from pipeline.policies import (
     DEFAULT_MAX_RESULT_SIZE_CHARS,
     MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
@@ -61,78 +71,14 @@ tracing:
   'sluicegate[otel-grpc]'). Spans never hold message content.
 
 exit codes: 0 ok, 1 the command failed part-way (a stage stopped the session, an
-  output could not be written), 2 bad usage or bad input.
+  output could not be written), 2 bad usage or bad input, 130 interrupted (Ctrl-C),
+  143 terminated (SIGTERM); a temporary store is removed either way.
 """
 
 
 def _para(text: str) -> str:
     # the raw formatter keeps the epilog's layout; descriptions are wrapped here instead
     return textwrap.fill(text, width=79)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
-    if not math.isfinite(value) or not 0 < value <= 3_600:
-        raise argparse.ArgumentTypeError(f"must be from 0 (exclusive) to 3600 s, got {text[:40]!r}")
-    return value
-
-
-def _path(text: str) -> Path:
-    # Path("") is ".": an empty value (an unset shell variable) would write into the
-    # current directory
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a path, got an empty value")
-    return Path(text)
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text[:40]!r}") from None
-    if not 0 <= value <= 65_535:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {value}")
-    return value
-
-
-def _store_location(text: str) -> Path | str:
-    # a URL stays text: Path("s3://b/x") would fold the "//" and name a local directory
-    if "://" in text:
-        return text
-    return _path(text)
-
-
-def _store_timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
-    if not math.isfinite(value) or not 0 < value <= 600:
-        raise argparse.ArgumentTypeError(f"must be from 0 (exclusive) to 600 s, got {text[:40]!r}")
-    return value
-
-
-def _store_retries(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}") from None
-    if not 0 <= value <= 10:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 10, got {value}")
-    return value
 
 
 def _add_object_store_options(p: argparse.ArgumentParser) -> None:
@@ -148,36 +94,16 @@ def _add_object_store_options(p: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--store-timeout",
-        type=_store_timeout,
+        type=store_timeout,
         metavar="SECONDS",
         help=f"how long one store request may take (default {STORE_TIMEOUT:g})",
     )
     group.add_argument(
         "--store-retries",
-        type=_store_retries,
+        type=store_retries,
         metavar="N",
         help=f"retries of a failed store request, 0-10 (default {STORE_RETRIES})",
     )
-
-
-def _duration(text: str) -> timedelta:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _pipelines(text: str) -> str:
-    if not any(name.strip() for name in text.split(",")):
-        raise argparse.ArgumentTypeError(f"name at least one pipeline, got {text!r}")
-    return text
 
 
 def _add_replay_options(
@@ -189,7 +115,7 @@ def _add_replay_options(
     budget = p.add_argument_group("budget")
     budget.add_argument(
         "--per-message-chars",
-        type=_positive_int,
+        type=positive_int,
         default=MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
         metavar="N",
         help="per-message budget: tool_result chars in one API-level user message "
@@ -197,7 +123,7 @@ def _add_replay_options(
     )
     budget.add_argument(
         "--per-tool-chars",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_RESULT_SIZE_CHARS,
         metavar="N",
         help="per-tool cap (default %(default)s); Claude Code's declared limits below it still "
@@ -205,11 +131,11 @@ def _add_replay_options(
     )
     if store_help is not None:
         budget.add_argument(
-            "--store", type=_store_location, metavar="DIR|s3://BUCKET/PREFIX", help=store_help
+            "--store", type=store_location, metavar="DIR|s3://BUCKET/PREFIX", help=store_help
         )
     else:
         help_text = _STORE_HELP if temporary_store else _LONG_LIVED_STORE_HELP
-        budget.add_argument("--store", type=_path, metavar="DIR", help=help_text)
+        budget.add_argument("--store", type=nonempty_path, metavar="DIR", help=help_text)
     if temporary_store:
         budget.add_argument("--keep-store", action="store_true", help=_KEEP_STORE_HELP)
     budget.add_argument(
@@ -229,7 +155,7 @@ def _add_replay_options(
     )
     out.add_argument(
         "--dump-requests",
-        type=_path,
+        type=nonempty_path,
         metavar="DIR",
         help="write DIR/NNNN.json: the exact 'messages' array sent for call NNNN (DIR must "
         "hold no NNNN.json from an earlier run)",
@@ -300,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = replay.add_argument_group("comparing pipelines")
     compare.add_argument(
         "--compare",
-        type=_pipelines,
+        type=pipelines,
         metavar="A,B,...",
         help="replay under several pipelines and print a cost table instead: built-in "
         f"{', '.join(stage_registry.COMPARISON_POINTS)}, or SLOT=STRATEGY[:k=v] for the "
@@ -308,13 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument(
         "--plot",
-        type=_path,
+        type=nonempty_path,
         metavar="FILE.png",
         help="with --compare: draw request size per call (the extension names the format)",
     )
     compare.add_argument(
         "--prices",
-        type=_path,
+        type=nonempty_path,
         metavar="FILE.json",
         help='with --compare: price table {"sonnet": {"input": 3, "output": 15}, ...}',
     )
@@ -337,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_p.add_argument(
         "--out",
-        type=_path,
+        type=nonempty_path,
         metavar="FILE",
         help="the session's transcript (replaced if it exists); default: "
         "demo-session.jsonl in the store directory (removed with a temporary one)",
@@ -374,7 +300,7 @@ def _add_proxy_parser(sub: Any) -> None:
     proxy_p.add_argument("--host", default="127.0.0.1")
     proxy_p.add_argument(
         "--port",
-        type=_port,
+        type=port,
         default=8787,
         help="port to listen on; 0: one the system picks, printed at start (default %(default)s)",
     )
@@ -394,13 +320,13 @@ def _add_proxy_parser(sub: Any) -> None:
     )
     retention.add_argument(
         "--retain",
-        type=_duration,
+        type=duration,
         metavar="AGE",
         help="remove persisted results last modified more than AGE ago (e.g. 12h, 7d, 2w)",
     )
     retention.add_argument(
         "--max-store-size",
-        type=_size,
+        type=size,
         metavar="SIZE",
         help="then remove the oldest persisted results until they total at most SIZE (e.g. "
         "500M, 2G; powers of 1024)",
@@ -432,17 +358,19 @@ def _add_store_parser(sub: Any) -> None:
         epilog="exit codes: 0 done, 1 some files could not be removed (listed on stderr), "
         "2 bad usage.",
     )
-    prune.add_argument("--store", type=_path, required=True, metavar="DIR", help="the store")
+    prune.add_argument(
+        "--store", type=nonempty_path, required=True, metavar="DIR", help="the store"
+    )
     prune.add_argument(
         "--older-than",
-        type=_duration,
+        type=duration,
         metavar="AGE",
         help="remove results last modified more than AGE ago: a number, then s, m, h, d or w "
         "(30m, 12h, 7d)",
     )
     prune.add_argument(
         "--max-size",
-        type=_size,
+        type=size,
         metavar="SIZE",
         help="then remove the oldest until the results total at most SIZE: bytes, or a number "
         "then K, M, G or T (200K, 500M, 2G; powers of 1024)",
@@ -478,7 +406,7 @@ def _add_agent_parser(sub: Any) -> None:
     agent_p.add_argument(
         "--allow-bash", action="store_true", help="offer the bash tool (runs what the model writes)"
     )
-    agent_p.add_argument("--max-turns", type=_positive_int, default=25, metavar="N")
+    agent_p.add_argument("--max-turns", type=positive_int, default=25, metavar="N")
     agent_p.add_argument(
         "--max-retries",
         type=int,
@@ -489,12 +417,12 @@ def _add_agent_parser(sub: Any) -> None:
     )
     agent_p.add_argument(
         "--timeout",
-        type=_seconds,
+        type=seconds,
         default=600.0,
         metavar="SECONDS",
         help="how long one API call may take before it fails (default %(default)s)",
     )
-    agent_p.add_argument("--max-tokens", type=_positive_int, default=8_192, metavar="N")
+    agent_p.add_argument("--max-tokens", type=positive_int, default=8_192, metavar="N")
     agent_p.add_argument(
         "--resume", type=Path, metavar="TRANSCRIPT", help="continue the session of this transcript"
     )

@@ -1,0 +1,109 @@
+"""Argument types of the command line: each parses one option's text or raises
+``argparse.ArgumentTypeError`` naming what is wrong (argparse then exits 2 with it)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from datetime import timedelta
+from pathlib import Path
+
+from pipeline._cli.store_cmd import parse_duration, parse_size
+
+__all__ = [
+    "duration",
+    "nonempty_path",
+    "pipelines",
+    "port",
+    "positive_int",
+    "seconds",
+    "size",
+    "store_location",
+    "store_retries",
+    "store_timeout",
+]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not math.isfinite(value) or not 0 < value <= 3_600:
+        raise argparse.ArgumentTypeError(f"must be from 0 (exclusive) to 3600 s, got {text[:40]!r}")
+    return value
+
+
+def nonempty_path(text: str) -> Path:
+    # Path("") is ".": an empty value (an unset shell variable) would write into the
+    # current directory
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty value")
+    return Path(text)
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text[:40]!r}") from None
+    if not 0 <= value <= 65_535:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {value}")
+    return value
+
+
+def store_location(text: str) -> Path | str:
+    # a URL stays text: Path("s3://b/x") would fold the "//" and name a local directory
+    if "://" in text:
+        return text
+    return nonempty_path(text)
+
+
+def store_timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not math.isfinite(value) or not 0 < value <= 600:
+        raise argparse.ArgumentTypeError(f"must be from 0 (exclusive) to 600 s, got {text[:40]!r}")
+    return value
+
+
+def store_retries(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}") from None
+    if not 0 <= value <= 10:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 10, got {value}")
+    return value
+
+
+def duration(text: str) -> timedelta:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def pipelines(text: str) -> str:
+    if not any(name.strip() for name in text.split(",")):
+        raise argparse.ArgumentTypeError(f"name at least one pipeline, got {text!r}")
+    return text
