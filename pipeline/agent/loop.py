@@ -10,6 +10,7 @@ a concrete stage.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from pipeline.core import Pipeline
 from pipeline.encoding import encodable
 from pipeline.messages import Block, Message, now_timestamp
 from pipeline.readback import PagedReader, PersistedOutputReader
+from pipeline.session_storage import SessionStorage
 from pipeline.storage import FileToolResultStore
 from pipeline.tokens import calibration_path_for
 from pipeline.tools import Tool
@@ -135,9 +137,62 @@ class Agent:
             t.name, t.max_result_size_chars
         )
 
-    # -- resume (pipeline/agent/resume.py) ------------------------------------------------
-    resume = classmethod(resume_from_transcript)
-    resume_from = classmethod(resume_from_storage)
+    # -- resume -----------------------------------------------------------------------------
+    @classmethod
+    def resume(
+        cls,
+        transcript_path: str | os.PathLike[str],
+        client: anthropic.AsyncAnthropic,
+        *,
+        model: str,
+        pipeline: Pipeline,
+        root: str | os.PathLike[str] | None = None,
+        tools: Iterable[Tool] = (),
+        **kwargs: Any,
+    ) -> Agent:
+        """Continue a session from its transcript with byte-identical budget decisions.
+
+        The ledger is rebuilt from the transcript; a torn last line (a crash mid-write) is
+        skipped. The tool pairing is repaired as :func:`~pipeline.agent.repair.repair_pairing`
+        says (a tool call left unanswered anywhere gets an error result, a late result moves
+        to its call, an orphan goes); a history it cannot repair (a tool_use id used twice)
+        raises :class:`~pipeline.pairing.PairingError` before anything is written. ``root``:
+        the store root; by default the one the transcript lives in
+        (``<root>/<session>/transcript.jsonl``), else ``.sluicegate``.
+        """
+        return resume_from_transcript(
+            cls,
+            transcript_path,
+            client,
+            model=model,
+            pipeline=pipeline,
+            root=root,
+            tools=tools,
+            **kwargs,
+        )
+
+    @classmethod
+    def resume_from(
+        cls,
+        storage: SessionStorage,
+        client: anthropic.AsyncAnthropic,
+        *,
+        model: str,
+        pipeline: Pipeline,
+        root: str | os.PathLike[str] = ".sluicegate",
+        tools: Iterable[Tool] = (),
+        **kwargs: Any,
+    ) -> Agent:
+        """:meth:`resume` from a session's records wherever they live (an object store's
+        record log: :func:`~pipeline.session_storage.open_session_state`), its results in
+        ``storage.store``; the session continues appending there. ``root``: the local
+        directory of the token calibration. Blocking (the records are loaded): call it before
+        the event loop runs, or in a worker thread. ``ValueError`` when nothing is recorded.
+        Nothing locks the session: running two agents on it at once is the caller's to avoid.
+        """
+        return resume_from_storage(
+            cls, storage, client, model=model, pipeline=pipeline, root=root, tools=tools, **kwargs
+        )
 
     # -- the loop ---------------------------------------------------------------------------
     @property

@@ -38,7 +38,6 @@ def store_root_of(transcript_path: str | os.PathLike[str], session_id: str) -> P
 
 def resume_from_transcript(
     cls: type[Agent],
-    /,
     transcript_path: str | os.PathLike[str],
     client: anthropic.AsyncAnthropic,
     *,
@@ -48,17 +47,7 @@ def resume_from_transcript(
     tools: Iterable[Tool] = (),
     **kwargs: Any,
 ) -> Agent:
-    """``Agent.resume(...)``: continue a session from its transcript with byte-identical
-    budget decisions.
-
-    The ledger is rebuilt from the transcript; a torn last line (a crash mid-write) is
-    skipped. The tool pairing is repaired as :func:`~pipeline.agent.repair.repair_pairing`
-    says (a tool call left unanswered anywhere gets an error result, a late result moves
-    to its call, an orphan goes); a history it cannot repair (a tool_use id used twice)
-    raises :class:`~pipeline.pairing.PairingError` before anything is written. ``root``:
-    the store root; by default the one the transcript lives in
-    (``<root>/<session>/transcript.jsonl``), else ``.sluicegate``.
-    """
+    """:meth:`Agent.resume <pipeline.agent.Agent.resume>`."""
     path = Path(transcript_path)
     loaded = load_transcript(path, strict=False)
     if loaded.session_id is None:
@@ -80,7 +69,6 @@ def resume_from_transcript(
 
 def resume_from_storage(
     cls: type[Agent],
-    /,
     storage: SessionStorage,
     client: anthropic.AsyncAnthropic,
     *,
@@ -90,14 +78,7 @@ def resume_from_storage(
     tools: Iterable[Tool] = (),
     **kwargs: Any,
 ) -> Agent:
-    """``Agent.resume_from(...)``: ``Agent.resume`` from a session's records wherever they
-    live (an object store's record log:
-    :func:`~pipeline.session_storage.open_session_state`), its results in ``storage.store``;
-    the session continues appending there. ``root``: the local directory of the token
-    calibration. Blocking (the records are loaded): call it before
-    the event loop runs, or in a worker thread. ``ValueError`` when nothing is recorded.
-    Nothing locks the session: running two agents on it at once is the caller's to avoid.
-    """
+    """:meth:`Agent.resume_from <pipeline.agent.Agent.resume_from>`."""
     loaded = storage.load()
     if loaded is None or not loaded.messages:
         raise ValueError(f"no recorded messages for session {storage.session_id!r}")
