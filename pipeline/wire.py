@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pipeline.encoding import encodable
 from pipeline.messages import Block, Message, thread_start
@@ -30,7 +30,17 @@ from pipeline.messages import Block, Message, thread_start
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
-__all__ = ["to_api", "wire_positions"]
+__all__ = ["to_api", "wire_positions"]  # and, on first use, WireCache and request_chars
+
+
+def __getattr__(name: str) -> Any:
+    # WireCache and request_chars live in pipeline.wire_cache (which builds on this module);
+    # imported from here on first use, as they always could be
+    if name in ("WireCache", "request_chars"):
+        from pipeline import wire_cache
+
+        return getattr(wire_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check_blocks(m: Message) -> None:

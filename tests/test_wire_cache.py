@@ -164,3 +164,13 @@ def test_an_edit_redoes_only_what_follows_it() -> None:
     request = cache.to_api(edited)
     assert reads.records <= len(history) - 88  # from the rolled-back entry on, nothing older
     assert json.dumps(request) == json.dumps(to_api(edited))
+
+
+def test_wire_cache_is_still_importable_from_pipeline_wire() -> None:
+    import pipeline.wire as wire
+    import pipeline.wire_cache as wire_cache
+
+    assert wire.WireCache is wire_cache.WireCache
+    assert wire.request_chars is wire_cache.request_chars
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        wire.nothing  # noqa: B018
