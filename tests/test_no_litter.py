@@ -363,3 +363,19 @@ def test_store_root_removes_its_directory_when_interrupted(
     given = tmp_path / "given"
     with common.store_root(ReplayOptions(store=given, keep_store=True)) as store:
         assert store == StoreDir(given, temporary=False, kept=True)
+
+
+def test_interrupts_are_held_back_while_the_store_is_removed() -> None:
+    """A second Ctrl-C or a SIGTERM during the removal waits for it, then arrives as it
+    would have (here: Python's own SIGINT handler, a KeyboardInterrupt after the block)."""
+    steps: list[str] = []
+    before = signal.getsignal(signal.SIGINT)
+    if before is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's own handler in this process")
+    with pytest.raises(KeyboardInterrupt):
+        with common.interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            steps.append("the block went on")
+        steps.append("never reached")
+    assert steps == ["the block went on"]
+    assert signal.getsignal(signal.SIGINT) is before  # put back

@@ -38,16 +38,27 @@ def _discard_stdout(stream: IO[str]) -> None:
 
 
 class _Termination:
-    """SIGTERM taken the way Ctrl-C is (a ``KeyboardInterrupt`` where the command stands), so
-    that its ``finally`` blocks run -- the temporary store is removed -- instead of the process
-    dying where it is; remembered, so that the exit code says which signal it was."""
+    """SIGTERM taken the way Ctrl-C is, so that the command's ``finally`` blocks run -- the
+    temporary store is removed -- instead of the process dying where it is; remembered, so that
+    the exit code says which signal it was.
+
+    "The way Ctrl-C is" means through whatever handles SIGINT at that moment: inside an event
+    loop, the loop's own handler (asyncio cancels the main task and the loop unwinds cleanly);
+    elsewhere Python's, which raises ``KeyboardInterrupt`` where the command stands. A
+    ``KeyboardInterrupt`` raised directly inside a running loop could land in the middle of its
+    machinery (a client's constructor, a shutdown), leaving warnings, tracebacks or a hang.
+    """
 
     def __init__(self) -> None:
         self.received = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.received = True
-        raise KeyboardInterrupt
+        on_interrupt = signal.getsignal(signal.SIGINT)
+        if callable(on_interrupt):
+            on_interrupt(signal.SIGINT, frame)
+            return
+        raise KeyboardInterrupt  # SIGINT ignored or left to the OS: stop here all the same
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -59,7 +70,8 @@ class _Termination:
         try:
             yield
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            # None: a handler not set from Python, which cannot be put back from here
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,9 +9,11 @@ import dataclasses
 import os
 import re
 import shutil
+import signal
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -289,7 +291,30 @@ def store_root(options: ReplayOptions, *, prefix: str = "sluicegate-") -> Iterat
         yield StoreDir(path, temporary=True, kept=options.keep_store)
     finally:
         if not options.keep_store:
-            remove_made_dir(path, (made.st_dev, made.st_ino))
+            with interrupts_deferred():  # a second Ctrl-C must not stop the removal halfway
+                remove_made_dir(path, (made.st_dev, made.st_ino))
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back for the block (a short cleanup), then delivered as they
+    would have been. Main thread only; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        held.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 def remove_made_dir(path: Path, identity: tuple[int, int]) -> bool:

@@ -205,13 +205,18 @@ class ScriptedMessagesServer:
                     data, content_type = payload.body, payload.content_type
                 else:
                     data, content_type = json.dumps(payload).encode(), "application/json"
-                self.send_response(status)
-                self.send_header("content-type", content_type)
-                self.send_header("content-length", str(len(data)))
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("content-type", content_type)
+                    self.send_header("content-length", str(len(data)))
+                    for key, value in headers.items():
+                        self.send_header(key, value)
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    # the client went away (an interrupted demo or test): nobody to answer, and
+                    # a traceback on stderr would only be noise
+                    self.close_connection = True
 
             def log_message(self, format: str, *args: Any) -> None:
                 return  # keep test and demo output clean
