@@ -34,14 +34,30 @@ def positive_int(text: str) -> int:
     return value
 
 
-def seconds(text: str) -> float:
+def _seconds_up_to(text: str, most: int) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
-    if not math.isfinite(value) or not 0 < value <= 3_600:
-        raise argparse.ArgumentTypeError(f"must be from 0 (exclusive) to 3600 s, got {text[:40]!r}")
+    if not math.isfinite(value) or not 0 < value <= most:
+        raise argparse.ArgumentTypeError(
+            f"must be from 0 (exclusive) to {most} s, got {text[:40]!r}"
+        )
     return value
+
+
+def _whole_number(text: str, low: int, high: int, what: str = "a whole number") -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text[:40]!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    return _seconds_up_to(text, 3_600)
 
 
 def nonempty_path(text: str) -> Path:
@@ -53,13 +69,7 @@ def nonempty_path(text: str) -> Path:
 
 
 def port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text[:40]!r}") from None
-    if not 0 <= value <= 65_535:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {value}")
-    return value
+    return _whole_number(text, 0, 65_535, "a port number")
 
 
 def store_location(text: str) -> Path | str:
@@ -70,23 +80,11 @@ def store_location(text: str) -> Path | str:
 
 
 def store_timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
-    if not math.isfinite(value) or not 0 < value <= 600:
-        raise argparse.ArgumentTypeError(f"must be from 0 (exclusive) to 600 s, got {text[:40]!r}")
-    return value
+    return _seconds_up_to(text, 600)
 
 
 def store_retries(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}") from None
-    if not 0 <= value <= 10:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 10, got {value}")
-    return value
+    return _whole_number(text, 0, 10)
 
 
 def duration(text: str) -> timedelta:
