@@ -265,14 +265,26 @@ def rss_child(*cli: str) -> None:
     print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
 
 
-def load_rss_child(path: Path) -> None:
-    """In a child process (the CLI's imports done): peak RSS (KiB) before and after loading."""
-    import resource
+_LOAD = """
+import json, os, resource, sys
+import pipeline.replay, pipeline.transcript as t
+page = os.sysconf("SC_PAGE_SIZE") // 1024
+with open("/proc/self/statm") as f:
+    before = int(f.read().split()[1]) * page
+t.load_transcript(sys.argv[1])
+print(json.dumps({"before": before, "after": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    transcript = load_transcript(path)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"before": before, "after": after, "records": len(transcript.messages)}))
+
+def load_rss_child(path: Path) -> None:
+    """Print what loading ``path`` adds to a fresh process (KiB): its resident size once the
+    imports are done, and its peak after loading. A new interpreter for it: a process started
+    by a large one inherits that one's peak (Linux keeps the high-water mark across exec), so
+    only the resident size before loading is measured directly (Linux: ``/proc``)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD, str(path)], capture_output=True, text=True, check=True
+    )
+    print(proc.stdout.strip())
 
 
 async def _copied_texts(path: Path) -> tuple[int, int]:
