@@ -256,13 +256,26 @@ def bench_live(target: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def rss_child(*cli: str) -> None:
-    """In a child process: run the CLI in a grandchild, print its peak RSS (KiB) as JSON."""
-    import resource
+_PEAK_OF_CHILD = """
+import json, os, resource, subprocess, sys
+with open(os.devnull, "w") as sink:
+    subprocess.run([sys.executable, "-m", "pipeline", *sys.argv[1:]], stdout=sink, check=True)
+print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+"""
 
-    with open(os.devnull, "w") as sink:
-        subprocess.run([sys.executable, "-m", "pipeline", *cli], stdout=sink, check=True)
-    print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+
+def cli_peak_rss(*cli: str) -> int:
+    """The peak RSS (KiB) of ``python -m pipeline *cli``, run under a bare interpreter
+    (``-S``, a few MB): a process started by a larger one inherits that one's peak (Linux keeps
+    the high-water mark across exec), which would raise a small command's figure."""
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", _PEAK_OF_CHILD, *cli],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rss: int = json.loads(proc.stdout)["rss"]
+    return rss
 
 
 _LOAD = """
@@ -317,8 +330,8 @@ def bench_memory(calls: int) -> None:
     path = session_file(calls)
     idle = session_file(1)
     with tempfile.TemporaryDirectory() as root:
-        base = _run_child("_rss", "replay", str(idle), "--json", "--store", root)["rss"]
-        peak = _run_child("_rss", "replay", str(path), "--json", "--store", root)["rss"]
+        base = cli_peak_rss("replay", str(idle), "--json", "--store", root)
+        peak = cli_peak_rss("replay", str(path), "--json", "--store", root)
     size = path.stat().st_size
     grown = (peak - base) * 1024
     print(
@@ -382,9 +395,6 @@ def main() -> int:
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_replay":
         replay_child(Path(sys.argv[2]), sys.argv[3])
-        return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "_rss":
-        rss_child(*sys.argv[2:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", default="500,1000,2000,4000,8000")
