@@ -14,12 +14,14 @@ import math
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
+from pipeline.storage import FileToolResultStore
 from pipeline.tools import Tool
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
@@ -32,6 +34,7 @@ __all__ = [
     "PagedReader",
     "PersistedOutputReader",
     "ReadbackError",
+    "readback_for",
 ]
 
 READBACK_TOOL_NAME = "read_persisted_output"
@@ -370,3 +373,17 @@ class PersistedOutputReader(LineReader):
             max_chars=max_chars,
         )
         self.directory = Path(directory)
+
+
+def readback_for(store: object) -> PagedReader | None:
+    """The read-back tool for what ``store`` persists: local files or an object store's
+    objects; None for a store of another kind."""
+    if isinstance(store, FileToolResultStore):
+        return PersistedOutputReader(store.directory)
+    # an object store is an instance of a class of pipeline.objectstore, which is then
+    # imported: a session without obstore never imports it
+    objectstore = sys.modules.get("pipeline.objectstore")
+    if objectstore is not None and isinstance(store, objectstore.ObjectToolResultStore):
+        reader: PagedReader = store.output_reader()
+        return reader
+    return None

@@ -11,7 +11,6 @@ a concrete stage.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,16 +25,20 @@ from pipeline.agent.execution import CANCELLED_RESULT, run_tool_calls
 from pipeline.agent.repair import INTERRUPTED_RESULT
 from pipeline.agent.response import message_from_response
 from pipeline.agent.results import AgentAPIError, AgentResult, GatedResult, TurnLog
-from pipeline.agent.resume import resume_from_storage, resume_from_transcript, store_root_of
+from pipeline.agent.resume import (
+    load_for_resume,
+    load_stored_for_resume,
+    resumed,
+    store_root_of,
+)
 from pipeline.agent.retry import RetryPolicy
 from pipeline.caching import add_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.encoding import encodable
 from pipeline.messages import Block, Message, now_timestamp
-from pipeline.readback import PagedReader, PersistedOutputReader
+from pipeline.readback import readback_for
 from pipeline.session_storage import SessionStorage
-from pipeline.storage import FileToolResultStore
 from pipeline.tokens import calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import (
@@ -50,20 +53,6 @@ from pipeline.wire_cache import WireCache
 __all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "readback_for", "store_root_of"]
 
 _MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request
-
-
-def readback_for(store: object) -> PagedReader | None:
-    """The read-back tool for what ``store`` persists: local files or an object store's
-    objects; None for a store of another kind."""
-    if isinstance(store, FileToolResultStore):
-        return PersistedOutputReader(store.directory)
-    # an object store is an instance of a class of pipeline.objectstore, which is then
-    # imported: a session without obstore never imports it
-    objectstore = sys.modules.get("pipeline.objectstore")
-    if objectstore is not None and isinstance(store, objectstore.ObjectToolResultStore):
-        reader: PagedReader = store.output_reader()
-        return reader
-    return None
 
 
 AGENT_NAME = "sluicegate"
@@ -160,13 +149,15 @@ class Agent:
         the store root; by default the one the transcript lives in
         (``<root>/<session>/transcript.jsonl``), else ``.sluicegate``.
         """
-        return resume_from_transcript(
+        loaded, writer, root = load_for_resume(transcript_path, root)
+        return resumed(
             cls,
-            transcript_path,
+            loaded,
             client,
+            transcript=writer,
+            root=root,
             model=model,
             pipeline=pipeline,
-            root=root,
             tools=tools,
             **kwargs,
         )
@@ -190,8 +181,17 @@ class Agent:
         the event loop runs, or in a worker thread. ``ValueError`` when nothing is recorded.
         Nothing locks the session: running two agents on it at once is the caller's to avoid.
         """
-        return resume_from_storage(
-            cls, storage, client, model=model, pipeline=pipeline, root=root, tools=tools, **kwargs
+        return resumed(
+            cls,
+            load_stored_for_resume(storage),
+            client,
+            transcript=storage.records,
+            root=root,
+            store=storage.store,
+            model=model,
+            pipeline=pipeline,
+            tools=tools,
+            **kwargs,
         )
 
     # -- the loop ---------------------------------------------------------------------------

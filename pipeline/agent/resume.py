@@ -26,7 +26,7 @@ from pipeline.transcript import Transcript, TranscriptWriter, load_transcript
 if TYPE_CHECKING:
     from pipeline.agent.loop import Agent
 
-__all__ = ["resume_from_storage", "resume_from_transcript", "resumed", "store_root_of"]
+__all__ = ["load_for_resume", "load_stored_for_resume", "resumed", "store_root_of"]
 
 
 def store_root_of(transcript_path: str | os.PathLike[str], session_id: str) -> Path:
@@ -36,65 +36,29 @@ def store_root_of(transcript_path: str | os.PathLike[str], session_id: str) -> P
     return beside.parent if beside.name == session_id else Path(".sluicegate")
 
 
-def resume_from_transcript(
-    cls: type[Agent],
-    transcript_path: str | os.PathLike[str],
-    client: anthropic.AsyncAnthropic,
-    *,
-    model: str,
-    pipeline: Pipeline,
-    root: str | os.PathLike[str] | None = None,
-    tools: Iterable[Tool] = (),
-    **kwargs: Any,
-) -> Agent:
-    """:meth:`Agent.resume <pipeline.agent.Agent.resume>`."""
+def load_for_resume(
+    transcript_path: str | os.PathLike[str], root: str | os.PathLike[str] | None
+) -> tuple[Transcript, TranscriptWriter, str | os.PathLike[str]]:
+    """A transcript to resume from (a torn last line skipped; ``ValueError`` when it names no
+    session), the writer that goes on appending to it, and the store root (``root``, else
+    :func:`store_root_of` the transcript)."""
     path = Path(transcript_path)
     loaded = load_transcript(path, strict=False)
-    if loaded.session_id is None:
+    session_id = loaded.session_id
+    if session_id is None:
         raise ValueError(f"{path}: no session id in the transcript")
-    if root is None:
-        root = store_root_of(path, loaded.session_id)
-    return resumed(
-        cls,
-        loaded,
-        client,
-        transcript=TranscriptWriter(path, loaded.session_id),
-        root=root,
-        model=model,
-        pipeline=pipeline,
-        tools=tools,
-        **kwargs,
-    )
+    writer = TranscriptWriter(path, session_id)
+    return loaded, writer, store_root_of(path, session_id) if root is None else root
 
 
-def resume_from_storage(
-    cls: type[Agent],
-    storage: SessionStorage,
-    client: anthropic.AsyncAnthropic,
-    *,
-    model: str,
-    pipeline: Pipeline,
-    root: str | os.PathLike[str] = ".sluicegate",
-    tools: Iterable[Tool] = (),
-    **kwargs: Any,
-) -> Agent:
-    """:meth:`Agent.resume_from <pipeline.agent.Agent.resume_from>`."""
+def load_stored_for_resume(storage: SessionStorage) -> Transcript:
+    """A session's records wherever they live, to resume from; ``ValueError`` when nothing is
+    recorded."""
     loaded = storage.load()
     if loaded is None or not loaded.messages:
         raise ValueError(f"no recorded messages for session {storage.session_id!r}")
     loaded.session_id = storage.session_id
-    return resumed(
-        cls,
-        loaded,
-        client,
-        transcript=storage.records,
-        root=root,
-        store=storage.store,
-        model=model,
-        pipeline=pipeline,
-        tools=tools,
-        **kwargs,
-    )
+    return loaded
 
 
 def resumed(
