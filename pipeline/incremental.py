@@ -28,6 +28,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from itertools import compress, count
 
+from pipeline.kept_list import KeptList
 from pipeline.messages import Message, thread_start
 
 __all__ = ["AppendWatch", "InputLog", "ThreadStart", "first_difference", "message_keys"]
@@ -48,28 +49,57 @@ class InputLog:
 
     def __init__(self) -> None:
         self.inputs: list[Message] = []
+        """The last input taken (this log's own list, brought up to date in place)."""
+        self.removed: list[Message] = []
+        """What the last :meth:`take` dropped from :attr:`inputs` (from its first change on)."""
+        self._kept: KeptList[Message] | None = None
+        self._stamp = 0
 
     def take(self, messages: Sequence[Message]) -> int:
         """Make ``messages`` the remembered input; return the first position that differs.
 
-        The common case, a history that only grew, costs the new tail plus one C-level sweep:
-        the tail is appended first so that both lists have the same length, and ``list ==
-        list`` compares element identity without copying either list.
+        The same :class:`~pipeline.kept_list.KeptList` as last time says itself where it
+        changed. Otherwise the common case, a history that only grew, costs the new tail plus
+        one C-level sweep: the tail is appended first so that both lists have the same length,
+        and ``list == list`` compares element identity without copying either list.
         """
         old = self.inputs
         n_old, n_new = len(old), len(messages)
-        if n_new >= n_old and isinstance(messages, list):
+        first: int | None = None
+        if messages is self._kept:
+            low = self._kept.changed_since(self._stamp)
+            first = min(n_old, n_new) if low is None else min(low, n_old, n_new)
+        elif n_new >= n_old and isinstance(messages, list):
             old.extend(messages[n_old:])
             if old == messages:
+                self.removed = []
+                self._remember(messages)
                 return n_old
             del old[n_old:]
-        first = first_difference(messages, old)
-        self.inputs = list(messages)
-        return min(n_old, n_new) if first is None else first
+        if first is None:
+            found = first_difference(messages, old)
+            first = min(n_old, n_new) if found is None else found
+        if first < len(old):
+            self.removed = old[first:]
+            del old[first:]
+        elif self.removed:
+            self.removed = []
+        if len(old) < n_new:
+            old.extend(messages[len(old) :])
+        self._remember(messages)
+        return first
+
+    def _remember(self, messages: Sequence[Message]) -> None:
+        if isinstance(messages, KeptList):
+            self._kept, self._stamp = messages, messages.stamp
+        else:
+            self._kept = None
 
     def clear(self) -> None:
         """Forget the last input: the next :meth:`take` reports a change at position 0."""
         self.inputs = []
+        self.removed = []
+        self._kept = None
 
 
 class ThreadStart:
@@ -178,7 +208,7 @@ class AppendWatch:
                 self._rebuild(messages)
                 self._length = len(messages)
                 return None
-            old, n_old = self._log.inputs, self._length
+            n_old = self._length
             first = self._log.take(messages)
             added = messages[first:]
             grew = primed and first == n_old and not any(map(_reaches_back, added))
@@ -187,7 +217,7 @@ class AppendWatch:
                 self._learn_names(added)
                 self._length, self._primed = len(messages), True
                 return n_old
-            removed = old[first:n_old]
+            removed = self._log.removed
             if (
                 primed
                 and first >= self.start

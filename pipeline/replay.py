@@ -27,6 +27,7 @@ from structlog.contextvars import bound_contextvars
 
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
+from pipeline.kept_list import KeptList
 from pipeline.messages import Message, Usage
 from pipeline.pairing import PairingProblem
 from pipeline.recorded import RecordedRequest
@@ -60,6 +61,7 @@ class CallResult:
 
     call: Call
     request: list[MessageParam]
+    """The messages as sent (``replay_messages(shared=True)``: valid until the next result)."""
     estimated_tokens: int
     persisted: list[PersistedResult] = field(default_factory=list)
     reapplied: int = 0
@@ -149,6 +151,7 @@ async def replay_messages(
     ctx: SessionContext,
     *,
     requests: Sequence[RecordedRequest] = (),
+    shared: bool = False,
 ) -> AsyncIterator[CallResult]:
     """Yield, call by call, what ``pipeline`` would have sent for the recorded session.
 
@@ -160,6 +163,11 @@ async def replay_messages(
     decisions use what a live loop would have learned. ``requests`` (a 2.1 transcript's
     ``Transcript.requests``): each call's system prompt and tools are given to that tracker
     (:meth:`~pipeline.tokens.TokenTracker.set_request`), so its estimates count them.
+
+    ``shared=True``: each result's :attr:`~CallResult.request` is a list the replay keeps and
+    brings up to date for the next call (valid until the loop asks for the next result), not
+    a new list per call; the CLI reads each call before the next. A long session's replay then
+    costs what changed per call, not a list of its whole history.
     """
     reference = TokenTracker("reference")
     history = list(messages)  # responses get their replayed usage here, never in ``messages``
@@ -172,7 +180,7 @@ async def replay_messages(
     anchored = 0  # removed tokens already taken off the usage the pipeline anchors on
     # One list grown call by call, as a live loop grows its history: a fresh slice per call
     # would copy the whole history every call.
-    sent: list[Message] = []
+    sent: KeptList[Message] = KeptList()  # the stages' logs ask it where it changed
     recorded = sorted(requests, key=lambda r: r.position)
     k = 0
     for call in calls:
@@ -209,7 +217,7 @@ async def replay_messages(
         removed = anchored + report.tokens_freed
         result = CallResult(
             call=call,
-            request=wire.to_api(projected),
+            request=wire.to_api(projected, shared=shared),
             estimated_tokens=report.estimated_tokens,
             persisted=list(report.persisted),
             reapplied=report.reapplied,

@@ -44,11 +44,23 @@ class WireCache:
     def __init__(self, *, editable: int = 2) -> None:
         self.editable = editable
         self._log = InputLog()
+        self._shared: list[MessageParam] = []
+        """The list ``to_api(shared=True)`` returns (its first ``_shared_plain`` are params)."""
+        self._shared_plain = 0
+        self._changed_from = 0
+        """The first param refreshed since the last shared request."""
         self._reset(0)
         self._fresh = True
 
-    def to_api(self, messages: Sequence[Message]) -> list[MessageParam]:
-        """Exactly ``to_api(messages)`` (and raises where it raises)."""
+    def to_api(self, messages: Sequence[Message], *, shared: bool = False) -> list[MessageParam]:
+        """Exactly ``to_api(messages)`` (and raises where it raises).
+
+        ``shared=True`` returns the cache's own list, brought up to date in place (at the cost
+        of what changed) rather than a new one: it is valid until the next call, which changes
+        it. For a caller that is done with each request before it asks for the next (a replay
+        printing each call): a new list of every message per call is the part of a long
+        session's request that grows with the history.
+        """
         try:
             self._extend(messages)
         except BaseException:
@@ -57,6 +69,8 @@ class WireCache:
             self._fresh = True
             raise
         params, k = self._params, self.editable
+        if shared:
+            return self._shared_list()
         if len(params) <= k:
             return [_fresh(p) for p in params]
         if not k:
@@ -65,6 +79,18 @@ class WireCache:
         # with the history, paid on every call)
         out = params[:-k]
         out.extend(map(_fresh, params[-k:]))
+        return out
+
+    def _shared_list(self) -> list[MessageParam]:
+        """The shared request: params up to the last ``editable``, fresh copies after; only
+        the part from the first param refreshed since the last shared request is rewritten."""
+        out, params = self._shared, self._params
+        tail = max(0, len(params) - self.editable)
+        keep = min(self._changed_from, self._shared_plain, tail)
+        del out[keep:]
+        out += params[keep:tail]
+        out.extend(map(_fresh, params[max(keep, tail) :]))
+        self._shared_plain, self._changed_from = tail, len(params)
         return out
 
     @property
@@ -87,6 +113,7 @@ class WireCache:
         self._first_record = array("q")
         """Per entry: the index of the record that created it."""
         self._params: list[MessageParam] = []
+        self._changed_from = 0
         self._chars: list[int] = []
         self.chars = 0
         self._breakpoints: list[int] = []
@@ -144,6 +171,7 @@ class WireCache:
                     first_record.append(idx)
         keep = min(keep, low, before)
         fresh = [_entry_to_param(e) for e in wire.entries[keep:]]
+        self._changed_from = min(self._changed_from, keep)
         del self._params[keep:]
         self._params += fresh
         self.chars -= sum(self._chars[keep:])

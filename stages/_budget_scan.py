@@ -45,6 +45,7 @@ from typing import Any
 
 from pipeline.gate import empty_result_text, is_persistable
 from pipeline.incremental import InputLog
+from pipeline.kept_list import KeptList
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementState, candidate_size, content_is_empty, is_candidate
 from stages._shared import by_id, patch_message
@@ -259,7 +260,7 @@ class BudgetCache:
         the id is a candidate somewhere, else the placeholder of its last empty result."""
         self.patches: dict[int, Message] = {}
         """position -> the message sent there in place of the input's (only changed ones)."""
-        self._sent: list[Message] = []
+        self._sent: KeptList[Message] = KeptList()
         """The input with the patches applied, as of the positions kept in sync so far: the
         output itself (when anything is patched), so a pass costs what changed, not a copy of
         the history or a sweep of every patch."""

@@ -30,6 +30,7 @@ from typing import Any
 
 from pipeline import Message, SessionContext, to_api
 from pipeline.incremental import AppendWatch
+from pipeline.kept_list import KeptList
 from pipeline.messages import block_type, stable_uuid, thread_start
 from pipeline.summarizer import Summarizer, SummaryPromptTooLong
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
@@ -122,7 +123,7 @@ def _project(
         found = [where[u] for u in c.uuids if u in where]
         if found:
             spans.append((min(found), max(found), c))
-    out: list[Message] = []
+    out: list[Message] = KeptList()  # kept and extended: its readers ask it what changed
     applied, pos = 0, thread_start(messages)  # what precedes a compact boundary is not sent
     out += messages[:pos]
     for s, e, c in sorted(spans, key=lambda t: t[0]):

@@ -27,6 +27,7 @@ from typing import Any
 
 from pipeline import Message, SessionContext
 from pipeline.incremental import AppendWatch
+from pipeline.kept_list import KeptList
 from pipeline.messages import stable_uuid, thread_start
 from pipeline.tracing import ATTR, Decision, Reason
 from stages._shared import (
@@ -137,7 +138,7 @@ def _project(
     if not removed:
         return messages, 0
     start = thread_start(messages)
-    out: list[Message] = messages[:start]
+    out: list[Message] = KeptList(messages[:start])  # kept: its readers ask what changed
     dropped, i, n = 0, start, len(messages)
     while i < n:
         if messages[i].uuid not in removed:

@@ -38,6 +38,7 @@ from typing import Any
 
 from pipeline import Message, SessionContext
 from pipeline.incremental import first_difference
+from pipeline.kept_list import KeptList
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._clear_state import ClearPass, ClearState, LastPass, Reapplied
@@ -377,7 +378,9 @@ class Microcompact:
                 if redone is region:
                     return Reapplied(messages, n, held, newest_cleared)
                 first = _first_difference(redone, region, k)
-                return Reapplied(messages[:k] + redone, first, held, newest_cleared)
+                kept: list[Message] = KeptList(messages[:k])  # its readers ask what changed
+                kept += redone
+                return Reapplied(kept, first, held, newest_cleared)
             out = last.out  # the last output, brought up to date in place (a copy costs O(n))
             del out[k:]
             out += redone

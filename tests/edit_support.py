@@ -19,6 +19,7 @@ from pipeline import (
     SessionContext,
     ToolPolicies,
 )
+from pipeline.kept_list import KeptList
 from pipeline.messages import REMINDER
 from pipeline.testing import MemoryStore, QuietLogger
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -240,6 +241,13 @@ class Gen:
         return self.single()
 
 
+def start_history(gen: Gen, first: Message) -> list[Message]:
+    """A new history holding ``first``: half the sessions keep it in a
+    :class:`~pipeline.kept_list.KeptList` (as the replay and the agent do: the pipeline's logs
+    ask it where it changed instead of comparing it), the other half in a plain list."""
+    return KeptList([first]) if gen.one_in(2) else [first]
+
+
 def edit_history(
     gen: Gen, history: list[Message], last_out: list[Message], op: str
 ) -> list[Message] | None:
@@ -261,9 +269,9 @@ def edit_history(
         i, j = gen.below(n), gen.below(n)
         history[i], history[j] = history[j], history[i]
     elif op == "feed_back":  # the caller keeps the projected messages as its history
-        return list(last_out)
+        return type(history)(last_out)  # a kept list stays one (see ``start_history``)
     elif op == "new_list":  # same messages, another list object
-        return list(history)
+        return type(history)(history)
     else:
         return None
     return history

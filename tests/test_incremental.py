@@ -53,6 +53,7 @@ from tests.edit_support import (
     edit_history,
     records,
     run_sessions,
+    start_history,
 )
 
 LIMITS = (300, 500, 800)
@@ -129,7 +130,7 @@ async def run_session(tape: bytes) -> None:
     gen = Gen(tape)
     failing = frozenset(f"t{1 + gen.below(30)}" for _ in range(gen.below(5)))
     twin = Twin(gen.pick(LIMITS), MemoryStore(failing))
-    history: list[Message] = [user_text("start")]
+    history = start_history(gen, user_text("start"))
     last_out: list[Message] = history
     for _ in range(2 + gen.below(14)):
         op = gen.pick(OPS)

@@ -36,7 +36,7 @@ from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
 from stages.context_collapse import _CollapseState, _parse_commit
 from stages.history_snip import _Removal, _SnipState
 from tests.builders import assistant, results, tool_result, tool_use, user_text
-from tests.edit_support import Gen, edit_history, records, run_sessions
+from tests.edit_support import Gen, edit_history, records, run_sessions, start_history
 
 SID = "incremental-stages"
 EXAMPLES = 600
@@ -158,7 +158,7 @@ class Twin:
 async def run_session(tape: bytes) -> None:
     gen = UsageGen(tape)
     twin = Twin()
-    history: list[Message] = [user_text("start")]
+    history = start_history(gen, user_text("start"))
     last_out: list[Message] = history
     returned: list[tuple[list[Message], list[Message]]] = []  # (what run returned, a copy)
     for _ in range(4 + gen.below(24)):

@@ -9,7 +9,9 @@ replaced that response (a summary).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from anthropic.types import MessageParam
@@ -114,3 +116,43 @@ async def test_the_size_after_a_summary_does_not_subtract_what_was_freed_before_
     assert ctx.report.tokens_freed > 0  # history snip freed anchored tokens first
     assert any(m.is_compact_boundary for m in out)  # then the summary replaced the anchor
     assert ctx.report.estimated_tokens == ctx.token_tracker.estimate(out) > 0
+
+
+@pytest.mark.anyio
+async def test_a_shared_replay_sends_what_a_copying_one_sends(tmp_path: Path) -> None:
+    """``shared=True`` (the CLI's way) hands out one list brought up to date call by call: read
+    before the next call, each request is byte for byte the one a copying replay returns, with
+    the default stages acting (persisting, snipping and clearing) along the way."""
+    from pipeline.transcript import load_transcript
+    from stages import Microcompact, ToolResultBudget
+    from tests.benchmarks.long_session import write
+
+    def stages() -> Pipeline:  # small limits: each of them acts within 120 calls
+        return Pipeline(
+            [
+                ToolResultBudget(limit=40_000),
+                HistorySnip(context_window=30_000),
+                Microcompact(idle_minutes=0, trigger_tokens=21_000),
+            ]
+        )
+
+    path = tmp_path / "s.jsonl"
+    write(path, 120)
+    messages = load_transcript(path).messages
+    copied = [r.request async for r in replay_messages(messages, stages(), _ctx())]
+    shared: list[str] = []
+    lists = set()
+    acted: set[tuple[str, str]] = set()
+    ctx = _ctx()
+    async for r in replay_messages(messages, stages(), ctx, shared=True):
+        shared.append(json.dumps(r.request))
+        lists.add(id(r.request))
+        acted |= {(name, str(made.decision)) for name, made in ctx.report.decisions.items()}
+        acted |= {("tool_result_budget", "persist")} if r.persisted else set()
+    assert shared == [json.dumps(r) for r in copied]
+    assert len(lists) == 1 and len(copied) == 120
+    assert {
+        ("tool_result_budget", "persist"),
+        ("history_snip", "snip"),
+        ("microcompact", "clear"),
+    } <= acted

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, to_api
+from pipeline.kept_list import KeptList
 from pipeline.pairing import PairingError, check_pairing
 from pipeline.testing import RecordReads
 from pipeline.wire_cache import WireCache, request_chars
@@ -54,6 +55,42 @@ def test_incremental_request_equals_to_api(
         # what a caller may edit: the last messages, as its own copies
         for param in request[-cache.editable :]:
             assert all(param is not p for p in cache.to_api(view))
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES // 2, deadline=None)
+@given(records(), st.lists(st.integers(0, 9), min_size=1, max_size=12), st.data())
+def test_a_shared_request_of_a_kept_history_equals_to_api(
+    history: list[Message], steps: list[int], data: st.DataObject
+) -> None:
+    """The replay's way: the history is one kept list changed in place (its log asks it what
+    changed) and the request is the cache's own list, brought up to date in place; a caller
+    marks the last block of each request (as the agent adds a cache breakpoint)."""
+    cache = WireCache()
+    view: KeptList[Message] = KeptList()
+    for step in steps:
+        view.extend(history[len(view) : data.draw(st.integers(len(view), len(history)))])
+        if step == 0 and view:
+            i = data.draw(st.integers(0, len(view) - 1))
+            view[i] = user_text(f"edited {i}")
+        elif step == 1 and view:
+            del view[data.draw(st.integers(0, len(view) - 1))]
+        elif step == 2 and len(view) > 1:
+            view[0], view[-1] = view[-1], view[0]
+        elif step == 3:
+            view = KeptList(view)
+        elif step == 4 and view:
+            view.insert(data.draw(st.integers(0, len(view))), view.pop())
+        request = cache.to_api(view, shared=True)
+        expected = to_api(view)
+        assert json.dumps(request) == json.dumps(expected)
+        assert cache.to_api(view, shared=True) is request
+        assert cache.chars == request_chars(expected)
+        assert cache.pairing.problems == check_pairing(expected)
+        content = request[-1]["content"] if request else ""
+        if isinstance(content, list) and content:
+            content[-1] = {**content[-1], "cache_control": {"type": "ephemeral"}}
+    assert json.dumps(cache.to_api(view, shared=True)) == json.dumps(to_api(view))
 
 
 def _fed_tool_loop() -> tuple[RecordReads, WireCache, list[Message]]:

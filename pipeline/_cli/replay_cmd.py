@@ -107,8 +107,9 @@ async def _replay_calls(
     with ctx.tracer.start_as_current_span(
         SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
     ) as session:
+        # each call is printed (and dumped) before the next: the request list can be shared
         async for result in replay_messages(
-            transcript.messages, pipe, ctx, requests=transcript.requests
+            transcript.messages, pipe, ctx, requests=transcript.requests, shared=True
         ):
             chars = result.request_chars
             summary.add(result, chars)

@@ -36,6 +36,7 @@ from pipeline.caching import add_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.encoding import encodable
+from pipeline.kept_list import KeptList
 from pipeline.messages import Block, Message, now_timestamp
 from pipeline.readback import readback_for
 from pipeline.session_storage import SessionStorage
@@ -108,7 +109,8 @@ class Agent:
         self.system = system
         self.max_tokens = max_tokens
         self.max_turns = max_turns
-        self.history: list[Message] = list(history)
+        # kept: the pipeline's logs ask it where it changed instead of sweeping it every turn
+        self.history: list[Message] = KeptList(history)
         self.tools: dict[str, Tool] = {}
         all_tools = list(tools)
         reader = readback_for(ctx.store) if readback else None

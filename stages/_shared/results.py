@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from pipeline.kept_list import KeptList
 from pipeline.messages import Block, Message
 
 __all__ = [
@@ -82,6 +83,6 @@ def replace_results(
         patched = patch_message(m, content_for)
         if patched is not m:
             if out is None:
-                out = list(messages)
+                out = KeptList(messages)  # a stage keeps it: its readers ask what changed
             out[i] = patched
     return messages if out is None else out

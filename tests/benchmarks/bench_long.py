@@ -101,7 +101,7 @@ async def _replay(messages: list[Message], config: str, root: str) -> int:
         return chars
     pipe = Pipeline(default_stages() if config == "default" else [ToolResultBudget()])
     chars = 0
-    async for result in replay_messages(messages, pipe, ctx):
+    async for result in replay_messages(messages, pipe, ctx, shared=True):
         chars += result.request_chars
     return chars
 

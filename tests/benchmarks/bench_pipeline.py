@@ -450,7 +450,8 @@ async def replay_file(
         stages_ = [Timed(s, stage_times) for s in stages_]
     originals = _tool_results(t.messages) if copies is not None else {}
     calls = 0
-    async for result in replay_messages(t.messages, Pipeline(stages_), ctx):
+    # as the CLI replays: each request read before the next
+    async for result in replay_messages(t.messages, Pipeline(stages_), ctx, shared=True):
         calls += 1
         result.request_chars  # noqa: B018 - the CLI computes it for every call
         if copies is not None:

@@ -1,0 +1,135 @@
+"""A list that tells its readers where it changed since they last looked.
+
+The incremental parts of a pass find what changed in their input by comparing it, position by
+position, with the input they took last time: one C-level sweep, cheap per message but paid by
+every reader on every pass, so it grows with the history. A list kept across passes and only
+changed by its owner (a stage's output, the replay's or the agent's history) can say instead:
+each change notes the lowest position it touched, and a reader that took the same list before
+asks for the lowest position touched since (:meth:`KeptList.changed_since`).
+
+Every mutating method of ``list`` is overridden, so no Python code can change a kept list
+without it being noted; a copy (``list(kept)``, a slice) is a plain list.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+from typing import Any, SupportsIndex, TypeVar, overload
+
+__all__ = ["KeptList"]
+
+T = TypeVar("T")
+
+_JOURNAL = 256
+"""Changes remembered one by one; older ones are folded into one lowest position."""
+
+
+class KeptList(list[T]):
+    """A ``list`` that journals the lowest position each change touched.
+
+    :attr:`stamp` counts the changes so far; :meth:`changed_since` gives the lowest position
+    touched by the changes after a stamp (``None``: none). A reader that fell far behind gets a
+    lower position than the truth, never a higher one: it redoes more, never less.
+    """
+
+    __slots__ = ("_base", "_floor", "_lows")
+
+    def __init__(self, iterable: Iterable[T] = ()) -> None:
+        super().__init__(iterable)
+        self._lows = array("q")
+        self._base = 0
+        """Changes folded into ``_floor`` (the stamp of ``_lows[0]``)."""
+        self._floor = -1
+        """The lowest position the folded changes touched (-1: none folded)."""
+
+    @property
+    def stamp(self) -> int:
+        """How many changes this list has had."""
+        return self._base + len(self._lows)
+
+    def changed_since(self, stamp: int) -> int | None:
+        """The lowest position touched by the changes after ``stamp`` (``None``: no change)."""
+        if stamp >= self.stamp:
+            return None
+        lows = self._lows
+        if stamp >= self._base:
+            return min(lows[stamp - self._base :])
+        return min(self._floor, min(lows, default=self._floor))
+
+    def _note(self, low: int) -> None:
+        lows = self._lows
+        lows.append(max(0, low))
+        if len(lows) > _JOURNAL:
+            half = _JOURNAL // 2
+            folded = min(lows[:half])
+            self._floor = folded if self._floor < 0 else min(self._floor, folded)
+            del lows[:half]
+            self._base += half
+
+    def _at(self, index: SupportsIndex) -> int:
+        i = index.__index__()
+        return i + len(self) if i < 0 else i
+
+    def _low_of(self, key: SupportsIndex | slice) -> int:
+        if isinstance(key, slice):
+            start, _, step = key.indices(len(self))
+            return start if step > 0 else 0
+        return self._at(key)
+
+    # -- every mutating method of list ---------------------------------------------------------
+    @overload
+    def __setitem__(self, key: SupportsIndex, value: T) -> None: ...
+    @overload
+    def __setitem__(self, key: slice, value: Iterable[T]) -> None: ...
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not isinstance(key, slice) and super().__getitem__(key) is value:
+            return  # the same object again: nothing changed
+        self._note(self._low_of(key))
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: SupportsIndex | slice) -> None:
+        self._note(self._low_of(key))
+        super().__delitem__(key)
+
+    def __iadd__(self, other: Iterable[T]) -> KeptList[T]:  # type: ignore[override,misc]
+        self._note(len(self))
+        super().__iadd__(other)
+        return self
+
+    def __imul__(self, n: SupportsIndex) -> KeptList[T]:
+        self._note(len(self) if n.__index__() >= 1 else 0)
+        super().__imul__(n)
+        return self
+
+    def append(self, value: T) -> None:
+        self._note(len(self))
+        super().append(value)
+
+    def extend(self, values: Iterable[T]) -> None:
+        self._note(len(self))
+        super().extend(values)
+
+    def insert(self, index: SupportsIndex, value: T) -> None:
+        self._note(min(self._at(index), len(self)))
+        super().insert(index, value)
+
+    def pop(self, index: SupportsIndex = -1) -> T:
+        self._note(self._at(index))
+        return super().pop(index)
+
+    def remove(self, value: T) -> None:
+        self._note(0)  # the position is only known after a search: the conservative answer
+        super().remove(value)
+
+    def clear(self) -> None:
+        self._note(0)
+        super().clear()
+
+    def sort(self, *args: Any, **kwargs: Any) -> None:
+        self._note(0)
+        super().sort(*args, **kwargs)
+
+    def reverse(self) -> None:
+        self._note(0)
+        super().reverse()

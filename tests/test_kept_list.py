@@ -1,0 +1,135 @@
+"""``KeptList`` says where it changed since a stamp: never later than the first position that
+really differs (a reader then redoes too little), whatever list method changed it, also once
+its journal has folded old changes together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.incremental import InputLog, first_difference
+from pipeline.kept_list import KeptList
+
+OPS = (
+    "append",
+    "extend",
+    "iadd",
+    "setitem",
+    "setitem_same",
+    "setslice",
+    "delitem",
+    "delslice",
+    "insert",
+    "pop",
+    "remove",
+    "clear",
+    "sort",
+    "reverse",
+    "imul",
+)
+
+
+def _apply(lst: list[Any], op: str, draw: Any) -> None:
+    n = len(lst)
+    i = draw(st.integers(-n, n - 1)) if n else 0
+    new = object()
+    if op == "append":
+        lst.append(new)
+    elif op in ("extend", "iadd"):
+        more = [object() for _ in range(draw(st.integers(0, 3)))]
+        if op == "extend":
+            lst.extend(more)
+        else:
+            lst += more
+    elif op == "setitem" and n:
+        lst[i] = new
+    elif op == "setitem_same" and n:
+        lst[i] = lst[i]
+    elif op == "setslice":
+        a, b = sorted((draw(st.integers(-n - 1, n + 1)), draw(st.integers(-n - 1, n + 1))))
+        lst[a:b] = [object() for _ in range(draw(st.integers(0, 2)))]
+    elif op == "delitem" and n:
+        del lst[i]
+    elif op == "delslice":
+        del lst[draw(st.integers(-n - 1, n + 1)) :: draw(st.sampled_from((1, 2, -1)))]
+    elif op == "insert":
+        lst.insert(draw(st.integers(-n - 2, n + 2)), new)
+    elif op == "pop" and n:
+        lst.pop(i)
+    elif op == "remove" and n:
+        lst.remove(lst[i])
+    elif op == "clear":
+        lst.clear()
+    elif op == "sort":
+        lst.sort(key=id)
+    elif op == "reverse":
+        lst.reverse()
+    elif op == "imul":
+        lst *= draw(st.integers(0, 2))
+
+
+def _truth(before: list[Any], after: list[Any]) -> int | None:
+    """The first position at which ``after`` differs from ``before`` (None: the same)."""
+    first = first_difference(before, after)
+    if first is None and len(before) == len(after):
+        return None
+    return min(len(before), len(after)) if first is None else first
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(OPS), max_size=400), st.data())
+def test_changed_since_is_never_later_than_the_truth(ops: list[str], data: st.DataObject) -> None:
+    kept: KeptList[Any] = KeptList(object() for _ in range(data.draw(st.integers(0, 6))))
+    snapshots: list[tuple[int, list[Any]]] = [(kept.stamp, list(kept))]
+    for op in ops:
+        _apply(kept, op, data.draw)
+        if data.draw(st.booleans()):
+            snapshots.append((kept.stamp, list(kept)))
+        stamp, before = snapshots[data.draw(st.integers(0, len(snapshots) - 1))]
+        said, truth = kept.changed_since(stamp), _truth(before, kept)
+        if truth is not None:
+            assert said is not None and said <= truth, (op, said, truth)
+        if said is None:
+            assert truth is None
+
+
+def test_a_reader_far_behind_gets_the_lowest_change_it_missed() -> None:
+    kept: KeptList[int] = KeptList(range(100))
+    stamp = kept.stamp
+    kept[3] = -1  # then many changes at the end fold this one into the journal's floor
+    for k in range(1_000):
+        kept.append(k)
+    assert kept.changed_since(stamp) == 3
+    recent = kept.stamp
+    kept.append(0)
+    assert kept.changed_since(recent) == len(kept) - 1
+    assert kept.changed_since(kept.stamp) is None
+
+
+def test_copies_are_plain_lists() -> None:
+    kept: KeptList[int] = KeptList([1, 2, 3])
+    assert type(list(kept)) is list and type(kept[:2]) is list
+
+
+@pytest.mark.parametrize("kept", [True, False])
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(OPS), max_size=60), st.data())
+def test_an_input_log_follows_a_kept_list_as_it_follows_any_list(
+    kept: bool, ops: list[str], data: st.DataObject
+) -> None:
+    """What a stage's log reports: never a later position than the truth, its own copy equal
+    to the input, and what it dropped is what the old input held from there on."""
+    log = InputLog()
+    history: list[Any] = (KeptList if kept else list)(object() for _ in range(3))
+    log.take(history)
+    for op in ops:
+        before = list(log.inputs)
+        _apply(history, op, data.draw)
+        first = log.take(history)
+        truth = _truth(before, history)
+        assert first <= (min(len(before), len(history)) if truth is None else truth)
+        assert log.inputs == history and log.inputs is not history
+        assert log.removed == before[first:]
