@@ -54,6 +54,7 @@ from pipeline import (  # noqa: E402
     load_transcript,
     to_api,
 )
+from pipeline.kept_list import KeptList  # noqa: E402
 from pipeline.pairing import check_pairing  # noqa: E402
 from pipeline.replay import find_calls, replay_messages  # noqa: E402
 from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
@@ -197,7 +198,7 @@ RANGES = ((0, 2_000), (2_000, 5_000), (5_000, 10_000), (10_000, 15_000), (15_000
 
 async def _live(target: int) -> None:
     gen = HistoryGen()
-    history: list[Message] = []
+    history: list[Message] = KeptList()  # as the agent keeps its history
     ctx = _ctx("live", tempfile.mkdtemp(prefix="sluicegate-live-"))
     pipe = Pipeline(default_stages())
     wire = WireCache()

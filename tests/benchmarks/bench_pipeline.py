@@ -510,10 +510,10 @@ def bench_replay(corpus: Path, runs: int) -> None:
     wire_times: list[float] = []
     real_to_api = WireCache.to_api
 
-    def timed_to_api(self: WireCache, messages: Sequence[Message]) -> Any:
+    def timed_to_api(self: WireCache, messages: Sequence[Message], **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return real_to_api(self, messages)
+            return real_to_api(self, messages, **kwargs)
         finally:
             wire_times.append(time.perf_counter() - start)
 
