@@ -7,12 +7,16 @@ changed by its owner (a stage's output, the replay's or the agent's history) can
 each change notes the lowest position it touched, and a reader that took the same list before
 asks for the lowest position touched since (:meth:`KeptList.changed_since`).
 
-Every mutating method of ``list`` is overridden, so no Python code can change a kept list
-without it being noted; a copy (``list(kept)``, a slice) is a plain list.
+Every mutating method of ``list`` is overridden, so a change made through the list's methods,
+operators or ``del`` is always noted. C code that works on a list's items directly (``heapq``)
+goes around them: do not use such functions on a kept list. A slice or ``list(kept)`` is a
+plain list; ``copy.copy``, ``copy.deepcopy`` and pickling give a kept list with a journal of
+its own.
 """
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Iterable
 from typing import Any, SupportsIndex, TypeVar, overload
@@ -20,6 +24,9 @@ from typing import Any, SupportsIndex, TypeVar, overload
 __all__ = ["KeptList"]
 
 T = TypeVar("T")
+
+_LOW_MAX = 2**62
+"""Positions noted above this (an index past any list, about to raise) are noted as this."""
 
 _JOURNAL = 256
 """Changes remembered one by one; older ones are folded into one lowest position."""
@@ -36,12 +43,22 @@ class KeptList(list[T]):
     __slots__ = ("_base", "_floor", "_lows")
 
     def __init__(self, iterable: Iterable[T] = ()) -> None:
+        if hasattr(self, "_lows"):  # ``__init__`` called again refills the list: a change
+            self._note(0)
+        else:
+            self._lows = array("q")
+            self._base = 0
+            """Changes folded into ``_floor`` (the stamp of ``_lows[0]``)."""
+            self._floor = -1
+            """The lowest position the folded changes touched (-1: none folded)."""
         super().__init__(iterable)
-        self._lows = array("q")
-        self._base = 0
-        """Changes folded into ``_floor`` (the stamp of ``_lows[0]``)."""
-        self._floor = -1
-        """The lowest position the folded changes touched (-1: none folded)."""
+
+    def __copy__(self) -> KeptList[T]:
+        return type(self)(self)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # the items as the constructor's argument: the journal is the new list's own
+        return type(self), (list(self),)
 
     @property
     def stamp(self) -> int:
@@ -59,7 +76,7 @@ class KeptList(list[T]):
 
     def _note(self, low: int) -> None:
         lows = self._lows
-        lows.append(max(0, low))
+        lows.append(min(max(0, low), _LOW_MAX))
         if len(lows) > _JOURNAL:
             half = _JOURNAL // 2
             folded = min(lows[:half])
@@ -68,7 +85,7 @@ class KeptList(list[T]):
             self._base += half
 
     def _at(self, index: SupportsIndex) -> int:
-        i = index.__index__()
+        i = operator.index(index)
         return i + len(self) if i < 0 else i
 
     def _low_of(self, key: SupportsIndex | slice) -> int:
@@ -98,7 +115,7 @@ class KeptList(list[T]):
         return self
 
     def __imul__(self, n: SupportsIndex) -> KeptList[T]:
-        self._note(len(self) if n.__index__() >= 1 else 0)
+        self._note(len(self) if operator.index(n) >= 1 else 0)
         super().__imul__(n)
         return self
 

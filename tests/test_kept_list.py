@@ -133,3 +133,41 @@ def test_an_input_log_follows_a_kept_list_as_it_follows_any_list(
         assert first <= (min(len(before), len(history)) if truth is None else truth)
         assert log.inputs == history and log.inputs is not history
         assert log.removed == before[first:]
+
+
+def test_a_copy_or_a_pickle_has_a_journal_of_its_own() -> None:
+    import copy
+    import pickle
+
+    kept: KeptList[int] = KeptList(range(200))
+    stamp = kept.stamp
+    for other in (copy.copy(kept), copy.deepcopy(kept), pickle.loads(pickle.dumps(kept))):
+        assert type(other) is KeptList and other == kept
+        other.append(1)  # changes the copy alone
+    assert kept.stamp == stamp and kept.changed_since(stamp) is None
+    kept[0] = -1
+    assert kept.changed_since(stamp) == 0
+
+
+def test_init_called_again_is_a_change() -> None:
+    kept: KeptList[str] = KeptList(["a", "b"])
+    stamp = kept.stamp
+    kept.__init__(["x"])  # type: ignore[misc]
+    assert kept == ["x"] and kept.changed_since(stamp) == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda lst: lst.pop("a"),
+        lambda lst: lst.__delitem__("a"),
+        lambda lst: lst.insert("a", 1),
+        lambda lst: lst.__imul__(1.5),
+        lambda lst: lst.__delitem__(2**63),
+    ],
+)
+def test_a_bad_argument_raises_what_a_list_raises(change: Any) -> None:
+    with pytest.raises(Exception) as plain:
+        change([1, 2])
+    with pytest.raises(type(plain.value)):
+        change(KeptList([1, 2]))

@@ -14,6 +14,7 @@ import anthropic
 from pipeline.agent.repair import repair_pairing
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
+from pipeline.kept_list import KeptList
 from pipeline.pairing import PairingError
 from pipeline.records import RecordLog
 from pipeline.replacement import ReplacementState, decided_in
@@ -105,7 +106,7 @@ def resumed(
             moved=len(repair.moved),
         )
     agent = cls(client, model=model, pipeline=pipeline, ctx=ctx, tools=tools, **kwargs)
-    agent.history = repair.messages
+    agent.history = KeptList(repair.messages)
     if repair.trailing and ctx.transcript is not None:
         # at the end of the history they stand where a later load puts them
         ctx.transcript.append_messages(repair.trailing)
