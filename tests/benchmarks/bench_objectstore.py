@@ -220,34 +220,26 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=30)
 
-    print("\nper call (a worker that served the previous call), ms: mean / median")
     heads = ("persisted", "local wall", "s3 wall", "wall", "local CPU", "s3 CPU", "CPU")
     widths = (9, 18, 18, 7, 18, 18, 7)
-    print(" ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
-    for size, local, s3 in rows:
-        cells = (
-            f"{size:,}",
-            cell(local["wall"]),
-            cell(s3["wall"]),
-            ratio(s3["wall"], local["wall"]),
-            cell(local["cpu"]),
-            cell(s3["cpu"]),
-            ratio(s3["cpu"], local["cpu"]),
-        )
-        print(" ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
-    print("\ntakeover (the first call of a worker new to the session), ms: mean / median")
-    print(" ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
-    for size, local, s3 in rows:
-        cells = (
-            f"{size:,}",
-            cell(local["take_wall"]),
-            cell(s3["take_wall"]),
-            ratio(s3["take_wall"], local["take_wall"]),
-            cell(local["take_cpu"]),
-            cell(s3["take_cpu"]),
-            ratio(s3["take_cpu"], local["take_cpu"]),
-        )
-        print(" ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    for title, prefix in (
+        ("per call (a worker that served the previous call)", ""),
+        ("takeover (the first call of a worker new to the session)", "take_"),
+    ):
+        print(f"\n{title}, ms: mean / median")
+        print(" ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
+        for size, local, s3 in rows:
+            wall, cpu = f"{prefix}wall", f"{prefix}cpu"
+            cells = (
+                f"{size:,}",
+                cell(local[wall]),
+                cell(s3[wall]),
+                ratio(s3[wall], local[wall]),
+                cell(local[cpu]),
+                cell(s3[cpu]),
+                ratio(s3[cpu], local[cpu]),
+            )
+            print(" ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
     print(
         "(ratios of medians, S3 over local; S3 is moto on 127.0.0.1, not S3's latency; CPU is "
         "the process's, worker threads included)"
