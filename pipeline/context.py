@@ -29,7 +29,7 @@ from pipeline.tracing import (
 )
 from pipeline.transcript import StageRecord
 
-__all__ = ["PassReport", "PersistedResult", "SessionContext", "StageDecision"]
+__all__ = ["Held", "PassReport", "PersistedResult", "SessionContext", "StageDecision"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +96,23 @@ class PassReport:
 _MAX_TOOL_SPANS = 4_096
 
 
+class Held:
+    """A pass's output held across an await (see :meth:`SessionContext.hold`)."""
+
+    __slots__ = ("_ctx", "messages")
+
+    def __init__(self, ctx: SessionContext, messages: list[Message]) -> None:
+        self._ctx = ctx
+        self.messages = messages
+        """The list as it was when held: the list itself, or the copy the next pass made."""
+
+    def release(self) -> None:
+        """Done with it: a later pass copies nothing for it."""
+        held = self._ctx._held
+        if self in held:
+            held.remove(self)
+
+
 class SessionContext:
     """One session's shared state: replacement ledger, token tracker, store, transcript,
     per-tool policies, tracer and logger.
@@ -145,10 +162,24 @@ class SessionContext:
         self.thread_start = ThreadStart()
         """Where the part of a pass's input the API sees begins (after the last compaction):
         the stages see only that part, as the API does."""
+        self._held: list[Held] = []
+
+    def hold(self, messages: list[Message]) -> Held:
+        """Keep ``messages`` (a pass's output, ``Pipeline.run(..., shared=True)``) as they are
+        for a caller that reads them after an await during which another pass on this context
+        may run: that pass copies them before its stages bring their lists up to date in place.
+        So the holder pays a copy of the history only when a pass overlaps, not every call.
+        :meth:`Held.release` when done."""
+        held = Held(self, messages)
+        self._held.append(held)
+        return held
 
     def begin_pass(self, messages: Sequence[Message] = ()) -> PassReport:
         """Start a new pass report for a pass over ``messages``; called by the pipeline at the
         start of every run."""
+        for held in self._held:  # before any stage changes what they hold
+            held.messages = list(held.messages)
+        self._held.clear()
         self.report = PassReport()
         anchor = find_anchor(messages)
         if anchor is not None:

@@ -167,8 +167,9 @@ class Pipeline:
         (or ``messages`` itself when no stage changed anything); the input is untouched.
         ``shared=True`` returns the last stage's own list instead of a copy of it, for a caller
         that only reads it before the next pass of the session (the list changes in place on
-        that pass, so never keep it across an await another pass may run in, nor pass it back
-        as the next input): one copy of the history less per call.
+        that pass: never pass it back as the next input, and to read it after an await another
+        pass may run in, :meth:`~pipeline.context.SessionContext.hold` it): one copy of the
+        history less per call.
 
         The stages see what the API will see: the records from the last compact boundary (or
         compact summary) on, the boundary included; what lies before it is never sent, so no

@@ -571,3 +571,26 @@ async def test_shared_run_returns_the_stages_own_list(anyio_backend: str, tmp_pa
     history += _persisting_turns(3, 4)
     copied = await pipe.run(history, ctx)
     assert copied is not first and copied == first
+
+
+@pytest.mark.anyio
+async def test_a_held_output_is_copied_only_by_a_pass_that_overlaps(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """``ctx.hold``: the holder reads the list as it was handed out; no copy is made unless
+    another pass on the context starts while it is held, and none after it is released."""
+    pipe = Pipeline([stages.ToolResultBudget(limit=6_000)])
+    ctx = _budget_ctx(tmp_path)
+    history = _persisting_turns(0, 2)
+    out = await pipe.run(history, ctx, shared=True)
+    held = ctx.hold(out)
+    assert held.messages is out  # nothing overlapped: no copy
+    snapshot = list(out)
+    history += _persisting_turns(2, 3)
+    await pipe.run(history, ctx, shared=True)  # overlaps: brings ``out`` up to date in place
+    assert held.messages is not out and held.messages == snapshot and out != snapshot
+    released = ctx.hold(out)
+    released.release()
+    history += _persisting_turns(3, 4)
+    await pipe.run(history, ctx, shared=True)
+    assert released.messages is out  # let go: never copied

@@ -259,9 +259,10 @@ class Agent:
         ):
             definitions = self.tool_definitions  # built once a turn: counted, then sent
             ctx.token_tracker.set_request(system=self.system, tools=definitions)
-            # a copy: the tracker observes it after the API call, and another pass on this
-            # context (a preview of the next request, say) may run during that await
-            projected = await self.pipeline.run(self.history, ctx)
+            projected = await self.pipeline.run(self.history, ctx, shared=True)
+            # held: the tracker observes it after the API call, and another pass on this context
+            # (a preview of the next request, say) may run during that await and copy it first
+            held = ctx.hold(projected)
             request = self._wire.to_api(projected)
             self._wire.ensure_paired()
             if self.cache and self._wire.breakpoints < _MAX_BREAKPOINTS:
@@ -291,8 +292,9 @@ class Agent:
             assert usage is not None and model is not None and message_id is not None
             # the usage is of the request as sent (projected), not of the raw history
             observation = ctx.token_tracker.observe(
-                projected, usage, model=model, tokens_freed=report.tokens_freed
+                held.messages, usage, model=model, tokens_freed=report.tokens_freed
             )
+            held.release()  # (after a failed call, the next pass lets it go)
             if ctx.transcript is not None:  # resumable: keep the calibration with the session
                 path = calibration_path_for(ctx.root, ctx.session_id, ctx.agent_id)
                 await anyio.to_thread.run_sync(ctx.token_tracker.save, path)

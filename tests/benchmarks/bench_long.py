@@ -208,9 +208,13 @@ async def _live(target: int) -> None:
     while len(history) < target:
         history += gen.turn(sent)
         start = time.process_time()
-        projected = await pipe.run(history, ctx)
+        # as Agent.turn: the stages' own list, held across the API call (copied only if
+        # another pass overlaps it), a new request list, the pairing check
+        projected = await pipe.run(history, ctx, shared=True)
+        held = ctx.hold(projected)
         wire.to_api(projected)
         wire.ensure_paired()
+        held.release()
         per_turn.append((len(history), time.process_time() - start))
         sent = ctx.report.estimated_tokens
     print(f"{'messages':>16} {'turns':>6} {'mean ms':>8} {'median':>7} {'p99':>7} {'max':>7}")
