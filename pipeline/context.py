@@ -174,12 +174,16 @@ class SessionContext:
         self._held.append(held)
         return held
 
+    def copy_held(self) -> None:
+        """Give every holder its own copy of what it holds and let them go; called by the
+        pipeline at the start of every run, before anything changes a list in place."""
+        for held in self._held:
+            held.messages = list(held.messages)
+        self._held.clear()
+
     def begin_pass(self, messages: Sequence[Message] = ()) -> PassReport:
         """Start a new pass report for a pass over ``messages``; called by the pipeline at the
         start of every run."""
-        for held in self._held:  # before any stage changes what they hold
-            held.messages = list(held.messages)
-        self._held.clear()
         self.report = PassReport()
         anchor = find_anchor(messages)
         if anchor is not None:

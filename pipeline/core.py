@@ -177,10 +177,10 @@ class Pipeline:
         """
         current = messages if isinstance(messages, list) else list(messages)
         async with ctx.lock:
-            start = ctx.thread_start(current)
-            if start:
-                current = current[start:]
-            own = current  # a list no stage keeps: the caller's, or this pass's slice
+            ctx.copy_held()  # before anything here changes a list a caller holds
+            own = current if not ctx.thread_start(current) else None  # the caller's list
+            if own is None:  # what follows the last compaction: a list the context keeps
+                current = ctx.thread_start.tail
             ctx.begin_pass(current)
             # The SDK's default exception handling would put the exception text (which may
             # quote message content) into the span's status and an event: set the status here.

@@ -109,11 +109,16 @@ class ThreadStart:
     a summary follows it, so that the token tracker still sees that a compaction happened), or
     0. A pass whose input only grew
     looks at the new records alone; a change at or before the known start looks again at all.
+    :attr:`tail` is that part itself, kept the same way.
     """
 
     def __init__(self) -> None:
         self._log = InputLog()
         self._start = 0
+        self.tail: KeptList[Message] = KeptList()
+        """``messages[start:]`` of the last call when its start is past 0 (else empty): one
+        list brought up to date at the cost of what changed, not a slice of the history per
+        pass (read-only for its receivers, as a stage's output)."""
 
     def __call__(self, messages: Sequence[Message]) -> int:
         """The index of the first record the API's view holds (0: the whole history)."""
@@ -126,7 +131,24 @@ class ThreadStart:
                 boundary = i > 0 and not messages[i].is_compact_boundary
                 self._start = i - 1 if boundary and messages[i - 1].is_compact_boundary else i
                 break
+        self._keep_tail(messages, first)
         return self._start
+
+    def _keep_tail(self, messages: Sequence[Message], first: int) -> None:
+        start, tail = self._start, self.tail
+        if not start:
+            if tail:
+                tail.clear()
+            return
+        # the tail's first ``kept`` still hold: a change at or before the old start made
+        # ``first`` 0, and a start found past it lies at ``first`` or later (or one before,
+        # on a boundary that was already the old start): ``kept`` <= 0 redoes the whole tail
+        kept = first - start
+        if 0 <= kept <= len(tail):
+            del tail[kept:]
+            tail += messages[start + kept :]
+        else:
+            tail[:] = messages[start:]
 
 
 def message_keys(m: Message) -> tuple[str, str | None, list[str]]:

@@ -22,6 +22,7 @@ from pipeline import (
     to_api,
 )
 from pipeline.incremental import ThreadStart
+from pipeline.kept_list import KeptList
 from pipeline.messages import REMINDER, thread_start
 from pipeline.testing import MemoryStore, QuietLogger
 from pipeline.wire_cache import WireCache
@@ -131,7 +132,7 @@ def test_thread_start_equals_the_reference_over_edits(seed: int) -> None:
     up = down = 0
     for run in range(60):
         start = ThreadStart()
-        history: list[Message] = []
+        history: list[Message] = KeptList() if run % 2 else []
         previous = 0
         for step in range(rng.randint(5, 60)):
             op, history = _step(rng, history)
@@ -141,6 +142,8 @@ def test_thread_start_equals_the_reference_over_edits(seed: int) -> None:
             got = start(given)
             want = reference_start(history)
             assert got == want, (seed, run, step, op)
+            # the part after the start, kept in one list (empty when the start is 0)
+            assert start.tail == (history[want:] if want else []), (seed, run, step, op)
             # the module function agrees: it points after a boundary, at a summary
             after = want + 1 if history and history[want].is_compact_boundary else want
             assert thread_start(history) == after
@@ -307,7 +310,7 @@ def _budget() -> list[Any]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("grow", ["in_place", "new_list"])
+@pytest.mark.parametrize("grow", ["in_place", "kept", "new_list"])
 @pytest.mark.parametrize("stages", [_budget, default_stages], ids=["budget", "default"])
 async def test_a_growing_session_equals_a_fresh_context_each_call(
     grow: str, stages: Callable[[], list[Any]]
@@ -315,10 +318,10 @@ async def test_a_growing_session_equals_a_fresh_context_each_call(
     history = _two_compactions()
     pipeline = Pipeline(stages())
     ctx = _ctx()
-    view: list[Message] = []
+    view: list[Message] = KeptList() if grow == "kept" else []
     starts = []
     for k in range(1, len(history) + 1):
-        if grow == "in_place":
+        if grow in ("in_place", "kept"):
             view.append(history[k - 1])
         else:
             view = history[:k]
