@@ -151,7 +151,8 @@ class SessionContext:
         so whatever a stage remembers about one session lives here."""
         self.stage_records: list[StageRecord] = list(stage_records)
         """Records a resumed session's stages restore their decisions from."""
-        self.lock = anyio.Lock()
+        # an uncontended pass takes the lock without yielding (Pipeline.run checkpoints once)
+        self.lock = anyio.Lock(fast_acquire=True)
         self.report = PassReport()
         self.call: int | None = None
         """The number of the call being prepared (0-based; set by a replay and by the agent

@@ -9,7 +9,13 @@ from opentelemetry.trace import Status, StatusCode
 
 from pipeline.context import SessionContext
 from pipeline.messages import Message
-from pipeline.tracing import ATTR, SPAN_PIPELINE_RUN, span_if, stage_span_name
+from pipeline.tracing import (
+    ATTR,
+    SPAN_PIPELINE_RUN,
+    span_if,
+    stage_span_name,
+    start_current_span,
+)
 
 __all__ = ["FunctionStage", "Pipeline", "PipelineHalt", "Stage", "StageError", "stage"]
 
@@ -163,7 +169,9 @@ class Pipeline:
         """Run every stage in order on ``messages`` for one turn of ``ctx``'s session.
 
         Turns of one session are serialised on ``ctx.lock`` (do not call ``run`` from inside a
-        stage with the same context). Returns the projected messages, a list the caller owns
+        stage with the same context). A cancelled caller stops before the pass starts; an
+        uncontended pass does not yield to the event loop unless a stage awaits something that
+        does (a store write, a summariser). Returns the projected messages, a list the caller owns
         (or ``messages`` itself when no stage changed anything); the input is untouched.
         ``shared=True`` returns the last stage's own list instead of a copy of it, for a caller
         that only reads it before the next pass of the session (the list changes in place on
@@ -176,7 +184,7 @@ class Pipeline:
         stage decides anything about it.
         """
         current = messages if isinstance(messages, list) else list(messages)
-        async with ctx.lock:
+        async with ctx.lock:  # a cancelled caller stops here; an uncontended pass never waits
             ctx.copy_held()  # before anything here changes a list a caller holds
             own = current if not ctx.thread_start(current) else None  # the caller's list
             if own is None:  # what follows the last compaction: a list the context keeps
@@ -184,7 +192,8 @@ class Pipeline:
             ctx.begin_pass(current)
             # The SDK's default exception handling would put the exception text (which may
             # quote message content) into the span's status and an event: set the status here.
-            with ctx.tracer.start_as_current_span(
+            with start_current_span(
+                ctx.tracer,
                 SPAN_PIPELINE_RUN,
                 attributes={**ctx.span_attributes(), ATTR.MESSAGES_IN: len(current)},
                 record_exception=False,
@@ -208,16 +217,19 @@ class Pipeline:
 
     @staticmethod
     async def _run_stage(st: Stage, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        breaks = bool(getattr(st, "may_break_cache", False))
+        recording = ctx.report.recording
         with span_if(
-            ctx.report.recording,
+            recording,
             ctx.tracer,
             stage_span_name(st.name),
+            # built only for a span that records: a pass runs every stage
             attributes={
                 **ctx.span_attributes(),
                 ATTR.STAGE: st.name,
-                ATTR.BREAKS_CACHE: breaks,
-            },
+                ATTR.BREAKS_CACHE: bool(getattr(st, "may_break_cache", False)),
+            }
+            if recording
+            else None,
             # exception text may quote message content: never let the SDK record it
             record_exception=False,
             set_status_on_exception=False,

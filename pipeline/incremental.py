@@ -234,8 +234,7 @@ class AppendWatch:
             first = self._log.take(messages)
             added = messages[first:]
             grew = primed and first == n_old and not any(map(_reaches_back, added))
-            if grew and self._disjoint(added):
-                self._count(added, 1)
+            if grew and self._add_disjoint(added):
                 self._learn_names(added)
                 self._length, self._primed = len(messages), True
                 return n_old
@@ -263,12 +262,21 @@ class AppendWatch:
         self._primed = False
         self._log.clear()
 
-    def _disjoint(self, records: Sequence[Message]) -> bool:
+    def _add_disjoint(self, records: Sequence[Message]) -> bool:
+        """Count ``records`` in if none shares a key with the records counted so far; else
+        count nothing and return False. (Each record's keys are read once: every incremental
+        stage's watch does this for every new record.)"""
         uuids, rids, tids = self._uuids, self._rids, self._tids
-        for m in records:
-            uuid, rid, ids = message_keys(m)
+        keys = list(map(message_keys, records))
+        for uuid, rid, ids in keys:
             if uuid in uuids or (rid is not None and rid in rids) or any(t in tids for t in ids):
                 return False
+        for uuid, rid, ids in keys:
+            uuids[uuid] = uuids.get(uuid, 0) + 1
+            if rid is not None:
+                rids[rid] = rids.get(rid, 0) + 1
+            for t in ids:
+                tids[t] = tids.get(t, 0) + 1
         return True
 
     def _count(self, records: Sequence[Message], by: int) -> None:

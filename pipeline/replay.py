@@ -17,10 +17,12 @@ one, so the estimators are still measured on every call whose pass removed nothi
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import anyio.lowlevel
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from structlog.contextvars import bound_contextvars
@@ -32,13 +34,15 @@ from pipeline.messages import Message, Usage
 from pipeline.pairing import PairingProblem
 from pipeline.recorded import RecordedRequest
 from pipeline.tokens import Observation, TokenTracker
-from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute
+from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute, start_current_span
 from pipeline.wire_cache import WireCache, request_chars
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
 __all__ = ["Call", "CallResult", "find_calls", "less_usage", "replay_messages", "request_chars"]
+
+_YIELD_EVERY = 0.02  # seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +187,13 @@ async def replay_messages(
     sent: KeptList[Message] = KeptList()  # the stages' logs ask it where it changed
     recorded = sorted(requests, key=lambda r: r.position)
     k = 0
+    yielded = time.monotonic()
     for call in calls:
+        if time.monotonic() - yielded >= _YIELD_EVERY:
+            # a pass takes no trip through the event loop: a long replay gives other tasks
+            # (and the cancellation a Ctrl-C becomes) a turn now and then, not every call
+            await anyio.lowlevel.checkpoint()
+            yielded = time.monotonic()
         if call.index < len(sent):
             del sent[call.index :]
         sent.extend(history[len(sent) : call.index])
@@ -201,7 +211,8 @@ async def replay_messages(
             # every log line of the pass says its call (where the logger merges context
             # variables, as the library's own does); never across a yield, where the caller runs
             bound_contextvars(call=call.number),
-            ctx.tracer.start_as_current_span(
+            start_current_span(
+                ctx.tracer,
                 SPAN_REPLAY_CALL,
                 context=otel_context.Context(),
                 links=[trace.Link(session)] if session.is_valid else (),

@@ -47,6 +47,7 @@ __all__ = [
     "get_tracer",
     "span_if",
     "stage_span_name",
+    "start_current_span",
     "tool_span_name",
 ]
 
@@ -306,6 +307,34 @@ def span_if(
     if recording:
         return tracer.start_as_current_span(name, **kwargs)
     return _NOT_RECORDED
+
+
+def start_current_span(
+    tracer: trace.Tracer,
+    name: str,
+    *,
+    record_exception: bool = True,
+    set_status_on_exception: bool = True,
+    **kwargs: Any,
+) -> AbstractContextManager[trace.Span]:
+    """``tracer.start_as_current_span(name, ...)``, but a span that no SDK stands behind (not
+    recording and of no valid context: the API's no-op tracer) is not made current. Making it
+    current changes nothing a span or a log line could see, and costs a context attach and
+    detach; a replay starts two such spans per call."""
+    span = tracer.start_span(
+        name,
+        record_exception=record_exception,
+        set_status_on_exception=set_status_on_exception,
+        **kwargs,
+    )
+    if not span.is_recording() and not span.get_span_context().is_valid:
+        return contextlib.nullcontext(span)
+    return trace.use_span(
+        span,
+        end_on_exit=True,
+        record_exception=record_exception,
+        set_status_on_exception=set_status_on_exception,
+    )
 
 
 def emit_decision(

@@ -16,6 +16,8 @@ from typing import Any
 
 import anthropic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipeline.tokens.priors as priors
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, TranscriptWriter, Usage
@@ -170,6 +172,55 @@ def test_text_statistics_are_exact_when_short_and_sampled_when_long() -> None:
     sampled = text_stats(unit * 30_000)  # ~1.3 MB: 32 windows of 512 chars
     for e, s in zip(exact.features, sampled.features, strict=True):
         assert s == pytest.approx(e * 100, rel=0.03)
+
+
+def _counted_by_hand(sample: str) -> tuple[int, ...]:
+    """words, letters, digits, other ASCII, blank runs, newlines, non-ASCII chars of ``sample``,
+    one character at a time (the definitions the fast counts must meet)."""
+    counts = dict.fromkeys(("word", "a", "0", ".", "ws", "nl", "u"), 0)
+    previous = ""
+    for ch in sample:
+        kind = (
+            "u"
+            if not ch.isascii()
+            else "a"
+            if ch.isalpha()
+            else "0"
+            if ch.isdigit()
+            else "nl"
+            if ch == "\n"
+            else "ws"
+            if ch in " \t\r\f\v"
+            else "."
+        )
+        if kind == "a" and previous != "a":
+            counts["word"] += 1
+        if kind == "ws" and previous != "ws":
+            counts["ws"] += 1
+        if kind != "ws":
+            counts[kind] += 1
+        previous = kind
+    return tuple(counts.values())
+
+
+_ALPHABET = st.sampled_from(
+    ["a", "Z", "7", " ", "\t", "\n", "\r", "-", "{", "é", "中", "😀", "\ud800", "\x1b", "_"]
+)
+
+
+@given(st.lists(_ALPHABET, max_size=300).map("".join), st.integers(0, 3))
+@settings(max_examples=400, deadline=None)
+def test_text_statistics_match_a_count_by_hand(text: str, pad: int) -> None:
+    # padding to just below and above the exact limit exercises the masks at full length
+    text = text + "😀" * (pad * 5_461) if pad else text
+    st_ = text_stats(text)
+    words, letters, digits, other, ws_runs, newlines, non_ascii, *_ = st_.features
+    if len(text) <= 16_384:
+        by_hand = _counted_by_hand(text)
+        assert (words, letters, digits, other, ws_runs, newlines, non_ascii) == by_hand
+    else:  # sampled: every count scaled, never negative
+        assert min(st_.features) >= 0 and non_ascii > 0
+    assert st_.chars == len(text)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import stages
 from pipeline import Message, Pipeline, SessionContext, Stage, StageError, TokenTracker, stage
 from pipeline.core import FunctionStage
 from pipeline.testing import MemoryStore, SpanRecorder, assert_same_messages
-from pipeline.tracing import ATTR
+from pipeline.tracing import ATTR, start_current_span
 from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
@@ -293,6 +293,41 @@ async def test_different_sessions_run_concurrently(anyio_backend: str, tmp_path:
     assert [what for what, _ in log] == ["enter", "enter", "exit", "exit"]
 
 
+@pytest.mark.anyio
+async def test_a_cancelled_caller_runs_no_stage(anyio_backend: str, tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    pipe = Pipeline([recording_stage(log)])
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await pipe.run([Message.user("never")], ctx_for(tmp_path))
+    assert scope.cancelled_caught and log == []
+
+
+@pytest.mark.anyio
+async def test_a_pass_waiting_for_the_lock_can_be_cancelled(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    log: list[tuple[str, str]] = []
+    pipe = Pipeline([recording_stage(log)])
+    ctx = ctx_for(tmp_path)
+    held, done = anyio.Event(), anyio.Event()
+
+    async def other_pass() -> None:
+        async with ctx.lock:  # another pass of the session holds it
+            held.set()
+            await done.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_pass)
+        await held.wait()
+        with anyio.move_on_after(0.05) as scope:
+            await pipe.run([Message.user("waits")], ctx)
+        done.set()
+    assert scope.cancelled_caught and log == []
+    await pipe.run([Message.user("after")], ctx)  # the lock was left free
+    assert [what for what, _ in log] == ["enter", "exit"]
+
+
 # --------------------------------------------------------------------------------------------
 # Tracing and logging
 # --------------------------------------------------------------------------------------------
@@ -308,6 +343,37 @@ def spans() -> Iterator[SpanRecorder]:
 def _by_name(finished: tuple[ReadableSpan, ...], name: str) -> ReadableSpan:
     (span,) = [s for s in finished if s.name == name]
     return span
+
+
+def test_a_span_no_sdk_stands_behind_is_not_made_current(spans: SpanRecorder) -> None:
+    with start_current_span(trace.NoOpTracer(), "noop") as span:
+        assert span is trace.INVALID_SPAN and trace.get_current_span() is trace.INVALID_SPAN
+    with spans.tracer.start_as_current_span("outer") as outer:
+        with start_current_span(trace.NoOpTracer(), "noop") as span:
+            # under a recorded span the no-op tracer's span carries its context: made current,
+            # so that what runs inside still belongs to that trace
+            assert not span.is_recording() and trace.get_current_span() is span
+            assert span.get_span_context() == outer.get_span_context()
+        with start_current_span(spans.tracer, "recorded", attributes={"k": 1}) as span:
+            assert span.is_recording() and trace.get_current_span() is span
+        with pytest.raises(ValueError), start_current_span(spans.tracer, "failed"):
+            raise ValueError("secret content")
+    finished = {s.name: s for s in spans.spans}
+    assert set(finished) == {"outer", "recorded", "failed"}
+    assert finished["recorded"].parent is not None
+    assert finished["recorded"].parent.span_id == outer.get_span_context().span_id
+    assert finished["recorded"].attributes == {"k": 1}
+    assert finished["failed"].status.status_code is StatusCode.ERROR
+    with (
+        pytest.raises(ValueError),
+        start_current_span(
+            spans.tracer, "quiet", record_exception=False, set_status_on_exception=False
+        ),
+    ):
+        raise ValueError("secret content")
+    quiet = next(s for s in spans.spans if s.name == "quiet")
+    assert not quiet.events and quiet.status.status_code is StatusCode.UNSET
+    assert [e.name for e in finished["failed"].events] == ["exception"]
 
 
 @pytest.mark.anyio

@@ -10,9 +10,11 @@ replaced that response (a summary).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 from anthropic.types import MessageParam
 
@@ -156,3 +158,30 @@ async def test_a_shared_replay_sends_what_a_copying_one_sends(tmp_path: Path) ->
         ("history_snip", "snip"),
         ("microcompact", "clear"),
     } <= acted
+
+
+@pytest.mark.asyncio
+async def test_a_long_replay_lets_other_tasks_run() -> None:
+    """A pass takes no trip through the event loop; a replay gives other tasks (and the
+    cancellation Ctrl-C becomes) a turn every few tens of milliseconds."""
+    ticks: list[float] = []
+    done = False
+
+    async def other_task() -> None:
+        while not done:
+            ticks.append(time.monotonic())
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_task)
+        await anyio.sleep(0)  # it has run once
+        start = time.monotonic()
+        calls = 0
+        async for _ in replay_messages(_session(3_000), Pipeline([]), _ctx()):
+            calls += 1
+        took = time.monotonic() - start
+        done = True
+    during = [t for t in ticks if t > start]
+    assert calls == 3_000
+    if took > 0.1:  # a replay long enough to owe other tasks a turn (a few on a slow machine)
+        assert len(during) >= 2, (took, len(during))

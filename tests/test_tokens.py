@@ -352,3 +352,57 @@ def test_the_reference_is_anchor_total_plus_rough_tokens_after_the_first_fragmen
     else:
         expected = anchor[1].total + rough_tokens_for_messages(conversation[anchor[0] + 1 :])
     assert ref().estimate(conversation) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# What the estimators remember between estimates
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_reference_prices_each_record_by_its_own_content() -> None:
+    """Records are priced once and remembered by identity: a record replaced by another (the
+    same uuid, new content: a stage's edit) is priced by the new content."""
+    estimator = ReferenceEstimator()
+    old = results(tool_result("t1", "x" * 400))
+    new = Message.user([tool_result("t1", "y" * 800)], uuid=old.uuid)
+    head = [user_text("a" * 40)]
+    assert estimator.estimate_detail([*head, old], None).estimated_part == 10 + 100
+    assert estimator.estimate_detail([*head, new], None).estimated_part == 10 + 200
+    assert estimator.estimate_detail([*head, old], None).estimated_part == 10 + 100
+    for n in range(3_000):  # past what it remembers: still right
+        assert estimator.estimate_detail([user_text("b" * (4 * n))], None).estimated_part == n
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_estimate_follows_every_change_to_a_kept_list(method: str) -> None:
+    """A kept list asked about again, unchanged, gets the remembered estimate; any change to it,
+    a call observed or a new request changes what it gets, exactly as a fresh estimate."""
+    from pipeline.kept_list import KeptList
+
+    tracker = TokenTracker(method)  # type: ignore[arg-type]
+    history = KeptList(
+        [user_text("go"), assistant("r1", tool_use("t1"), usage=U), results(tool_result("t1", "a"))]
+    )
+
+    def fresh() -> int:
+        return TokenTracker.estimate(tracker, list(history))  # a plain list: never remembered
+
+    other = TokenTracker(method)  # type: ignore[arg-type]
+    opening = KeptList([user_text("go")])  # no usage yet: the system prompt counts whole
+    alone = other.estimate(opening)
+    other.set_request(system="a system prompt " * 100)
+    assert other.estimate(opening) == other.estimate([*opening]) > alone
+    first = tracker.estimate(history)
+    assert tracker.estimate(history) == first == fresh()
+    history.append(user_text("more words " * 200))
+    assert tracker.estimate(history) == fresh() > first
+    history[2] = results(tool_result("t1", "b" * 4_000))
+    assert tracker.estimate(history) == fresh()
+    del history[3:]
+    assert tracker.estimate(history) == fresh()
+    history.append(user_text("the next prompt " * 300))
+    before = tracker.estimate(history)
+    tracker.observe(history, Usage(input_tokens=9_000))
+    assert tracker.estimate(history) == fresh()
+    if method == "calibrated":
+        assert tracker.estimate(history) != before  # it learned: the estimate moved

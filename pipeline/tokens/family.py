@@ -5,6 +5,7 @@ squares) step."""
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,8 +29,11 @@ _MAX_COUNT = 1e15
 
 
 def dot(a: Sequence[float], b: Sequence[float]) -> float:
-    """The dot product of two equally long vectors."""
-    return sum(x * y for x, y in zip(a, b, strict=True))
+    """The dot product of two equally long vectors (``ValueError`` if they are not)."""
+    if len(a) != len(b):
+        raise ValueError(f"dot of vectors of {len(a)} and {len(b)} elements")
+    total: float = sum(map(operator.mul, a, b))  # the products added in a loop's order
+    return total
 
 
 class FamilyModel:
@@ -59,7 +63,7 @@ class FamilyModel:
         sigmas, so a hidden injection of a few thousand tokens cannot yank the ratios."""
         d = len(CLASSES)
         p = self.p
-        px = [dot(p[i], x) for i in range(d)]
+        px = [dot(row, x) for row in p]
         s = dot(x, px)
         y_hat = dot(self.mult, x)
         s += abs_noise**2 + (rel_noise * max(y_hat, 0.0)) ** 2
@@ -72,7 +76,10 @@ class FamilyModel:
         if not all(math.isfinite(m) for m in mult):
             return
         self.mult = mult
-        self.p = [[p[i][j] - gain[i] * px[j] for j in range(d)] for i in range(d)]
+        self.p = [
+            [pij - g * pxj for pij, pxj in zip(row, px, strict=True)]
+            for row, g in zip(p, gain, strict=True)
+        ]
 
     def copy(self) -> FamilyModel:
         """An independent copy (lists copied, never shared)."""

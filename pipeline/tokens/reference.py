@@ -28,12 +28,19 @@ def rough_tokens_for_text(text: str) -> int:
 
 def rough_tokens_for_messages(messages: Iterable[Message]) -> int:
     """The reference rough estimate of the wire-visible content of ``messages``."""
+    return sum(map(_rough_tokens, messages))
+
+
+def _rough_tokens(m: Message) -> int:
+    if not is_wire_visible(m):
+        return 0
     total = 0
-    for m in messages:
-        if is_wire_visible(m):
-            for seg in iter_segments(m):
-                total += IMAGE_TOKENS if seg.kind == "media" else rough_tokens_for_text(seg.text)
+    for seg in iter_segments(m):
+        total += IMAGE_TOKENS if seg.kind == "media" else rough_tokens_for_text(seg.text)
     return total
+
+
+_MEMO_SIZE = 1_024
 
 
 class ReferenceEstimator:
@@ -41,6 +48,22 @@ class ReferenceEstimator:
     that never learns."""
 
     method = "reference"
+
+    def __init__(self) -> None:
+        # the records after the anchor are priced on every estimate of a call (and the
+        # response's own fragments on every call until the next one): each once, by identity
+        self._memo: dict[int, tuple[Message, int]] = {}
+
+    def _rough(self, messages: Iterable[Message]) -> int:
+        memo, total = self._memo, 0
+        for m in messages:
+            hit = memo.get(id(m))
+            if hit is None or hit[0] is not m:
+                if len(memo) >= _MEMO_SIZE:
+                    memo.clear()  # only the records after an anchor are looked up again
+                hit = memo[id(m)] = (m, _rough_tokens(m))
+            total += hit[1]
+        return total
 
     def estimate_detail(
         self,
@@ -51,11 +74,11 @@ class ReferenceEstimator:
     ) -> EstimateDetail:
         """The anchor's usage total plus the rough count of everything after its first record."""
         if anchor is None:
-            part, anchor_total = rough_tokens_for_messages(messages), 0
+            part, anchor_total = self._rough(messages), 0
             family, crossed = model_family(model), False
         else:
             i, usage = anchor
-            part, anchor_total = rough_tokens_for_messages(messages[i + 1 :]), usage.total
+            part, anchor_total = self._rough(messages[i + 1 :]), usage.total
             family = model_family(model or messages[i].model)
             crossed = compaction_restart(messages, i) is not None
         return EstimateDetail(

@@ -4,8 +4,7 @@ and the content class they put it in. Nothing here copies or serialises more tha
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pipeline.tokens.priors import FEATURE_INDEX, FEATURES
 
@@ -33,27 +32,50 @@ _SAMPLE_WINDOWS = 32
 _SAMPLE_WINDOW = 512
 
 
+_LETTER, _DIGIT_BIT, _BLANK, _NEWLINE, _OTHER, _LEAD, _CONTINUATION = 1, 2, 4, 8, 16, 32, 64
+
+
 def _byte_class(b: int) -> int:
-    """UTF-8 byte -> category byte: letters 'a', digits '0', blanks ' ', newline, other ASCII
-    '.', lead bytes 'u' (one per non-ASCII character), continuation bytes 'c'."""
+    """UTF-8 byte -> its category, one bit each: ASCII letters, digits, blanks, newline, other
+    ASCII, lead bytes (one per non-ASCII character), continuation bytes."""
     if b >= 0xC0:
-        return ord("u")
+        return _LEAD
     if b >= 0x80:
-        return ord("c")
+        return _CONTINUATION
     ch = chr(b)
     if ch.isalpha():
-        return ord("a")
+        return _LETTER
     if ch.isdigit():
-        return ord("0")
+        return _DIGIT_BIT
     if b == 10:
-        return 10
-    return 32 if ch in " \t\r\f\v" else ord(".")
+        return _NEWLINE
+    return _BLANK if ch in " \t\r\f\v" else _OTHER
 
 
-# bytes.translate + bytes.count keep every count at C speed
+# The sample's bytes become their category bits (bytes.translate), then one integer, byte i at
+# bits 8i..8i+7 (int.from_bytes): each count is an AND with a mask and a popcount, and the runs
+# (words, blank runs) are the bytes of a class whose predecessor is not of it -- x & ~(x << 8).
+# All of it runs in C over 30-bit digits: a few times faster than bytes.count per category.
 _CATEGORY = bytes(_byte_class(b) for b in range(256))
-_ONLY_LETTERS = bytes(ord("a") if b == ord("a") else ord("x") for b in range(256))
-_ONLY_BLANKS = bytes(32 if b == 32 else ord("x") for b in range(256))
+_BITS = (_LETTER, _DIGIT_BIT, _BLANK, _NEWLINE, _OTHER, _LEAD)
+
+
+def _build_masks(size: int) -> tuple[int, dict[int, int]]:
+    return size, {bit: int.from_bytes(bytes((bit,)) * size, "little") for bit in _BITS}
+
+
+_masks = _build_masks(_SAMPLE_FULL + _SAMPLE_WINDOWS)  # a sample of ASCII text fits
+
+
+def _masks_for(size: int) -> dict[int, int]:
+    """Masks of at least ``size`` bytes (grown for a non-ASCII sample, up to 4 bytes a char)."""
+    global _masks
+    masks = _masks  # one read: another thread may swap in larger masks meanwhile
+    if masks[0] < size:
+        masks = _masks = _build_masks(max(size, 4 * masks[0]))
+    return masks[1]
+
+
 _CJK = re.compile(
     "[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]"
 )
@@ -73,9 +95,9 @@ def _sample(text: str) -> tuple[str, float]:
     return sample, n / (len(sample) - (_SAMPLE_WINDOWS - 1))
 
 
-@dataclass(frozen=True, slots=True)
-class TextStats:
-    """Character-category counts of one text (scaled up from a sample above 16 KB)."""
+class TextStats(NamedTuple):
+    """Character-category counts of one text (scaled up from a sample above 16 KB); a named
+    tuple, made once per text priced."""
 
     chars: int
     features: tuple[float, ...]
@@ -95,17 +117,19 @@ def text_stats(text: str) -> TextStats:
         return TextStats(0, (0.0,) * len(FEATURES), 0, 0.0, 0.0)
     sample, scale = _sample(text)
     t = sample.encode("utf-8", "surrogatepass").translate(_CATEGORY)
-    letters = t.count(b"a")
-    newlines = t.count(b"\n")
-    spaces = t.count(b" ")
-    non_ascii = t.count(b"u")
+    x, m = int.from_bytes(t, "little"), _masks_for(len(t))
+    letter_bits, blank_bits = x & m[_LETTER], x & m[_BLANK]
+    letters, spaces = letter_bits.bit_count(), blank_bits.bit_count()
+    newlines, digits = (x & m[_NEWLINE]).bit_count(), (x & m[_DIGIT_BIT]).bit_count()
+    # ASCII (a flag the string carries) has five categories: the fifth is what is left
+    if sample.isascii():
+        non_ascii, other = 0, len(t) - letters - newlines - spaces - digits
+    else:
+        non_ascii, other = (x & m[_LEAD]).bit_count(), (x & m[_OTHER]).bit_count()
     if scale != 1.0:
         newlines -= _SAMPLE_WINDOWS - 1  # the window joins
-    # a run starts where "xa" occurs once every other category is mapped to "x"; the pattern
-    # cannot overlap itself, so bytes.count is exact
-    first = t[:1]
-    words = t.translate(_ONLY_LETTERS).count(b"xa") + (first == b"a")
-    ws_runs = t.translate(_ONLY_BLANKS).count(b"x ") + (first == b" ")
+    words = (letter_bits & ~(letter_bits << 8)).bit_count()
+    ws_runs = (blank_bits & ~(blank_bits << 8)).bit_count()
     cjk = float(len(_CJK.findall(sample))) * scale if non_ascii else 0.0
     b64 = 0.0
     if n >= 64 and (spaces + newlines) < 0.02 * len(sample):  # blobs have no blanks
@@ -113,8 +137,8 @@ def text_stats(text: str) -> TextStats:
     features = (
         words * scale,
         letters * scale,
-        t.count(b"0") * scale,
-        t.count(b".") * scale,
+        digits * scale,
+        other * scale,
         ws_runs * scale,
         max(0, newlines) * scale,
         non_ascii * scale,
