@@ -304,6 +304,23 @@ async def test_a_cancelled_caller_runs_no_stage(anyio_backend: str, tmp_path: Pa
 
 
 @pytest.mark.anyio
+async def test_a_pass_started_from_inside_a_stage_of_the_same_session_raises(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """It could only wait for itself: the lock refuses it instead of hanging."""
+    inner = Pipeline([named("inner")])
+
+    async def reenter(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        await inner.run(messages, ctx)
+        return messages
+
+    ctx = ctx_for(tmp_path)
+    with anyio.fail_after(5), pytest.raises(StageError, match="already held"):
+        await Pipeline([FunctionStage("reenter", reenter)]).run([Message.user("x")], ctx)
+    await inner.run([Message.user("after")], ctx)  # released on the way out
+
+
+@pytest.mark.anyio
 async def test_a_pass_waiting_for_the_lock_can_be_cancelled(
     anyio_backend: str, tmp_path: Path
 ) -> None:
