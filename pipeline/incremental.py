@@ -239,6 +239,21 @@ class AppendWatch:
                 self._length, self._primed = len(messages), True
                 return n_old
             removed = self._log.removed
+            if primed and first >= self.start and len(removed) <= len(added):
+                # every old position kept (a stage clearing old results, then the new turn):
+                # only the positions that hold another record count, found in a C-level sweep
+                at = list(compress(count(), map(operator.is_not, removed, added)))
+                old, new = [removed[k] for k in at], [added[k] for k in at]
+                tail = added[len(removed) :]
+                if not any(
+                    m.type == "assistant" or _reaches_back(m) for m in (*old, *new)
+                ) and not any(map(_reaches_back, tail)):
+                    self._count(old, -1)  # (tool names come from assistant records alone)
+                    self._count(new, 1)
+                    self._count(tail, 1)
+                    self._learn_names(tail)
+                    self._length, self._primed = len(messages), True
+                    return None
             if (
                 primed
                 and first >= self.start

@@ -4,9 +4,11 @@ changed since the last call, equal to :func:`pipeline.wire.to_api` of the whole 
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
+from itertools import compress, count
 from typing import TYPE_CHECKING, Any, cast
 
 from pipeline.caching import param_breakpoints
@@ -112,6 +114,8 @@ class WireCache:
         """Per record from ``_start``: the entry it went into (-1: dropped)."""
         self._first_record = array("q")
         """Per entry: the index of the record that created it."""
+        self._last_record = array("q")
+        """Per entry: the index of the last record that went into it."""
         self._params: list[MessageParam] = []
         self._changed_from = 0
         self._chars: list[int] = []
@@ -128,6 +132,17 @@ class WireCache:
         first = self._log.take(messages)
         if first == n_old == len(messages) and not self._fresh:
             return  # the very same records
+        removed = self._log.removed
+        if (
+            not self._fresh
+            and first > self._start
+            and removed
+            and len(removed) <= len(messages) - first
+            and self._patch(messages, first, removed)
+        ):
+            first = n_old  # what is left is new records
+            if first == len(messages):
+                return
         restart = any(m.restarts_thread for m in messages[first:])
         # a change at the thread's first record (a summary, say) may move where it starts
         if self._fresh or restart or first <= self._start:
@@ -140,8 +155,51 @@ class WireCache:
         if rollback < entries:
             self._wire.truncate(rollback)
             del self._first_record[rollback:]
+            del self._last_record[rollback:]
         del self._entry_of[r0 - self._start :]
         self._feed(messages, r0, min(rollback, entries))
+
+    def _patch(self, messages: Sequence[Message], first: int, removed: Sequence[Message]) -> bool:
+        """Old records replaced in place by records of the same wire shape (a stage clearing old
+        results: new content, the same kinds of blocks and ids; new records may follow): rebuild
+        only the entries they went into, from those entries' own records. Every decision the
+        wire takes from a record's shape (which entry it joins, merges, barriers, pairing) is
+        unchanged, so the other entries and the pairing stand. False (nothing changed) when
+        the edit is not that, or touches too much for it to pay."""
+        kept = messages[first : first + len(removed)]
+        changed = list(compress(count(first), map(operator.is_not, removed, kept)))
+        if 2 * len(changed) > len(removed):  # then feeding them again is as cheap
+            return False
+        start, entry_of = self._start, self._entry_of
+        touched: set[int] = set()
+        for i in changed:
+            shape = _wire_shape(messages[i])
+            if shape is None or shape[3] or shape != _wire_shape(removed[i - first]):
+                return False
+            if entry_of[i - start] >= 0:
+                touched.add(entry_of[i - start])
+        rebuilt: dict[int, Any] = {}
+        for e in touched:
+            part = _Wire()
+            try:
+                for r in range(self._first_record[e], self._last_record[e] + 1):
+                    if entry_of[r - start] == e:
+                        part.add(messages[r])
+            except ValueError:  # content it cannot send: the full path says so
+                return False
+            if len(part.entries) != 1:
+                return False
+            rebuilt[e] = part.entries[0]
+        for e, entry in rebuilt.items():
+            self._wire.entries[e] = entry
+            param = self._params[e] = _entry_to_param(entry)
+            chars, marks = _param_chars(param), param_breakpoints(param)
+            self.chars += chars - self._chars[e]
+            self.breakpoints += marks - self._breakpoints[e]
+            self._chars[e], self._breakpoints[e] = chars, marks
+        if rebuilt:
+            self._changed_from = min(self._changed_from, min(rebuilt))
+        return True
 
     def _rollback(self, first: int) -> tuple[int, int]:
         """The first entry a record from ``first`` on went into, and the record to feed from:
@@ -160,6 +218,7 @@ class WireCache:
         """Add the records from ``r0`` on; refresh the params from entry ``keep`` and from the
         first entry a new record went into, whichever comes first."""
         wire, entry_of, first_record = self._wire, self._entry_of, self._first_record
+        last_record = self._last_record
         before = len(wire.entries)
         low = before
         for idx in range(r0, len(messages)):
@@ -169,6 +228,9 @@ class WireCache:
                 low = min(low, went)
                 if went == len(first_record):
                     first_record.append(idx)
+                    last_record.append(idx)
+                else:
+                    last_record[went] = idx
         keep = min(keep, low, before)
         fresh = [_entry_to_param(e) for e in wire.entries[keep:]]
         self._changed_from = min(self._changed_from, keep)
@@ -185,6 +247,24 @@ class WireCache:
         self._breakpoints += marked
         self.breakpoints += sum(marked)
         self.pairing.update(self._params, keep)
+
+
+def _wire_shape(m: Message) -> tuple[Any, ...] | None:
+    """What the wire decides a record's place by: its kind, response id, whether it restarts
+    the thread, and its blocks' types and tool ids (None: an item that is not a block)."""
+    content: Any = m.content
+    if isinstance(content, str):
+        blocks: Any = bool(content)
+    else:
+        kinds = []
+        for b in content:
+            if not isinstance(b, dict):
+                return None
+            kind = b.get("type")
+            tid = b.get("id") if kind == "tool_use" else b.get("tool_use_id")
+            kinds.append((kind, tid))
+        blocks = tuple(kinds)
+    return (m.type, m.subtype, m.message_id, m.restarts_thread, blocks)
 
 
 def _block_chars(block: Any) -> int:
