@@ -57,6 +57,7 @@ from stages._shared import (
     check_minutes,
     check_names,
     last_response,
+    patch_results,
     record_decision,
     replace_results,
     result_ids,
@@ -221,7 +222,9 @@ class Microcompact:
             facts[ATTR.TRIGGER] = "idle_gap" if idle_fired else "context_size"
             reason, eligible = self._choose(p, state, idle_fired, facts)
             if eligible:
-                out = await self._clear(ctx, p, state, held.out, eligible, reason, anchor_id, facts)
+                out, changed = await self._clear(
+                    ctx, p, state, held.out, eligible, reason, anchor_id, facts
+                )
                 cleared = len(eligible)
         else:
             facts[ATTR.TRIGGER] = "none"
@@ -229,7 +232,7 @@ class Microcompact:
             facts.update({ATTR.CLEARED: 0, ATTR.TOKENS_FREED: 0, ATTR.CACHE_REWRITE_TOKENS: 0})
         first_patch = held.first_patch
         if cleared:
-            first_patch = min(first_patch, _first_difference(out, messages))
+            first_patch = min(first_patch, changed)
         state.last = LastPass(
             cleared=len(state.cleared),
             turn_start=max(turn_start, start),
@@ -310,15 +313,20 @@ class Microcompact:
         reason: Reason,
         anchor_id: str | None,
         facts: dict[str, AttributeValue],
-    ) -> list[Message]:
-        """Clear everything eligible at once (batching), remember it, write it down."""
+    ) -> tuple[list[Message], int]:
+        """Clear everything eligible at once (batching), remember it, write it down. Returns
+        the output and the first position where it differs from ``current``."""
         new = {r.tool_use_id: CLEARED_PLACEHOLDER for r in eligible}
         state.cleared.update(new)
         state.index.note_cleared(new)
         if anchor_id is not None:
             state.since.setdefault(anchor_id, []).extend(new)
         at = sorted({i for r in eligible for i, _ in r.positions})
-        out = replace_results(current, _clears(new), at)
+        if current is not p.messages:  # its own list, kept from the last pass: patched in place
+            out, changed = current, patch_results(current, _clears(new), at)
+        else:
+            out = replace_results(current, _clears(new), at)
+            changed = next((i for i in at if out[i] is not current[i]), len(out))
         freed = sum(r.tokens_before_anchor for r in eligible)
         ctx.report.tokens_freed += freed
         first = at[0]
@@ -341,7 +349,7 @@ class Microcompact:
             tokens_freed=freed,
             cache_rewrite_tokens=facts[ATTR.CACHE_REWRITE_TOKENS],
         )
-        return out
+        return out, changed
 
     def _reapply(
         self, p: ClearPass, state: ClearState, last: LastPass | None, grown: int | None

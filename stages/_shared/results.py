@@ -68,6 +68,20 @@ def patch_message(m: Message, content_for: ContentFor) -> Message:
     return m if blocks is None else m.with_content(blocks)
 
 
+def patch_results(messages: list[Message], content_for: ContentFor, at: Iterable[int]) -> int:
+    """:func:`replace_results` in place, on a list the caller owns (a stage's kept output: its
+    readers ask it what changed, rather than compare it with a copy): the first position that
+    changed (``len(messages)`` if none)."""
+    first = len(messages)
+    for i in at:
+        m = messages[i]
+        patched = patch_message(m, content_for)
+        if patched is not m:
+            messages[i] = patched
+            first = min(first, i)
+    return first
+
+
 def replace_results(
     messages: list[Message], content_for: ContentFor, at: Iterable[int] | None = None
 ) -> list[Message]:
