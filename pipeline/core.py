@@ -169,10 +169,13 @@ class Pipeline:
         """Run every stage in order on ``messages`` for one turn of ``ctx``'s session.
 
         Turns of one session are serialised on ``ctx.lock`` (do not call ``run`` from inside a
-        stage with the same context). A cancelled caller stops before the pass starts; an
-        uncontended pass does not yield to the event loop unless a stage awaits something that
-        does (a store write, a summariser). Returns the projected messages, a list the caller owns
-        (or ``messages`` itself when no stage changed anything); the input is untouched.
+        stage with the same context). A caller whose anyio cancel scope is cancelled stops
+        before the pass starts (a bare asyncio ``task.cancel()`` lands at the pass's first await
+        that yields); an uncontended pass does not yield to the event loop unless a stage awaits
+        something that does (a store write, a summariser).
+
+        Returns the projected messages, a list the caller owns (or ``messages`` itself when no
+        stage changed anything); the input is untouched.
         ``shared=True`` returns the last stage's own list instead of a copy of it, for a caller
         that only reads it before the next pass of the session (the list changes in place on
         that pass: never pass it back as the next input, and to read it after an await another

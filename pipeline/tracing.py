@@ -318,16 +318,18 @@ def start_current_span(
     **kwargs: Any,
 ) -> AbstractContextManager[trace.Span]:
     """``tracer.start_as_current_span(name, ...)``, but a span that no SDK stands behind (not
-    recording and of no valid context: the API's no-op tracer) is not made current. Making it
-    current changes nothing a span or a log line could see, and costs a context attach and
-    detach; a replay starts two such spans per call."""
+    recording and of no valid context: the API's no-op tracer) is not made current when it
+    would change nothing a span or a log line could see: with no ``context`` given, an invalid
+    span means the current one is invalid too. That saves a context attach and detach per
+    pass. A span started in a given ``context`` (a replay's call: a trace of its own) is
+    always made current, so that what runs inside does not see the caller's span."""
     span = tracer.start_span(
         name,
         record_exception=record_exception,
         set_status_on_exception=set_status_on_exception,
         **kwargs,
     )
-    if not span.is_recording() and not span.get_span_context().is_valid:
+    if "context" not in kwargs and not span.is_recording() and not span.get_span_context().is_valid:
         return contextlib.nullcontext(span)
     return trace.use_span(
         span,

@@ -394,6 +394,31 @@ def test_a_span_no_sdk_stands_behind_is_not_made_current(spans: SpanRecorder) ->
 
 
 @pytest.mark.anyio
+async def test_a_replayed_call_never_runs_in_the_callers_span(
+    anyio_backend: str, tmp_path: Path, spans: SpanRecorder
+) -> None:
+    """Each replayed call is a trace of its own: with a library tracer that records nothing,
+    what runs inside a call (a stage, a log line's trace ids) still does not see the span of
+    the application that runs the replay."""
+    from pipeline.replay import replay_messages
+
+    seen: list[trace.SpanContext] = []
+
+    async def look(messages: list[Message], ctx: SessionContext) -> list[Message]:
+        seen.append(trace.get_current_span().get_span_context())
+        return messages
+
+    history = [user_text("go")]
+    for t in range(3):
+        history += [assistant(f"r{t}", tool_use(f"t{t}")), results(tool_result(f"t{t}", "x"))]
+    ctx = ctx_for(tmp_path, tracer=trace.NoOpTracer())
+    with spans.tracer.start_as_current_span("application"):
+        calls = [r async for r in replay_messages(history, Pipeline([stage("look")(look)]), ctx)]
+    assert len(calls) == len(seen) == 3
+    assert not any(s.is_valid for s in seen)
+
+
+@pytest.mark.anyio
 async def test_spans_for_a_run_and_each_stage(
     anyio_backend: str,
     tmp_path: Path,

@@ -375,8 +375,8 @@ def test_the_reference_prices_each_record_by_its_own_content() -> None:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_an_estimate_follows_every_change_to_a_kept_list(method: str) -> None:
-    """A kept list asked about again, unchanged, gets the remembered estimate; any change to it,
-    a call observed or a new request changes what it gets, exactly as a fresh estimate."""
+    """A kept list (a stage's output, changed in place between estimates) gets what a fresh
+    list of its records gets after every change to it, a call observed or a new request."""
     from pipeline.kept_list import KeptList
 
     tracker = TokenTracker(method)  # type: ignore[arg-type]

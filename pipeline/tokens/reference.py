@@ -54,7 +54,9 @@ class ReferenceEstimator:
         # response's own fragments on every call until the next one): each once, by identity
         self._memo: dict[int, tuple[Message, int]] = {}
 
-    def _rough(self, messages: Iterable[Message]) -> int:
+    def _rough(self, messages: Sequence[Message]) -> int:
+        if len(messages) > _MEMO_SIZE // 2:  # a whole history (no anchor): priced once, as is
+            return rough_tokens_for_messages(messages)
         memo, total = self._memo, 0
         for m in messages:
             hit = memo.get(id(m))

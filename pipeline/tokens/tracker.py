@@ -26,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pipeline.kept_list import KeptList
 from pipeline.logs import get_logger
 from pipeline.messages import MAX_TOKENS, Message, Usage
 from pipeline.tokens.anchor import find_anchor
@@ -154,10 +153,6 @@ class TokenTracker:
         """Length and last message of the latest learned-from list (see :meth:`observe`)."""
         self.request = RequestOverhead()
         """The system prompt and tools of the next call (see :meth:`set_request`)."""
-        self._changes = 0
-        """Counts what changes an estimate besides its messages (observe, set_request)."""
-        self._memo: tuple[KeptList[Message], int, str | None, Estimator, int, EstimateDetail]
-        self._memo = None  # type: ignore[assignment]
 
     @property
     def method(self) -> str:
@@ -177,7 +172,6 @@ class TokenTracker:
         again: pass new objects when they change (an object edited in place after it was
         passed is not seen).
         """
-        self._changes += 1
         return self.request.set(system, tools)
 
     @property
@@ -209,23 +203,8 @@ class TokenTracker:
     ) -> EstimateDetail:
         """The estimate with its parts. ``model``: the model about to be called (default: the
         anchor's model)."""
-        # the stages of a pass ask again and again about lists that did not change since (a
-        # stage's kept output, say): a kept list says so itself
-        memo = self._memo
-        if (
-            memo is not None
-            and memo[0] is messages
-            and memo[2] == model
-            and memo[3] is self.estimator
-            and memo[4] == self._changes
-            and memo[0].changed_since(memo[1]) is None
-        ):
-            return memo[5]
         detail = self.estimator.estimate_detail(messages, find_anchor(messages), model=model)
-        detail = self._with_request(detail)
-        if isinstance(messages, KeptList):
-            self._memo = (messages, messages.stamp, model, self.estimator, self._changes, detail)
-        return detail
+        return self._with_request(detail)
 
     def estimate(self, messages: Sequence[Message], *, model: str | None = None) -> int:
         """Tokens the context holds if ``messages`` were sent now."""
@@ -260,7 +239,6 @@ class TokenTracker:
         :meth:`count_with_api` and then the real call) learns once.
         """
         messages = messages_before_call
-        self._changes += 1
         last = self._last_observed
         skip: str | None = None
         if messages and last is not None and last[0] == len(messages) and last[1] is messages[-1]:
