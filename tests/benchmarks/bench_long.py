@@ -15,7 +15,8 @@ Not a test: it prints figures, each side by side with a baseline measured in the
 2. ``live``: a session grown the way ``Agent.turn`` grows one -- every turn the default
    pipeline, the request built (``WireCache.to_api``) and its pairing checked, each response's
    usage what was sent -- to ``--live-messages``. CPU per turn (GC included), mean, median and
-   p99 by range of history length; against the same request built the plain way (``to_api`` +
+   p99 by range of history length, then the quiet turns and the turns in which a stage freed
+   tokens (a clear, a snip) apart; against the same request built the plain way (``to_api`` +
    ``check_pairing`` over the whole request) at the end.
 3. ``memory``: peak RSS of ``python -m pipeline replay FILE --json`` on the 4,000-call session
    above an idle CLI (a 1-call session), as a multiple of the transcript's size; and whether any
@@ -204,6 +205,7 @@ async def _live(target: int) -> None:
     wire = WireCache()
     sent: int | None = None
     per_turn: list[tuple[int, float]] = []
+    acting: list[bool] = []  # a stage freed tokens (a clear or a snip) in that turn
     projected: list[Message] = []
     while len(history) < target:
         history += gen.turn(sent)
@@ -216,6 +218,7 @@ async def _live(target: int) -> None:
         wire.ensure_paired()
         held.release()
         per_turn.append((len(history), time.process_time() - start))
+        acting.append(ctx.report.tokens_freed > 0)
         sent = ctx.report.estimated_tokens
     print(f"{'messages':>16} {'turns':>6} {'mean ms':>8} {'median':>7} {'p99':>7} {'max':>7}")
     for lo, hi in RANGES:
@@ -234,6 +237,19 @@ async def _live(target: int) -> None:
         f"{'all':>16} {len(every):>6} {statistics.fmean(every):8.2f} "
         f"{statistics.median(every):7.2f} {p99_all:7.2f} {every[-1]:7.2f}"
     )
+    print(f"{'':>16} {'quiet turns: mean':>18} {'median':>7} {'freeing turns':>14} {'mean':>6}")
+    for lo, hi in RANGES:
+        rows = [(t * 1e3, a) for (n, t), a in zip(per_turn, acting, strict=True) if lo <= n < hi]
+        quiet = [t for t, a in rows if not a]
+        acted = [t for t, a in rows if a]
+        if not quiet:
+            continue
+        label = f"{lo:,}-{min(hi, len(history)):,}"
+        acted_mean = f"{statistics.fmean(acted):6.2f}" if acted else "     -"
+        print(
+            f"{label:>16} {statistics.fmean(quiet):18.2f} {statistics.median(quiet):7.2f} "
+            f"{len(acted):>14} {acted_mean}"
+        )
     last = sorted(t * 1e3 for n, t in per_turn[-50:])
     plain = []
     for _ in range(10):
