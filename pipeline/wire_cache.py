@@ -262,7 +262,7 @@ def _wire_shape(m: Message) -> tuple[Any, ...] | None:
                 return None
             kind = b.get("type")
             tid = b.get("id") if kind == "tool_use" else b.get("tool_use_id")
-            kinds.append((kind, tid))
+            kinds.append((kind, str(tid)))  # as the pairing keys an id (1 == True, not "1")
         blocks = tuple(kinds)
     return (m.type, m.subtype, m.message_id, m.restarts_thread, blocks)
 

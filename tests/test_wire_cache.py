@@ -240,3 +240,31 @@ def test_wire_cache_is_still_importable_from_pipeline_wire() -> None:
     assert wire.request_chars is wire_cache.request_chars
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         wire.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("used", "answered", "now"),
+    [
+        (1, 1, True),
+        (1, 1, 1.0),
+        ({"a": 1, "b": 2}, {"a": 1, "b": 2}, {"b": 2, "a": 1}),
+        (True, 1, True),
+    ],
+)
+def test_an_id_replaced_by_an_equal_value_of_another_kind_repairs_the_pairing(
+    used: object, answered: object, now: object
+) -> None:
+    """Ids that compare equal may still pair differently (the pairing keys ``str(id)``): a
+    result whose id changed that way is no same-shape edit, and the pairing follows it."""
+
+    def result(tid: object) -> Message:
+        return Message.user([{"type": "tool_result", "tool_use_id": tid, "content": "x"}])
+
+    use = Message.assistant([{"type": "tool_use", "id": used, "name": "Bash", "input": {}}])
+    history = [user_text("hi"), use, result(answered), user_text("next")]
+    cache = WireCache()
+    cache.to_api(history)
+    history[2] = result(now)
+    request = cache.to_api(history)
+    assert json.dumps(request) == json.dumps(to_api(history))
+    assert cache.pairing.problems == check_pairing(request)
