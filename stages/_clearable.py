@@ -14,13 +14,14 @@ from typing import Any
 from pipeline.messages import Message
 from pipeline.replacement import content_is_empty, is_replacement_text
 from pipeline.tokens import find_anchor, rough_tokens_for_messages
-from stages._shared import CLEARED_PLACEHOLDER, result_ids, tool_results
+from stages._shared import CLEARED_PLACEHOLDER, ContentFor, result_ids, tool_results
 
 __all__ = [
     "ClearableResult",
     "ClearableScan",
     "Gains",
     "block_gain",
+    "clears",
     "is_preview",
     "is_protected_content",
     "newest_turn_ids",
@@ -124,6 +125,19 @@ class ClearableScan:
     def kept(self, cleared: Mapping[str, str]) -> int:
         """How many results are not cleared."""
         return sum(1 for tid in self.results if tid not in cleared)
+
+
+def clears(texts: Mapping[str, str]) -> ContentFor:
+    """The cleared text of each result ``texts`` names -- never over a persisted-output preview,
+    which points at the full output (not even by id)."""
+
+    def content_for(block: Mapping[str, Any]) -> str | None:
+        tid = block.get("tool_use_id")
+        if not isinstance(tid, str) or is_preview(block.get("content")):
+            return None
+        return texts.get(tid)
+
+    return content_for
 
 
 def newest_turn_ids(messages: Sequence[Message], turn_start: int) -> set[str]:

@@ -32,9 +32,8 @@ tell a real cache break (``cleared > 0``) from a byte-identical re-application.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
 
 from pipeline import Message, SessionContext
 from pipeline.incremental import first_difference
@@ -44,13 +43,12 @@ from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._clear_state import ClearPass, ClearState, LastPass, Reapplied
 from stages._clearable import (
     ClearableResult,
-    is_preview,
+    clears,
     newest_turn_ids,
     response_times,
 )
 from stages._shared import (
     CLEARED_PLACEHOLDER,
-    ContentFor,
     anchor_uuid,
     check_bool,
     check_int,
@@ -81,19 +79,6 @@ DEFAULT_COMPACTABLE_TOOLS: tuple[str, ...] = (
     "bash",
 )
 """Tools whose old output the model can get again (re-read, re-run): safe to clear."""
-
-
-def _clears(texts: Mapping[str, str]) -> ContentFor:
-    """The cleared text of each result ``texts`` names -- never over a persisted-output preview,
-    which points at the full output (not even by id)."""
-
-    def content_for(block: Mapping[str, Any]) -> str | None:
-        tid = block.get("tool_use_id")
-        if not isinstance(tid, str) or is_preview(block.get("content")):
-            return None
-        return texts.get(tid)
-
-    return content_for
 
 
 def _first_difference(a: Sequence[Message], b: Sequence[Message], offset: int = 0) -> int:
@@ -323,9 +308,9 @@ class Microcompact:
             state.since.setdefault(anchor_id, []).extend(new)
         at = sorted({i for r in eligible for i, _ in r.positions})
         if current is not p.messages:  # its own list, kept from the last pass: patched in place
-            out, changed = current, patch_results(current, _clears(new), at)
+            out, changed = current, patch_results(current, clears(new), at)
         else:
-            out = replace_results(current, _clears(new), at)
+            out = replace_results(current, clears(new), at)
             changed = next((i for i in at if out[i] is not current[i]), len(out))
         freed = sum(r.tokens_before_anchor for r in eligible)
         ctx.report.tokens_freed += freed
@@ -380,7 +365,7 @@ class Microcompact:
                 for tid in result_ids(region)
                 if tid in state.cleared and tid not in newest and p.names.get(tid) in self._tools
             }
-            redone = replace_results(region, _clears(texts))
+            redone = replace_results(region, clears(texts))
             held = last.held + len(texts)
             if last.first_patch >= k:
                 if redone is region:
@@ -400,6 +385,6 @@ class Microcompact:
             if tid in found and tid not in found.newest_turn_ids
         }
         # only what the API sees (from the thread start), as a clear pass patches
-        out = replace_results(messages, _clears(texts), range(p.start, n))
+        out = replace_results(messages, clears(texts), range(p.start, n))
         first = n if out is messages else _first_difference(out, messages)
         return Reapplied(out, first, len(texts), newest_cleared)
