@@ -30,10 +30,12 @@ class WireCache:
     :func:`~pipeline.pairing.check_pairing`, both kept up to date the same way.
 
     A call finds the first record that differs from the last call's input (one C-level
-    identity sweep), rolls the wire entries back to the first one a changed record went into,
-    and feeds the records from there: a history that only grew costs its new records, an edit
-    (a stage clearing old results, say) what follows it. A changed or new compact boundary
-    starts over.
+    identity sweep, or the list's own journal for a :class:`~pipeline.kept_list.KeptList`). Old
+    records replaced by records of the same wire shape (the same kinds of blocks and tool ids:
+    a stage clearing old results) rebuild only the messages they went into. Otherwise it rolls
+    the wire entries back to the first one a changed record went into and feeds the records
+    from there: a history that only grew costs its new records, another edit what follows it.
+    A changed or new compact boundary starts over.
 
     The messages of a returned request are shared with the cache and with the next requests,
     except the last ``editable`` ones (default 2), which are new dicts with new content lists:
