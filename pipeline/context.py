@@ -151,7 +151,7 @@ class SessionContext:
         so whatever a stage remembers about one session lives here."""
         self.stage_records: list[StageRecord] = list(stage_records)
         """Records a resumed session's stages restore their decisions from."""
-        # an uncontended pass takes the lock without yielding (Pipeline.run checkpoints once)
+        # an uncontended pass takes the lock without a trip through the event loop
         self.lock = anyio.Lock(fast_acquire=True)
         self.report = PassReport()
         self.call: int | None = None

@@ -321,8 +321,8 @@ def start_current_span(
     recording and of no valid context: the API's no-op tracer) is not made current when it
     would change nothing a span or a log line could see: with no ``context`` given, an invalid
     span means the current one is invalid too. That saves a context attach and detach per
-    pass. A span started in a given ``context`` (a replay's call: a trace of its own) is
-    always made current, so that what runs inside does not see the caller's span."""
+    pass. A span started in a given ``context`` is always made current, so that what runs
+    inside does not see the caller's span."""
     span = tracer.start_span(
         name,
         record_exception=record_exception,

@@ -217,7 +217,9 @@ class _Wire:
 
     def add(self, m: Message) -> int:
         """Take the next record (after the last compact boundary); return the index of the
-        entry it went into, -1 when the wire drops it."""
+        entry it went into, -1 when the wire drops it. Where a record goes depends on its type,
+        subtype, response id and its blocks' types alone (``WireCache`` relies on it to rebuild
+        a message in place: keep ``pipeline.wire_cache._wire_shape`` in step)."""
         if m.type == "progress":
             return -1
         if m.type == "system" and m.subtype != "local_command":

@@ -122,10 +122,10 @@ class WireCache:
         self._changed_from = 0
         self._chars: list[int] = []
         self.chars = 0
+        """Characters of visible text in the last request (see :func:`request_chars`)."""
         self._breakpoints: list[int] = []
         self.breakpoints = 0
         """Blocks of the last request that carry ``cache_control`` (the API allows four)."""
-        """Characters of visible text in the last request (see :func:`request_chars`)."""
         self.pairing = PairingIndex()
         """The pairing problems of the last request (see :meth:`ensure_paired`)."""
 
