@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
 
-__all__ = ["add_cache_breakpoint", "param_breakpoints"]
+__all__ = ["add_cache_breakpoint", "param_breakpoints", "place_cache_breakpoint"]
 
 _NO_BREAKPOINT = frozenset({"thinking", "redacted_thinking"})
 """Blocks that cannot carry ``cache_control``."""
@@ -27,6 +27,13 @@ def add_cache_breakpoint(request: list[MessageParam]) -> bool:
     the breakpoint, and the next request, which extends this one, reads it back). The message
     is replaced by a copy with a new content list; no shared block is touched. Returns
     whether a breakpoint was placed."""
+    return place_cache_breakpoint(request) is not None
+
+
+def place_cache_breakpoint(request: list[MessageParam]) -> int | None:
+    """:func:`add_cache_breakpoint`, returning the index of the message it replaced (``None``:
+    no block can carry one) -- for a caller whose request list is shared with a cache that
+    must be told (:meth:`pipeline.wire_cache.WireCache.replaced`)."""
     for i in range(len(request) - 1, -1, -1):
         param = request[i]
         blocks: Any = param["content"]
@@ -44,5 +51,5 @@ def add_cache_breakpoint(request: list[MessageParam]) -> bool:
                 *blocks[j + 1 :],
             ]
             request[i] = cast("MessageParam", {"role": param["role"], "content": marked})
-            return True
-    return False
+            return i
+    return None

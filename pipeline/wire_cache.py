@@ -97,6 +97,12 @@ class WireCache:
         self._shared_plain, self._changed_from = tail, len(params)
         return out
 
+    def replaced(self, index: int) -> None:
+        """The caller replaced message ``index`` of the last shared request (say, by a copy that
+        carries a ``cache_control`` breakpoint, :func:`~pipeline.caching.place_cache_breakpoint`):
+        the next shared request puts the cache's own message back there."""
+        self._shared_plain = max(0, min(self._shared_plain, index))
+
     @property
     def tool_use_ids(self) -> AbstractSet[str]:
         """The tool_use ids of the last request (a live view)."""

@@ -38,6 +38,7 @@ from pipeline.agent import (
     AgentAPIError,
     RetryPolicy,
     SessionBusyError,
+    TurnLog,
     repair_pairing,
     session_lock,
     store_root_of,
@@ -688,3 +689,42 @@ def test_the_agent_asks_for_its_prefix_to_be_cached(tmp_path: Path) -> None:
     assert marked == [(2, "tool_result")]  # one breakpoint, on the last block
     recorded = load_transcript(tmp_path / "s1" / "transcript.jsonl").messages
     assert "cache_control" not in json.dumps([m.content for m in recorded])
+
+
+def test_a_breakpoint_on_an_older_message_is_taken_back_next_turn(tmp_path: Path) -> None:
+    """The agent's request is the wire cache's own list, updated in place. When the last
+    messages cannot carry a breakpoint (string prompts, a thinking-only reply), it goes on an
+    older message, which the next request must restore: every request carries exactly one."""
+    thinking = [{"type": "thinking", "thinking": "hm", "signature": "sig"}]
+    replies = iter([_message(), _message(id="msg_t", content=thinking), _message(id="msg_z")])
+    logs: list[TurnLog] = []
+    seen: list[str] = []
+
+    def keep(log: TurnLog) -> None:
+        logs.append(log)
+        seen.append(json.dumps(log.request))
+
+    with ScriptedMessagesServer(lambda _b: RawReply(next(replies))) as server:
+        agent = _agent(server, tmp_path, on_turn=keep)
+        for prompt in ("one", "two", "three"):
+            anyio.run(agent.run, prompt)
+        sent = [r["messages"] for r in server.requests]
+    marks = [
+        [i for i, m in enumerate(request) if "cache_control" in json.dumps(m)] for request in sent
+    ]
+    # "three" follows a thinking-only reply and a string prompt: the mark goes back to index 1
+    assert marks == [[], [1], [1]]
+    assert len(sent[2]) == 5  # the mark sits before the last two messages (the cache's own)
+    for request, log, before in zip(sent, logs, seen, strict=True):
+        assert json.dumps(log.request) == before  # an observer's copy never changes later
+        assert json.loads(before) == request  # and it is what was sent
+    replies = iter([_message(id="msg_4")])
+    with ScriptedMessagesServer(lambda _b: RawReply(next(replies))) as server:
+        agent.client = anthropic.AsyncAnthropic(
+            base_url=server.base_url, api_key="k", max_retries=0
+        )
+        anyio.run(agent.run, "four")
+        fourth = server.requests[0]["messages"]
+    # a new last message that can carry the mark: the older one is restored, unmarked
+    assert [i for i, m in enumerate(fourth) if "cache_control" in json.dumps(m)] == [5]
+    assert without_cache_control(fourth) == json.loads(json.dumps(to_api(agent.history[:-1])))

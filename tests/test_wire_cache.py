@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, to_api
+from pipeline.caching import place_cache_breakpoint
 from pipeline.kept_list import KeptList
 from pipeline.pairing import PairingError, check_pairing
 from pipeline.testing import RecordReads
@@ -92,11 +93,14 @@ def test_a_shared_request_of_a_kept_history_equals_to_api(
 ) -> None:
     """The replay's way: the history is one kept list changed in place (its log asks it what
     changed) and the request is the cache's own list, brought up to date in place; a caller
-    marks the last block of each request (as the agent adds a cache breakpoint)."""
+    marks the last block of each request, or places a cache breakpoint as the agent does (on
+    the last block that can carry one, perhaps before the editable messages) and says where."""
     cache = WireCache()
     view: KeptList[Message] = KeptList()
     for step in steps:
-        view.extend(history[len(view) : data.draw(st.integers(len(view), len(history)))])
+        view.extend(
+            history[len(view) : data.draw(st.integers(len(view), max(len(view), len(history))))]
+        )
         if step == 0 and view:
             i = data.draw(st.integers(0, len(view) - 1))
             view[i] = user_text(f"edited {i}")
@@ -110,12 +114,20 @@ def test_a_shared_request_of_a_kept_history_equals_to_api(
             view.insert(data.draw(st.integers(0, len(view))), view.pop())
         elif step in (5, 6) and view:
             _reshape(view, data)
+        elif step == 7:  # nothing at the end can carry a breakpoint: it goes further back
+            thinking = {"type": "thinking", "thinking": "t", "signature": "s"}
+            view += [Message.assistant([thinking], message_id=f"th{len(view)}"), user_text("p")]
         request = cache.to_api(view, shared=True)
         expected = to_api(view)
         assert json.dumps(request) == json.dumps(expected)
         assert cache.to_api(view, shared=True) is request
         assert cache.chars == request_chars(expected)
         assert cache.pairing.problems == check_pairing(expected)
+        if data.draw(st.booleans()):  # as the agent marks it: on an older message, if need be
+            marked = place_cache_breakpoint(request)
+            if marked is not None:
+                cache.replaced(marked)
+            continue
         content = request[-1]["content"] if request else ""
         if isinstance(content, list) and content:
             content[-1] = {**content[-1], "cache_control": {"type": "ephemeral"}}

@@ -32,7 +32,7 @@ from pipeline.agent.resume import (
     store_root_of,
 )
 from pipeline.agent.retry import RetryPolicy
-from pipeline.caching import add_cache_breakpoint
+from pipeline.caching import place_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.encoding import encodable
@@ -263,10 +263,13 @@ class Agent:
             # held: the tracker observes it after the API call, and another pass on this context
             # (a preview of the next request, say) may run during that await and copy it first
             held = ctx.hold(projected)
-            request = self._wire.to_api(projected)
+            # the cache's own list, updated in place: a new list per turn grew with the history
+            request = self._wire.to_api(projected, shared=True)
             self._wire.ensure_paired()
             if self.cache and self._wire.breakpoints < _MAX_BREAKPOINTS:
-                add_cache_breakpoint(request)  # the stable prefix is cached, and read next turn
+                marked = place_cache_breakpoint(request)  # the stable prefix, read next turn
+                if marked is not None:
+                    self._wire.replaced(marked)  # the next request restores that message
             estimated = ctx.report.estimated_tokens  # computed once, by the pipeline
             kwargs: dict[str, Any] = {}
             # what the caller gave goes over the wire too: it must encode like the messages
@@ -312,7 +315,7 @@ class Agent:
                     TurnLog(
                         number=self.turns_done,
                         message_id=message_id,
-                        request=request,
+                        request=list(request),  # the observer's own: the next turn reuses it
                         estimated_tokens=estimated,
                         usage=usage,
                         report=report,

@@ -55,6 +55,7 @@ from pipeline import (  # noqa: E402
     load_transcript,
     to_api,
 )
+from pipeline.caching import place_cache_breakpoint  # noqa: E402
 from pipeline.kept_list import KeptList  # noqa: E402
 from pipeline.pairing import check_pairing  # noqa: E402
 from pipeline.replay import find_calls, replay_messages  # noqa: E402
@@ -211,11 +212,15 @@ async def _live(target: int) -> None:
         history += gen.turn(sent)
         start = time.process_time()
         # as Agent.turn: the stages' own list, held across the API call (copied only if
-        # another pass overlaps it), a new request list, the pairing check
+        # another pass overlaps it), the request cache's own list, the pairing check, the
+        # prompt-cache breakpoint (the next request restores the message it replaced)
         projected = await pipe.run(history, ctx, shared=True)
         held = ctx.hold(projected)
-        wire.to_api(projected)
+        request = wire.to_api(projected, shared=True)
         wire.ensure_paired()
+        marked = place_cache_breakpoint(request)
+        if marked is not None:
+            wire.replaced(marked)
         held.release()
         per_turn.append((len(history), time.process_time() - start))
         acting.append(ctx.report.tokens_freed > 0)
@@ -249,6 +254,19 @@ async def _live(target: int) -> None:
         print(
             f"{label:>16} {statistics.fmean(quiet):18.2f} {statistics.median(quiet):7.2f} "
             f"{len(acted):>14} {acted_mean}"
+        )
+    # flat with history: per-turn means over bins of 1,000 messages, fitted as c * messages^k
+    # (k = 0 is flat; the replay's growth target, total ~ calls^1.15, is k <= 0.15 per call)
+    bins: dict[int, list[float]] = {}
+    for n, t in per_turn:
+        if n >= 1_000:
+            bins.setdefault(n // 1_000, []).append(t)
+    mids = [k * 1_000 + 500 for k in sorted(bins)]
+    means = [statistics.fmean(bins[k]) for k in sorted(bins)]
+    if len(mids) > 1:
+        print(
+            f"per-turn mean ~ messages^k over {mids[0]:,}-{mids[-1]:,} messages: "
+            f"k = {fit_exponent(mids, means):.3f}"
         )
     last = sorted(t * 1e3 for n, t in per_turn[-50:])
     plain = []
