@@ -13,6 +13,7 @@ a view answers every question exactly as that scan would.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -24,6 +25,7 @@ from stages._clearable import (
     Gains,
     block_gain,
     is_protected_content,
+    rough_tokens_priced,
     scan_clearable,
 )
 from stages._shared import tool_results
@@ -57,6 +59,8 @@ class ClearIndex:
         """Ids that may be eligible: unprotected, something to reclaim, not cleared."""
         self.cleared_count = 0
         """How many ids in ``results`` are cleared."""
+        self.tokens = array("q")
+        """The rough tokens of each settled record (see :meth:`rough_tokens_after`)."""
 
     def settle(
         self,
@@ -95,8 +99,53 @@ class ClearIndex:
                 r.tokens_before_anchor += gain
                 if not r.protected and r.reclaim > 0 and tid not in cleared:
                     pending[tid] = None
+            self.tokens.append(rough_tokens_priced((messages[i],), gains))
         self.settled = max(self.settled, upto)
         self.valid = True
+
+    def fold(
+        self,
+        messages: Sequence[Message],
+        start: int,
+        turn_start: int,
+        names: Mapping[str, str],
+        tools: frozenset[str],
+        cleared: Mapping[str, str],
+        gains: Gains,
+        *,
+        afresh: bool = True,
+    ) -> bool:
+        """Fold in what has settled since the last fold (the arguments of :meth:`view`).
+
+        A pass that does not clear folds in its few newly settled records (``afresh=False``),
+        so the pass that clears finds nearly all of them folded in already; it never folds in
+        the whole history (after an edit), which is left to a pass that reads it. Returns
+        whether the index is now up to date."""
+        anchor = find_anchor(messages)
+        settled = max(start, min(turn_start + 1, anchor[0] if anchor is not None else start))
+        if not self.valid or self.start != start or self.tools != tools or settled < self.settled:
+            if not afresh:
+                return False
+            self.reset(start, tools)
+        self.settle(messages, settled, names, cleared, gains)
+        return True
+
+    def rough_tokens_after(
+        self, out: Sequence[Message], messages: Sequence[Message], first: int, gains: Gains
+    ) -> int:
+        """``rough_tokens_for_messages(out[first:])`` for an output of ``messages`` (the input
+        this index is up to date with): a settled record the output still holds is not priced
+        again."""
+        start, settled, tokens = self.start, self.settled, self.tokens
+        total = 0
+        for i in range(first, min(len(out), len(messages), settled)):
+            m = out[i]
+            if i >= start and m is messages[i]:
+                total += tokens[i - start]
+            else:
+                total += rough_tokens_priced((m,), gains)
+        rest = max(first, min(len(out), settled))
+        return total + rough_tokens_priced(out[rest:], gains)
 
     def view(
         self,
@@ -114,11 +163,7 @@ class ClearIndex:
         Folds in what has settled since the last view and scans the rest. Only valid while the
         history has only grown since the index was last reset (the caller unsets ``valid``
         otherwise)."""
-        anchor = find_anchor(messages)
-        settled = max(start, min(turn_start + 1, anchor[0] if anchor is not None else start))
-        if not self.valid or self.start != start or self.tools != tools or settled < self.settled:
-            self.reset(start, tools)
-        self.settle(messages, settled, names, cleared, gains)
+        self.fold(messages, start, turn_start, names, tools, cleared, gains)
         tail = scan_clearable(messages, self.settled, turn_start, names, tools, gains, self.count)
         return ClearView(self, tail)
 

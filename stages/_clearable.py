@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeline.messages import Message
 from pipeline.replacement import content_is_empty, is_replacement_text
-from pipeline.tokens import find_anchor, rough_tokens_for_messages
+from pipeline.tokens import find_anchor, rough_tokens_for_block, rough_tokens_for_messages
 from stages._shared import CLEARED_PLACEHOLDER, ContentFor, result_ids, tool_results
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "is_protected_content",
     "newest_turn_ids",
     "response_times",
+    "rough_tokens_priced",
     "scan_clearable",
 ]
 
@@ -52,28 +53,41 @@ def is_protected_content(content: Any) -> bool:
     return True  # unknown shape: leave it alone rather than guess
 
 
-def _block_tokens(block: Mapping[str, Any]) -> int:
-    # the tracker's own estimate rules (images a fixed 2,000, JSON 2 chars/token, ...)
-    return rough_tokens_for_messages((Message(type="user", content=[dict(block)], uuid=""),))
-
-
-_PLACEHOLDER_TOKENS = _block_tokens(
+_PLACEHOLDER_TOKENS = rough_tokens_for_block(
     {"type": "tool_result", "tool_use_id": "", "content": CLEARED_PLACEHOLDER}
 )
 
 Gains = dict[int, tuple[Mapping[str, Any], int]]
-"""What clearing a block would free, by block identity (blocks are never mutated); each entry
-holds its block, which keeps the id unique."""
+"""The rough tokens of tool_result blocks priced so far, by block identity (blocks are never
+mutated); each entry holds its block, which keeps the id unique."""
 
 
 def block_gain(block: Mapping[str, Any], gains: Gains) -> int:
-    """The tokens clearing ``block`` would free (priced once per block)."""
+    """The tokens clearing ``block`` would free (the block priced once)."""
     known = gains.get(id(block))
     if known is not None and known[0] is block:
-        return known[1]
-    gain = max(0, _block_tokens(block) - _PLACEHOLDER_TOKENS)
-    gains[id(block)] = (block, gain)
-    return gain
+        return max(0, known[1] - _PLACEHOLDER_TOKENS)
+    tokens = rough_tokens_for_block(block)
+    gains[id(block)] = (block, tokens)
+    return max(0, tokens - _PLACEHOLDER_TOKENS)
+
+
+def rough_tokens_priced(messages: Sequence[Message], gains: Gains) -> int:
+    """``rough_tokens_for_messages(messages)``, with the blocks in ``gains`` not priced again
+    (a clear prices what follows it: mostly results a scan has priced already)."""
+    total = 0
+    for m in messages:
+        content = m.content
+        if m.type != "user" or not isinstance(content, list):
+            total += rough_tokens_for_messages((m,))
+            continue
+        for b in content:
+            if isinstance(b, Mapping):
+                known = gains.get(id(b))
+                total += (
+                    known[1] if known is not None and known[0] is b else rough_tokens_for_block(b)
+                )
+    return total
 
 
 @dataclass(slots=True)

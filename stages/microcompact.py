@@ -38,7 +38,6 @@ from datetime import UTC, datetime
 from pipeline import Message, SessionContext
 from pipeline.incremental import first_difference
 from pipeline.kept_list import KeptList
-from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._clear_state import ClearPass, ClearState, LastPass, Reapplied
 from stages._clearable import (
@@ -46,6 +45,7 @@ from stages._clearable import (
     clears,
     newest_turn_ids,
     response_times,
+    rough_tokens_priced,
 )
 from stages._shared import (
     CLEARED_PLACEHOLDER,
@@ -212,6 +212,11 @@ class Microcompact:
                 )
                 cleared = len(eligible)
         else:
+            if self.incremental:  # the pass that clears then finds the history folded in
+                state.index.fold(
+                    messages, start, turn_start, names, self._tools, state.cleared, state.gains,
+                    afresh=False,
+                )  # fmt: skip
             facts[ATTR.TRIGGER] = "none"
             reason = Reason.BELOW_TRIGGER if self.trigger_tokens > 0 else Reason.CACHE_WARM
             facts.update({ATTR.CLEARED: 0, ATTR.TOKENS_FREED: 0, ATTR.CACHE_REWRITE_TOKENS: 0})
@@ -318,7 +323,11 @@ class Microcompact:
         facts[ATTR.KEPT] = p.scan().kept(state.cleared)
         facts[ATTR.CLEARED] = len(eligible)
         facts[ATTR.TOKENS_FREED] = freed
-        facts[ATTR.CACHE_REWRITE_TOKENS] = rough_tokens_for_messages(out[first:])
+        facts[ATTR.CACHE_REWRITE_TOKENS] = (
+            state.index.rough_tokens_after(out, p.messages, first, state.gains)
+            if self.incremental  # the scan just brought the index up to date
+            else rough_tokens_priced(out[first:], state.gains)
+        )
         data = {
             "strategy": self.strategy,
             "placeholder": CLEARED_PLACEHOLDER,

@@ -14,8 +14,9 @@ from pipeline import Message, Usage
 from pipeline.incremental import AppendWatch
 from pipeline.messages import SYNTHETIC_MODEL
 from pipeline.replacement import PERSISTED_OUTPUT_TAG
+from pipeline.tokens import rough_tokens_for_messages
 from stages._clear_index import ClearIndex
-from stages._clearable import Gains, scan_clearable
+from stages._clearable import Gains, rough_tokens_priced, scan_clearable
 from stages._shared import CLEARED_PLACEHOLDER, last_response, tool_results
 from tests.builders import tool_result, tool_use
 
@@ -129,7 +130,36 @@ def test_the_view_answers_as_a_whole_history_scan(data: st.DataObject) -> None:
             for t in dict.fromkeys(fresh):
                 cleared[t] = CLEARED_PLACEHOLDER
             index.note_cleared(dict.fromkeys(fresh))
+            if data.draw(st.booleans()):  # a pass that does not clear folds in what settled
+                _fold_quietly(history, watch, index, cleared, gains)
             _check(history, watch, index, cleared, gains, seen)
+            first = data.draw(st.integers(0, len(history)))
+            _check_rough_tokens(history, index, gains, first, data.draw(st.integers(1, 4)))
+
+
+def _fold_quietly(
+    history: list[Message], watch: AppendWatch, index: ClearIndex, cleared: dict[str, str],
+    gains: Gains,
+) -> None:  # fmt: skip
+    response = last_response(history, watch.start)
+    turn_start = response[0] if response is not None else watch.start - 1
+    was_valid = index.valid
+    folded = index.fold(
+        history, watch.start, turn_start, watch.tool_names, TOOLS, cleared, gains, afresh=False
+    )
+    assert folded or not was_valid or index.start != watch.start  # only an edit defers it
+
+
+def _check_rough_tokens(
+    history: list[Message], index: ClearIndex, gains: Gains, first: int, every: int
+) -> None:
+    """The cache-rewrite count: the rough tokens of an output from ``first`` on, settled
+    records it still holds read from the index, the rest priced (gains reused)."""
+    out = [m if k % every else dataclasses.replace(m) for k, m in enumerate(history)]
+    assert rough_tokens_priced(history, gains) == rough_tokens_for_messages(history)
+    assert index.rough_tokens_after(out, history, first, gains) == rough_tokens_for_messages(
+        out[first:]
+    )
 
 
 def _check(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from typing import Any, get_args, get_type_hints
 
@@ -634,3 +635,29 @@ def test_message_views() -> None:
     assert (changed.uuid, changed.message_id, changed.usage) == (m.uuid, "m", Usage(1))
     assert m.content == [text("a")]
     assert Message.user("x").uuid != Message.user("x").uuid
+
+
+def test_with_content_keeps_every_other_field() -> None:
+    """with_content passes the fields by position: every one, set to a value that is not its
+    default, comes back (a new field that is keyword-only or left out fails here)."""
+    values: dict[str, Any] = {
+        "type": "assistant",
+        "content": [text("a")],
+        "uuid": "u1",
+        "message_id": "m1",
+        "model": "claude-x",
+        "usage": Usage(input_tokens=7),
+        "stop_reason": "end_turn",
+        "subtype": "s",
+        "timestamp": "2026-12-01T00:00:00.000Z",
+        "is_compact_summary": True,
+        "is_sidechain": True,
+        "is_meta": True,
+    }
+    assert set(values) == {f.name for f in dataclasses.fields(Message)}
+    m = Message(**values)
+    changed = m.with_content([text("b")])
+    assert changed.content == [text("b")]
+    assert {n: getattr(changed, n) for n in values if n != "content"} == {
+        n: v for n, v in values.items() if n != "content"
+    }

@@ -13,6 +13,7 @@ from pipeline.tokens.calibrated import CalibratedEstimator
 from pipeline.tokens.media import IMAGE_TOKENS
 from pipeline.tokens.reference import (
     ReferenceEstimator,
+    rough_tokens_for_block,
     rough_tokens_for_messages,
     rough_tokens_for_text,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "TokenTracker",
     "calibration_path_for",
     "find_anchor",
+    "rough_tokens_for_block",
     "rough_tokens_for_messages",
     "rough_tokens_for_text",
 ]

@@ -25,6 +25,7 @@ from pipeline.tokens.text_stats import TextKind, text_class, text_stats
 __all__ = [
     "ContentVector",
     "Segment",
+    "block_segments",
     "content_vector",
     "is_wire_visible",
     "iter_segments",
@@ -71,6 +72,14 @@ def iter_segments(message: Message) -> Iterator[Segment]:
                 raise ValueError(
                     f"record {message.uuid!r}: a content block is nested too deeply to measure"
                 ) from None
+
+
+def block_segments(block: Mapping[str, Any]) -> Iterator[Segment]:
+    """The segments of one content block: what :func:`iter_segments` yields for it."""
+    try:
+        yield from _block_segments(block, error=False)
+    except RecursionError:  # a block built past what JSON can be written for
+        raise ValueError("a content block is nested too deeply to measure") from None
 
 
 def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segment]:

@@ -7,18 +7,23 @@ usage anywhere: estimate everything. It learns nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pipeline.messages import Message, Usage
 from pipeline.tokens.anchor import compaction_restart
-from pipeline.tokens.features import is_wire_visible, iter_segments
+from pipeline.tokens.features import block_segments, is_wire_visible, iter_segments
 from pipeline.tokens.media import IMAGE_TOKENS
 from pipeline.tokens.priors import model_family
 from pipeline.tokens.stats import EstimateDetail
 from pipeline.tokens.text_stats import looks_like_json
 
-__all__ = ["ReferenceEstimator", "rough_tokens_for_messages", "rough_tokens_for_text"]
+__all__ = [
+    "ReferenceEstimator",
+    "rough_tokens_for_block",
+    "rough_tokens_for_messages",
+    "rough_tokens_for_text",
+]
 
 
 def rough_tokens_for_text(text: str) -> int:
@@ -29,6 +34,15 @@ def rough_tokens_for_text(text: str) -> int:
 def rough_tokens_for_messages(messages: Iterable[Message]) -> int:
     """The reference rough estimate of the wire-visible content of ``messages``."""
     return sum(map(_rough_tokens, messages))
+
+
+def rough_tokens_for_block(block: Mapping[str, Any]) -> int:
+    """The reference rough estimate of one content block of a wire-visible message (a
+    message's estimate is the sum over its blocks)."""
+    total = 0
+    for seg in block_segments(block):
+        total += IMAGE_TOKENS if seg.kind == "media" else rough_tokens_for_text(seg.text)
+    return total
 
 
 def _rough_tokens(m: Message) -> int:
