@@ -60,7 +60,8 @@ class ClearIndex:
         self.cleared_count = 0
         """How many ids in ``results`` are cleared."""
         self.tokens = array("q")
-        """The rough tokens of each settled record (see :meth:`rough_tokens_after`)."""
+        """The rough tokens of each settled record, -1 where not counted (see
+        :meth:`rough_tokens_after`)."""
 
     def settle(
         self,
@@ -69,9 +70,12 @@ class ClearIndex:
         names: Mapping[str, str],
         cleared: Mapping[str, str],
         gains: Gains,
+        *,
+        price: bool = True,
     ) -> None:
         """Fold in the records from ``settled`` to ``upto`` (all before the newest turn and
-        before the usage anchor)."""
+        before the usage anchor). ``price``: count each record's rough tokens now (a few new
+        records); else they are counted when asked for (a whole history folded in afresh)."""
         results, by_last, pending, tools = self.results, self.by_last, self.pending, self.tools
         self.valid = False  # until the fold completes: a failure midway leaves nothing to trust
         for i in range(self.settled, upto):
@@ -99,7 +103,7 @@ class ClearIndex:
                 r.tokens_before_anchor += gain
                 if not r.protected and r.reclaim > 0 and tid not in cleared:
                     pending[tid] = None
-            self.tokens.append(rough_tokens_priced((messages[i],), gains))
+            self.tokens.append(rough_tokens_priced((messages[i],), gains) if price else -1)
         self.settled = max(self.settled, upto)
         self.valid = True
 
@@ -123,11 +127,13 @@ class ClearIndex:
         whether the index is now up to date."""
         anchor = find_anchor(messages)
         settled = max(start, min(turn_start + 1, anchor[0] if anchor is not None else start))
+        price = True
         if not self.valid or self.start != start or self.tools != tools or settled < self.settled:
             if not afresh:
                 return False
             self.reset(start, tools)
-        self.settle(messages, settled, names, cleared, gains)
+            price = False
+        self.settle(messages, settled, names, cleared, gains, price=price)
         return True
 
     def rough_tokens_after(
@@ -140,10 +146,8 @@ class ClearIndex:
         total = 0
         for i in range(first, min(len(out), len(messages), settled)):
             m = out[i]
-            if i >= start and m is messages[i]:
-                total += tokens[i - start]
-            else:
-                total += rough_tokens_priced((m,), gains)
+            known = tokens[i - start] if i >= start and m is messages[i] else -1
+            total += known if known >= 0 else rough_tokens_priced((m,), gains)
         rest = max(first, min(len(out), settled))
         return total + rough_tokens_priced(out[rest:], gains)
 
