@@ -248,8 +248,12 @@ class AppendWatch:
                 if not any(
                     m.type == "assistant" or _reaches_back(m) for m in (*old, *new)
                 ) and not any(map(_reaches_back, tail)):
-                    self._count(old, -1)  # (tool names come from assistant records alone)
-                    self._count(new, 1)
+                    # (tool names come from assistant records alone)
+                    for was, now in zip(old, new, strict=True):
+                        keys = message_keys(was), message_keys(now)
+                        if keys[0] != keys[1]:  # a cleared result keeps its keys: no change
+                            self._count_keys(keys[0], -1)
+                            self._count_keys(keys[1], 1)
                     self._count(tail, 1)
                     self._learn_names(tail)
                     self._length, self._primed = len(messages), True
@@ -295,14 +299,16 @@ class AppendWatch:
         return True
 
     def _count(self, records: Sequence[Message], by: int) -> None:
-        uuids, rids, tids = self._uuids, self._rids, self._tids
         for m in records:
-            uuid, rid, ids = message_keys(m)
-            _bump(uuids, uuid, by)
-            if rid is not None:
-                _bump(rids, rid, by)
-            for t in ids:
-                _bump(tids, t, by)
+            self._count_keys(message_keys(m), by)
+
+    def _count_keys(self, keys: tuple[str, str | None, list[str]], by: int) -> None:
+        uuid, rid, ids = keys
+        _bump(self._uuids, uuid, by)
+        if rid is not None:
+            _bump(self._rids, rid, by)
+        for t in ids:
+            _bump(self._tids, t, by)
 
     def _rebuild(self, messages: Sequence[Message]) -> None:
         self._uuids, self._rids, self._tids = {}, {}, {}
