@@ -19,6 +19,7 @@ from pipeline.tokens import (
     IMAGE_TOKENS,
     ReferenceEstimator,
     find_anchor,
+    rough_tokens_for_block,
     rough_tokens_for_messages,
     rough_tokens_for_text,
 )
@@ -147,6 +148,33 @@ def test_images_and_documents_are_a_fixed_2000_whatever_their_size() -> None:
     ]
     assert IMAGE_TOKENS == 2_000
     assert rough_tokens_for_messages(msgs) == 2_000 + 1 + 2_000 + 2_000 + 2_000 + 2
+
+
+_TEXTS = st.sampled_from(["", "ok", "x" * 9, "{}", ' {"a": 1} ', "[1]", "é" * 7, "\ud800"])
+_BLOCKS = st.recursive(
+    st.one_of(
+        st.builds(lambda t: {"type": "text", "text": t}, _TEXTS),
+        st.builds(lambda t: {"type": "thinking", "thinking": t, "signature": "s"}, _TEXTS),
+        st.just(IMAGE),
+        st.builds(lambda t: tool_use("u", "Read", arg=t), _TEXTS),
+        st.builds(lambda t: {"type": "server_tool_use", "name": t}, _TEXTS),
+    ),
+    lambda inner: st.builds(
+        lambda c, err: {"type": "tool_result", "tool_use_id": "u", "content": c, "is_error": err},
+        st.one_of(_TEXTS, st.none(), st.integers(), st.lists(inner, max_size=3)),
+        st.booleans(),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_BLOCKS, max_size=4))
+def test_a_message_costs_the_sum_of_its_blocks(blocks: list[dict[str, Any]]) -> None:
+    """What a microcompact clear counts block by block (cached per block) is what the whole
+    message counts (tool_result text has a shortcut of its own)."""
+    total = rough_tokens_for_messages([Message.user(blocks)])
+    assert sum(map(rough_tokens_for_block, blocks)) == total
 
 
 def test_json_family_text_is_2_chars_per_token() -> None:

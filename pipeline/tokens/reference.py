@@ -39,6 +39,10 @@ def rough_tokens_for_messages(messages: Iterable[Message]) -> int:
 def rough_tokens_for_block(block: Mapping[str, Any]) -> int:
     """The reference rough estimate of one content block of a wire-visible message (a
     message's estimate is the sum over its blocks)."""
+    if block.get("type") == "tool_result":
+        content = block.get("content")
+        if isinstance(content, str):  # the commonest block: its wrapper is free, its text not
+            return rough_tokens_for_text(content)
     total = 0
     for seg in block_segments(block):
         total += IMAGE_TOKENS if seg.kind == "media" else rough_tokens_for_text(seg.text)
