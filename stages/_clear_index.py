@@ -5,9 +5,11 @@ which to clear, how much each frees). Most of that history is *settled*: records
 newest turn and before the usage anchor. There nothing the scan derives can change while the
 history only grows -- no record is in the newest turn, every one counts against the anchor --
 so :class:`ClearIndex` folds settled records in once and keeps the totals; a pass then scans
-only the unsettled tail and merges (:class:`ClearView`). Any other change (an edit, a compact
-boundary, a resumed session) invalidates the index, and the next scan folds the history in
-afresh. :func:`~stages._clearable.scan_clearable` over the whole history stays the reference:
+only the unsettled tail and merges (:class:`ClearView`). Passes that do not clear fold in what
+settled since (a few records), so the pass that clears does not pay for the turns before it;
+the index also keeps each settled record's rough tokens, what a clear counts as the prompt
+cache it rewrites. Any other change (an edit, a compact boundary, a resumed session)
+invalidates the index, and the next scan folds the history in afresh. :func:`~stages._clearable.scan_clearable` over the whole history stays the reference:
 a view answers every question exactly as that scan would.
 """
 

@@ -65,7 +65,8 @@ class ClearState:
     last: LastPass | None = None
     """The previous pass's re-application, while it can be extended."""
     gains: Gains = field(default_factory=dict)
-    """What clearing each block would free, by block identity (see :func:`block_gain`)."""
+    """The rough tokens of each tool_result block priced so far, by block identity (what
+    clearing it would free: :func:`block_gain`)."""
     index: ClearIndex = field(default_factory=ClearIndex)
     """The compactable results of the settled part of the history (see :class:`ClearIndex`)."""
     bad_records: int = 0

@@ -192,7 +192,7 @@ def scan_clearable(
     """Every compactable result from ``start`` on: what clearing it would free, whether it may
     be cleared. ``turn_start``: first fragment of the last response (the newest turn follows).
 
-    ``gains`` keeps what clearing each block would free (see :func:`block_gain`), so a later
+    ``gains`` keeps each block's rough tokens (see :func:`block_gain`), so a later
     scan prices only blocks it has not seen. ``position``: how many results with an id come
     before ``start`` (positions count on from there)."""
     if gains is None:
