@@ -9,8 +9,9 @@ only the unsettled tail and merges (:class:`ClearView`). Passes that do not clea
 settled since (a few records), so the pass that clears does not pay for the turns before it;
 the index also keeps each settled record's rough tokens, what a clear counts as the prompt
 cache it rewrites. Any other change (an edit, a compact boundary, a resumed session)
-invalidates the index, and the next scan folds the history in afresh. :func:`~stages._clearable.scan_clearable` over the whole history stays the reference:
-a view answers every question exactly as that scan would.
+invalidates the index, and the next scan folds the history in afresh.
+:func:`~stages._clearable.scan_clearable` over the whole history stays the reference: a view
+answers every question exactly as that scan would.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class ClearIndex:
                 r.tokens_before_anchor += gain
                 if not r.protected and r.reclaim > 0 and tid not in cleared:
                     pending[tid] = None
-            self.tokens.append(rough_tokens_priced((messages[i],), gains) if price else -1)
+            self.tokens.append(_rough_or_unknown(messages[i], gains) if price else -1)
         self.settled = max(self.settled, upto)
         self.valid = True
 
@@ -125,8 +126,8 @@ class ClearIndex:
 
         A pass that does not clear folds in its few newly settled records (``afresh=False``),
         so the pass that clears finds nearly all of them folded in already; it never folds in
-        the whole history (after an edit), which is left to a pass that reads it. Returns
-        whether the index is now up to date."""
+        the whole history (after an edit), which is left to a pass that reads it, and never
+        raises for content it cannot measure. Returns whether the index is now up to date."""
         anchor = find_anchor(messages)
         settled = max(start, min(turn_start + 1, anchor[0] if anchor is not None else start))
         price = True
@@ -135,7 +136,12 @@ class ClearIndex:
                 return False
             self.reset(start, tools)
             price = False
-        self.settle(messages, settled, names, cleared, gains, price=price)
+        try:
+            self.settle(messages, settled, names, cleared, gains, price=price)
+        except ValueError:  # a result that cannot be measured (its content refers to itself)
+            if afresh:
+                raise
+            return False  # left unset: a pass that reads the history says so, as before
         return True
 
     def rough_tokens_after(
@@ -178,6 +184,15 @@ class ClearIndex:
         for tid in ids:
             self.pending.pop(tid, None)
             self.cleared_count += tid in self.results
+
+
+def _rough_or_unknown(m: Message, gains: Gains) -> int:
+    """A settled record's rough tokens, or -1 for one that cannot be measured (a tool input
+    that refers to itself): only a clear that counts it needs it, and fails there as before."""
+    try:
+        return rough_tokens_priced((m,), gains)
+    except ValueError:
+        return -1
 
 
 class ClearView:

@@ -728,3 +728,36 @@ def test_a_breakpoint_on_an_older_message_is_taken_back_next_turn(tmp_path: Path
     # a new last message that can carry the mark: the older one is restored, unmarked
     assert [i for i, m in enumerate(fourth) if "cache_control" in json.dumps(m)] == [5]
     assert without_cache_control(fourth) == json.loads(json.dumps(to_api(agent.history[:-1])))
+
+
+def test_two_runs_of_one_agent_at_once_each_send_their_own_request(tmp_path: Path) -> None:
+    """The request cache's list serves one turn at a time: a turn that starts while another
+    waits to retry builds a list of its own, and the retry resends what it first sent."""
+    calls = iter(range(10))
+
+    def script(_body: dict[str, Any]) -> Reply | ScriptError:
+        if next(calls) == 0:  # the first run's first attempt: retried after 0.5 s
+            return ScriptError(529, "overloaded_error", "busy", headers={"retry-after": "0.5"})
+        return Reply([{"type": "text", "text": "done"}])
+
+    logs: list[str] = []
+    with ScriptedMessagesServer(script) as server:
+        agent = _agent(
+            server,
+            tmp_path,
+            retry=RetryPolicy(retries=2),
+            on_turn=lambda log: logs.append(json.dumps(log.request)),
+        )
+
+        async def both() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(agent.run, "from A")
+                await anyio.sleep(0.2)  # A waits to retry
+                tg.start_soon(agent.run, "from B")
+
+        anyio.run(both)
+        sent = [json.dumps(r["messages"]) for r in server.requests]
+    first, retry = sent[0], sent[2]
+    assert first == retry == json.dumps([{"role": "user", "content": "from A"}])
+    assert logs[-1] == first  # A's turn ends last, and logs what it sent
+    assert "from B" in logs[0] and "from B" in sent[1]

@@ -988,3 +988,28 @@ def test_property_pairing_idempotence_and_untouchables(
                 assert not is_replacement_text(original)
 
     anyio.run(run)
+
+
+def test_a_pass_that_does_not_clear_never_measures_what_it_folds_in(tmp_path: Path) -> None:
+    """A pass that does not clear folds newly settled records into the index; a record it
+    cannot measure (a tool input that refers to itself) leaves the index for a pass that
+    reads the history, rather than failing a pass that never needed its size."""
+    loop: dict[str, Any] = {"a": 1}
+    loop["self"] = loop
+    ctx = SessionContext("s", tmp_path, token_tracker=TokenTracker("reference"))
+    pipe = Pipeline([Microcompact(idle_minutes=60, trigger_tokens=0)])
+    first = [
+        at(user_text("start"), 0),
+        at(assistant("m0", {"type": "text", "text": "r0"}, usage=Usage(10, 5)), 60),
+        at(user_text("two hours later"), 180),
+    ]
+    later = [
+        at(assistant("m1", {"type": "tool_use", "id": "t1", "name": "Read", "input": loop}), 181),
+        at(results(tool_result("t1", "ok")), 181),
+        at(assistant("m2", {"type": "text", "text": "r2"}, usage=Usage(50, 5)), 182),
+        at(user_text("soon after"), 183),
+    ]
+    for history in (first, first + later):
+        out = anyio.run(pipe.run, history, ctx)
+        assert out == history  # nothing cleared, nothing raised
+    assert ctx.report.decisions["microcompact"].reason is Reason.CACHE_WARM  # a quiet pass

@@ -158,6 +158,7 @@ _BLOCKS = st.recursive(
         st.just(IMAGE),
         st.builds(lambda t: tool_use("u", "Read", arg=t), _TEXTS),
         st.builds(lambda t: {"type": "server_tool_use", "name": t}, _TEXTS),
+        st.sampled_from(["junk", 7, None]),  # not a block: skipped
     ),
     lambda inner: st.builds(
         lambda c, err: {"type": "tool_result", "tool_use_id": "u", "content": c, "is_error": err},

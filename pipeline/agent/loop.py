@@ -23,7 +23,7 @@ from structlog.contextvars import bound_contextvars
 
 from pipeline.agent.execution import CANCELLED_RESULT, run_tool_calls
 from pipeline.agent.repair import INTERRUPTED_RESULT
-from pipeline.agent.response import message_from_response
+from pipeline.agent.response import call_messages
 from pipeline.agent.results import AgentAPIError, AgentResult, GatedResult, TurnLog
 from pipeline.agent.resume import (
     load_for_resume,
@@ -104,6 +104,7 @@ class Agent:
         self.pipeline = pipeline
         self.ctx = ctx
         self._wire = WireCache()  # each request built from what changed since the last one
+        self._turns_running = 0
         self._ids: set[str] = set()
         self._ids_seen: tuple[int, Message | None] = (0, None)
         self.system = system
@@ -246,6 +247,16 @@ class Agent:
 
     async def turn(self) -> Message:
         """One model call and the tool calls it asks for. Returns the assistant message."""
+        # the request cache's own list serves one turn at a time: a turn that starts while
+        # another runs (two runs of one agent) sends a list of its own, as a retry must resend
+        # the same request
+        self._turns_running += 1
+        try:
+            return await self._turn(shared=self._turns_running == 1)
+        finally:
+            self._turns_running -= 1
+
+    async def _turn(self, *, shared: bool) -> Message:
         ctx = self.ctx
         ctx.call = self.turns_done  # every span of this turn's pass carries it, every log line
         with (
@@ -264,11 +275,11 @@ class Agent:
             # (a preview of the next request, say) may run during that await and copy it first
             held = ctx.hold(projected)
             # the cache's own list, updated in place: a new list per turn grew with the history
-            request = self._wire.to_api(projected, shared=True)
+            request = self._wire.to_api(projected, shared=shared)
             self._wire.ensure_paired()
             if self.cache and self._wire.breakpoints < _MAX_BREAKPOINTS:
                 marked = place_cache_breakpoint(request)  # the stable prefix, read next turn
-                if marked is not None:
+                if marked is not None and shared:
                     self._wire.replaced(marked)  # the next request restores that message
             estimated = ctx.report.estimated_tokens  # computed once, by the pipeline
             kwargs: dict[str, Any] = {}
@@ -331,7 +342,14 @@ class Agent:
         attempt = 0
         while True:
             try:
-                return await self._call_once(request, kwargs)
+                return await call_messages(
+                    self.client,
+                    request,
+                    model=self.model,
+                    max_tokens=self.max_tokens,
+                    known_tool_ids=self._tool_ids(),
+                    **kwargs,
+                )
             except AgentAPIError as error:
                 attempt += 1
                 wait = self.retry.wait_before(attempt, error.kind, error.retry_after)
@@ -341,36 +359,6 @@ class Agent:
                     "api_retry", kind=error.kind, status=error.status, attempt=attempt, wait_s=wait
                 )
                 await anyio.sleep(wait)
-
-    async def _call_once(self, request: list[MessageParam], kwargs: dict[str, Any]) -> Message:
-        """One Messages API call; the response checked and made a record, or AgentAPIError."""
-        try:
-            raw = await self.client.messages.with_raw_response.create(
-                model=encodable(self.model), max_tokens=self.max_tokens, messages=request, **kwargs
-            )
-        except anthropic.APIError as exc:
-            raise AgentAPIError.from_sdk(exc) from exc
-        except (ValueError, TypeError, UnicodeError) as exc:  # the client could not send it
-            raise AgentAPIError(
-                "bad_request",
-                f"the request could not be sent ({type(exc).__name__})",
-                status=None,
-                request_id=None,
-            ) from exc
-        http = raw.http_response
-        where: dict[str, Any] = {
-            "request": http.request,
-            "status": http.status_code,
-            "request_id": http.headers.get("request-id"),
-        }
-        try:
-            response = await raw.parse()
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-            why = f"its body cannot be parsed ({type(exc).__name__})"
-            raise AgentAPIError(
-                "bad_response", f"the API answered with a malformed message: {why}", **where
-            ) from None
-        return message_from_response(response, known_tool_ids=self._tool_ids(), **where)
 
     def _tool_ids(self) -> set[str]:
         """Every tool_use id of the history (a response reusing one could never be answered,

@@ -9,8 +9,8 @@ transcript, which its own loader then rejects. Every such response is refused he
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
-from typing import Any
+from collections.abc import Mapping, Sequence, Set
+from typing import TYPE_CHECKING, Any
 
 import anthropic
 from pydantic import BaseModel
@@ -19,7 +19,10 @@ from pipeline.agent.results import AgentAPIError
 from pipeline.encoding import encodable
 from pipeline.messages import Block, Message, Usage, now_timestamp
 
-__all__ = ["message_from_response"]
+if TYPE_CHECKING:
+    from anthropic.types import MessageParam
+
+__all__ = ["call_messages", "message_from_response"]
 
 _MAX_ID_CHARS = 256
 
@@ -125,3 +128,42 @@ def message_from_response(
         stop_reason=stop_reason,
         timestamp=now_timestamp(),  # the idle-gap triggers read these
     )
+
+
+async def call_messages(
+    client: anthropic.AsyncAnthropic,
+    request: Sequence[MessageParam],
+    *,
+    model: str,
+    max_tokens: int,
+    known_tool_ids: Set[str],
+    **kwargs: Any,
+) -> Message:
+    """One Messages API call; the response checked and made a record, or AgentAPIError."""
+    try:
+        raw = await client.messages.with_raw_response.create(
+            model=encodable(model), max_tokens=max_tokens, messages=request, **kwargs
+        )
+    except anthropic.APIError as exc:
+        raise AgentAPIError.from_sdk(exc) from exc
+    except (ValueError, TypeError, UnicodeError) as exc:  # the client could not send it
+        raise AgentAPIError(
+            "bad_request",
+            f"the request could not be sent ({type(exc).__name__})",
+            status=None,
+            request_id=None,
+        ) from exc
+    http = raw.http_response
+    where: dict[str, Any] = {
+        "request": http.request,
+        "status": http.status_code,
+        "request_id": http.headers.get("request-id"),
+    }
+    try:
+        response = await raw.parse()
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        why = f"its body cannot be parsed ({type(exc).__name__})"
+        raise AgentAPIError(
+            "bad_response", f"the API answered with a malformed message: {why}", **where
+        ) from None
+    return message_from_response(response, known_tool_ids=known_tool_ids, **where)

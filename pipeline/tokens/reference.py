@@ -38,7 +38,9 @@ def rough_tokens_for_messages(messages: Iterable[Message]) -> int:
 
 def rough_tokens_for_block(block: Mapping[str, Any]) -> int:
     """The reference rough estimate of one content block of a wire-visible message (a
-    message's estimate is the sum over its blocks)."""
+    message's estimate is the sum over its blocks; an item that is not a block costs 0)."""
+    if not isinstance(block, Mapping):
+        return 0
     if block.get("type") == "tool_result":
         content = block.get("content")
         if isinstance(content, str):  # the commonest block: its wrapper is free, its text not
