@@ -82,6 +82,9 @@ class ClearIndex:
         results, by_last, pending, tools = self.results, self.by_last, self.pending, self.tools
         self.valid = False  # until the fold completes: a failure midway leaves nothing to trust
         for i in range(self.settled, upto):
+            # counted while ``gains`` still holds its results' prices, which the index then
+            # keeps as gains (a settled block is not scanned again: its price is let go)
+            tokens = _rough_or_unknown(messages[i], gains) if price else -1
             for j, b in tool_results(messages[i]):
                 tid = b.get("tool_use_id")
                 if not isinstance(tid, str):
@@ -101,12 +104,12 @@ class ClearIndex:
                     r.protected = True
                     pending.pop(tid, None)
                     continue
-                gain = block_gain(b, gains)
+                gain = block_gain(b, gains, keep=False)
                 r.reclaim += gain
                 r.tokens_before_anchor += gain
                 if not r.protected and r.reclaim > 0 and tid not in cleared:
                     pending[tid] = None
-            self.tokens.append(_rough_or_unknown(messages[i], gains) if price else -1)
+            self.tokens.append(tokens)
         self.settled = max(self.settled, upto)
         self.valid = True
 

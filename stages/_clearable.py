@@ -62,13 +62,15 @@ Gains = dict[int, tuple[Mapping[str, Any], int]]
 mutated); each entry holds its block, which keeps the id unique."""
 
 
-def block_gain(block: Mapping[str, Any], gains: Gains) -> int:
-    """The tokens clearing ``block`` would free (the block priced once)."""
-    known = gains.get(id(block))
+def block_gain(block: Mapping[str, Any], gains: Gains, *, keep: bool = True) -> int:
+    """The tokens clearing ``block`` would free (the block priced once while ``gains`` keeps
+    its price; ``keep=False``: the caller keeps the gain, and the price is let go)."""
+    known = gains.get(id(block)) if keep else gains.pop(id(block), None)
     if known is not None and known[0] is block:
         return max(0, known[1] - _PLACEHOLDER_TOKENS)
     tokens = rough_tokens_for_block(block)
-    gains[id(block)] = (block, tokens)
+    if keep:
+        gains[id(block)] = (block, tokens)
     return max(0, tokens - _PLACEHOLDER_TOKENS)
 
 
