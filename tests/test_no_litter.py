@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from pipeline._cli import common
-from pipeline._cli.common import ReplayOptions, StoreDir, remove_made_dir
+from pipeline._cli.cleanup import interrupts_deferred, remove_made_dir
+from pipeline._cli.common import ReplayOptions, StoreDir
 from pipeline._cli.demo_session import write_session
 from pipeline._cli.report import REMOVED_WITH_TEMPORARY_STORE
 from pipeline.transcript import TranscriptWriter
@@ -373,7 +374,7 @@ def test_interrupts_are_held_back_while_the_store_is_removed() -> None:
     if before is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's own handler in this process")
     with pytest.raises(KeyboardInterrupt):
-        with common.interrupts_deferred():
+        with interrupts_deferred():
             signal.raise_signal(signal.SIGINT)
             steps.append("the block went on")
         steps.append("never reached")

@@ -8,18 +8,15 @@ import contextlib
 import dataclasses
 import os
 import re
-import shutil
-import signal
-import stat
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from pipeline._cli.cleanup import interrupts_deferred, remove_made_dir
 from pipeline._cli.dumps import DumpFormat, RequestDumper, existing_dumps, parse_calls
 from pipeline._cli.logging_setup import configure_logging
 from pipeline._cli.safe_text import terminal_safe
@@ -293,68 +290,6 @@ def store_root(options: ReplayOptions, *, prefix: str = "sluicegate-") -> Iterat
         if not options.keep_store:
             with interrupts_deferred():  # a second Ctrl-C must not stop the removal halfway
                 remove_made_dir(path, (made.st_dev, made.st_ino))
-
-
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM held back for the block (a short cleanup), then delivered as they
-    would have been. Main thread only; elsewhere the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-
-    def hold(signum: int, frame: object) -> None:
-        held.append(signum)
-
-    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        for signum in dict.fromkeys(held):
-            signal.raise_signal(signum)
-
-
-def remove_made_dir(path: Path, identity: tuple[int, int]) -> bool:
-    """Remove the directory a command made at ``path`` and everything in it; whether it is gone.
-
-    ``identity`` is its ``(st_dev, st_ino)`` when it was made: should ``path`` now be a
-    symlink or another directory (swapped in by someone else), nothing is removed. Nothing
-    inside is followed either (``shutil.rmtree`` removes a symlink, never its target). A
-    failure is one warning on stderr, never an exception: the command's own result stands.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return True
-    except OSError as exc:
-        _warn_not_removed(path, exc.strerror or str(exc))
-        return False
-    if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != identity:
-        _warn_not_removed(path, "it is no longer the directory this command made")
-        return False
-    failures: list[str] = []
-
-    def failed(_func: Callable[..., Any], where: str, exc: BaseException) -> None:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        failures.append(f"{where}: {reason}")
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=failed)
-    else:
-        shutil.rmtree(path, onerror=lambda func, where, info: failed(func, where, info[1]))
-    if failures:
-        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        _warn_not_removed(path, failures[0] + more)
-        return False
-    return True
-
-
-def _warn_not_removed(path: Path, reason: str) -> None:
-    shown = terminal_safe(f"{path}: {reason}", limit=500)
-    print(f"sluicegate: warning: temporary store not removed: {shown}", file=sys.stderr)
 
 
 def _unwritable(directory: Path) -> str | None:

@@ -24,7 +24,7 @@ import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.logs import get_logger
 from pipeline.messages import MAX_TOKENS, Message, Usage
@@ -37,6 +37,7 @@ from pipeline.tokens.checks import (
     check_keys,
     check_mapping,
 )
+from pipeline.tokens.estimator import Estimator
 from pipeline.tokens.reference import ReferenceEstimator
 from pipeline.tokens.request import RequestOverhead
 from pipeline.tokens.state_file import (
@@ -67,53 +68,6 @@ _STATE_KEYS = (
     "last_error",
     "request",
 )
-
-
-@runtime_checkable
-class Estimator(Protocol):
-    """How a tracker prices what came after the anchor, and what it learns from usage."""
-
-    method: str
-    """``"calibrated"`` or ``"reference"`` (the name a saved state records)."""
-
-    def estimate_detail(
-        self,
-        messages: Sequence[Message],
-        anchor: tuple[int, Usage] | None,
-        *,
-        model: str | None = None,
-    ) -> EstimateDetail:
-        """The estimate for ``messages`` whose anchor is ``anchor``, decomposed."""
-        ...
-
-    def tokens_for_messages(self, messages: Sequence[Message], *, model: str | None = None) -> int:
-        """Tokens of the content of ``messages`` alone (no anchor, overhead or margin)."""
-        ...
-
-    def observe(
-        self,
-        messages: Sequence[Message],
-        anchor: tuple[int, Usage] | None,
-        usage: Usage,
-        *,
-        model: str | None = None,
-        skip: str | None = None,
-    ) -> tuple[EstimateDetail, bool, str]:
-        """Learn from one call (unless ``skip`` says why not): the estimate as it stood,
-        whether it learned, and why (not)."""
-        ...
-
-    def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:
-        """Chars/token per content class (and whatever else the estimator knows of them)."""
-        ...
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """JSON-serialisable state (None: nothing to keep)."""
-        ...
-
-    def for_subagent(self) -> Estimator:
-        """An estimator for a sub-agent's conversation, starting from what this one learned."""
-        ...
 
 
 _ESTIMATORS: dict[str, Any] = {"calibrated": CalibratedEstimator, "reference": ReferenceEstimator}
