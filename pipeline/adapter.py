@@ -27,7 +27,6 @@ Session identity: :func:`session_id_for`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -60,7 +59,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DECISIONS_FILE",
     "SESSION_HEADER",
-    "EventStreamUsage",
     "WireSession",
     "beta_header",
     "session_id_for",
@@ -346,66 +344,3 @@ class WireSession:
         except ValueError:
             parsed = None
         self._responses[index] = (rid, parsed)
-
-
-class EventStreamUsage:
-    """Reads a Messages event stream as it passes, for the response's id, model and usage
-    (``message_start``, then ``message_delta``'s running totals), and gives them to the
-    session at :meth:`close` (or :meth:`aclose`); the bytes are not changed, held back or
-    buffered beyond the current line. ``final`` turns True once ``message_delta`` has been
-    read: the usage is complete from there on."""
-
-    def __init__(self, session: WireSession) -> None:
-        self.session = session
-        self.pending = b""
-        self.message: dict[str, Any] = {}
-        self.usage: dict[str, Any] = {}
-        self.final = False
-        self.done = False
-
-    def feed(self, chunk: bytes) -> None:
-        """The next bytes of the stream."""
-        lines = (self.pending + chunk).split(b"\n")
-        self.pending = lines.pop()
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._event(line[5:].strip())
-
-    def _event(self, data: bytes) -> None:
-        try:
-            event = json.loads(data)
-        except ValueError:
-            return
-        if not isinstance(event, dict):
-            return
-        if event.get("type") == "message_start" and isinstance(event.get("message"), dict):
-            self.message = event["message"]
-            if isinstance(self.message.get("usage"), dict):
-                self.usage = dict(self.message["usage"])
-        elif event.get("type") == "message_delta" and isinstance(event.get("usage"), dict):
-            self.usage.update({k: v for k, v in event["usage"].items() if v is not None})
-            self.final = True
-
-    def _take(self) -> tuple[str, dict[str, Any], str] | None:
-        """What the session observes (once): id, usage and model; None without them."""
-        if self.done:
-            return None
-        self.done = True
-        rid, model = self.message.get("id"), self.message.get("model")
-        if isinstance(rid, str) and self.usage:
-            return rid, self.usage, str(model)
-        return None
-
-    def close(self) -> None:
-        """The stream has gone by: the session observes the response (once)."""
-        taken = self._take()
-        if taken is not None:
-            with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
-                self.session.observe(*taken)
-
-    async def aclose(self) -> None:
-        """:meth:`close`, the session's writes in a worker thread."""
-        taken = self._take()
-        if taken is not None:
-            with contextlib.suppress(ValueError):
-                await self.session.observe_async(*taken)

@@ -48,8 +48,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.adapter import EventStreamUsage, WireSession, beta_header, session_id_for
+from pipeline.adapter import WireSession, beta_header, session_id_for
 from pipeline.core import Pipeline
+from pipeline.event_stream import EventStreamUsage
 from pipeline.logs import get_logger
 from pipeline.session_storage import SessionStates, SessionStorage
 from pipeline.tracing import ATTR

@@ -24,8 +24,9 @@ import anthropic
 import anyio
 import httpx2
 
-from pipeline.adapter import EventStreamUsage, WireSession, beta_header, session_id_for
+from pipeline.adapter import WireSession, beta_header, session_id_for
 from pipeline.core import Pipeline
+from pipeline.event_stream import EventStreamUsage
 from pipeline.tracing import ATTR
 
 __all__ = ["SluicegateMiddleware", "wrap"]
