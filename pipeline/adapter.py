@@ -43,6 +43,7 @@ import anyio.to_thread
 from pipeline.caching import add_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
+from pipeline.event_stream import EventStreamUsage  # public here before it had a module
 from pipeline.messages import Message, Usage
 from pipeline.replacement import ReplacementState, decided_in
 from pipeline.session_storage import DECISIONS_FILE, SessionStorage, open_session_state
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DECISIONS_FILE",
     "SESSION_HEADER",
+    "EventStreamUsage",
     "WireSession",
     "beta_header",
     "session_id_for",

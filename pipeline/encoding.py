@@ -43,6 +43,7 @@ def _has_surrogate(value: Any) -> bool:
     if not isinstance(value, dict | list):
         return False
     stack = [value]
+    walked = {id(value)}  # content that contains itself is walked once, not forever
     while stack:
         v = stack.pop()
         if isinstance(v, list):
@@ -50,7 +51,8 @@ def _has_surrogate(value: Any) -> bool:
                 if isinstance(x, str):
                     if not x.isascii() and _SURROGATE.search(x):
                         return True
-                elif isinstance(x, dict | list):
+                elif isinstance(x, dict | list) and id(x) not in walked:
+                    walked.add(id(x))
                     stack.append(x)
             continue
         try:
@@ -63,7 +65,8 @@ def _has_surrogate(value: Any) -> bool:
             if isinstance(x, str):
                 if not x.isascii() and _SURROGATE.search(x):
                     return True
-            elif isinstance(x, dict | list):
+            elif isinstance(x, dict | list) and id(x) not in walked:
+                walked.add(id(x))
                 stack.append(x)
     return False
 

@@ -761,3 +761,52 @@ def test_two_runs_of_one_agent_at_once_each_send_their_own_request(tmp_path: Pat
     assert first == retry == json.dumps([{"role": "user", "content": "from A"}])
     assert logs[-1] == first  # A's turn ends last, and logs what it sent
     assert "from B" in logs[0] and "from B" in sent[1]
+
+
+def test_an_id_another_run_recorded_during_the_call_is_refused(tmp_path: Path) -> None:
+    """The ids a response may not reuse are read when it arrives: a run of the same agent that
+    recorded "dup" while this call was in flight makes this response's "dup" a bad response,
+    and the history (and its transcript) keeps one "dup"."""
+
+    @tool(input_schema={"type": "object", "properties": {}})
+    async def slow() -> str:
+        """Answer after a while (the other run's response arrives first)."""
+        await anyio.sleep(1.0)
+        return "pong"
+
+    def script(body: dict[str, Any]) -> Reply:
+        text = json.dumps(body["messages"])
+        dup = [{"type": "tool_use", "id": "dup", "name": "slow", "input": {}}]
+        if "from A" in text and "from B" not in text:  # A's first call: slow
+            time.sleep(0.6)
+            return Reply(dup, stop_reason="tool_use")
+        if "from B" in text and '"dup"' not in text:  # B's first call: at once
+            return Reply(dup, stop_reason="tool_use")
+        return Reply([{"type": "text", "text": "done"}])
+
+    errors: list[str] = []
+    with ScriptedMessagesServer(script) as server:
+        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        ctx = SessionContext("s1", tmp_path, logger=QuietLogger())
+        agent = Agent(client, model="m", pipeline=Pipeline([]), ctx=ctx, tools=[slow])
+
+        async def run(prompt: str) -> None:
+            try:
+                await agent.run(prompt)
+            except AgentAPIError as error:
+                errors.append(error.kind)
+
+        async def both() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "from A")
+                await anyio.sleep(0.2)  # A's call is in flight
+                tg.start_soon(run, "from B")
+
+        anyio.run(both)
+    assert errors == ["bad_response"]
+    uses = [
+        b.get("id") for m in agent.history if m.type == "assistant" for b in m.blocks
+        if b.get("type") == "tool_use"
+    ]  # fmt: skip
+    assert uses.count("dup") == 1
+    assert check_pairing(to_api(agent.history)) == []

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -434,3 +435,19 @@ def test_a_cleaned_key_never_meets_another() -> None:
     cleaned = encodable({"\ud800": "first", "\\ud800": "second", "\\ud800\ufffd": "third"})
     assert sorted(cleaned.values()) == ["first", "second", "third"]
     json.dumps(cleaned, ensure_ascii=False).encode("utf-8")
+
+
+def test_content_that_contains_itself_is_walked_once() -> None:
+    """A tool input that refers to itself (built in code, never loaded) has no JSON form: the
+    surrogate check walks it once and leaves it as it is, for the JSON encoder to refuse with
+    its own error, rather than looping forever."""
+    loop: dict[str, Any] = {"a": "x"}
+    loop["self"] = loop
+    ring: list[Any] = ["y"]
+    ring.append(ring)
+    for value in (loop, ring, {"blocks": [loop, ring]}):
+        assert encodable(value) is value
+    use = {"type": "tool_use", "id": "t1", "name": "Read", "input": loop}
+    request = to_api([Message.assistant([use], message_id="r1")])
+    with pytest.raises(ValueError, match="Circular reference"):
+        json.dumps(request)

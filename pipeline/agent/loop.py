@@ -347,7 +347,7 @@ class Agent:
                     request,
                     model=self.model,
                     max_tokens=self.max_tokens,
-                    known_tool_ids=self._tool_ids(),
+                    known_tool_ids=self._tool_ids,  # read when the response has arrived
                     **kwargs,
                 )
             except AgentAPIError as error:

@@ -9,7 +9,7 @@ transcript, which its own loader then rejects. Every such response is refused he
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 import anthropic
@@ -136,10 +136,12 @@ async def call_messages(
     *,
     model: str,
     max_tokens: int,
-    known_tool_ids: Set[str],
+    known_tool_ids: Callable[[], Set[str]],
     **kwargs: Any,
 ) -> Message:
-    """One Messages API call; the response checked and made a record, or AgentAPIError."""
+    """One Messages API call; the response checked and made a record, or AgentAPIError.
+    ``known_tool_ids`` is asked once the response has arrived: a concurrent turn of the same
+    conversation may have recorded more ids during the call."""
     try:
         raw = await client.messages.with_raw_response.create(
             model=encodable(model), max_tokens=max_tokens, messages=request, **kwargs
@@ -166,4 +168,4 @@ async def call_messages(
         raise AgentAPIError(
             "bad_response", f"the API answered with a malformed message: {why}", **where
         ) from None
-    return message_from_response(response, known_tool_ids=known_tool_ids, **where)
+    return message_from_response(response, known_tool_ids=known_tool_ids(), **where)
