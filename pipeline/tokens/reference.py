@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline.messages import Message, Usage
 from pipeline.tokens.anchor import compaction_restart
-from pipeline.tokens.features import block_segments, is_wire_visible, iter_segments
+from pipeline.tokens.features import Segment, block_segments, is_wire_visible, iter_segments
 from pipeline.tokens.media import IMAGE_TOKENS
 from pipeline.tokens.priors import model_family
 from pipeline.tokens.stats import EstimateDetail
@@ -45,17 +45,17 @@ def rough_tokens_for_block(block: Mapping[str, Any]) -> int:
         content = block.get("content")
         if isinstance(content, str):  # the commonest block: its wrapper is free, its text not
             return rough_tokens_for_text(content)
-    total = 0
-    for seg in block_segments(block):
-        total += IMAGE_TOKENS if seg.kind == "media" else rough_tokens_for_text(seg.text)
-    return total
+    return _priced(block_segments(block))
 
 
 def _rough_tokens(m: Message) -> int:
-    if not is_wire_visible(m):
-        return 0
+    return _priced(iter_segments(m)) if is_wire_visible(m) else 0
+
+
+def _priced(segments: Iterable[Segment]) -> int:
+    """The rough count of some segments: a fixed price per image or document, text by length."""
     total = 0
-    for seg in iter_segments(m):
+    for seg in segments:
         total += IMAGE_TOKENS if seg.kind == "media" else rough_tokens_for_text(seg.text)
     return total
 
