@@ -23,11 +23,14 @@ import pipeline.tokens.priors as priors
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, TranscriptWriter, Usage
 from pipeline._cli.app import main
 from pipeline.agent import Agent
+from pipeline.kept_list import KeptList
 from pipeline.testing import Reply, ScriptedMessagesServer, count_request_tokens
 from pipeline.tokens import (
     IMAGE_TOKENS,
     CalibratedEstimator,
     ErrorStats,
+    EstimateDetail,
+    ReferenceEstimator,
     calibration_path_for,
     find_anchor,
 )
@@ -204,8 +207,14 @@ def _counted_by_hand(sample: str) -> tuple[int, ...]:
 
 
 _ALPHABET = st.sampled_from(
-    ["a", "Z", "7", " ", "\t", "\n", "\r", "-", "{", "é", "中", "😀", "\ud800", "\x1b", "_"]
+    [
+        *("a", "Z", "7", " ", "\t", "\n", "\r", "-", "{", "é", "中", "😀", "\ud800", "\x1b", "_"),
+        # CJK from each range, and neighbours that share a UTF-8 lead byte with one but are not
+        *("ア", "㐀", "한", "！", "豈", "、", "→", "\ufb01", "\ud7b0", "\uffff"),
+    ]
 )
+_CJK_RANGES = ((0x3040, 0x30FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xAC00, 0xD7AF))
+_CJK_RANGES += ((0xF900, 0xFAFF), (0xFF00, 0xFFEF))
 
 
 @given(st.lists(_ALPHABET, max_size=300).map("".join), st.integers(0, 3))
@@ -218,6 +227,8 @@ def test_text_statistics_match_a_count_by_hand(text: str, pad: int) -> None:
     if len(text) <= 16_384:
         by_hand = _counted_by_hand(text)
         assert (words, letters, digits, other, ws_runs, newlines, non_ascii) == by_hand
+        cjk = sum(any(lo <= ord(ch) <= hi for lo, hi in _CJK_RANGES) for ch in text)
+        assert st_.cjk == cjk
     else:  # sampled: every count scaled, never negative
         assert min(st_.features) >= 0 and non_ascii > 0
     assert st_.chars == len(text)
@@ -314,6 +325,36 @@ def test_it_learns_a_denser_tokenizer_from_the_usage_deltas() -> None:
     assert ratios["cjk"]["chars_per_token"] is None  # never seen
     stats = tracker.error_stats()
     assert stats.calls == 25 and stats.big_calls == 25 and 0 < stats.undercounted < 10
+
+
+def test_a_kept_list_estimate_is_reused_only_while_nothing_it_reads_changed() -> None:
+    """A tracker answers a kept list it estimated before from memory: never once the list
+    changed in place (also at the same length and last record), the tracker observed, the
+    estimator was swapped or another model was asked for. Each answer equals that of a plain
+    copy of the list, which is always estimated afresh."""
+    tracker = TokenTracker()
+    kept = KeptList(conversation())
+
+    def fresh(model: str | None = None) -> EstimateDetail:
+        return tracker.estimate_detail(list(kept), model=model)
+
+    first = tracker.estimate_detail(kept)
+    assert tracker.estimate_detail(kept) is first and first == fresh()
+    kept.append(user_text("and the tests too " * 40))
+    grown = tracker.estimate_detail(kept)
+    assert grown == fresh() and grown.total > first.total
+    kept[2] = results(tool_result("t1", CODE * 3))  # in place: same length, same last record
+    assert tracker.estimate_detail(kept) == fresh() != grown
+    opus = tracker.estimate_detail(kept, model="claude-opus-4-6")
+    assert opus == fresh("claude-opus-4-6") and opus.family != grown.family
+    before = tracker.estimate_detail(kept)
+    stamp = kept.stamp
+    seen = tracker.observe(kept, Usage(input_tokens=before.total * 2), model=SONNET)
+    assert seen.learned and kept.stamp == stamp  # the same list: only the estimator changed
+    learned = tracker.estimate_detail(kept)
+    assert learned == fresh() != before
+    tracker.estimator = ReferenceEstimator()
+    assert tracker.estimate_detail(kept) == fresh() != learned
 
 
 def test_only_measurable_calls_are_learned_from() -> None:

@@ -430,6 +430,26 @@ def test_a_request_with_lone_surrogates_always_encodes(texts: list[str]) -> None
     json.dumps(to_api(messages), ensure_ascii=False).encode("utf-8")
 
 
+@pytest.mark.parametrize("length", [65_535, 65_536, 65_537, 300_000])
+@pytest.mark.parametrize("where", [0, -1, None])
+def test_long_texts_are_checked_whole_on_both_sides_of_the_encoding_limit(
+    length: int, where: int | None
+) -> None:
+    """Texts up to 65,536 characters are tested by encoding them, longer ones by a search: a
+    lone surrogate at either end is found both ways, and non-ASCII text without one is left
+    as it is."""
+    chars = ["\u00e9"] * length  # non-ASCII: no shortcut on the string's ASCII flag
+    if where is not None:
+        chars[where] = "\udc80"
+    text = "".join(chars)
+    cleaned = encodable({"type": "text", "text": text})
+    if where is None:
+        assert cleaned["text"] is text
+    else:
+        assert cleaned["text"].count("\ufffd") == 1 and len(cleaned["text"]) == length
+        cleaned["text"].encode("utf-8")
+
+
 def test_a_cleaned_key_never_meets_another() -> None:
     # the escape of a surrogate is itself text a key may hold
     cleaned = encodable({"\ud800": "first", "\\ud800": "second", "\\ud800\ufffd": "third"})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
+from operator import add, mul
 from typing import Any, Literal, NamedTuple
 
 from pipeline.messages import Message
@@ -146,9 +147,8 @@ class ContentVector:
 
     def add(self, other: ContentVector) -> None:
         """Accumulate ``other`` into this vector."""
-        mine, theirs = self.data, other.data
-        for i in range(len(mine)):
-            mine[i] += theirs[i]
+        mine = self.data
+        mine[:] = array("d", map(add, mine, other.data))
 
 
 def _add_text(vec: ContentVector, text: str, kind: TextKind, weights: Sequence[float]) -> None:
@@ -156,13 +156,15 @@ def _add_text(vec: ContentVector, text: str, kind: TextKind, weights: Sequence[f
         return
     stats = text_stats(text)
     ci = CLASS_INDEX[text_class(text, stats, kind=kind)]
-    base = sum(w * f for w, f in zip(weights, stats.features, strict=True))
+    features = stats.features
+    if len(weights) != len(features):
+        raise ValueError(f"{len(weights)} weights for {len(features)} features")
+    base = sum(map(mul, weights, features))  # the products added in a loop's order
     # never below 12 chars/token: the negative blank-run weight must not price text at ~0
     data = vec.data
     data[ci] += max(base, stats.chars / 12.0)
     data[_NC + ci] += stats.chars
-    for i, f in enumerate(stats.features, 2 * _NC):
-        data[i] += f
+    data[2 * _NC :] = array("d", map(add, data[2 * _NC :], features))
 
 
 def _add_media(vec: ContentVector, block: Mapping[str, Any], weights: Sequence[float]) -> None:

@@ -33,13 +33,15 @@ _SAMPLE_WINDOW = 512
 
 
 _LETTER, _DIGIT_BIT, _BLANK, _NEWLINE, _OTHER, _LEAD, _CONTINUATION = 1, 2, 4, 8, 16, 32, 64
+_CJK_LEAD = 128
 
 
 def _byte_class(b: int) -> int:
     """UTF-8 byte -> its category, one bit each: ASCII letters, digits, blanks, newline, other
-    ASCII, lead bytes (one per non-ASCII character), continuation bytes."""
+    ASCII, lead bytes (one per non-ASCII character), continuation bytes; lead bytes that may
+    start a CJK character (U+3000-U+DFFF, U+F000-U+FFFF) also carry ``_CJK_LEAD``."""
     if b >= 0xC0:
-        return _LEAD
+        return _LEAD | _CJK_LEAD if 0xE3 <= b <= 0xED or b == 0xEF else _LEAD
     if b >= 0x80:
         return _CONTINUATION
     ch = chr(b)
@@ -54,10 +56,11 @@ def _byte_class(b: int) -> int:
 
 # The sample's bytes become their category bits (bytes.translate), then one integer, byte i at
 # bits 8i..8i+7 (int.from_bytes): each count is an AND with a mask and a popcount, and the runs
-# (words, blank runs) are the bytes of a class whose predecessor is not of it -- x & ~(x << 8).
+# (words, blank runs) are the bytes of a class less those whose predecessor is of it too --
+# popcount(x) - popcount(x & (x << 8)).
 # All of it runs in C over 30-bit digits: about twice as fast as bytes.count per category.
 _CATEGORY = bytes(_byte_class(b) for b in range(256))
-_BITS = (_LETTER, _DIGIT_BIT, _BLANK, _NEWLINE, _OTHER, _LEAD)
+_BITS = (_LETTER, _DIGIT_BIT, _BLANK, _NEWLINE, _OTHER, _LEAD, _CJK_LEAD)
 
 
 def _build_masks(size: int) -> tuple[int, dict[int, int]]:
@@ -128,9 +131,11 @@ def text_stats(text: str) -> TextStats:
         non_ascii, other = (x & m[_LEAD]).bit_count(), (x & m[_OTHER]).bit_count()
     if scale != 1.0:
         newlines -= _SAMPLE_WINDOWS - 1  # the window joins
-    words = (letter_bits & ~(letter_bits << 8)).bit_count()
-    ws_runs = (blank_bits & ~(blank_bits << 8)).bit_count()
-    cjk = float(len(_CJK.findall(sample))) * scale if non_ascii else 0.0
+    words = letters - (letter_bits & (letter_bits << 8)).bit_count()
+    ws_runs = spaces - (blank_bits & (blank_bits << 8)).bit_count()
+    # every CJK character starts with one of the flagged lead bytes: none, no search
+    maybe_cjk = non_ascii and (x & m[_CJK_LEAD])
+    cjk = float(len(_CJK.findall(sample))) * scale if maybe_cjk else 0.0
     b64 = 0.0
     if n >= 64 and (spaces + newlines) < 0.02 * len(sample):  # blobs have no blanks
         b64 = sum(len(r) for r in _B64_RUN.findall(sample) if _random_looking(r)) / len(sample)

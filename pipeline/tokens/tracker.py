@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from pipeline.kept_list import KeptList
 from pipeline.logs import get_logger
 from pipeline.messages import MAX_TOKENS, Message, Usage
 from pipeline.tokens.anchor import find_anchor
@@ -59,6 +60,9 @@ Method = Literal["calibrated", "reference"]
 TRACKER_STATE_VERSION = 1
 MAX_ERROR_WINDOW = 1_000_000
 """The largest ``error_window`` a saved state may ask for (the default is 512)."""
+_KEPT_ESTIMATES = 4
+"""Kept lists whose latest estimate is remembered (a pass estimates its input and a few stage
+outputs, each several times)."""
 _STATE_KEYS = (
     "version",
     "method",
@@ -107,6 +111,11 @@ class TokenTracker:
         """Length and last message of the latest learned-from list (see :meth:`observe`)."""
         self.request = RequestOverhead()
         """The system prompt and tools of the next call (see :meth:`set_request`)."""
+        self._observations = 0
+        """Counts :meth:`observe` calls: the estimator may have learned on each."""
+        self._kept: dict[int, tuple[KeptList[Message], int, Estimator, int, str | None, Any]] = {}
+        """id -> (kept list, its stamp, estimator, observations, model, the estimator's detail)
+        of the latest estimates of kept lists (see :meth:`_kept_estimate`)."""
 
     @property
     def method(self) -> str:
@@ -157,8 +166,39 @@ class TokenTracker:
     ) -> EstimateDetail:
         """The estimate with its parts. ``model``: the model about to be called (default: the
         anchor's model)."""
+        if isinstance(messages, KeptList):
+            return self._with_request(self._kept_estimate(messages, model))
         detail = self.estimator.estimate_detail(messages, find_anchor(messages), model=model)
         return self._with_request(detail)
+
+    def _kept_estimate(self, messages: KeptList[Message], model: str | None) -> EstimateDetail:
+        """The estimator's detail for a kept list, reused while nothing it depends on changed.
+
+        Every stage of a pass estimates the list it is handed, most often one that an earlier
+        stage (or the pipeline) estimated already. A kept list counts its changes
+        (:attr:`~pipeline.kept_list.KeptList.stamp`), records are immutable, and an estimator
+        changes only when it observes (see :class:`Estimator`): the same list at the same
+        stamp, the same estimator, no observation since and the same model give the same
+        answer.
+        """
+        stamp, estimator, seen = messages.stamp, self.estimator, self._observations
+        hit = self._kept.get(id(messages))
+        if (
+            hit is not None
+            and hit[0] is messages
+            and hit[1] == stamp
+            and hit[2] is estimator
+            and hit[3] == seen
+            and hit[4] == model
+        ):
+            detail: EstimateDetail = hit[5]
+            return detail
+        detail = estimator.estimate_detail(messages, find_anchor(messages), model=model)
+        kept = self._kept
+        if id(messages) not in kept and len(kept) >= _KEPT_ESTIMATES:
+            del kept[next(iter(kept))]  # the oldest: dicts keep insertion order
+        kept[id(messages)] = (messages, stamp, estimator, seen, model, detail)
+        return detail
 
     def estimate(self, messages: Sequence[Message], *, model: str | None = None) -> int:
         """Tokens the context holds if ``messages`` were sent now."""
@@ -193,6 +233,7 @@ class TokenTracker:
         :meth:`count_with_api` and then the real call) learns once.
         """
         messages = messages_before_call
+        self._observations += 1  # whatever follows may change what an estimate reads
         last = self._last_observed
         skip: str | None = None
         if messages and last is not None and last[0] == len(messages) and last[1] is messages[-1]:
