@@ -34,6 +34,7 @@ from pipeline.tokens import (
     calibration_path_for,
     find_anchor,
 )
+from pipeline.tokens.family import FamilyModel
 from pipeline.tokens.features import content_vector
 from pipeline.tokens.media import image_size, image_tokens
 from pipeline.tokens.priors import model_family
@@ -575,3 +576,65 @@ def test_replay_reports_the_estimated_part_for_both_estimators(
     out = capsys.readouterr().out
     assert "estimated part vs real growth since the last response (4 calls measured" in out
     assert "\n  default  : median |error| " in out and "\n  reference: median |error| " in out
+
+
+def _textbook_step(
+    mult: list[float],
+    p: list[list[float]],
+    x: list[float],
+    y: float,
+    *,
+    abs_noise: float,
+    rel_noise: float,
+    clip_sigma: float,
+) -> tuple[list[float], list[list[float]]]:
+    """One robust Kalman step written out in full: every row of the covariance updated."""
+    d = len(mult)
+    px = [sum(p[i][j] * x[j] for j in range(d)) for i in range(d)]
+    s = sum(x[i] * px[i] for i in range(d))
+    y_hat = sum(mult[i] * x[i] for i in range(d))
+    s += abs_noise**2 + (rel_noise * max(y_hat, 0.0)) ** 2
+    if not (math.isfinite(s) and s > 0.0 and math.isfinite(y)):
+        return mult, p
+    cut = clip_sigma * math.sqrt(s)
+    innovation = max(-cut, min(cut, y - y_hat))
+    gain = [v / s for v in px]
+    new = [max(0.05, mult[i] + gain[i] * innovation) for i in range(d)]
+    if not all(math.isfinite(m) for m in new):
+        return mult, p
+    return new, [[p[i][j] - gain[i] * px[j] for j in range(d)] for i in range(d)]
+
+
+_CLASS_COUNT = len(priors.CLASSES)
+_STEP = st.tuples(
+    st.dictionaries(
+        st.integers(0, _CLASS_COUNT - 1),
+        st.floats(0.0, 50_000.0, allow_nan=False),
+        min_size=1,
+        max_size=4,
+    ),
+    st.floats(-5_000.0, 80_000.0, allow_nan=False),
+)
+
+
+@given(
+    st.lists(st.sampled_from([0.02, 0.1, 0.3]), min_size=_CLASS_COUNT, max_size=_CLASS_COUNT),
+    st.lists(_STEP, min_size=1, max_size=30),
+    st.sampled_from([0.0, 20.0]),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_calibration_step_is_the_textbook_step_float_for_float(
+    sd: list[float], steps: list[tuple[dict[int, float], float]], abs_noise: float
+) -> None:
+    """The estimator's step skips the covariance rows a step leaves alone (no gain) and sums
+    each row in one pass: every multiplier and covariance entry must still be the very float
+    the full step gives (``repr`` tells 0.0 from -0.0)."""
+    model = FamilyModel.from_prior([1.0] * _CLASS_COUNT, sd)
+    mult, p = list(model.mult), [list(row) for row in model.p]
+    for values, y in steps:
+        x = [values.get(i, 0.0) for i in range(_CLASS_COUNT)]
+        kw = {"abs_noise": abs_noise, "rel_noise": 0.02, "clip_sigma": 3.0}
+        model.update(x, y, **kw)
+        mult, p = _textbook_step(mult, p, x, y, **kw)
+        assert repr(model.mult) == repr(mult)
+        assert repr(model.p) == repr(p)

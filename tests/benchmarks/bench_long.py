@@ -19,8 +19,10 @@ Not a test: it prints figures, each side by side with a baseline measured in the
    tokens (a clear, a snip) apart; against the same request built the plain way (``to_api`` +
    ``check_pairing`` over the whole request) at the end.
 3. ``memory``: peak RSS of ``python -m pipeline replay FILE --json`` on the 4,000-call session
-   above an idle CLI (a 1-call session), as a multiple of the transcript's size; and whether any
-   tool-result text was copied (equal strings that are not the loaded objects) in any request.
+   above an idle CLI (a 1-call session), as a multiple of the transcript's size; whether any
+   tool-result text was copied (equal strings that are not the loaded objects) in any request;
+   and where the memory goes, traced (``traced_memory.py``: loading, the request, rewritten
+   records, the components' state), with what a 1.5x target would leave for that state.
 4. ``dumps``: ``--dump-requests`` on the 500-call session: the whole array re-serialised per
    call (as before) against fragments, against deltas; CPU and bytes written.
 """
@@ -386,6 +388,35 @@ def bench_memory(calls: int) -> None:
     )
     copies, sent = anyio.run(_copied_texts, path)
     print(f"tool-result texts sent: {sent:,}; sent as copies of the loaded strings: {copies}")
+    traced = json.loads(
+        subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("traced_memory.py")), str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    parts = {
+        "the request (params, pairing index)": traced.get("request", 0),
+        "records the stages rewrote": traced.get("rewritten", 0),
+        "the components' state": traced.get("state", 0),
+        "the replay's bookkeeping": traced.get("replay", 0),
+        "other": traced.get("other", 0),
+    }
+    print(
+        f"traced at the replay's last calls: loading {traced['loading'] / 2**20:.1f} MiB "
+        f"({traced['loading'] / size:.2f}x); the replay added "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB ({v / size:.2f}x)" for k, v in parts.items())
+    )
+    sent_part = parts["the request (params, pairing index)"] + parts["records the stages rewrote"]
+    left = 1.5 * size - loaded - sent_part
+    kept = traced.get("state", 0) + traced.get("replay", 0)
+    records = len(load_transcript(path).messages)
+    print(
+        f"1.5x the transcript, less loading (RSS) and what the calls send, leaves "
+        f"{left / 2**20:.1f} MiB ({left / records:.0f} bytes a record) for the state and the "
+        f"bookkeeping, which take {kept / 2**20:.1f} MiB ({kept / records:.0f} bytes a record)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
