@@ -20,13 +20,14 @@ times faster than the search, which longer texts get (no copy of a huge text).""
 
 
 def _lone_surrogate(text: str) -> bool:
-    """Whether ``text`` holds a lone surrogate: the one thing UTF-8 cannot encode."""
-    if text.isascii():  # a flag the string carries: most text costs no search at all
+    """Whether ``text`` holds a lone surrogate: the one thing UTF-8 cannot encode. ``str``'s
+    own methods, never a subclass's (which may encode leniently or refuse ``len``)."""
+    if str.isascii(text):  # a flag the string carries: most text costs no search at all
         return False
-    if len(text) > _ENCODE_MAX:
+    if str.__len__(text) > _ENCODE_MAX:
         return _SURROGATE.search(text) is not None
     try:
-        text.encode("utf-8")
+        str.encode(text, "utf-8")
     except UnicodeEncodeError:
         return True
     return False

@@ -9,7 +9,8 @@ asks for the lowest position touched since (:meth:`KeptList.changed_since`).
 
 Every mutating method of ``list`` is overridden, so a change made through the list's methods,
 operators or ``del`` is always noted. C code that works on a list's items directly (``heapq``)
-goes around them: do not use such functions on a kept list. A slice or ``list(kept)`` is a
+goes around them, and so does calling ``list``'s own methods on one (``list.append(kept, x)``):
+do not change a kept list that way. A slice or ``list(kept)`` is a
 plain list; ``copy.copy``, ``copy.deepcopy`` and pickling give a kept list with a journal of
 its own.
 """

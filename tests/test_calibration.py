@@ -6,6 +6,7 @@ Agent and count_tokens tests run the real anthropic SDK against the local script
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import struct
@@ -356,6 +357,35 @@ def test_a_kept_list_estimate_is_reused_only_while_nothing_it_reads_changed() ->
     assert learned == fresh() != before
     tracker.estimator = ReferenceEstimator()
     assert tracker.estimate_detail(kept) == fresh() != learned
+
+
+def test_an_estimator_shared_by_trackers_is_asked_again_after_either_observes() -> None:
+    shared = CalibratedEstimator()
+    a, b = TokenTracker(estimator=shared), TokenTracker(estimator=shared)
+    kept = KeptList(conversation())
+    before = a.estimate_detail(kept)
+    assert b.observe(kept, Usage(input_tokens=before.total * 2), model=SONNET).learned
+    assert a.estimate_detail(kept) == a.estimate_detail(list(kept)) != before
+
+
+def test_an_estimator_of_another_kind_is_asked_every_time() -> None:
+    """Only the built-in estimators' answers are reused: another kind may read more than the
+    records and what it observed (here, how often it was asked)."""
+
+    class Counting(CalibratedEstimator):
+        asked = 0
+
+        def estimate_detail(
+            self, messages: Any, anchor: Any, *, model: str | None = None
+        ) -> EstimateDetail:
+            self.asked += 1
+            detail = super().estimate_detail(messages, anchor, model=model)
+            return dataclasses.replace(detail, total=detail.total + self.asked)
+
+    tracker = TokenTracker(estimator=Counting())
+    kept = KeptList(conversation())
+    first, second = tracker.estimate_detail(kept), tracker.estimate_detail(kept)
+    assert second.total == first.total + 1
 
 
 def test_only_measurable_calls_are_learned_from() -> None:

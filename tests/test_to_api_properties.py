@@ -450,6 +450,24 @@ def test_long_texts_are_checked_whole_on_both_sides_of_the_encoding_limit(
         cleaned["text"].encode("utf-8")
 
 
+class _LenientEncode(str):
+    def encode(self, encoding: str = "utf-8", errors: str = "surrogatepass") -> bytes:
+        return str.encode(self, encoding, errors)
+
+
+class _NoLen(str):
+    def __len__(self) -> int:
+        raise TypeError("no len")
+
+
+@pytest.mark.parametrize("kind", [_LenientEncode, _NoLen])
+def test_a_str_subclass_is_checked_by_what_it_holds(kind: type[str]) -> None:
+    """The check reads the string itself, not methods a subclass may override."""
+    cleaned = encodable({"type": "text", "text": kind("caf\u00e9 \ud800")})
+    assert cleaned["text"] == "caf\u00e9 \ufffd"
+    json.dumps(cleaned, ensure_ascii=False).encode("utf-8")
+
+
 def test_a_cleaned_key_never_meets_another() -> None:
     # the escape of a surrogate is itself text a key may hold
     cleaned = encodable({"\ud800": "first", "\\ud800": "second", "\\ud800\ufffd": "third"})

@@ -136,6 +136,12 @@ class CalibratedEstimator:
 
     method = "calibrated"
 
+    @property
+    def observations(self) -> int:
+        """Calls observed so far (learned from or not): what an estimate reads besides the
+        records, its anchor and the model."""
+        return self._learned
+
     # -- content ------------------------------------------------------------------------------
     def vector(self, message: Message) -> ContentVector:
         """Base tokens per class of ``message`` (cached by identity)."""

@@ -26,12 +26,7 @@ class Estimator(Protocol):
         *,
         model: str | None = None,
     ) -> EstimateDetail:
-        """The estimate for ``messages`` whose anchor is ``anchor``, decomposed.
-
-        A function of the records, the anchor, ``model`` and what :meth:`observe` has taught
-        the estimator: a tracker gives the same answer again for a
-        :class:`~pipeline.kept_list.KeptList` that has not changed since its last estimate,
-        with no observation in between."""
+        """The estimate for ``messages`` whose anchor is ``anchor``, decomposed."""
         ...
 
     def tokens_for_messages(self, messages: Sequence[Message], *, model: str | None = None) -> int:

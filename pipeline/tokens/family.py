@@ -63,9 +63,7 @@ class FamilyModel:
         sigmas, so a hidden injection of a few thousand tokens cannot yank the ratios."""
         d = len(CLASSES)
         p = self.p
-        if len(x) != d:
-            raise ValueError(f"an observation of {len(x)} classes for a model of {d}")
-        px = [sum(map(operator.mul, row, x)) for row in p]  # each as dot() adds it
+        px = [dot(row, x) for row in p]
         s = dot(x, px)
         y_hat = dot(self.mult, x)
         s += abs_noise**2 + (rel_noise * max(y_hat, 0.0)) ** 2
@@ -78,10 +76,8 @@ class FamilyModel:
         if not all(math.isfinite(m) for m in mult):
             return
         self.mult = mult
-        # a row with no gain (a class this session's content never touched the others
-        # through) subtracts zeros from it: the row as it was (rows are never changed in place)
         self.p = [
-            [pij - g * pxj for pij, pxj in zip(row, px, strict=True)] if g else row
+            [pij - g * pxj for pij, pxj in zip(row, px, strict=True)]
             for row, g in zip(p, gain, strict=True)
         ]
 

@@ -77,6 +77,17 @@ _STATE_KEYS = (
 _ESTIMATORS: dict[str, Any] = {"calibrated": CalibratedEstimator, "reference": ReferenceEstimator}
 
 
+def _observations(estimator: Estimator) -> int | None:
+    """What a built-in estimator's estimates read besides the records, the anchor and the
+    model (None: an estimator of another kind, whose state is unknown)."""
+    if type(estimator) is ReferenceEstimator:
+        return 0  # it never learns
+    # exactly the built-in class: a subclass may read more than what it observed
+    if isinstance(estimator, CalibratedEstimator) and type(estimator) is CalibratedEstimator:
+        return estimator.observations
+    return None
+
+
 class TokenTracker:
     """Context size before the next call: last usage + an estimate of everything after it.
 
@@ -111,11 +122,9 @@ class TokenTracker:
         """Length and last message of the latest learned-from list (see :meth:`observe`)."""
         self.request = RequestOverhead()
         """The system prompt and tools of the next call (see :meth:`set_request`)."""
-        self._observations = 0
-        """Counts :meth:`observe` calls: the estimator may have learned on each."""
         self._kept: dict[int, tuple[KeptList[Message], int, Estimator, int, str | None, Any]] = {}
-        """id -> (kept list, its stamp, estimator, observations, model, the estimator's detail)
-        of the latest estimates of kept lists (see :meth:`_kept_estimate`)."""
+        """id -> (kept list, its stamp, estimator, its observations, model, its detail) of the
+        latest estimates of kept lists (see :meth:`_kept_estimate`)."""
 
     @property
     def method(self) -> str:
@@ -176,12 +185,17 @@ class TokenTracker:
 
         Every stage of a pass estimates the list it is handed, most often one that an earlier
         stage (or the pipeline) estimated already. A kept list counts its changes
-        (:attr:`~pipeline.kept_list.KeptList.stamp`), records are immutable, and an estimator
-        changes only when it observes (see :class:`Estimator`): the same list at the same
-        stamp, the same estimator, no observation since and the same model give the same
-        answer.
+        (:attr:`~pipeline.kept_list.KeptList.stamp`), records are immutable, and a built-in
+        estimator's answer changes only when it observes a call (through this tracker or any
+        other that shares it): the same list at the same stamp, the same estimator with the
+        same observations and the same model give the same answer. Any other estimator is
+        asked every time.
         """
-        stamp, estimator, seen = messages.stamp, self.estimator, self._observations
+        estimator = self.estimator
+        seen = _observations(estimator)
+        if seen is None:
+            return estimator.estimate_detail(messages, find_anchor(messages), model=model)
+        stamp = messages.stamp
         hit = self._kept.get(id(messages))
         if (
             hit is not None
@@ -233,7 +247,6 @@ class TokenTracker:
         :meth:`count_with_api` and then the real call) learns once.
         """
         messages = messages_before_call
-        self._observations += 1  # whatever follows may change what an estimate reads
         last = self._last_observed
         skip: str | None = None
         if messages and last is not None and last[0] == len(messages) and last[1] is messages[-1]:
