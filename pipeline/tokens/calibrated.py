@@ -83,7 +83,10 @@ class CalibratedEstimator:
 
     The anchor is the caller's (:func:`pipeline.tokens.find_anchor`): this class only prices
     and learns. Messages are immutable by convention, so each one is vectorised once (an LRU
-    keyed by identity; the entry holds the message so its id cannot be reused).
+    keyed by identity; the entry holds the message so its id cannot be reused). An estimate
+    depends on the records, the anchor, the model and what it has observed (:attr:`observations`
+    counts the calls): it and the tracker reuse an answer until one of those changes, so set its
+    options when making it, not between calls.
     """
 
     def __init__(
