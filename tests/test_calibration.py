@@ -342,6 +342,10 @@ def test_a_kept_list_estimate_is_reused_only_while_nothing_it_reads_changed() ->
 
     first = tracker.estimate_detail(kept)
     assert tracker.estimate_detail(kept) is first and first == fresh()
+    default = tracker.estimator
+    tracker.estimator = CalibratedEstimator(margin_cold=0.3)  # as many observations: none
+    assert tracker.estimate_detail(kept) == fresh() != first
+    tracker.estimator = default
     kept.append(user_text("and the tests too " * 40))
     grown = tracker.estimate_detail(kept)
     assert grown == fresh() and grown.total > first.total
