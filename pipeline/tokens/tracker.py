@@ -39,6 +39,7 @@ from pipeline.tokens.checks import (
     check_mapping,
 )
 from pipeline.tokens.estimator import Estimator
+from pipeline.tokens.kept_estimates import KeptEstimates
 from pipeline.tokens.reference import ReferenceEstimator
 from pipeline.tokens.request import RequestOverhead
 from pipeline.tokens.state_file import (
@@ -60,9 +61,6 @@ Method = Literal["calibrated", "reference"]
 TRACKER_STATE_VERSION = 1
 MAX_ERROR_WINDOW = 1_000_000
 """The largest ``error_window`` a saved state may ask for (the default is 512)."""
-_KEPT_ESTIMATES = 4
-"""Kept lists whose latest estimate is remembered (a pass estimates its input and a few stage
-outputs, each several times)."""
 _STATE_KEYS = (
     "version",
     "method",
@@ -75,17 +73,6 @@ _STATE_KEYS = (
 
 
 _ESTIMATORS: dict[str, Any] = {"calibrated": CalibratedEstimator, "reference": ReferenceEstimator}
-
-
-def _observations(estimator: Estimator) -> int | None:
-    """What a built-in estimator's estimates read besides the records, the anchor and the
-    model (None: an estimator of another kind, whose state is unknown)."""
-    if type(estimator) is ReferenceEstimator:
-        return 0  # it never learns
-    # exactly the built-in class: a subclass may read more than what it observed
-    if isinstance(estimator, CalibratedEstimator) and type(estimator) is CalibratedEstimator:
-        return estimator.observations
-    return None
 
 
 class TokenTracker:
@@ -122,9 +109,8 @@ class TokenTracker:
         """Length and last message of the latest learned-from list (see :meth:`observe`)."""
         self.request = RequestOverhead()
         """The system prompt and tools of the next call (see :meth:`set_request`)."""
-        self._kept: dict[int, tuple[KeptList[Message], int, Estimator, int, str | None, Any]] = {}
-        """id -> (kept list, its stamp, estimator, its observations, model, its detail) of the
-        latest estimates of kept lists (see :meth:`_kept_estimate`)."""
+        self._kept = KeptEstimates()
+        """The latest estimates of kept lists, reused while unchanged (see its module)."""
 
     @property
     def method(self) -> str:
@@ -176,43 +162,10 @@ class TokenTracker:
         """The estimate with its parts. ``model``: the model about to be called (default: the
         anchor's model)."""
         if isinstance(messages, KeptList):
-            return self._with_request(self._kept_estimate(messages, model))
-        detail = self.estimator.estimate_detail(messages, find_anchor(messages), model=model)
+            detail = self._kept.detail(self.estimator, messages, model)
+        else:
+            detail = self.estimator.estimate_detail(messages, find_anchor(messages), model=model)
         return self._with_request(detail)
-
-    def _kept_estimate(self, messages: KeptList[Message], model: str | None) -> EstimateDetail:
-        """The estimator's detail for a kept list, reused while nothing it depends on changed.
-
-        Every stage of a pass estimates the list it is handed, most often one that an earlier
-        stage (or the pipeline) estimated already. A kept list counts its changes
-        (:attr:`~pipeline.kept_list.KeptList.stamp`), records are immutable, and a built-in
-        estimator's answer changes only when it observes a call (through this tracker or any
-        other that shares it): the same list at the same stamp, the same estimator with the
-        same observations and the same model give the same answer. Any other estimator is
-        asked every time.
-        """
-        estimator = self.estimator
-        seen = _observations(estimator)
-        if seen is None:
-            return estimator.estimate_detail(messages, find_anchor(messages), model=model)
-        stamp = messages.stamp
-        hit = self._kept.get(id(messages))
-        if (
-            hit is not None
-            and hit[0] is messages
-            and hit[1] == stamp
-            and hit[2] is estimator
-            and hit[3] == seen
-            and hit[4] == model
-        ):
-            detail: EstimateDetail = hit[5]
-            return detail
-        detail = estimator.estimate_detail(messages, find_anchor(messages), model=model)
-        kept = self._kept
-        if id(messages) not in kept and len(kept) >= _KEPT_ESTIMATES:
-            del kept[next(iter(kept))]  # the oldest: dicts keep insertion order
-        kept[id(messages)] = (messages, stamp, estimator, seen, model, detail)
-        return detail
 
     def estimate(self, messages: Sequence[Message], *, model: str | None = None) -> int:
         """Tokens the context holds if ``messages`` were sent now."""

@@ -396,22 +396,23 @@ def bench_memory(calls: int) -> None:
             check=True,
         ).stdout.strip()
     )
-    parts = {
-        "the request (params, pairing index)": traced.get("request", 0),
-        "records the stages rewrote": traced.get("rewritten", 0),
-        "the components' state": traced.get("state", 0),
-        "the replay's bookkeeping": traced.get("replay", 0),
-        "other": traced.get("other", 0),
+    labels = {
+        "request": "the request (params, pairing index)",
+        "rewritten": "records the stages rewrote",
+        "state": "the components' state",
+        "replay": "the replay's bookkeeping",
+        "other": "other",
     }
     print(
         f"traced at the replay's last calls: loading {traced['loading'] / 2**20:.1f} MiB "
         f"({traced['loading'] / size:.2f}x); the replay added "
-        + ", ".join(f"{k} {v / 2**20:.1f} MiB ({v / size:.2f}x)" for k, v in parts.items())
+        + ", ".join(
+            f"{label} {traced.get(k, 0) / 2**20:.1f} MiB ({traced.get(k, 0) / size:.2f}x)"
+            for k, label in labels.items()
+        )
     )
-    sent_part = parts["the request (params, pairing index)"] + parts["records the stages rewrote"]
-    left = 1.5 * size - loaded - sent_part
-    kept = traced.get("state", 0) + traced.get("replay", 0)
-    records = len(load_transcript(path).messages)
+    left = 1.5 * size - loaded - traced.get("request", 0) - traced.get("rewritten", 0)
+    kept, records = traced.get("state", 0) + traced.get("replay", 0), traced["records"]
     print(
         f"1.5x the transcript, less loading (RSS) and what the calls send, leaves "
         f"{left / 2**20:.1f} MiB ({left / records:.0f} bytes a record) for the state and the "

@@ -9,7 +9,8 @@ stages send rewritten: cleared results, previews), ``state`` (the incremental co
 stages' caches and watches, the token estimators, the ledger) and ``replay`` (the replay's own
 bookkeeping: its history, its calls, responses with lowered usage). An allocation is charged to
 the innermost frame in one of those modules, past the helpers every one of them uses (records,
-kept lists, dataclasses). Not a test; ``bench_long.py`` runs it in a child process.
+kept lists, dataclasses). Also ``records``: how many the transcript holds. Not a test;
+``bench_long.py`` runs it in a child process.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ _OWNERS = (
 def _owner(traceback: tracemalloc.Traceback) -> str:
     for frame in reversed(traceback):  # innermost first
         name = frame.filename.replace("\\", "/")
-        if any(name.endswith(h) or h in name for h in _HELPERS):
+        if any(h in name for h in _HELPERS):
             continue
         for prefix, owner in _OWNERS:
             if f"/{prefix}" in name or name.startswith(prefix):
@@ -57,11 +58,12 @@ def _owner(traceback: tracemalloc.Traceback) -> str:
     return "other"
 
 
-async def _replay(path: Path, root: str, at: int) -> dict[str, int]:
+async def _replay(path: Path, root: str) -> dict[str, int]:
     tracemalloc.start(3)  # deep enough to pass the helpers; deeper costs minutes
     transcript = load_transcript(path)
     gc.collect()
     loaded = tracemalloc.take_snapshot()
+    at = max(1, len(find_calls(transcript.messages)) - 10)
     ctx = SessionContext(
         "traced", root, tool_policies=ToolPolicies.claude_code(), logger=QuietLogger(keep=False)
     )
@@ -80,14 +82,13 @@ async def _replay(path: Path, root: str, at: int) -> dict[str, int]:
             sizes = dict(grown)
             sizes["loading"] = sum(s.size for s in loaded.statistics("filename"))
     tracemalloc.stop()
+    sizes["records"] = len(transcript.messages)
     return sizes
 
 
 def main() -> int:
-    path = Path(sys.argv[1])
-    calls = len(find_calls(load_transcript(path).messages))
     with tempfile.TemporaryDirectory() as root:
-        sizes = anyio.run(_replay, path, root, max(1, calls - 10))
+        sizes = anyio.run(_replay, Path(sys.argv[1]), root)
     print(json.dumps(sizes))
     return 0
 
