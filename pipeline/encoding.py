@@ -51,6 +51,16 @@ def encodable(value: Any) -> Any:
         raise ValueError("content nested too deeply to clean of lone surrogates") from None
 
 
+def _plain(value: Any) -> bool:
+    """A dict of ASCII string keys and ASCII string values (a text or tool_result block)."""
+    if type(value) is not dict:
+        return False
+    try:
+        return all(map(str.isascii, value)) and all(map(str.isascii, value.values()))
+    except TypeError:  # a key or value that is not a string
+        return False
+
+
 def _has_surrogate(value: Any) -> bool:
     # the common block shapes are read directly, anything else walked (without recursion:
     # content may nest as deep as the interpreter allows)
@@ -58,6 +68,8 @@ def _has_surrogate(value: Any) -> bool:
         return _lone_surrogate(value)
     if not isinstance(value, dict | list):
         return False
+    if _plain(value) if isinstance(value, dict) else all(map(_plain, value)):
+        return False  # most content: blocks of ASCII strings alone, read without a walk
     stack = [value]
     walked = {id(value)}  # content that contains itself is walked once, not forever
     while stack:

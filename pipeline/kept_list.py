@@ -106,6 +106,24 @@ class KeptList(list[T]):
         self._note(self._low_of(key))
         super().__setitem__(key, value)
 
+    def put(self, changes: Iterable[tuple[SupportsIndex, T]]) -> None:
+        """Set each ``(position, item)`` of ``changes``, noted as one change at the lowest
+        position (a hundred records rewritten at once are one change to the readers). Raises
+        what ``kept[position] = item`` raises for a bad position, before changing anything."""
+        n = len(self)
+        checked: list[tuple[int, T]] = []
+        for i, v in changes:  # every position checked first: a bad one changes nothing
+            j = operator.index(i)
+            if not -n <= j < n:
+                raise IndexError("list assignment index out of range")
+            checked.append((j + n if j < 0 else j, v))
+        if not checked:
+            return
+        self._note(min(j for j, _ in checked))
+        setitem = super().__setitem__
+        for j, v in checked:
+            setitem(j, v)
+
     def __delitem__(self, key: SupportsIndex | slice) -> None:
         self._note(self._low_of(key))
         super().__delitem__(key)

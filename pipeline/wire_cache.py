@@ -12,8 +12,9 @@ from itertools import compress, count
 from typing import TYPE_CHECKING, Any, cast
 
 from pipeline.caching import param_breakpoints
+from pipeline.encoding import encodable
 from pipeline.incremental import InputLog
-from pipeline.messages import Message, thread_start
+from pipeline.messages import Block, Message, thread_start
 from pipeline.pairing import PairingError, PairingIndex
 from pipeline.wire import _entry_to_param, _Wire
 
@@ -170,24 +171,32 @@ class WireCache:
     def _patch(self, messages: Sequence[Message], first: int, removed: Sequence[Message]) -> bool:
         """Old records replaced in place by records of the same wire shape (a stage clearing old
         results: new content, the same kinds of blocks and ids; new records may follow): rebuild
-        only the entries they went into, from those entries' own records. Every decision the
-        wire takes from a record's shape (which entry it joins, merges, barriers, pairing) is
-        unchanged, so the other entries and the pairing stand. False (nothing changed) when
-        the edit is not that, or touches too much for it to pay."""
+        only the entries they went into. Every decision the wire takes from a record's shape
+        (which entry it joins, merges, barriers, pairing) is unchanged, so the other entries and
+        the pairing stand. False (nothing changed) when the edit is not that, or touches too
+        much for it to pay."""
         kept = messages[first : first + len(removed)]
         changed = list(compress(count(first), map(operator.is_not, removed, kept)))
         if 2 * len(changed) > len(removed):  # then feeding them again is as cheap
             return False
         start, entry_of = self._start, self._entry_of
-        touched: set[int] = set()
+        swaps: dict[int, list[tuple[Any, Any]] | None] = {}
         for i in changed:
-            shape = _wire_shape(messages[i])
-            if shape is None or shape[3] or shape != _wire_shape(removed[i - first]):
+            new, old = messages[i], removed[i - first]
+            if not _same_place(old, new):
                 return False
-            if entry_of[i - start] >= 0:
-                touched.add(entry_of[i - start])
+            e = entry_of[i - start]
+            if e >= 0:
+                pairs = swaps.get(e, [])
+                swaps[e] = None if pairs is None else _block_swaps(old, new, pairs)
         rebuilt: dict[int, Any] = {}
-        for e in touched:
+        for e, pairs in swaps.items():
+            entry = self._wire.entries[e]
+            blocks = _swapped(entry.blocks, pairs) if pairs is not None else None
+            if blocks is not None:
+                entry.blocks = blocks  # the wire's own entry (its old list is left as it was)
+                rebuilt[e] = entry
+                continue
             part = _Wire()
             try:
                 for r in range(self._first_record[e], self._last_record[e] + 1):
@@ -257,22 +266,73 @@ class WireCache:
         self.pairing.update(self._params, keep)
 
 
-def _wire_shape(m: Message) -> tuple[Any, ...] | None:
-    """What the wire decides a record's place by: its kind, response id, whether it restarts
-    the thread, and its blocks' types and tool ids (None: an item that is not a block)."""
-    content: Any = m.content
-    if isinstance(content, str):
-        blocks: Any = bool(content)
-    else:
-        kinds = []
-        for b in content:
-            if not isinstance(b, dict):
+def _block_swaps(
+    old: Message, new: Message, pairs: list[tuple[Any, Any]]
+) -> list[tuple[Any, Any]] | None:
+    """``pairs`` plus (old block, new block) for each block of ``old`` that ``new`` replaces,
+    None when the entry must be built again from its records: string content, or a new block
+    the wire would not send as it is (one holding a lone surrogate)."""
+    if not isinstance(old.content, list) or not isinstance(new.content, list):
+        return None
+    for ob, nb in zip(old.content, new.content, strict=True):
+        if ob is not nb:
+            if encodable(nb) is not nb:
                 return None
-            kind = b.get("type")
-            tid = b.get("id") if kind == "tool_use" else b.get("tool_use_id")
-            kinds.append((kind, str(tid)))  # as the pairing keys an id (1 == True, not "1")
-        blocks = tuple(kinds)
-    return (m.type, m.subtype, m.message_id, m.restarts_thread, blocks)
+            pairs.append((ob, nb))
+    return pairs
+
+
+def _swapped(blocks: list[Block], pairs: list[tuple[Any, Any]]) -> list[Block] | None:
+    """``blocks`` with each old block of ``pairs`` replaced by its new one, when every old block
+    is there as itself exactly once (so it went into the entry as it was: not merged with a
+    neighbour's text, not folded with a reminder, not cleaned, not shared with another record
+    of the entry); None otherwise."""
+    at = {id(b): k for k, b in enumerate(blocks)}
+    if len(at) != len(blocks):  # a block twice: which one a record put there is unknown
+        return None
+    out = list(blocks)
+    for ob, nb in pairs:
+        k = at.pop(id(ob), None)
+        if k is None:
+            return None
+        out[k] = nb
+    return out
+
+
+def _same_place(old: Message, new: Message) -> bool:
+    """Whether the wire places ``new`` where it placed ``old``, neither restarting the thread:
+    what it decides a record's place by is the same -- its kind, subtype, response id, and its
+    blocks' types and tool ids (or, for string content, whether there is any)."""
+    if (
+        old.type != new.type
+        or old.subtype != new.subtype
+        or old.message_id != new.message_id
+        or new.restarts_thread
+        or old.restarts_thread
+    ):
+        return False
+    before, after = old.content, new.content
+    if isinstance(before, str) or isinstance(after, str):
+        return isinstance(before, str) and isinstance(after, str) and bool(before) == bool(after)
+    if len(before) != len(after):
+        return False
+    for ob, nb in zip(before, after, strict=True):
+        if ob is not nb:
+            shape = _block_place(nb)
+            if shape is None or shape != _block_place(ob):
+                return False
+        elif not isinstance(nb, dict):
+            return False
+    return True
+
+
+def _block_place(block: Any) -> tuple[Any, str] | None:
+    """A block's type and tool id (None: an item that is not a block)."""
+    if not isinstance(block, dict):
+        return None
+    kind = block.get("type")
+    tid = block.get("id") if kind == "tool_use" else block.get("tool_use_id")
+    return kind, str(tid)  # as the pairing keys an id (1 == True, not "1")
 
 
 def _block_chars(block: Any) -> int:

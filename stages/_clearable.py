@@ -84,6 +84,13 @@ def rough_tokens_priced(messages: Sequence[Message], gains: Gains) -> int:
             total += rough_tokens_for_messages((m,))
             continue
         for b in content:
+            if (
+                type(b) is dict
+                and b.get("content") is CLEARED_PLACEHOLDER
+                and b.get("type") == "tool_result"
+            ):  # what a clear just wrote: a result with string content costs its text alone
+                total += _PLACEHOLDER_TOKENS
+                continue
             if isinstance(b, Mapping):
                 known = gains.get(id(b))
                 total += (

@@ -29,6 +29,7 @@ OPS = (
     "sort",
     "reverse",
     "imul",
+    "put",
 )
 
 
@@ -69,6 +70,14 @@ def _apply(lst: list[Any], op: str, draw: Any) -> None:
         lst.reverse()
     elif op == "imul":
         lst *= draw(st.integers(0, 2))
+    elif op == "put" and n:  # several positions at once, some set to what they hold
+        at = draw(st.lists(st.integers(-n, n - 1), max_size=4))
+        changes = [(j, lst[j] if draw(st.booleans()) else object()) for j in at]
+        if isinstance(lst, KeptList):
+            lst.put(changes)
+        else:
+            for j, v in changes:
+                lst[j] = v
 
 
 def _truth(before: list[Any], after: list[Any]) -> int | None:
@@ -171,3 +180,24 @@ def test_a_bad_argument_raises_what_a_list_raises(change: Any) -> None:
         change([1, 2])
     with pytest.raises(type(plain.value)):
         change(KeptList([1, 2]))
+
+
+@pytest.mark.parametrize("at", [5, -3, "a"])
+def test_put_at_a_bad_position_raises_as_setting_it_does_and_changes_nothing(at: Any) -> None:
+    kept: KeptList[int] = KeptList([1, 2])
+    with pytest.raises(Exception) as plain:
+        [1, 2][at] = 0
+    stamp = kept.stamp
+    with pytest.raises(type(plain.value)):
+        kept.put([(0, 9), (at, 0)])
+    assert kept == [1, 2] and kept.changed_since(stamp) is None
+
+
+def test_put_is_one_change_at_its_lowest_position() -> None:
+    kept: KeptList[int] = KeptList(range(10))
+    stamp = kept.stamp
+    kept.put([(7, -7), (-8, -2), (5, -5)])
+    assert kept == [0, 1, -2, 3, 4, -5, 6, -7, 8, 9]
+    assert kept.stamp == stamp + 1 and kept.changed_since(stamp) == 2
+    kept.put([])
+    assert kept.stamp == stamp + 1

@@ -28,29 +28,49 @@ from tests.edit_support import records
 EXAMPLES = 1_500
 
 
-def _same_shape(m: Message) -> Message:
+def _same_shape(m: Message, data: st.DataObject, pool: list[dict[str, object]]) -> Message:
     """``m`` with other content of the same wire shape: the same kinds of blocks and ids (what
-    a stage clearing old results makes)."""
+    a stage clearing old results makes). Any subset of its blocks changes (none, too: a new
+    record of the same blocks); a new block may carry a lone surrogate or a breakpoint, or be
+    a text block another record already holds (``pool``: the one object in two records)."""
     if isinstance(m.content, str):
         return m.with_content(m.content + "'" if m.content else "")
     blocks = []
     for b in m.content:
         kind = b.get("type") if isinstance(b, dict) else None
+        if kind is None or not data.draw(st.booleans()):
+            blocks.append(b)
+            continue
+        tail = data.draw(st.sampled_from(["'", "\ud800", "\u2192"]))
         if kind == "text":
-            b = {**b, "text": f"{b.get('text')}'"}
+            shared = [t for t in pool if t is not b]
+            if shared and data.draw(st.booleans()):
+                b = data.draw(st.sampled_from(shared))
+            else:
+                b = {**b, "text": f"{b.get('text')}{tail}"}
+                pool.append(b)
         elif kind == "tool_result":
-            b = {**b, "content": "[cleared]"}
+            b = {**b, "content": f"[cleared]{tail}"}
         elif kind == "tool_use":
-            b = {**b, "input": {"edited": True}}
+            b = {**b, "input": {"edited": tail}}
+        if data.draw(st.integers(0, 4)) == 0:
+            b = {**b, "cache_control": {"type": "ephemeral"}}
         blocks.append(b)
     return m.with_content(blocks)
 
 
 def _reshape(view: list[Message], data: st.DataObject) -> None:
     """Replace up to three records by records of the same shape, in place."""
+    pool: list[dict[str, object]] = [
+        b
+        for m in view
+        if isinstance(m.content, list)
+        for b in m.content
+        if isinstance(b, dict) and b.get("type") == "text"
+    ]
     for _ in range(data.draw(st.integers(1, 3))):
         i = data.draw(st.integers(0, len(view) - 1))
-        view[i] = _same_shape(view[i])
+        view[i] = _same_shape(view[i], data, pool)
 
 
 @pytest.mark.slow

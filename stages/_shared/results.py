@@ -57,13 +57,19 @@ def patch_message(m: Message, content_for: ContentFor) -> Message:
     """``m`` with the tool_results ``content_for`` names carrying their new content; ``m``
     itself when nothing changes. Every other block field (``tool_use_id``, ``is_error``,
     ``cache_control``) is kept."""
+    content = m.content
+    if m.type != "user" or not isinstance(content, list):
+        return m
     blocks: list[Block] | None = None
-    for j, b in tool_results(m):
+    # tool_results(m), inline: a clear patches a hundred records at once
+    for j, b in enumerate(content):
+        if not (type(b) is dict or isinstance(b, Mapping)) or b.get("type") != "tool_result":
+            continue
         new = content_for(b)
         if new is None or b.get("content") == new:
             continue
         if blocks is None:
-            blocks = list(m.content)  # type: ignore[arg-type]  # tool_results: a list
+            blocks = list(content)
         blocks[j] = {**b, "content": new}
     return m if blocks is None else m.with_content(blocks)
 
@@ -72,14 +78,17 @@ def patch_results(messages: list[Message], content_for: ContentFor, at: Iterable
     """:func:`replace_results` in place, on a list the caller owns (a stage's kept output: its
     readers ask it what changed, rather than compare it with a copy): the first position that
     changed (``len(messages)`` if none)."""
-    first = len(messages)
-    for i in at:
-        m = messages[i]
-        patched = patch_message(m, content_for)
-        if patched is not m:
+    changes = [
+        (i, patched)
+        for i in at
+        if (patched := patch_message(m := messages[i], content_for)) is not m
+    ]
+    if isinstance(messages, KeptList):
+        messages.put(changes)
+    else:
+        for i, patched in changes:
             messages[i] = patched
-            first = min(first, i)
-    return first
+    return min((i for i, _ in changes), default=len(messages))
 
 
 def replace_results(
