@@ -171,6 +171,31 @@ def message_keys(m: Message) -> tuple[str, str | None, list[str]]:
     return m.uuid, rid, tids
 
 
+def _keeps_keys(was: Message, now: Message) -> bool:
+    """Whether ``now`` surely has the keys of ``was`` (:func:`message_keys`), read without
+    building them: the same uuid, kind and response id, and block for block the same object,
+    or blocks of the same type whose ids are the very same objects (a cleared result). False
+    when unsure: the caller then compares the keys."""
+    before, after = was.content, now.content
+    if (
+        was.uuid != now.uuid
+        or was.type != now.type
+        or was.message_id != now.message_id
+        or not isinstance(before, list)
+        or not isinstance(after, list)
+        or len(before) != len(after)
+    ):
+        return False
+    for a, b in zip(before, after, strict=True):
+        if a is b:
+            continue
+        if type(a) is not dict or type(b) is not dict or a.get("type") is not b.get("type"):
+            return False
+        if a.get("tool_use_id") is not b.get("tool_use_id") or a.get("id") is not b.get("id"):
+            return False
+    return True
+
+
 def _reaches_back(m: Message) -> bool:
     return m.is_compact_boundary or (m.type == "user" and m.is_compact_summary)
 
@@ -250,6 +275,8 @@ class AppendWatch:
                 ) and not any(map(_reaches_back, tail)):
                     # (tool names come from assistant records alone)
                     for was, now in zip(old, new, strict=True):
+                        if _keeps_keys(was, now):
+                            continue
                         keys = message_keys(was), message_keys(now)
                         if keys[0] != keys[1]:  # a cleared result keeps its keys: no change
                             self._count_keys(keys[0], -1)

@@ -374,7 +374,7 @@ async def test_an_equal_copy_that_serialises_otherwise_is_sent_as_given() -> Non
 
 
 @settings(max_examples=300, deadline=None)
-@given(records(), st.lists(st.integers(0, 4), min_size=1, max_size=10), st.data())
+@given(records(), st.lists(st.integers(0, 6), min_size=1, max_size=10), st.data())
 def test_an_append_watch_follows_edits_as_a_fresh_one_would(
     history: list[Message], steps: list[int], data: st.DataObject
 ) -> None:
@@ -393,6 +393,19 @@ def test_an_append_watch_follows_edits_as_a_fresh_one_would(
             gone.append(view.pop(data.draw(st.integers(0, len(view) - 1))))
         elif step == 2 and len(view) > 1:
             view[0], view[-1] = view[-1], view[0]
+        elif step in (3, 4) and view:  # in place, the uuid kept: results cleared or re-keyed
+            i = data.draw(st.integers(0, len(view) - 1))
+            if isinstance(view[i].content, list):
+                key = "content" if step == 3 else "tool_use_id"
+                gone.append(view[i])
+                view[i] = view[i].with_content(
+                    [
+                        {**b, key: f"{b.get(key)}'"}
+                        if isinstance(b, dict) and b.get("type") == "tool_result"
+                        else b
+                        for b in view[i].content
+                    ]
+                )
         watch.advance(view)
         fresh = AppendWatch()
         fresh.advance(view)
@@ -400,7 +413,16 @@ def test_an_append_watch_follows_edits_as_a_fresh_one_would(
         if view:
             echo = dataclasses.replace(view[data.draw(st.integers(0, len(view) - 1))])
             again = [dataclasses.replace(m) for m in gone[-1:]]  # keys no longer in the input
-            for nxt in ([user_text("brand new")], [echo], again):  # echo: an old uuid and ids
+            # a new record that answers an id alone: one of the input's, or one edited away
+            ids = [
+                str(b.get("tool_use_id"))
+                for m in [*gone[-1:], echo]
+                if isinstance(m.content, list)
+                for b in m.content
+                if isinstance(b, dict) and b.get("type") == "tool_result"
+            ]
+            answers = [[results(tool_result(tid, "x"))] for tid in ids]
+            for nxt in ([user_text("brand new")], [echo], again, *answers):  # echo: an old uuid
                 assert watch.advance([*view, *nxt]) == fresh.advance([*view, *nxt])
                 watch.advance(view)
                 fresh.advance(view)
