@@ -52,7 +52,8 @@ def encodable(value: Any) -> Any:
 
 
 def _plain(value: Any) -> bool:
-    """A dict of ASCII string keys and ASCII string values (a text or tool_result block)."""
+    """A dict of ASCII string keys and ASCII string values (a text block, or a tool_result
+    with string content)."""
     if type(value) is not dict:
         return False
     try:
@@ -68,8 +69,12 @@ def _has_surrogate(value: Any) -> bool:
         return _lone_surrogate(value)
     if not isinstance(value, dict | list):
         return False
-    if _plain(value) if isinstance(value, dict) else all(map(_plain, value)):
-        return False  # most content: blocks of ASCII strings alone, read without a walk
+    # most content is blocks of ASCII strings: read without the walk's stack and seen-set
+    if isinstance(value, dict):
+        if _plain(value):
+            return False
+    elif all(map(_plain, value)):
+        return False
     stack = [value]
     walked = {id(value)}  # content that contains itself is walked once, not forever
     while stack:

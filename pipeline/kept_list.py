@@ -116,7 +116,9 @@ class KeptList(list[T]):
             j = operator.index(i)
             if not -n <= j < n:
                 raise IndexError("list assignment index out of range")
-            checked.append((j + n if j < 0 else j, v))
+            j = j + n if j < 0 else j
+            if super().__getitem__(j) is not v:  # the same object again: nothing changed
+                checked.append((j, v))
         if not checked:
             return
         self._note(min(j for j, _ in checked))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 from array import array
+from collections import Counter
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from itertools import compress, count
@@ -180,28 +181,39 @@ class WireCache:
         if 2 * len(changed) > len(removed):  # then feeding them again is as cheap
             return False
         start, entry_of = self._start, self._entry_of
-        swaps: dict[int, list[tuple[Any, Any]] | None] = {}
-        for i in changed:
-            new, old = messages[i], removed[i - first]
+        was = {i: removed[i - first] for i in changed}
+        swaps: dict[int, list[tuple[Any, Any]]] = {}
+        """Per entry to patch: (old block, new block) of its changed records."""
+        rebuild: set[int] = set()
+        for i, old in was.items():
+            new = messages[i]
             if not _same_place(old, new):
                 return False
             e = entry_of[i - start]
             if e >= 0:
-                pairs = swaps.get(e, [])
-                swaps[e] = None if pairs is None else _block_swaps(old, new, pairs)
+                pairs = _block_swaps(old, new)
+                if pairs is None:
+                    rebuild.add(e)
+                else:
+                    swaps.setdefault(e, []).extend(pairs)
         rebuilt: dict[int, Any] = {}
-        for e, pairs in swaps.items():
+        for e in swaps.keys() | rebuild:
+            rs = [
+                r
+                for r in range(self._first_record[e], self._last_record[e] + 1)
+                if entry_of[r - start] == e
+            ]
             entry = self._wire.entries[e]
-            blocks = _swapped(entry.blocks, pairs) if pairs is not None else None
-            if blocks is not None:
-                entry.blocks = blocks  # the wire's own entry (its old list is left as it was)
-                rebuilt[e] = entry
-                continue
+            if e not in rebuild:
+                blocks = _swapped(entry.blocks, [was.get(r, messages[r]) for r in rs], swaps[e])
+                if blocks is not None:
+                    entry.blocks = blocks  # a new list: earlier requests hold the old one
+                    rebuilt[e] = entry
+                    continue
             part = _Wire()
             try:
-                for r in range(self._first_record[e], self._last_record[e] + 1):
-                    if entry_of[r - start] == e:
-                        part.add(messages[r])
+                for r in rs:
+                    part.add(messages[r])
             except ValueError:  # content it cannot send: the full path says so
                 return False
             if len(part.entries) != 1:
@@ -266,14 +278,13 @@ class WireCache:
         self.pairing.update(self._params, keep)
 
 
-def _block_swaps(
-    old: Message, new: Message, pairs: list[tuple[Any, Any]]
-) -> list[tuple[Any, Any]] | None:
-    """``pairs`` plus (old block, new block) for each block of ``old`` that ``new`` replaces,
-    None when the entry must be built again from its records: string content, or a new block
-    the wire would not send as it is (one holding a lone surrogate)."""
+def _block_swaps(old: Message, new: Message) -> list[tuple[Any, Any]] | None:
+    """(old block, new block) for each block of ``old`` that ``new`` replaces; None when the
+    entry must be built again from its records: string content, or a new block the wire
+    would not send as it is (one holding a lone surrogate)."""
     if not isinstance(old.content, list) or not isinstance(new.content, list):
         return None
+    pairs = []
     for ob, nb in zip(old.content, new.content, strict=True):
         if ob is not nb:
             if encodable(nb) is not nb:
@@ -282,18 +293,21 @@ def _block_swaps(
     return pairs
 
 
-def _swapped(blocks: list[Block], pairs: list[tuple[Any, Any]]) -> list[Block] | None:
-    """``blocks`` with each old block of ``pairs`` replaced by its new one, when every old block
-    is there as itself exactly once (so it went into the entry as it was: not merged with a
-    neighbour's text, not folded with a reminder, not cleaned, not shared with another record
-    of the entry); None otherwise."""
+def _swapped(
+    blocks: list[Block], records: Sequence[Message], pairs: list[tuple[Any, Any]]
+) -> list[Block] | None:
+    """An entry's ``blocks`` with each old block of ``pairs`` replaced by its new one, when
+    every old block went into the entry as itself and only there: held once by the
+    ``records`` the entry was built from (as they were then), and found among the blocks as
+    itself -- not copied at a text seam, folded with a reminder, cleaned of a lone surrogate
+    or moved before the prompt, all of which the wire decides by block types alone, so the
+    new block goes where the old one went. None otherwise: the entry is built again."""
+    held = Counter(id(b) for m in records if isinstance(m.content, list) for b in m.content)
     at = {id(b): k for k, b in enumerate(blocks)}
-    if len(at) != len(blocks):  # a block twice: which one a record put there is unknown
-        return None
     out = list(blocks)
     for ob, nb in pairs:
-        k = at.pop(id(ob), None)
-        if k is None:
+        k = at.get(id(ob))
+        if k is None or held[id(ob)] != 1:
             return None
         out[k] = nb
     return out
@@ -322,7 +336,7 @@ def _same_place(old: Message, new: Message) -> bool:
             if shape is None or shape != _block_place(ob):
                 return False
         elif not isinstance(nb, dict):
-            return False
+            return False  # an item that is no block: the full path raises for it
     return True
 
 

@@ -200,4 +200,5 @@ def test_put_is_one_change_at_its_lowest_position() -> None:
     assert kept == [0, 1, -2, 3, 4, -5, 6, -7, 8, 9]
     assert kept.stamp == stamp + 1 and kept.changed_since(stamp) == 2
     kept.put([])
+    kept.put([(0, kept[0])])  # the same object again: nothing changed
     assert kept.stamp == stamp + 1

@@ -11,6 +11,7 @@ call's request must be ``to_api``'s, byte for byte, and :attr:`WireCache.chars` 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from pipeline import Message, to_api
 from pipeline.caching import place_cache_breakpoint
 from pipeline.kept_list import KeptList
+from pipeline.messages import REMINDER
 from pipeline.pairing import PairingError, check_pairing
 from pipeline.testing import RecordReads
 from pipeline.wire_cache import WireCache, request_chars
@@ -73,6 +75,31 @@ def _reshape(view: list[Message], data: st.DataObject) -> None:
         view[i] = _same_shape(view[i], data, pool)
 
 
+def _hold_again(view: list[Message], data: st.DataObject) -> None:
+    """Add a record holding a block object the history already holds (in a prompt, twice in
+    one record, in a reminder, in a fragment of an earlier response): which of its holders
+    put it where in the request is then not the block's to say."""
+    held = [
+        (m, b)
+        for m in view
+        if isinstance(m.content, list)
+        for b in m.content
+        if isinstance(b, dict) and b.get("type") in ("text", "tool_result")
+    ]
+    if not held:
+        return
+    m, b = data.draw(st.sampled_from(held))
+    how = data.draw(st.sampled_from(["user", "twice", "reminder", "fragment"]))
+    if how == "twice" or b.get("type") != "text":
+        view.append(Message.user([b, b]))
+    elif how == "reminder":
+        view.append(Message(type="attachment", subtype=REMINDER, content=[b]))
+    elif how == "fragment" and m.type == "assistant":
+        view.append(Message.assistant([b], message_id=m.message_id))
+    else:
+        view.append(Message.user([b]))
+
+
 @pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(records(), st.lists(st.integers(0, 9), min_size=1, max_size=12), st.data())
@@ -95,6 +122,8 @@ def test_incremental_request_equals_to_api(
             view = list(view)
         elif step in (4, 5) and view:  # content cleared in place, as a stage clears results
             _reshape(view, data)
+        elif step == 6:
+            _hold_again(view, data)
         request = cache.to_api(view)
         expected = to_api(view)
         assert json.dumps(request) == json.dumps(expected)
@@ -137,6 +166,8 @@ def test_a_shared_request_of_a_kept_history_equals_to_api(
         elif step == 7:  # nothing at the end can carry a breakpoint: it goes further back
             thinking = {"type": "thinking", "thinking": "t", "signature": "s"}
             view += [Message.assistant([thinking], message_id=f"th{len(view)}"), user_text("p")]
+        elif step == 8:
+            _hold_again(view, data)
         request = cache.to_api(view, shared=True)
         expected = to_api(view)
         assert json.dumps(request) == json.dumps(expected)
@@ -300,3 +331,77 @@ def test_an_id_replaced_by_an_equal_value_of_another_kind_repairs_the_pairing(
     request = cache.to_api(history)
     assert json.dumps(request) == json.dumps(to_api(history))
     assert cache.pairing.problems == check_pairing(request)
+
+
+def _x() -> dict[str, object]:
+    return {"type": "text", "text": "x"}
+
+
+def _shared_seam() -> tuple[list[Message], int, Message]:
+    x = _x()  # the first holder's copy is made at the text seam; the second's is x itself
+    return [Message.user([x]), Message.user([x])], 0, Message.user([{"type": "text", "text": "y"}])
+
+
+def _repeated_in_one_record() -> tuple[list[Message], int, Message]:
+    x = _x()
+    old = Message.user([x, x])
+    return [old, user_text("next")], 0, old.with_content([x, {"type": "text", "text": "y"}])
+
+
+def _reminder_before_its_prompt() -> tuple[list[Message], int, Message]:
+    x = _x()  # the reminder's block goes before the prompt, which holds the same object
+    old = Message(type="attachment", subtype=REMINDER, content=[x])
+    return [old, Message.user([x])], 0, old.with_content([{"type": "text", "text": "y"}])
+
+
+def _reminder_folded() -> tuple[list[Message], int, Message]:
+    x = _x()  # the reminder's text is folded into the result; the prompt's x is itself
+    old = Message(type="attachment", subtype=REMINDER, content=[x])
+    return (
+        [results(tool_result("u", "out"), x), old],
+        1,
+        old.with_content([{"type": "text", "text": "y"}]),
+    )
+
+
+def _repeated_result_folded() -> tuple[list[Message], int, Message]:
+    r = tool_result("u", "out")  # the reminder folds into the second occurrence
+    old = results(r, r)
+    rem = Message(type="attachment", subtype=REMINDER, content=[{"type": "text", "text": "rem"}])
+    return [old, rem], 0, old.with_content([r, {**r, "content": "[cleared]"}])
+
+
+def _fragment_cleaned() -> tuple[list[Message], int, Message]:
+    x = _x()  # the first fragment is cleaned of a surrogate (every block copied), not the second
+    old = Message.assistant([x, {"type": "text", "text": "\ud800"}], message_id="r")
+    new = old.with_content([{"type": "text", "text": "y"}, old.blocks[1]])
+    return [old, Message.assistant([x], message_id="r")], 0, new
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        _shared_seam,
+        _repeated_in_one_record,
+        _reminder_before_its_prompt,
+        _reminder_folded,
+        _repeated_result_folded,
+        _fragment_cleaned,
+    ],
+)
+def test_a_block_object_held_twice_is_not_swapped_for_the_wrong_holder(case: Any) -> None:
+    """A same-shape edit swaps new blocks into the message in place only where the old block
+    went in as itself and nowhere else: one object held by two records, or twice by one, whose
+    copy at a seam, in a folded reminder or in a cleaned record is not the edited one's."""
+    held, at, new = case()
+    history = [user_text("start"), Message.assistant([tool_use("u")], message_id="p"), *held]
+    for k in range(2):  # enough after the edit for it to be patched in place
+        history += [
+            Message.assistant([tool_use(f"v{k}")], message_id=f"q{k}"),
+            results(tool_result(f"v{k}", "ok")),
+        ]
+    cache = WireCache()
+    cache.to_api(history)
+    history[2 + at] = new
+    assert json.dumps(cache.to_api(history)) == json.dumps(to_api(history))
+    assert cache.chars == request_chars(to_api(history))

@@ -77,18 +77,23 @@ def patch_message(m: Message, content_for: ContentFor) -> Message:
 def patch_results(messages: list[Message], content_for: ContentFor, at: Iterable[int]) -> int:
     """:func:`replace_results` in place, on a list the caller owns (a stage's kept output: its
     readers ask it what changed, rather than compare it with a copy): the first position that
-    changed (``len(messages)`` if none)."""
-    changes = [
-        (i, patched)
-        for i in at
-        if (patched := patch_message(m := messages[i], content_for)) is not m
-    ]
+    changed (``len(messages)`` if none). A position named twice (or from the end) is patched
+    as the record it already patched; a bad position, or ``content_for`` raising, changes
+    nothing. A :class:`KeptList` notes it as one change."""
+    n = len(messages)
+    changes: dict[int, Message] = {}
+    for i in at:
+        j = range(n)[i]  # IndexError as messages[i]; from the end as messages[i]
+        m = changes.get(j, messages[j])
+        patched = patch_message(m, content_for)
+        if patched is not m:
+            changes[j] = patched
     if isinstance(messages, KeptList):
-        messages.put(changes)
+        messages.put(changes.items())
     else:
-        for i, patched in changes:
-            messages[i] = patched
-    return min((i for i, _ in changes), default=len(messages))
+        for j, patched in changes.items():
+            messages[j] = patched
+    return min(changes, default=n)
 
 
 def replace_results(
