@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import operator
 from array import array
-from collections import Counter
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from itertools import compress, count
@@ -302,12 +301,12 @@ def _swapped(
     itself -- not copied at a text seam, folded with a reminder, cleaned of a lone surrogate
     or moved before the prompt, all of which the wire decides by block types alone, so the
     new block goes where the old one went. None otherwise: the entry is built again."""
-    held = Counter(id(b) for m in records if isinstance(m.content, list) for b in m.content)
+    held = [id(b) for m in records if isinstance(m.content, list) for b in m.content]
     at = {id(b): k for k, b in enumerate(blocks)}
     out = list(blocks)
     for ob, nb in pairs:
         k = at.get(id(ob))
-        if k is None or held[id(ob)] != 1:
+        if k is None or held.count(id(ob)) != 1:
             return None
         out[k] = nb
     return out
