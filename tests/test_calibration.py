@@ -266,16 +266,17 @@ def test_model_families() -> None:
 
 
 def test_a_huge_session_is_never_serialised_to_json(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 10 MB of tool output: only the small tool_use inputs may go through json.dumps
+    # 10 MB of tool output: only the small tool_use inputs may be serialised to JSON
     dumped: list[int] = []
-    real_dumps = json.dumps
+    real_encode = json.JSONEncoder.encode
 
-    def spy(obj: Any, *args: Any, **kwargs: Any) -> str:
-        out = real_dumps(obj, *args, **kwargs)
+    def spy(self: json.JSONEncoder, obj: Any) -> str:
+        out = real_encode(self, obj)
         dumped.append(len(out))
         return out
 
-    monkeypatch.setattr(json, "dumps", spy)  # the json module the estimators use
+    # what json.dumps and the estimators' own encoder both go through
+    monkeypatch.setattr(json.JSONEncoder, "encode", spy)
     big = "x = compute(1, 2)\n" * 50_000  # ~900 KB
     msgs: list[Message] = [user_text("go")]
     for i in range(12):
@@ -672,3 +673,31 @@ def test_a_calibration_step_is_the_textbook_step_float_for_float(
         mult, p = _textbook_step(mult, p, x, y, **kw)
         assert repr(model.mult) == repr(mult)
         assert repr(model.p) == repr(p)
+
+
+def test_a_reference_tracker_observes_as_its_estimator_does() -> None:
+    """The reference estimator learns nothing, so a tracker takes its estimate before the call
+    as what it observed rather than asking again: the observations, errors and estimates are
+    those of the same estimator asked through its ``observe`` (a subclass is asked)."""
+
+    class AskedEachTime(ReferenceEstimator):
+        pass
+
+    plain, asked = TokenTracker("reference"), TokenTracker(estimator=AskedEachTime())
+    msgs: list[Message] = [user_text("go")]
+    sent = 2_000
+    for i in range(40):
+        usage = Usage(input_tokens=3, cache_read_input_tokens=sent)
+        freed = 500 if i % 7 == 3 else 0
+        for tracker in (plain, asked):
+            tracker.set_request(system="sys" if i > 5 else None)
+        a = plain.observe(msgs, usage, model=SONNET, tokens_freed=freed)
+        b = asked.observe(msgs, usage, model=SONNET, tokens_freed=freed)
+        assert a == b
+        if i % 5 == 0:  # the same messages observed twice in a row
+            assert plain.observe(msgs, usage) == asked.observe(msgs, usage)
+        assert (plain.last_error, plain.estimate(msgs)) == (asked.last_error, asked.estimate(msgs))
+        msgs.append(assistant(f"m{i}", tool_use(f"t{i}", "Bash", command=f"step {i}"), usage=usage))
+        msgs.append(results(tool_result(f"t{i}", "out " * (50 * i))))
+        sent += 400 + 60 * i
+    assert plain.error_stats() == asked.error_stats()

@@ -83,6 +83,11 @@ def block_segments(block: Mapping[str, Any]) -> Iterator[Segment]:
         raise ValueError("a content block is nested too deeply to measure") from None
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False, default=str)
+"""``json.dumps(value, ensure_ascii=False, default=str)`` without building an encoder per block
+(every new tool call is measured by each estimator)."""
+
+
 def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segment]:
     btype = block.get("type")
     if btype == "text":
@@ -95,9 +100,7 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
         yield Segment("media", block=block)
     elif btype == "tool_use":
         name = str(block.get("name") or "")
-        yield Segment(
-            "tool_use", name + json.dumps(block.get("input"), ensure_ascii=False, default=str)
-        )
+        yield Segment("tool_use", name + _JSON.encode(block.get("input")))
     elif btype == "tool_result":
         yield Segment("tool_result")
         failed = bool(block.get("is_error"))
@@ -109,7 +112,7 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
                 if isinstance(inner, Mapping):
                     yield from _block_segments(inner, error=failed)
     else:  # unknown and server blocks: their JSON, one block at a time
-        yield Segment("other", json.dumps(block, ensure_ascii=False, default=str))
+        yield Segment("other", _JSON.encode(block))
 
 
 _NC, _NF = len(CLASSES), len(FEATURES)

@@ -62,6 +62,9 @@ def _priced(segments: Iterable[Segment]) -> int:
 
 _MEMO_SIZE = 1_024
 
+NOTHING_TO_LEARN = "reference: nothing to learn"
+"""Why the reference estimator learns from no call."""
+
 
 class ReferenceEstimator:
     """The fixed rough count (see the module docstring): an :class:`~pipeline.tokens.Estimator`
@@ -132,7 +135,7 @@ class ReferenceEstimator:
     ) -> tuple[EstimateDetail, bool, str]:
         """The estimate as it stood; nothing is learned."""
         detail = self.estimate_detail(messages, anchor, model=model)
-        return detail, False, skip or "reference: nothing to learn"
+        return detail, False, skip or NOTHING_TO_LEARN
 
     def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:
         """The fixed ratios: 4 chars/token for text, 2 for JSON-family text."""

@@ -40,7 +40,7 @@ from pipeline.tokens.checks import (
 )
 from pipeline.tokens.estimator import Estimator
 from pipeline.tokens.kept_estimates import KeptEstimates
-from pipeline.tokens.reference import ReferenceEstimator
+from pipeline.tokens.reference import NOTHING_TO_LEARN, ReferenceEstimator
 from pipeline.tokens.request import RequestOverhead
 from pipeline.tokens.state_file import (
     CALIBRATION_FILE,
@@ -213,9 +213,13 @@ class TokenTracker:
             skip = self.request.skip_reason(has_anchor=before.has_anchor)
         measured = self._overhead_measured()
         extra = self.request.extra(has_anchor=before.has_anchor, overhead_measured=measured)
-        detail, learned, reason = self.estimator.observe(
-            messages, anchor, usage, model=model, skip=skip
-        )
+        if type(self.estimator) is ReferenceEstimator:
+            # it learns nothing: what it observes is the estimate just made (made once)
+            detail, learned, reason = before, False, skip or NOTHING_TO_LEARN
+        else:
+            detail, learned, reason = self.estimator.observe(
+                messages, anchor, usage, model=model, skip=skip
+            )
         detail = self._with_request(detail, extra)
         # a call without an anchor (and no compaction) is where an overhead gets measured
         fresh = not before.has_anchor and not before.crossed_compaction and skip is None
