@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pipeline._cli.demo_session as demo
 from pipeline._cli.agent_cmd import cmd_agent
@@ -18,178 +17,19 @@ from pipeline._cli.arg_types import (
     positive_int,
     seconds,
     size,
-    store_location,
-    store_retries,
-    store_timeout,
 )
 from pipeline._cli.demo_cmd import cmd_demo
+from pipeline._cli.options import (
+    AGENT_STORE_HELP,
+    PROXY_STORE_HELP,
+    TRACING_EPILOG,
+    add_object_store_options,
+    add_replay_options,
+    para,
+)
 from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
-from pipeline.policies import (
-    DEFAULT_MAX_RESULT_SIZE_CHARS,
-    MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
-)
-from pipeline.session_storage import STORE_RETRIES, STORE_TIMEOUT
 from stages import registry as stage_registry
-
-if TYPE_CHECKING:
-    pass
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument parsing
-# ---------------------------------------------------------------------------------------------
-
-_STORE_HELP = (
-    "directory for persisted results (<DIR>/<session>/tool-results/); never removed by the "
-    "command. Default: a new temporary directory, removed when the command ends (done, failed "
-    "or interrupted with Ctrl-C) unless --keep-store"
-)
-_KEEP_STORE_HELP = (
-    "keep the temporary store made when no --store is given (the demo's transcript is in it "
-    "too): its location is printed in the summary (and in the JSON summary's 'store', with "
-    "'store_kept': true). Delete it when done. Has no effect with --store"
-)
-_LONG_LIVED_STORE_HELP = "directory for persisted results (<DIR>/<session>/tool-results/)"
-_PROXY_STORE_HELP = (
-    "where the sessions' persisted results and decisions live: a directory "
-    "(<DIR>/<session>/...), or s3://BUCKET/PREFIX shared by every proxy given the same URL "
-    "(a fleet; the objectstore extra). Default .sluicegate"
-)
-_AGENT_STORE_HELP = (
-    "directory for the session (<DIR>/<session>/transcript.jsonl and tool-results/), or "
-    "s3://BUCKET/PREFIX for the persisted results (the objectstore extra; the transcript and "
-    "the token calibration stay in .sluicegate, or beside the --resume transcript)"
-)
-_TRACING_EPILOG = """\
-tracing:
-  Spans are exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT or
-  OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (service.name "sluicegate" unless
-  OTEL_SERVICE_NAME is set); nothing is exported otherwise. The protocol comes from
-  OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL: http/protobuf
-  (default; pip install 'sluicegate[otel]') or grpc (pip install
-  'sluicegate[otel-grpc]'). Spans never hold message content.
-
-exit codes: 0 ok, 1 the command failed part-way (a stage stopped the session, an
-  output could not be written), 2 bad usage or bad input, 130 interrupted (Ctrl-C),
-  143 terminated (SIGTERM); a temporary store is removed either way.
-"""
-
-
-def _para(text: str) -> str:
-    # the raw formatter keeps the epilog's layout; descriptions are wrapped here instead
-    return textwrap.fill(text, width=79)
-
-
-def _add_object_store_options(p: argparse.ArgumentParser) -> None:
-    """``--store-timeout`` and ``--store-retries``: how long a call may wait on an
-    ``s3://`` store."""
-    group = p.add_argument_group(
-        "object store",
-        "With --store s3://BUCKET/PREFIX: credentials, region and endpoint come from the usual "
-        "AWS environment variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
-        "AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP...; AWS_TIMEOUT and AWS_CONNECT_TIMEOUT "
-        "too, below the flags here). A store that fails never fails a call: a result it cannot "
-        "hold is sent whole.",
-    )
-    group.add_argument(
-        "--store-timeout",
-        type=store_timeout,
-        metavar="SECONDS",
-        help=f"how long one store request may take (default {STORE_TIMEOUT:g})",
-    )
-    group.add_argument(
-        "--store-retries",
-        type=store_retries,
-        metavar="N",
-        help=f"retries of a failed store request, 0-10 (default {STORE_RETRIES})",
-    )
-
-
-def _add_replay_options(
-    p: argparse.ArgumentParser, *, temporary_store: bool, store_help: str | None = None
-) -> None:
-    """The options every pipeline command takes; ``temporary_store``: the command makes a
-    temporary store when no ``--store`` is given (and so takes ``--keep-store``);
-    ``store_help``: the command's ``--store`` also takes an object store URL, as this says."""
-    budget = p.add_argument_group("budget")
-    budget.add_argument(
-        "--per-message-chars",
-        type=positive_int,
-        default=MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
-        metavar="N",
-        help="per-message budget: tool_result chars in one API-level user message "
-        "(default %(default)s)",
-    )
-    budget.add_argument(
-        "--per-tool-chars",
-        type=positive_int,
-        default=DEFAULT_MAX_RESULT_SIZE_CHARS,
-        metavar="N",
-        help="per-tool cap (default %(default)s); Claude Code's declared limits below it still "
-        "apply (Bash 30000, Grep 20000, ...) and Read is never persisted",
-    )
-    if store_help is not None:
-        budget.add_argument(
-            "--store", type=store_location, metavar="DIR|s3://BUCKET/PREFIX", help=store_help
-        )
-    else:
-        help_text = _STORE_HELP if temporary_store else _LONG_LIVED_STORE_HELP
-        budget.add_argument("--store", type=nonempty_path, metavar="DIR", help=help_text)
-    if temporary_store:
-        budget.add_argument("--keep-store", action="store_true", help=_KEEP_STORE_HELP)
-    budget.add_argument(
-        "--stage",
-        action="append",
-        metavar="SLOT=STRATEGY[:k=v...]",
-        help="choose a strategy for a stage slot, e.g. microcompact=clear-oldest:keep=5 or "
-        "history_snip=off (repeatable)",
-    )
-
-    out = p.add_argument_group("output")
-    out.add_argument(
-        "--json",
-        action="store_true",
-        help='one JSON object per call on stdout, then a final {"summary": {...}} line '
-        "(default: an aligned table)",
-    )
-    out.add_argument(
-        "--dump-requests",
-        type=nonempty_path,
-        metavar="DIR",
-        help="write DIR/NNNN.json: the exact 'messages' array sent for call NNNN (DIR must "
-        "hold no NNNN.json from an earlier run)",
-    )
-    out.add_argument(
-        "--dump-calls",
-        metavar="N,N-M,...",
-        help="with --dump-requests: only these calls (e.g. 0,10-20)",
-    )
-    out.add_argument(
-        "--dump-format",
-        choices=("full", "delta"),
-        default="full",
-        help="with --dump-requests: 'full' (each file the whole array, the default) or 'delta' "
-        '(each file {"call", "prefix", "messages"}: the first PREFIX messages of the previous '
-        "dumped request, then these)",
-    )
-    out.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on stderr (default: only when stderr is a terminal)",
-    )
-    out.add_argument("--console-spans", action="store_true", help="also print every span to stderr")
-    out.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=0,
-        help="log to stderr at INFO (-v) or DEBUG (-vv); default WARNING",
-    )
-    out.add_argument(
-        "--log-json", action="store_true", help="log JSON lines instead of readable text"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser(
         "replay",
         help="replay a recorded Claude Code session (JSONL), call by call",
-        description=_para(
+        description=para(
             "Replay a Claude Code transcript through the default pipeline exactly as a "
             "live loop would have run it: for each API call (each distinct assistant message.id, "
             "in order) the conversation as it stood just before that call goes through the "
@@ -213,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
             "form. The main thread is replayed (sub-agent records interleaved in older files are "
             "left out). The replay starts from an empty ledger and never writes to the transcript."
         ),
-        epilog=_TRACING_EPILOG,
+        epilog=TRACING_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     replay.add_argument("transcript", type=Path, metavar="TRANSCRIPT.jsonl")
@@ -222,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip malformed lines (listed on stderr) instead of failing on the first",
     )
-    _add_replay_options(replay, temporary_store=True)
+    add_replay_options(replay, temporary_store=True)
     compare = replay.add_argument_group("comparing pipelines")
     compare.add_argument(
         "--compare",
@@ -249,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p = sub.add_parser(
         "demo",
         help="run the agent loop against a scripted local server (no API key, no network)",
-        description=_para(
+        description=para(
             "Run the agent loop on the real anthropic SDK against a scripted Messages server on "
             "127.0.0.1 (random port) that asks for what a real coding session asked for: ten "
             "parallel ~40K-char job logs in one turn, a ~56K Read, a single ~80K Bash output, "
@@ -258,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
             "goes. Shows per call what the budget persisted and re-applied. With --replay, the "
             "same session is written as a transcript and replayed instead."
         ),
-        epilog=_TRACING_EPILOG,
+        epilog=TRACING_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo_p.add_argument(
@@ -279,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=demo.DEFAULT_SEED,
         help="generator seed (default %(default)s); the same seed gives the same file",
     )
-    _add_replay_options(demo_p, temporary_store=True)
+    add_replay_options(demo_p, temporary_store=True)
     demo_p.set_defaults(handler=cmd_demo)
     _add_agent_parser(sub)
     _add_proxy_parser(sub)
@@ -331,8 +171,8 @@ def _add_proxy_parser(sub: Any) -> None:
         help="then remove the oldest persisted results until they total at most SIZE (e.g. "
         "500M, 2G; powers of 1024)",
     )
-    _add_replay_options(proxy_p, temporary_store=False, store_help=_PROXY_STORE_HELP)
-    _add_object_store_options(proxy_p)
+    add_replay_options(proxy_p, temporary_store=False, store_help=PROXY_STORE_HELP)
+    add_object_store_options(proxy_p)
     proxy_p.set_defaults(handler=cmd_proxy, store=None)
 
 
@@ -346,7 +186,7 @@ def _add_store_parser(sub: Any) -> None:
     prune = actions.add_parser(
         "prune",
         help="remove persisted results by age and/or total size",
-        description=_para(
+        description=para(
             "Remove persisted tool results from a store: those last modified more than "
             "--older-than ago, then the oldest until the rest total at most --max-size; then "
             "the tool-results and session directories this empties. Only files named as the "
@@ -386,7 +226,7 @@ def _add_agent_parser(sub: Any) -> None:
     agent_p = sub.add_parser(
         "agent",
         help="run a small coding agent in the current directory (needs an API key)",
-        description=_para(
+        description=para(
             "Run a small coding agent in the current directory on the Anthropic API, every "
             "request going through the default pipeline. Tools: read_file (files under the "
             "current directory and persisted outputs; never persisted itself) and, only with "
@@ -394,7 +234,7 @@ def _add_agent_parser(sub: Any) -> None:
             "variables (ANTHROPIC_API_KEY, ANTHROPIC_BASE_URL). The session (transcript and "
             "persisted outputs) goes under --store (default .sluicegate)."
         ),
-        epilog=_TRACING_EPILOG,
+        epilog=TRACING_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     agent_p.add_argument("prompt", nargs="?", help="what to do (optional with --resume)")
@@ -427,6 +267,6 @@ def _add_agent_parser(sub: Any) -> None:
         "--resume", type=Path, metavar="TRANSCRIPT", help="continue the session of this transcript"
     )
     agent_p.add_argument("--session-id", help="id of a new session (default: random)")
-    _add_replay_options(agent_p, temporary_store=False, store_help=_AGENT_STORE_HELP)
-    _add_object_store_options(agent_p)
+    add_replay_options(agent_p, temporary_store=False, store_help=AGENT_STORE_HELP)
+    add_object_store_options(agent_p)
     agent_p.set_defaults(handler=cmd_agent, store=None)
