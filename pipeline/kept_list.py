@@ -107,23 +107,25 @@ class KeptList(list[T]):
         super().__setitem__(key, value)
 
     def put(self, changes: Iterable[tuple[SupportsIndex, T]]) -> None:
-        """Set each ``(position, item)`` of ``changes``, noted as one change at the lowest
-        position (a hundred records rewritten at once are one change to the readers). Raises
-        what ``kept[position] = item`` raises for a bad position, before changing anything."""
+        """Set each ``(position, item)`` of ``changes`` as setting them one by one in order
+        would (a later entry for a position wins), noted as one change at the lowest position
+        that changed: a hundred records rewritten at once are one change to the readers.
+        Raises ``IndexError`` for a position outside the list and ``TypeError`` for one that
+        is no integer, before changing anything."""
         n = len(self)
-        checked: list[tuple[int, T]] = []
+        final: dict[int, T] = {}
         for i, v in changes:  # every position checked first: a bad one changes nothing
             j = operator.index(i)
             if not -n <= j < n:
                 raise IndexError("list assignment index out of range")
-            j = j + n if j < 0 else j
-            if super().__getitem__(j) is not v:  # the same object again: nothing changed
-                checked.append((j, v))
-        if not checked:
+            final[j + n if j < 0 else j] = v
+        getitem = super().__getitem__
+        changed = [(j, v) for j, v in final.items() if getitem(j) is not v]
+        if not changed:
             return
-        self._note(min(j for j, _ in checked))
+        self._note(min(j for j, _ in changed))
         setitem = super().__setitem__
-        for j, v in checked:
+        for j, v in changed:
             setitem(j, v)
 
     def __delitem__(self, key: SupportsIndex | slice) -> None:

@@ -16,7 +16,7 @@ from pipeline.encoding import encodable
 from pipeline.incremental import InputLog
 from pipeline.messages import Block, Message, thread_start
 from pipeline.pairing import PairingError, PairingIndex
-from pipeline.wire import _entry_to_param, _Wire
+from pipeline.wire import _entry_to_param, _Wire, _WireEntry
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
@@ -180,38 +180,39 @@ class WireCache:
         if 2 * len(changed) > len(removed):  # then feeding them again is as cheap
             return False
         start, entry_of = self._start, self._entry_of
-        was = {i: removed[i - first] for i in changed}
-        swaps: dict[int, list[tuple[Any, Any]]] = {}
-        """Per entry to patch: (old block, new block) of its changed records."""
+        before = {i: removed[i - first] for i in changed}  # the changed records as they were
+        # per entry to patch: (old block, new block) of each block its changed records replaced
+        replaced: dict[int, list[tuple[Any, Any]]] = {}
         rebuild: set[int] = set()
-        for i, old in was.items():
+        for i, old in before.items():
             new = messages[i]
             if not _same_place(old, new):
                 return False
             e = entry_of[i - start]
             if e >= 0:
-                pairs = _block_swaps(old, new)
+                pairs = _replaced_blocks(old, new)
                 if pairs is None:
                     rebuild.add(e)
                 else:
-                    swaps.setdefault(e, []).extend(pairs)
-        rebuilt: dict[int, Any] = {}
-        for e in swaps.keys() | rebuild:
-            rs = [
+                    replaced.setdefault(e, []).extend(pairs)
+        rebuilt: dict[int, _WireEntry] = {}
+        for e in replaced.keys() | rebuild:
+            sources = [
                 r
                 for r in range(self._first_record[e], self._last_record[e] + 1)
                 if entry_of[r - start] == e
             ]
             entry = self._wire.entries[e]
             if e not in rebuild:
-                blocks = _swapped(entry.blocks, [was.get(r, messages[r]) for r in rs], swaps[e])
+                was_built_from = [before.get(r, messages[r]) for r in sources]
+                blocks = _swap_in(entry.blocks, was_built_from, replaced[e])
                 if blocks is not None:
                     entry.blocks = blocks  # a new list: earlier requests hold the old one
                     rebuilt[e] = entry
                     continue
             part = _Wire()
             try:
-                for r in rs:
+                for r in sources:
                     part.add(messages[r])
             except ValueError:  # content it cannot send: the full path says so
                 return False
@@ -277,7 +278,7 @@ class WireCache:
         self.pairing.update(self._params, keep)
 
 
-def _block_swaps(old: Message, new: Message) -> list[tuple[Any, Any]] | None:
+def _replaced_blocks(old: Message, new: Message) -> list[tuple[Any, Any]] | None:
     """(old block, new block) for each block of ``old`` that ``new`` replaces; None when the
     entry must be built again from its records: string content, or a new block the wire
     would not send as it is (one holding a lone surrogate)."""
@@ -292,7 +293,7 @@ def _block_swaps(old: Message, new: Message) -> list[tuple[Any, Any]] | None:
     return pairs
 
 
-def _swapped(
+def _swap_in(
     blocks: list[Block], records: Sequence[Message], pairs: list[tuple[Any, Any]]
 ) -> list[Block] | None:
     """An entry's ``blocks`` with each old block of ``pairs`` replaced by its new one, when

@@ -202,3 +202,8 @@ def test_put_is_one_change_at_its_lowest_position() -> None:
     kept.put([])
     kept.put([(0, kept[0])])  # the same object again: nothing changed
     assert kept.stamp == stamp + 1
+    first = kept[0]
+    kept.put([(0, -100), (-10, first)])  # in order: the later entry for a position wins
+    assert kept[0] is first and kept.stamp == stamp + 1
+    kept.put([(9, -100), (-1, -9), (9, -99)])
+    assert kept[9] == -99 and kept.changed_since(stamp + 1) == 9

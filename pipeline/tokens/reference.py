@@ -134,7 +134,15 @@ class ReferenceEstimator:
         skip: str | None = None,
     ) -> tuple[EstimateDetail, bool, str]:
         """The estimate as it stood; nothing is learned."""
-        detail = self.estimate_detail(messages, anchor, model=model)
+        return self.observed(self.estimate_detail(messages, anchor, model=model), skip)
+
+    @staticmethod
+    def observed(
+        detail: EstimateDetail, skip: str | None = None
+    ) -> tuple[EstimateDetail, bool, str]:
+        """What :meth:`observe` returns for a call whose estimate was ``detail``: a tracker
+        that has just made that estimate takes it as observed rather than pricing the records
+        after the anchor again."""
         return detail, False, skip or NOTHING_TO_LEARN
 
     def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:

@@ -40,7 +40,7 @@ from pipeline.tokens.checks import (
 )
 from pipeline.tokens.estimator import Estimator
 from pipeline.tokens.kept_estimates import KeptEstimates
-from pipeline.tokens.reference import NOTHING_TO_LEARN, ReferenceEstimator
+from pipeline.tokens.reference import ReferenceEstimator
 from pipeline.tokens.request import RequestOverhead
 from pipeline.tokens.state_file import (
     CALIBRATION_FILE,
@@ -214,8 +214,9 @@ class TokenTracker:
         measured = self._overhead_measured()
         extra = self.request.extra(has_anchor=before.has_anchor, overhead_measured=measured)
         if type(self.estimator) is ReferenceEstimator:
-            # it learns nothing: what it observes is the estimate just made (made once)
-            detail, learned, reason = before, False, skip or NOTHING_TO_LEARN
+            # it learns nothing, so what it observes is ``before``: asking it would price the
+            # records after the anchor a second time (the replay observes every call)
+            detail, learned, reason = ReferenceEstimator.observed(before, skip)
         else:
             detail, learned, reason = self.estimator.observe(
                 messages, anchor, usage, model=model, skip=skip

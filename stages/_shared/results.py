@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -83,7 +84,10 @@ def patch_results(messages: list[Message], content_for: ContentFor, at: Iterable
     n = len(messages)
     changes: dict[int, Message] = {}
     for i in at:
-        j = range(n)[i]  # IndexError as messages[i]; from the end as messages[i]
+        j = operator.index(i)
+        j = j + n if j < 0 else j
+        if not 0 <= j < n:
+            raise IndexError("list index out of range")
         m = changes.get(j, messages[j])
         patched = patch_message(m, content_for)
         if patched is not m:
