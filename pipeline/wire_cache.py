@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 from array import array
+from collections import Counter
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from itertools import compress, count
@@ -303,11 +304,13 @@ def _swap_in(
     or moved before the prompt, all of which the wire decides by block types alone, so the
     new block goes where the old one went. None otherwise: the entry is built again."""
     held = [id(b) for m in records if isinstance(m.content, list) for b in m.content]
+    # most entries hold no block object twice: then every old block is held once
+    twice = Counter(held) if len(set(held)) != len(held) else None
     at = {id(b): k for k, b in enumerate(blocks)}
     out = list(blocks)
     for ob, nb in pairs:
         k = at.get(id(ob))
-        if k is None or held.count(id(ob)) != 1:
+        if k is None or (twice is not None and twice[id(ob)] != 1):
             return None
         out[k] = nb
     return out

@@ -30,7 +30,8 @@ def tool_results(m: Message) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """(block index, block) of every tool_result block of a user record (non-blocks skipped)."""
     if m.type == "user" and isinstance(m.content, list):
         for j, b in enumerate(m.content):
-            if isinstance(b, Mapping) and b.get("type") == "tool_result":
+            # a dict is a Mapping: tested first, past the slower abstract-class check
+            if (type(b) is dict or isinstance(b, Mapping)) and b.get("type") == "tool_result":
                 yield j, b
 
 
@@ -58,19 +59,13 @@ def patch_message(m: Message, content_for: ContentFor) -> Message:
     """``m`` with the tool_results ``content_for`` names carrying their new content; ``m``
     itself when nothing changes. Every other block field (``tool_use_id``, ``is_error``,
     ``cache_control``) is kept."""
-    content = m.content
-    if m.type != "user" or not isinstance(content, list):
-        return m
     blocks: list[Block] | None = None
-    # tool_results(m), inline: a clear patches a hundred records at once
-    for j, b in enumerate(content):
-        if not (type(b) is dict or isinstance(b, Mapping)) or b.get("type") != "tool_result":
-            continue
+    for j, b in tool_results(m):
         new = content_for(b)
         if new is None or b.get("content") == new:
             continue
         if blocks is None:
-            blocks = list(content)
+            blocks = list(m.content)  # type: ignore[arg-type]  # tool_results: a list
         blocks[j] = {**b, "content": new}
     return m if blocks is None else m.with_content(blocks)
 
