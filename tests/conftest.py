@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.sdk_support import close_sdk_clients
+
 if TYPE_CHECKING:
     from tests.objectstore_support import MotoS3
 
@@ -30,6 +32,13 @@ def corpus_params() -> list[object]:
     if not files:
         return [pytest.param(None, marks=pytest.mark.skip(reason=f"no corpus at {CORPUS}"))]
     return [pytest.param(f, id=str(f.relative_to(CORPUS))) for f in files]
+
+
+@pytest.fixture(autouse=True)
+def _close_sdk_clients() -> Iterator[None]:
+    """Close the SDK clients the test made (``tests.sdk_support.sdk_client``)."""
+    yield
+    close_sdk_clients()
 
 
 @pytest.fixture

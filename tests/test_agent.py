@@ -17,6 +17,7 @@ from pipeline.pairing import check_pairing
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, without_cache_control
 from pipeline.tools import Tool, tool
 from stages import ToolResultBudget, default_stages
+from tests.sdk_support import sdk_client
 
 MARK = "OUTPUT-MARK "
 
@@ -77,7 +78,7 @@ def server_factory() -> Iterator[Callable[..., ScriptedMessagesServer]]:
 
 
 def client_for(server: ScriptedMessagesServer) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=server.base_url, api_key="test-key", max_retries=0)
+    return sdk_client(server.base_url, api_key="test-key")
 
 
 def new_agent(
@@ -421,7 +422,7 @@ async def _observed_with(tmp_path: Path, *, pass_during_call: bool) -> tuple[int
     )
     logs: list[Any] = []
     with ScriptedMessagesServer(script) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         agent = Agent(
             client,
             model="claude-sonnet-4-6",

@@ -56,6 +56,7 @@ from pipeline.testing import (
 from pipeline.tools import tool
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.sdk_support import sdk_client
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
 PARTLY_ANSWERED = (
@@ -87,7 +88,7 @@ async def ping() -> str:
 
 
 def _agent(server: ScriptedMessagesServer, root: Path, sid: str = "s1", **kw: Any) -> Agent:
-    client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+    client = sdk_client(server.base_url)
     ctx = SessionContext(
         sid,
         root,
@@ -233,7 +234,7 @@ def test_lone_surrogates_never_make_a_request_unencodable(tmp_path: Path) -> Non
         ]
     )
     with ScriptedMessagesServer(lambda _b: next(replies)) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         agent = Agent.resume(path, client, model="m", pipeline=Pipeline([]), tools=[ping])
         anyio.run(agent.run, None)
         anyio.run(agent.run, "and again")
@@ -253,7 +254,7 @@ def test_what_the_caller_gives_encodes_too(tmp_path: Path) -> None:
         return "ok"
 
     with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "fine"}])) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         ctx = SessionContext("s1", tmp_path, logger=QuietLogger())
         agent = Agent(
             client,
@@ -295,7 +296,7 @@ def test_resume_answers_every_unanswered_call_not_only_a_trailing_one(tmp_path: 
     path = _partly_answered(tmp_path)
     lines_before = path.read_text().count("\n")
     with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "done"}])) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         agent = Agent.resume(path, client, model="m", pipeline=Pipeline([]), tools=[ping])
         anyio.run(agent.run, "next")
         again = Agent.resume(path, client, model="m", pipeline=Pipeline([]), tools=[ping])
@@ -381,7 +382,7 @@ def test_a_history_that_cannot_be_repaired_is_refused_before_anything_is_written
         ]
     )
     before = path.read_bytes()
-    client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", api_key="k")
+    client = sdk_client("http://127.0.0.1:9", max_retries=2)
     with pytest.raises(PairingError, match="duplicate_tool_use"):
         Agent.resume(path, client, model="m", pipeline=Pipeline([]))
     assert path.read_bytes() == before
@@ -416,7 +417,7 @@ def test_cut_between_two_parallel_results_at_every_line(tmp_path: Path) -> None:
         ]
     )
     lines = full.read_text().splitlines(keepends=True)
-    client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", api_key="k")
+    client = sdk_client("http://127.0.0.1:9", max_retries=2)
     for n in range(1, len(lines) + 1):
         cut = tmp_path / f"cut{n}" / "s1" / "transcript.jsonl"
         cut.parent.mkdir(parents=True)
@@ -479,7 +480,7 @@ def test_resume_from_another_directory_keeps_the_store_of_the_session(tmp_path: 
         return big
 
     with ScriptedMessagesServer(lambda _b: next(replies)) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         sid = "mv1"
         ctx = SessionContext(
             sid,
@@ -720,9 +721,7 @@ def test_a_breakpoint_on_an_older_message_is_taken_back_next_turn(tmp_path: Path
         assert json.loads(before) == request  # and it is what was sent
     replies = iter([_message(id="msg_4")])
     with ScriptedMessagesServer(lambda _b: RawReply(next(replies))) as server:
-        agent.client = anthropic.AsyncAnthropic(
-            base_url=server.base_url, api_key="k", max_retries=0
-        )
+        agent.client = sdk_client(server.base_url)
         anyio.run(agent.run, "four")
         fourth = server.requests[0]["messages"]
     # a new last message that can carry the mark: the older one is restored, unmarked
@@ -786,7 +785,7 @@ def test_an_id_another_run_recorded_during_the_call_is_refused(tmp_path: Path) -
 
     errors: list[str] = []
     with ScriptedMessagesServer(script) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         ctx = SessionContext("s1", tmp_path, logger=QuietLogger())
         agent = Agent(client, model="m", pipeline=Pipeline([]), ctx=ctx, tools=[slow])
 

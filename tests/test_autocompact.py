@@ -11,7 +11,6 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import pytest
 from anthropic.types import MessageParam
 
@@ -37,6 +36,7 @@ from pipeline.tokens import rough_tokens_for_messages, rough_tokens_for_text
 from pipeline.transcript import StageRecord
 from stages.autocompact import SUMMARY_PREFIX, Autocompact, ContextWindowExceeded, Thresholds
 from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.sdk_support import sdk_client
 
 # A small window keeps the numbers readable: effective 52,000, compact at 39,000, warn at
 # 19,000, block at 49,000. Sizes come from the usage of the last response.
@@ -664,7 +664,7 @@ async def test_anthropic_summarizer_end_to_end(tmp_path: Path, exporter: SpanRec
 
     msgs = conversation(OVER, n=6)
     with ScriptedMessagesServer(script) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="x", max_retries=0)
+        client = sdk_client(server.base_url, api_key="x")
         summarizer = AnthropicSummarizer(client, model="claude-test", max_tokens=1_000)
         ctx = make_ctx(tmp_path, exporter, token_tracker=TokenTracker())  # the default tracker
         stage = Autocompact(summarizer, **SMALL)

@@ -45,6 +45,7 @@ from pipeline.wire import to_api
 from stages import default_stages
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.cli_support import CALL_KEYS
+from tests.sdk_support import sdk_client
 
 CODE = "def f(x):\n    return x + 1  # add one\n" * 40  # ~1.6K chars of code
 SONNET = "claude-sonnet-4-5"
@@ -525,7 +526,7 @@ def server() -> Iterator[ScriptedMessagesServer]:
 
 
 def _client(server: ScriptedMessagesServer) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=server.base_url, api_key="x", max_retries=0)
+    return sdk_client(server.base_url, api_key="x")
 
 
 @pytest.mark.asyncio

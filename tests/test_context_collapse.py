@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import anyio
 import pytest
 import structlog
@@ -49,6 +48,7 @@ from tests.rounds_support import (
     run,
     wire_ok,
 )
+from tests.sdk_support import sdk_client
 
 SUMMARY = "Tests in a.py fixed; b.py still fails on an import."
 
@@ -374,7 +374,7 @@ async def test_anthropic_summarizer_on_the_scripted_server(tmp_path: Path) -> No
 
     history = over_commit()
     with ScriptedMessagesServer(script) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="x", max_retries=0)
+        client = sdk_client(server.base_url, api_key="x")
         summarizer = AnthropicSummarizer(client, model="claude-test", max_tokens=500)
         ctx = make_ctx(tmp_path)
         out = await run(collapse(summarizer), history, ctx)

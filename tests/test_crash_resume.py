@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import pytest
 
 from pipeline import (
@@ -35,6 +34,7 @@ from pipeline.testing import Reply, ScriptedMessagesServer, without_cache_contro
 from pipeline.tools import tool
 from stages import ContextCollapse, HistorySnip, ToolResultBudget
 from tests.rounds_support import agentic
+from tests.sdk_support import sdk_client
 
 CHILD = """
 import sys, anyio, anthropic
@@ -136,7 +136,7 @@ async def test_sigkill_mid_turn_then_resume(tmp_path: Path) -> None:
             assert json.dumps(rebuilt) == json.dumps(received), f"call {call.number}"
 
         # 2. resume: the open tool calls are answered, the session completes, history valid
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         agent = Agent.resume(
             log, client, model="m", pipeline=pipe, root=tmp_path / "store", tools=[emit, stall]
         )
@@ -175,7 +175,7 @@ async def test_a_damaged_or_forged_stage_record_never_stops_a_resume(tmp_path: P
         ]
     )
     with ScriptedMessagesServer(lambda body: Reply([{"type": "text", "text": "done"}])) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         agent = Agent.resume(log, client, model="m", pipeline=pipe, root=tmp_path / "store")
         result = await agent.run("continue")
         [sent] = server.requests

@@ -50,6 +50,7 @@ from stages._shared import CLEARED_PLACEHOLDER
 from stages.microcompact import DEFAULT_COMPACTABLE_TOOLS
 from stages.server_microcompact import CONTEXT_MANAGEMENT_BETA
 from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.sdk_support import sdk_client
 
 T0 = datetime(2025, 3, 1, 9, 0, tzinfo=UTC)
 
@@ -887,9 +888,7 @@ async def test_server_side_config_goes_over_the_wire_with_the_beta_header(
         headers.append(dict(request.headers))
 
     http = anthropic.DefaultAsyncHttpxClient(event_hooks={"request": [capture]})
-    client = anthropic.AsyncAnthropic(
-        base_url=scripted_server.base_url, api_key="k", max_retries=0, http_client=http
-    )
+    client = sdk_client(scripted_server.base_url, http_client=http)
     stage = ServerSideMicrocompact(trigger_tokens=50_000, keep=2)
     agent = Agent(
         client,

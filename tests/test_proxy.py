@@ -18,11 +18,20 @@ import pytest
 from pipeline import Pipeline
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from stages import ToolResultBudget, default_stages
+from tests.sdk_support import sdk_client
 from tests.wire_support import TAG, client_loop, proxy, results, script, visible
 
 
 def _client(url: str) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
+    return sdk_client(url)
+
+
+async def proxied_loop(url: str, prompt: str, calls: int, *, stream: bool = False) -> None:
+    """One user's loop through the proxy on a client of its own, closed in the loop that used
+    it: a client left to the garbage collector closes its pooled connections later, in
+    whichever event loop is running then."""
+    async with _client(url) as client:
+        await client_loop(client, prompt, calls, stream=stream)
 
 
 def budget_only() -> Pipeline:
@@ -37,7 +46,7 @@ def test_calls_through_the_proxy_get_the_budget_and_a_stable_prefix(
         ScriptedMessagesServer(script) as upstream,
         proxy(upstream.base_url, tmp_path, budget_only) as url,
     ):
-        anyio.run(lambda: client_loop(_client(url), "proxied task", 20, stream=stream))
+        anyio.run(lambda: proxied_loop(url, "proxied task", 20, stream=stream))
         health = httpx2.get(f"{url}/healthz")
         sent = upstream.requests
     assert health.text == "ok"
@@ -85,12 +94,12 @@ def test_a_restarted_proxy_sends_the_same_bytes(tmp_path: Path) -> None:
             for call in range(10):
                 if call == restart_at:
                     restart()
-                client = anthropic.AsyncAnthropic(base_url=url_box[0], api_key="k", max_retries=0)
-                response = await client.messages.create(
-                    model="m",
-                    max_tokens=10,
-                    messages=client_messages,  # type: ignore[arg-type]
-                )
+                async with _client(url_box[0]) as client:
+                    response = await client.messages.create(
+                        model="m",
+                        max_tokens=10,
+                        messages=client_messages,  # type: ignore[arg-type]
+                    )
                 blocks = [b.model_dump(exclude_none=True) for b in response.content]
                 client_messages.append({"role": "assistant", "content": blocks})
                 client_messages.append(results(response.content))
@@ -123,7 +132,7 @@ def test_many_conversations_at_once_never_cross(tmp_path: Path) -> None:
     async def many(url: str) -> None:
         async with anyio.create_task_group() as tg:
             for n in range(200):
-                tg.start_soon(client_loop, _client(url), f"task {n:04d}", 2)
+                tg.start_soon(proxied_loop, url, f"task {n:04d}", 2)
 
     with (
         ScriptedMessagesServer(script) as upstream,
@@ -156,7 +165,7 @@ def test_a_client_that_goes_away_mid_stream_leaves_the_proxy_serving(tmp_path: P
         with httpx2.Client() as raw, raw.stream("POST", f"{url}/v1/messages", json=body) as r:
             assert r.status_code == 200
             next(r.iter_bytes())  # the first events, then the client is gone
-        anyio.run(lambda: client_loop(_client(url), "after the leaver", 2, stream=True))
+        anyio.run(lambda: proxied_loop(url, "after the leaver", 2, stream=True))
         health = httpx2.get(f"{url}/healthz")
         sent = upstream.requests
     assert health.text == "ok" and len(sent) == 3

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import pytest
 
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage
@@ -16,6 +15,7 @@ from pipeline.agent import Agent
 from pipeline.agent.results import TurnLog
 from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.tools import Tool
+from tests.sdk_support import sdk_client
 
 SYSTEM = "You are a careful assistant. " * 40
 TOOLS: list[dict[str, Any]] = [
@@ -139,7 +139,7 @@ async def test_the_agent_counts_its_system_prompt_and_tools(tmp_path: Path) -> N
     logs: dict[str, TurnLog] = {}
     with ScriptedMessagesServer(_script) as server:
         for name, system, given in (("bare", None, []), ("told", SYSTEM, tools)):
-            client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+            client = sdk_client(server.base_url)
             ctx = SessionContext(f"s-{name}", tmp_path / name)
             agent = Agent(
                 client,

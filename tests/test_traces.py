@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import pytest
 from opentelemetry import trace
 
@@ -20,6 +19,7 @@ from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_REPLAY, SPAN_REPLAY_CALL
 from stages import ToolResultBudget, default_stages
 from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.sdk_support import sdk_client
 
 LOG = 40_000  # six of them: 240K, over the 200K per-message budget, each under the 50K cap
 
@@ -97,7 +97,7 @@ async def test_an_agent_run_is_a_genai_agent_span_and_links_execution_to_decisio
     )
     spans = SpanRecorder()
     with ScriptedMessagesServer(_six_logs) as server:
-        client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = sdk_client(server.base_url)
         ctx = SessionContext(
             "s-agent", tmp_path, tracer=spans.tracer, tool_policies=ToolPolicies.claude_code()
         )

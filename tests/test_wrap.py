@@ -14,6 +14,7 @@ from pipeline import Pipeline
 from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.wrap import wrap as wrap_with
 from stages import ToolResultBudget, wrap
+from tests.sdk_support import sdk_client
 from tests.wire_support import TAG, client_loop, results, script, visible
 
 
@@ -21,7 +22,7 @@ def test_an_async_loop_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> No
     with ScriptedMessagesServer(script) as server:
         # the budget alone: the later stages may break the prefix by design (and say so)
         client = wrap_with(
-            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            sdk_client(server.base_url),
             root=tmp_path,
             pipeline=lambda: Pipeline([ToolResultBudget()]),
         )
@@ -54,7 +55,7 @@ def test_a_restarted_program_sends_the_same_bytes(tmp_path: Path) -> None:
         with ScriptedMessagesServer(script) as server:
 
             def client() -> anthropic.AsyncAnthropic:
-                raw = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0)
+                raw = sdk_client(server.base_url)
                 return wrap(raw, root=root)
 
             messages: list[dict[str, Any]] = [{"role": "user", "content": "restart task"}]
@@ -89,7 +90,7 @@ def test_conversations_never_share_a_ledger(tmp_path: Path) -> None:
 
     with ScriptedMessagesServer(script) as server:
         client = wrap(
-            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            sdk_client(server.base_url),
             root=tmp_path,
         )
         anyio.run(many)
@@ -121,7 +122,7 @@ def test_the_sync_client_and_beta_messages(tmp_path: Path) -> None:
             )
             messages.append(results(response.content))
         async_client = wrap(
-            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            sdk_client(server.base_url),
             root=tmp_path,
         )
         anyio.run(lambda: client_loop(async_client, "beta task", 3, beta=True))
@@ -136,7 +137,7 @@ def test_the_sync_client_and_beta_messages(tmp_path: Path) -> None:
 def test_a_streamed_response_reaches_the_session_as_it_passes(tmp_path: Path) -> None:
     async def run(server: ScriptedMessagesServer) -> list[str]:
         client = wrap(
-            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            sdk_client(server.base_url),
             root=tmp_path,
             session_id="streamed",
         )
@@ -180,7 +181,7 @@ def test_each_request_is_a_span_with_its_pipeline_pass_beneath(tmp_path: Path) -
     spans = SpanRecorder()
     with ScriptedMessagesServer(script) as server:
         client = wrap(
-            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            sdk_client(server.base_url),
             root=tmp_path,
             tracer=spans.tracer,
         )
@@ -233,7 +234,7 @@ def test_what_a_stage_asks_of_the_request_is_sent(tmp_path: Path) -> None:
 
     with ScriptedMessagesServer(script) as server:
         client = wrap_with(
-            anthropic.AsyncAnthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            sdk_client(server.base_url),
             root=tmp_path,
             pipeline=lambda: Pipeline([ToolResultBudget(), ServerSideMicrocompact()]),
         )
@@ -261,9 +262,7 @@ def test_the_sdk_tool_runner(tmp_path: Path) -> None:
         )
 
     async def run(url: str) -> str:
-        client = wrap(
-            anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0), root=tmp_path
-        )
+        client = wrap(sdk_client(url), root=tmp_path)
         runner = client.beta.messages.tool_runner(
             model="m",
             max_tokens=10,

@@ -136,7 +136,7 @@ def _run_locked(
     import anthropic
 
     from pipeline._cli.coding_tools import bash_tool, read_file_tool
-    from pipeline.agent import Agent, AgentAPIError, RetryPolicy, TurnLog
+    from pipeline.agent import Agent, AgentAPIError, AgentResult, RetryPolicy, TurnLog
 
     cwd = Path.cwd()
     telemetry: Any = {"tracer_provider": provider} if provider is not None else None
@@ -200,8 +200,13 @@ def _run_locked(
     if args.allow_bash:
         agent.add_tool(bash_tool(cwd))
     print(f"session {agent.ctx.session_id}: transcript {transcript}{where}", file=sys.stderr)
+
+    async def run() -> AgentResult:
+        async with client:  # its connections close in the loop that opened them
+            return await agent.run(args.prompt)
+
     try:
-        result = anyio.run(agent.run, args.prompt)
+        result = anyio.run(run)
     except AgentAPIError as exc:
         raise CliError(f"API error: {exc}", EXIT_FAILED) from None
     print(encodable(result.text))  # a lone surrogate in the answer cannot be printed

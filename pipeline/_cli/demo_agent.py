@@ -160,16 +160,19 @@ class LiveDemo:
             pending = gate_persisted(log, self.ctx.tool_policies)
 
         prompt = next(m for m in self.session.messages if m.type == "user")
+        text = prompt.content if isinstance(prompt.content, str) else ""
         with ScriptedMessagesServer(self._script()) as server:
-            agent = Agent(
-                client_factory(server.base_url),
-                model="claude-sonnet-4-6",
-                pipeline=self.pipeline,
-                ctx=self.ctx,
-                tools=demo_tools(self.session),
-                system=SYSTEM_PROMPT,
-                max_turns=len(demo_replies(self.session)),
-                on_turn=observe,
-            )
-            result = await agent.run(prompt.content if isinstance(prompt.content, str) else "")
+            # closed in the loop that opened its connections, not by the collector later
+            async with client_factory(server.base_url) as client:
+                agent = Agent(
+                    client,
+                    model="claude-sonnet-4-6",
+                    pipeline=self.pipeline,
+                    ctx=self.ctx,
+                    tools=demo_tools(self.session),
+                    system=SYSTEM_PROMPT,
+                    max_turns=len(demo_replies(self.session)),
+                    on_turn=observe,
+                )
+                result = await agent.run(text)
         return result.turns
