@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline import load_transcript, to_api
-from pipeline._cli.demo_agent import demo_replies
+import anthropic
+import pytest
+
+from pipeline import Pipeline, SessionContext, load_transcript, to_api
+from pipeline._cli.demo_agent import LiveDemo, demo_replies
 from pipeline._cli.demo_session import OUTPUT_MARKER, generate_session
 from pipeline.pairing import check_pairing
+from pipeline.replay import CallResult
+from stages import default_stages
 from tests.cli_support import clean_env, parse_json_lines, run_cli
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.sdk_support import sdk_client
 
 
 def test_live_demo_runs_the_loop_and_writes_a_resumable_transcript(tmp_path: Path) -> None:
@@ -112,3 +118,21 @@ def test_live_demo_trace_tree_over_otlp(tmp_path: Path) -> None:
             assert s.attributes.get("gen_ai.conversation.id") == conversation, s.name
         for value in s.attributes.values():
             assert OUTPUT_MARKER not in json.dumps(value, default=str), s.name
+
+
+@pytest.mark.asyncio
+async def test_the_live_demo_closes_its_client_in_the_loop_that_used_it(tmp_path: Path) -> None:
+    """A client left to the garbage collector closes its connections in whichever event loop
+    runs when it is collected, and fails there if they belong to a closed one."""
+    session = generate_session()
+    ctx = SessionContext(session.session_id, tmp_path)
+    made: list[anthropic.AsyncAnthropic] = []
+
+    def client(base_url: str) -> anthropic.AsyncAnthropic:
+        made.append(sdk_client(base_url))
+        return made[-1]
+
+    seen: list[CallResult] = []
+    calls = await LiveDemo(session, Pipeline(default_stages()), ctx, seen.append).run(client)
+    assert calls == len(seen) == 5
+    assert len(made) == 1 and made[0].is_closed()
