@@ -114,7 +114,9 @@ class ScriptedMessagesServer:
 
     @property
     def base_url(self) -> str:
-        """``http://127.0.0.1:PORT`` — pass as ``AsyncAnthropic(base_url=...)``."""
+        """``http://127.0.0.1:PORT`` — pass as ``AsyncAnthropic(base_url=...)`` (and close
+        that client in the event loop that used it: one the garbage collector finds later is
+        closed in whichever loop runs then, which fails if its connections belong to another)."""
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}"
 
