@@ -29,10 +29,17 @@ def sdk_client(base_url: str, **settings: Any) -> anthropic.AsyncAnthropic:
 def close_sdk_clients() -> None:
     """Close every client :func:`sdk_client` made, outside any event loop.
 
-    A client still holding a connection of a closed loop makes this raise, so a test that
-    leaves one open fails where it did so, not in whichever test collects it.
+    A client still holding a connection of a closed loop makes this raise (after the others
+    are closed), so a test that leaves one open fails where it did so, not in whichever test
+    collects it.
     """
-    while _OPEN:
-        client = _OPEN.pop()
+    clients, _OPEN[:] = list(_OPEN), []
+    errors: list[Exception] = []
+    for client in clients:
         if not client.is_closed():
-            anyio.run(client.close)
+            try:
+                anyio.run(client.close)
+            except Exception as exc:  # every client closed; the first error raised after
+                errors.append(exc)
+    if errors:
+        raise errors[0]
