@@ -40,13 +40,6 @@ async def boom() -> str:
     raise RuntimeError("disk on fire")
 
 
-@tool(input_schema={"type": "object", "properties": {}})
-async def hang() -> str:
-    """Never returns."""
-    await anyio.sleep_forever()
-    return ""
-
-
 def tool_call(tid: str, name: str, **inp: Any) -> dict[str, Any]:
     return {"type": "tool_use", "id": tid, "name": name, "input": inp}
 
@@ -195,10 +188,30 @@ async def test_tool_exception_becomes_an_error_result(
 async def test_cancellation_mid_tools_leaves_a_valid_history(
     server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
 ) -> None:
+    running = anyio.Event()
+
+    @tool(input_schema={"type": "object", "properties": {}})
+    async def hang() -> str:
+        """Never returns."""
+        running.set()
+        await anyio.sleep_forever()
+        return ""
+
     server = server_factory(scripted([tool_call("fast", "emit", n=5), tool_call("slow", "hang")]))
     agent = new_agent(server, tmp_path, tools=[emit, hang])
-    with anyio.move_on_after(0.5) as scope:
-        await agent.run("go")
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_once_stuck() -> None:
+                # cancelled while the slow call hangs, not by a timer that a loaded machine
+                # may reach before the tools even start; the fast call (ready at once) has
+                # answered long before the sleep ends
+                await running.wait()
+                await anyio.sleep(0.1)
+                scope.cancel()
+
+            tg.start_soon(cancel_once_stuck)
+            await agent.run("go")
     assert scope.cancelled_caught
     results = agent.history[-1].content
     assert isinstance(results, list)
