@@ -203,11 +203,10 @@ async def test_cancellation_mid_tools_leaves_a_valid_history(
         async with anyio.create_task_group() as tg:
 
             async def cancel_once_stuck() -> None:
-                # cancelled while the slow call hangs, not by a timer that a loaded machine
-                # may reach before the tools even start; the fast call (ready at once) has
-                # answered long before the sleep ends
+                # cancelled while the slow call hangs (not by a timer, which a loaded machine
+                # may reach before the tools even start), once the fast call has answered
                 await running.wait()
-                await anyio.sleep(0.1)
+                await anyio.wait_all_tasks_blocked()
                 scope.cancel()
 
             tg.start_soon(cancel_once_stuck)

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -773,18 +772,22 @@ def test_an_id_another_run_recorded_during_the_call_is_refused(tmp_path: Path) -
 
     @tool(input_schema={"type": "object", "properties": {}})
     async def slow() -> str:
-        """Answer after a while (the other run's response arrives first)."""
-        await anyio.sleep(1.0)
+        """Answer (its name is what the calls use)."""
         return "pong"
+
+    a_in_flight, b_recorded = threading.Event(), threading.Event()
 
     def script(body: dict[str, Any]) -> Reply:
         text = json.dumps(body["messages"])
         dup = [{"type": "tool_use", "id": "dup", "name": "slow", "input": {}}]
-        if "from A" in text and "from B" not in text:  # A's first call: slow
-            time.sleep(0.6)
+        if "from A" in text and "from B" not in text:  # A's first call: answered last
+            a_in_flight.set()
+            b_recorded.wait(60)
             return Reply(dup, stop_reason="tool_use")
         if "from B" in text and '"dup"' not in text:  # B's first call: at once
             return Reply(dup, stop_reason="tool_use")
+        if "from B" in text:  # B's next call answers "dup": B recorded it
+            b_recorded.set()
         return Reply([{"type": "text", "text": "done"}])
 
     errors: list[str] = []
@@ -802,7 +805,7 @@ def test_an_id_another_run_recorded_during_the_call_is_refused(tmp_path: Path) -
         async def both() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run, "from A")
-                await anyio.sleep(0.2)  # A's call is in flight
+                await anyio.to_thread.run_sync(a_in_flight.wait, 60)  # A's call is in flight
                 tg.start_soon(run, "from B")
 
         anyio.run(both)
