@@ -736,10 +736,12 @@ def test_two_runs_of_one_agent_at_once_each_send_their_own_request(tmp_path: Pat
     """The request cache's list serves one turn at a time: a turn that starts while another
     waits to retry builds a list of its own, and the retry resends what it first sent."""
     calls = iter(range(10))
+    refused = threading.Event()
 
     def script(_body: dict[str, Any]) -> Reply | ScriptError:
-        if next(calls) == 0:  # the first run's first attempt: retried after 0.5 s
-            return ScriptError(529, "overloaded_error", "busy", headers={"retry-after": "0.5"})
+        if next(calls) == 0:  # the first run's first attempt: retried after 1.5 s
+            refused.set()
+            return ScriptError(529, "overloaded_error", "busy", headers={"retry-after": "1.5"})
         return Reply([{"type": "text", "text": "done"}])
 
     logs: list[str] = []
@@ -754,8 +756,8 @@ def test_two_runs_of_one_agent_at_once_each_send_their_own_request(tmp_path: Pat
         async def both() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(agent.run, "from A")
-                await anyio.sleep(0.2)  # A waits to retry
-                tg.start_soon(agent.run, "from B")
+                await anyio.to_thread.run_sync(refused.wait, 60)  # A is to wait and retry
+                tg.start_soon(agent.run, "from B")  # its call goes out in A's wait
 
         anyio.run(both)
         sent = [json.dumps(r["messages"]) for r in server.requests]
