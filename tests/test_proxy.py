@@ -193,17 +193,20 @@ def test_shutdown_lets_a_request_in_flight_finish(tmp_path: Path) -> None:
 
     from stages import ServerSideMicrocompact
 
+    upstream_has_it = threading.Event()
+
     def slow(_body: dict[str, Any]) -> Reply:
+        upstream_has_it.set()
         clock.sleep(1.0)
         return Reply([{"type": "text", "text": "finished"}])
 
     answers: list[str] = []
 
     def call(url: str) -> None:
-        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
-        reply = client.messages.create(
-            model="m", max_tokens=10, messages=[{"role": "user", "content": "slow one"}]
-        )
+        with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0) as client:
+            reply = client.messages.create(
+                model="m", max_tokens=10, messages=[{"role": "user", "content": "slow one"}]
+            )
         answers.append(reply.content[0].text)  # type: ignore[union-attr]
 
     def with_clearing() -> Pipeline:
@@ -213,7 +216,7 @@ def test_shutdown_lets_a_request_in_flight_finish(tmp_path: Path) -> None:
         with proxy(upstream.base_url, tmp_path, with_clearing) as url:
             caller = threading.Thread(target=call, args=(url,))
             caller.start()
-            clock.sleep(0.3)  # the request is upstream now; leaving the block shuts down
+            assert upstream_has_it.wait(20)  # in flight; leaving the block shuts down
         caller.join(timeout=20)
         sent = upstream.requests
     assert answers == ["finished"]  # graceful: the request in flight was answered

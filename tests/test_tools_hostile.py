@@ -40,6 +40,17 @@ def _running_sleep(pid: int) -> bool:
     return name == "sleep" and state not in "ZX"
 
 
+def _becomes_running_sleep(pid: int, within: float = 5.0) -> bool:
+    """Whether ``pid`` is a live ``sleep`` within ``within`` seconds (``setsid`` execs it:
+    on a loaded machine that may come after the shell's own short wait)."""
+    deadline = time.monotonic() + within
+    while not _running_sleep(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _gone(pid: int, within: float = 5.0) -> bool:
     """Whether ``pid`` stops running within ``within`` seconds (a kill is not instant)."""
     stop = time.monotonic() + within
@@ -125,7 +136,7 @@ async def test_bash_does_not_wait_for_a_child_that_left_the_group(workdir: Path)
     bash = bash_tool(workdir, timeout=30)
     out = await _run(bash, "setsid sleep 1000 & echo $! > escaped.pid; sleep 0.2; echo started")
     assert out == "started\n"
-    assert _running_sleep(_pid(workdir, "escaped.pid"))  # the fixture kills it
+    assert _becomes_running_sleep(_pid(workdir, "escaped.pid"))  # the fixture kills it
 
 
 # --------------------------------------------------------------------------------------------
