@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -109,8 +110,19 @@ def test_the_periodic_prune_leaves_directories_for_live_sessions(tmp_path: Path)
     os.utime(path, (old, old))
 
     async def run_once() -> None:
-        with anyio.move_on_after(1):
-            await retention.prune_periodically(tmp_path, interval=0.05, max_age=timedelta(days=1))
+        with anyio.fail_after(30):  # a hang guard: the prune comes within one 0.05 s interval
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    partial(
+                        retention.prune_periodically,
+                        tmp_path,
+                        interval=0.05,
+                        max_age=timedelta(days=1),
+                    )
+                )
+                while Path(path).exists():
+                    await anyio.sleep(0.02)
+                tg.cancel_scope.cancel()
 
     anyio.run(run_once)
     assert not Path(path).exists()

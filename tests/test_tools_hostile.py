@@ -110,8 +110,18 @@ async def test_bash_timeout_kills_the_group_and_keeps_the_output(workdir: Path) 
 @pytest.mark.asyncio
 async def test_a_cancelled_bash_call_kills_the_group(workdir: Path) -> None:
     bash = bash_tool(workdir, timeout=60)
-    with anyio.move_on_after(1) as scope:
-        await _run(bash, "sleep 1000 & echo $! > bg.pid; wait")
+    pid_file = workdir / "bg.pid"
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_once_started() -> None:
+                # once the child is known (not after a fixed time a loaded machine may need)
+                while not (pid_file.exists() and pid_file.read_text().endswith("\n")):
+                    await anyio.sleep(0.02)
+                scope.cancel()
+
+            tg.start_soon(cancel_once_started)
+            await _run(bash, "sleep 1000 & echo $! > bg.pid.tmp; mv bg.pid.tmp bg.pid; wait")
     assert scope.cancelled_caught
     assert _gone(_pid(workdir))
 
