@@ -3,8 +3,9 @@
 An ``AsyncAnthropic`` client left to the garbage collector schedules the close of its pooled
 connections in whatever event loop is running when it is collected: in a later test's loop,
 with connections that belong to an earlier, closed one. That later test then fails with
-"Event loop is closed" from a callback it never made. Every client a test makes goes through
-:func:`sdk_client`, and the ``conftest`` fixture closes them all when the test ends.
+"Event loop is closed" from a callback it never made. Tests make their async clients with
+:func:`sdk_client` (in-process; a child process's client ends with it), and the ``conftest``
+fixture closes them all when the test ends.
 """
 
 from __future__ import annotations

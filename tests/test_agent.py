@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import anyio
 import pytest
 
@@ -70,10 +69,6 @@ def server_factory() -> Iterator[Callable[..., ScriptedMessagesServer]]:
         s.close()
 
 
-def client_for(server: ScriptedMessagesServer) -> anthropic.AsyncAnthropic:
-    return sdk_client(server.base_url, api_key="test-key")
-
-
 def new_agent(
     server: ScriptedMessagesServer,
     tmp_path: Path,
@@ -85,7 +80,7 @@ def new_agent(
     log = tmp_path / f"{session}.jsonl"
     ctx = SessionContext(session, tmp_path / "store", transcript=TranscriptWriter(log, session))
     return Agent(
-        client_for(server),
+        sdk_client(server.base_url),
         model="claude-test",
         pipeline=pipeline or Pipeline(default_stages()),
         ctx=ctx,
@@ -282,7 +277,7 @@ async def test_resume_gives_byte_identical_requests(
     await part.run("go")
     resumed = Agent.resume(
         tmp_path / "part" / "sess.jsonl",
-        client_for(part_server),
+        sdk_client(part_server.base_url),
         model="claude-test",
         pipeline=pipeline,
         root=tmp_path / "part" / "store",
@@ -319,7 +314,11 @@ async def test_a_session_on_an_object_store_resumes_from_its_records(
         storage = open_session_state(url, "sess", object_store=memory)
         ctx = SessionContext("sess", host, store=storage.store, transcript=storage.records)
         return Agent(
-            client_for(server), model="claude-test", pipeline=pipeline, ctx=ctx, tools=[emit]
+            sdk_client(server.base_url),
+            model="claude-test",
+            pipeline=pipeline,
+            ctx=ctx,
+            tools=[emit],
         )
 
     live_server = server_factory(scripted(*_turns()))
@@ -331,7 +330,7 @@ async def test_a_session_on_an_object_store_resumes_from_its_records(
     await part.run("go")
     resumed = Agent.resume_from(
         open_session_state(url, "sess", object_store=part_store),
-        client_for(part_server),
+        sdk_client(part_server.base_url),
         model="claude-test",
         pipeline=pipeline,
         root=tmp_path / "elsewhere",  # a new host: nothing local carries over
@@ -358,7 +357,7 @@ async def test_a_session_on_an_object_store_resumes_from_its_records(
     with pytest.raises(ValueError, match="no recorded messages"):
         Agent.resume_from(
             open_session_state(url, "other", object_store=part_store),
-            client_for(part_server),
+            sdk_client(part_server.base_url),
             model="claude-test",
             pipeline=pipeline,
         )
@@ -381,7 +380,7 @@ async def test_resume_answers_tool_calls_a_crash_left_open(
     server = server_factory(scripted())
     agent = Agent.resume(
         log,
-        client_for(server),
+        sdk_client(server.base_url),
         model="m",
         pipeline=Pipeline(default_stages()),
         root=tmp_path,

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -525,10 +524,6 @@ def server() -> Iterator[ScriptedMessagesServer]:
         yield s
 
 
-def _client(server: ScriptedMessagesServer) -> anthropic.AsyncAnthropic:
-    return sdk_client(server.base_url, api_key="x")
-
-
 @pytest.mark.asyncio
 async def test_a_resumed_agent_session_does_not_start_cold(
     server: ScriptedMessagesServer, tmp_path: Path
@@ -536,7 +531,10 @@ async def test_a_resumed_agent_session_does_not_start_cold(
     log, root = tmp_path / "sess.jsonl", tmp_path / "store"
     ctx = SessionContext("sess", root, transcript=TranscriptWriter(log, "sess"))
     agent = Agent(
-        _client(server), model="claude-scripted", pipeline=Pipeline(default_stages()), ctx=ctx
+        sdk_client(server.base_url),
+        model="claude-scripted",
+        pipeline=Pipeline(default_stages()),
+        ctx=ctx,
     )
     agent.add_tool(emit)
     await agent.run("go")
@@ -547,7 +545,7 @@ async def test_a_resumed_agent_session_does_not_start_cold(
 
     resumed = Agent.resume(
         log,
-        _client(server),
+        sdk_client(server.base_url),
         model="claude-scripted",
         pipeline=Pipeline(default_stages()),
         root=root,
@@ -563,7 +561,7 @@ async def test_a_resumed_agent_session_does_not_start_cold(
 
 @pytest.mark.asyncio
 async def test_count_tokens_through_the_real_sdk(server: ScriptedMessagesServer) -> None:
-    client = _client(server)
+    client = sdk_client(server.base_url)
     tracker = TokenTracker()
     tools = [emit.definition]
     first = [user_text("hello there " * 50)]

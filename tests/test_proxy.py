@@ -22,15 +22,11 @@ from tests.sdk_support import sdk_client
 from tests.wire_support import TAG, client_loop, proxy, results, script, visible
 
 
-def _client(url: str) -> anthropic.AsyncAnthropic:
-    return sdk_client(url)
-
-
 async def proxied_loop(url: str, prompt: str, calls: int, *, stream: bool = False) -> None:
     """One user's loop through the proxy on a client of its own, closed in the loop that used
     it: a client left to the garbage collector closes its pooled connections later, in
     whichever event loop is running then."""
-    async with _client(url) as client:
+    async with sdk_client(url) as client:
         await client_loop(client, prompt, calls, stream=stream)
 
 
@@ -94,7 +90,7 @@ def test_a_restarted_proxy_sends_the_same_bytes(tmp_path: Path) -> None:
             for call in range(10):
                 if call == restart_at:
                     restart()
-                async with _client(url_box[0]) as client:
+                async with sdk_client(url_box[0]) as client:
                     response = await client.messages.create(
                         model="m",
                         max_tokens=10,
