@@ -16,6 +16,7 @@ usage reach the session when the stream has gone by.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -189,8 +190,14 @@ def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:
     async def main() -> T:
         return await fn()
 
+    def run() -> T:
+        return anyio.run(main)
+
+    # the caller's context goes with the pass (its current span, its log context): a thread
+    # starts with an empty one, and the pass would begin a trace of its own
+    context = contextvars.copy_context()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(anyio.run, main).result()
+        return pool.submit(context.run, run).result()
 
 
 def wrap(

@@ -199,6 +199,37 @@ def test_each_request_is_a_span_with_its_pipeline_pass_beneath(tmp_path: Path) -
     assert "traced task" not in dumped and "xxxx" not in dumped
 
 
+def test_the_sync_clients_pipeline_pass_is_beneath_its_request_span(tmp_path: Path) -> None:
+    # the sync path runs the pass on a private loop in a worker thread: the caller's trace
+    # context must go with it, or every pass starts a trace of its own
+    from pipeline.testing import SpanRecorder
+
+    spans = SpanRecorder()
+    with ScriptedMessagesServer(script) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = wrap(raw, root=tmp_path, tracer=spans.tracer)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "sync traced"}]
+        with spans.tracer.start_as_current_span("caller") as caller:
+            for _ in range(2):
+                response = client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": [b.model_dump(exclude_none=True) for b in response.content],
+                    }
+                )
+                messages.append(results(response.content))
+        raw.close()
+    requests = spans.named("wire.request")
+    runs = spans.named("pipeline.run")
+    assert len(requests) == len(runs) == 2
+    for request, run in zip(requests, runs, strict=True):
+        assert request.parent is not None
+        assert request.parent.span_id == caller.get_span_context().span_id
+        assert run.parent is not None and run.parent.span_id == request.context.span_id
+        assert run.context.trace_id == caller.get_span_context().trace_id
+
+
 def test_cache_breakpoints_for_clients_that_set_none(tmp_path: Path) -> None:
     def ask(client: anthropic.Anthropic, messages: list[dict[str, Any]]) -> None:
         client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
