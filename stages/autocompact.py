@@ -139,10 +139,10 @@ class Autocompact:
     - ``block=True``: raise :class:`ContextWindowExceeded` when the size is still at the
       blocking limit after this pass (compaction impossible or failed); never while context
       collapse has suppressed this stage. Off by default: the request goes and the API decides.
-    - Every pass emits one ``autocompact.decision`` span: ``skip`` or ``reapply`` (with
-      ``below_warning``, ``suppressed_by_collapse``, ``no_summarizer``, ``circuit_open`` or
-      ``nothing_eligible``), ``warn`` (``over_warning``), ``compact`` (``over_trigger``),
-      ``fail`` (``prompt_too_long``, ``summary_error``), ``discard`` (``summary_empty``,
+    - Every pass emits one ``autocompact.<decision>`` span, the decision ``skip`` or ``reapply``
+      (with ``below_warning``, ``suppressed_by_collapse``, ``no_summarizer``, ``circuit_open`` or
+      ``nothing_eligible``), ``warn`` (``over_warning``), ``compact`` (``over_trigger``), ``fail``
+      (``prompt_too_long``, ``summary_error``), ``discard`` (``summary_empty``,
       ``summary_not_smaller``) or ``block`` (``over_blocking``); never content.
     """
 

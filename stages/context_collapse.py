@@ -13,7 +13,7 @@ alternate, no pair splits. Active commits set ``suppress_autocompact``; commits 
 malformed, or whose span names a record collapse keeps, is ignored with a warning
 (``stage_record.ignored``).
 
-Decision span per pass (``context_collapse.decision``): ``skip`` or ``reapply`` with
+Decision span per pass (``context_collapse.<decision>``), the decision ``skip`` or ``reapply`` with
 ``no_summarizer``, ``below_trigger``, ``nothing_eligible`` or ``circuit_open`` (``max_failures``
 failed or discarded summaries in a row: stop paying for them); ``collapse`` with
 ``over_trigger``; ``fail`` with ``prompt_too_long`` or ``summary_error``; ``discard`` with

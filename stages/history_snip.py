@@ -12,7 +12,7 @@ and uuid depend only on the run. Removals are cumulative, re-applied on every pa
 that is malformed, or that names a record snip keeps (a damaged or edited transcript), is
 ignored with a warning (``stage_record.ignored``).
 
-Decision span per pass (``history_snip.decision``): ``skip`` or ``reapply`` with
+Decision span per pass (``history_snip.<decision>``), the decision ``skip`` or ``reapply`` with
 ``below_trigger`` or ``nothing_eligible``; ``snip`` with ``over_trigger``.
 """
 

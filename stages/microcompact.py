@@ -5,7 +5,8 @@ Two strategies fill the slot; both are named ``microcompact`` so either can repl
     Microcompact()            # strategy "clear-oldest" (here): clears locally, by tool_use_id
     ServerSideMicrocompact()  # strategy "server-clear" (server_microcompact.py): the API clears
 
-Every pass emits exactly one decision span, ``microcompact.decision`` (no content, ever):
+Every pass emits exactly one decision span, ``microcompact.<decision>`` (``microcompact.clear``,
+``microcompact.skip``...; no content, ever):
 
 =========  ======================  ===========================================================
 decision   reason                  meaning

@@ -36,7 +36,7 @@ class ServerSideMicrocompact:
     that keeps such breaks worth their cost. Defaults: the API's trigger (100,000 input tokens),
     the reference ``keep`` of 5 and the same 20,000-token floor as ``Microcompact``.
 
-    Every pass emits ``microcompact.decision`` with ``delegate`` / ``delegated``.
+    Every pass emits ``microcompact.delegate`` (reason ``delegated``).
     """
 
     name = "microcompact"
