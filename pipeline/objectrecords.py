@@ -31,6 +31,7 @@ loading again after a move reads only the objects that are new.
 from __future__ import annotations
 
 import bisect
+import contextvars
 import errno
 import random
 import re
@@ -225,8 +226,12 @@ class ObjectRecordLog(JsonlRecordWriter):
         if missing:
             # several reads at once: a new worker's first load of a long session is one GET
             # per record object, and each waits on the store's latency
+            # each read in a copy of the caller's context: what it logs says the call and
+            # the trace it belongs to (a worker thread starts with an empty context)
+            contexts = [contextvars.copy_context() for _ in missing]
             with ThreadPoolExecutor(max_workers=min(READERS, len(missing))) as pool:
-                fetched = dict(zip(missing, pool.map(self._read, missing), strict=True))
+                bodies = pool.map(lambda c, k: c.run(self._read, k), contexts, missing)
+                fetched = dict(zip(missing, bodies, strict=True))
         contents: list[tuple[str, bytes]] = []
         for key, _sequence in entries:
             data = self._known.get(key)

@@ -197,6 +197,38 @@ def test_store_failures_are_oserrors() -> None:
         log.load()
 
 
+def test_a_read_in_a_worker_thread_logs_with_the_callers_context(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the objects are read by a thread pool: its events must still say the call and the
+    # trace they belong to, as every other event does
+    from structlog.contextvars import bound_contextvars
+
+    from pipeline.logs import LOGGER_NAME, get_logger
+
+    memory = MemoryStore()
+    ObjectRecordLog(memory, writer_id="w", **WHERE).append_stage_record("s", {"n": 0})
+    lagging = Wrapped(memory)
+
+    def never(path: str, **_kw: Any) -> None:
+        raise FileNotFoundError(path)
+
+    lagging.before["get"] = never
+    reader = ObjectRecordLog(lagging, read_attempts=1, retry_delay=0, logger=get_logger(), **WHERE)
+    spans = SpanRecorder()
+    with (
+        caplog.at_level("WARNING", logger=LOGGER_NAME),
+        bound_contextvars(call=7),
+        spans.tracer.start_as_current_span("load") as span,
+    ):
+        reader.load()
+    [record] = [
+        r for r in caplog.records if getattr(r, "event", None) == "records.unreadable_object"
+    ]
+    assert record.call == 7  # type: ignore[attr-defined]
+    assert record.trace_id == format(span.get_span_context().trace_id, "032x")  # type: ignore[attr-defined]
+
+
 def test_load_waits_for_a_listed_object_then_skips_it() -> None:
     memory = MemoryStore()
     writer = ObjectRecordLog(memory, writer_id="w", **WHERE)
