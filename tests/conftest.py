@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import structlog
 
 from tests.sdk_support import close_sdk_clients
 
@@ -39,6 +40,35 @@ def _close_sdk_clients() -> Iterator[None]:
     """Close the SDK clients the test made (``tests.sdk_support.sdk_client``)."""
     yield
     close_sdk_clients()
+
+
+def _restore_structlog(saved: dict[str, object] | None) -> None:
+    if saved is not None:
+        structlog.configure(**saved)
+    else:
+        structlog.reset_defaults()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_it_was() -> Iterator[None]:
+    """structlog's global configuration as it was before the test. ``capture_logs`` leaves
+    structlog configured (with its defaults) even where it was not, and the library's loggers
+    then take the application's path instead of the standard library's: a later test in the
+    same worker would see that."""
+    saved = structlog.get_config() if structlog.is_configured() else None
+    yield
+    _restore_structlog(saved)
+
+
+@pytest.fixture
+def structlog_unconfigured() -> Iterator[None]:
+    """structlog as an application that never configured it has it; restored afterwards."""
+    saved = structlog.get_config() if structlog.is_configured() else None
+    structlog.reset_defaults()
+    try:
+        yield
+    finally:
+        _restore_structlog(saved)
 
 
 @pytest.fixture

@@ -92,20 +92,6 @@ class Collect(logging.Handler):
 
 
 @pytest.fixture
-def structlog_unconfigured() -> Iterator[None]:
-    """structlog as an application that never configured it has it; restored afterwards."""
-    saved = structlog.get_config() if structlog.is_configured() else None
-    structlog.reset_defaults()
-    try:
-        yield
-    finally:
-        if saved is not None:
-            structlog.configure(**saved)
-        else:
-            structlog.reset_defaults()
-
-
-@pytest.fixture
 def root_collector() -> Iterator[tuple[Collect, Collect]]:
     """The application's logging set-up: the root logger at DEBUG with two handlers, one
     taking everything and one taking warnings and above."""

@@ -197,6 +197,7 @@ def test_store_failures_are_oserrors() -> None:
         log.load()
 
 
+@pytest.mark.usefixtures("structlog_unconfigured")
 def test_a_read_in_a_worker_thread_logs_with_the_callers_context(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
