@@ -49,12 +49,13 @@ from pipeline.replacement import ReplacementState, decided_in
 from pipeline.session_storage import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.storage import validate_session_id
 from pipeline.tokens import TokenTracker, calibration_path_for
-from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
+from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST, content_safe_span
 from pipeline.transcript import Transcript
 from pipeline.wire_cache import WireCache
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
+    from opentelemetry.context import Context
     from opentelemetry.trace import Span
 
 __all__ = [
@@ -242,13 +243,18 @@ class WireSession:
             add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
         return request
 
-    def request_span(self, messages: int) -> AbstractContextManager[Span]:
+    def request_span(
+        self, messages: int, *, context: Context | None = None
+    ) -> AbstractContextManager[Span]:
         """The span of one client request (its pipeline pass becomes a child), numbered within
-        the session as this process saw it."""
+        the session as this process saw it; ``context``: the one to start it in (default: the
+        current one)."""
         self.ctx.call = self._calls
         self._calls += 1
-        return self.ctx.tracer.start_as_current_span(
+        return content_safe_span(
+            self.ctx.tracer,
             SPAN_WIRE_REQUEST,
+            context=context,
             attributes={**self.ctx.span_attributes(), ATTR.MESSAGES: messages},
         )
 

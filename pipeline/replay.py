@@ -34,7 +34,7 @@ from pipeline.messages import Message, Usage
 from pipeline.pairing import PairingProblem
 from pipeline.recorded import RecordedRequest
 from pipeline.tokens import Observation, TokenTracker
-from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute
+from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute, content_safe_span
 from pipeline.wire_cache import WireCache, request_chars
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
@@ -211,7 +211,8 @@ async def replay_messages(
             # every log line of the pass says its call (where the logger merges context
             # variables, as the library's own does); never across a yield, where the caller runs
             bound_contextvars(call=call.number),
-            ctx.tracer.start_as_current_span(
+            content_safe_span(
+                ctx.tracer,
                 SPAN_REPLAY_CALL,
                 context=otel_context.Context(),
                 links=[trace.Link(session)] if session.is_valid else (),

@@ -28,7 +28,7 @@ import httpx2
 from pipeline.adapter import WireSession, beta_header, session_id_for
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
-from pipeline.tracing import ATTR
+from pipeline.tracing import ATTR, beside_sdk_call
 
 __all__ = ["SluicegateMiddleware", "wrap"]
 
@@ -96,7 +96,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         if not _is_messages_call(request):
             return await call_next(request)
         session = await self._session_async(request.json, dict(request.headers or {}))
-        with session.request_span(len(request.json["messages"])) as span:
+        with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             body = await session.prepare_request(request.json)
             response = await call_next(_outgoing(session, request, body))
             span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
@@ -118,7 +118,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         if not _is_messages_call(request):
             return call_next(request)
         session = self._session(request.json, dict(request.headers or {}))
-        with session.request_span(len(request.json["messages"])) as span:
+        with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             body = _run_sync(lambda: session.prepare_request(request.json))
             response = call_next(_outgoing(session, request, body))
             span.set_attribute(ATTR.HTTP_STATUS, response.status_code)

@@ -188,3 +188,82 @@ async def test_hostile_ids_and_names_are_bounded_on_spans(tmp_path: Path) -> Non
     longest = max(len(str(v)) for s in spans.spans for v in (s.attributes or {}).values())
     assert longest <= 4_096  # ids and names cut at 256; a store path is the longest left
     assert max(len(s.name) for s in spans.spans) < 300
+
+
+SECRET = "MY-SECRET-PROMPT"
+
+
+def _anywhere(spans: SpanRecorder, text: str) -> list[str]:
+    """Spans that hold ``text`` in an attribute, an event or their status."""
+    found = []
+    for s in spans.spans:
+        held = [str(v) for v in (s.attributes or {}).values()]
+        held += [str(s.status.description or "")]
+        for event in s.events:
+            held += [event.name, *(str(v) for v in (event.attributes or {}).values())]
+        if any(text in h for h in held):
+            found.append(s.name)
+    return found
+
+
+async def _quoting_stage(messages: list[Message], ctx: SessionContext) -> list[Message]:
+    # a third-party stage whose error quotes the content it choked on
+    last = messages[-1].content
+    raise ValueError(f"could not parse: {last}")
+
+
+@pytest.mark.asyncio
+async def test_an_error_that_quotes_content_reaches_no_span_of_a_replay(tmp_path: Path) -> None:
+    from pipeline.core import FunctionStage, StageError
+
+    history = [
+        user_text(SECRET),
+        assistant("msg_1", {"type": "text", "text": "ok"}, usage=Usage(10, 1)),
+    ]
+    spans = SpanRecorder()
+    ctx = SessionContext("s-err", tmp_path, tracer=spans.tracer)
+    pipe = Pipeline([FunctionStage("quoting", _quoting_stage)])
+    with pytest.raises(StageError, match=SECRET):  # the caller gets the whole story
+        async for _ in replay_messages(history, pipe, ctx):
+            pass
+    [call] = spans.named(SPAN_REPLAY_CALL)
+    assert call.status.status_code == trace.StatusCode.ERROR
+    assert call.status.description == "StageError"
+    assert _anywhere(spans, SECRET) == []  # the spans only the error's type
+
+
+@pytest.mark.asyncio
+async def test_a_tool_error_that_quotes_content_reaches_no_span(tmp_path: Path) -> None:
+    # a tool that fails with the input in its message: the model is told (an error result),
+    # no span is
+    async def leaky(args: dict[str, Any]) -> str:
+        raise RuntimeError(f"failed on {args['q']}")
+
+    tool = Tool(
+        name="leaky",
+        description="fails",
+        input_schema={"type": "object", "properties": {"q": {"type": "string"}}},
+        handler=leaky,
+    )
+
+    def script(body: dict[str, Any]) -> Reply:
+        if any(m["role"] == "assistant" for m in body["messages"]):
+            return Reply([{"type": "text", "text": "done"}])
+        return Reply(
+            [{"type": "tool_use", "id": "toolu_1", "name": "leaky", "input": {"q": SECRET}}]
+        )
+
+    spans = SpanRecorder()
+    with ScriptedMessagesServer(script) as server:
+        ctx = SessionContext("s-tool", tmp_path, tracer=spans.tracer)
+        agent = Agent(
+            sdk_client(server.base_url),
+            model="m",
+            pipeline=Pipeline(default_stages()),
+            ctx=ctx,
+            tools=[tool],
+            readback=False,
+        )
+        await agent.run("go")
+    assert spans.named("execute_tool leaky")
+    assert _anywhere(spans, SECRET) == []

@@ -9,6 +9,7 @@ from typing import Any
 
 import anthropic
 import anyio
+import pytest
 
 from pipeline import Pipeline
 from pipeline.testing import Reply, ScriptedMessagesServer
@@ -228,6 +229,67 @@ def test_the_sync_clients_pipeline_pass_is_beneath_its_request_span(tmp_path: Pa
         assert request.parent.span_id == caller.get_span_context().span_id
         assert run.parent is not None and run.parent.span_id == request.context.span_id
         assert run.context.trace_id == caller.get_span_context().trace_id
+
+
+def test_the_pass_goes_beside_the_sdks_call_span_not_inside(tmp_path: Path) -> None:
+    # the SDK's GenAI span is the model call's alone: the pass the middleware runs during that
+    # call is its sibling, under the caller's span
+    from pipeline.testing import SpanRecorder
+
+    spans = SpanRecorder()
+    with ScriptedMessagesServer(script) as server:
+        traced = sdk_client(server.base_url, open_telemetry={"tracer_provider": spans.provider})
+        client = wrap(traced, root=tmp_path, tracer=spans.tracer)
+
+        async def run() -> None:
+            with spans.tracer.start_as_current_span("caller"):
+                await client_loop(client, "beside", 2)
+
+        anyio.run(run)
+    [caller] = spans.named("caller")
+    sdk_calls = [s for s in spans.spans if s.instrumentation_scope.name != "sluicegate"]
+    requests = spans.named("wire.request")
+    assert len(sdk_calls) == len(requests) == 2
+    for call, request in zip(sdk_calls, requests, strict=True):
+        assert call.parent is not None and call.parent.span_id == caller.context.span_id
+        assert request.parent is not None and request.parent.span_id == caller.context.span_id
+    inside = {s.context.span_id for s in sdk_calls}
+    assert not any(s.parent is not None and s.parent.span_id in inside for s in spans.spans)
+    [run_span, _] = spans.named("pipeline.run")
+    assert run_span.parent is not None and run_span.parent.span_id == requests[0].context.span_id
+
+
+def test_an_error_that_quotes_content_reaches_no_span_of_a_request(tmp_path: Path) -> None:
+    from pipeline.core import FunctionStage, StageError
+    from pipeline.testing import SpanRecorder
+
+    secret = "MY-SECRET-PROMPT"
+
+    async def quoting(messages: list[Any], ctx: Any) -> list[Any]:
+        raise ValueError(f"could not parse: {messages[-1].content}")
+
+    spans = SpanRecorder()
+    with ScriptedMessagesServer(script) as server:
+        client = wrap_with(
+            sdk_client(server.base_url),
+            root=tmp_path,
+            pipeline=lambda: Pipeline([FunctionStage("quoting", quoting)]),
+            tracer=spans.tracer,
+        )
+
+        async def ask() -> None:
+            await client.messages.create(
+                model="m", max_tokens=10, messages=[{"role": "user", "content": secret}]
+            )
+
+        with pytest.raises(StageError, match=secret):
+            anyio.run(ask)
+    [request] = spans.named("wire.request")
+    assert request.status.description == "StageError"
+    for s in spans.spans:
+        held = [*map(str, (s.attributes or {}).values()), str(s.status.description)]
+        held += [str(v) for e in s.events for v in (e.attributes or {}).values()]
+        assert not any(secret in h for h in held), s.name
 
 
 def test_cache_breakpoints_for_clients_that_set_none(tmp_path: Path) -> None:

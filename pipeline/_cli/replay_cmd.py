@@ -45,7 +45,7 @@ from pipeline.logs import get_logger
 from pipeline.policies import ToolPolicies
 from pipeline.replay import CallResult, find_calls, replay_messages
 from pipeline.storage import TOOL_RESULTS_SUBDIR
-from pipeline.tracing import ATTR, SPAN_REPLAY
+from pipeline.tracing import ATTR, SPAN_REPLAY, content_safe_span
 from pipeline.transcript import Transcript
 from stages import registry as stage_registry
 from stages.autocompact import ContextWindowExceeded
@@ -104,8 +104,8 @@ async def _replay_calls(
     progress: Progress,
 ) -> None:
     # the session's own trace, carrying the totals; each call is a trace linked to it
-    with ctx.tracer.start_as_current_span(
-        SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
+    with content_safe_span(
+        ctx.tracer, SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
     ) as session:
         # each call is printed (and dumped) before the next: the request list can be shared
         async for result in replay_messages(

@@ -18,6 +18,7 @@ from pipeline.tracing import (
     SPAN_TOOL_EXECUTE,
     Decision,
     bounded_attribute,
+    content_safe_span,
     tool_span_name,
 )
 
@@ -66,7 +67,8 @@ async def execute_tool_call(
     in ``gated_log``."""
     name = str(tool_use.get("name"))
     tool_use_id = str(tool_use["id"])
-    with ctx.tracer.start_as_current_span(
+    with content_safe_span(
+        ctx.tracer,
         tool_span_name(name),
         attributes={
             **ctx.span_attributes(),

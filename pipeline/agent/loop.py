@@ -48,6 +48,7 @@ from pipeline.tracing import (
     SPAN_AGENT_TURN,
     agent_span_name,
     bounded_attribute,
+    content_safe_span,
 )
 from pipeline.wire_cache import WireCache
 
@@ -208,7 +209,8 @@ class Agent:
 
         Traced as one GenAI ``invoke_agent sluicegate`` span, the turns its children."""
         ctx = self.ctx
-        with ctx.tracer.start_as_current_span(
+        with content_safe_span(
+            ctx.tracer,
             agent_span_name(AGENT_NAME),
             attributes={
                 ATTR.CONVERSATION_ID: ctx.session_id,
@@ -217,14 +219,8 @@ class Agent:
                 ATTR.PROVIDER_NAME: "anthropic",
                 ATTR.REQUEST_MODEL: self.model,
             },
-            record_exception=False,  # exception text may quote content
-            set_status_on_exception=False,
-        ) as span:
-            try:
-                return await self._run(prompt)
-            except BaseException as exc:
-                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-                raise
+        ):
+            return await self._run(prompt)
 
     async def _run(self, prompt: str | None) -> AgentResult:
         if prompt is not None:
