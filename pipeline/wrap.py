@@ -209,8 +209,9 @@ def wrap(
     **context: Any,
 ) -> C:
     """``client`` with every Messages request going through the pipeline (a copy: the client
-    given is unchanged). ``pipeline``: a factory (default: ``stages.default_stages()``; pass
-    one to choose the stages -- the library does not import ``stages`` itself)."""
+    given is unchanged). ``pipeline``: a factory of each conversation's stages, required here
+    (the library does not import ``stages``); ``stages.wrap`` is this function with the
+    default stages (``default_stages(context_window=...)``)."""
     if pipeline is None:
         raise TypeError(
             "wrap() needs pipeline=: a factory such as lambda: Pipeline(default_stages())"
