@@ -12,7 +12,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
-from pipeline.messages import Block, Message
+from pipeline.messages import Block, Message, thread_start
 from pipeline.tokens.checks import bounded_repr
 
 __all__ = [
@@ -387,13 +387,15 @@ class ReplacementState:
         fresh and the next pass decides it again: deterministically, so it matches what was
         sent if the request did go out, and the files already written are reused. Replacements
         are restored only for ids still present as candidates, and the stored strings are used
-        verbatim, never rebuilt.
+        verbatim, never rebuilt. Results before the last compaction are never sent again, so
+        they are not present.
         """
         state = cls()
         last_response = _last_response_start(messages)
         present: set[str] = set()
         sent: set[str] = set()
-        for i, m in enumerate(messages):
+        for i in range(thread_start(messages), len(messages)):
+            m = messages[i]
             if m.type != "user" or not isinstance(m.content, list):
                 continue
             for block in m.content:

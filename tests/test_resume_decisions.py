@@ -23,7 +23,7 @@ from pipeline import (
     load_transcript,
     to_api,
 )
-from pipeline.replacement import decided_in
+from pipeline.replacement import ReplacementRecord, decided_in
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -165,3 +165,25 @@ def test_results_between_fragments_of_the_last_response_were_not_sent() -> None:
     ]
     state = ReplacementState.reconstruct(history, [])
     assert state.classify("a") == state.classify("b") == "fresh"
+
+
+def test_results_before_the_last_compaction_are_not_in_the_ledger() -> None:
+    # a compacted transcript keeps the records before its boundary, but they are never sent
+    # again: their decisions are not the session's to restore
+    history = [
+        user_text("go"),
+        assistant("msg_1", tool_use("old")),
+        results(tool_result("old", "o" * 10)),
+        Message(type="system", subtype="compact_boundary", content=""),
+        Message.user("summary of the part before", is_compact_summary=True),
+        assistant("msg_2", tool_use("new")),
+        results(tool_result("new", "n" * 10)),
+        assistant("msg_3", {"type": "text", "text": "done"}),
+    ]
+    records = [
+        ReplacementRecord("old", "<persisted-output>\nold\n</persisted-output>"),
+        ReplacementRecord("new", "<persisted-output>\nnew\n</persisted-output>"),
+    ]
+    state = ReplacementState.reconstruct(history, records)
+    assert set(state.replacements) == {"new"}
+    assert state.seen_ids == {"new"}
