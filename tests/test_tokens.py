@@ -40,6 +40,11 @@ PDF = {
 }
 
 
+def _js(value: object) -> str:
+    """``JSON.stringify(value)``: compact, non-ASCII as it is (how the reference writes JSON)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def ref() -> TokenTracker:
     return TokenTracker("reference")
 
@@ -96,7 +101,7 @@ def test_same_id_backtrack_across_interleaved_tool_results() -> None:
     ]
     anchor = find_anchor(msgs)
     assert anchor is not None and anchor == (1, U)
-    second_fragment = rough_tokens_for_text("Bash" + json.dumps({"command": "pwd"}))
+    second_fragment = rough_tokens_for_text("Bash" + _js({"command": "pwd"}))
     assert ref().estimate(msgs) == U.total + 100 + second_fragment + 20
 
 
@@ -195,10 +200,10 @@ def test_tool_use_is_name_plus_json_input_thinking_is_its_text_others_their_json
     other = {"type": "server_tool_use", "id": "srv", "name": "web_search", "input": {"q": "x"}}
     msg = Message.assistant([use, thinking, redacted, other], message_id="m1")
     expected = (
-        round(len("Read" + json.dumps({"file_path": "/src/main.py"})) / 4)
+        round(len("Read" + _js({"file_path": "/src/main.py"})) / 4)
         + 10  # the thinking text only, not the signature
         + 20
-        + round(len(json.dumps(other)) / 2)  # a block's JSON is JSON-family text
+        + round(len(_js(other)) / 2)  # a block's JSON is JSON-family text
     )
     assert rough_tokens_for_messages([msg]) == expected
 

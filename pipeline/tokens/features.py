@@ -83,9 +83,10 @@ def block_segments(block: Mapping[str, Any]) -> Iterator[Segment]:
         raise ValueError("a content block is nested too deeply to measure") from None
 
 
-_JSON = json.JSONEncoder(ensure_ascii=False, default=str)
-"""``json.dumps(value, ensure_ascii=False, default=str)`` without building an encoder per block
-(every new tool call is measured by each estimator)."""
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
+"""``json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)``: JSON as
+JavaScript's ``JSON.stringify`` writes it (the reference's count of a tool call's input), without
+building an encoder per block (every new tool call is measured by each estimator)."""
 
 
 def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segment]:

@@ -1,8 +1,9 @@
 """The reference estimator: a fixed rough count after the anchor, as Claude Code makes it.
 
 ``round(len/4)`` per text, 2 chars/token for JSON-family text, a fixed 2,000 for images and
-documents, ``tool_use`` = name + JSON input, thinking = its text, other blocks = their JSON; no
-usage anywhere: estimate everything. It learns nothing.
+documents, ``tool_use`` = name + JSON input, thinking = its text, other blocks = their JSON
+(written as ``JSON.stringify`` writes it: no spaces); no usage anywhere: estimate everything.
+It learns nothing.
 """
 
 from __future__ import annotations
