@@ -5,6 +5,7 @@ SDK's usage repeated."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,22 @@ async def test_decision_spans_answer_why_under_which_limit_and_what_instead(
             assert "0 0 0" not in str(value)
 
 
+async def _run_agent(
+    script: Callable[[dict[str, Any]], Reply], ctx: SessionContext, tool: Tool, prompt: str
+) -> None:
+    """An agent with ``tool`` and the default stages, run on ``prompt`` against ``script``."""
+    with ScriptedMessagesServer(script) as server:
+        agent = Agent(
+            sdk_client(server.base_url),
+            model="claude-sonnet-4-5",
+            pipeline=Pipeline(default_stages()),
+            ctx=ctx,
+            tools=[tool],
+            readback=False,
+        )
+        await agent.run(prompt)
+
+
 def _six_logs(body: dict[str, Any]) -> Reply:
     if any(m["role"] == "assistant" for m in body["messages"]):
         return Reply([{"type": "text", "text": "done"}])
@@ -96,20 +113,10 @@ async def test_an_agent_run_is_a_genai_agent_span_and_links_execution_to_decisio
         handler=lambda args: get_log(int(args["n"])),
     )
     spans = SpanRecorder()
-    with ScriptedMessagesServer(_six_logs) as server:
-        client = sdk_client(server.base_url)
-        ctx = SessionContext(
-            "s-agent", tmp_path, tracer=spans.tracer, tool_policies=ToolPolicies.claude_code()
-        )
-        agent = Agent(
-            client,
-            model="claude-sonnet-4-5",
-            pipeline=Pipeline(default_stages()),
-            ctx=ctx,
-            tools=[log_tool],
-            readback=False,
-        )
-        await agent.run("read the six logs")
+    ctx = SessionContext(
+        "s-agent", tmp_path, tracer=spans.tracer, tool_policies=ToolPolicies.claude_code()
+    )
+    await _run_agent(_six_logs, ctx, log_tool, "read the six logs")
     [run] = [s for s in spans.spans if s.name == "invoke_agent sluicegate"]
     assert (run.attributes or {})[ATTR.OPERATION_NAME] == "invoke_agent"
     assert (run.attributes or {})[ATTR.AGENT_NAME] == "sluicegate"
@@ -254,16 +261,6 @@ async def test_a_tool_error_that_quotes_content_reaches_no_span(tmp_path: Path) 
         )
 
     spans = SpanRecorder()
-    with ScriptedMessagesServer(script) as server:
-        ctx = SessionContext("s-tool", tmp_path, tracer=spans.tracer)
-        agent = Agent(
-            sdk_client(server.base_url),
-            model="m",
-            pipeline=Pipeline(default_stages()),
-            ctx=ctx,
-            tools=[tool],
-            readback=False,
-        )
-        await agent.run("go")
+    await _run_agent(script, SessionContext("s-tool", tmp_path, tracer=spans.tracer), tool, "go")
     assert spans.named("execute_tool leaky")
     assert _anywhere(spans, SECRET) == []

@@ -16,7 +16,7 @@ from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.wrap import wrap as wrap_with
 from stages import ToolResultBudget, wrap
 from tests.sdk_support import sdk_client
-from tests.wire_support import TAG, client_loop, results, script, visible
+from tests.wire_support import TAG, client_loop, results, script, sync_client_loop, visible
 
 
 def test_an_async_loop_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> None:
@@ -112,16 +112,7 @@ def test_the_sync_client_and_beta_messages(tmp_path: Path) -> None:
     with ScriptedMessagesServer(script) as server:
         raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
         client = wrap_with(raw, root=tmp_path, pipeline=lambda: Pipeline([ToolResultBudget()]))
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "sync task"}]
-        for _ in range(3):
-            response = client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": [b.model_dump(exclude_none=True) for b in response.content],
-                }
-            )
-            messages.append(results(response.content))
+        sync_client_loop(client, "sync task", 3)
         async_client = wrap(
             sdk_client(server.base_url),
             root=tmp_path,
@@ -209,17 +200,8 @@ def test_the_sync_clients_pipeline_pass_is_beneath_its_request_span(tmp_path: Pa
     with ScriptedMessagesServer(script) as server:
         raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
         client = wrap(raw, root=tmp_path, tracer=spans.tracer)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "sync traced"}]
         with spans.tracer.start_as_current_span("caller") as caller:
-            for _ in range(2):
-                response = client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": [b.model_dump(exclude_none=True) for b in response.content],
-                    }
-                )
-                messages.append(results(response.content))
+            sync_client_loop(client, "sync traced", 2)
         raw.close()
     requests = spans.named("wire.request")
     runs = spans.named("pipeline.run")

@@ -70,6 +70,16 @@ async def client_loop(
         messages.append(results(response.content))
 
 
+def sync_client_loop(client: anthropic.Anthropic, prompt: str, calls: int) -> None:
+    """:func:`client_loop` with the synchronous client."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    for _ in range(calls):
+        response = client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
+        blocks = [b.model_dump(exclude_none=True) for b in response.content]
+        messages.append({"role": "assistant", "content": blocks})
+        messages.append(results(response.content))
+
+
 def visible(body: dict[str, Any]) -> int:
     """Characters of tool output in a request's last message."""
     last = body["messages"][-1]["content"]
