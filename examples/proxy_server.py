@@ -20,8 +20,11 @@ upstream = os.environ.get("ANTHROPIC_BASE_URL", DEFAULT_UPSTREAM)
 port = int(os.environ.get("PROXY_PORT", "8787"))
 app = build_app(pipeline=lambda: Pipeline(default_stages()), upstream=upstream)
 server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-threading.Thread(target=server.run, daemon=True).start()
+serving = threading.Thread(target=server.run, daemon=True)
+serving.start()
 while not server.started:
+    if not serving.is_alive():  # uvicorn gave up, say on a port already in use
+        raise SystemExit(f"the proxy could not listen on 127.0.0.1:{port} (set PROXY_PORT)")
     time.sleep(0.02)
 
 # any client: here the SDK, pointed at the proxy (as ANTHROPIC_BASE_URL would)

@@ -46,21 +46,28 @@ def server() -> Iterator[ScriptedMessagesServer]:
         yield s
 
 
-def run_example(name: str, server: ScriptedMessagesServer, cwd: Path) -> str:
-    env = {
-        **os.environ,
-        "ANTHROPIC_BASE_URL": server.base_url,
-        "ANTHROPIC_API_KEY": "test-key",
-        "ANTHROPIC_MODEL": "claude-scripted",
-    }
-    done = subprocess.run(
+def start_example(
+    name: str, server: ScriptedMessagesServer, cwd: Path, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/name`` against ``server`` (``env``: more environment variables)."""
+    return subprocess.run(
         [sys.executable, str(EXAMPLES / name)],
         cwd=cwd,
-        env=env,
+        env={
+            **os.environ,
+            "ANTHROPIC_BASE_URL": server.base_url,
+            "ANTHROPIC_API_KEY": "test-key",
+            "ANTHROPIC_MODEL": "claude-scripted",
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def run_example(name: str, server: ScriptedMessagesServer, cwd: Path) -> str:
+    done = start_example(name, server, cwd)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -123,14 +130,29 @@ def test_wrap_client(server: ScriptedMessagesServer, tmp_path: Path) -> None:
 def test_proxy_server(server: ScriptedMessagesServer, tmp_path: Path) -> None:
     import socket
 
-    with socket.socket() as s:  # a free port for the proxy
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["PROXY_PORT"] = str(port)
-    try:
-        out = run_example("proxy_server.py", server, tmp_path)
-    finally:
-        del os.environ["PROXY_PORT"]
-    assert "SCRIPTED ANSWER" in out
+    for _ in range(3):
+        with socket.socket() as s:  # a free port for the proxy
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        done = start_example("proxy_server.py", server, tmp_path, PROXY_PORT=str(port))
+        if "could not listen" not in done.stderr:
+            break  # else another process took the port meanwhile: try a fresh one
+    assert done.returncode == 0, done.stderr
+    assert "SCRIPTED ANSWER" in done.stdout
     sent = tool_results(server.requests[0])["toolu_log"]
     assert sent.startswith("<persisted-output>\nOutput too large (")
+
+
+def test_the_proxy_example_says_so_when_its_port_is_taken(
+    server: ScriptedMessagesServer, tmp_path: Path
+) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = start_example("proxy_server.py", server, tmp_path, PROXY_PORT=str(port))
+    assert done.returncode != 0  # it ends, rather than wait for a server that never starts
+    assert f"could not listen on 127.0.0.1:{port}" in done.stderr
+    assert server.requests == []
