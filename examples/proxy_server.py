@@ -23,8 +23,8 @@ server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_lev
 serving = threading.Thread(target=server.run, daemon=True)
 serving.start()
 while not server.started:
-    if not serving.is_alive():  # uvicorn gave up, say on a port already in use
-        raise SystemExit(f"the proxy could not listen on 127.0.0.1:{port} (set PROXY_PORT)")
+    if not serving.is_alive():  # uvicorn gave up: its own message above says why
+        raise SystemExit(f"the proxy could not listen on 127.0.0.1:{port} (in use? set PROXY_PORT)")
     time.sleep(0.02)
 
 # any client: here the SDK, pointed at the proxy (as ANTHROPIC_BASE_URL would)

@@ -47,9 +47,10 @@ from pipeline.event_stream import EventStreamUsage  # public here before it had 
 from pipeline.messages import Message, Usage
 from pipeline.replacement import ReplacementState, decided_in
 from pipeline.session_storage import DECISIONS_FILE, SessionStorage, open_session_state
+from pipeline.spans import content_safe_span
 from pipeline.storage import validate_session_id
 from pipeline.tokens import TokenTracker, calibration_path_for
-from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST, content_safe_span
+from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript import Transcript
 from pipeline.wire_cache import WireCache
 

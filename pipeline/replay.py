@@ -33,8 +33,9 @@ from pipeline.kept_list import KeptList
 from pipeline.messages import Message, Usage
 from pipeline.pairing import PairingProblem
 from pipeline.recorded import RecordedRequest
+from pipeline.spans import content_safe_span
 from pipeline.tokens import Observation, TokenTracker
-from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute, content_safe_span
+from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute
 from pipeline.wire_cache import WireCache, request_chars
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here

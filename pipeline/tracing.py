@@ -13,14 +13,12 @@ content.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from enum import StrEnum
 from typing import Any
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
 from pipeline.logs import add_trace_ids, get_logger
 
@@ -42,9 +40,7 @@ __all__ = [
     "Reason",
     "add_trace_ids",
     "agent_span_name",
-    "beside_sdk_call",
     "bounded_attribute",
-    "content_safe_span",
     "decision_span_name",
     "emit_decision",
     "get_logger",
@@ -302,53 +298,13 @@ class GroupOutcome(StrEnum):
 _NOT_RECORDED = contextlib.nullcontext(trace.INVALID_SPAN)
 
 
-ANTHROPIC_SDK_SCOPE = "com.anthropic.sdk.python"
-"""The instrumentation scope of the anthropic SDK's own spans (one ``CLIENT`` span per API call)."""
-
-
-def beside_sdk_call() -> otel_context.Context | None:
-    """The context to start a span in so that it goes beside the anthropic SDK's call span
-    rather than inside it, when that span is the current one (code run as the SDK's middleware
-    runs inside its call); None when it is not (start in the current context).
-
-    The SDK's GenAI span is the model call's alone: a pipeline pass is its sibling or its
-    parent, never its child. The OpenTelemetry API does not say a span's parent; the SDK's spans
-    do (``span.parent``), and a span of another implementation is left where it is."""
-    span = trace.get_current_span()
-    scope = getattr(span, "instrumentation_scope", None)
-    if getattr(scope, "name", None) != ANTHROPIC_SDK_SCOPE:
-        return None
-    parent = getattr(span, "parent", None)
-    current = otel_context.get_current()
-    if parent is None:  # the call's span starts a trace: so does the pass beside it
-        return trace.set_span_in_context(trace.INVALID_SPAN, current)
-    if not isinstance(parent, trace.SpanContext):
-        return None
-    return trace.set_span_in_context(trace.NonRecordingSpan(parent), current)
-
-
-@contextlib.contextmanager
-def content_safe_span(tracer: trace.Tracer, name: str, **kwargs: Any) -> Iterator[trace.Span]:
-    """``tracer.start_as_current_span(name, **kwargs)``, but an exception that leaves it is
-    recorded by its type alone: its text may quote message content (a third-party stage's
-    error, a ``StageError`` that carries it), and no span may hold content. The status is set
-    to ERROR with the type's name; no exception event is added."""
-    with tracer.start_as_current_span(
-        name, record_exception=False, set_status_on_exception=False, **kwargs
-    ) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            raise
-
-
 def span_if(
     recording: bool, tracer: trace.Tracer, name: str, **kwargs: Any
 ) -> AbstractContextManager[trace.Span]:
     """``tracer.start_as_current_span(name, **kwargs)`` when the pass records; else a context
     that yields the invalid span (every call on it a no-op) and costs nothing -- a pass makes
-    a dozen spans, and even no-op ones cost microseconds each."""
+    a dozen spans, and even no-op ones cost microseconds each. Unless told otherwise, an
+    exception is neither recorded nor made the span's status (its text may quote content)."""
     if recording:
         # exception text may quote content: the stage's own span reports the failure's type
         kwargs.setdefault("record_exception", False)
@@ -370,7 +326,8 @@ def start_current_span(
     would change nothing a span or a log line could see: with no ``context`` given, an invalid
     span means the current one is invalid too. That saves a context attach and detach per
     pass. A span started in a given ``context`` is always made current, so that what runs
-    inside does not see the caller's span."""
+    inside does not see the caller's span. The exception settings default as the API's do:
+    pass ``record_exception=False`` for a span around content (see :mod:`pipeline.spans`)."""
     span = tracer.start_span(
         name,
         record_exception=record_exception,

@@ -28,7 +28,8 @@ import httpx2
 from pipeline.adapter import WireSession, beta_header, session_id_for
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
-from pipeline.tracing import ATTR, beside_sdk_call
+from pipeline.spans import beside_sdk_call
+from pipeline.tracing import ATTR
 
 __all__ = ["SluicegateMiddleware", "wrap"]
 
@@ -117,7 +118,9 @@ class SluicegateMiddleware(anthropic.Middleware):
         loop (in a worker thread, so a caller that has a running loop is not disturbed)."""
         if not _is_messages_call(request):
             return call_next(request)
-        session = self._session(request.json, dict(request.headers or {}))
+        # made in the worker too: its lock must not belong to a loop the caller may run (a
+        # trio one, say), since every pass of it runs on a private loop
+        session = _in_worker(self._session, request.json, dict(request.headers or {}))
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             body = _run_sync(lambda: session.prepare_request(request.json))
             response = call_next(_outgoing(session, request, body))
@@ -186,6 +189,24 @@ def _tap(session: WireSession, http: Any) -> None:
     )
 
 
+_ASYNC_LIBRARY: contextvars.ContextVar[str | None] | None
+try:
+    from sniffio import current_async_library_cvar as _ASYNC_LIBRARY
+except ImportError:  # without sniffio, anyio asks asyncio, whose running loop is per thread
+    _ASYNC_LIBRARY = None
+
+
+def _in_worker(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, in a copy of the caller's context (its span, its log
+    context: a thread starts with an empty one) less the mark by which anyio, through sniffio,
+    tells which event loop runs: none runs there, whatever loop the caller runs."""
+    context = contextvars.copy_context()
+    if _ASYNC_LIBRARY is not None:
+        context.run(_ASYNC_LIBRARY.set, None)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(context.run, fn, *args).result()
+
+
 def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:
     async def main() -> T:
         return await fn()
@@ -193,11 +214,7 @@ def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:
     def run() -> T:
         return anyio.run(main)
 
-    # the caller's context goes with the pass (its current span, its log context): a thread
-    # starts with an empty one, and the pass would begin a trace of its own
-    context = contextvars.copy_context()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(context.run, run).result()
+    return _in_worker(run)
 
 
 def wrap(

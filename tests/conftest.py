@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import structlog
@@ -42,7 +42,7 @@ def _close_sdk_clients() -> Iterator[None]:
     close_sdk_clients()
 
 
-def _restore_structlog(saved: dict[str, object] | None) -> None:
+def _restore_structlog(saved: dict[str, Any] | None) -> None:
     if saved is not None:
         structlog.configure(**saved)
     else:

@@ -9,6 +9,7 @@ tool beside the repository (about 370 MB), so this test only runs where that has
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 from pathlib import Path
@@ -28,9 +29,20 @@ pytestmark = pytest.mark.skipif(
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the range the system hands out for port 0 and outgoing connections,
+    so that no other test's server or client takes it before the scripted server binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32_768
+    for port in random.sample(range(20_000, max(20_001, min(low, 32_768))), 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
 
 
 def test_claude_code_through_the_proxy(tmp_path: Path) -> None:
@@ -50,7 +62,8 @@ def test_claude_code_through_the_proxy(tmp_path: Path) -> None:
     plan.write_text(json.dumps([logs, more, "All eight logs read; done."]))
     for attempt in range(3):
         # the scripted server binds the port it is given after this process let it go:
-        # another process can take it in between, and then a fresh port is tried
+        # should another process take it in between (unlikely outside the ephemeral range), a
+        # fresh port is tried
         upstream_port = _free_port()
         out = tmp_path / f"run{attempt}"
         with proxy(

@@ -46,7 +46,7 @@ def server() -> Iterator[ScriptedMessagesServer]:
         yield s
 
 
-def start_example(
+def example_run(
     name: str, server: ScriptedMessagesServer, cwd: Path, **env: str
 ) -> subprocess.CompletedProcess[str]:
     """Run ``examples/name`` against ``server`` (``env``: more environment variables)."""
@@ -67,7 +67,7 @@ def start_example(
 
 
 def run_example(name: str, server: ScriptedMessagesServer, cwd: Path) -> str:
-    done = start_example(name, server, cwd)
+    done = example_run(name, server, cwd)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -134,7 +134,7 @@ def test_proxy_server(server: ScriptedMessagesServer, tmp_path: Path) -> None:
         with socket.socket() as s:  # a free port for the proxy
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        done = start_example("proxy_server.py", server, tmp_path, PROXY_PORT=str(port))
+        done = example_run("proxy_server.py", server, tmp_path, PROXY_PORT=str(port))
         if "could not listen" not in done.stderr:
             break  # else another process took the port meanwhile: try a fresh one
     assert done.returncode == 0, done.stderr
@@ -152,7 +152,7 @@ def test_the_proxy_example_says_so_when_its_port_is_taken(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = start_example("proxy_server.py", server, tmp_path, PROXY_PORT=str(port))
+        done = example_run("proxy_server.py", server, tmp_path, PROXY_PORT=str(port))
     assert done.returncode != 0  # it ends, rather than wait for a server that never starts
     assert f"could not listen on 127.0.0.1:{port}" in done.stderr
     assert server.requests == []

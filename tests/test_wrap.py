@@ -213,6 +213,22 @@ def test_the_sync_clients_pipeline_pass_is_beneath_its_request_span(tmp_path: Pa
         assert run.context.trace_id == caller.get_span_context().trace_id
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_sync_client_works_inside_a_running_event_loop(tmp_path: Path, backend: str) -> None:
+    # a sync call made from async code (a blocking call in a coroutine, as some programs do):
+    # the pass runs on its own loop in a worker thread, whatever loop the caller runs
+    with ScriptedMessagesServer(script) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = wrap(raw, root=tmp_path)
+
+        async def blocking_call() -> None:
+            sync_client_loop(client, "from a coroutine", 2)
+
+        anyio.run(blocking_call, backend=backend)
+        raw.close()
+        assert len(server.requests) == 2
+
+
 def test_the_pass_goes_beside_the_sdks_call_span_not_inside(tmp_path: Path) -> None:
     # the SDK's GenAI span is the model call's alone: the pass the middleware runs during that
     # call is its sibling, under the caller's span

@@ -44,8 +44,9 @@ from pipeline.core import Pipeline, PipelineHalt, StageError
 from pipeline.logs import get_logger
 from pipeline.policies import ToolPolicies
 from pipeline.replay import CallResult, find_calls, replay_messages
+from pipeline.spans import content_safe_span
 from pipeline.storage import TOOL_RESULTS_SUBDIR
-from pipeline.tracing import ATTR, SPAN_REPLAY, content_safe_span
+from pipeline.tracing import ATTR, SPAN_REPLAY
 from pipeline.transcript import Transcript
 from stages import registry as stage_registry
 from stages.autocompact import ContextWindowExceeded

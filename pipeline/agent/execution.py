@@ -12,13 +12,13 @@ from pipeline.agent.results import GatedResult
 from pipeline.context import SessionContext
 from pipeline.gate import gate_tool_result
 from pipeline.messages import Block, Message, now_timestamp
+from pipeline.spans import content_safe_span
 from pipeline.tools import Tool
 from pipeline.tracing import (
     ATTR,
     SPAN_TOOL_EXECUTE,
     Decision,
     bounded_attribute,
-    content_safe_span,
     tool_span_name,
 )
 

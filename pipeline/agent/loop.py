@@ -40,6 +40,7 @@ from pipeline.kept_list import KeptList
 from pipeline.messages import Block, Message, now_timestamp
 from pipeline.readback import readback_for
 from pipeline.session_storage import SessionStorage
+from pipeline.spans import content_safe_span
 from pipeline.tokens import calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import (
@@ -48,7 +49,6 @@ from pipeline.tracing import (
     SPAN_AGENT_TURN,
     agent_span_name,
     bounded_attribute,
-    content_safe_span,
 )
 from pipeline.wire_cache import WireCache
 
@@ -257,11 +257,10 @@ class Agent:
         ctx.call = self.turns_done  # every span of this turn's pass carries it, every log line
         with (
             bound_contextvars(call=self.turns_done),
-            ctx.tracer.start_as_current_span(
+            content_safe_span(
+                ctx.tracer,
                 SPAN_AGENT_TURN,
                 attributes={**ctx.span_attributes(), ATTR.REQUEST_MODEL: self.model},
-                record_exception=False,  # exception text may quote content: status set by hand
-                set_status_on_exception=False,
             ) as span,
         ):
             definitions = self.tool_definitions  # built once a turn: counted, then sent
