@@ -118,9 +118,12 @@ class SluicegateMiddleware(anthropic.Middleware):
         loop (in a worker thread, so a caller that has a running loop is not disturbed)."""
         if not _is_messages_call(request):
             return call_next(request)
-        # made in the worker too: its lock must not belong to a loop the caller may run (a
-        # trio one, say), since every pass of it runs on a private loop
-        session = _in_worker(self._session, request.json, dict(request.headers or {}))
+        headers = dict(request.headers or {})
+        sid = session_id_for(request.json, explicit=self.session_id, headers=headers)
+        session = self.sessions.get(sid)
+        if session is None:  # made in a worker: its lock must not belong to a loop the caller
+            # may run (a trio one, say), since every pass of it runs on a private loop
+            session = _in_worker(self._session, request.json, headers)
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             body = _run_sync(lambda: session.prepare_request(request.json))
             response = call_next(_outgoing(session, request, body))
