@@ -72,21 +72,24 @@ class SluicegateMiddleware(anthropic.Middleware):
         self.context = context
         self.sessions: dict[str, WireSession] = {}
 
-    def _session(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> WireSession:
+    def _known(
+        self, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> tuple[str, WireSession | None]:
+        """The conversation's session id, and its session if this client has one."""
         sid = session_id_for(body, explicit=self.session_id, headers=headers)
-        session = self.sessions.get(sid)
-        if session is None:
-            session = WireSession(sid, self.root, self.pipeline(), **self.context)
-            self.sessions[sid] = session
-        return session
+        return sid, self.sessions.get(sid)
+
+    def _new_session(self, sid: str) -> WireSession:
+        return self.sessions.setdefault(
+            sid, WireSession(sid, self.root, self.pipeline(), **self.context)
+        )
 
     async def _session_async(
         self, body: Mapping[str, Any], headers: Mapping[str, str]
     ) -> WireSession:
-        """:meth:`_session` with the session's records loaded off the event loop (an object
-        store's reads must not hold up the caller's loop)."""
-        sid = session_id_for(body, explicit=self.session_id, headers=headers)
-        session = self.sessions.get(sid)
+        """The conversation's session, a new one's records loaded off the event loop (an
+        object store's reads must not hold up the caller's loop)."""
+        sid, session = self._known(body, headers)
         if session is None:
             session = await WireSession.open(sid, self.root, self.pipeline(), **self.context)
             session = self.sessions.setdefault(sid, session)
@@ -118,12 +121,10 @@ class SluicegateMiddleware(anthropic.Middleware):
         loop (in a worker thread, so a caller that has a running loop is not disturbed)."""
         if not _is_messages_call(request):
             return call_next(request)
-        headers = dict(request.headers or {})
-        sid = session_id_for(request.json, explicit=self.session_id, headers=headers)
-        session = self.sessions.get(sid)
+        sid, session = self._known(request.json, dict(request.headers or {}))
         if session is None:  # made in a worker: its lock must not belong to a loop the caller
             # may run (a trio one, say), since every pass of it runs on a private loop
-            session = _in_worker(self._session, request.json, headers)
+            session = _in_worker(self._new_session, sid)
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             body = _run_sync(lambda: session.prepare_request(request.json))
             response = call_next(_outgoing(session, request, body))

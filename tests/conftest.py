@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 import structlog
@@ -42,13 +42,6 @@ def _close_sdk_clients() -> Iterator[None]:
     close_sdk_clients()
 
 
-def _restore_structlog(saved: dict[str, Any] | None) -> None:
-    if saved is not None:
-        structlog.configure(**saved)
-    else:
-        structlog.reset_defaults()
-
-
 @pytest.fixture(autouse=True)
 def _structlog_as_it_was() -> Iterator[None]:
     """structlog's global configuration as it was before the test. ``capture_logs`` leaves
@@ -57,18 +50,17 @@ def _structlog_as_it_was() -> Iterator[None]:
     same worker would see that."""
     saved = structlog.get_config() if structlog.is_configured() else None
     yield
-    _restore_structlog(saved)
+    if saved is not None:
+        structlog.configure(**saved)
+    else:
+        structlog.reset_defaults()
 
 
 @pytest.fixture
-def structlog_unconfigured() -> Iterator[None]:
-    """structlog as an application that never configured it has it; restored afterwards."""
-    saved = structlog.get_config() if structlog.is_configured() else None
+def structlog_unconfigured() -> None:
+    """structlog as an application that never configured it has it (the autouse fixture
+    above puts back what was there)."""
     structlog.reset_defaults()
-    try:
-        yield
-    finally:
-        _restore_structlog(saved)
 
 
 @pytest.fixture

@@ -9,8 +9,6 @@ tool beside the repository (about 370 MB), so this test only runs where that has
 from __future__ import annotations
 
 import json
-import random
-import socket
 import subprocess
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 
 from pipeline import Pipeline
 from stages import default_stages
-from tests.wire_support import proxy
+from tests.wire_support import free_port, proxy
 
 RECORD = Path(__file__).resolve().parents[2] / "shared" / "tools" / "record-claude-code"
 CLAUDE = Path("/tmp/claude-code-2.1.328/node_modules/.bin/claude")
@@ -26,23 +24,6 @@ CLAUDE = Path("/tmp/claude-code-2.1.328/node_modules/.bin/claude")
 pytestmark = pytest.mark.skipif(
     not (RECORD.exists() and CLAUDE.exists()), reason="Claude Code is not installed here"
 )
-
-
-def _free_port() -> int:
-    """A free port below the range the system hands out for port 0 and outgoing connections,
-    so that no other test's server or client takes it before the scripted server binds it."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32_768
-    for port in random.sample(range(20_000, max(20_001, min(low, 32_768))), 50):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port found")
 
 
 def test_claude_code_through_the_proxy(tmp_path: Path) -> None:
@@ -64,7 +45,7 @@ def test_claude_code_through_the_proxy(tmp_path: Path) -> None:
         # the scripted server binds the port it is given after this process let it go:
         # should another process take it in between (unlikely outside the ephemeral range), a
         # fresh port is tried
-        upstream_port = _free_port()
+        upstream_port = free_port()
         out = tmp_path / f"run{attempt}"
         with proxy(
             f"http://127.0.0.1:{upstream_port}",

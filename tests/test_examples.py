@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from pipeline.testing import Reply, ScriptedMessagesServer
+from tests.wire_support import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -128,12 +129,8 @@ def test_wrap_client(server: ScriptedMessagesServer, tmp_path: Path) -> None:
 
 
 def test_proxy_server(server: ScriptedMessagesServer, tmp_path: Path) -> None:
-    import socket
-
     for _ in range(3):
-        with socket.socket() as s:  # a free port for the proxy
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         done = example_run("proxy_server.py", server, tmp_path, PROXY_PORT=str(port))
         if "could not listen" not in done.stderr:
             break  # else another process took the port meanwhile: try a fresh one

@@ -200,19 +200,6 @@ async def test_hostile_ids_and_names_are_bounded_on_spans(tmp_path: Path) -> Non
 SECRET = "MY-SECRET-PROMPT"
 
 
-def _anywhere(spans: SpanRecorder, text: str) -> list[str]:
-    """Spans that hold ``text`` in an attribute, an event or their status."""
-    found = []
-    for s in spans.spans:
-        held = [str(v) for v in (s.attributes or {}).values()]
-        held += [str(s.status.description or "")]
-        for event in s.events:
-            held += [event.name, *(str(v) for v in (event.attributes or {}).values())]
-        if any(text in h for h in held):
-            found.append(s.name)
-    return found
-
-
 async def _quoting_stage(messages: list[Message], ctx: SessionContext) -> list[Message]:
     # a third-party stage whose error quotes the content it choked on
     last = messages[-1].content
@@ -236,7 +223,7 @@ async def test_an_error_that_quotes_content_reaches_no_span_of_a_replay(tmp_path
     [call] = spans.named(SPAN_REPLAY_CALL)
     assert call.status.status_code == trace.StatusCode.ERROR
     assert call.status.description == "StageError"
-    assert _anywhere(spans, SECRET) == []  # the spans only the error's type
+    assert spans.holding(SECRET) == []  # the spans only the error's type
 
 
 @pytest.mark.asyncio
@@ -263,4 +250,4 @@ async def test_a_tool_error_that_quotes_content_reaches_no_span(tmp_path: Path) 
     spans = SpanRecorder()
     await _run_agent(script, SessionContext("s-tool", tmp_path, tracer=spans.tracer), tool, "go")
     assert spans.named("execute_tool leaky")
-    assert _anywhere(spans, SECRET) == []
+    assert spans.holding(SECRET) == []

@@ -3,6 +3,8 @@ sent whole every call, its tools' outputs as they came."""
 
 from __future__ import annotations
 
+import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -106,3 +108,21 @@ def proxy(
     finally:
         server.should_exit = True  # graceful: requests in flight finish
         thread.join(timeout=20)
+
+
+def free_port() -> int:
+    """A free port for a child process to listen on, below the range the system hands out
+    for port 0 and outgoing connections: no other test's server or client takes it before the
+    child binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32_768
+    for port in random.sample(range(20_000, max(20_001, min(low, 32_768))), 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")

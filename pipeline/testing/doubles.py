@@ -156,6 +156,19 @@ class SpanRecorder:
         """The attributes of :meth:`decisions`."""
         return [dict(s.attributes or {}) for s in SpanRecorder.decisions(self, stage)]
 
+    def holding(self, text: str) -> list[str]:
+        """The names of the finished spans that hold ``text`` anywhere: an attribute, an
+        event's name or attributes, the status (``[]``: none; a check that no span carries
+        message content)."""
+        found = []
+        for s in self.spans:
+            held = [*map(str, (s.attributes or {}).values()), str(s.status.description or "")]
+            for event in s.events:
+                held += [event.name, *map(str, (event.attributes or {}).values())]
+            if any(text in h for h in held):
+                found.append(s.name)
+        return found
+
     def clear(self) -> None:
         """Forget the spans recorded so far."""
         self.exporter.clear()
