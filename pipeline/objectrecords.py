@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.logs import get_logger
-from pipeline.objectstore import ObjectLayout, ObjectStoreAPI, is_create_conflict
+from pipeline.objectstore import RECORDS_SUBDIR, ObjectLayout, ObjectStoreAPI, is_create_conflict
 from pipeline.storage import StoreError
 from pipeline.transcript import (
     JsonlRecordWriter,
@@ -80,7 +80,8 @@ class ObjectRecordLog(JsonlRecordWriter):
 
     ``store``: an ``obstore`` store (or anything with
     :class:`~pipeline.objectstore.ObjectStoreAPI`'s methods); ``prefix``, ``session_id``,
-    ``uri_base``: see :class:`~pipeline.objectstore.ObjectLayout`. ``writer_id``
+    ``uri_base``, ``records`` (the records directory's name): see
+    :class:`~pipeline.objectstore.ObjectLayout`. ``writer_id``
     (``[A-Za-z0-9_.-]{1,64}``) names this writer in what it logs; by default a random one.
     ``read_attempts`` and ``retry_delay`` (seconds, doubled each time):
     how long :meth:`load` waits for a listed object to become readable.
@@ -101,6 +102,7 @@ class ObjectRecordLog(JsonlRecordWriter):
         uri_base: str = "memory://",
         writer_id: str | None = None,
         agent_id: str | None = None,
+        records: str = RECORDS_SUBDIR,
         read_attempts: int = 4,
         retry_delay: float = 0.1,
         logger: Any = None,
@@ -112,7 +114,7 @@ class ObjectRecordLog(JsonlRecordWriter):
         if read_attempts < 1 or retry_delay < 0:
             raise ValueError("read_attempts must be >= 1 and retry_delay >= 0")
         self.store = store
-        self.layout = ObjectLayout(session_id, prefix, uri_base)
+        self.layout = ObjectLayout(session_id, prefix, uri_base, records)
         self.session_id = self.layout.session_id
         self.agent_id = agent_id
         self.writer_id = writer_id

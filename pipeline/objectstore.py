@@ -39,7 +39,15 @@ except ImportError as exc:  # pragma: no cover - the objectstore extra installs 
 from pipeline.storage import TOOL_RESULTS_SUBDIR, StoreError, safe_file_stem, validate_session_id
 
 if TYPE_CHECKING:
-    from obstore import GetOptions, GetResult, ListStream, ObjectMeta, PutMode, PutResult
+    from obstore import (
+        GetOptions,
+        GetResult,
+        ListResult,
+        ListStream,
+        ObjectMeta,
+        PutMode,
+        PutResult,
+    )
 
     from pipeline.objectreader import ObjectOutputReader
 
@@ -84,6 +92,11 @@ class ObjectStoreAPI(Protocol):
         """``obstore.list``: keys under ``prefix`` (whole segments), after ``offset`` if given."""
         ...
 
+    def list_with_delimiter(self, prefix: str | None = None) -> ListResult[Sequence[ObjectMeta]]:
+        """``obstore.list_with_delimiter``: the "directories" (``common_prefixes``) and
+        objects directly under ``prefix``."""
+        ...
+
 
 def is_create_conflict(exc: BaseException) -> bool:
     """Whether a ``mode="create"`` put failed because something is already at the key (stores
@@ -121,9 +134,12 @@ class ObjectLayout:
     session_id: str
     prefix: str = ""
     uri_base: str = "memory://"
+    records: str = RECORDS_SUBDIR
+    """The name of the session's records "directory" (one per branch of a conversation)."""
 
     def __post_init__(self) -> None:
         validate_session_id(self.session_id)
+        validate_session_id(self.records)
         object.__setattr__(self, "prefix", normalize_prefix(self.prefix))
         if not isinstance(self.uri_base, str) or not _URI_BASE.fullmatch(self.uri_base):
             raise ValueError(
@@ -144,7 +160,7 @@ class ObjectLayout:
     @property
     def records_dir(self) -> str:
         """The key prefix of the session's record objects (no trailing slash)."""
-        return self._dir(RECORDS_SUBDIR)
+        return self._dir(self.records)
 
     def uri(self, key: str) -> str:
         """The URI the model is shown for ``key``."""

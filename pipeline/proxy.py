@@ -2,12 +2,12 @@
 
 Point a client at it (``ANTHROPIC_BASE_URL=http://127.0.0.1:8787``, Claude Code included): a
 ``POST /v1/messages`` goes through its conversation's :class:`~pipeline.adapter.WireSession`
-(named by the ``x-sluicegate-session`` header, Claude Code's ``metadata.user_id`` session or the
-conversation's fingerprint), then upstream; every other path (``count_tokens``, models,
-batches) is passed through untouched. Auth and ``anthropic-*`` headers go upstream as they
-came; upstream errors come back as the upstream gave them; a streamed response is passed on
-chunk by chunk as it arrives (never buffered) while its usage is read for the session's token
-tracker. ``GET /healthz`` answers ``ok``.
+(found by the request's credential and messages: :mod:`pipeline.conversations`), then
+upstream; every other path (``count_tokens``, models, batches) is passed through untouched.
+Auth and ``anthropic-*`` headers go upstream as they came; upstream errors come back as the
+upstream gave them; a streamed response is passed on chunk by chunk as it arrives (never
+buffered) while its usage is read for the session's token tracker. ``GET /healthz`` answers
+``ok``. Each API key's conversations are its own (:mod:`pipeline.tenancy`).
 
 An ASGI app on Starlette (the ``proxy`` extra: ``pip install '.[proxy]'``); ``python -m
 pipeline proxy`` serves it with uvicorn. Persisted outputs are files on the proxy's host: the
@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,30 +47,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.adapter import WireSession, beta_header, session_id_for
+from pipeline.adapter import WireSession, beta_header
+from pipeline.conversations import Branch, Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.logs import get_logger
-from pipeline.session_storage import SessionStates, SessionStorage
+from pipeline.session_storage import SessionStates
+from pipeline.tenancy import Tenancy
 from pipeline.tracing import ATTR
 
 __all__ = ["DEFAULT_UPSTREAM", "build_app"]
 
 DEFAULT_UPSTREAM = "https://api.anthropic.com"
 
+_PLACE_ATTEMPTS = 3
+"""How many times a request is placed: again when another worker moved its conversation on."""
+
 # hop-by-hop and length headers are the proxy's own business on each side
 _DROP_REQUEST = {"host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
 _DROP_RESPONSE = {"content-length", "connection", "transfer-encoding", "content-encoding"}
-
-
-@dataclass
-class _Conversation:
-    """One conversation as this proxy holds it: its storage (kept across reloads: its record
-    log keeps what it has read), its session once loaded, the lock its calls take turns on."""
-
-    storage: SessionStorage
-    session: WireSession | None = None
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
 
 
 def build_app(
@@ -82,6 +76,7 @@ def build_app(
     transport: httpx2.AsyncBaseTransport | None = None,
     background: Sequence[Callable[[], Coroutine[Any, Any, object]]] = (),
     storage: SessionStates | str | os.PathLike[str] | None = None,
+    tenancy: Tenancy | None = None,
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
@@ -92,73 +87,76 @@ def build_app(
     the server down with it. ``storage``: where the sessions' results and decisions live -- a
     :class:`~pipeline.session_storage.SessionStates` or a location for one (a directory,
     ``s3://bucket/prefix``); by default the files under ``root``, which always holds the token
-    calibration (local to each host)."""
+    calibration (local to each host). ``tenancy``: how requests are told apart by credential
+    (default: by API key, under the store's secret; ``Tenancy(single=True)``: one tenant)."""
     states = storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
-    conversations: dict[str, _Conversation] = {}
+    conversations = Conversations(
+        pipeline=pipeline, root=root, storage=states, tenancy=tenancy, **context
+    )
     client = httpx2.AsyncClient(
         base_url=upstream.rstrip("/"), timeout=httpx2.Timeout(600.0), transport=transport
     )
 
-    def conversation(sid: str) -> _Conversation:
-        found = conversations.get(sid)
-        if found is None:
-            found = conversations[sid] = _Conversation(states.open(sid))
-        return found
-
-    async def session_for(sid: str, held: _Conversation) -> WireSession | None:
-        """The conversation's session, current with what other workers recorded; None when
-        it cannot be loaded (held under the conversation's lock)."""
-        logger = context.get("logger") or get_logger(session_id=sid)
-        if held.session is not None:
-            if not states.shared:
-                return held.session  # local files: this process is the only writer
-            try:
-                moved = await anyio.to_thread.run_sync(held.storage.changed_elsewhere)
-            except OSError as exc:
-                logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
-                return held.session
-            if not moved:
-                return held.session
+    async def current(branch: Branch) -> bool:
+        """Whether ``branch`` is as its records leave it; when another worker recorded calls
+        of it since, it is loaded again (False: place the request again)."""
+        if not states.shared:
+            return True  # local files: this process is the only writer
+        session = branch.session
         try:
-            held.session = await WireSession.open(
-                sid, root, pipeline(), storage=held.storage, **context
-            )
+            moved = await anyio.to_thread.run_sync(session.storage.changed_elsewhere)
         except OSError as exc:
-            event = "wire_session.refresh_failed" if held.session else "wire_session.load_failed"
-            logger.warning(event, error=type(exc).__name__)
-        return held.session
+            session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
+            return True
+        if not moved:
+            return True
+        try:
+            await conversations.reload(branch)
+        except OSError as exc:
+            session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
+            return True
+        return False
 
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok")
 
     async def messages(request: Request) -> Response:
         raw = await request.body()
+        headers = dict(request.headers)
         try:
             body = json.loads(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
-            sid = session_id_for(body, headers=dict(request.headers))
         except ValueError as exc:  # what the API would say of it, before any upstream call
             return _error(400, "invalid_request_error", str(exc)[:300])
-        held = conversation(sid)
-        async with held.lock:  # one call of a conversation at a time, as a client makes them
-            session = await session_for(sid, held)
-            if session is None:  # its state cannot be read: the request goes as it came
+        for attempt in range(_PLACE_ATTEMPTS):
+            try:
+                branch = await conversations.route(body, headers)
+            except ValueError as exc:
+                return _error(400, "invalid_request_error", str(exc)[:300])
+            except OSError as exc:  # its state cannot be read: the request goes as it came
+                get_logger().warning("wire_session.load_failed", error=type(exc).__name__)
                 try:
                     return _relay(await _send_as_is(client, request, raw), None)
                 except httpx2.HTTPError as exc:
                     return _unreachable(exc)
-            with session.request_span(len(body["messages"])) as span:
-                try:
-                    prepared = await session.prepare_request(body)
-                except ValueError as exc:
-                    return _error(400, "invalid_request_error", str(exc)[:300])
-                try:
-                    upstream_response = await _send(client, request, session, prepared)
-                except httpx2.HTTPError as exc:
-                    return _unreachable(exc)
-                span.set_attribute(ATTR.HTTP_STATUS, upstream_response.status_code)
-        return _relay(upstream_response, session)
+            async with branch.call_lock:  # one call of a conversation at a time
+                last = attempt == _PLACE_ATTEMPTS - 1
+                if not await current(branch) and not last:
+                    continue  # another worker moved it on: place the request again
+                session = branch.session
+                with session.request_span(len(body["messages"])) as span:
+                    try:
+                        prepared = await session.prepare_request(body)
+                    except ValueError as exc:
+                        return _error(400, "invalid_request_error", str(exc)[:300])
+                    try:
+                        upstream_response = await _send(client, request, session, prepared)
+                    except httpx2.HTTPError as exc:
+                        return _unreachable(exc)
+                    span.set_attribute(ATTR.HTTP_STATUS, upstream_response.status_code)
+            return _relay(upstream_response, session)
+        raise AssertionError("unreachable: the last attempt always sends")
 
     async def passthrough(request: Request) -> Response:
         upstream_request = client.build_request(

@@ -3,15 +3,25 @@
 Once a tool_result has been sent whole, changing it later would change the cached prompt prefix;
 once it has been replaced, the same replacement string must be sent forever after. The state
 remembers both, and the records written to the transcript let a resumed session rebuild it.
+
+A decision is bound to what it decided on: the ledger's key for a result is its
+``tool_use_id`` *and* a digest of its output (:func:`result_key`), so a decision is re-applied
+only to the content it was made from. A result that reuses an id with other content -- a
+client's own ids repeated, a conversation mistaken for another -- is a new result, decided on
+its own, never sent another result's replacement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
+from pipeline.harness import last_result_index, split_tail
 from pipeline.messages import Block, Message, thread_start
 from pipeline.tokens.checks import bounded_repr
 
@@ -21,10 +31,16 @@ __all__ = [
     "PERSISTED_OUTPUT_TAG",
     "ReplacementRecord",
     "ReplacementState",
+    "ResultSlot",
     "candidate_size",
+    "content_digest",
     "is_candidate",
+    "is_candidate_content",
     "is_replacement_text",
     "iter_tool_results",
+    "read_results",
+    "result_key",
+    "tool_use_id_of",
 ]
 
 PERSISTED_OUTPUT_TAG = "<persisted-output>"
@@ -51,9 +67,48 @@ def is_replacement_text(content: Any) -> bool:
     )
 
 
-#: The ``stage`` of the ``stage-record`` a budget pass writes with the ids it decided to send
-#: whole (``{"seen": [...]}``): a resumed session freezes exactly those, wherever they stand.
+#: The ``stage`` of the ``stage-record`` a budget pass writes with the results it decided to send
+#: whole (``{"decided": [[tool_use_id, digest], ...]}``; ``{"seen": [ids]}`` before results were
+#: bound to their content): a resumed session freezes exactly those, wherever they stand.
 DECIDED_RECORD_STAGE = "tool_result_budget"
+
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+_KEY_SEPARATOR = "#"
+
+
+def content_digest(content: Any) -> str:
+    """32 hex digits of SHA-256 over a result's output (its core: see
+    :mod:`pipeline.harness`): a string as it is, a block list as compact JSON with its keys
+    sorted and without ``cache_control`` (a client moves its breakpoints between calls)."""
+    if isinstance(content, str):
+        data = b"s" + content.encode("utf-8", "surrogatepass")
+    else:
+        plain = (
+            [_without_cache_control(b) for b in content] if isinstance(content, list) else content
+        )
+        text = json.dumps(
+            plain, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr
+        )
+        data = b"j" + text.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _without_cache_control(block: Any) -> Any:
+    if isinstance(block, Mapping) and "cache_control" in block:
+        return {k: v for k, v in block.items() if k != "cache_control"}
+    return block
+
+
+def result_key(tool_use_id: str, core: Any) -> str:
+    """The ledger's key for a result: its id and the digest of its output,
+    ``<tool_use_id>#<32 hex>``."""
+    return f"{tool_use_id}{_KEY_SEPARATOR}{content_digest(core)}"
+
+
+def tool_use_id_of(key: str) -> str:
+    """The ``tool_use_id`` part of a ledger key (a legacy key, a bare id, is the id)."""
+    head, sep, tail = key.rpartition(_KEY_SEPARATOR)
+    return head if sep and _DIGEST.fullmatch(tail) else key
 
 
 class _StageRecordLike(Protocol):
@@ -65,29 +120,74 @@ class _StageRecordLike(Protocol):
 
 
 def decided_in(stage_records: Iterable[_StageRecordLike]) -> set[str]:
-    """The ids budget passes recorded as decided and sent whole; malformed entries are
-    ignored (the result then counts as unsent and is decided again, deterministically)."""
+    """The results budget passes recorded as decided and sent whole, as ledger keys (a record
+    written before results were bound to their content gives bare ids, which
+    :meth:`ReplacementState.reconstruct` binds to the result that carries the id); malformed
+    entries are ignored (the result then counts as unsent and is decided again,
+    deterministically)."""
     decided: set[str] = set()
     for record in stage_records:
         if record.stage != DECIDED_RECORD_STAGE:
             continue
+        pairs = record.data.get("decided")
+        if isinstance(pairs, list):
+            for pair in pairs:
+                if (
+                    isinstance(pair, list)
+                    and len(pair) == 2
+                    and isinstance(pair[0], str)
+                    and isinstance(pair[1], str)
+                    and _DIGEST.fullmatch(pair[1])
+                ):
+                    decided.add(f"{pair[0]}{_KEY_SEPARATOR}{pair[1]}")
         seen = record.data.get("seen")
         if isinstance(seen, list):
             decided.update(t for t in seen if isinstance(t, str))
     return decided
 
 
+def decided_record(keys: Iterable[str]) -> dict[str, Any]:
+    """The data of the stage record naming ``keys`` as decided and sent whole (a bare id, from
+    a ledger rebuilt from records that had no digests, goes as such a record did)."""
+    pairs: list[list[str]] = []
+    bare: list[str] = []
+    for key in keys:
+        tid = tool_use_id_of(key)
+        if tid == key:
+            bare.append(key)
+        else:
+            pairs.append([tid, key[len(tid) + 1 :]])
+    data: dict[str, Any] = {"decided": pairs}
+    if bare:
+        data["seen"] = bare
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class ReplacementRecord:
-    """One replaced tool_result: the exact string the model was shown instead of the output."""
+    """One replaced tool_result: the exact string the model was shown instead of the output,
+    and the digest of that output (:func:`content_digest`; None in a record written before
+    results were bound to their content)."""
 
     tool_use_id: str
     replacement: str
     kind: str = "tool-result"
+    digest: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The ledger key of the result it replaced (the bare id for a legacy record)."""
+        if self.digest is None:
+            return self.tool_use_id
+        return f"{self.tool_use_id}{_KEY_SEPARATOR}{self.digest}"
 
     def to_json(self) -> dict[str, str]:
-        """The transcript shape: ``{"kind", "tool_use_id", "replacement"}``."""
-        return {"kind": self.kind, "tool_use_id": self.tool_use_id, "replacement": self.replacement}
+        """The transcript shape: ``{"kind", "tool_use_id", "digest", "replacement"}``."""
+        out = {"kind": self.kind, "tool_use_id": self.tool_use_id}
+        if self.digest is not None:
+            out["digest"] = self.digest
+        out["replacement"] = self.replacement
+        return out
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ReplacementRecord:
@@ -95,6 +195,7 @@ class ReplacementRecord:
         tool_use_id = raw.get("tool_use_id")
         replacement = raw.get("replacement")
         kind = raw.get("kind", "tool-result")
+        digest = raw.get("digest")
         if not isinstance(tool_use_id, str) or not tool_use_id:
             raise ValueError(f"replacement record: bad tool_use_id {bounded_repr(tool_use_id)}")
         shown = bounded_repr(tool_use_id)
@@ -102,7 +203,9 @@ class ReplacementRecord:
             raise ValueError(f"replacement record {shown}: replacement is not a string")
         if not isinstance(kind, str):
             raise ValueError(f"replacement record {shown}: bad kind {bounded_repr(kind)}")
-        return cls(tool_use_id=tool_use_id, replacement=replacement, kind=kind)
+        if digest is not None and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+            raise ValueError(f"replacement record {shown}: bad digest {bounded_repr(digest)}")
+        return cls(tool_use_id=tool_use_id, replacement=replacement, kind=kind, digest=digest)
 
 
 def _content_has_image(content: Any) -> bool:
@@ -140,16 +243,58 @@ def candidate_size(content: Any) -> int:
     return 0
 
 
-def is_candidate(block: Mapping[str, Any]) -> bool:
-    """A tool_result the budget may decide on."""
+def is_candidate_content(core: Any) -> bool:
+    """Output (a result's core: see :mod:`pipeline.harness`) the budget may decide on: not
+    blank (blank results get the placeholder, never a decision), not a replacement, no
+    image."""
+    if content_is_empty(core) or is_replacement_text(core):
+        return False
+    return not _content_has_image(core)
+
+
+def is_candidate(block: Mapping[str, Any], *, last: bool = False) -> bool:
+    """A tool_result the budget may decide on (``last``: it is the last tool_result of its
+    record, whose harness tail is not part of the output: see :func:`read_results`)."""
     if block.get("type") != "tool_result":
         return False
     content = block.get("content")
-    if content_is_empty(content):  # blank results get the placeholder, never a decision
-        return False
-    if is_replacement_text(content):
-        return False
-    return not _content_has_image(content)
+    return is_candidate_content(split_tail(content)[0] if last else content)
+
+
+@dataclass(frozen=True, slots=True)
+class ResultSlot:
+    """One tool_result block as the stages read it."""
+
+    block: Mapping[str, Any]
+    tool_use_id: str | None
+    """None when the block has no string id (nothing can address it)."""
+    core: Any
+    """The tool's output: the content less the harness tail (:mod:`pipeline.harness`)."""
+    empty: bool
+    key: str | None
+    """The ledger key (:func:`result_key`) of a candidate, None for anything else."""
+
+
+def read_results(m: Message) -> Iterator[ResultSlot]:
+    """Every tool_result block of a user record that is a mapping, in order, read as the stages
+    read it: the harness tail split off the last one, a candidate keyed by id and digest."""
+    if m.type != "user" or not isinstance(m.content, list):
+        return
+    last = last_result_index(m.content)
+    for j, b in enumerate(m.content):
+        if not isinstance(b, Mapping) or b.get("type") != "tool_result":
+            continue
+        tid = b.get("tool_use_id")
+        content = b.get("content")
+        core = split_tail(content)[0] if j == last else content
+        if not isinstance(tid, str):
+            yield ResultSlot(b, None, core, content_is_empty(core), None)
+        elif content_is_empty(core):
+            yield ResultSlot(b, tid, core, True, None)
+        elif is_candidate_content(core):
+            yield ResultSlot(b, tid, core, False, result_key(tid, core))
+        else:
+            yield ResultSlot(b, tid, core, False, None)
 
 
 def iter_tool_results(messages: Iterable[Message]) -> Iterable[tuple[Message, Block]]:
@@ -299,8 +444,9 @@ class _CountedDict(dict[str, str]):
 
 
 class ReplacementState:
-    """``seen_ids``: every tool_use_id that passed a budget decision; ``replacements``: the subset
-    that was replaced, mapped to the exact string the model was shown.
+    """``seen_ids``: the key (:func:`result_key`: id and output digest) of every result that
+    passed a budget decision; ``replacements``: the subset that was replaced, mapped to the
+    exact string the model was shown.
 
     Both may be read and changed like a set and a dict (or assigned anew); :attr:`version`
     moves with every change, so a stage can tell in O(1) that the ledger is as it left it.
@@ -317,7 +463,7 @@ class ReplacementState:
 
     @property
     def seen_ids(self) -> set[str]:
-        """Every tool_use_id that passed a budget decision, replaced or not."""
+        """The key of every result that passed a budget decision, replaced or not."""
         return self._seen_ids
 
     @seen_ids.setter
@@ -327,7 +473,7 @@ class ReplacementState:
 
     @property
     def replacements(self) -> dict[str, str]:
-        """tool_use_id -> the exact text the model was shown instead of the output."""
+        """Result key -> the exact text the model was shown instead of the output."""
         return self._replacements
 
     @replacements.setter
@@ -357,18 +503,23 @@ class ReplacementState:
         """An independent copy (a sub-agent starts from its parent's state)."""
         return ReplacementState(self.seen_ids, self.replacements)
 
-    def classify(self, tool_use_id: str) -> str:
-        """``"must_reapply"``, ``"frozen"`` or ``"fresh"``."""
-        if tool_use_id in self.replacements:
+    def classify(self, key: str) -> str:
+        """``"must_reapply"``, ``"frozen"`` or ``"fresh"`` for a result key."""
+        if key in self.replacements:
             return "must_reapply"
-        if tool_use_id in self.seen_ids:
+        if key in self.seen_ids:
             return "frozen"
         return "fresh"
 
-    def record_replacement(self, tool_use_id: str, replacement: str) -> None:
+    def record_replacement(self, key: str, replacement: str) -> None:
         """Mark seen and replaced in one step: no observer sees one without the other."""
-        self.replacements[tool_use_id] = replacement
-        self.seen_ids.add(tool_use_id)
+        self.replacements[key] = replacement
+        self.seen_ids.add(key)
+
+    def replacement_for(self, tool_use_id: str, content: Any) -> str | None:
+        """The text the model was shown instead of this result (its content as the client
+        sends it, harness tail included or not), None when it was not replaced."""
+        return self.replacements.get(result_key(tool_use_id, split_tail(content)[0]))
 
     @classmethod
     def reconstruct(
@@ -386,27 +537,32 @@ class ReplacementState:
         between recording a result and recording the budget's decision on it), so it stays
         fresh and the next pass decides it again: deterministically, so it matches what was
         sent if the request did go out, and the files already written are reused. Replacements
-        are restored only for ids still present as candidates, and the stored strings are used
-        verbatim, never rebuilt. Results before the last compaction are never sent again, so
-        they are not present.
+        are restored only for results still present as candidates with the output they were
+        made from (id and digest), and the stored strings are used verbatim, never rebuilt.
+        Results before the last compaction are never sent again, so they are not present. A
+        record written before results were bound to their content (a bare id) binds to the
+        first present result with that id.
         """
         state = cls()
         last_response = _last_response_start(messages)
         present: set[str] = set()
+        first_key: dict[str, str] = {}  # tool_use_id -> key of its first present result
         sent: set[str] = set()
         for i in range(thread_start(messages), len(messages)):
-            m = messages[i]
-            if m.type != "user" or not isinstance(m.content, list):
-                continue
-            for block in m.content:
-                if block.get("type") == "tool_result" and is_candidate(block):
-                    tid = block.get("tool_use_id")
-                    if isinstance(tid, str):
-                        present.add(tid)
-                        if i < last_response or tid in decided:
-                            sent.add(tid)
+            for slot in read_results(messages[i]):
+                key, tid = slot.key, slot.tool_use_id
+                if key is None or tid is None:
+                    continue
+                present.add(key)
+                first_key.setdefault(tid, key)
+                legacy = first_key[tid] == key and tid in decided
+                if i < last_response or key in decided or legacy:
+                    sent.add(key)
         state.seen_ids |= sent
         for record in records:
-            if record.kind == "tool-result" and record.tool_use_id in present:
-                state.record_replacement(record.tool_use_id, record.replacement)
+            if record.kind != "tool-result":
+                continue
+            key = record.key if record.digest is not None else first_key.get(record.tool_use_id)
+            if key is not None and key in present:
+                state.record_replacement(key, record.replacement)
         return state

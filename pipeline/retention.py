@@ -5,8 +5,9 @@ oversized tool result of every session stays under ``<root>/<session>/tool-resul
 :func:`prune_store` removes the old ones.
 
 What it may remove is narrow on purpose: regular files directly inside a real (not symlinked)
-``<root>/<session>/tool-results/`` directory whose names are the names
-:class:`~pipeline.storage.FileToolResultStore` gives persisted results (``<id>.txt``,
+``<root>/<session>/tool-results/`` directory (or ``<root>/<tenant>/<session>/tool-results/``,
+where a drop-in keeps each tenant's conversations: :mod:`pipeline.tenancy`) whose names are
+the names :class:`~pipeline.storage.FileToolResultStore` gives persisted results (``<id>.txt``,
 ``<id>.json``, ``unsafe.<sha256>.<ext>``, and their ``.<12 hex>`` content-named variants).
 A writer's temp file (``.tmp-*``), a transcript, ``decisions.jsonl``, a lock, anything else
 anyone put there, and whatever a symlink points at are never touched. Then each
@@ -40,6 +41,7 @@ import anyio
 import anyio.to_thread
 
 from pipeline.storage import TOOL_RESULTS_SUBDIR, safe_file_stem, validate_session_id
+from pipeline.tenancy import TENANT_PATTERN
 
 __all__ = ["PruneReport", "PrunedFile", "is_persisted_name", "prune_periodically", "prune_store"]
 
@@ -138,6 +140,8 @@ class _Found:
 @dataclasses.dataclass(slots=True)
 class _Session:
     name: str
+    parent: str
+    """The tenant directory it is in ("" for a session directly under the root)."""
     entries: set[str]
     """Every name in the session directory."""
     results: set[str]
@@ -267,34 +271,61 @@ def _check_limits(max_age: timedelta | None, max_bytes: int | None) -> None:
 def _scan(
     root: Path, root_fd: int, report: PruneReport
 ) -> tuple[dict[str, _Session], list[_Found]]:
-    """Every persisted result under the root, and what each session directory holds."""
+    """Every persisted result under the root, and what each session directory holds: the
+    sessions directly under the root, and those of each tenant's directory
+    (``<root>/<tenant>/<session>``: see :mod:`pipeline.tenancy`)."""
     sessions: dict[str, _Session] = {}
     found: list[_Found] = []
-    for session in sorted(_listdir(root_fd, root, report)):
-        try:
-            validate_session_id(session)
-        except ValueError:
-            continue  # not a name the store gives a session directory
-        with _open_dir(root, root_fd, session, report) as session_fd:
-            if session_fd is None:
-                continue
-            entries = set(_listdir(session_fd, root / session, report))
-            if TOOL_RESULTS_SUBDIR not in entries:
-                continue
-            where = root / session / TOOL_RESULTS_SUBDIR
-            with _open_dir(where.parent, session_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
-                if results_fd is None:
+    for name in sorted(_listdir(root_fd, root, report)):
+        if TENANT_PATTERN.fullmatch(name):
+            with _open_dir(root, root_fd, name, report) as tenant_fd:
+                if tenant_fd is None:
                     continue
-                results = set(_listdir(results_fd, where, report))
-                sessions[session] = _Session(session, entries, results)
-                for name in sorted(results):
-                    if not is_persisted_name(name):
-                        continue
-                    st = _lstat(results_fd, where, name, report)
-                    if st is None or not stat.S_ISREG(st.st_mode) or not _owned(st):
-                        continue  # a symlink, a directory, another user's file: not ours
-                    found.append(_Found(session, name, st.st_size, st.st_mtime, _identity(st)))
+                entries = _listdir(tenant_fd, root / name, report)
+                if TOOL_RESULTS_SUBDIR not in entries:  # a tenant's, not a session named so
+                    for session in sorted(entries):
+                        _scan_session(
+                            root / name, tenant_fd, session, name, sessions, found, report
+                        )
+                    continue
+        _scan_session(root, root_fd, name, "", sessions, found, report)
     return sessions, found
+
+
+def _scan_session(
+    base: Path,
+    base_fd: int,
+    session: str,
+    parent: str,
+    sessions: dict[str, _Session],
+    found: list[_Found],
+    report: PruneReport,
+) -> None:
+    """The persisted results of the session directory ``session`` in ``base``."""
+    try:
+        validate_session_id(session)
+    except ValueError:
+        return  # not a name the store gives a session directory
+    key = f"{parent}/{session}" if parent else session
+    with _open_dir(base, base_fd, session, report) as session_fd:
+        if session_fd is None:
+            return
+        entries = set(_listdir(session_fd, base / session, report))
+        if TOOL_RESULTS_SUBDIR not in entries:
+            return
+        where = base / session / TOOL_RESULTS_SUBDIR
+        with _open_dir(where.parent, session_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
+            if results_fd is None:
+                return
+            results = set(_listdir(results_fd, where, report))
+            sessions[key] = _Session(session, parent, entries, results)
+            for name in sorted(results):
+                if not is_persisted_name(name):
+                    continue
+                st = _lstat(results_fd, where, name, report)
+                if st is None or not stat.S_ISREG(st.st_mode) or not _owned(st):
+                    continue  # a symlink, a directory, another user's file: not ours
+                found.append(_Found(key, name, st.st_size, st.st_mtime, _identity(st)))
 
 
 def _choose(
@@ -330,9 +361,29 @@ def _remove_session_files(
     remove_empty_dirs: bool = True,
 ) -> None:
     """Remove one session's chosen files, then the directories that leaves empty."""
-    where = root / session.name / TOOL_RESULTS_SUBDIR
+    if not session.parent:
+        _remove_in(root, root_fd, session, victims, report, remove_empty_dirs=remove_empty_dirs)
+        return
+    with _open_dir(root, root_fd, session.parent, report) as parent_fd:
+        if parent_fd is None:
+            report.vanished += len(victims)
+            return
+        base = root / session.parent
+        _remove_in(base, parent_fd, session, victims, report, remove_empty_dirs=remove_empty_dirs)
+
+
+def _remove_in(
+    base: Path,
+    base_fd: int,
+    session: _Session,
+    victims: list[tuple[_Found, Literal["age", "size"]]],
+    report: PruneReport,
+    *,
+    remove_empty_dirs: bool,
+) -> None:
+    where = base / session.name / TOOL_RESULTS_SUBDIR
     gone: set[str] = set()
-    with _open_dir(root, root_fd, session.name, report) as session_fd:
+    with _open_dir(base, base_fd, session.name, report) as session_fd:
         if session_fd is None:
             report.vanished += len(victims)
             return
@@ -352,7 +403,7 @@ def _remove_session_files(
             return
         if session.entries - {TOOL_RESULTS_SUBDIR}:
             return
-    _remove_dir(root_fd, root, session.name, report)
+    _remove_dir(base_fd, base, session.name, report)
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:

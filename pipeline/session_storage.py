@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,6 +55,12 @@ __all__ = [
 
 DECISIONS_FILE = "decisions.jsonl"
 """The local backend's record file: ``<root>/<session>/decisions.jsonl``."""
+SECRET_NAME = "tenant-secret"
+"""Where a store keeps its tenancy secret: ``<root>/tenant-secret`` (see
+:mod:`pipeline.tenancy`)."""
+_BRANCH = re.compile(r"f[0-9a-f]{16}")
+"""The name of a branch of a conversation other than its first (see :meth:`SessionStates.open`)."""
+_SECRET_BYTES = 32
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 """S3's bucket naming rules (the part that matters here: no slash, no case, no space)."""
@@ -105,6 +112,10 @@ class SessionStorage:
     """Whether another writer appended records that ``load`` has not returned yet (blocking:
     one listing of what is new). The local backend has one writer, this process: always False.
     A worker that keeps a session in memory asks before each call and loads again when True."""
+    branch: str | None = None
+    """Which branch of the session's records this is: None for its first, ``f<16 hex>`` for
+    another (a conversation that went another way from a point of this one; its results share
+    the session's ``tool-results``)."""
 
 
 def in_turn_options(timeout: float = STORE_TIMEOUT, retries: int = STORE_RETRIES) -> dict[str, Any]:
@@ -227,15 +238,117 @@ class SessionStates:
         except Exception as exc:  # obstore's text holds the request URL: the type only
             raise StoreError(errno.EIO, f"cannot list the store ({type(exc).__name__})") from exc
 
-    def open(self, session_id: str) -> SessionStorage:
-        """The storage of ``session_id`` here (``ValueError`` for an unsafe session id)."""
+    def open(self, session_id: str, *, branch: str | None = None) -> SessionStorage:
+        """The storage of ``session_id`` here (``ValueError`` for an unsafe session id).
+        ``branch``: another record log of the same session (``f<16 hex>``), beside its first:
+        ``decisions.<branch>.jsonl`` in its directory, ``records.<branch>/`` on an object store;
+        its results go to the session's ``tool-results`` like the first's."""
         sid = validate_session_id(session_id)
+        if branch is not None and not _BRANCH.fullmatch(branch):
+            raise ValueError(f"a branch is named f<16 hex>, got {branch!r:.40}")
         if self._root is not None:
-            return _local(self._root, sid)
+            return _local(self._root, sid, branch)
         assert self._store is not None
         return _on_objects(
-            self._store, self._uri_base, self._prefix, sid, self.writer_id, self.location
+            self._store, self._uri_base, self._prefix, sid, self.writer_id, self.location, branch
         )
+
+    def within(self, name: str) -> SessionStates:
+        """The sessions one level down, under ``name`` (a tenant's: see
+        :mod:`pipeline.tenancy`), on the same store and client."""
+        sub = validate_session_id(name)
+        inner = SessionStates.__new__(SessionStates)
+        inner.writer_id = self.writer_id
+        inner._root = None if self._root is None else self._root / sub
+        inner._store = self._store
+        inner._uri_base = self._uri_base
+        inner._prefix = "/".join(p for p in (self._prefix, sub) if p)
+        inner.location = f"{self.location.rstrip('/')}/{sub}"
+        return inner
+
+    def branches(self, session_id: str) -> list[str | None]:
+        """The branches ``session_id`` has records of (None for its first), in name order;
+        blocking (a directory listing, or one object-store LIST)."""
+        sid = validate_session_id(session_id)
+        names: set[str] = set()
+        if self._root is not None:
+            try:
+                names = {e.name for e in os.scandir(self._root / sid)}
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            first = DECISIONS_FILE in names
+            found = {n[len("decisions.") : -len(".jsonl")] for n in names}
+        else:
+            assert self._store is not None
+            key = "/".join(p for p in (self._prefix, sid) if p)
+            try:
+                listed = self._store.list_with_delimiter(key)
+            except Exception as exc:  # the type only: obstore's text holds the request URL
+                raise StoreError(
+                    errno.EIO, f"cannot list the store ({type(exc).__name__})"
+                ) from exc
+            dirs = {p.rsplit("/", 1)[-1] for p in listed["common_prefixes"]}
+            first = "records" in dirs
+            found = {d[len("records.") :] for d in dirs if d.startswith("records.")}
+        others = sorted(b for b in found if _BRANCH.fullmatch(b))
+        return ([None] if first else []) + list(others)
+
+    def secret(self) -> bytes:
+        """The store's tenancy secret (:mod:`pipeline.tenancy`), made at random the first time
+        and kept beside the sessions (a file of 0600; an object created exclusively, so every
+        worker on the store reads the one that won). Blocking; ``OSError`` when it can be
+        neither read nor made."""
+        if self._root is not None:
+            return _local_secret(self._root / SECRET_NAME)
+        assert self._store is not None
+        key = "/".join(p for p in (self._prefix, SECRET_NAME) if p)
+        from pipeline.objectstore import is_create_conflict
+
+        made = secrets.token_bytes(_SECRET_BYTES)
+        try:
+            self._store.put(key, made, mode="create")
+            return made
+        except Exception as exc:
+            if not is_create_conflict(exc):
+                raise StoreError(
+                    errno.EIO, f"cannot write the tenancy secret ({type(exc).__name__})"
+                ) from exc
+        try:
+            found = bytes(self._store.get(key).bytes())
+        except Exception as exc:
+            raise StoreError(
+                errno.EIO, f"cannot read the tenancy secret ({type(exc).__name__})"
+            ) from exc
+        if len(found) < _SECRET_BYTES // 2:
+            raise StoreError(errno.EIO, "the store's tenancy secret is too short", key)
+        return found
+
+
+def _local_secret(path: Path) -> bytes:
+    """Read the secret at ``path``, or make it (exclusively: of two processes racing, both
+    read the one that was made first)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = secrets.token_bytes(_SECRET_BYTES)
+        tmp = path.with_name(f".{SECRET_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            os.write(fd, made)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # whole or not at all, and never over another's
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        data = path.read_bytes()
+    if len(data) < _SECRET_BYTES // 2:
+        raise StoreError(errno.EIO, "the store's tenancy secret is too short", str(path))
+    return data
 
 
 def _parse_url(text: str) -> tuple[str, str, str]:
@@ -273,9 +386,9 @@ def _shown(url: str) -> str:
     return repr(f"{scheme[:20]}{sep}{host[:100]}/...")
 
 
-def _local(root: Path, sid: str) -> SessionStorage:
+def _local(root: Path, sid: str, branch: str | None = None) -> SessionStorage:
     store = FileToolResultStore(root, sid)
-    path = root / sid / DECISIONS_FILE
+    path = root / sid / (DECISIONS_FILE if branch is None else f"decisions.{branch}.jsonl")
 
     def load() -> Transcript | None:
         return load_transcript(path, strict=False) if path.exists() else None
@@ -287,6 +400,7 @@ def _local(root: Path, sid: str) -> SessionStorage:
         records=TranscriptWriter(path, sid),
         load=load,
         reader=PersistedOutputReader(store.directory),
+        branch=branch,
     )
 
 
@@ -297,13 +411,19 @@ def _on_objects(
     sid: str,
     writer_id: str | None,
     location: str,
+    branch: str | None = None,
 ) -> SessionStorage:
     from pipeline.objectreader import ObjectOutputReader
     from pipeline.objectrecords import ObjectRecordLog
-    from pipeline.objectstore import ObjectToolResultStore
+    from pipeline.objectstore import RECORDS_SUBDIR, ObjectToolResultStore
 
     records = ObjectRecordLog(
-        store, prefix=prefix, session_id=sid, uri_base=uri_base, writer_id=writer_id
+        store,
+        prefix=prefix,
+        session_id=sid,
+        uri_base=uri_base,
+        writer_id=writer_id,
+        records=RECORDS_SUBDIR if branch is None else f"{RECORDS_SUBDIR}.{branch}",
     )
     return SessionStorage(
         session_id=sid,
@@ -313,6 +433,7 @@ def _on_objects(
         load=records.load,
         reader=ObjectOutputReader(store, prefix=prefix, session_id=sid, uri_base=uri_base),
         changed_elsewhere=records.changed_elsewhere,
+        branch=branch,
     )
 
 

@@ -6,8 +6,9 @@ sends a Messages request -- ``messages.create``, ``messages.stream``, ``beta.mes
 tool runner -- passes through it, once per HTTP attempt, inside the SDK's retry loop (the
 pipeline's output for an unchanged request is the same, so a retry sends the same bytes). Other
 requests (``count_tokens``, models, batches) pass untouched. Each conversation gets its
-:class:`~pipeline.adapter.WireSession` (see :func:`~pipeline.adapter.session_id_for`), kept
-on disk under ``root``, so a restarted program continues with the same decisions.
+:class:`~pipeline.adapter.WireSession`, found by the request's credential and messages
+(:mod:`pipeline.conversations`) and kept on disk under ``root``, so a restarted program
+continues with the same decisions.
 
 A streamed response is read as it passes to the caller (nothing held back): its id, model and
 usage reach the session when the stream has gone by.
@@ -25,10 +26,13 @@ import anthropic
 import anyio
 import httpx2
 
-from pipeline.adapter import WireSession, beta_header, session_id_for
+from pipeline.adapter import WireSession, beta_header
+from pipeline.conversations import Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.spans import beside_sdk_call
+from pipeline.storage import validate_session_id
+from pipeline.tenancy import Tenancy
 from pipeline.tracing import ATTR
 
 __all__ = ["SluicegateMiddleware", "wrap"]
@@ -52,10 +56,15 @@ class SluicegateMiddleware(anthropic.Middleware):
 
     ``pipeline``: a factory of the stages every conversation runs (called once per
     conversation; stage objects keep no per-session state, so a shared one is fine too).
-    ``session_id``: one explicit session for every request of this client; else each request
-    names its own (header, Claude Code metadata, or the conversation's fingerprint).
-    ``context``: keyword arguments of each session's ``SessionContext`` (tool policies, a
-    tracer, a logger).
+    ``session_id``: a hint naming every request of this client (see
+    :mod:`pipeline.conversations`: requests are still placed by their messages, so two
+    conversations that open differently, or go different ways, never share a ledger).
+    ``tenancy``: how requests are told apart by credential (default: by the API key the
+    request carries; ``Tenancy(single=True)``: one tenant). ``client_headers``: the headers
+    every request of the client goes with (its credentials, its default headers: the SDK adds
+    them after the middleware), read by :func:`wrap` from the client it wraps; a request's own
+    headers win. ``context``: keyword arguments of each session (``cache_breakpoint``, tool
+    policies, a tracer, a logger).
     """
 
     def __init__(
@@ -64,42 +73,33 @@ class SluicegateMiddleware(anthropic.Middleware):
         root: str | Path = ".sluicegate",
         pipeline: Callable[[], Pipeline],
         session_id: str | None = None,
+        tenancy: Tenancy | None = None,
+        client_headers: Mapping[str, str] | None = None,
         **context: Any,
     ) -> None:
+        self.client_headers = dict(client_headers or {})
+        if session_id is not None:
+            validate_session_id(session_id)
         self.root = Path(root)
         self.pipeline = pipeline
         self.session_id = session_id
         self.context = context
-        self.sessions: dict[str, WireSession] = {}
-
-    def _known(
-        self, body: Mapping[str, Any], headers: Mapping[str, str]
-    ) -> tuple[str, WireSession | None]:
-        """The conversation's session id, and its session if this client has one."""
-        sid = session_id_for(body, explicit=self.session_id, headers=headers)
-        return sid, self.sessions.get(sid)
-
-    def _new_session(self, sid: str) -> WireSession:
-        return self.sessions.setdefault(
-            sid, WireSession(sid, self.root, self.pipeline(), **self.context)
+        self.conversations = Conversations(
+            pipeline=pipeline, root=self.root, tenancy=tenancy, **context
         )
 
-    async def _session_async(
-        self, body: Mapping[str, Any], headers: Mapping[str, str]
-    ) -> WireSession:
-        """The conversation's session, a new one's records loaded off the event loop (an
-        object store's reads must not hold up the caller's loop)."""
-        sid, session = self._known(body, headers)
-        if session is None:
-            session = await WireSession.open(sid, self.root, self.pipeline(), **self.context)
-            session = self.sessions.setdefault(sid, session)
-        return session
+    def _headers(self, request: Any) -> dict[str, str]:
+        own = {k: v for k, v in (request.headers or {}).items() if isinstance(v, str)}
+        return {**self.client_headers, **own}
 
     async def handle_async(self, request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         """Prepare a Messages request, send it, let its session observe the response."""
         if not _is_messages_call(request):
             return await call_next(request)
-        session = await self._session_async(request.json, dict(request.headers or {}))
+        branch = await self.conversations.route(
+            request.json, self._headers(request), explicit=self.session_id
+        )
+        session = branch.session
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             body = await session.prepare_request(request.json)
             response = await call_next(_outgoing(session, request, body))
@@ -118,15 +118,17 @@ class SluicegateMiddleware(anthropic.Middleware):
 
     def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
         """The synchronous client's path: the same work, the pipeline run on a private event
-        loop (in a worker thread, so a caller that has a running loop is not disturbed)."""
+        loop in a worker thread (so a caller that has a running loop is not disturbed), one
+        thread at a time per conversation (:attr:`WireSession.sync_lock`)."""
         if not _is_messages_call(request):
             return call_next(request)
-        sid, session = self._known(request.json, dict(request.headers or {}))
-        if session is None:  # made in a worker: its lock must not belong to a loop the caller
-            # may run (a trio one, say), since every pass of it runs on a private loop
-            session = _in_worker(self._new_session, sid)
+        branch = self.conversations.route_sync(
+            request.json, self._headers(request), explicit=self.session_id, build=_in_worker
+        )
+        session = branch.session
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
-            body = _run_sync(lambda: session.prepare_request(request.json))
+            with session.sync_lock:
+                body = _run_sync(lambda: session.prepare_request(request.json))
             response = call_next(_outgoing(session, request, body))
             span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
             if response.status_code == 200:
@@ -227,17 +229,28 @@ def wrap(
     root: str | Path = ".sluicegate",
     pipeline: Callable[[], Pipeline] | None = None,
     session_id: str | None = None,
+    tenancy: Tenancy | None = None,
     **context: Any,
 ) -> C:
     """``client`` with every Messages request going through the pipeline (a copy: the client
     given is unchanged). ``pipeline``: a factory of each conversation's stages, required here
     (the library does not import ``stages``); ``stages.wrap`` is this function with the
-    default stages (``default_stages(context_window=...)``)."""
+    default stages (``default_stages(context_window=...)``). ``session_id``: a hint naming
+    this client's conversations; ``tenancy``: see :class:`SluicegateMiddleware`.
+
+    The client's credentials and default headers are read here, once: a copy of the wrapped
+    client made with other credentials (``with_options(api_key=...)``) keeps this one's
+    tenant, so wrap each key's client to keep its conversations apart."""
     if pipeline is None:
         raise TypeError(
             "wrap() needs pipeline=: a factory such as lambda: Pipeline(default_stages())"
         )
     middleware = SluicegateMiddleware(
-        root=root, pipeline=pipeline, session_id=session_id, **context
+        root=root,
+        pipeline=pipeline,
+        session_id=session_id,
+        tenancy=tenancy,
+        client_headers={k: v for k, v in client.default_headers.items() if isinstance(v, str)},
+        **context,
     )
     return client.with_middleware(middleware)

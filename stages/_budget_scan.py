@@ -47,15 +47,28 @@ from pipeline.gate import empty_result_text, is_persistable
 from pipeline.incremental import InputLog
 from pipeline.kept_list import KeptList
 from pipeline.messages import Message
-from pipeline.replacement import ReplacementState, candidate_size, content_is_empty, is_candidate
-from stages._shared import by_id, patch_message
+from pipeline.replacement import ReplacementState, ResultSlot, candidate_size, read_results
+from stages._shared import patch_message
 
-__all__ = ["BudgetCache", "Candidate", "GroupScan", "collect_groups"]
+__all__ = ["BudgetCache", "Candidate", "GroupScan", "Name", "collect_groups", "patch_all"]
+
+Name = str | tuple[str, str]
+"""What a tool_result is sent as depends on: a candidate's ledger key (id and output digest),
+or ``("empty", tool_use_id)`` for a blank result (its placeholder names the tool)."""
+
+
+def _name(slot: ResultSlot) -> Name | None:
+    if slot.tool_use_id is None:
+        return None
+    if slot.empty:
+        return ("empty", slot.tool_use_id)
+    return slot.key
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A tool_result the budget may decide on, and where it sits."""
+    """A tool_result the budget may decide on, and where it sits. ``content`` is the tool's
+    output (the harness tail split off: :mod:`pipeline.harness`); ``key`` its ledger key."""
 
     msg_index: int
     tool_use_id: str
@@ -63,6 +76,7 @@ class Candidate:
     content: Any
     size: int
     persistable: bool
+    key: str = ""
 
 
 @dataclass(slots=True)
@@ -81,8 +95,8 @@ class _Undo:
     """(tool_use_id, the placeholder it had before or None) for every empty result, in order."""
     unaddressable: int = 0
     malformed: int = 0
-    tids: tuple[str, ...] = ()
-    """tool_use_ids of every tool_result block (what the output patch of this message reads)."""
+    slots: tuple[Name | None, ...] = ()
+    """Per tool_result block, in order: what it is sent as (what the output patch reads)."""
 
 
 class GroupScan:
@@ -92,7 +106,8 @@ class GroupScan:
     not seen before: same-id fragments (streaming, interleaved streams) merge back into one wire
     message, and progress / attachment / system records never split a group. Alongside: tool
     names by id, the placeholders of empty results, and per id where it first occurs and how
-    many candidates carry it.
+    many candidates carry it. Results are known by :data:`Name`: a decision on one output is
+    never applied to another output that reuses its id.
     """
 
     def __init__(self) -> None:
@@ -107,8 +122,9 @@ class GroupScan:
         """tool_result blocks without a usable string id."""
         self.malformed = 0
         """Non-mapping items in user content lists (the output patch cannot read them)."""
-        self.first_pos: dict[str, int] = {}
+        self.first_pos: dict[Name, int] = {}
         self.cand_count: dict[str, int] = {}
+        """Result key -> how many candidates carry it."""
         self.reapplied = 0
         """Candidates whose id the ledger had replaced when they were counted (see push/pop)."""
 
@@ -118,9 +134,9 @@ class GroupScan:
         return [*self.closed, self.current] if self.current else list(self.closed)
 
     def push(
-        self, index: int, m: Message, replacements: Mapping[str, str], touched: set[str]
+        self, index: int, m: Message, replacements: Mapping[str, str], touched: set[Name]
     ) -> None:
-        """Scan message ``index``; add the ids of its tool_results to ``touched``."""
+        """Scan message ``index``; add the names of its tool_results to ``touched``."""
         if m.type == "assistant":
             self.undo.append(self._push_assistant(m))
             return
@@ -128,47 +144,45 @@ class GroupScan:
             self.undo.append(None)
             return
         u = _Undo()
-        tids: list[str] = []
-        for b in m.content:
-            if not isinstance(b, Mapping):
-                u.malformed += 1
+        u.malformed = sum(1 for b in m.content if not isinstance(b, Mapping))
+        slots: list[Name | None] = []
+        for slot in read_results(m):
+            name = _name(slot)
+            slots.append(name)
+            if name is None:
+                u.unaddressable += slot.tool_use_id is None
                 continue
-            if b.get("type") != "tool_result":
-                continue
-            tid = b.get("tool_use_id")
-            if not isinstance(tid, str):
-                u.unaddressable += 1
-                continue
-            tids.append(tid)
-            self.first_pos.setdefault(tid, index)
-            content = b.get("content")
-            if content_is_empty(content):
+            self.first_pos.setdefault(name, index)
+            tid = slot.tool_use_id
+            assert tid is not None
+            if slot.empty:
                 if u.empties is None:
                     u.empties = []
                 u.empties.append((tid, self.empty_ids.get(tid)))
                 self.empty_ids[tid] = empty_result_text(self.tool_names.get(tid))
                 continue
-            if not is_candidate(b):
-                continue
+            key = slot.key
+            assert key is not None
             self.current.append(
                 Candidate(
                     msg_index=index,
                     tool_use_id=tid,
                     tool_name=self.tool_names.get(tid),
-                    content=content,
-                    size=candidate_size(content),
-                    persistable=is_persistable(content),
+                    content=slot.core,
+                    size=candidate_size(slot.core),
+                    persistable=is_persistable(slot.core),
+                    key=key,
                 )
             )
             u.candidates += 1
-            self.cand_count[tid] = self.cand_count.get(tid, 0) + 1
-            if tid in replacements:
+            self.cand_count[key] = self.cand_count.get(key, 0) + 1
+            if key in replacements:
                 self.reapplied += 1
-        if not (tids or u.unaddressable or u.malformed):
+        if not (slots or u.malformed):
             self.undo.append(None)  # nothing to undo: share None rather than keep an object
             return
-        u.tids = tuple(tids)
-        touched.update(tids)
+        u.slots = tuple(slots)
+        touched.update(n for n in slots if n is not None)
         self.unaddressable += u.unaddressable
         self.malformed += u.malformed
         self.undo.append(u)
@@ -198,28 +212,30 @@ class GroupScan:
                     self.tool_names[tid] = name if isinstance(name, str) else ""
         return u
 
-    def pop(self, index: int, replacements: Mapping[str, str], touched: set[str]) -> None:
-        """Undo the last step (message ``index``); add the ids it touched to ``touched``."""
+    def pop(self, index: int, replacements: Mapping[str, str], touched: set[Name]) -> None:
+        """Undo the last step (message ``index``); add the names it touched to ``touched``."""
         u = self.undo.pop()
         if u is None:
             return
         for _ in range(u.candidates):
-            tid = self.current.pop().tool_use_id
-            touched.add(tid)
-            n = self.cand_count[tid] - 1
+            key = self.current.pop().key
+            touched.add(key)
+            n = self.cand_count[key] - 1
             if n:
-                self.cand_count[tid] = n
+                self.cand_count[key] = n
             else:
-                del self.cand_count[tid]
-            if tid in replacements:
+                del self.cand_count[key]
+            if key in replacements:
                 self.reapplied -= 1
         if u.empties is not None:
             for tid, previous in reversed(u.empties):
                 _restore(self.empty_ids, tid, previous)
-        for tid in u.tids:
-            touched.add(tid)
-            if self.first_pos.get(tid) == index:
-                del self.first_pos[tid]
+        for name in u.slots:
+            if name is None:
+                continue
+            touched.add(name)
+            if self.first_pos.get(name) == index:
+                del self.first_pos[name]
         self.unaddressable -= u.unaddressable
         self.malformed -= u.malformed
         if u.names is not None:
@@ -242,10 +258,42 @@ def _restore(d: dict[str, str], key: str, previous: str | None) -> None:
 def collect_groups(messages: Sequence[Message]) -> list[list[Candidate]]:
     """Candidates grouped by the API-level user message they will be sent in."""
     scan = GroupScan()
-    scratch: set[str] = set()
+    scratch: set[Name] = set()
     for index, m in enumerate(messages):
         scan.push(index, m, {}, scratch)
     return scan.groups
+
+
+def patch_all(
+    messages: list[Message], replacements: Mapping[str, str], empty_ids: Mapping[str, str]
+) -> list[Message]:
+    """Every message patched from scratch: each candidate sent as its replacement (by key),
+    each blank result as its placeholder (the path for input the cache does not keep)."""
+    out: list[Message] | None = None
+    for i, m in enumerate(messages):
+        patched = _patched(m, [_name(s) for s in read_results(m)], replacements, empty_ids)
+        if patched is not m:
+            if out is None:
+                out = list(messages)
+            out[i] = patched
+    return messages if out is None else out
+
+
+def _patched(
+    m: Message,
+    slots: Sequence[Name | None],
+    replacements: Mapping[str, str],
+    empty_ids: Mapping[str, str],
+) -> Message:
+    names = iter(slots)
+
+    def content_for(block: Mapping[str, Any]) -> str | None:
+        name = next(names, None)
+        if name is None:
+            return None
+        return empty_ids.get(name[1]) if isinstance(name, tuple) else replacements.get(name)
+
+    return patch_message(m, content_for)
 
 
 class BudgetCache:
@@ -255,9 +303,9 @@ class BudgetCache:
         self.log = InputLog()
         """The input of the last pass, to find where this one first differs."""
         self.scan = GroupScan()
-        self.apply: dict[str, str] = {}
-        """tool_use_id -> the text its tool_results are sent with: the ledger's replacement if
-        the id is a candidate somewhere, else the placeholder of its last empty result."""
+        self.apply: dict[Name, str] = {}
+        """What a tool_result is sent as, by :data:`Name`: a candidate's replacement from the
+        ledger, a blank result's placeholder (that of the id's last blank result)."""
         self.patches: dict[int, Message] = {}
         """position -> the message sent there in place of the input's (only changed ones)."""
         self._sent: KeptList[Message] = KeptList()
@@ -298,16 +346,17 @@ class BudgetCache:
 
     def sync(
         self, messages: list[Message], replacements: Mapping[str, str]
-    ) -> tuple[int, int, set[str]]:
+    ) -> tuple[int, int, set[Name]]:
         """Undo the scan back to the first change and scan the rest.
 
         Returns the first rescanned position, the index of the group that was open there (no
-        earlier group holds a rescanned message) and the tool_use_ids the change touched.
+        earlier group holds a rescanned message) and the names of the results the change
+        touched.
         """
         scan = self.scan
         scanned = len(scan.undo)
         start = self.log.take(messages)
-        touched: set[str] = set()
+        touched: set[Name] = set()
         if start < scanned:
             for index in range(scanned - 1, start - 1, -1):
                 scan.pop(index, replacements, touched)
@@ -323,40 +372,50 @@ class BudgetCache:
         self,
         messages: list[Message],
         start: int,
-        touched: set[str],
+        touched: set[Name],
         replacements: Mapping[str, str],
     ) -> None:
         """Bring the replacement map and the patched messages up to date after this pass."""
         scan = self.scan
-        stale: set[str] = set()  # ids whose text changed and that occur before ``start``
+        stale: set[Name] = set()  # results whose text changed and that occur before ``start``
         stale_from = start
-        for tid in touched:
-            text = replacements.get(tid) if tid in scan.cand_count else None
-            if text is None:
-                text = scan.empty_ids.get(tid)
-            old = self.apply.get(tid)
+        for name in touched:
+            if isinstance(name, tuple):
+                text = scan.empty_ids.get(name[1])
+            else:
+                text = replacements.get(name) if name in scan.cand_count else None
+            old = self.apply.get(name)
             if text == old:
                 continue
             if text is None:
-                del self.apply[tid]
+                del self.apply[name]
             else:
-                self.apply[tid] = text
-            first = scan.first_pos.get(tid)
+                self.apply[name] = text
+            first = scan.first_pos.get(name)
             if first is not None and first < start:
-                stale.add(tid)
+                stale.add(name)
                 stale_from = min(stale_from, first)
-        if stale:  # rare: an id reused across the edit point, or an edit that removed one
+        if stale:  # rare: a result repeated across the edit point, or an edit that removed one
             for index in range(stale_from, start):
                 u = scan.undo[index]
-                if u is not None and not stale.isdisjoint(u.tids):
+                if u is not None and not stale.isdisjoint(u.slots):
                     self._patch(index, messages[index])
         for index in range(start, len(messages)):
             u = scan.undo[index]
-            if u is not None and u.tids:
+            if u is not None and u.slots:
                 self._patch(index, messages[index])
 
     def _patch(self, index: int, m: Message) -> None:
-        patched = patch_message(m, by_id(self.apply))
+        u = self.scan.undo[index]
+        assert u is not None
+        apply = self.apply
+        names = iter(u.slots)
+
+        def content_for(block: Mapping[str, Any]) -> str | None:
+            name = next(names, None)
+            return None if name is None else apply.get(name)
+
+        patched = patch_message(m, content_for)
         if patched is m:
             if self.patches.pop(index, None) is not None:
                 self._dirty.add(index)

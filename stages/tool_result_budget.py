@@ -29,7 +29,11 @@ from pipeline import Message, SessionContext
 from pipeline.context import PersistedResult
 from pipeline.gate import Persisted, describe_error, persist_content
 from pipeline.policies import MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
-from pipeline.replacement import DECIDED_RECORD_STAGE, ReplacementRecord
+from pipeline.replacement import (
+    DECIDED_RECORD_STAGE,
+    ReplacementRecord,
+    decided_record,
+)
 from pipeline.tracing import (
     ATTR,
     SPAN_BUDGET_GROUP,
@@ -41,8 +45,8 @@ from pipeline.tracing import (
     decision_span_name,
     span_if,
 )
-from stages._budget_scan import BudgetCache, Candidate, collect_groups
-from stages._shared import by_id, check_bool, check_positive, replace_results, write_off_loop
+from stages._budget_scan import BudgetCache, Candidate, collect_groups, patch_all
+from stages._shared import check_bool, check_positive, write_off_loop
 
 __all__ = ["Candidate", "ToolResultBudget", "collect_groups", "select_fresh_to_replace"]
 
@@ -144,14 +148,12 @@ class ToolResultBudget:
         groups = scan.closed[first_group:]
         if scan.current:
             groups.append(scan.current)
-        already_replaced = {
-            c.tool_use_id for g in groups for c in g if c.tool_use_id in state.replacements
-        }
+        already_replaced = {c.key for g in groups for c in g if c.key in state.replacements}
         new_records: list[ReplacementRecord] = []
         replaced_now: dict[str, str] = {}
         decided: list[str] = []
         for index, group in enumerate(groups, start=first_group):
-            if any(c.tool_use_id not in state.seen_ids for c in group):
+            if any(c.key not in state.seen_ids for c in group):
                 new_records += await self._decide_group(index, group, ctx, replaced_now, decided)
 
         if decided and ctx.transcript is not None:
@@ -163,7 +165,7 @@ class ToolResultBudget:
                 append = partial(ctx.transcript.append_replacements, new_records)
                 await write_off_loop(ctx, append, stage=self.name)
             if whole:
-                data = {"seen": whole}
+                data = decided_record(whole)
                 append = partial(ctx.transcript.append_stage_record, DECIDED_RECORD_STAGE, data)
                 await write_off_loop(ctx, append, stage=self.name)
         stage_span.set_attribute(ATTR.PERSISTED, len(new_records))
@@ -171,17 +173,12 @@ class ToolResultBudget:
         if scan.malformed:
             # A non-mapping item in a user content list: take the from-scratch output path, which
             # fails (or not) on it exactly as it always has; __call__ drops the cache afterwards.
-            apply = dict(scan.empty_ids)
-            for tid in scan.cand_count:
-                text = state.replacements.get(tid)
-                if text is not None:
-                    apply[tid] = text
-            return replace_results(messages, by_id(apply))
+            return patch_all(messages, state.replacements, scan.empty_ids)
 
-        # from the next pass on, the candidates of newly replaced ids count as re-applied
-        for tid in replaced_now:
-            if tid not in already_replaced:
-                scan.reapplied += scan.cand_count.get(tid, 0)
+        # from the next pass on, the candidates of newly replaced results count as re-applied
+        for key in replaced_now:
+            if key not in already_replaced:
+                scan.reapplied += scan.cand_count.get(key, 0)
         touched.update(replaced_now)
         cache.update_output(messages, start, touched, state.replacements)
         cache.seal(state, replaced_now)
@@ -214,20 +211,20 @@ class ToolResultBudget:
                 **group_facts,
             },
         ) as span:
-            # ids may repeat in hostile input; decide each id once
+            # a result may repeat (the same id and output twice); decide each once
             fresh: list[Candidate] = []
-            fresh_ids: set[str] = set()
+            fresh_keys: set[str] = set()
             for c in group:
-                if c.tool_use_id not in state.seen_ids and c.tool_use_id not in fresh_ids:
+                if c.key not in state.seen_ids and c.key not in fresh_keys:
                     fresh.append(c)
-                    fresh_ids.add(c.tool_use_id)
-                    decided.append(c.tool_use_id)  # every fresh id is decided below
+                    fresh_keys.add(c.key)
+                    decided.append(c.key)  # every fresh result is decided below
 
             # 1. never-persist tools: seen now, out of the sum
             unbounded = [c for c in fresh if policies.never_persist(c.tool_name)]
-            unbounded_ids = {c.tool_use_id for c in unbounded}
+            unbounded_keys = {c.key for c in unbounded}
             for c in unbounded:
-                state.seen_ids.add(c.tool_use_id)
+                state.seen_ids.add(c.key)
                 self._decision(
                     ctx,
                     c,
@@ -245,23 +242,23 @@ class ToolResultBudget:
             records = await self._persist(ctx, over_tool, Reason.PER_TOOL, apply, group_facts)
 
             # 3. the per-message budget over what is left
-            eligible = [c for c in bounded if c.tool_use_id not in state.seen_ids]
+            eligible = [c for c in bounded if c.key not in state.seen_ids]
             # frozen: seen earlier and sent whole, or a per-tool write that just failed
             frozen_size = sum(
                 c.size
                 for c in group
-                if c.tool_use_id in state.seen_ids
-                and c.tool_use_id not in state.replacements
-                and c.tool_use_id not in unbounded_ids
+                if c.key in state.seen_ids
+                and c.key not in state.replacements
+                and c.key not in unbounded_keys
             )
             fresh_size = sum(c.size for c in eligible)
             selected = select_fresh_to_replace(eligible, frozen_size, self.limit)
-            selected_ids = {c.tool_use_id for c in selected}
+            selected_keys = {c.key for c in selected}
             group_facts[ATTR.FROZEN_CHARS] = frozen_size
             group_facts[ATTR.FRESH_CHARS] = fresh_size
             for c in eligible:
-                if c.tool_use_id not in selected_ids:
-                    state.seen_ids.add(c.tool_use_id)
+                if c.key not in selected_keys:
+                    state.seen_ids.add(c.key)
                     why = Reason.WITHIN_BUDGET if c.persistable else Reason.NOT_PERSISTABLE
                     self._decision(ctx, c, Decision.KEEP, float(self.limit), why, group_facts)
             records += await self._persist(ctx, selected, Reason.PER_MESSAGE, apply, group_facts)
@@ -272,7 +269,7 @@ class ToolResultBudget:
                 outcome = GroupOutcome.FROZEN_OVER_BUDGET
             else:
                 visible = frozen_size + sum(
-                    c.size for c in eligible if c.tool_use_id not in state.replacements
+                    c.size for c in eligible if c.key not in state.replacements
                 )
                 persisted = visible <= self.limit
                 outcome = GroupOutcome.PERSISTED if persisted else GroupOutcome.OVER_BUDGET
@@ -297,9 +294,9 @@ class ToolResultBudget:
 
         async def one(c: Candidate) -> None:
             try:
-                results[c.tool_use_id] = await persist_content(ctx.store, c.tool_use_id, c.content)
+                results[c.key] = await persist_content(ctx.store, c.tool_use_id, c.content)
             except Exception as exc:  # a failed write must never fail the turn
-                results[c.tool_use_id] = exc
+                results[c.key] = exc
 
         async with anyio.create_task_group() as tg:
             for c in chosen:
@@ -308,14 +305,15 @@ class ToolResultBudget:
         state = ctx.replacement_state
         records: list[ReplacementRecord] = []
         for c in chosen:
-            outcome = results[c.tool_use_id]
+            outcome = results[c.key]
             limit = ctx.tool_policies.threshold(c.tool_name)
             if reason is Reason.PER_MESSAGE:
                 limit = float(self.limit)
             if isinstance(outcome, Persisted):
-                state.record_replacement(c.tool_use_id, outcome.replacement)
-                apply[c.tool_use_id] = outcome.replacement
-                records.append(ReplacementRecord(c.tool_use_id, outcome.replacement))
+                state.record_replacement(c.key, outcome.replacement)
+                apply[c.key] = outcome.replacement
+                digest = c.key[len(c.tool_use_id) + 1 :]
+                records.append(ReplacementRecord(c.tool_use_id, outcome.replacement, digest=digest))
                 ctx.report.persisted.append(
                     PersistedResult(
                         c.tool_use_id,
@@ -331,7 +329,7 @@ class ToolResultBudget:
                 self._decision(ctx, c, Decision.PERSIST, limit, reason, facts, persisted=outcome)
             else:
                 # the original is what gets sent, so it is frozen as it is
-                state.seen_ids.add(c.tool_use_id)
+                state.seen_ids.add(c.key)
                 ctx.report.persist_failed.append(c.tool_use_id)
                 self._decision(
                     ctx,

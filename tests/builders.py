@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from pipeline import Message, Usage
+from pipeline.replacement import result_key, tool_use_id_of
 
 
 def tool_use(tool_use_id: str, name: str = "Bash", **inp: Any) -> dict[str, Any]:
@@ -43,3 +44,29 @@ def json_paths(node: Any, prefix: tuple[str | int, ...] = ()) -> Iterator[tuple[
     elif isinstance(node, list):
         for i, v in enumerate(node):
             yield from json_paths(v, (*prefix, i))
+
+
+# -- the ledger (``ReplacementState``): keys are ``<tool_use_id>#<digest of the output>`` --------
+
+
+def key(tool_use_id: str, core: Any) -> str:
+    """The ledger key of the result ``tool_use_id`` whose output (its content less any harness
+    tail: see :mod:`pipeline.harness`) is ``core``."""
+    return result_key(tool_use_id, core)
+
+
+def ids(keys: Iterable[str]) -> set[str]:
+    """The tool_use_ids of ledger keys (a set: check the number of keys too where two results
+    may share an id)."""
+    return {tool_use_id_of(k) for k in keys}
+
+
+def by_id(by_key: Mapping[str, str]) -> dict[str, str]:
+    """A ledger map (key -> replacement) keyed by tool_use_id; two keys with one id are an
+    error (a map by id could not tell them apart)."""
+    out: dict[str, str] = {}
+    for k, v in by_key.items():
+        tid = tool_use_id_of(k)
+        assert tid not in out, f"two ledger keys for the id {tid!r}: {sorted(by_key)}"
+        out[tid] = v
+    return out

@@ -147,3 +147,7 @@ class Wrapped:
                 self.stale_lists -= 1
                 return []
         return list(self.inner.list(prefix, offset=offset))
+
+    def list_with_delimiter(self, prefix: str | None = None) -> Any:
+        self._hook("list_with_delimiter", prefix)
+        return self.inner.list_with_delimiter(prefix)

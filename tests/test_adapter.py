@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from pipeline import Message, Pipeline, ToolPolicies, to_api
-from pipeline.adapter import DECISIONS_FILE, WireSession, session_id_for
+from pipeline.adapter import DECISIONS_FILE, WireSession
+from pipeline.conversations import conversation_hint
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget, default_stages
 
@@ -143,26 +144,24 @@ def test_a_malformed_request_is_a_clear_error(tmp_path: Path, bad: list[Any]) ->
         anyio.run(_session(tmp_path).prepare, bad)
 
 
-def test_session_identity() -> None:
+def test_the_hint_a_request_carries() -> None:
     body = {"system": "you help", "messages": [{"role": "user", "content": "hi"}]}
-    other = {"system": "you help", "messages": [{"role": "user", "content": "bye"}]}
-    grown = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "yo"}]}
-    # the start of the conversation: stable as it grows, different for another conversation
-    assert session_id_for(body) == session_id_for(grown) != session_id_for(other)
+    assert conversation_hint(body) == ""
     session = "de804c2f-1e20-4494-bd5b-ba955b3f60f1"
     user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": session})
     main = {**body, "metadata": {"user_id": user_id}}
-    side = {**other, "metadata": {"user_id": user_id}}  # a title request of the same session
-    assert session_id_for(main).startswith(session + "-")
-    assert session_id_for(main) != session_id_for(side)  # one ledger per conversation
+    assert conversation_hint(main) == f"cc-{session}"
     legacy = {**body, "metadata": {"user_id": f"user_ab12_account_x_session_{session}"}}
-    assert session_id_for(legacy) == session_id_for(main)
-    assert session_id_for(main, headers={"X-Sluicegate-Session": "mine"}) == "mine"
-    assert session_id_for(main, explicit="given", headers={"x-sluicegate-session": "x"}) == "given"
+    assert conversation_hint(legacy) == conversation_hint(main)
+    assert conversation_hint(main, headers={"X-Sluicegate-Session": "mine"}) == "mine"
+    given = conversation_hint(main, explicit="given", headers={"x-sluicegate-session": "x"})
+    assert given == "given"
     forged = {**body, "metadata": {"user_id": json.dumps({"session_id": "../../etc"})}}
-    assert session_id_for(forged) == session_id_for(body)  # not a session id: the fingerprint
+    assert conversation_hint(forged) == ""  # not a session id: no hint
     with pytest.raises(ValueError):
-        session_id_for(body, explicit="../../etc")
+        conversation_hint(body, explicit="../../etc")
+    with pytest.raises(ValueError):
+        conversation_hint(body, headers={"x-sluicegate-session": "a/b"})
 
 
 def test_converters_between_sdk_params_responses_and_records() -> None:

@@ -19,6 +19,7 @@ reaches the edges quickly.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -50,11 +51,11 @@ from pipeline import (
 )
 from pipeline.gate import persist_content
 from pipeline.pairing import check_pairing
-from pipeline.replacement import ReplacementRecord, decided_in
+from pipeline.replacement import ReplacementRecord, content_digest, decided_in
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from stages.tool_result_budget import Candidate, collect_groups, select_fresh_to_replace
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import assistant, key, results, tool_result, tool_use, user_text
 
 SID = "prop-session"
 TAG = "<persisted-output>"
@@ -106,6 +107,20 @@ def spec_is_candidate(content: Any) -> bool:
         and content.rstrip().endswith("</persisted-output>")
         and len(content) <= 2_000 + 4_096 + 256
     )
+
+
+def spec_key(tool_use_id: str, content: Any) -> str:
+    """§2.3: the ledger knows a result by its id and a digest of its output (the generator
+    never appends a harness tail, so the output is the whole content): 32 hex digits of
+    SHA-256 over ``s`` + a string, or ``j`` + a block list as compact JSON, keys sorted,
+    ``cache_control`` left out. A decision binds to that output only."""
+    if isinstance(content, str):
+        data = b"s" + content.encode("utf-8")
+    else:
+        plain = [{k: v for k, v in b.items() if k != "cache_control"} for b in content]
+        text = json.dumps(plain, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        data = b"j" + text.encode("utf-8")
+    return f"{tool_use_id}#{hashlib.sha256(data).hexdigest()[:32]}"
 
 
 def spec_size(content: Any) -> int:
@@ -294,6 +309,12 @@ class Session:
         self.turn_of = turn_of
         self.original = original
         self.resume_after = resume_after
+        # the model's ledger keys: each candidate by its id and its output (ids are unique here)
+        self.key_of = {
+            tid: spec_key(tid, content)
+            for tid, content in original.items()
+            if spec_is_candidate(content)
+        }
 
     def __repr__(self) -> str:  # readable falsifying examples
         lines = [f"Session(limit={self.limit}, resume_after={self.resume_after})"]
@@ -481,9 +502,10 @@ class Runner:
         assert wire_groups == expected_groups, where
 
         # -- the exact decision: §2.4 recomputed ------------------------------------------------
+        k = s.key_of  # the ledger knows a result by its id and output (§2.3)
         expected_new: dict[str, str] = {}  # id -> "per_tool" | "per_message"
         for group in expected_groups:
-            fresh = [i for i in group if i not in before.seen_ids]
+            fresh = [i for i in group if k[i] not in before.seen_ids]
             if not fresh:
                 continue
             bounded = [i for i in fresh if s.tool_of[i] != "Read"]
@@ -499,7 +521,7 @@ class Runner:
             frozen_size = sum(
                 spec_size(s.original[i])
                 for i in group
-                if i in before.seen_ids and i not in before.replacements
+                if k[i] in before.seen_ids and k[i] not in before.replacements
             )
             for i in spec_greedy(eligible, frozen_size, limit):
                 expected_new[i] = "per_message"
@@ -515,13 +537,14 @@ class Runner:
                 event("group: over, with a never-persist (Read) result")
         for reason in sorted(set(expected_new.values())):
             event(f"pass persisted {reason}")
-        new_ids = set(after.replacements) - set(before.replacements)
-        assert new_ids == set(expected_new), (where, sorted(new_ids), sorted(expected_new))
+        new_keys = set(after.replacements) - set(before.replacements)
+        expected_keys = {k[i] for i in expected_new}
+        assert new_keys == expected_keys, (where, sorted(new_keys), sorted(expected_keys))
         assert {p.tool_use_id: p.reason for p in ctx.report.persisted} == expected_new, where
         assert ctx.report.persist_failed == [], where
-        for tid, text in before.replacements.items():
-            assert after.replacements[tid] == text, where
-        assert after.seen_ids == before.seen_ids | set(candidates), where
+        for rkey, text in before.replacements.items():
+            assert after.replacements[rkey] == text, where
+        assert after.seen_ids == before.seen_ids | {k[i] for i in candidates}, where
         assert set(after.replacements) <= after.seen_ids, where
 
         # -- (3) nothing lost + exact replacement text ------------------------------------
@@ -531,9 +554,10 @@ class Runner:
             new = b.get("content")
             if spec_is_empty(orig):
                 assert new == f"({s.tool_of[tid]} completed with no output)", where
-            elif tid in after.replacements:
-                assert spec_is_candidate(orig) and spec_persistable(orig), where
-                assert new == after.replacements[tid], where
+            elif spec_is_candidate(orig) and k[tid] in after.replacements:
+                assert spec_persistable(orig), where
+                assert new == after.replacements[k[tid]], where
+                assert after.replacement_for(tid, orig) == new, where
                 text, ext = spec_serialise(orig)
                 match = _REPLACEMENT_HEAD.match(new)
                 assert match is not None, (where, new[:200])
@@ -556,12 +580,14 @@ class Runner:
                 if b.get("type") == "tool_result"
                 and spec_is_candidate(s.original[b["tool_use_id"]])
             ]
-            if not any(i not in before.seen_ids for i in ids):
+            if not any(k[i] not in before.seen_ids for i in ids):
                 continue
-            visible = [i for i in ids if s.tool_of[i] != "Read" and i not in after.replacements]
+            visible = [i for i in ids if s.tool_of[i] != "Read" and k[i] not in after.replacements]
             visible_chars = sum(spec_size(s.original[i]) for i in visible)
             fresh_persistable_visible = [
-                i for i in visible if i not in before.seen_ids and spec_persistable(s.original[i])
+                i
+                for i in visible
+                if k[i] not in before.seen_ids and spec_persistable(s.original[i])
             ]
             # over the limit only when nothing more could be persisted: the frozen ones alone
             # exceed it, or the excess is content that cannot be persisted
@@ -581,8 +607,8 @@ class Runner:
                 continue
             for b in p["content"]:
                 if b.get("type") == "tool_result":
-                    key, value = b["tool_use_id"], _dumps(b)
-                    assert self.sent.setdefault(key, value) == value, (where, key)
+                    sent_id, value = b["tool_use_id"], _dumps(b)
+                    assert self.sent.setdefault(sent_id, value) == value, (where, sent_id)
         if self.previous_request is not None:
             prev = self.previous_request
             stable = max(len(prev) - 2, 0)
@@ -591,7 +617,7 @@ class Runner:
 
         # -- (5) idempotence --------------------------------------------------------------------
         nothing_to_apply = not any(
-            b["tool_use_id"] in after.replacements or spec_is_empty(b.get("content"))
+            k.get(b["tool_use_id"]) in after.replacements or spec_is_empty(b.get("content"))
             for b in _tool_results(inp)
         )
         if nothing_to_apply:
@@ -674,11 +700,10 @@ async def simulate(session: Session, root: Path) -> None:
                 decided=decided_in(loaded.stage_records),
             )
             assert state.replacements == live_ctx.replacement_state.replacements
-            # (whitespace-only results are not candidates for the stage, but reconstruct counts
-            # them as seen -- see test_reconstruct_agrees_with_the_stage_on_blank_results)
-            blank = {i for i, c in session.original.items() if spec_is_empty(c)}
-            live_seen = live_ctx.replacement_state.seen_ids
-            assert state.seen_ids - blank == live_seen
+            # (blank results are not candidates: neither the stage nor reconstruct decides them
+            # -- see test_reconstruct_agrees_with_the_stage_on_blank_results)
+            live_seen = set(live_ctx.replacement_state.seen_ids)
+            assert state.seen_ids == live_seen
             resumed_path = root / "resumed.jsonl"
             shutil.copyfile(live_path, resumed_path)
             resumed = Runner(
@@ -695,7 +720,7 @@ async def simulate(session: Session, root: Path) -> None:
             event(f"resumed, with {len(state.replacements)} replacement(s) restored")
             first = await resumed.run_pass(resumed_history)
             assert _dumps(first) == _dumps(requests["live"]), "resumed request differs"
-            assert resumed.ctx.replacement_state.seen_ids - blank == live_seen - blank
+            assert resumed.ctx.replacement_state.seen_ids == live_seen
 
 
 @pytest.mark.slow
@@ -928,7 +953,7 @@ async def test_frozen_results_over_the_limit_are_never_changed(tmp_path: Path) -
         results(tool_result("b", "b" * 3_000)),
     ]
     # the model has seen a and b whole (e.g. an earlier pass sent them): they are frozen
-    state = ReplacementState(seen_ids={"a", "b"})
+    state = ReplacementState(seen_ids={key("a", "a" * 3_000), key("b", "b" * 3_000)})
     ctx = _ctx(tmp_path, replacement_state=state)
     pipe = Pipeline([ToolResultBudget(5_000)])
     out = await pipe.run(history, ctx)
@@ -962,7 +987,7 @@ async def test_never_persist_tool_is_left_whole_and_excluded_from_the_sum(tmp_pa
     history = [user_text("go"), *turn("m1", (1_500, 1_400))]
     out = await pipe.run(history, ctx)
     assert out is history
-    assert ctx.replacement_state.classify("m1_read") == "frozen"
+    assert ctx.replacement_state.classify(key("m1_read", "r" * 10_000)) == "frozen"
     # without Read 3,500 > 3,000: only the 2,000 goes; Read stays whole
     history += [*turn("m2", (2_000, 1_500))]
     out = await pipe.run(history, ctx)
@@ -973,8 +998,9 @@ async def test_never_persist_tool_is_left_whole_and_excluded_from_the_sum(tmp_pa
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("records_format", ["bound", "legacy"])
 async def test_resume_uses_stored_replacements_verbatim_and_skips_dropped_ids(
-    tmp_path: Path,
+    tmp_path: Path, records_format: str
 ) -> None:
     legacy = "<persisted-output>\nan older template, path /old/layout/kept.txt\n</persisted-output>"
     history = [
@@ -983,13 +1009,21 @@ async def test_resume_uses_stored_replacements_verbatim_and_skips_dropped_ids(
         results(tool_result("kept", "k" * 5_000)),
         results(tool_result("small", "s" * 10)),
     ]
+    # "bound": records carry the digest of the output they replaced; "legacy": records written
+    # before results were bound to their content (a bare id: the result with that id)
+    bound = records_format == "bound"
     records = [
-        ReplacementRecord("gone", "<persisted-output>\ncompacted away\n</persisted-output>"),
-        ReplacementRecord("kept", legacy),
+        ReplacementRecord(
+            "gone",
+            "<persisted-output>\ncompacted away\n</persisted-output>",
+            digest=content_digest("g" * 5_000) if bound else None,
+        ),
+        ReplacementRecord("kept", legacy, digest=content_digest("k" * 5_000) if bound else None),
     ]
     state = ReplacementState.reconstruct(history, records)
-    assert state.replacements == {"kept": legacy}  # "gone" is no longer a candidate: skipped
-    assert state.seen_ids == {"kept"}  # "small" came after the last response: decided again
+    kept = key("kept", "k" * 5_000)
+    assert state.replacements == {kept: legacy}  # "gone" is no longer a candidate: skipped
+    assert state.seen_ids == {kept}  # "small" came after the last response: decided again
     ctx = _ctx(tmp_path, store=NoIOStore(), replacement_state=state)
     out = await Pipeline([ToolResultBudget(3_000)]).run(history, ctx)
     # never rebuilt: a new template or path layout cannot shift the cached prefix
@@ -998,7 +1032,7 @@ async def test_resume_uses_stored_replacements_verbatim_and_skips_dropped_ids(
 
 
 # --------------------------------------------------------------------------------------------
-# Bugs found by the properties above, pinned as strict xfails
+# Bugs found by the properties above, pinned as regression tests
 # --------------------------------------------------------------------------------------------
 
 
@@ -1039,12 +1073,6 @@ async def test_malformed_blocks_get_a_clear_error_or_a_safe_fallback(
         assert not isinstance(cause, AttributeError | KeyError | TypeError), repr(cause)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a tool_use_id reused by a later result (hostile input) gets the earlier "
-    "result's replacement re-applied by id, so the later result's own content is silently "
-    "dropped and the path shown holds other content (invariant 7 of docs/behaviour.md: bad input)",
-)
 @pytest.mark.anyio
 async def test_a_reused_tool_use_id_never_gets_another_results_replacement(tmp_path: Path) -> None:
     history = [

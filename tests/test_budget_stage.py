@@ -22,13 +22,22 @@ from pipeline import (
     to_api,
 )
 from pipeline.gate import build_replacement, format_size, gate_tool_result, generate_preview
-from pipeline.replacement import ReplacementRecord
+from pipeline.replacement import ReplacementRecord, content_digest
 from pipeline.storage import FileToolResultStore
 from pipeline.testing import SpanRecorder
 from pipeline.tracing import ATTR, SPAN_BUDGET_GROUP
 from stages import ToolResultBudget
 from stages.tool_result_budget import collect_groups, select_fresh_to_replace
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import (
+    assistant,
+    by_id,
+    ids,
+    key,
+    results,
+    tool_result,
+    tool_use,
+    user_text,
+)
 
 # -- replacement text ------------------------------------------------------------------------
 
@@ -263,8 +272,9 @@ async def test_over_budget_group_persists_largest_then_reapplies_without_io(tmp_
     assert [w[0] for w in store.writes] == ["b"]
     assert contents(out1)["b"].startswith("<persisted-output>")
     assert contents(out1)["a"] == contents(history)["a"]
-    assert ctx.replacement_state.seen_ids == {"a", "b", "c"}
-    assert set(ctx.replacement_state.replacements) == {"b"}
+    state = ctx.replacement_state
+    assert state.seen_ids == {key(t, c) for t, c in contents(history).items()}
+    assert set(state.replacements) == {key("b", contents(history)["b"])}
     assert [p.tool_use_id for p in ctx.report.persisted] == ["b"]
 
     history2 = [*history, assistant("r2", {"type": "text", "text": "ok"}), user_text("more")]
@@ -300,8 +310,10 @@ async def test_frozen_results_are_never_replaced_later(tmp_path: Path) -> None:
 async def test_frozen_alone_over_budget_is_accepted(tmp_path: Path) -> None:
     store = CountingStore()
     ctx = make_ctx(tmp_path, store=store)
-    ctx.replacement_state.seen_ids.update({"a", "b"})  # both were sent whole before
     msgs = parallel_turn("r1", {"a": 40_000, "b": 40_000, "c": 5_000})
+    sent = contents(msgs)
+    # both were sent whole before
+    ctx.replacement_state.seen_ids.update({key("a", sent["a"]), key("b", sent["b"])})
     out = await Pipeline([ToolResultBudget(limit=50_000)]).run(msgs, ctx)
     assert [w[0] for w in store.writes] == ["c"]  # the only fresh one
     assert contents(out)["a"] == contents(msgs)["a"] and contents(out)["b"] == contents(msgs)["b"]
@@ -319,7 +331,7 @@ async def test_never_persist_tool_is_left_whole_and_out_of_the_sum(tmp_path: Pat
     out = await Pipeline([ToolResultBudget(limit=30_000)]).run(msgs, ctx)
     assert store.writes == []  # 20K without Read is under 30K
     assert contents(out) == contents(msgs)
-    assert "read1" in ctx.replacement_state.seen_ids
+    assert key("read1", "r" * 45_000) in ctx.replacement_state.seen_ids
     decisions = {
         s.attributes[ATTR.TOOL_CALL_ID]: s.attributes[ATTR.DECISION]
         for s in exp.decisions("tool_result_budget")
@@ -365,7 +377,8 @@ async def test_failed_write_keeps_original_and_freezes(tmp_path: Path) -> None:
     out = await pipe.run(msgs, ctx)
     assert out is msgs  # nothing could be replaced
     assert ctx.report.persist_failed == ["a"]
-    assert ctx.replacement_state.seen_ids == {"a", "b"} and not ctx.replacement_state.replacements
+    assert ctx.replacement_state.seen_ids == {key(t, c) for t, c in contents(msgs).items()}
+    assert not ctx.replacement_state.replacements
     failing.fail = None  # the store recovers; the frozen result must still never change
     assert await pipe.run(msgs, ctx) is msgs
     assert failing.writes == []
@@ -409,8 +422,11 @@ async def test_records_are_written_once_per_pass_and_resume_reproduces(tmp_path:
     loaded = load_transcript(log)
     entries = [json.loads(x) for x in log.read_text().splitlines() if '"content-replacement"' in x]
     assert len(entries) == 1 and entries[0]["sessionId"] == "sess-1"
+    a = contents(history)["a"]
     assert loaded.replacement_records == [
-        ReplacementRecord("a", ctx.replacement_state.replacements["a"])
+        ReplacementRecord(
+            "a", ctx.replacement_state.replacements[key("a", a)], digest=content_digest(a)
+        )
     ]
     resumed = make_ctx(tmp_path)
     resumed.replacement_state = ReplacementState.reconstruct(
@@ -428,19 +444,46 @@ def test_reconstruct_rules() -> None:
         results(tool_result("b", "<persisted-output>\nalready\n</persisted-output>")),
         results(tool_result("c", "")),
     ]
-    records = [ReplacementRecord("a", "REP-A"), ReplacementRecord("gone", "REP-GONE")]
+    a = key("a", "A" * 10)
+    records = [
+        ReplacementRecord("a", "REP-A", digest=content_digest("A" * 10)),
+        ReplacementRecord("gone", "REP-GONE", digest=content_digest("gone")),
+        # made from other output than a's: never applied to a
+        ReplacementRecord("a", "REP-OTHER", digest=content_digest("A" * 11)),
+    ]
     state = ReplacementState.reconstruct(msgs, records)
-    assert state.seen_ids == {"a"}  # b is not a candidate, c is empty
-    assert state.replacements == {"a": "REP-A"}  # verbatim; ids no longer present skipped
+    assert state.seen_ids == {a}  # b is not a candidate, c is empty
+    assert state.replacements == {a: "REP-A"}  # verbatim; results no longer present skipped
+    # a record written before results were bound to their content (no digest) binds to the
+    # result with its id
+    legacy = [ReplacementRecord("a", "REP-A"), ReplacementRecord("gone", "REP-GONE")]
+    assert ReplacementState.reconstruct(msgs, legacy) == state
+
+
+def test_reconstruct_binds_a_legacy_record_to_the_first_result_with_its_id() -> None:
+    msgs = [
+        assistant("r1", tool_use("a")),
+        results(tool_result("a", "first")),
+        assistant("r2", tool_use("a")),
+        results(tool_result("a", "second")),
+    ]
+    state = ReplacementState.reconstruct(msgs, [ReplacementRecord("a", "REP-A")])
+    assert state.replacements == {key("a", "first"): "REP-A"}
+    assert state.replacement_for("a", "first") == "REP-A"
+    assert state.replacement_for("a", "second") is None
+    # sent before the last response: seen; the second one came after it: decided again
+    assert state.seen_ids == {key("a", "first")}
 
 
 def test_subagent_starts_from_a_copy(tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path)
-    ctx.replacement_state.record_replacement("a", "R")
+    ctx.replacement_state.record_replacement(key("a", "A"), "R")
     child = ctx.for_subagent("agent-1")
-    child.replacement_state.record_replacement("b", "S")
-    assert ctx.replacement_state.replacements == {"a": "R"}
-    assert child.replacement_state.replacements == {"a": "R", "b": "S"}
+    child.replacement_state.record_replacement(key("b", "B"), "S")
+    assert by_id(ctx.replacement_state.replacements) == {"a": "R"}
+    assert by_id(child.replacement_state.replacements) == {"a": "R", "b": "S"}
+    assert ids(child.replacement_state.seen_ids) == {"a", "b"}
+    assert len(child.replacement_state.seen_ids) == 2
 
 
 @pytest.mark.asyncio

@@ -41,7 +41,7 @@ from pipeline import (
 from pipeline.storage import TOOL_RESULTS_SUBDIR
 from pipeline.testing import QuietLogger
 from stages import default_stages
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import assistant, by_id, ids, results, tool_result, tool_use, user_text
 
 SESSIONS = 1_000
 TURNS = 3
@@ -132,24 +132,27 @@ async def test_a_thousand_interleaved_sessions_share_nothing(
     for i, ctx in contexts.items():
         state = ctx.replacement_state
         own = {f"{sid(i)}_t{t}_{k}" for t in range(TURNS) for k in range(3)}
-        # the ledger: only this session's ids, and every one of its results was decided
-        assert state.seen_ids == own
-        assert set(state.replacements) <= own
+        # the ledger: only this session's results, and every one of them was decided (once)
+        assert ids(state.seen_ids) == own and len(state.seen_ids) == len(own)
+        replaced = by_id(state.replacements)
+        assert set(replaced) <= own
         # the store directory: exactly the files of the results this ledger replaced
         directory = root / sid(i) / TOOL_RESULTS_SUBDIR
         files = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
-        assert files == sorted(f"{x}.txt" for x in state.replacements)
+        assert files == sorted(f"{x}.txt" for x in replaced)
         for name in files:
             text = (directory / name).read_text()
             assert text.startswith(f"<{name.removesuffix('.txt')}>")
             assert ids_in(text) == {i}
-        for x, replacement in state.replacements.items():
+        for x, replacement in replaced.items():
             assert f"Full output saved to: {directory.absolute() / x}.txt" in replacement
         persisted_total += len(files)
         # stage memory is per session (stage objects are shared)
         cache = ctx.stage_state.get("tool_result_budget")  # present with incremental=True
         if cache is not None:
-            assert set(cache.scan.cand_count) <= own and set(cache.apply) <= own
+            # (the cache knows a candidate by its ledger key, a blank result as ("empty", id))
+            applied = {n if isinstance(n, str) else n[1] for n in cache.apply}
+            assert ids(cache.scan.cand_count) <= own and ids(applied) <= own
             assert all(ids_in(repr(m)) <= {i} for m in cache.log.inputs)
         for value in ctx.stage_state.values():
             assert ids_in(repr(value)) <= {i}

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from pipeline.testing import Reply, ScriptedMessagesServer
-from tests.wire_support import free_port
+from tests.wire_support import conversation_dirs, free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -124,7 +124,7 @@ def test_wrap_client(server: ScriptedMessagesServer, tmp_path: Path) -> None:
     assert "SCRIPTED ANSWER" in out
     sent = tool_results(server.requests[0])["toolu_1"]
     assert sent.startswith("<persisted-output>\nOutput too large (214.8KB).")
-    (session,) = (tmp_path / ".sluicegate").iterdir()
+    (session,) = conversation_dirs(tmp_path / ".sluicegate")
     assert (session / "tool-results" / "toolu_1.txt").stat().st_size == 220_000
 
 

@@ -31,7 +31,7 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
-from pipeline.adapter import SESSION_HEADER
+from pipeline.conversations import SESSION_HEADER
 from pipeline.session_storage import SessionStates
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
@@ -135,6 +135,19 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": blocks})
         self.messages.append(answer(response.content))
         return response
+
+
+def conversation_key(store: Any) -> str:
+    """The key prefix of the one conversation on the store: ``<PREFIX>/<tenant>/<name>``."""
+    found = {"/".join(k.split("/")[:3]) for k in keys_of(store, PREFIX) if k.count("/") >= 3}
+    assert len(found) == 1, found
+    return found.pop()
+
+
+def same_tenant(texts: list[str]) -> list[str]:
+    """``texts`` with the tenant's name written alike: it is a digest under each store's own
+    secret, so two buckets name one client's tenant differently."""
+    return [re.sub(r"t-[0-9a-f]{20}", "TENANT", t) for t in texts]
 
 
 def sent(upstream: ScriptedMessagesServer) -> list[str]:
@@ -307,17 +320,20 @@ def test_a_conversation_moving_between_workers_sends_what_one_worker_sends(
         moved = sent(upstream)
 
     assert len(moved) == CALLS
-    assert [r.replace(bucket, reference_bucket) for r in moved] == reference
+    assert same_tenant([r.replace(bucket, reference_bucket) for r in moved]) == same_tenant(
+        reference
+    )
     # the budget did work on every worker: results persisted, their objects in the bucket
     last = json.loads(moved[-1])
     persisted = {k: v for k, v in results_of(last).items() if v.startswith(TAG)}
     assert len(persisted) > 50
-    objects = keys_of(moto_s3.store(bucket), f"{PREFIX}/{SID}/tool-results")
+    where = conversation_key(moto_s3.store(bucket))
+    objects = keys_of(moto_s3.store(bucket), f"{where}/tool-results")
     assert len(objects) == len(persisted)
     for tool_use_id, text in persisted.items():
-        assert f"s3://{bucket}/{PREFIX}/{SID}/tool-results/{tool_use_id}.txt" in text
+        assert f"s3://{bucket}/{where}/tool-results/{tool_use_id}.txt" in text
     # both workers recorded decisions: the records are the fleet's, not one process's
-    records = keys_of(moto_s3.store(bucket), f"{PREFIX}/{SID}/records")
+    records = keys_of(moto_s3.store(bucket), f"{where}/records")
     writers = {key.rsplit("-", 1)[1] for key in records}
     assert len(writers) >= 2
 
@@ -373,9 +389,10 @@ def test_two_workers_taking_the_same_request_at_once_persist_one_object(
     shown = {k: v for k, v in results_of(requests[-1]).items() if v.startswith(TAG)}
     assert len(shown) == 6  # the two largest of three turns
     store = moto_s3.store(bucket)
-    objects = keys_of(store, f"{PREFIX}/{SID}/tool-results")
+    where = conversation_key(store)
+    objects = keys_of(store, f"{where}/tool-results")
     # one object per result, under its own name: no second object for a racing write
-    assert objects == sorted(f"{PREFIX}/{SID}/tool-results/{k}.txt" for k in shown)
+    assert objects == sorted(f"{where}/tool-results/{k}.txt" for k in shown)
     sizes = dict(zip(("0", "1", "2"), SIZES, strict=True))
     for key in objects:
         tool_use_id = key.rsplit("/", 1)[1].removesuffix(".txt")
@@ -475,7 +492,8 @@ def test_every_worker_killed_and_replaced_mid_session_changes_nothing(
             conversation.call(pair[(call // 3) % 2].url)
         restarted = sent(upstream)
 
-    assert [r.replace(bucket, reference_bucket) for r in restarted] == reference[:calls]
+    restarted = [r.replace(bucket, reference_bucket) for r in restarted]
+    assert same_tenant(restarted) == same_tenant(reference[:calls])
     assert TAG in restarted[restart_at]
 
 
@@ -533,13 +551,14 @@ def test_a_worker_serving_again_first_learns_what_another_decided(tmp_path: Path
     its own it would persist it."""
     from obstore.store import MemoryStore
 
-    once = f"{PREFIX}/{SID}/tool-results/toolu_04_2.txt"
+    once = "/tool-results/toolu_04_2.txt"
     with ScriptedMessagesServer(script) as upstream:
         faults, _logger, pair = in_process_pair(tmp_path, upstream.base_url, MemoryStore())
         with pair[0] as a, pair[1] as b:
             conversation = Conversation()
             for call in range(9):
-                faults.failing = (lambda key: key == once) if call == 5 else (lambda _key: False)
+                failing = (lambda key: key.endswith(once)) if call == 5 else (lambda _key: False)
+                faults.failing = failing
                 conversation.call((a, b)[(call // 3) % 2])
         requests = upstream.requests
     assert results_of(requests[5])["toolu_04_2"] == output("toolu_04_2", SIZES[2])
@@ -592,7 +611,8 @@ def test_a_response_is_recorded_before_the_client_can_act_on_it(
             time.sleep(0.3)
 
     def recorded() -> list[Any]:
-        loaded = ObjectRecordLog(memory, prefix=PREFIX, session_id=SID).load()
+        tenant_prefix, name = conversation_key(memory).rsplit("/", 1)
+        loaded = ObjectRecordLog(memory, prefix=tenant_prefix, session_id=name).load()
         stages = loaded.stage_records if loaded is not None else []
         return [r.data["id"] for r in stages if r.stage == "wire_session.response"]
 

@@ -40,10 +40,11 @@ from pipeline import (
     SessionContext,
     to_api,
 )
+from pipeline.replacement import read_results
 from pipeline.testing import MemoryStore, RecordReads, assert_same_messages
 from pipeline.tracing import SPAN_BUDGET_GROUP, Decision, decision_span_name
 from stages import ToolResultBudget
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import assistant, key, results, tool_result, tool_use, user_text
 from tests.edit_support import (
     OPS,
     TAG,
@@ -140,13 +141,19 @@ async def run_session(tape: bytes) -> None:
         elif op == "new_ledger":  # e.g. a caller installing a rebuilt ledger
             twin.ctx.replacement_state = twin.ctx.replacement_state.copy()
         elif op == "grow_ledger" and gen.tool_ids:  # marked seen, or replaced, elsewhere
-            tid = str(gen.pick(gen.tool_ids))
+            # mostly a result of the history (by its ledger key: id and output), else a result
+            # that is not in it (an id with other output)
+            present = sorted({r.key for m in history for r in read_results(m) if r.key})
+            if present and not gen.one_in(4):
+                rkey = str(gen.pick(present))
+            else:
+                rkey = key(str(gen.pick(gen.tool_ids)), "elsewhere")
             ledger = twin.ctx.replacement_state
             if gen.one_in(2):  # a new replacement, or a rewrite of one
-                ledger.record_replacement(tid, f"{TAG}\nelsewhere {tid} {gen.below(3)}")
+                ledger.record_replacement(rkey, f"{TAG}\nelsewhere {rkey} {gen.below(3)}")
             else:
-                ledger.seen_ids.add(tid)
-        elif op == "shrink_ledger":  # ids forgotten; with grow_ledger, sizes may stay the same
+                ledger.seen_ids.add(rkey)
+        elif op == "shrink_ledger":  # results forgotten; with grow_ledger, sizes may stay the same
             ledger = twin.ctx.replacement_state
             if ledger.seen_ids and gen.one_in(2):
                 ledger.seen_ids.discard(str(gen.pick(sorted(ledger.seen_ids))))
@@ -226,10 +233,14 @@ async def test_a_pass_reads_only_what_is_new() -> None:
 
     # a ledger that forgot a result, or whose replacement text changed: from scratch
     def forget(state: ReplacementState) -> None:
-        state.seen_ids.discard("u3_1")
+        forgotten = key("u3_1", "<u3_1>" + "y" * 180)
+        assert forgotten in state.seen_ids
+        state.seen_ids.discard(forgotten)
 
     def rewrite(state: ReplacementState) -> None:
-        state.replacements["u5_2"] = "<persisted-output>\nelsewhere"
+        rewritten = key("u5_2", "<u5_2>" + "y" * 270)
+        assert rewritten in state.replacements
+        state.replacements[rewritten] = "<persisted-output>\nelsewhere"
 
     for change in (forget, rewrite):
         change(ctx.replacement_state)
@@ -257,7 +268,9 @@ async def test_an_equal_copy_is_a_change_and_its_object_is_passed_through() -> N
 
 @pytest.mark.anyio
 async def test_a_reused_id_after_the_edit_point_repatches_older_messages() -> None:
-    """A later result reusing an earlier id changes what the earlier one is sent with."""
+    """A later blank result reusing an earlier id changes what the earlier blank one is sent
+    with (a placeholder names the tool of the id's last blank result); a later result with
+    output never lends an earlier one its replacement (decisions are bound to the output)."""
     ctx = _ctx(MemoryStore(), None, None)
     pipe = Pipeline([ToolResultBudget(300, incremental=True)])
     history = [
@@ -268,13 +281,24 @@ async def test_a_reused_id_after_the_edit_point_repatches_older_messages() -> No
     ]
     out1 = await pipe.run(history, ctx)
     assert out1[2].content[0]["content"] == "(Other completed with no output)"  # type: ignore[index]
+
+    async def from_scratch() -> list[Message]:
+        fresh = _ctx(MemoryStore(), ReplacementState(), None)
+        return await Pipeline([ToolResultBudget(300, incremental=False)]).run(history, fresh)
+
     history = [*history, results(tool_result("dup", "z" * 500))]  # over Bash's 120
     out2 = await pipe.run(history, ctx)
-    fresh = _ctx(MemoryStore(), ReplacementState(), None)
-    ref = await Pipeline([ToolResultBudget(300, incremental=False)]).run(history, fresh)
-    assert json.dumps(to_api(out2)) == json.dumps(to_api(ref))
-    # the earlier empty result now carries the replacement, as a from-scratch pass sends it
-    assert out2[2].content[0]["content"].startswith(TAG)  # type: ignore[index]
+    assert json.dumps(to_api(out2)) == json.dumps(to_api(await from_scratch()))
+    # the later result is persisted; the earlier empty one keeps its own placeholder
+    assert out2[4].content[0]["content"].startswith(TAG)  # type: ignore[index]
+    assert out2[2].content[0]["content"] == "(Other completed with no output)"  # type: ignore[index]
+
+    history = [*history, assistant("m3", tool_use("dup", "Grep")), results(tool_result("dup", ""))]
+    out3 = await pipe.run(history, ctx)
+    assert json.dumps(to_api(out3)) == json.dumps(to_api(await from_scratch()))
+    # the earlier empty result now carries the later one's placeholder, as from scratch
+    assert out3[2].content[0]["content"] == "(Grep completed with no output)"  # type: ignore[index]
+    assert out3[4].content[0]["content"] == out2[4].content[0]["content"]  # type: ignore[index]
 
 
 @pytest.mark.anyio
@@ -292,15 +316,25 @@ async def test_an_edit_moves_an_id_and_a_later_reuse_still_repatches_it() -> Non
     await _one_pass(stage, history, ctx)
     del history[2]  # the result moves to 3
     await _one_pass(stage, history, ctx)
-    # a later result reuses the id and is persisted: the one at 3 now carries its replacement
+
+    async def check() -> list[Message]:
+        before = ctx.replacement_state.copy()
+        out = await _one_pass(stage, history, ctx)
+        ref = await _one_pass(
+            ToolResultBudget(300, incremental=False), history, _ctx(MemoryStore(), before, None)
+        )
+        assert json.dumps(to_api(out)) == json.dumps(to_api(ref))
+        return out
+
+    # a later result reuses the id and is persisted: the one at 3 keeps its own placeholder
     history += [assistant("m2", tool_use("dup", "Bash")), results(tool_result("dup", "z" * 500))]
-    before = ctx.replacement_state.copy()
-    out = await _one_pass(stage, history, ctx)
-    ref = await _one_pass(
-        ToolResultBudget(300, incremental=False), history, _ctx(MemoryStore(), before, None)
-    )
-    assert json.dumps(to_api(out)) == json.dumps(to_api(ref))
-    assert out[3].content[0]["content"].startswith(TAG)  # type: ignore[index]
+    out = await check()
+    assert out[5].content[0]["content"].startswith(TAG)  # type: ignore[index]
+    assert out[3].content[0]["content"] == "(Other completed with no output)"  # type: ignore[index]
+    # a later blank result reuses the id: the one at 3 now carries its placeholder
+    history += [assistant("m3", tool_use("dup", "Grep")), results(tool_result("dup", ""))]
+    out = await check()
+    assert out[3].content[0]["content"] == "(Grep completed with no output)"  # type: ignore[index]
 
 
 class BrokenTranscript:

@@ -27,7 +27,7 @@ from pipeline.objectreader import ObjectOutputReader, index_lines
 from pipeline.objectrecords import APPEND_ATTEMPTS, ObjectRecordLog
 from pipeline.objectstore import ObjectLayout, ObjectToolResultStore, normalize_prefix
 from pipeline.readback import PersistedOutputReader, ReadbackError, _count_lines
-from pipeline.replacement import PERSISTED_OUTPUT_TAG
+from pipeline.replacement import PERSISTED_OUTPUT_TAG, content_digest
 from pipeline.storage import StoreError
 from pipeline.testing import QuietLogger, SpanRecorder
 from pipeline.tracing import ATTR
@@ -418,7 +418,7 @@ async def test_in_memory_session_through_the_budget(tmp_path: Path) -> None:
     loaded = ObjectRecordLog(memory, writer_id="b", **WHERE).load()
     assert loaded is not None
     assert [dataclasses.astuple(r) for r in loaded.replacement_records] == [
-        ("toolu_1", sent["content"], "tool-result")
+        ("toolu_1", sent["content"], "tool-result", content_digest(big))
     ]
 
 

@@ -19,7 +19,16 @@ from pipeline import Pipeline
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from stages import ToolResultBudget, default_stages
 from tests.sdk_support import sdk_client
-from tests.wire_support import TAG, client_loop, proxy, results, script, visible
+from tests.wire_support import (
+    TAG,
+    client_loop,
+    conversation_dirs,
+    portable,
+    proxy,
+    results,
+    script,
+    visible,
+)
 
 
 async def proxied_loop(url: str, prompt: str, calls: int, *, stream: bool = False) -> None:
@@ -53,7 +62,7 @@ def test_calls_through_the_proxy_get_the_budget_and_a_stable_prefix(
             before = sent[k - 1]["messages"]
             assert json.dumps(body["messages"][: len(before)]) == json.dumps(before), k
     assert TAG in json.dumps(sent[-1])
-    (session,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    (session,) = conversation_dirs(tmp_path)
     responses = [
         json.loads(line)["data"]
         for line in (session / "decisions.jsonl").read_text().splitlines()
@@ -121,7 +130,7 @@ def test_a_restarted_proxy_sends_the_same_bytes(tmp_path: Path) -> None:
 
     live = run(tmp_path / "a", None)
     restarted = run(tmp_path / "b", 5)
-    assert restarted == [r.replace(str(tmp_path / "a"), str(tmp_path / "b")) for r in live]
+    assert portable(restarted, tmp_path / "b") == portable(live, tmp_path / "a")
 
 
 def test_many_conversations_at_once_never_cross(tmp_path: Path) -> None:
@@ -137,7 +146,7 @@ def test_many_conversations_at_once_never_cross(tmp_path: Path) -> None:
         anyio.run(many, url)
         sent = upstream.requests
     assert len(sent) == 400
-    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 200
+    assert len(conversation_dirs(tmp_path)) == 200
     for body in sent:
         first = body["messages"][0]["content"][:8].replace(" ", "_")
         for m in body["messages"]:

@@ -23,10 +23,11 @@ from pipeline import (
     load_transcript,
     to_api,
 )
-from pipeline.replacement import ReplacementRecord, decided_in
+from pipeline.replacement import ReplacementRecord, content_digest, decided_in
 from pipeline.testing import QuietLogger
+from pipeline.transcript import StageRecord
 from stages import ToolResultBudget
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import assistant, key, results, tool_result, tool_use, user_text
 
 SID = "resume-decisions"
 LIMIT = 200_000
@@ -115,17 +116,42 @@ async def test_recorded_decisions_freeze_results_wherever_they_stand(tmp_path: P
     live = to_api(await pipe.run(history, ctx))
 
     loaded = load_transcript(path)
+    # the first pass recorded a and b as sent whole, each bound to its output
+    assert loaded.stage_records == [
+        StageRecord(
+            "tool_result_budget",
+            {"decided": [["a", content_digest("a" * 2_000)], ["b", content_digest("b" * 2_000)]]},
+        )
+    ]
+    assert [(r.tool_use_id, r.digest) for r in loaded.replacement_records] == [
+        ("c", content_digest("c" * 2_000))
+    ]
+    a, b, c = key("a", "a" * 2_000), key("b", "b" * 2_000), key("c", "c" * 2_000)
+    assert decided_in(loaded.stage_records) == {a, b}
     state = ReplacementState.reconstruct(
         loaded.messages, loaded.replacement_records, decided=decided_in(loaded.stage_records)
     )
-    assert state.classify("a") == state.classify("b") == "frozen"
-    assert state.classify("c") == "must_reapply"  # c's own pass recorded its replacement
+    assert state.classify(a) == state.classify(b) == "frozen"
+    assert state.classify(c) == "must_reapply"  # c's own pass recorded its replacement
+    assert len(state.seen_ids) == 3
     resumed = to_api(await pipe.run(loaded.messages, _ctx(tmp_path, None, state)))
     assert json.dumps(resumed) == json.dumps(live)
 
     # without the decision records, a and b would count as unsent and compete with c
     unrecorded = ReplacementState.reconstruct(loaded.messages, loaded.replacement_records)
-    assert unrecorded.classify("a") == "fresh"
+    assert unrecorded.classify(a) == "fresh"
+
+    # a transcript written before results were bound to their content ({"seen": [ids]}, records
+    # without a digest) resumes the same way: a bare id binds to the result that carries it
+    legacy_records = [
+        ReplacementRecord(r.tool_use_id, r.replacement) for r in loaded.replacement_records
+    ]
+    legacy = ReplacementState.reconstruct(
+        loaded.messages,
+        legacy_records,
+        decided=decided_in([StageRecord("tool_result_budget", {"seen": ["a", "b"]})]),
+    )
+    assert legacy == state
 
 
 def test_malformed_decision_records_are_ignored() -> None:
@@ -133,13 +159,20 @@ def test_malformed_decision_records_are_ignored() -> None:
         def __init__(self, stage: str, data: dict[str, object]) -> None:
             self.stage, self.data = stage, data
 
+    digest = content_digest("out")
     records = [
+        Rec("tool_result_budget", {"decided": [["p", digest], ["q", "not-a-digest"], ["r"]]}),
+        Rec("tool_result_budget", {"decided": [["s", digest.upper()], [7, digest], "t", None]}),
+        Rec("tool_result_budget", {"decided": {"u": digest}}),
+        Rec("tool_result_budget", {"decided": [["v", digest, "extra"]]}),
+        # the format before results were bound to their content: bare ids
         Rec("tool_result_budget", {"seen": ["x", 5, None, "y"]}),
         Rec("tool_result_budget", {"seen": "x"}),
         Rec("tool_result_budget", {}),
         Rec("history_snip", {"seen": ["z"]}),
+        Rec("history_snip", {"decided": [["w", digest]]}),
     ]
-    assert decided_in(records) == {"x", "y"}
+    assert decided_in(records) == {f"p#{digest}", "x", "y"}
 
 
 def test_a_synthetic_response_does_not_count_as_sending_what_came_before() -> None:
@@ -149,9 +182,11 @@ def test_a_synthetic_response_does_not_count_as_sending_what_came_before() -> No
         results(tool_result("a", "a" * 10)),
         Message.assistant([{"type": "text", "text": "API Error: overloaded"}], model="<synthetic>"),
     ]
-    assert ReplacementState.reconstruct(history, []).classify("a") == "fresh"
+    a = key("a", "a" * 10)
+    assert ReplacementState.reconstruct(history, []).classify(a) == "fresh"
     history.append(assistant("msg_2", {"type": "text", "text": "done"}))
-    assert ReplacementState.reconstruct(history, []).classify("a") == "frozen"
+    state = ReplacementState.reconstruct(history, [])
+    assert state.classify(a) == "frozen" and state.seen_ids == {a}
 
 
 def test_results_between_fragments_of_the_last_response_were_not_sent() -> None:
@@ -164,7 +199,8 @@ def test_results_between_fragments_of_the_last_response_were_not_sent() -> None:
         results(tool_result("b", "b" * 10)),
     ]
     state = ReplacementState.reconstruct(history, [])
-    assert state.classify("a") == state.classify("b") == "fresh"
+    assert state.classify(key("a", "a" * 10)) == state.classify(key("b", "b" * 10)) == "fresh"
+    assert state.seen_ids == set() and state.replacements == {}
 
 
 def test_results_before_the_last_compaction_are_not_in_the_ledger() -> None:
@@ -180,10 +216,25 @@ def test_results_before_the_last_compaction_are_not_in_the_ledger() -> None:
         results(tool_result("new", "n" * 10)),
         assistant("msg_3", {"type": "text", "text": "done"}),
     ]
-    records = [
-        ReplacementRecord("old", "<persisted-output>\nold\n</persisted-output>"),
-        ReplacementRecord("new", "<persisted-output>\nnew\n</persisted-output>"),
-    ]
-    state = ReplacementState.reconstruct(history, records)
-    assert set(state.replacements) == {"new"}
-    assert state.seen_ids == {"new"}
+    new = key("new", "n" * 10)
+    for records in (
+        [
+            ReplacementRecord(
+                "old",
+                "<persisted-output>\nold\n</persisted-output>",
+                digest=content_digest("o" * 10),
+            ),
+            ReplacementRecord(
+                "new",
+                "<persisted-output>\nnew\n</persisted-output>",
+                digest=content_digest("n" * 10),
+            ),
+        ],
+        [  # written before results were bound to their content
+            ReplacementRecord("old", "<persisted-output>\nold\n</persisted-output>"),
+            ReplacementRecord("new", "<persisted-output>\nnew\n</persisted-output>"),
+        ],
+    ):
+        state = ReplacementState.reconstruct(history, records)
+        assert set(state.replacements) == {new}
+        assert state.seen_ids == {new}

@@ -78,6 +78,24 @@ def test_by_age_removes_what_is_older_and_reports_it(tmp_path: Path) -> None:
     assert report.errors == [] and report.vanished == 0
 
 
+def test_a_tenants_conversations_are_pruned_like_any_session(tmp_path: Path) -> None:
+    """A drop-in keeps each tenant's conversations one level down (<root>/<tenant>/<name>);
+    a session that merely has a tenant's name (it holds tool-results itself) stays a session."""
+    tenant = tmp_path / "t-0123456789abcdef0123"
+    old = persist(tenant, "fp-aaaa", "toolu_old", "o" * 100)
+    new = persist(tenant, "fp-aaaa", "toolu_new", "n" * 100)
+    named = persist(tmp_path, "shared", "toolu_named", "s" * 100)
+    alone = persist(tmp_path, "plain", "toolu_plain", "p" * 100)
+    for path in (old, named, alone):
+        age(path, 10)
+    age(new, 1)
+    report = prune_store(tmp_path, max_age=WEEK, now=_now())
+    assert names(report) == ["toolu_named.txt", "toolu_old.txt", "toolu_plain.txt"]
+    assert new.exists() and not old.exists()
+    assert (tenant / "fp-aaaa").is_dir()  # still holds a result
+    assert not (tmp_path / "plain").exists() and tenant.is_dir()
+
+
 def test_a_file_exactly_at_the_age_limit_stays(tmp_path: Path) -> None:
     edge = persist(tmp_path, "s", "toolu_edge", "e")
     age(edge, 7)

@@ -39,7 +39,7 @@ from pipeline import (
 from pipeline.gate import persist_content
 from pipeline.storage import OsFileOps, StoreError, safe_file_stem
 from stages import ToolResultBudget
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import assistant, key, results, tool_result, tool_use, user_text
 
 SESSION = "sess-1"
 PERSISTED = "<persisted-output>"
@@ -628,8 +628,8 @@ async def test_failing_store_per_message_turn_completes_and_id_is_frozen(
     assert ctx.report.persisted == []
     sent = _result_contents(out)
     assert sent == _result_contents(history)  # everything original
-    assert ctx.replacement_state.classify("t_big") == "frozen"
-    assert ctx.replacement_state.classify("t_mid") == "frozen"
+    assert ctx.replacement_state.classify(key("t_big", sent["t_big"])) == "frozen"
+    assert ctx.replacement_state.classify(key("t_mid", sent["t_mid"])) == "frozen"
     assert not (tmp_path / SESSION / "tool-results").exists() or not any(
         (tmp_path / SESSION / "tool-results").iterdir()
     )
@@ -673,7 +673,7 @@ async def test_failing_store_per_tool_gate_keeps_original_and_frees_the_rest(
     sent = _result_contents(out)
     assert ctx.report.persist_failed == ["t_huge"]
     assert sent["t_huge"] == "a" * 2_500
-    assert ctx.replacement_state.classify("t_huge") == "frozen"
+    assert ctx.replacement_state.classify(key("t_huge", "a" * 2_500)) == "frozen"
     # frozen 2_500 + 900 + 800 > 3_000 -> t_a (largest fresh) goes, 2_500 + 800 still > 3_000
     # -> t_b goes too
     assert sent["t_a"].startswith(PERSISTED)
@@ -729,7 +729,8 @@ async def test_readonly_store_directory_sends_originals_and_reports(readonly_roo
     # the greedy walk selects every fresh result, t3 too -- and that write fails as well
     assert sorted(ctx.report.persist_failed) == ["t1", "t2", "t3"]
     assert ctx.replacement_state.replacements == {}
-    assert {"t1", "t2", "t3"} <= ctx.replacement_state.seen_ids
+    keys = {key(t, c) for t, c in _result_contents(history).items()}
+    assert len(keys) == 3 and keys <= ctx.replacement_state.seen_ids
 
 
 @pytest.mark.anyio
@@ -742,7 +743,7 @@ async def test_store_path_blocked_by_a_file_sends_originals(tmp_path: Path) -> N
     out = await Pipeline([ToolResultBudget(3_000)]).run(history, ctx)
     assert _result_contents(out) == _result_contents(history)
     assert sorted(ctx.report.persist_failed) == ["t1", "t2"]
-    assert ctx.replacement_state.classify("t1") == "frozen"
+    assert ctx.replacement_state.classify(key("t1", _result_contents(history)["t1"])) == "frozen"
 
 
 @pytest.fixture
@@ -819,7 +820,7 @@ async def test_unwritable_transcript_does_not_fail_the_turn(tmp_path: Path) -> N
     sent = _result_contents(out)["t1"]
     # the decision stands (it is in the state): the replacement is sent and reported ...
     assert sent.startswith(PERSISTED)
-    assert ctx.replacement_state.replacements == {"t1": sent}
+    assert ctx.replacement_state.replacements == {key("t1", _result_contents(history)["t1"]): sent}
     # ... and the lost record is logged, since a resume could not restore it
     assert any(
         level == "error"

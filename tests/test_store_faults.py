@@ -81,7 +81,7 @@ from pipeline.storage import OsFileOps
 from pipeline.testing import QuietLogger, SpanRecorder
 from pipeline.tracing import ATTR
 from stages import ToolResultBudget
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import assistant, ids, key, results, tool_result, tool_use, user_text
 
 SESSION = "sess-faults"
 TOOL = "Glob"
@@ -363,8 +363,8 @@ def check_failed(s: Session, tid: str, content: Any, fault: Fault, sent: dict[st
     """Invariants 1-4 for an id whose persist just failed in this pass."""
     assert sent[tid] == content, f"{tid}: not sent with its original content"
     assert tid in s.ctx.report.persist_failed
-    assert tid not in s.ctx.replacement_state.replacements
-    assert s.ctx.replacement_state.classify(tid) == "frozen"
+    assert tid not in ids(s.ctx.replacement_state.replacements)
+    assert s.ctx.replacement_state.classify(key(tid, content)) == "frozen"
     (span,) = s.decisions()[tid]
     assert span[ATTR.DECISION] == "persist_failed"
     # the errno name tells the failures apart (ENOSPC is not EROFS)

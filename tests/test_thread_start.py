@@ -27,7 +27,7 @@ from pipeline.messages import REMINDER, thread_start
 from pipeline.testing import MemoryStore, QuietLogger
 from pipeline.wire_cache import WireCache
 from stages import ToolResultBudget, default_stages
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import assistant, ids, results, tool_result, tool_use, user_text
 
 # --------------------------------------------------------------------------------------------
 # (a) ThreadStart against the reference
@@ -237,7 +237,7 @@ async def test_budget_ignores_a_large_result_before_a_compaction(layout: str) ->
     out = await Pipeline([ToolResultBudget()]).run(history, ctx)
     assert ctx.report.persisted == []
     assert store.files == {}
-    assert "a" not in ctx.replacement_state.seen_ids
+    assert "a" not in ids(ctx.replacement_state.seen_ids)
     # the stages got (and returned) the tail from the last restart record on
     cut = reference_start(history)
     assert out[0] is history[cut] and out[0].restarts_thread
@@ -343,7 +343,7 @@ async def test_a_growing_session_equals_a_fresh_context_each_call(
         if b.get("type") == "tool_result" and str(b.get("content")).startswith("<persisted")
     ]
     assert persisted == ["g"]
-    assert {"a", "d", "g"} <= set(ctx.replacement_state.replacements)
+    assert {"a", "d", "g"} <= ids(ctx.replacement_state.replacements)
 
 
 # --------------------------------------------------------------------------------------------

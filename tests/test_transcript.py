@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from pipeline import Message, TranscriptWriter, Usage, load_transcript, to_api
-from pipeline.replacement import ReplacementRecord
+from pipeline.replacement import ReplacementRecord, content_digest
 from pipeline.transcript import LineProblem, TranscriptError
 
 SESSION = "5f0c1e2a-0000-4000-8000-000000000001"
@@ -357,7 +357,11 @@ def test_writer_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "sessions" / "s1.jsonl"
     writer = TranscriptWriter(path, SESSION)
     first = _conversation()
-    records = [ReplacementRecord("toolu_01", REPLACEMENT)]
+    # a record bound to the output it replaced, and one written before records carried a digest
+    records = [
+        ReplacementRecord("toolu_01", REPLACEMENT, digest=content_digest("out")),
+        ReplacementRecord("toolu_00", REPLACEMENT),
+    ]
     later = [
         Message.assistant([{"type": "text", "text": "Done."}], message_id="msg_02", model="m"),
         Message.user("This session is being continued", is_compact_summary=True, is_meta=True),
@@ -393,7 +397,13 @@ def test_writer_round_trip(tmp_path: Path) -> None:
         assert rec["parentUuid"] == prev["uuid"]
     assert all(r["sessionId"] == SESSION for r in raw)
     assert raw[len(first)]["replacements"] == [
-        {"kind": "tool-result", "tool_use_id": "toolu_01", "replacement": REPLACEMENT}
+        {
+            "kind": "tool-result",
+            "tool_use_id": "toolu_01",
+            "digest": content_digest("out"),
+            "replacement": REPLACEMENT,
+        },
+        {"kind": "tool-result", "tool_use_id": "toolu_00", "replacement": REPLACEMENT},
     ]
 
 

@@ -47,6 +47,8 @@ HUGE_ENTRIES: list[tuple[str, dict[str, Any]]] = [
     ("kind-a-huge-dict", {"tool_use_id": "t", "replacement": "r", "kind": {"k": "v" * 10**6}}),
     ("huge-id-no-replacement", {"tool_use_id": "x" * 5_000_000, "replacement": 5}),
     ("huge-id-bad-kind", {"tool_use_id": "x" * 5_000_000, "replacement": "r", "kind": [1]}),
+    ("digest-a-huge-string", {"tool_use_id": "t", "replacement": "r", "digest": "0" * 5_000_000}),
+    ("digest-a-huge-list", {"tool_use_id": "t", "replacement": "r", "digest": [0] * 3_000_000}),
 ]
 
 
@@ -69,6 +71,15 @@ def test_a_short_bad_value_is_still_shown_whole(tmp_path: Path) -> None:
     record = {"type": "content-replacement", "replacements": [{"tool_use_id": 42}]}
     path.write_text(_lines(record), encoding="utf-8")
     with pytest.raises(TranscriptError, match=r"bad tool_use_id 42$"):
+        load_transcript(path)
+
+
+@pytest.mark.parametrize("digest", ["abc", "0" * 31, "0" * 33, "A" * 32, 7])
+def test_a_digest_that_is_not_32_hex_digits_is_refused(tmp_path: Path, digest: Any) -> None:
+    path = tmp_path / "t.jsonl"
+    entry = {"tool_use_id": "t", "replacement": "r", "digest": digest}
+    path.write_text(_lines({"type": "content-replacement", "replacements": [entry]}), "utf-8")
+    with pytest.raises(TranscriptError, match=rf"replacement record 't': bad digest {digest!r}$"):
         load_transcript(path)
 
 

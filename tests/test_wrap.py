@@ -16,7 +16,17 @@ from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.wrap import wrap as wrap_with
 from stages import ToolResultBudget, wrap
 from tests.sdk_support import sdk_client
-from tests.wire_support import TAG, client_loop, results, script, sync_client_loop, visible
+from tests.wire_support import (
+    TAG,
+    client_loop,
+    conversation_dirs,
+    only,
+    portable,
+    results,
+    script,
+    sync_client_loop,
+    visible,
+)
 
 
 def test_an_async_loop_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> None:
@@ -47,7 +57,7 @@ def test_an_async_loop_gets_the_budget_and_a_stable_prefix(tmp_path: Path) -> No
         for b in m["content"]
     )
     assert persisted >= 21  # at least one per turn, each re-applied in every later request
-    sessions = list(tmp_path.iterdir())
+    sessions = conversation_dirs(tmp_path)
     assert len(sessions) == 1 and (sessions[0] / "decisions.jsonl").exists()
 
 
@@ -80,7 +90,7 @@ def test_a_restarted_program_sends_the_same_bytes(tmp_path: Path) -> None:
 
     live = anyio.run(run, tmp_path / "a", None)
     restarted = anyio.run(run, tmp_path / "b", 6)
-    assert restarted == [r.replace(str(tmp_path / "a"), str(tmp_path / "b")) for r in live]
+    assert portable(restarted, tmp_path / "b") == portable(live, tmp_path / "a")
 
 
 def test_conversations_never_share_a_ledger(tmp_path: Path) -> None:
@@ -96,7 +106,7 @@ def test_conversations_never_share_a_ledger(tmp_path: Path) -> None:
         )
         anyio.run(many)
         sent = server.requests
-    sessions = [d for d in tmp_path.iterdir() if d.is_dir()]
+    sessions = conversation_dirs(tmp_path)
     assert len(sessions) == 20
     for body in sent:
         first = body["messages"][0]["content"][:8].replace(" ", "_")
@@ -158,7 +168,7 @@ def test_a_streamed_response_reaches_the_session_as_it_passes(tmp_path: Path) ->
     assert all(visible(b) <= 200_000 for b in sent)  # the budget applied to streamed calls
     records = [
         json.loads(line)
-        for line in (tmp_path / "streamed" / "decisions.jsonl").read_text().splitlines()
+        for line in (only(conversation_dirs(tmp_path)) / "decisions.jsonl").read_text().splitlines()
     ]
     seen = [r["data"] for r in records if r.get("stage") == "wire_session.response"]
     # each streamed response's id and full usage (input from message_start, output from

@@ -4,6 +4,7 @@ sent whole every call, its tools' outputs as they came."""
 from __future__ import annotations
 
 import random
+import re
 import socket
 import threading
 import time
@@ -80,6 +81,24 @@ def sync_client_loop(client: anthropic.Anthropic, prompt: str, calls: int) -> No
         blocks = [b.model_dump(exclude_none=True) for b in response.content]
         messages.append({"role": "assistant", "content": blocks})
         messages.append(results(response.content))
+
+
+def conversation_dirs(root: Path) -> list[Path]:
+    """Every conversation directory a drop-in made under ``root``:
+    ``<root>/<tenant>/<conversation>``."""
+    return sorted(d for t in root.iterdir() if t.is_dir() for d in t.iterdir() if d.is_dir())
+
+
+def only(paths: list[Path]) -> Path:
+    """The one path of ``paths`` (an assertion error naming them otherwise)."""
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+def portable(texts: list[str], root: Path) -> list[str]:
+    """``texts`` with the store's root and the tenant's name (a digest under the store's own
+    secret) written alike, so two stores' requests compare."""
+    return [re.sub(r"t-[0-9a-f]{20}", "TENANT", t.replace(str(root), "ROOT")) for t in texts]
 
 
 def visible(body: dict[str, Any]) -> int:

@@ -146,6 +146,12 @@ def _add_proxy_parser(sub: Any) -> None:
     )
     proxy_p.add_argument("--upstream", default="https://api.anthropic.com", metavar="URL")
     proxy_p.add_argument(
+        "--single-tenant",
+        action="store_true",
+        help="one set of conversations for every API key (default: each key's conversations, "
+        "records and persisted results are its own, under a digest of the key)",
+    )
+    proxy_p.add_argument(
         "--cache-breakpoint",
         action="store_true",
         help="for clients that set no cache_control, mark the last block so the API caches "

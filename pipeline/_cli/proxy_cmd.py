@@ -39,6 +39,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         import uvicorn
 
         from pipeline.proxy import build_app
+        from pipeline.tenancy import Tenancy
     except ImportError:
         raise CliError("the proxy needs its extra: pip install 'sluicegate[proxy]'") from None
     parts = urlsplit(args.upstream)
@@ -67,6 +68,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             cache_breakpoint=args.cache_breakpoint,
             background=background,
             storage=shared,
+            tenancy=Tenancy(single=True) if args.single_tenant else None,
         )
         sock = _listen(args.host, args.port)
         port = sock.getsockname()[1]

@@ -6,6 +6,7 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from pipeline.harness import last_result_index, split_tail, with_tail
 from pipeline.kept_list import KeptList
 from pipeline.messages import Block, Message
 
@@ -58,11 +59,18 @@ def by_id(texts: Mapping[str, str]) -> ContentFor:
 def patch_message(m: Message, content_for: ContentFor) -> Message:
     """``m`` with the tool_results ``content_for`` names carrying their new content; ``m``
     itself when nothing changes. Every other block field (``tool_use_id``, ``is_error``,
-    ``cache_control``) is kept."""
+    ``cache_control``) is kept, and so is text a harness appended to the last result
+    (:mod:`pipeline.harness`): the new content takes the place of the tool's output only.
+    ``content_for`` is called once per tool_result block, in order."""
     blocks: list[Block] | None = None
+    last = last_result_index(m.content)
     for j, b in tool_results(m):
         new = content_for(b)
-        if new is None or b.get("content") == new:
+        if new is None:
+            continue
+        if j == last:
+            new = with_tail(new, split_tail(b.get("content"))[1])
+        if b.get("content") == new:
             continue
         if blocks is None:
             blocks = list(m.content)  # type: ignore[arg-type]  # tool_results: a list

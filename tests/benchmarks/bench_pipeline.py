@@ -60,7 +60,13 @@ from pipeline import (  # noqa: E402
     to_api,
 )
 from pipeline.gate import empty_result_text, is_persistable, persist_content  # noqa: E402
-from pipeline.replacement import candidate_size, content_is_empty, is_candidate  # noqa: E402
+from pipeline.harness import last_result_index, split_tail, with_tail  # noqa: E402
+from pipeline.replacement import (  # noqa: E402
+    candidate_size,
+    content_is_empty,
+    is_candidate_content,
+    result_key,
+)
 from pipeline.replay import replay_messages  # noqa: E402
 from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
 from stages import ToolResultBudget, default_stages  # noqa: E402
@@ -77,9 +83,11 @@ LIMIT = 200_000
 class FullRescanBudget:
     """docs/behaviour.md §2 done the straightforward way: the whole history, every turn.
 
-    Group (§2.1), classify against the ledger (§2.3), decide groups with fresh results (§2.4:
-    never-persist tools, the per-tool gate, the largest-first walk), persist, then rebuild the
-    message list with every replacement mapped in. No spans, no logs: the bare algorithm.
+    Group (§2.1), classify against the ledger (§2.3: a result known by its ledger key, its id
+    and the digest of its output, the harness tail of a record's last result split off),
+    decide groups with fresh results (§2.4: never-persist tools, the per-tool gate, the
+    largest-first walk), persist, then rebuild the message list with every replacement mapped
+    in (the tail put back). No spans, no logs: the bare algorithm.
     """
 
     def __init__(self, limit: float, policies: ToolPolicies, store: Any) -> None:
@@ -88,12 +96,16 @@ class FullRescanBudget:
         self.store = store
 
     async def __call__(self, messages: list[Message], state: ReplacementState) -> list[Message]:
-        groups: list[list[tuple[str, str | None, Any, int, bool]]] = []
-        current: list[tuple[str, str | None, Any, int, bool]] = []
+        # a candidate: (tool_use_id, tool name, output, size, persistable, ledger key)
+        groups: list[list[tuple[str, str | None, Any, int, bool, str]]] = []
+        current: list[tuple[str, str | None, Any, int, bool, str]] = []
         names: dict[str, str] = {}
         response_ids: set[str] = set()
-        apply: dict[str, str] = {}
-        for m in messages:
+        apply: dict[str, str] = {}  # ledger key -> replacement
+        empty: dict[str, str] = {}  # tool_use_id -> placeholder of its last blank result
+        # (message index, block index) -> (key or None for a blank result, id, tail, is last)
+        slots: dict[tuple[int, int], tuple[str | None, str, Any, bool]] = {}
+        for i, m in enumerate(messages):
             if m.type == "assistant":
                 if m.message_id is None or m.message_id not in response_ids:
                     if current:
@@ -106,38 +118,43 @@ class FullRescanBudget:
                         if b.get("type") == "tool_use":
                             names[b["id"]] = b.get("name") or ""
             elif m.type == "user" and isinstance(m.content, list):
-                for b in m.content:
+                last = last_result_index(m.content)
+                for j, b in enumerate(m.content):
                     if b.get("type") != "tool_result":
                         continue
                     tid, content = b["tool_use_id"], b.get("content")
-                    if content_is_empty(content):
-                        apply[tid] = empty_result_text(names.get(tid))
-                    elif is_candidate(b):
-                        size = candidate_size(content)
-                        current.append(
-                            (tid, names.get(tid), content, size, is_persistable(content))
-                        )
+                    core, tail = split_tail(content) if j == last else (content, None)
+                    if content_is_empty(core):
+                        empty[tid] = empty_result_text(names.get(tid))
+                        slots[i, j] = (None, tid, tail, j == last)
+                    elif is_candidate_content(core):
+                        key = result_key(tid, core)
+                        size = candidate_size(core)
+                        current.append((tid, names.get(tid), core, size, is_persistable(core), key))
+                        slots[i, j] = (key, tid, tail, j == last)
         if current:
             groups.append(current)
 
         for group in groups:
             frozen = 0
             fresh = []
+            fresh_keys: set[str] = set()
             for c in group:
-                tid = c[0]
-                if tid in state.replacements:
-                    apply[tid] = state.replacements[tid]
-                elif tid in state.seen_ids:
+                key = c[5]
+                if key in state.replacements:
+                    apply[key] = state.replacements[key]
+                elif key in state.seen_ids:
                     frozen += c[3]
-                else:
+                elif key not in fresh_keys:  # the same result twice: decided once
                     fresh.append(c)
+                    fresh_keys.add(key)
             if not fresh:
                 continue
             eligible = []
             for c in fresh:
                 threshold = self.policies.threshold(c[1])
                 if math.isinf(threshold):
-                    state.seen_ids.add(c[0])
+                    state.seen_ids.add(c[5])
                 elif c[4] and c[3] > threshold:
                     await self._persist(c, state, apply)
                 else:
@@ -150,28 +167,34 @@ class FullRescanBudget:
                     await self._persist(c, state, apply)
                     remaining -= c[3]
             for c in eligible:
-                state.seen_ids.add(c[0])
+                state.seen_ids.add(c[5])
 
         out = []
-        for m in messages:
+        for i, m in enumerate(messages):
             if m.type == "user" and isinstance(m.content, list):
-                blocks = [
-                    {**b, "content": apply[b["tool_use_id"]]}
-                    if b.get("type") == "tool_result"
-                    and b.get("tool_use_id") in apply
-                    and b.get("content") != apply[b["tool_use_id"]]
-                    else b
-                    for b in m.content
-                ]
-                if any(x is not y for x, y in zip(blocks, m.content, strict=True)):
+                blocks = list(m.content)
+                changed = False
+                for j, b in enumerate(m.content):
+                    slot = slots.get((i, j))
+                    if slot is None:
+                        continue
+                    slot_key, tid, tail, last = slot
+                    text = empty.get(tid) if slot_key is None else apply.get(slot_key)
+                    if text is None:
+                        continue
+                    new = with_tail(text, tail) if last else text
+                    if b.get("content") != new:
+                        blocks[j] = {**b, "content": new}
+                        changed = True
+                if changed:
                     m = m.with_content(blocks)
             out.append(m)
         return out
 
     async def _persist(self, c: Any, state: ReplacementState, apply: dict[str, str]) -> None:
         persisted = await persist_content(self.store, c[0], c[2])
-        state.record_replacement(c[0], persisted.replacement)
-        apply[c[0]] = persisted.replacement
+        state.record_replacement(c[5], persisted.replacement)
+        apply[c[5]] = persisted.replacement
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,182 @@
+"""Properties of placing requests (``pipeline.conversations``) over random runs: clients of two
+tenants whose conversations open alike, reuse tool ids, fork from each other at any point and
+outlive the process (a restart keeps only the disk).
+
+After every request:
+
+- it holds only its own content: each tool result is sent as the client sent it, or as a
+  replacement whose file holds exactly that output, under the client's own tenant;
+- everything the client's conversation was sent before is sent again byte for byte;
+- a fork's first request begins with what its parent was last sent, for the part they share.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline import Pipeline
+from pipeline.conversations import Conversations
+from pipeline.testing import QuietLogger
+from stages import ToolResultBudget
+from tests.wire_support import TAG
+
+TENANTS = ({"x-api-key": "sk-ant-A"}, {"x-api-key": "sk-ant-B"})
+OPENINGS = ("run the build", "fix the tests")
+SYSTEMS = (
+    "you help",
+    [{"type": "text", "text": "you help", "cache_control": {"type": "ephemeral"}}],
+)
+_PATH = re.compile(r"Full output saved to: (.+)\n")
+
+
+@dataclass
+class Client:
+    """One conversation as a client keeps it: its tenant, its history, what it was sent."""
+
+    number: int
+    tenant: int
+    system: Any
+    history: list[dict[str, Any]]
+    parent: Client | None = None
+    shared: int = 0
+    """Messages it shares with its parent (a fork)."""
+    sent: list[list[Any]] = field(default_factory=list)
+    steps: int = 0
+
+
+Op = tuple[Any, ...]
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("new"), st.integers(0, 1), st.integers(0, 1), st.integers(0, 1)),
+        st.tuples(st.just("step"), st.integers(0, 9), st.integers(0, 2), st.integers(0, 4)),
+        st.tuples(st.just("fork"), st.integers(0, 9), st.integers(0, 30)),
+        st.tuples(st.just("send"), st.integers(0, 9)),
+        st.just(("restart",)),
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+def registry(root: Path) -> Conversations:
+    return Conversations(
+        pipeline=lambda: Pipeline([ToolResultBudget(3_000)]), root=root, logger=QuietLogger()
+    )
+
+
+async def run(script: list[Op], root: Path) -> None:
+    conversations = registry(root)
+    clients: list[Client] = []
+    for op in script:
+        kind = op[0]
+        if kind == "new":
+            _, tenant, opening, system = op
+            history = [{"role": "user", "content": OPENINGS[opening]}]
+            clients.append(Client(len(clients), tenant, SYSTEMS[system], history))
+        elif kind == "restart":
+            conversations = registry(root)  # only the disk is left
+        elif not clients:
+            continue
+        elif kind == "step":
+            client = clients[op[1] % len(clients)]
+            step(client, tool_id=op[2], size=op[3])
+        elif kind == "fork":
+            parent = clients[op[1] % len(clients)]
+            cuts = [i + 1 for i, m in enumerate(parent.history) if m["role"] == "user"]
+            cut = cuts[op[2] % len(cuts)]
+            fork = Client(
+                len(clients),
+                parent.tenant,
+                parent.system,
+                [*parent.history[:cut]],
+                parent=parent,
+                shared=cut,
+            )
+            fork.history += [
+                {"role": "assistant", "content": f"forked as {fork.number}"},
+                {"role": "user", "content": f"directive for {fork.number}"},
+            ]
+            clients.append(fork)
+        elif kind == "send":
+            await send(conversations, clients[op[1] % len(clients)], root)
+
+
+def step(client: Client, *, tool_id: int, size: int) -> None:
+    """A tool call of the client's model, and its output: ids from a pool of three (reused
+    within and across conversations), content that names the client and the step."""
+    client.steps += 1
+    tid = f"toolu_{tool_id}"
+    output = f"[client {client.number} step {client.steps}]\n" + "log line\n" * (150 * size)
+    use = {"type": "tool_use", "id": tid, "name": "Bash", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": tid, "content": output}
+    client.history += [
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [result]},
+    ]
+
+
+async def send(conversations: Conversations, client: Client, root: Path) -> None:
+    body = {"model": "m", "max_tokens": 10, "system": client.system, "messages": client.history}
+    branch = await conversations.route(body, TENANTS[client.tenant])
+    prepared = (await branch.session.prepare_request(body))["messages"]
+    usage = {"input_tokens": 50 + len(json.dumps(prepared)) // 4, "output_tokens": 5}
+    await branch.session.observe_async(f"msg_{client.number}_{len(client.sent)}", usage, "m")
+    check_own_content(client, prepared, root, branch.family.tenant)
+    if client.sent:
+        before = client.sent[-1]
+        assert prepared[: len(before)] == before, "a conversation's sent prefix changed"
+    elif client.parent is not None and client.parent.sent:
+        last = client.parent.sent[-1]
+        shared = min(client.shared, len(last))
+        assert prepared[:shared] == last[:shared], "a fork did not send its parent's bytes"
+    client.sent.append(prepared)
+
+
+def check_own_content(client: Client, prepared: list[Any], root: Path, tenant: str) -> None:
+    assert len(prepared) == len(client.history)
+    for own, sent in zip(client.history, prepared, strict=True):
+        if not isinstance(own["content"], list):
+            # a string content goes as its one text block: the same prompt to the API
+            assert sent["content"] in (own["content"], [{"type": "text", "text": own["content"]}])
+            continue
+        for block, out in zip(own["content"], sent["content"], strict=True):
+            if block["type"] != "tool_result":
+                assert out == block
+                continue
+            original, shown = block["content"], out["content"]
+            if shown == original:
+                continue
+            assert shown.startswith(TAG), shown[:80]
+            path = Path(_PATH.search(shown).group(1))  # type: ignore[union-attr]
+            assert path.is_relative_to(root / tenant), "a file of another tenant"
+            assert path.read_text() == original, "a replacement of another output"
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(script=ops)
+def test_no_request_holds_another_conversations_content(script: list[Op]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        anyio.run(run, script, Path(tmp))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=ops)
+def test_no_request_holds_another_conversations_content_quick(script: list[Op]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        anyio.run(run, script, Path(tmp))

@@ -1,0 +1,248 @@
+"""Which conversation a request belongs to (``pipeline.conversations``), in process: placed by
+tenant and by the messages it begins with, never by a name alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from pipeline import Pipeline
+from pipeline.conversations import Branch, Conversations, conversation_hint
+from pipeline.tenancy import Tenancy
+from pipeline.testing import QuietLogger
+from stages import ToolResultBudget
+from tests.wire_support import TAG
+
+KEY_A = {"x-api-key": "sk-ant-A"}
+KEY_B = {"x-api-key": "sk-ant-B"}
+
+
+def registry(root: Path, **options: Any) -> Conversations:
+    return Conversations(
+        pipeline=lambda: Pipeline([ToolResultBudget(3_000)]),
+        root=root,
+        logger=QuietLogger(),
+        **options,
+    )
+
+
+def user(text: str, **extra: Any) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "text", "text": text, **extra}]}
+
+
+def call(tid: str) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": tid, "name": "Bash", "input": {}}],
+    }
+
+
+def answer(tid: str, output: str) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": tid, "content": output}],
+    }
+
+
+def body(messages: list[dict[str, Any]], system: Any = "you help") -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 10, "system": system, "messages": messages}
+
+
+async def send(
+    conversations: Conversations,
+    messages: list[dict[str, Any]],
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> tuple[Branch, list[Any]]:
+    """Route and prepare one request; the response observed as the API would answer it."""
+    request = body(messages, **extra)
+    branch = await conversations.route(request, headers or KEY_A)
+    prepared = await branch.session.prepare_request(request)
+    usage = {"input_tokens": 100 + len(messages), "output_tokens": 5}
+    await branch.session.observe_async(f"msg_{len(messages)}", usage, "m")
+    return branch, prepared["messages"]
+
+
+def test_a_growing_conversation_stays_one_and_its_first_call_joins_it(tmp_path: Path) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        # Claude Code marks the first message while it is the only one, never after
+        first, _ = await send(conversations, [user("go", cache_control={"type": "ephemeral"})])
+        history = [user("go"), call("t1"), answer("t1", "x" * 5_000)]
+        second, sent = await send(conversations, history)
+        history += [call("t2"), answer("t2", "y" * 100)]
+        third, again = await send(conversations, history)
+        assert first is second is third
+        assert again[:3] == sent  # the replacement re-applied byte for byte
+        assert sent[2]["content"][0]["content"].startswith(TAG)
+        # the first call's response id reached the conversation: its answer carries it
+        assert third.session._records[1].message_id == "msg_1"
+        assert len(conversations.branches()) == 1
+
+    anyio.run(main)
+
+
+def test_alike_openings_that_go_different_ways_are_two_conversations(tmp_path: Path) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        a_history = [user("run the build"), call("toolu_1"), answer("toolu_1", "A-SECRET " * 800)]
+        b_history = [user("run the build"), call("toolu_1"), answer("toolu_1", "hello from B")]
+        a, a_sent = await send(conversations, a_history)
+        b, b_sent = await send(conversations, b_history)
+        assert a is not b
+        assert a_sent[2]["content"][0]["content"].startswith(TAG)
+        assert b_sent[2]["content"][0]["content"] == "hello from B"
+        # each continues as its own, in any order
+        a2, _ = await send(conversations, [*a_history, call("t2"), answer("t2", "a")])
+        b2, b2_sent = await send(conversations, [*b_history, call("t2"), answer("t2", "b")])
+        assert (a2, b2) == (a, b)
+        assert "A-SECRET" not in json.dumps(b2_sent)
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("fork_first", [False, True])
+def test_a_fork_sends_its_parents_bytes(tmp_path: Path, fork_first: bool) -> None:
+    """Claude Code's fork: the parent's messages, the launching call without its text, then
+    the fork's directive; the parent goes on with the whole call and its result."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        history = [user("review"), call("t1"), answer("t1", "log " * 2_000)]
+        history += [call("t2"), answer("t2", "ok")]
+        _, parent_sent = await send(
+            conversations, history, system=[{"type": "text", "text": "you help"}]
+        )
+        launch = {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "I'll fork."},
+                {"type": "tool_use", "id": "ag", "name": "Agent", "input": {}},
+            ],
+        }
+        fork_history = [
+            *history,
+            {"role": "assistant", "content": launch["content"][1:]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "ag", "content": "Fork started"},
+                    {"type": "text", "text": "Your directive: check the tests"},
+                ],
+            },
+        ]
+        parent_next = [*history, launch, answer("ag", "Async agent launched")]
+        billing = "x-anthropic-billing-header: cc_is_subagent=true;"
+        order = [(fork_history, billing), (parent_next, None)]
+        if not fork_first:
+            order.reverse()
+        sent = {}
+        for messages, header in order:
+            system = [{"type": "text", "text": header}] if header else None
+            system_blocks = [*(system or []), {"type": "text", "text": "you help"}]
+            branch, out = await send(conversations, messages, system=system_blocks)
+            sent[id(messages)] = (branch, out)
+        fork, fork_sent = sent[id(fork_history)]
+        main, main_sent = sent[id(parent_next)]
+        assert fork is not main
+        assert fork_sent[: len(parent_sent)] == parent_sent  # the parent's bytes
+        assert main_sent[: len(parent_sent)] == parent_sent
+        files = list(tmp_path.rglob("tool-results/*"))
+        assert len(files) == 1  # the inherited result was not persisted again
+
+    anyio.run(main)
+
+
+def test_a_retry_of_an_earlier_request_is_the_same_conversation(tmp_path: Path) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        short = [user("go"), call("t1"), answer("t1", "q" * 4_000)]
+        longer = [*short, call("t2"), answer("t2", "r")]
+        first, short_sent = await send(conversations, short)
+        await send(conversations, longer)
+        retried, again = await send(conversations, short)
+        assert retried is first and again == short_sent
+        assert len(conversations.branches()) == 1
+
+    anyio.run(main)
+
+
+def test_tenants_never_meet_and_one_tenant_is_a_switch(tmp_path: Path) -> None:
+    async def main() -> None:
+        history = [user("build"), call("toolu_b"), answer("toolu_b", "B-SECRET " * 800)]
+        mine = [user("build"), call("toolu_b"), answer("toolu_b", "mine")]
+        conversations = registry(tmp_path / "apart")
+        b, _ = await send(
+            conversations,
+            history,
+            KEY_B,
+        )
+        a, a_sent = await send(conversations, mine, {**KEY_A, "x-sluicegate-session": "x"})
+        a2, _ = await send(conversations, mine, KEY_A)
+        assert b.family.tenant != a.family.tenant and a is not b and a2 is not b
+        assert a_sent[2]["content"][0]["content"] == "mine"
+        # nothing of a tenant's lies under another's directory
+        tenants = [d for d in (tmp_path / "apart").iterdir() if d.is_dir()]
+        assert len(tenants) == 2
+        holding = [d.name for d in tenants if "B-SECRET" in _all_text(d)]
+        assert holding == [b.family.tenant]
+        # a credential is never written down
+        assert "sk-ant" not in _all_text(tmp_path / "apart")
+
+        single = registry(tmp_path / "one", tenancy=Tenancy(single=True))
+        x, _ = await send(single, history, KEY_B)
+        y, _ = await send(single, history, KEY_A)
+        assert x is y and x.family.tenant == "shared"
+
+    anyio.run(main)
+
+
+def _all_text(root: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in root.rglob("*") if p.is_file())
+
+
+def test_a_new_process_places_requests_as_the_last_one_did(tmp_path: Path) -> None:
+    async def main() -> None:
+        history = [user("go"), call("t1"), answer("t1", "p" * 4_000)]
+        history += [call("t2"), answer("t2", "ok")]
+        fork_history = [*history[:3], call("t9"), answer("t9", "f" * 4_000)]
+        first = registry(tmp_path)
+        parent, parent_sent = await send(first, history)
+        fork, fork_sent = await send(first, fork_history)
+        assert fork is not parent
+
+        again = registry(tmp_path)  # only the disk is left
+        p2, p2_sent = await send(again, [*history, call("t3"), answer("t3", "s")])
+        f2, f2_sent = await send(again, [*fork_history, call("t4"), answer("t4", "u")])
+        assert p2.conversation_id == parent.conversation_id
+        assert f2.conversation_id == fork.conversation_id
+        assert p2_sent[: len(parent_sent)] == parent_sent
+        assert f2_sent[: len(fork_sent)] == fork_sent
+
+    anyio.run(main)
+
+
+def test_explicit_hints_keep_alike_conversations_apart(tmp_path: Path) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        history = [user("same start")]
+        one = await conversations.route(body(history), {**KEY_A, "x-sluicegate-session": "one"})
+        two = await conversations.route(body(history), {**KEY_A, "x-sluicegate-session": "two"})
+        assert one is not two
+        assert one.conversation_id.startswith("one-") and two.conversation_id.startswith("two-")
+        with pytest.raises(ValueError, match="session_id"):
+            await conversations.route(body(history), {"x-sluicegate-session": "../x"})
+
+    anyio.run(main)
+
+
+def test_the_hint_is_only_a_hint() -> None:
+    session = "de804c2f-1e20-4494-bd5b-ba955b3f60f1"
+    user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": session})
+    request = body([user("hi")])
+    assert conversation_hint({**request, "metadata": {"user_id": user_id}}) == f"cc-{session}"
+    assert conversation_hint(request) == ""
