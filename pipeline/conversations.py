@@ -48,7 +48,7 @@ from pipeline.adapter import WireSession
 from pipeline.logs import get_logger
 from pipeline.messages import Message
 from pipeline.replacement import read_results
-from pipeline.session_storage import SessionStates
+from pipeline.session_storage import SessionStates, SessionStorage
 from pipeline.storage import validate_session_id
 from pipeline.tenancy import Tenancy
 from pipeline.tokens import TokenTracker, calibration_path_for
@@ -212,7 +212,7 @@ class Branch:
     @property
     def conversation_id(self) -> str:
         """The conversation's name: the family's, then ``.<branch>`` for a branch."""
-        return self.family.name if self.name is None else f"{self.family.name}.{self.name}"
+        return _named(self.family.name, self.name)
 
 
 @dataclass(eq=False)
@@ -382,25 +382,29 @@ class Conversations:
         family = Family(tenant, name, states, self.root / tenant)
         for branch_name in states.branches(name):
             storage = states.open(name, branch=branch_name)
-            loaded = storage.load()
-            display = name if branch_name is None else f"{name}.{branch_name}"
             tracker = TokenTracker.load(
                 calibration_path_for(family.calibration_root, name, branch_name)
             )
-            session = WireSession(
-                display,
-                family.calibration_root,
-                self.pipeline(),
-                storage=storage,
-                loaded=loaded,
-                token_tracker=tracker,
-                **self.context,
+            session = self._session(
+                family, branch_name, storage, loaded=storage.load(), token_tracker=tracker
             )
             branch = Branch(family, branch_name, session)
             family.branches[branch_name] = branch
             family.register(branch, session.chain, 0)
         family.recent.reverse()  # the first conversation first
         return family
+
+    def _session(
+        self, family: Family, name: str | None, storage: SessionStorage, **options: Any
+    ) -> WireSession:
+        return WireSession(
+            _named(family.name, name),
+            family.calibration_root,
+            self.pipeline(),
+            storage=storage,
+            **options,
+            **self.context,
+        )
 
     def _place(
         self,
@@ -496,7 +500,6 @@ class Conversations:
         sync: bool,
     ) -> Branch:
         storage = family.states.open(family.name, branch=name)
-        display = family.name if name is None else f"{family.name}.{name}"
         inherited = None
         if parent is not None:
             keys = _result_keys(messages)
@@ -506,20 +509,12 @@ class Conversations:
             else:
                 inherited = parent.session.inherit(at, keys)
             inherited.chain = chain[:at]
-            get_logger(session_id=display).info(
+            get_logger(session_id=_named(family.name, name)).info(
                 "wire_session.forked", parent=parent.conversation_id, shared_messages=at
             )
 
         def make() -> WireSession:
-            return WireSession(
-                display,
-                family.calibration_root,
-                self.pipeline(),
-                storage=storage,
-                loaded=None,
-                inherited=inherited,
-                **self.context,
-            )
+            return self._session(family, name, storage, loaded=None, inherited=inherited)
 
         branch = Branch(family, name, build(make))
         family.branches[name] = branch
@@ -539,6 +534,10 @@ def _result_keys(messages: Sequence[Any]) -> set[str]:
             continue
         keys.update(slot.key for slot in read_results(record) if slot.key is not None)
     return keys
+
+
+def _named(family: str, branch: str | None) -> str:
+    return family if branch is None else f"{family}.{branch}"
 
 
 def _call(fn: Callable[[], T]) -> T:

@@ -54,14 +54,15 @@ __all__ = ["BudgetCache", "Candidate", "GroupScan", "Name", "collect_groups", "p
 
 Name = str | tuple[str, str]
 """What a tool_result is sent as depends on: a candidate's ledger key (id and output digest),
-or ``("empty", tool_use_id)`` for a blank result (its placeholder names the tool)."""
+or ``("empty", placeholder)`` for a blank result (the placeholder names the tool its id was
+called as where it stands)."""
 
 
-def _name(slot: ResultSlot) -> Name | None:
+def _name(slot: ResultSlot, tool_names: Mapping[str, str]) -> Name | None:
     if slot.tool_use_id is None:
         return None
     if slot.empty:
-        return ("empty", slot.tool_use_id)
+        return ("empty", empty_result_text(tool_names.get(slot.tool_use_id)))
     return slot.key
 
 
@@ -91,8 +92,6 @@ class _Undo:
     """(tool_use_id, the name it had before or None) for every tool_use, in order."""
     candidates: int = 0
     """Candidates appended to the open group."""
-    empties: list[tuple[str, str | None]] | None = None
-    """(tool_use_id, the placeholder it had before or None) for every empty result, in order."""
     unaddressable: int = 0
     malformed: int = 0
     slots: tuple[Name | None, ...] = ()
@@ -116,8 +115,6 @@ class GroupScan:
         self.current: list[Candidate] = []
         self.tool_names: dict[str, str] = {}
         self.assistant_ids: set[str] = set()
-        self.empty_ids: dict[str, str] = {}
-        """tool_use_id -> placeholder of its last empty result."""
         self.unaddressable = 0
         """tool_result blocks without a usable string id."""
         self.malformed = 0
@@ -147,7 +144,7 @@ class GroupScan:
         u.malformed = sum(1 for b in m.content if not isinstance(b, Mapping))
         slots: list[Name | None] = []
         for slot in read_results(m):
-            name = _name(slot)
+            name = _name(slot, self.tool_names)
             slots.append(name)
             if name is None:
                 u.unaddressable += slot.tool_use_id is None
@@ -156,10 +153,6 @@ class GroupScan:
             tid = slot.tool_use_id
             assert tid is not None
             if slot.empty:
-                if u.empties is None:
-                    u.empties = []
-                u.empties.append((tid, self.empty_ids.get(tid)))
-                self.empty_ids[tid] = empty_result_text(self.tool_names.get(tid))
                 continue
             key = slot.key
             assert key is not None
@@ -227,9 +220,6 @@ class GroupScan:
                 del self.cand_count[key]
             if key in replacements:
                 self.reapplied -= 1
-        if u.empties is not None:
-            for tid, previous in reversed(u.empties):
-                _restore(self.empty_ids, tid, previous)
         for name in u.slots:
             if name is None:
                 continue
@@ -264,14 +254,20 @@ def collect_groups(messages: Sequence[Message]) -> list[list[Candidate]]:
     return scan.groups
 
 
-def patch_all(
-    messages: list[Message], replacements: Mapping[str, str], empty_ids: Mapping[str, str]
-) -> list[Message]:
+def patch_all(messages: list[Message], replacements: Mapping[str, str]) -> list[Message]:
     """Every message patched from scratch: each candidate sent as its replacement (by key),
     each blank result as its placeholder (the path for input the cache does not keep)."""
     out: list[Message] | None = None
+    tool_names: dict[str, str] = {}
     for i, m in enumerate(messages):
-        patched = _patched(m, [_name(s) for s in read_results(m)], replacements, empty_ids)
+        if m.type == "assistant" and isinstance(m.content, list):
+            for b in m.content:
+                if isinstance(b, Mapping) and b.get("type") == "tool_use":
+                    tid, name = b.get("id"), b.get("name")
+                    if isinstance(tid, str):
+                        tool_names[tid] = name if isinstance(name, str) else ""
+        names = [_name(s, tool_names) for s in read_results(m)]
+        patched = _patched(m, names, replacements)
         if patched is not m:
             if out is None:
                 out = list(messages)
@@ -283,7 +279,6 @@ def _patched(
     m: Message,
     slots: Sequence[Name | None],
     replacements: Mapping[str, str],
-    empty_ids: Mapping[str, str],
 ) -> Message:
     names = iter(slots)
 
@@ -291,7 +286,7 @@ def _patched(
         name = next(names, None)
         if name is None:
             return None
-        return empty_ids.get(name[1]) if isinstance(name, tuple) else replacements.get(name)
+        return name[1] if isinstance(name, tuple) else replacements.get(name)
 
     return patch_message(m, content_for)
 
@@ -381,7 +376,7 @@ class BudgetCache:
         stale_from = start
         for name in touched:
             if isinstance(name, tuple):
-                text = scan.empty_ids.get(name[1])
+                text = name[1] if name in scan.first_pos else None
             else:
                 text = replacements.get(name) if name in scan.cand_count else None
             old = self.apply.get(name)

@@ -173,7 +173,7 @@ class ToolResultBudget:
         if scan.malformed:
             # A non-mapping item in a user content list: take the from-scratch output path, which
             # fails (or not) on it exactly as it always has; __call__ drops the cache afterwards.
-            return patch_all(messages, state.replacements, scan.empty_ids)
+            return patch_all(messages, state.replacements)
 
         # from the next pass on, the candidates of newly replaced results count as re-applied
         for key in replaced_now:

@@ -264,7 +264,9 @@ def assert_contained(sandbox: Path, base: Path, ctx: SessionContext, allowed: se
                 continue
             assert here == tool_dir, f"file written outside {tool_dir}: {p}"
             assert not name.startswith(".tmp-"), f"temp file left behind: {p}"
-            assert re.fullmatch(r"(unsafe\.[0-9a-f]{64}|[A-Za-z0-9_-]{1,128})\.(txt|json)", name), p
+            assert re.fullmatch(
+                r"(unsafe\.[0-9a-f]{64}|[A-Za-z0-9_-]{1,128})(\.[0-9a-f]{12})?\.(txt|json)", name
+            ), p
             assert not (here / name).is_symlink()
     for persisted in ctx.report.persisted:
         assert Path(persisted.path).parent == tool_dir.absolute(), persisted.path

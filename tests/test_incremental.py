@@ -268,9 +268,10 @@ async def test_an_equal_copy_is_a_change_and_its_object_is_passed_through() -> N
 
 @pytest.mark.anyio
 async def test_a_reused_id_after_the_edit_point_repatches_older_messages() -> None:
-    """A later blank result reusing an earlier id changes what the earlier blank one is sent
-    with (a placeholder names the tool of the id's last blank result); a later result with
-    output never lends an earlier one its replacement (decisions are bound to the output)."""
+    """A later result reusing an earlier id never changes what the earlier one is sent with:
+    a blank one keeps the placeholder of the tool its id named where it stands, and a result
+    with output never lends another its replacement (decisions are bound to the output); the
+    incremental pass agrees with a pass from scratch at every step."""
     ctx = _ctx(MemoryStore(), None, None)
     pipe = Pipeline([ToolResultBudget(300, incremental=True)])
     history = [
@@ -296,8 +297,9 @@ async def test_a_reused_id_after_the_edit_point_repatches_older_messages() -> No
     history = [*history, assistant("m3", tool_use("dup", "Grep")), results(tool_result("dup", ""))]
     out3 = await pipe.run(history, ctx)
     assert json.dumps(to_api(out3)) == json.dumps(to_api(await from_scratch()))
-    # the earlier empty result now carries the later one's placeholder, as from scratch
-    assert out3[2].content[0]["content"] == "(Grep completed with no output)"  # type: ignore[index]
+    # the earlier blank result keeps its own placeholder; the later one names Grep
+    assert out3[2].content[0]["content"] == "(Other completed with no output)"  # type: ignore[index]
+    assert out3[6].content[0]["content"] == "(Grep completed with no output)"  # type: ignore[index]
     assert out3[4].content[0]["content"] == out2[4].content[0]["content"]  # type: ignore[index]
 
 
@@ -331,10 +333,11 @@ async def test_an_edit_moves_an_id_and_a_later_reuse_still_repatches_it() -> Non
     out = await check()
     assert out[5].content[0]["content"].startswith(TAG)  # type: ignore[index]
     assert out[3].content[0]["content"] == "(Other completed with no output)"  # type: ignore[index]
-    # a later blank result reuses the id: the one at 3 now carries its placeholder
+    # a later blank result reuses the id: the one at 3 keeps its own placeholder
     history += [assistant("m3", tool_use("dup", "Grep")), results(tool_result("dup", ""))]
     out = await check()
-    assert out[3].content[0]["content"] == "(Grep completed with no output)"  # type: ignore[index]
+    assert out[3].content[0]["content"] == "(Other completed with no output)"  # type: ignore[index]
+    assert out[7].content[0]["content"] == "(Grep completed with no output)"  # type: ignore[index]
 
 
 class BrokenTranscript:
