@@ -1,6 +1,5 @@
-"""What the Claude Code proxy tests need beside :mod:`tests.wire_support`: a scripted API that
-takes Claude Code's ``/v1/messages?beta=true``, and the requests a client sent to the proxy, as
-it sent them."""
+"""What the Claude Code proxy tests need beside :mod:`tests.wire_support`: the requests a client
+sent to the proxy, as it sent them."""
 
 from __future__ import annotations
 
@@ -11,26 +10,13 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipeline.testing import ScriptedMessagesServer
 
+def recording(sent: list[dict[str, Any]]) -> Callable[[ASGIApp], ASGIApp]:
+    """An ASGI wrapper (``proxy(..., around=recording(sent))``) that appends the body of each
+    ``/v1/messages`` request to ``sent`` before the app sees it (parsed; a body that is not JSON
+    is left out)."""
 
-class BetaScriptedServer(ScriptedMessagesServer):
-    """:class:`ScriptedMessagesServer` routing on the path without its query: Claude Code posts
-    to ``/v1/messages?beta=true``, which the proxy forwards as it came."""
-
-    def _reply(self, path: str, body: dict[str, Any]) -> Any:
-        return super()._reply(path.partition("?")[0], body)
-
-
-def recording(
-    build_app: Callable[..., ASGIApp], sent: list[dict[str, Any]]
-) -> Callable[..., ASGIApp]:
-    """``build_app`` whose app first appends each ``/v1/messages`` body it receives to
-    ``sent`` (parsed; a body that is not JSON is left out)."""
-
-    def build(**options: Any) -> ASGIApp:
-        app = build_app(**options)
-
+    def around(app: ASGIApp) -> ASGIApp:
         async def recorded(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http" or scope["path"] != "/v1/messages":
                 await app(scope, receive, send)
@@ -50,4 +36,4 @@ def recording(
 
         return recorded
 
-    return build
+    return around

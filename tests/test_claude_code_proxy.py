@@ -1,9 +1,11 @@
 """The real Claude Code CLI through the proxy (where it is installed).
 
-``claude -p`` runs against a scripted Messages API with the proxy between them; the model's side
-asks for eight parallel Bash calls whose outputs together exceed the 200K per-message budget,
-then one more call, then ends. Claude Code installs under /tmp on first use of the recording
-tool beside the repository (about 370 MB), so this test only runs where that has happened.
+``claude -p`` runs against a scripted Messages API with the proxy between them. In the first
+test the model's side asks for eight parallel Bash calls whose outputs together exceed the 200K
+per-message budget, then one more call, then ends; in the second it launches a background
+sub-agent, whose report Claude Code appends to a tool result of the main thread, and works on
+while the sub-agent runs. Claude Code installs under /tmp on first use of the recording tool
+beside the repository (about 370 MB), so these tests only run where that has happened.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from typing import Any
 import pytest
 
 from pipeline import Pipeline, ToolPolicies
-from pipeline.testing import Reply
+from pipeline.testing import Reply, ScriptedMessagesServer
 from stages import default_stages
-from tests import wire_support
-from tests.claude_code_support import BetaScriptedServer, recording
+from tests.claude_code_support import recording
 from tests.wire_support import TAG, free_port, proxy
 
 RECORD = Path(__file__).resolve().parents[2] / "shared" / "tools" / "record-claude-code"
@@ -89,9 +90,7 @@ def test_claude_code_through_the_proxy(tmp_path: Path) -> None:
         assert Path(path).is_file()  # where Claude Code's Read, on this machine, finds it
 
 
-def test_a_background_agents_report_reaches_the_main_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_background_agents_report_reaches_the_main_thread(tmp_path: Path) -> None:
     """A background sub-agent's report, through the proxy, reaches the main thread intact.
 
     The main thread launches a general-purpose ``Agent`` in the background, then works: turns
@@ -148,18 +147,18 @@ def test_a_background_agents_report_reaches_the_main_thread(
         return Reply([{"type": "text", "text": done_text}])
 
     sent: list[dict[str, Any]] = []  # what Claude Code sent to the proxy
-    monkeypatch.setattr(wire_support, "build_app", recording(wire_support.build_app, sent))
     root = tmp_path / "store"
     home, work, scratch = tmp_path / "home", tmp_path / "work", tmp_path / "cc-tmp"
     for d in (home, work, scratch):
         d.mkdir()
     scratch.chmod(0o700)
     with (
-        BetaScriptedServer(script) as upstream,
+        ScriptedMessagesServer(script) as upstream,
         proxy(
             upstream.base_url,
             root,
             lambda: Pipeline(default_stages()),
+            around=recording(sent),
             tool_policies=ToolPolicies.claude_code(),
         ) as url,
     ):

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +30,7 @@ from pipeline import Pipeline
 from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.wrap import wrap
 from stages import default_stages
+from tests.cli_support import clean_env
 from tests.wire_support import TAG, proxy
 
 Client = Callable[..., Any]
@@ -338,3 +343,42 @@ def test_threads_of_a_sync_wrapped_client_never_hang(tmp_path: Path) -> None:
             raw.close()
             assert not thread.is_alive(), f"hung (session_id={session_id})"
     assert not failures and len(done) == 24
+
+
+# the command -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("single", [False, True])
+def test_the_proxy_command_keeps_keys_apart_unless_told(tmp_path: Path, single: bool) -> None:
+    """``python -m pipeline proxy`` as users run it: two keys, one opening; by default each key
+    has its own tenant directory, with ``--single-tenant`` they share one conversation."""
+    store = tmp_path / "store"
+    extra = ["--single-tenant"] if single else []
+    with ScriptedMessagesServer(text_reply) as upstream:
+        command = [sys.executable, "-m", "pipeline", "proxy", "--port", "0", "--store", str(store)]
+        proc = subprocess.Popen(
+            [*command, "--upstream", upstream.base_url, *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
+        try:
+            assert proc.stderr is not None
+            banner = proc.stderr.readline()
+            found = re.search(r"on (http://127\.0\.0\.1:\d+) ", banner)
+            assert found, banner
+            for key in ("sk-ant-A", "sk-ant-B"):
+                raw = anthropic.Anthropic(base_url=found.group(1), api_key=key, max_retries=0)
+                create(raw, build("log line\n" * 6_000))
+                raw.close()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=60)
+        sent = upstream.requests
+    assert all(results_of(b)[0].startswith(TAG) for b in sent)
+    tenants = sorted(d.name for d in store.iterdir() if d.is_dir())
+    if single:
+        assert tenants == ["shared"] and len(list(store.rglob("tool-results/*"))) == 1
+        assert sent[0]["messages"] == sent[1]["messages"]  # one conversation, one decision
+    else:
+        assert len(tenants) == 2 and all(re.fullmatch(r"t-[0-9a-f]{20}", t) for t in tenants)
+        assert len(list(store.rglob("tool-results/*"))) == 2

@@ -109,11 +109,19 @@ def visible(body: dict[str, Any]) -> int:
 
 @contextmanager
 def proxy(
-    upstream: str, root: Path, pipeline: Callable[[], Pipeline], **options: Any
+    upstream: str,
+    root: Path,
+    pipeline: Callable[[], Pipeline],
+    *,
+    around: Callable[[Any], Any] | None = None,
+    **options: Any,
 ) -> Iterator[str]:
     """The proxy served on a random port for the ``with`` block; yields its base URL.
-    ``options``: more arguments of ``build_app`` (``storage``, session context)."""
+    ``options``: more arguments of ``build_app`` (``storage``, session context); ``around``:
+    an ASGI app wrapping the proxy's (one that records what clients sent, say)."""
     app = build_app(pipeline=pipeline, root=root, upstream=upstream, **options)
+    if around is not None:
+        app = around(app)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -138,6 +138,7 @@ class ScriptedMessagesServer:
     ) -> tuple[int, dict[str, Any] | RawReply, dict[str, str]]:
         request_id = f"req_scripted_{next(self._ids):06d}"
         headers = {"request-id": request_id}
+        path = path.partition("?")[0]  # Claude Code posts to /v1/messages?beta=true
         if path.rstrip("/").endswith("/v1/messages/count_tokens"):
             with self._lock:
                 self.count_requests.append(body)
