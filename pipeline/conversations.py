@@ -45,6 +45,7 @@ import anyio
 import anyio.to_thread
 
 from pipeline.adapter import WireSession
+from pipeline.digests import chain_of, opening_digest
 from pipeline.logs import get_logger
 from pipeline.messages import Message
 from pipeline.replacement import read_results
@@ -58,90 +59,15 @@ if TYPE_CHECKING:
 
     from pipeline.core import Pipeline
 
-__all__ = [
-    "SESSION_HEADER",
-    "Branch",
-    "Conversations",
-    "chain_step",
-    "conversation_hint",
-    "message_digest",
-]
+__all__ = ["SESSION_HEADER", "Branch", "Conversations", "conversation_hint"]
 
 SESSION_HEADER = "x-sluicegate-session"
 """The request header a client names its conversation with (a hint: see the module)."""
 
 T = TypeVar("T")
-_DIGEST_BYTES = 16
 _CLAUDE_CODE_SESSION = re.compile(r"_session_([0-9a-fA-F-]{36})$")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_BILLING_HEADER = "x-anthropic-billing-header:"
 _LABEL_CHARS = 48
-_ROOT = b"\x00" * _DIGEST_BYTES
-
-
-def _hash(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
-
-
-def _canonical(value: Any) -> bytes:
-    text = json.dumps(
-        value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr
-    )
-    return text.encode("utf-8", "surrogatepass")
-
-
-def _plain_blocks(content: Any) -> Any:
-    """Content with ``cache_control`` off its blocks and off the blocks a tool_result holds."""
-    if not isinstance(content, list):
-        return content
-    out = []
-    for b in content:
-        if isinstance(b, Mapping):
-            plain = {k: v for k, v in b.items() if k != "cache_control"}
-            inner = plain.get("content")
-            if isinstance(inner, list):
-                plain["content"] = _plain_blocks(inner)
-            out.append(plain)
-        else:
-            out.append(b)
-    return out
-
-
-def message_digest(param: Any) -> bytes:
-    """16 bytes that tell a message from any other, breakpoints (``cache_control``) aside."""
-    if isinstance(param, Mapping):
-        value: Any = {"role": param.get("role"), "content": _plain_blocks(param.get("content"))}
-    else:
-        value = param
-    return _hash(_canonical(value))
-
-
-def chain_step(previous: bytes, message: bytes) -> bytes:
-    """The digest of a message and everything before it (``previous``: the digest up to the
-    message before it)."""
-    return _hash(previous + message)
-
-
-def _system_digest(system: Any) -> bytes:
-    """The system prompt's digest, less Claude Code's billing-header line (it differs between
-    a conversation and its sub-agents) and breakpoints."""
-    if isinstance(system, str):
-        kept: Any = "\n".join(
-            line for line in system.split("\n") if not line.startswith(_BILLING_HEADER)
-        )
-    elif isinstance(system, list):
-        kept = [
-            b
-            for b in _plain_blocks(system)
-            if not (
-                isinstance(b, Mapping)
-                and isinstance(b.get("text"), str)
-                and b["text"].startswith(_BILLING_HEADER)
-            )
-        ]
-    else:
-        kept = system
-    return _hash(_canonical(kept))
 
 
 def conversation_hint(
@@ -170,7 +96,7 @@ def _claude_code_session(metadata: Any) -> str | None:
         return None
     try:
         parsed = json.loads(user_id)
-    except ValueError:
+    except (ValueError, RecursionError):  # not Claude Code's: no hint
         parsed = None
     session = parsed.get("session_id") if isinstance(parsed, dict) else None
     if session is None:
@@ -198,16 +124,13 @@ class Branch:
     name: str | None
     """None for the family's first conversation, ``f<16 hex>`` for a branch."""
     session: WireSession
+    chain: list[bytes] = field(default_factory=list)
+    """The digests of the messages of the last request routed here."""
     params: list[Any] = field(default_factory=list)
     """The messages of the last request routed here, as the client sent them (empty when not
     known: loaded from records, only the digests are)."""
     call_lock: anyio.Lock = field(default_factory=anyio.Lock)
     """What a caller that must not overlap two calls of a conversation takes (the proxy)."""
-
-    @property
-    def chain(self) -> list[bytes]:
-        """The digests of the messages of the last request routed here."""
-        return self.session.chain
 
     @property
     def conversation_id(self) -> str:
@@ -221,6 +144,8 @@ class Family:
 
     tenant: str
     name: str
+    opening: bytes
+    """The first link of every chain of the family (system prompt, hint, first message)."""
     states: SessionStates
     """The tenant's sessions."""
     calibration_root: Path
@@ -232,15 +157,16 @@ class Family:
     recent: list[Branch] = field(default_factory=list)
     """Most recently routed first."""
 
-    def register(self, branch: Branch, chain: list[bytes], start: int) -> None:
-        """``branch`` now ends with ``chain`` (new from ``start``)."""
-        old = branch.session.chain
+    def register(self, branch: Branch, chain: list[bytes], start: int = 0) -> None:
+        """``branch`` now ends with ``chain`` (new from ``start``), the most recent."""
+        old = branch.chain
         if old and self.ends.get(old[-1]) is branch:
             del self.ends[old[-1]]
         for c in chain[start:]:
             self.owner.setdefault(c, branch)
         if chain:
             self.ends[chain[-1]] = branch
+        branch.chain = chain
         if branch in self.recent:
             self.recent.remove(branch)
         self.recent.insert(0, branch)
@@ -296,7 +222,7 @@ class Conversations:
         tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
         family = self._families.get((tenant, name))
         if family is None:
-            loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name)
+            loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name, opening)
             with self._lock:
                 family = self._families.setdefault((tenant, name), loaded)
         return self._place(family, messages, opening, build=_call)
@@ -318,7 +244,7 @@ class Conversations:
         tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
         family = self._families.get((tenant, name))
         if family is None:
-            loaded = run(lambda: self._load_family(tenant, name))
+            loaded = run(lambda: self._load_family(tenant, name, opening))
             with self._lock:
                 family = self._families.setdefault((tenant, name), loaded)
         return self._place(family, messages, opening, build=run, sync=True)
@@ -338,18 +264,13 @@ class Conversations:
             family.calibration_root,
             self.pipeline(),
             storage=branch.session.storage,
+            opening=family.opening,
             **self.context,
         )
         with self._lock:
-            old = branch.session
-            if old.chain and family.ends.get(old.chain[-1]) is branch:
-                del family.ends[old.chain[-1]]
             branch.session = session
             branch.params = []
-            for c in session.chain:
-                family.owner.setdefault(c, branch)
-            if session.chain:
-                family.ends[session.chain[-1]] = branch
+            family.register(branch, list(session.chain))
 
     # -- placing -------------------------------------------------------------------------------
     def _make_tenancy(self) -> Tenancy:
@@ -371,17 +292,15 @@ class Conversations:
             raise ValueError("a Messages request needs a 'messages' list")
         hint = conversation_hint(body, explicit=explicit, headers=headers)
         tenant = tenancy.tenant_of(headers)
-        system = _system_digest(body.get("system"))
-        first = message_digest(messages[0]) if messages else _ROOT
-        opening = chain_step(_hash(system + hint.encode()), first)
+        opening = opening_digest(body.get("system"), hint, messages[0] if messages else None)
         return tenant, _family_name(hint, opening), messages, opening
 
-    def _load_family(self, tenant: str, name: str) -> Family:
+    def _load_family(self, tenant: str, name: str, opening: bytes) -> Family:
         """A family as its records leave it (blocking: a listing and every branch's records)."""
         states = self.states.within(tenant)
-        family = Family(tenant, name, states, self.root / tenant)
+        family = Family(tenant, name, opening, states, self.root / tenant)
         for branch_name in states.branches(name):
-            storage = states.open(name, branch=branch_name)
+            storage = states.open(name, branch=branch_name, content_named=True)
             tracker = TokenTracker.load(
                 calibration_path_for(family.calibration_root, name, branch_name)
             )
@@ -390,7 +309,7 @@ class Conversations:
             )
             branch = Branch(family, branch_name, session)
             family.branches[branch_name] = branch
-            family.register(branch, session.chain, 0)
+            family.register(branch, list(session.chain))
         family.recent.reverse()  # the first conversation first
         return family
 
@@ -402,6 +321,7 @@ class Conversations:
             family.calibration_root,
             self.pipeline(),
             storage=storage,
+            opening=family.opening,
             **options,
             **self.context,
         )
@@ -416,37 +336,48 @@ class Conversations:
         sync: bool = False,
     ) -> Branch:
         with self._lock:
-            found = self._extends(family, messages)
-            if found is not None:
-                branch, start = found
-                chain = _extend(branch.chain[:start], messages, start, opening)
+            plan = self._plan(family, messages, opening)
+            if isinstance(plan, tuple):
+                branch, chain, start = plan
                 self._set(family, branch, messages, chain, start)
                 return branch
-            shared, chain = self._shared_prefix(family, messages, opening)
-            known = 0
-            while known < len(chain) and chain[known] in family.owner:
-                known += 1
-            if not family.branches:
-                branch = self._new_branch(family, None, None, messages, chain, 0, build, sync)
-            elif not chain:
-                branch = family.recent[0]
-            elif known == len(chain):
-                end = chain[-1]  # all of it sent before: a retry, or a twin
-                branch = family.ends.get(end) or family.owner[end]
-            elif known == 0:
-                # no conversation's messages are known (recorded before any response): the
-                # most recent one, whose decisions apply only to what they were made on
-                branch = family.recent[0]
-            elif chain[known - 1] in family.ends:
-                branch = family.ends[chain[known - 1]]
-            else:
-                parent = family.owner[chain[known - 1]]
-                name = f"f{chain[known].hex()[:16]}"
-                branch = family.branches.get(name) or self._new_branch(
-                    family, name, parent, messages, chain, known, build, sync
-                )
-            self._set(family, branch, messages, chain, min(shared, known))
+        # a new conversation: made outside the index's lock (its parent read under its own)
+        made = self._new_branch(family, plan, messages, build, sync)
+        with self._lock:
+            branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
+            self._set(family, branch, messages, plan.chain, plan.start)
             return branch
+
+    def _plan(
+        self, family: Family, messages: list[Any], opening: bytes
+    ) -> tuple[Branch, list[bytes], int] | _NewBranch:
+        """Where a request goes (under the index's lock): an existing conversation, with the
+        request's chain and where it is new; or a conversation to make."""
+        found = self._extends(family, messages)
+        if found is not None:
+            branch, start = found
+            return branch, chain_of(messages, start, branch.chain, opening=opening), start
+        shared, chain = self._shared_prefix(family, messages, opening)
+        known = 0
+        while known < len(chain) and chain[known] in family.owner:
+            known += 1
+        start = min(shared, known)
+        if not family.branches:
+            return _NewBranch(None, None, chain, 0, start)
+        if not chain or known == 0:
+            # no message known (a request without any, or conversations recorded before any
+            # response): the most recent, whose decisions apply only to what they were made on
+            return family.recent[0], chain, start
+        if known == len(chain):
+            end = chain[-1]  # all of it sent before: a retry, or a twin
+            return family.ends.get(end) or family.owner[end], chain, start
+        if chain[known - 1] in family.ends:
+            return family.ends[chain[known - 1]], chain, start
+        name = f"f{chain[known].hex()[:16]}"
+        existing = family.branches.get(name)
+        if existing is not None:
+            return existing, chain, start
+        return _NewBranch(name, family.owner[chain[known - 1]], chain, known, start)
 
     def _extends(self, family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
         """The conversation whose last request this one extends, compared by value (most
@@ -474,7 +405,7 @@ class Conversations:
             while shared < limit and messages[shared] == params[shared]:
                 shared += 1
             base = chain[:shared]
-        return shared, _extend(base, messages, shared, opening)
+        return shared, chain_of(messages, shared, base, opening=opening)
 
     def _set(
         self,
@@ -486,39 +417,48 @@ class Conversations:
     ) -> None:
         family.register(branch, chain, start)
         branch.params = list(messages)
-        branch.session.set_chain(chain, start)
+        branch.session.routed(messages, chain)
 
     def _new_branch(
         self,
         family: Family,
-        name: str | None,
-        parent: Branch | None,
+        plan: _NewBranch,
         messages: list[Any],
-        chain: list[bytes],
-        at: int,
         build: Callable[[Callable[[], Any]], Any],
         sync: bool,
     ) -> Branch:
-        storage = family.states.open(family.name, branch=name)
+        # a family's conversations share their results: each under its content's name
+        storage = family.states.open(family.name, branch=plan.name, content_named=True)
         inherited = None
+        parent = plan.parent
         if parent is not None:
             keys = _result_keys(messages)
             if sync:
                 with parent.session.sync_lock:
-                    inherited = parent.session.inherit(at, keys)
+                    inherited = parent.session.inherit(plan.at, keys)
             else:
-                inherited = parent.session.inherit(at, keys)
-            inherited.chain = chain[:at]
-            get_logger(session_id=_named(family.name, name)).info(
-                "wire_session.forked", parent=parent.conversation_id, shared_messages=at
+                inherited = parent.session.inherit(plan.at, keys)
+            inherited.chain = list(plan.chain)  # its first request, as this one sent it
+            get_logger(session_id=_named(family.name, plan.name)).info(
+                "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at
             )
 
         def make() -> WireSession:
-            return self._session(family, name, storage, loaded=None, inherited=inherited)
+            return self._session(family, plan.name, storage, loaded=None, inherited=inherited)
 
-        branch = Branch(family, name, build(make))
-        family.branches[name] = branch
-        return branch
+        return Branch(family, plan.name, build(make))
+
+
+@dataclass(frozen=True)
+class _NewBranch:
+    """A conversation to make: its name, the one it goes another way from (None for a new
+    family's first), the request's chain, how many messages they share, where it is new."""
+
+    name: str | None
+    parent: Branch | None
+    chain: list[bytes]
+    at: int
+    start: int
 
 
 def _result_keys(messages: Sequence[Any]) -> set[str]:
@@ -530,9 +470,9 @@ def _result_keys(messages: Sequence[Any]) -> set[str]:
             continue
         try:
             record = Message.from_param(param)
-        except ValueError:
+            keys.update(slot.key for slot in read_results(record) if slot.key is not None)
+        except ValueError:  # a message the pass will refuse: it inherits nothing
             continue
-        keys.update(slot.key for slot in read_results(record) if slot.key is not None)
     return keys
 
 
@@ -542,15 +482,3 @@ def _named(family: str, branch: str | None) -> str:
 
 def _call(fn: Callable[[], T]) -> T:
     return fn()
-
-
-def _extend(base: list[bytes], messages: Sequence[Any], start: int, opening: bytes) -> list[bytes]:
-    """``base`` (the chain of ``messages[:start]``) extended over the rest of ``messages``.
-    The first message's link is the family's opening digest (system prompt and hint in it)."""
-    chain = list(base)
-    for i in range(start, len(messages)):
-        if i == 0:
-            chain.append(opening)
-        else:
-            chain.append(chain_step(chain[-1], message_digest(messages[i])))
-    return chain

@@ -8,7 +8,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.adapter import WireSession
+    from pipeline.adapter import Call, WireSession
 
 __all__ = ["EventStreamUsage"]
 
@@ -18,10 +18,12 @@ class EventStreamUsage:
     (``message_start``, then ``message_delta``'s running totals), and gives them to the
     session at :meth:`close` (or :meth:`aclose`); the bytes are not changed, held back or
     buffered beyond the current line. ``final`` turns True once ``message_delta`` has been
-    read: the usage is complete from there on."""
+    read: the usage is complete from there on. ``call``: the prepared request the response
+    answers (default: the session's last)."""
 
-    def __init__(self, session: WireSession) -> None:
+    def __init__(self, session: WireSession, call: Call | None = None) -> None:
         self.session = session
+        self.call = call
         self.pending = b""
         self.message: dict[str, Any] = {}
         self.usage: dict[str, Any] = {}
@@ -66,11 +68,11 @@ class EventStreamUsage:
         taken = self._take()
         if taken is not None:
             with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
-                self.session.observe(*taken)
+                self.session.observe(*taken, call=self.call)
 
     async def aclose(self) -> None:
         """:meth:`close`, the session's writes in a worker thread."""
         taken = self._take()
         if taken is not None:
             with contextlib.suppress(ValueError):
-                await self.session.observe_async(*taken)
+                await self.session.observe_async(*taken, call=self.call)

@@ -85,10 +85,10 @@ def _string_tail_start(text: str) -> int:
     reminders are peeled off the end while each closes the text before it (its tags balanced;
     whitespace after it allowed) and follows a ``\n\n``, within the last
     :data:`MAX_TAIL_CHARS`."""
-    end = len(text.rstrip())
-    if not text.endswith(REMINDER_CLOSE, 0, end):
-        return -1
     floor = max(0, len(text) - MAX_TAIL_CHARS)
+    end = _before_space(text, len(text), floor)
+    if not text.endswith(REMINDER_CLOSE, floor, end):
+        return -1
     tags = [(m.start(), m.group() == REMINDER_OPEN) for m in _TAG.finditer(text, floor, end)]
     found, depth = -1, 0
     for pos, opening in reversed(tags):
@@ -100,8 +100,15 @@ def _string_tail_start(text: str) -> int:
             if lead < floor or not text.startswith(_SEPARATOR, lead):
                 break
             found = lead
-            end = len(text[:lead].rstrip())
+            end = _before_space(text, lead, floor)
     return found
+
+
+def _before_space(text: str, end: int, floor: int) -> int:
+    """Where the whitespace that ends ``text[:end]`` begins (no copy of the text)."""
+    while end > floor and text[end - 1].isspace():
+        end -= 1
+    return end
 
 
 def _is_reminder_block(block: Any) -> bool:

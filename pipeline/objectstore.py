@@ -179,17 +179,26 @@ class ObjectToolResultStore:
     """:class:`~pipeline.storage.ToolResultStore` on an object store (see the module docstring).
 
     ``store``: an ``obstore`` store (or anything with :class:`ObjectStoreAPI`'s methods);
-    ``prefix``, ``session_id``, ``uri_base``: see :class:`ObjectLayout`. ``persist`` returns
-    the URI of the object that holds the text. An error of the store (unreachable, denied)
+    ``prefix``, ``session_id``, ``uri_base``: see :class:`ObjectLayout`; ``content_named``:
+    every result under its content's name, as
+    :class:`~pipeline.storage.FileToolResultStore` does with it. ``persist`` returns the URI
+    of the object that holds the text. An error of the store (unreachable, denied)
     propagates: the budget then sends the original and records ``persist_failed``.
     """
 
     def __init__(
-        self, store: ObjectStoreAPI, *, prefix: str = "", session_id: str, uri_base: str
+        self,
+        store: ObjectStoreAPI,
+        *,
+        prefix: str = "",
+        session_id: str,
+        uri_base: str,
+        content_named: bool = False,
     ) -> None:
         self.store = store
         self.layout = ObjectLayout(session_id, prefix, uri_base)
         self.session_id = self.layout.session_id
+        self.content_named = content_named
 
     def output_reader(self, **options: Any) -> ObjectOutputReader:
         """The read-back tool for the results this store persists (``options``: its
@@ -223,7 +232,7 @@ class ObjectToolResultStore:
 
     # -- blocking part, run in a worker thread ----------------------------------------------
     def _write(self, key: str, data: bytes) -> str:
-        if self._place(key, data):
+        if not self.content_named and self._place(key, data):
             return key
         digest = hashlib.sha256(data).hexdigest()[:12]
         stem, ext = key.rsplit(".", 1)

@@ -47,7 +47,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.adapter import WireSession, beta_header
+from pipeline.adapter import Call, WireSession, beta_header
 from pipeline.conversations import Branch, Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
@@ -127,6 +127,8 @@ def build_app(
             body = json.loads(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
+        except RecursionError:
+            return _error(400, "invalid_request_error", "request body nested too deeply")
         except ValueError as exc:  # what the API would say of it, before any upstream call
             return _error(400, "invalid_request_error", str(exc)[:300])
         for attempt in range(_PLACE_ATTEMPTS):
@@ -150,12 +152,13 @@ def build_app(
                         prepared = await session.prepare_request(body)
                     except ValueError as exc:
                         return _error(400, "invalid_request_error", str(exc)[:300])
+                    call = session.last_call  # what the response answers
                     try:
                         upstream_response = await _send(client, request, session, prepared)
                     except httpx2.HTTPError as exc:
                         return _unreachable(exc)
                     span.set_attribute(ATTR.HTTP_STATUS, upstream_response.status_code)
-            return _relay(upstream_response, session)
+            return _relay(upstream_response, session, call)
         raise AssertionError("unreachable: the last attempt always sends")
 
     async def passthrough(request: Request) -> Response:
@@ -223,14 +226,17 @@ def _error(status: int, kind: str, message: str) -> Response:
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
 
 
-def _relay(upstream: httpx2.Response, session: WireSession | None) -> Response:
+def _relay(
+    upstream: httpx2.Response, session: WireSession | None, call: Call | None = None
+) -> Response:
     """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
     on the way, and the session's record of it written before the client can see the end: an
     event stream passes chunk by chunk as it arrives, the chunk that completes the usage
     (``message_delta``) once the record is written; a JSON body is passed on whole once read
     and recorded."""
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
-    reader = _UsageReader(session) if session is not None and upstream.status_code == 200 else None
+    answered = session is not None and upstream.status_code == 200
+    reader = _UsageReader(session, call) if session is not None and answered else None
     streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def body() -> AsyncIterator[bytes]:
@@ -261,9 +267,9 @@ def _relay(upstream: httpx2.Response, session: WireSession | None) -> Response:
 class _UsageReader:
     """The response's id, model and usage, read as the bytes go by."""
 
-    def __init__(self, session: WireSession) -> None:
-        self.events = EventStreamUsage(session)
-        self.session = session
+    def __init__(self, session: WireSession, call: Call | None) -> None:
+        self.events = EventStreamUsage(session, call)
+        self.session, self.call = session, call
 
     async def observe_json(self, body: bytes) -> None:
         """A JSON body's id and usage to the session (nothing when it holds none)."""
@@ -276,4 +282,5 @@ class _UsageReader:
         usage, rid = message.get("usage"), message.get("id")
         if isinstance(usage, dict) and isinstance(rid, str):
             with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
-                await self.session.observe_async(rid, usage, model=str(message.get("model")))
+                model = str(message.get("model"))
+                await self.session.observe_async(rid, usage, model=model, call=self.call)

@@ -79,16 +79,20 @@ _KEY_SEPARATOR = "#"
 def content_digest(content: Any) -> str:
     """32 hex digits of SHA-256 over a result's output (its core: see
     :mod:`pipeline.harness`): a string as it is, a block list as compact JSON with its keys
-    sorted and without ``cache_control`` (a client moves its breakpoints between calls)."""
+    sorted and without ``cache_control`` (a client moves its breakpoints between calls).
+    ``ValueError`` for content nested too deeply to write."""
     if isinstance(content, str):
         data = b"s" + content.encode("utf-8", "surrogatepass")
     else:
         plain = (
             [_without_cache_control(b) for b in content] if isinstance(content, list) else content
         )
-        text = json.dumps(
-            plain, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr
-        )
+        try:
+            text = json.dumps(
+                plain, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr
+            )
+        except RecursionError:
+            raise ValueError("tool result content nested too deeply") from None
         data = b"j" + text.encode("utf-8", "surrogatepass")
     return hashlib.sha256(data).hexdigest()[:32]
 
@@ -120,9 +124,10 @@ class _StageRecordLike(Protocol):
 
 
 def decided_in(stage_records: Iterable[_StageRecordLike]) -> set[str]:
-    """The results budget passes recorded as decided and sent whole, as ledger keys (a record
-    written before results were bound to their content gives bare ids, which
-    :meth:`ReplacementState.reconstruct` binds to the result that carries the id); malformed
+    """The results budget passes recorded as decided and sent whole, as ledger keys; a record
+    written before results were bound to their content names ids only, given as
+    ``<tool_use_id>#`` (never a key: a key has 32 hex digits after its ``#``), which
+    :meth:`ReplacementState.reconstruct` binds to the first result with that id. Malformed
     entries are ignored (the result then counts as unsent and is decided again,
     deterministically)."""
     decided: set[str] = set()
@@ -142,7 +147,7 @@ def decided_in(stage_records: Iterable[_StageRecordLike]) -> set[str]:
                     decided.add(f"{pair[0]}{_KEY_SEPARATOR}{pair[1]}")
         seen = record.data.get("seen")
         if isinstance(seen, list):
-            decided.update(t for t in seen if isinstance(t, str))
+            decided.update(f"{t}{_KEY_SEPARATOR}" for t in seen if isinstance(t, str))
     return decided
 
 
@@ -155,6 +160,8 @@ def decided_record(keys: Iterable[str]) -> dict[str, Any]:
         tid = tool_use_id_of(key)
         if tid == key:
             bare.append(key)
+        elif tid + _KEY_SEPARATOR == key:
+            bare.append(tid)  # decided_in's form of a legacy id
         else:
             pairs.append([tid, key[len(tid) + 1 :]])
     data: dict[str, Any] = {"decided": pairs}
@@ -555,7 +562,7 @@ class ReplacementState:
                     continue
                 present.add(key)
                 first_key.setdefault(tid, key)
-                legacy = first_key[tid] == key and tid in decided
+                legacy = first_key[tid] == key and f"{tid}{_KEY_SEPARATOR}" in decided
                 if i < last_response or key in decided or legacy:
                     sent.add(key)
         state.seen_ids |= sent

@@ -238,19 +238,30 @@ class SessionStates:
         except Exception as exc:  # obstore's text holds the request URL: the type only
             raise StoreError(errno.EIO, f"cannot list the store ({type(exc).__name__})") from exc
 
-    def open(self, session_id: str, *, branch: str | None = None) -> SessionStorage:
+    def open(
+        self, session_id: str, *, branch: str | None = None, content_named: bool = False
+    ) -> SessionStorage:
         """The storage of ``session_id`` here (``ValueError`` for an unsafe session id).
         ``branch``: another record log of the same session (``f<16 hex>``), beside its first:
         ``decisions.<branch>.jsonl`` in its directory, ``records.<branch>/`` on an object store;
-        its results go to the session's ``tool-results`` like the first's."""
+        its results go to the session's ``tool-results`` like the first's. ``content_named``:
+        results under their content's name (see
+        :class:`~pipeline.storage.FileToolResultStore`), for sessions that share results."""
         sid = validate_session_id(session_id)
         if branch is not None and not _BRANCH.fullmatch(branch):
             raise ValueError(f"a branch is named f<16 hex>, got {branch!r:.40}")
         if self._root is not None:
-            return _local(self._root, sid, branch)
+            return _local(self._root, sid, branch, content_named)
         assert self._store is not None
         return _on_objects(
-            self._store, self._uri_base, self._prefix, sid, self.writer_id, self.location, branch
+            self._store,
+            self._uri_base,
+            self._prefix,
+            sid,
+            self.writer_id,
+            self.location,
+            branch,
+            content_named,
         )
 
     def within(self, name: str) -> SessionStates:
@@ -386,8 +397,10 @@ def _shown(url: str) -> str:
     return repr(f"{scheme[:20]}{sep}{host[:100]}/...")
 
 
-def _local(root: Path, sid: str, branch: str | None = None) -> SessionStorage:
-    store = FileToolResultStore(root, sid)
+def _local(
+    root: Path, sid: str, branch: str | None = None, content_named: bool = False
+) -> SessionStorage:
+    store = FileToolResultStore(root, sid, content_named=content_named)
     path = root / sid / (DECISIONS_FILE if branch is None else f"decisions.{branch}.jsonl")
 
     def load() -> Transcript | None:
@@ -412,6 +425,7 @@ def _on_objects(
     writer_id: str | None,
     location: str,
     branch: str | None = None,
+    content_named: bool = False,
 ) -> SessionStorage:
     from pipeline.objectreader import ObjectOutputReader
     from pipeline.objectrecords import ObjectRecordLog
@@ -428,7 +442,9 @@ def _on_objects(
     return SessionStorage(
         session_id=sid,
         location=location,
-        store=ObjectToolResultStore(store, prefix=prefix, session_id=sid, uri_base=uri_base),
+        store=ObjectToolResultStore(
+            store, prefix=prefix, session_id=sid, uri_base=uri_base, content_named=content_named
+        ),
         records=records,
         load=records.load,
         reader=ObjectOutputReader(store, prefix=prefix, session_id=sid, uri_base=uri_base),

@@ -115,7 +115,10 @@ class FileToolResultStore:
     """Persisted tool results as files under ``<root>/<session_id>/tool-results/``.
 
     ``file_ops``: the file operations each persist uses, given its target path (default: the
-    real ones); see :class:`FileOps`.
+    real ones); see :class:`FileOps`. ``content_named``: every result goes to its content's
+    name, ``<stem>.<first 12 hex of its sha256>.<ext>``, never to ``<stem>.<ext>``: a name
+    then only ever holds one content, also once retention has removed it and another result
+    with the id comes (a store several conversations share, where ids repeat).
 
     What is already on disk is checked, not trusted:
 
@@ -146,9 +149,11 @@ class FileToolResultStore:
         session_id: str,
         *,
         file_ops: Callable[[Path], FileOps] | None = None,
+        content_named: bool = False,
     ) -> None:
         self.root = Path(root)
         self.session_id = validate_session_id(session_id)
+        self.content_named = content_named
         self.directory = self.root / self.session_id / TOOL_RESULTS_SUBDIR
         self._file_ops: Callable[[Path], FileOps] = file_ops or (lambda _target: _OS)
         self._swept = False
@@ -205,7 +210,7 @@ class FileToolResultStore:
         ops = self._file_ops(target)
         self._ensure_directory(ops)
         self._sweep_once(ops)
-        if self._place(ops, target, data):
+        if not self.content_named and self._place(ops, target, data):
             return target
         digest = hashlib.sha256(data).hexdigest()[:12]
         stem, ext = target.name.rsplit(".", 1)

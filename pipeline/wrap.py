@@ -26,7 +26,7 @@ import anthropic
 import anyio
 import httpx2
 
-from pipeline.adapter import WireSession, beta_header
+from pipeline.adapter import Call, WireSession, beta_header
 from pipeline.conversations import Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
@@ -102,17 +102,18 @@ class SluicegateMiddleware(anthropic.Middleware):
         session = branch.session
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             body = await session.prepare_request(request.json)
+            call = session.last_call  # what the response answers, whatever is prepared next
             response = await call_next(_outgoing(session, request, body))
             span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
             if response.status_code == 200:
                 if request.stream:
-                    _tap(session, response.http_response)
+                    _tap(session, response.http_response, call)
                 else:
                     message = await response.parse()
                     usage = getattr(message, "usage", None)
                     if usage is not None and isinstance(getattr(message, "id", None), str):
                         await session.observe_async(
-                            message.id, usage.model_dump(), model=str(message.model)
+                            message.id, usage.model_dump(), model=str(message.model), call=call
                         )
         return response
 
@@ -129,13 +130,14 @@ class SluicegateMiddleware(anthropic.Middleware):
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             with session.sync_lock:
                 body = _run_sync(lambda: session.prepare_request(request.json))
+                call = session.last_call
             response = call_next(_outgoing(session, request, body))
             span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
             if response.status_code == 200:
                 if request.stream:
-                    _tap(session, response.http_response)
+                    _tap(session, response.http_response, call)
                 else:
-                    _observe(session, response.parse())
+                    _observe(session, response.parse(), call)
         return response
 
 
@@ -150,10 +152,10 @@ def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
     return request.copy(body=body, headers=headers)
 
 
-def _observe(session: WireSession, message: Any) -> None:
+def _observe(session: WireSession, message: Any, call: Call | None) -> None:
     usage = getattr(message, "usage", None)
     if usage is not None and isinstance(getattr(message, "id", None), str):
-        session.observe(message.id, usage.model_dump(), model=str(message.model))
+        session.observe(message.id, usage.model_dump(), model=str(message.model), call=call)
 
 
 class _AsyncTap(httpx2.AsyncByteStream):
@@ -184,9 +186,9 @@ class _SyncTap(httpx2.SyncByteStream):
         self.inner.close()
 
 
-def _tap(session: WireSession, http: Any) -> None:
+def _tap(session: WireSession, http: Any, call: Call | None) -> None:
     """Let the session observe a streamed response's usage as the caller reads it."""
-    reader = EventStreamUsage(session)
+    reader = EventStreamUsage(session, call)
     stream = http.stream
     http.stream = (
         _AsyncTap(stream, reader)

@@ -246,3 +246,185 @@ def test_the_hint_is_only_a_hint() -> None:
     request = body([user("hi")])
     assert conversation_hint({**request, "metadata": {"user_id": user_id}}) == f"cc-{session}"
     assert conversation_hint(request) == ""
+
+
+# -- found by review: each failed before its fix ------------------------------------------------
+
+
+class EchoSummarizer:
+    """Stands for a model: the summary repeats what the conversation said."""
+
+    async def summarize(self, messages: list[Any]) -> str:
+        texts = []
+        for m in messages:
+            content = m["content"]
+            for b in [{"type": "text", "text": content}] if isinstance(content, str) else content:
+                if b.get("type") == "text" and len(b["text"]) < 200:
+                    texts.append(b["text"])
+        return "Summary: " + " | ".join(texts)
+
+
+def test_a_branch_never_sends_its_parents_summary(tmp_path: Path) -> None:
+    """The parent compacted a part the branch does not share; the branch's messages after
+    its own way equal the parent's there (same position, same text): the parent's summary,
+    which holds the parent's content, must not stand in for the branch's history."""
+    from stages import Autocompact
+
+    def make() -> Pipeline:
+        compact = Autocompact(
+            EchoSummarizer(), context_window=30_000, max_output_tokens=1_000, buffer_tokens=3_000
+        )
+        return Pipeline([ToolResultBudget(200_000), compact])
+
+    async def main() -> None:
+        conversations = Conversations(pipeline=make, root=tmp_path, logger=QuietLogger())
+        big = user("context: " + "lorem ipsum " * 10_000)
+        said = [big, {"role": "assistant", "content": "sure"}]
+        await send(conversations, [big])
+        branch = conversations.branches()[0]
+        await branch.session.observe_async("msg_big", {"input_tokens": 30_000}, "m")
+        tail = [{"role": "assistant", "content": "ok"}, user("continue")]
+        _, parent_sent = await send(conversations, [*said, user("PARENT-SECRET 0000"), *tail])
+        assert "PARENT-SECRET" in json.dumps(parent_sent)  # the parent's own summary
+        _, fork_sent = await send(conversations, [*said, user("the fork's question"), *tail])
+        assert "PARENT-SECRET" not in json.dumps(fork_sent)
+
+    anyio.run(main)
+
+
+def _faulty_states(fail: Any) -> Any:
+    from obstore.store import MemoryStore
+
+    from pipeline.session_storage import SessionStates
+    from tests.objectstore_support import Wrapped
+
+    return SessionStates("memory:///conv", object_store=Wrapped(MemoryStore(), before=fail))
+
+
+@pytest.mark.parametrize("fault", ["fork record", "damaged fork record"])
+def test_a_branch_keeps_what_it_inherited_across_a_restart(tmp_path: Path, fault: str) -> None:
+    """Its fork record could not be written (the record of its first response carries it), or
+    it was damaged on disk (one bad digest): after a restart the shared part still goes out as
+    the parent sent it."""
+    failing = {"on": True}
+
+    def put(path: str, data: bytes, **_kw: Any) -> None:
+        if fault == "fork record" and failing["on"] and b'"stage": "wire_session.fork"' in data:
+            raise OSError(5, "I/O error")
+
+    states = _faulty_states({"put": put})
+
+    async def main() -> None:
+        history = [
+            user("go"),
+            call("t1"),
+            answer("t1", "p" * 4_000),
+            call("t2"),
+            answer("t2", "ok"),
+        ]
+        fork_history = [*history[:3], call("t9"), answer("t9", "f")]
+        first = registry(tmp_path, storage=states)
+        await send(first, history)
+        fork, fork_sent = await send(first, fork_history)
+        assert fork_sent[2]["content"][0]["content"].startswith(TAG)
+        failing["on"] = False
+        if fault == "damaged fork record":
+            store = states._store
+            (key,) = [
+                m["path"] for c in store.list() for m in c
+                if bytes(store.get(m["path"]).bytes()).find(b"wire_session.fork") >= 0
+            ]  # fmt: skip
+            raw = json.loads(bytes(store.get(key).bytes()))
+            raw["data"]["chain"][-1] = "zz"
+            store.inner.put(key, (json.dumps(raw) + "\n").encode())
+        again = registry(tmp_path, storage=states)
+        later, later_sent = await send(again, [*fork_history, call("t4"), answer("t4", "u")])
+        assert later.conversation_id == fork.conversation_id
+        assert later_sent[: len(fork_sent)] == fork_sent
+
+    anyio.run(main)
+
+
+def test_a_failed_response_record_leaves_the_chain_right_for_a_new_process(
+    tmp_path: Path,
+) -> None:
+    failing = {"on": False}
+
+    def put(path: str, data: bytes, **_kw: Any) -> None:
+        if failing["on"] and b"wire_session.response" in data:
+            raise OSError(28, "No space left on device")
+
+    states = _faulty_states({"put": put})
+
+    async def main() -> None:
+        first = registry(tmp_path, storage=states)
+        history = [user("go"), call("t1"), answer("t1", "a")]
+        for step in range(2, 6):
+            failing["on"] = step == 2
+            history += [call(f"t{step}"), answer(f"t{step}", "b")]
+            branch, _ = await send(first, history)
+        again = registry(tmp_path, storage=states)
+        (loaded,) = (await again.route(body(history[:3]), KEY_A)).family.branches.values()
+        assert loaded.session.chain == branch.chain  # every message the conversation sent
+
+    anyio.run(main)
+
+
+def test_a_fork_with_no_response_yet_is_placed_alike_after_a_restart(tmp_path: Path) -> None:
+    async def scenario(root: Path, restart: bool) -> list[str]:
+        short = [user("go"), call("t1"), answer("t1", "p" * 4_000)]
+        history = [*short, call("t2"), answer("t2", "ok")]
+        conversations = registry(root)
+        await send(conversations, short)
+        await send(conversations, history)
+        fork = await conversations.route(body([*short, call("t9"), answer("t9", "f")]), KEY_A)
+        await fork.session.prepare_request(body([*short, call("t9"), answer("t9", "f")]))
+        if restart:  # the fork's call failed upstream: no response recorded
+            conversations = registry(root)
+        retry, _ = await send(conversations, short)
+        edit, _ = await send(conversations, [*short, call("t7"), answer("t7", "e")])
+        return [retry.conversation_id, edit.conversation_id]
+
+    live = anyio.run(scenario, tmp_path / "live", False)
+    restarted = anyio.run(scenario, tmp_path / "restarted", True)
+    assert [n.split("-", 1)[1] for n in live] == [n.split("-", 1)[1] for n in restarted]
+
+
+def test_a_pruned_result_name_never_holds_another_output(tmp_path: Path) -> None:
+    """Results a family's conversations share are named by their content: once retention has
+    removed one, another output with the same id never takes its name."""
+    from datetime import timedelta
+
+    from pipeline.retention import prune_store
+
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        _, a_sent = await send(
+            conversations, [user("go"), call("toolu_1"), answer("toolu_1", "A" * 4_000)]
+        )
+        prune_store(tmp_path, max_age=timedelta(0))
+        _, b_sent = await send(
+            conversations, [user("go"), call("toolu_1"), answer("toolu_1", "B" * 4_000)]
+        )
+
+        def path_of(sent: list[Any]) -> str:
+            return str(sent[2]["content"][0]["content"].split("saved to: ")[1].split("\n")[0])
+
+        assert path_of(a_sent) != path_of(b_sent)
+        assert Path(path_of(b_sent)).read_text() == "B" * 4_000
+        assert not Path(path_of(a_sent)).exists()  # removed: a read fails, never another's
+
+    anyio.run(main)
+
+
+def test_a_branch_starts_with_its_parents_responses(tmp_path: Path) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        await send(conversations, [user("go")])  # answered by msg_1: the call of t1
+        short = [user("go"), call("t1"), answer("t1", "x")]
+        await send(conversations, [*short, call("t2"), answer("t2", "y")])
+        fork, _ = await send(conversations, [*short, call("t9"), answer("t9", "z")])
+        # the shared answer (message 3 of the fork is its own): the parent's response id
+        assert fork.session._records[1].message_id == "msg_1"
+
+    anyio.run(main)

@@ -125,7 +125,8 @@ def test_wrap_client(server: ScriptedMessagesServer, tmp_path: Path) -> None:
     sent = tool_results(server.requests[0])["toolu_1"]
     assert sent.startswith("<persisted-output>\nOutput too large (214.8KB).")
     (session,) = conversation_dirs(tmp_path / ".sluicegate")
-    assert (session / "tool-results" / "toolu_1.txt").stat().st_size == 220_000
+    (saved,) = (session / "tool-results").glob("toolu_1.*.txt")  # named by its content
+    assert saved.stat().st_size == 220_000
 
 
 def test_proxy_server(server: ScriptedMessagesServer, tmp_path: Path) -> None:

@@ -382,3 +382,32 @@ def test_the_proxy_command_keeps_keys_apart_unless_told(tmp_path: Path, single: 
     else:
         assert len(tenants) == 2 and all(re.fullmatch(r"t-[0-9a-f]{20}", t) for t in tenants)
         assert len(list(store.rglob("tool-results/*"))) == 2
+
+
+# hostile nesting -------------------------------------------------------------------------------
+def test_deeply_nested_requests_get_a_clear_400_and_the_proxy_serves_on(tmp_path: Path) -> None:
+    import httpx2
+
+    def nested(depth: int) -> bytes:
+        """A request whose one message nests ``depth`` blocks deep, as JSON text (too deep for
+        a client to encode from objects)."""
+        content = '[{"type":"text","text":"y","extra":' * depth + '"x"' + "}]" * depth
+        message = '{"role":"user","content":' + content + "}"
+        return ('{"model":"m","max_tokens":5,"messages":[' + message + "]}").encode()
+
+    deep_metadata = {"user_id": "[" * 5_000 + "]" * 5_000}
+    headers = {"x-api-key": "k", "content-type": "application/json"}
+    with (
+        ScriptedMessagesServer(text_reply) as server,
+        proxy(server.base_url, tmp_path, lambda: Pipeline(default_stages())) as url,
+    ):
+        for depth in (900, 5_000):
+            got = httpx2.post(f"{url}/v1/messages", content=nested(depth), headers=headers)
+            assert got.status_code in (200, 400), (depth, got.status_code)
+            if got.status_code == 400:
+                assert "nested too deeply" in got.json()["error"]["message"]
+        ok = {"model": "m", "max_tokens": 5, "metadata": deep_metadata, "messages": build("x")}
+        assert httpx2.post(f"{url}/v1/messages", json=ok, headers=headers).status_code == 200
+        fine = {"model": "m", "max_tokens": 5, "messages": build("still serving")}
+        assert httpx2.post(f"{url}/v1/messages", json=fine, headers=headers).status_code == 200
+        assert results_of(server.requests[-1]) == ["still serving"]

@@ -172,7 +172,7 @@ def test_malformed_decision_records_are_ignored() -> None:
         Rec("history_snip", {"seen": ["z"]}),
         Rec("history_snip", {"decided": [["w", digest]]}),
     ]
-    assert decided_in(records) == {f"p#{digest}", "x", "y"}
+    assert decided_in(records) == {f"p#{digest}", "x#", "y#"}  # a legacy id, never a key
 
 
 def test_a_synthetic_response_does_not_count_as_sending_what_came_before() -> None:
@@ -238,3 +238,24 @@ def test_results_before_the_last_compaction_are_not_in_the_ledger() -> None:
         state = ReplacementState.reconstruct(history, records)
         assert set(state.replacements) == {new}
         assert state.seen_ids == {new}
+
+
+def test_an_id_that_spells_another_results_key_is_not_taken_for_a_legacy_record() -> None:
+    """A result whose tool_use_id reads ``<id>#<digest>`` (hostile input) is decided on its own
+    after a restart as before it: a decision recorded for the result that key names does not
+    freeze it."""
+    first = "A" * 5_000
+    spelled = f"a#{content_digest(first)}"
+    history = [
+        user_text("go"),
+        assistant("m1", tool_use("a", "Glob")),
+        results(tool_result("a", first)),
+        assistant("m2", tool_use(spelled, "Glob")),
+        results(tool_result(spelled, "B" * 10_000)),
+    ]
+    records = [StageRecord("tool_result_budget", {"decided": [["a", content_digest(first)]]})]
+    state = ReplacementState.reconstruct(history[:4], [], decided=decided_in(records))
+    rebuilt = ReplacementState.reconstruct(history, [], decided=decided_in(records))
+    assert state.classify(f"a#{content_digest(first)}") == "frozen"
+    # the later result stands after the last response: undecided, so fresh
+    assert rebuilt.classify(f"{spelled}#{content_digest('B' * 10_000)}") == "fresh"
