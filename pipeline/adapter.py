@@ -188,6 +188,7 @@ class WireSession:
         self.sync_lock = threading.Lock()
         """Held by a synchronous caller around each call's pass and observation (threads of
         one client may share a conversation)."""
+        self._observing = anyio.Lock()
         self._restored = loaded
         self._responses: dict[int, tuple[str, Usage | None]] = {}
         if loaded is not None:
@@ -366,7 +367,7 @@ class WireSession:
             found = self.storage.load()
         except OSError:
             found = None
-        if found is not None and (found.stage_records or found.replacement_records):
+        if found is not None and _holds_fork(found):  # another worker made it: its records win
             current = self.chain
             self._restored = self._expand(found)
             self.ctx.stage_records = list(self._restored.stage_records)
@@ -388,25 +389,32 @@ class WireSession:
     # -- per call ---------------------------------------------------------------------------
     async def prepare(self, messages: Sequence[MessageParam]) -> list[MessageParam]:
         """The ``messages`` to send for a request whose own are ``messages``."""
+        return (await self._prepare(messages))[0]
+
+    async def _prepare(self, messages: Sequence[MessageParam]) -> tuple[list[MessageParam], Call]:
         if self._pending is not None:
             async with self.ctx.lock:  # before any other record of this session
                 if self._pending is not None:
                     await anyio.to_thread.run_sync(self._write_pending)
         records = self._sync(messages)
+        call = self.last_call
+        assert call is not None
         if self._restored is not None:
             # a new process, or a conversation that went another way: the ledger from the
-            # recorded decisions and this history
+            # recorded decisions and this history -- all of them, also on results this request
+            # does not hold (a retry of an earlier one): each applies only to its own output
             self.ctx.replacement_state = ReplacementState.reconstruct(
                 records,
                 self._restored.replacement_records,
                 decided=decided_in(self._restored.stage_records),
+                keep_absent=True,
             )
             self._restored = None
         self._projected = await self.pipeline.run(records, self.ctx)
         request = self._wire.to_api(self._projected)
         if self.cache_breakpoint and not self._wire.breakpoints:
             add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
-        return request
+        return request, call
 
     def request_span(
         self, messages: int, *, context: Context | None = None
@@ -427,8 +435,15 @@ class WireSession:
         """``body`` with its ``messages`` prepared (everything else as it was); its system
         prompt and tools are counted by the token tracker. Its :class:`Call` is
         :attr:`last_call` once prepared."""
+        return (await self.prepare_call(body))[0]
+
+    async def prepare_call(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], Call]:
+        """:meth:`prepare_request`, and the :class:`Call` its response is to be observed with
+        (``observe(..., call=...)``), whatever other request of this session is prepared
+        meanwhile."""
         self.ctx.token_tracker.set_request(system=body.get("system"), tools=body.get("tools"))
-        return {**body, "messages": await self.prepare(body.get("messages") or [])}
+        messages, call = await self._prepare(body.get("messages") or [])
+        return {**body, "messages": messages}, call
 
     def observe(
         self,
@@ -462,9 +477,10 @@ class WireSession:
         """:meth:`observe` with the writes in a worker thread. It returns once the record is
         written (or has failed, logged): a caller that holds the response back until then
         knows that another worker serving the next call will find it."""
-        parsed, data, chain = self._response(response_id, usage, call)
-        if await anyio.to_thread.run_sync(self._append_response, data):
-            self._written(data, chain)
+        async with self._observing:  # one record at a time: each builds on the last one's chain
+            parsed, data, chain = self._response(response_id, usage, call)
+            if await anyio.to_thread.run_sync(self._append_response, data):
+                self._written(data, chain)
         if parsed is not None:
             self._learn(parsed, model)
             # the snapshot taken here: the tracker is not to be read from another thread
@@ -557,6 +573,15 @@ class WireSession:
         unseen = f"msg_wire_{link.hex()[:24]}"
         response_id, usage = self._responses.get(index, (unseen, None))
         return dataclasses.replace(record, uuid=uid, message_id=response_id, usage=usage)
+
+
+def _holds_fork(loaded: Transcript) -> bool:
+    """Whether a log holds what a branch inherited (its fork record, or a response record that
+    carries it)."""
+    return any(
+        r.stage == FORK_RECORD or (r.stage == RESPONSE_RECORD and "fork" in r.data)
+        for r in loaded.stage_records
+    )
 
 
 def _index_of(data: Mapping[str, Any]) -> int:

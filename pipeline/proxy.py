@@ -149,10 +149,9 @@ def build_app(
                 session = branch.session
                 with session.request_span(len(body["messages"])) as span:
                     try:
-                        prepared = await session.prepare_request(body)
+                        prepared, call = await session.prepare_call(body)
                     except ValueError as exc:
                         return _error(400, "invalid_request_error", str(exc)[:300])
-                    call = session.last_call  # what the response answers
                     try:
                         upstream_response = await _send(client, request, session, prepared)
                     except httpx2.HTTPError as exc:

@@ -535,6 +535,7 @@ class ReplacementState:
         records: Iterable[ReplacementRecord],
         *,
         decided: AbstractSet[str] = frozenset(),
+        keep_absent: bool = False,
     ) -> ReplacementState:
         """Rebuild the state of a resumed session.
 
@@ -548,7 +549,9 @@ class ReplacementState:
         made from (id and digest), and the stored strings are used verbatim, never rebuilt.
         Results before the last compaction are never sent again, so they are not present. A
         record written before results were bound to their content (a bare id) binds to the
-        first present result with that id.
+        first present result with that id. ``keep_absent``: restore the decisions on results
+        the history does not hold too (a request that is not the whole conversation: a retry of
+        an earlier one); bound to their output, they apply only to it, should it come.
         """
         state = cls()
         last_response = _last_response_start(messages)
@@ -566,10 +569,13 @@ class ReplacementState:
                 if i < last_response or key in decided or legacy:
                     sent.add(key)
         state.seen_ids |= sent
+        if keep_absent:
+            state.seen_ids |= {k for k in decided if _DIGEST.fullmatch(k.rpartition("#")[2])}
         for record in records:
             if record.kind != "tool-result":
                 continue
             key = record.key if record.digest is not None else first_key.get(record.tool_use_id)
-            if key is not None and key in present:
+            kept = keep_absent and record.digest is not None
+            if key is not None and (key in present or kept):
                 state.record_replacement(key, record.replacement)
         return state

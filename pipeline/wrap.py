@@ -101,8 +101,8 @@ class SluicegateMiddleware(anthropic.Middleware):
         )
         session = branch.session
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
-            body = await session.prepare_request(request.json)
-            call = session.last_call  # what the response answers, whatever is prepared next
+            # the call: what the response answers, whatever is prepared meanwhile
+            body, call = await session.prepare_call(request.json)
             response = await call_next(_outgoing(session, request, body))
             span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
             if response.status_code == 200:
@@ -129,8 +129,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         session = branch.session
         with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
             with session.sync_lock:
-                body = _run_sync(lambda: session.prepare_request(request.json))
-                call = session.last_call
+                body, call = _run_sync(lambda: session.prepare_call(request.json))
             response = call_next(_outgoing(session, request, body))
             span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
             if response.status_code == 200:

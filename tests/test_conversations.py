@@ -428,3 +428,93 @@ def test_a_branch_starts_with_its_parents_responses(tmp_path: Path) -> None:
         assert fork.session._records[1].message_id == "msg_1"
 
     anyio.run(main)
+
+
+def test_responses_observed_at_once_leave_the_chain_a_new_process_reads(tmp_path: Path) -> None:
+    """Two calls of one conversation in flight (a retry of an earlier request and the next
+    one), their responses observed at the same time: each recorded where it answers, and the
+    chain on disk the one this process places by."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        start = [user("go"), call("t1"), answer("t1", "a"), call("t2"), answer("t2", "b")]
+        branch, _ = await send(conversations, start)
+        retry, onward = start[:3], [*start, call("t3"), answer("t3", "c")]
+        session = branch.session
+        calls = []
+        for messages in (retry, onward):
+            assert await conversations.route(body(messages), KEY_A) is branch
+            calls.append((await session.prepare_call(body(messages)))[1])
+        usage = {"input_tokens": 5, "output_tokens": 1}
+        async with anyio.create_task_group() as tasks:
+            for name, made in zip(("msg_retry", "msg_onward"), calls, strict=True):
+                tasks.start_soon(
+                    lambda n=name, c=made: session.observe_async(n, usage, "m", call=c)
+                )
+        assert session._responses[3][0] == "msg_retry" and session._responses[7][0] == "msg_onward"
+        later = [*onward, {"role": "assistant", "content": "done"}, user("next")]
+        await send(conversations, later)
+        fresh = registry(tmp_path)
+        family = fresh._load_family(branch.family.tenant, branch.family.name, branch.family.opening)
+        (loaded,) = family.branches.values()
+        assert loaded.session.chain == session.chain
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("observed", [False, True])
+def test_a_retry_after_a_restart_keeps_every_decision(tmp_path: Path, observed: bool) -> None:
+    """After a restart the first request may be a retry of an earlier one, without a result
+    the conversation decided on; the decision stands for when that result comes again (in the
+    conversation, or in a branch of it). ``observed=False``: the retried conversation's only
+    call got no response (nothing told where it ends) and another that opens alike comes."""
+
+    async def main() -> None:
+        first = registry(tmp_path)
+        history = [user("go"), call("t1"), answer("t1", "p" * 4_000)]
+        request = body(history)
+        branch = await first.route(request, KEY_A)
+        sent, _ = await branch.session.prepare_call(request)
+        if observed:
+            await branch.session.observe_async("msg_3", {"input_tokens": 9}, "m")
+        again = registry(tmp_path)  # only the disk is left
+        await send(again, history[:1])  # the retry (or the other conversation)
+        _, later = await send(again, history)
+        assert later == sent["messages"]  # the replacement as it was sent
+        _, fork = await send(again, [*history, call("t9"), answer("t9", "f")])
+        assert fork[:3] == sent["messages"]
+
+    anyio.run(main)
+
+
+def test_a_fork_record_that_cannot_be_written_is_never_lost_to_its_own_records(
+    tmp_path: Path,
+) -> None:
+    """The fork record fails, and so does the record of the first response: the branch's
+    next call still holds what it inherited (its own budget records are not another worker's
+    branch), in this process and after a restart."""
+    failing = {"on": True}
+
+    def put(path: str, data: bytes, **_kw: Any) -> None:
+        if failing["on"] and (b"wire_session.fork" in data or b"wire_session.response" in data):
+            raise OSError(5, "I/O error")
+
+    states = _faulty_states({"put": put})
+
+    async def main() -> None:
+        history = [user("go"), call("t1"), answer("t1", "p" * 4_000)]
+        history += [call("t2"), answer("t2", "ok")]
+        fork_history = [*history[:3], call("t9"), answer("t9", "f" * 4_000)]
+        conversations = registry(tmp_path, storage=states)
+        failing["on"] = False
+        await send(conversations, history)
+        failing["on"] = True
+        _, fork_sent = await send(conversations, fork_history)
+        failing["on"] = False
+        _, next_sent = await send(conversations, [*fork_history, call("t4"), answer("t4", "u")])
+        assert next_sent[: len(fork_sent)] == fork_sent
+        again = registry(tmp_path, storage=states)
+        _, after = await send(again, [*fork_history, call("t5"), answer("t5", "v")])
+        assert after[: len(fork_sent)] == fork_sent
+
+    anyio.run(main)
