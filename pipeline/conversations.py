@@ -380,17 +380,19 @@ class Conversations:
         return _NewBranch(name, family.owner[chain[known - 1]], chain, known, start)
 
     def _extends(self, family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
-        """The conversation whose last request this one extends, compared by value (most
-        recent first; one message compared to rule most out)."""
+        """The conversation whose last request this one extends furthest, compared by value
+        (one message compared first to rule most out; of equal ones, the most recent): a retry
+        of an earlier request of one conversation must not take another's that repeats it."""
         n = len(messages)
+        best: tuple[Branch, int] | None = None
         for branch in family.recent:
             params = branch.params
             m = len(params)
-            if not m or m > n or m != len(branch.chain):
+            if not m or m > n or m != len(branch.chain) or (best is not None and m <= best[1]):
                 continue
             if messages[m - 1] == params[m - 1] and messages[:m] == params:
-                return branch, m
-        return None
+                best = (branch, m)
+        return best
 
     def _shared_prefix(
         self, family: Family, messages: list[Any], opening: bytes

@@ -1,5 +1,7 @@
 """Properties of placing requests (``pipeline.conversations``) over random runs: clients of two
-tenants whose conversations open alike, reuse tool ids, fork from each other at any point and
+tenants whose conversations open alike, reuse tool ids, fork from each other at any point,
+send two requests at once (as the proxy serves them, as ``wrap`` does, a twin, a retry beside
+the next), lose a response (the upstream failed) or lose the process before one (a crash), and
 outlive the process (a restart keeps only the disk).
 
 After every request:
@@ -8,6 +10,9 @@ After every request:
   replacement whose file holds exactly that output, under the client's own tenant;
 - everything the client's conversation was sent before is sent again byte for byte;
 - a fork's first request begins with what its parent was last sent, for the part they share.
+
+At the end, a new process reads, for every conversation, the chain of messages this process
+believes its records hold.
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ ops = st.lists(
         st.tuples(st.just("step"), st.integers(0, 9), st.integers(0, 2), st.integers(0, 4)),
         st.tuples(st.just("fork"), st.integers(0, 9), st.integers(0, 30)),
         st.tuples(st.just("send"), st.integers(0, 9)),
+        st.tuples(st.just("pair"), st.integers(0, 9), st.integers(0, 9), st.integers(0, 3)),
+        st.tuples(st.just("lost"), st.integers(0, 9)),
+        st.tuples(st.just("crash"), st.integers(0, 9)),
         st.just(("restart",)),
     ),
     min_size=1,
@@ -110,6 +118,61 @@ async def run(script: list[Op], root: Path) -> None:
             clients.append(fork)
         elif kind == "send":
             await send(conversations, clients[op[1] % len(clients)], root)
+        elif kind in ("lost", "crash"):  # no response: the upstream failed, or the process died
+            await send(conversations, clients[op[1] % len(clients)], root, observe=False)
+            if kind == "crash":
+                conversations = registry(root)
+        elif kind == "pair":
+            await pair(conversations, clients, op, root)
+    await check_disk(conversations, root)
+
+
+async def pair(conversations: Conversations, clients: list[Client], op: Op, root: Path) -> None:
+    """Two requests at once; their responses observed together. Modes: 0, two clients as the
+    proxy serves them (each prepared under its conversation's call lock); 1, as ``wrap`` does
+    (no lock); 2, one client's request twice (a twin); 3, a client's last request again (a
+    retry) beside its next one."""
+    _, i, j, mode = op
+    a = clients[i % len(clients)]
+    b = a if mode >= 2 else clients[j % len(clients)]
+    if mode == 3:
+        if not a.sent:
+            return
+        b = Client(a.number, a.tenant, a.system, a.history[: len(a.sent[-1])], a.parent, a.shared)
+        b.sent = list(a.sent)
+    answered = anyio.Event()
+    sent: dict[str, list[Any]] = {}
+
+    async def one(key: str, client: Client) -> None:
+        sent[key] = await send(
+            conversations, client, root, locked=mode != 1, hold=answered, record=False
+        )
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(one, "a", a)
+        tasks.start_soon(one, "b", b)
+        await anyio.sleep(0.01)
+        answered.set()
+    a.sent.append(sent["a"])
+    if mode < 2 and b is not a:
+        b.sent.append(sent["b"])
+
+
+async def check_disk(conversations: Conversations, root: Path) -> None:
+    """A new process reads, for every conversation, the chain this one believes its records
+    hold (one whose fork record is still to be written has nothing settled yet)."""
+    fresh = registry(root)
+    for branch in conversations.branches():
+        family = branch.family
+        key = (family.tenant, family.name)
+        loaded = fresh._families.get(key)
+        if loaded is None:
+            loaded = fresh._load_family(family.tenant, family.name, family.opening)
+            fresh._families[key] = loaded
+        found = loaded.branches.get(branch.name)
+        if found is None or branch.session._pending is not None:
+            continue
+        assert found.session.chain == branch.session._disk_chain, branch.conversation_id
 
 
 def step(client: Client, *, tool_id: int, size: int) -> None:
@@ -126,12 +189,34 @@ def step(client: Client, *, tool_id: int, size: int) -> None:
     ]
 
 
-async def send(conversations: Conversations, client: Client, root: Path) -> None:
+async def send(
+    conversations: Conversations,
+    client: Client,
+    root: Path,
+    *,
+    observe: bool = True,
+    locked: bool = True,
+    hold: anyio.Event | None = None,
+    record: bool = True,
+) -> list[Any]:
+    """One request of ``client``: placed, prepared (under its conversation's call lock, as the
+    proxy does, unless ``locked=False``), then -- once ``hold`` is set -- its response observed
+    (unless ``observe=False``); checked; kept as sent (unless ``record=False``)."""
     body = {"model": "m", "max_tokens": 10, "system": client.system, "messages": client.history}
     branch = await conversations.route(body, TENANTS[client.tenant])
-    prepared = (await branch.session.prepare_request(body))["messages"]
-    usage = {"input_tokens": 50 + len(json.dumps(prepared)) // 4, "output_tokens": 5}
-    await branch.session.observe_async(f"msg_{client.number}_{len(client.sent)}", usage, "m")
+    session = branch.session
+    if locked:
+        async with branch.call_lock:
+            request, call = await session.prepare_call(body)
+    else:
+        request, call = await session.prepare_call(body)
+    prepared = request["messages"]
+    if hold is not None:
+        await hold.wait()
+    if observe:
+        usage = {"input_tokens": 50 + len(json.dumps(prepared)) // 4, "output_tokens": 5}
+        rid = f"msg_{client.number}_{len(client.sent)}_{id(prepared)}"
+        await session.observe_async(rid, usage, "m", call=call)
     check_own_content(client, prepared, root, branch.family.tenant)
     if client.sent:
         before = client.sent[-1]
@@ -140,7 +225,9 @@ async def send(conversations: Conversations, client: Client, root: Path) -> None
         last = client.parent.sent[-1]
         shared = min(client.shared, len(last))
         assert prepared[:shared] == last[:shared], "a fork did not send its parent's bytes"
-    client.sent.append(prepared)
+    if record:
+        client.sent.append(prepared)
+    return prepared
 
 
 def check_own_content(client: Client, prepared: list[Any], root: Path, tenant: str) -> None:

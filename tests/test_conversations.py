@@ -518,3 +518,27 @@ def test_a_fork_record_that_cannot_be_written_is_never_lost_to_its_own_records(
         assert after[: len(fork_sent)] == fork_sent
 
     anyio.run(main)
+
+
+def test_a_retry_of_a_conversations_start_never_takes_a_branch_that_goes_further(
+    tmp_path: Path,
+) -> None:
+    """A conversation's first request is sent again (a retry) after a branch went further from
+    it; the branch's own last request, sent again, is still the branch's -- not the first
+    conversation's, whose last request (the retry) it also extends."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        start = [user("go"), {"role": "assistant", "content": "forked"}, user("directive")]
+        first, _ = await send(conversations, start)
+        await send(conversations, start[:1])  # another client opening alike: a retry of [go]
+        await send(conversations, [user("go"), call("t0"), answer("t0", "small")])
+        longer = [*start, call("t2"), answer("t2", "y" * 4_000)]
+        branch, sent = await send(conversations, longer)
+        assert branch is not first
+        retry, _ = await send(conversations, start)
+        assert retry is first
+        again, sent_again = await send(conversations, longer)
+        assert again is branch and sent_again == sent
+
+    anyio.run(main)
