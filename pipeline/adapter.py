@@ -420,8 +420,9 @@ class WireSession:
         self, messages: int, *, context: Context | None = None
     ) -> AbstractContextManager[Span]:
         """The span of one client request (its pipeline pass becomes a child), numbered within
-        the session as this process saw it; ``context``: the one to start it in (default: the
-        current one)."""
+        the session as this process saw it, current while the ``with`` lasts; ``context``: the
+        one to start it in (default: the current one). :class:`~pipeline.wire_request.
+        WireRequest` keeps one open until the response has gone by."""
         self.ctx.call = self._calls
         self._calls += 1
         return content_safe_span(
@@ -429,6 +430,18 @@ class WireSession:
             SPAN_WIRE_REQUEST,
             context=context,
             attributes={**self.ctx.span_attributes(), ATTR.MESSAGES: messages},
+        )
+
+    def start_request_span(self, messages: int, *, context: Context | None = None) -> Span:
+        """:meth:`request_span`, started and not made current (the caller ends it)."""
+        self.ctx.call = self._calls
+        self._calls += 1
+        return self.ctx.tracer.start_span(
+            SPAN_WIRE_REQUEST,
+            context=context,
+            attributes={**self.ctx.span_attributes(), ATTR.MESSAGES: messages},
+            record_exception=False,
+            set_status_on_exception=False,
         )
 
     async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:

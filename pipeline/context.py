@@ -68,6 +68,10 @@ class PassReport:
 
     persisted: list[PersistedResult] = field(default_factory=list)
     reapplied: int = 0
+    chars_kept_off: int = 0
+    """Characters of tool output this pass's request does not carry because a replacement
+    stands in for it (new and re-applied replacements; the replacements' own length
+    subtracted)."""
     persist_failed: list[str] = field(default_factory=list)
     """tool_use_ids whose persist failed (original content kept)."""
     estimated_tokens: int = 0

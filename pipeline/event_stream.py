@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipeline.adapter import Call, WireSession
+    from pipeline.wire_request import WireRequest
 
 __all__ = ["EventStreamUsage"]
 
@@ -19,14 +20,19 @@ class EventStreamUsage:
     session at :meth:`close` (or :meth:`aclose`); the bytes are not changed, held back or
     buffered beyond the current line. ``final`` turns True once ``message_delta`` has been
     read: the usage is complete from there on. ``call``: the prepared request the response
-    answers (default: the session's last)."""
+    answers (default: the session's last); ``request``: the
+    :class:`~pipeline.wire_request.WireRequest` to tell what the response said of itself."""
 
-    def __init__(self, session: WireSession, call: Call | None = None) -> None:
+    def __init__(
+        self, session: WireSession, call: Call | None = None, request: WireRequest | None = None
+    ) -> None:
         self.session = session
         self.call = call
+        self.request = request
         self.pending = b""
         self.message: dict[str, Any] = {}
         self.usage: dict[str, Any] = {}
+        self.context_management: Any = None
         self.final = False
         self.done = False
 
@@ -51,6 +57,12 @@ class EventStreamUsage:
                 self.usage = dict(self.message["usage"])
         elif event.get("type") == "message_delta" and isinstance(event.get("usage"), dict):
             self.usage.update({k: v for k, v in event["usage"].items() if v is not None})
+            delta = event.get("delta")
+            edits = event.get("context_management") or (
+                delta.get("context_management") if isinstance(delta, dict) else None
+            )
+            if edits is not None:
+                self.context_management = edits
             self.final = True
 
     def _take(self) -> tuple[str, dict[str, Any], str] | None:
@@ -59,6 +71,14 @@ class EventStreamUsage:
             return None
         self.done = True
         rid, model = self.message.get("id"), self.message.get("model")
+        if self.request is not None:
+            self.request.observed(
+                response_id=rid if isinstance(rid, str) else None,
+                model=model if isinstance(model, str) else None,
+                usage=self.usage or None,
+                context_management=self.context_management
+                or self.message.get("context_management"),
+            )
         if isinstance(rid, str) and self.usage:
             return rid, self.usage, str(model)
         return None

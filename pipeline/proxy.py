@@ -33,8 +33,10 @@ cannot be listed goes on from what this proxy knows (``wire_session.refresh_fail
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,9 +54,10 @@ from pipeline.conversations import Branch, Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.logs import get_logger
+from pipeline.metrics import WireMetrics
 from pipeline.session_storage import SessionStates
 from pipeline.tenancy import Tenancy
-from pipeline.tracing import ATTR
+from pipeline.wire_request import WireRequest
 
 __all__ = ["DEFAULT_UPSTREAM", "build_app"]
 
@@ -77,6 +80,7 @@ def build_app(
     background: Sequence[Callable[[], Coroutine[Any, Any, object]]] = (),
     storage: SessionStates | str | os.PathLike[str] | None = None,
     tenancy: Tenancy | None = None,
+    metrics: WireMetrics | None = None,
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
@@ -88,7 +92,12 @@ def build_app(
     :class:`~pipeline.session_storage.SessionStates` or a location for one (a directory,
     ``s3://bucket/prefix``); by default the files under ``root``, which always holds the token
     calibration (local to each host). ``tenancy``: how requests are told apart by credential
-    (default: by API key, under the store's secret; ``Tenancy(single=True)``: one tenant)."""
+    (default: by API key, under the store's secret; ``Tenancy(single=True)``: one tenant).
+    ``metrics``: where requests are counted (default: the global meter provider's; see
+    :mod:`pipeline.metrics`). Each request is one ``wire.request`` span, kept open until its
+    response has gone by, and one ``wire.request`` log event (:mod:`pipeline.wire_request`)."""
+    metrics = metrics or WireMetrics()
+    logger = context.get("logger") or get_logger()
     states = storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
     conversations = Conversations(
         pipeline=pipeline, root=root, storage=states, tenancy=tenancy, **context
@@ -120,7 +129,21 @@ def build_app(
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok")
 
+    def refused(started: float, status: int, kind: str, message: str) -> Response:
+        """A request answered here, before any conversation: counted and logged."""
+        logged(started, status, error=kind)
+        return _error(status, kind, message)
+
+    def logged(started: float, status: int, *, error: str | None = None, **fields: Any) -> None:
+        seconds = time.monotonic() - started
+        if error is not None:
+            fields["error"] = error
+        metrics.request(status=status, seconds=seconds)
+        log = logger.warning if status >= 500 else logger.info
+        log("wire.request", status=status, ms=round(seconds * 1000, 3), **fields)
+
     async def messages(request: Request) -> Response:
+        started = time.monotonic()
         raw = await request.body()
         headers = dict(request.headers)
         try:
@@ -128,36 +151,60 @@ def build_app(
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
         except RecursionError:
-            return _error(400, "invalid_request_error", "request body nested too deeply")
+            return refused(started, 400, "invalid_request_error", "request body nested too deeply")
         except ValueError as exc:  # what the API would say of it, before any upstream call
-            return _error(400, "invalid_request_error", str(exc)[:300])
+            return refused(started, 400, "invalid_request_error", str(exc)[:300])
         for attempt in range(_PLACE_ATTEMPTS):
             try:
                 branch = await conversations.route(body, headers)
             except ValueError as exc:
-                return _error(400, "invalid_request_error", str(exc)[:300])
+                return refused(started, 400, "invalid_request_error", str(exc)[:300])
             except OSError as exc:  # its state cannot be read: the request goes as it came
-                get_logger().warning("wire_session.load_failed", error=type(exc).__name__)
+                logger.warning("wire_session.load_failed", error=type(exc).__name__)
                 try:
-                    return _relay(await _send_as_is(client, request, raw), None)
+                    upstream_response = await _send_as_is(client, request, raw)
                 except httpx2.HTTPError as exc:
+                    logged(started, 502, error=type(exc).__name__, chars_in=len(raw))
                     return _unreachable(exc)
+                end = functools.partial(
+                    logged,
+                    started,
+                    upstream_response.status_code,
+                    forwarded_as_is=True,
+                    chars_in=len(raw),
+                )
+                return _relay(upstream_response, end=end)
             async with branch.call_lock:  # one call of a conversation at a time
                 last = attempt == _PLACE_ATTEMPTS - 1
                 if not await current(branch) and not last:
                     continue  # another worker moved it on: place the request again
                 session = branch.session
-                with session.request_span(len(body["messages"])) as span:
+                call_request = WireRequest(
+                    session, body, chars_in=len(raw), metrics=metrics, tenant=branch.family.tenant
+                )
+                with call_request.active():
+                    passing = time.monotonic()
                     try:
                         prepared, call = await session.prepare_call(body)
                     except ValueError as exc:
+                        call_request.end(status=400, error="invalid_request_error")
+                        logged(started, 400, error="invalid_request_error")
                         return _error(400, "invalid_request_error", str(exc)[:300])
+                    content = _upstream_body(session, prepared)
+                    call_request.prepared(
+                        session.ctx.report, time.monotonic() - passing, len(content)
+                    )
                     try:
-                        upstream_response = await _send(client, request, session, prepared)
+                        upstream_response = await _send(client, request, session, content)
                     except httpx2.HTTPError as exc:
+                        call_request.end(status=502, error=type(exc).__name__)
+                        metrics.request(status=502, seconds=time.monotonic() - started)
                         return _unreachable(exc)
-                    span.set_attribute(ATTR.HTTP_STATUS, upstream_response.status_code)
-            return _relay(upstream_response, session, call)
+                    call_request.answered(upstream_response.status_code)
+            done = functools.partial(
+                _ended, call_request, metrics, started, upstream_response.status_code
+            )
+            return _relay(upstream_response, session, call, call_request, end=done)
         raise AssertionError("unreachable: the last attempt always sends")
 
     async def passthrough(request: Request) -> Response:
@@ -166,7 +213,7 @@ def build_app(
             headers=_forwarded(request), content=await request.body(),
         )  # fmt: skip
         try:
-            return _relay(await client.send(upstream_request, stream=True), None)
+            return _relay(await client.send(upstream_request, stream=True))
         except httpx2.HTTPError as exc:
             return _unreachable(exc)
 
@@ -196,19 +243,28 @@ async def _send_as_is(client: httpx2.AsyncClient, request: Request, raw: bytes) 
     return await client.send(upstream_request, stream=True)
 
 
+def _ended(request: WireRequest, metrics: WireMetrics, started: float, status: int) -> None:
+    request.end()
+    metrics.request(status=status, seconds=time.monotonic() - started)
+
+
+def _upstream_body(session: WireSession, prepared: dict[str, Any]) -> bytes:
+    """The prepared request with what a stage asked of it (extras), as JSON."""
+    prepared.update(session.ctx.report.request_extras)
+    return json.dumps(prepared).encode("utf-8")
+
+
 async def _send(
-    client: httpx2.AsyncClient, request: Request, session: WireSession, prepared: dict[str, Any]
+    client: httpx2.AsyncClient, request: Request, session: WireSession, content: bytes
 ) -> httpx2.Response:
-    """The prepared request upstream, with what a stage asked of it (extras, beta header)."""
+    """The prepared request upstream, with the beta header a stage asked for."""
     report = session.ctx.report
-    prepared.update(report.request_extras)
     headers = _forwarded(request)
     if report.betas:
         headers["anthropic-beta"] = beta_header(headers.get("anthropic-beta"), report.betas)
     upstream_request = client.build_request(
-        "POST", request.url.path, params=request.query_params, headers=headers,
-        content=json.dumps(prepared).encode("utf-8"),
-    )  # fmt: skip
+        "POST", request.url.path, params=request.query_params, headers=headers, content=content
+    )
     return await client.send(upstream_request, stream=True)
 
 
@@ -226,16 +282,21 @@ def _error(status: int, kind: str, message: str) -> Response:
 
 
 def _relay(
-    upstream: httpx2.Response, session: WireSession | None, call: Call | None = None
+    upstream: httpx2.Response,
+    session: WireSession | None = None,
+    call: Call | None = None,
+    call_request: WireRequest | None = None,
+    *,
+    end: Callable[[], None] | None = None,
 ) -> Response:
     """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
     on the way, and the session's record of it written before the client can see the end: an
     event stream passes chunk by chunk as it arrives, the chunk that completes the usage
     (``message_delta``) once the record is written; a JSON body is passed on whole once read
-    and recorded."""
+    and recorded. ``end``: called once the body has gone by (or the client left)."""
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
     answered = session is not None and upstream.status_code == 200
-    reader = _UsageReader(session, call) if session is not None and answered else None
+    reader = _UsageReader(session, call, call_request) if session is not None and answered else None
     streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def body() -> AsyncIterator[bytes]:
@@ -259,6 +320,8 @@ def _relay(
                     yield b"".join(held)
         finally:
             await upstream.aclose()
+            if end is not None:
+                end()
 
     return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
 
@@ -266,9 +329,11 @@ def _relay(
 class _UsageReader:
     """The response's id, model and usage, read as the bytes go by."""
 
-    def __init__(self, session: WireSession, call: Call | None) -> None:
-        self.events = EventStreamUsage(session, call)
-        self.session, self.call = session, call
+    def __init__(
+        self, session: WireSession, call: Call | None, request: WireRequest | None
+    ) -> None:
+        self.events = EventStreamUsage(session, call, request)
+        self.session, self.call, self.request = session, call, request
 
     async def observe_json(self, body: bytes) -> None:
         """A JSON body's id and usage to the session (nothing when it holds none)."""
@@ -279,6 +344,14 @@ class _UsageReader:
         if not isinstance(message, dict):
             return
         usage, rid = message.get("usage"), message.get("id")
+        model = message.get("model")
+        if self.request is not None:
+            self.request.observed(
+                response_id=rid if isinstance(rid, str) else None,
+                model=model if isinstance(model, str) else None,
+                usage=usage if isinstance(usage, dict) else None,
+                context_management=message.get("context_management"),
+            )
         if isinstance(usage, dict) and isinstance(rid, str):
             with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
                 model = str(message.get("model"))

@@ -24,6 +24,7 @@ from pipeline.logs import add_trace_ids, get_logger
 
 __all__ = [
     "ATTR",
+    "METRIC",
     "SPAN_AGENT_INVOKE",
     "SPAN_AGENT_TURN",
     "SPAN_BUDGET_DECISION",
@@ -129,9 +130,33 @@ class ATTR:
     TOOL_TYPE = "gen_ai.tool.type"
     OPERATION_NAME = "gen_ai.operation.name"
     REQUEST_MODEL = "gen_ai.request.model"
+    REQUEST_STREAM = "gen_ai.request.stream"
     RESPONSE_ID = "gen_ai.response.id"
+    RESPONSE_MODEL = "gen_ai.response.model"
     TOOL_NAME = "gen_ai.tool.name"
     TOOL_CALL_ID = "gen_ai.tool.call.id"
+    TOKEN_TYPE = "gen_ai.token.type"
+    USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+    USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+    USAGE_CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+    USAGE_CACHE_WRITE_TOKENS = "gen_ai.usage.cache_write.input_tokens"
+
+    # HTTP and general semantic conventions
+    HTTP_METHOD = "http.request.method"
+    HTTP_ROUTE = "http.route"
+    ERROR_TYPE = "error.type"
+
+    # one client request at the wire
+    TENANT = "sluicegate.tenant"
+    UPSTREAM_MS = "sluicegate.upstream.duration_ms"
+    """From sending the request upstream to the end of its response, in milliseconds."""
+    PIPELINE_MS = "sluicegate.pipeline.duration_ms"
+    CHARS_IN = "sluicegate.request.chars_in"
+    """The request as the client sent it, in characters of its JSON body (the proxy)."""
+    CHARS_OUT = "sluicegate.request.chars_out"
+    """The request as it went upstream, in characters of its JSON body."""
+    APPLIED_EDITS = "sluicegate.context_management.applied_edits"
+    """The server-side context edits the API reports it applied (their types)."""
 
     # a pass and its stages
     CALL = "sluicegate.call"
@@ -213,6 +238,20 @@ class ATTR:
     BLOCKING_TOKENS = "sluicegate.blocking_tokens"
     CAUSE = "sluicegate.cause"
     """The reason a compaction would have had, when blocking overrode it."""
+
+
+class METRIC:
+    """Metric names: the OpenTelemetry HTTP and GenAI ones where one exists, else
+    ``sluicegate.*`` (see :mod:`pipeline.metrics`)."""
+
+    HTTP_SERVER_DURATION = "http.server.request.duration"
+    GENAI_OPERATION_DURATION = "gen_ai.client.operation.duration"
+    GENAI_TOKEN_USAGE = "gen_ai.client.token.usage"
+    GENAI_CACHE_READ = "gen_ai.client.inference.usage.cache_read.input_tokens"
+    GENAI_CACHE_WRITE = "gen_ai.client.inference.usage.cache_write.input_tokens"
+    PIPELINE_DURATION = "sluicegate.pipeline.duration"
+    PERSISTED = "sluicegate.tool_results.persisted"
+    KEPT_OFF_WIRE = "sluicegate.chars.kept_off_wire"
 
 
 # -- decisions and reasons ----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,10 +31,11 @@ from pipeline.adapter import Call, WireSession, beta_header
 from pipeline.conversations import Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
+from pipeline.metrics import WireMetrics
 from pipeline.spans import beside_sdk_call
 from pipeline.storage import validate_session_id
 from pipeline.tenancy import Tenancy
-from pipeline.tracing import ATTR
+from pipeline.wire_request import WireRequest
 
 __all__ = ["SluicegateMiddleware", "wrap"]
 
@@ -75,8 +77,10 @@ class SluicegateMiddleware(anthropic.Middleware):
         session_id: str | None = None,
         tenancy: Tenancy | None = None,
         client_headers: Mapping[str, str] | None = None,
+        metrics: WireMetrics | None = None,
         **context: Any,
     ) -> None:
+        self.metrics = metrics or WireMetrics()
         self.client_headers = dict(client_headers or {})
         if session_id is not None:
             validate_session_id(session_id)
@@ -100,21 +104,32 @@ class SluicegateMiddleware(anthropic.Middleware):
             request.json, self._headers(request), explicit=self.session_id
         )
         session = branch.session
-        with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
+        seen = WireRequest(
+            session,
+            request.json,
+            context=beside_sdk_call(),
+            metrics=self.metrics,
+            tenant=branch.family.tenant,
+        )
+        with seen.active():
+            passing = time.monotonic()
             # the call: what the response answers, whatever is prepared meanwhile
             body, call = await session.prepare_call(request.json)
+            seen.prepared(session.ctx.report, time.monotonic() - passing, None)
             response = await call_next(_outgoing(session, request, body))
-            span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
+            seen.answered(response.status_code)
+            if response.status_code == 200 and request.stream:
+                _tap(session, response.http_response, call, seen)  # it ends with the stream
+                return response
             if response.status_code == 200:
-                if request.stream:
-                    _tap(session, response.http_response, call)
-                else:
-                    message = await response.parse()
-                    usage = getattr(message, "usage", None)
-                    if usage is not None and isinstance(getattr(message, "id", None), str):
-                        await session.observe_async(
-                            message.id, usage.model_dump(), model=str(message.model), call=call
-                        )
+                message = await response.parse()
+                usage, rid = getattr(message, "usage", None), getattr(message, "id", None)
+                _observed(seen, message)
+                if usage is not None and isinstance(rid, str):
+                    await session.observe_async(
+                        rid, usage.model_dump(), model=str(message.model), call=call
+                    )
+        seen.end()
         return response
 
     def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
@@ -127,16 +142,29 @@ class SluicegateMiddleware(anthropic.Middleware):
             request.json, self._headers(request), explicit=self.session_id, build=_in_worker
         )
         session = branch.session
-        with session.request_span(len(request.json["messages"]), context=beside_sdk_call()) as span:
+        seen = WireRequest(
+            session,
+            request.json,
+            context=beside_sdk_call(),
+            metrics=self.metrics,
+            tenant=branch.family.tenant,
+        )
+        with seen.active():
+            passing = time.monotonic()
             with session.sync_lock:
                 body, call = _run_sync(lambda: session.prepare_call(request.json))
+                report = session.ctx.report
+            seen.prepared(report, time.monotonic() - passing, None)
             response = call_next(_outgoing(session, request, body))
-            span.set_attribute(ATTR.HTTP_STATUS, response.status_code)
+            seen.answered(response.status_code)
+            if response.status_code == 200 and request.stream:
+                _tap(session, response.http_response, call, seen)  # it ends with the stream
+                return response
             if response.status_code == 200:
-                if request.stream:
-                    _tap(session, response.http_response, call)
-                else:
-                    _observe(session, response.parse(), call)
+                message = response.parse()
+                _observed(seen, message)
+                _observe(session, message, call)
+        seen.end()
         return response
 
 
@@ -151,6 +179,21 @@ def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
     return request.copy(body=body, headers=headers)
 
 
+def _observed(seen: WireRequest, message: Any) -> None:
+    """What a parsed response says of itself, to the request's span and line."""
+    usage = getattr(message, "usage", None)
+    rid, model = getattr(message, "id", None), getattr(message, "model", None)
+    edits: Any = getattr(message, "context_management", None)
+    if edits is not None and hasattr(edits, "model_dump"):
+        edits = edits.model_dump()
+    seen.observed(
+        response_id=rid if isinstance(rid, str) else None,
+        model=str(model) if model is not None else None,
+        usage=usage.model_dump() if usage is not None else None,
+        context_management=edits,
+    )
+
+
 def _observe(session: WireSession, message: Any, call: Call | None) -> None:
     usage = getattr(message, "usage", None)
     if usage is not None and isinstance(getattr(message, "id", None), str):
@@ -158,41 +201,50 @@ def _observe(session: WireSession, message: Any, call: Call | None) -> None:
 
 
 class _AsyncTap(httpx2.AsyncByteStream):
-    def __init__(self, inner: Any, reader: EventStreamUsage) -> None:
-        self.inner, self.reader = inner, reader
+    def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
+        self.inner, self.reader, self.seen = inner, reader, seen
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         async for chunk in self.inner:
             self.reader.feed(chunk)
             yield chunk
-        self.reader.close()  # the whole stream went by: its usage is complete
+        await self.reader.aclose()  # the whole stream went by: its usage is complete
+        self.seen.end()
 
     async def aclose(self) -> None:
-        await self.inner.aclose()
+        try:
+            await self.inner.aclose()
+        finally:
+            self.seen.end()  # the caller left early: the request is over all the same
 
 
 class _SyncTap(httpx2.SyncByteStream):
-    def __init__(self, inner: Any, reader: EventStreamUsage) -> None:
-        self.inner, self.reader = inner, reader
+    def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
+        self.inner, self.reader, self.seen = inner, reader, seen
 
     def __iter__(self) -> Iterator[bytes]:
         for chunk in self.inner:
             self.reader.feed(chunk)
             yield chunk
         self.reader.close()
+        self.seen.end()
 
     def close(self) -> None:
-        self.inner.close()
+        try:
+            self.inner.close()
+        finally:
+            self.seen.end()
 
 
-def _tap(session: WireSession, http: Any, call: Call | None) -> None:
-    """Let the session observe a streamed response's usage as the caller reads it."""
-    reader = EventStreamUsage(session, call)
+def _tap(session: WireSession, http: Any, call: Call | None, seen: WireRequest) -> None:
+    """Let the session observe a streamed response's usage as the caller reads it; the
+    request ends with the stream."""
+    reader = EventStreamUsage(session, call, seen)
     stream = http.stream
     http.stream = (
-        _AsyncTap(stream, reader)
+        _AsyncTap(stream, reader, seen)
         if isinstance(stream, httpx2.AsyncByteStream)
-        else _SyncTap(stream, reader)
+        else _SyncTap(stream, reader, seen)
     )
 
 

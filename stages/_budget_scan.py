@@ -122,8 +122,12 @@ class GroupScan:
         self.first_pos: dict[Name, int] = {}
         self.cand_count: dict[str, int] = {}
         """Result key -> how many candidates carry it."""
+        self.sizes: dict[str, int] = {}
+        """Result key -> its output's size (the same output for every candidate of a key)."""
         self.reapplied = 0
         """Candidates whose id the ledger had replaced when they were counted (see push/pop)."""
+        self.kept_off = 0
+        """Characters those candidates do not carry (their size less their replacement's)."""
 
     @property
     def groups(self) -> list[list[Candidate]]:
@@ -156,13 +160,15 @@ class GroupScan:
                 continue
             key = slot.key
             assert key is not None
+            size = candidate_size(slot.core)
+            self.sizes.setdefault(key, size)
             self.current.append(
                 Candidate(
                     msg_index=index,
                     tool_use_id=tid,
                     tool_name=self.tool_names.get(tid),
                     content=slot.core,
-                    size=candidate_size(slot.core),
+                    size=size,
                     persistable=is_persistable(slot.core),
                     key=key,
                 )
@@ -171,6 +177,7 @@ class GroupScan:
             self.cand_count[key] = self.cand_count.get(key, 0) + 1
             if key in replacements:
                 self.reapplied += 1
+                self.kept_off += size - len(replacements[key])
         if not (slots or u.malformed):
             self.undo.append(None)  # nothing to undo: share None rather than keep an object
             return
@@ -211,15 +218,18 @@ class GroupScan:
         if u is None:
             return
         for _ in range(u.candidates):
-            key = self.current.pop().key
+            popped = self.current.pop()
+            key = popped.key
             touched.add(key)
             n = self.cand_count[key] - 1
             if n:
                 self.cand_count[key] = n
             else:
                 del self.cand_count[key]
+                del self.sizes[key]
             if key in replacements:
                 self.reapplied -= 1
+                self.kept_off -= popped.size - len(replacements[key])
         for name in u.slots:
             if name is None:
                 continue

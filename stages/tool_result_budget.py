@@ -179,6 +179,9 @@ class ToolResultBudget:
         for key in replaced_now:
             if key not in already_replaced:
                 scan.reapplied += scan.cand_count.get(key, 0)
+                size = scan.sizes.get(key, 0)
+                scan.kept_off += scan.cand_count.get(key, 0) * (size - len(replaced_now[key]))
+        ctx.report.chars_kept_off += scan.kept_off
         touched.update(replaced_now)
         cache.update_output(messages, start, touched, state.replacements)
         cache.seal(state, replaced_now)

@@ -1,7 +1,9 @@
-"""A tiny OTLP/HTTP trace receiver for tests: the real wire format, decoded by opentelemetry-proto.
+"""A tiny OTLP/HTTP trace and metric receiver for tests: the real wire format, decoded by
+opentelemetry-proto.
 
-Start it with ``with OtlpReceiver() as rx:``; point an exporter at ``rx.traces_endpoint``;
-read ``rx.spans`` (flattened, attributes decoded to plain Python values).
+Start it with ``with OtlpReceiver() as rx:``; point an exporter at ``rx.traces_endpoint`` (or
+``rx.endpoint`` for traces and metrics); read ``rx.spans`` and ``rx.points`` (flattened,
+attributes decoded to plain Python values).
 """
 
 from __future__ import annotations
@@ -16,15 +18,54 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-__all__ = ["OtlpReceiver", "ReceivedSpan"]
+__all__ = ["OtlpReceiver", "ReceivedPoint", "ReceivedSpan"]
 
 TRACES_PATH = "/v1/traces"
+METRICS_PATH = "/v1/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedPoint:
+    """One exported data point: a counter's value, or a histogram's count and sum."""
+
+    metric: str
+    unit: str
+    attributes: dict[str, Any]
+    value: float
+    """A sum's value; a histogram's sum."""
+    count: int = 1
+    """A histogram's count (1 for a sum)."""
+
+
+def decode_metrics(body: bytes) -> list[ReceivedPoint]:
+    """The data points of one ``ExportMetricsServiceRequest`` protobuf body."""
+    request = ExportMetricsServiceRequest()
+    request.ParseFromString(body)
+    points: list[ReceivedPoint] = []
+    for rm in request.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = m.WhichOneof("data")
+                if kind == "sum":
+                    for p in m.sum.data_points:
+                        value = p.as_int if p.WhichOneof("value") == "as_int" else p.as_double
+                        attrs = {kv.key: _value(kv.value) for kv in p.attributes}
+                        points.append(ReceivedPoint(m.name, m.unit, attrs, value))
+                elif kind == "histogram":
+                    for h in m.histogram.data_points:
+                        attrs = {kv.key: _value(kv.value) for kv in h.attributes}
+                        points.append(ReceivedPoint(m.name, m.unit, attrs, h.sum, h.count))
+    return points
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +132,12 @@ class _Handler(BaseHTTPRequestHandler):
         elif encoding == "deflate":
             body = zlib.decompress(body)
         status = self.sink(body, self.path)
-        payload = ExportTraceServiceResponse().SerializeToString() if status == 200 else b""
+        response = (
+            ExportMetricsServiceResponse()
+            if self.path == METRICS_PATH
+            else ExportTraceServiceResponse()
+        )
+        payload = response.SerializeToString() if status == 200 else b""
         self.send_response(status)
         self.send_header("Content-Type", "application/x-protobuf")
         self.send_header("Content-Length", str(len(payload)))
@@ -108,6 +154,7 @@ class OtlpReceiver:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._spans: list[ReceivedSpan] = []
+        self._points: list[ReceivedPoint] = []
         self.requests = 0
         self.bad_paths: list[str] = []
         receiver = self
@@ -120,6 +167,11 @@ class OtlpReceiver:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def _accept(self, body: bytes, path: str) -> int:
+        if path == METRICS_PATH:
+            points = decode_metrics(body)
+            with self._lock:
+                self._points.extend(points)
+            return 200
         if path != TRACES_PATH:
             with self._lock:
                 self.bad_paths.append(path)
@@ -150,6 +202,13 @@ class OtlpReceiver:
         """Every span received so far."""
         with self._lock:
             return list(self._spans)
+
+    @property
+    def points(self) -> list[ReceivedPoint]:
+        """Every metric data point received so far (cumulative: the last export of a metric
+        holds its totals)."""
+        with self._lock:
+            return list(self._points)
 
     def wait_for(
         self, predicate: Callable[[list[ReceivedSpan]], bool], timeout: float = 10

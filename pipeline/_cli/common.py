@@ -11,6 +11,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from opentelemetry import trace
 from pipeline._cli.cleanup import interrupts_deferred, remove_made_dir
 from pipeline._cli.dumps import DumpFormat, RequestDumper, existing_dumps, parse_calls
 from pipeline._cli.logging_setup import configure_logging
+from pipeline._cli.metrics_setup import setup_metrics
 from pipeline._cli.safe_text import terminal_safe
 from pipeline._cli.telemetry import TelemetrySetupError, setup_tracing
 from pipeline.core import Pipeline
@@ -34,6 +36,7 @@ from pipeline.transcript import Transcript, TranscriptError, load_transcript
 from stages import registry as stage_registry
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
 
 
@@ -349,27 +352,51 @@ def dump_request(dumper: RequestDumper | None, result: CallResult) -> None:
         raise CliError(f"cannot write {where}: {exc.strerror or exc}", EXIT_FAILED) from None
 
 
-def with_tracing(
-    args: argparse.Namespace, run: Callable[[trace.Tracer | None, TracerProvider | None], int]
-) -> int:
-    """Set up logging and tracing, run, and always flush spans before returning.
+@dataclass(frozen=True)
+class Telemetry:
+    """What :func:`telemetry` set up: a tracer (None: spans are no-ops) and the SDK providers
+    behind it and behind the metrics (None when nothing asked for them)."""
+
+    tracer: trace.Tracer | None
+    tracer_provider: TracerProvider | None
+    meter_provider: MeterProvider | None
+
+
+@contextlib.contextmanager
+def telemetry(
+    args: argparse.Namespace, *, metrics: bool = False, verbosity: int = 0
+) -> Iterator[Telemetry]:
+    """Logging, tracing and (``metrics=True``) metrics from the options and the standard
+    ``OTEL_*`` variables -- the one set-up of every command -- flushed and undone on exit.
+    ``verbosity``: added to ``-v`` (a server logs its requests by default).
 
     The logging set-up (a stderr handler on the ``sluicegate`` logger) is undone afterwards, so
     ``main()`` can be called in-process (tests, notebooks) without leaving a handler bound to
-    this run's stderr.
-    """
-    restore_logging = configure_logging(args.verbose, args.log_json)
-    provider: TracerProvider | None = None
+    this run's stderr."""
+    restore_logging = configure_logging(args.verbose + verbosity, args.log_json)
+    tracer_provider: TracerProvider | None = None
+    meter_provider: MeterProvider | None = None
     try:
         try:
-            provider = setup_tracing(args.console_spans)
+            tracer_provider = setup_tracing(args.console_spans)
+            meter_provider = setup_metrics() if metrics else None
         except TelemetrySetupError as exc:
             raise CliError(str(exc)) from None
-        tracer = get_tracer(provider) if provider is not None else None
-        return run(tracer, provider)
+        tracer = get_tracer(tracer_provider) if tracer_provider is not None else None
+        yield Telemetry(tracer, tracer_provider, meter_provider)
     finally:
         try:
-            if provider is not None:
-                provider.shutdown()  # flushes the batch processor
+            for provider in (tracer_provider, meter_provider):
+                if provider is not None:
+                    provider.shutdown()  # flushes what is batched
         finally:
             restore_logging()
+
+
+def with_tracing(
+    args: argparse.Namespace, run: Callable[[trace.Tracer | None, TracerProvider | None], int]
+) -> int:
+    """Set up logging and tracing (:func:`telemetry`), run, and always flush spans before
+    returning."""
+    with telemetry(args) as set_up:
+        return run(set_up.tracer, set_up.tracer_provider)

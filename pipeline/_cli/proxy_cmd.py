@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import socket
 import sys
@@ -17,13 +18,16 @@ from pipeline._cli.common import (
     CliError,
     ReplayOptions,
     object_store_states,
+    telemetry,
 )
-from pipeline._cli.logging_setup import configure_logging
 from pipeline._cli.safe_text import terminal_safe
 from pipeline._cli.store_cmd import describe, warn_errors
+from pipeline.logs import get_logger
+from pipeline.metrics import WireMetrics
 from pipeline.policies import ToolPolicies
 from pipeline.retention import PruneReport, prune_periodically, prune_store
 from pipeline.session_storage import SessionStates
+from pipeline.tenancy import Tenancy
 
 PRUNE_INTERVAL = 3_600.0
 """Seconds between two prunes of the store while the proxy runs (``--retain``,
@@ -34,12 +38,11 @@ _BACKLOG = 2_048
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    """Serve the proxy until interrupted (SIGINT/SIGTERM: a graceful shutdown)."""
+    """Serve the proxy until interrupted (SIGINT/SIGTERM: a graceful shutdown, exit 0)."""
     try:
         import uvicorn
 
         from pipeline.proxy import build_app
-        from pipeline.tenancy import Tenancy
     except ImportError:
         raise CliError("the proxy needs its extra: pip install 'sluicegate[proxy]'") from None
     parts = urlsplit(args.upstream)
@@ -56,10 +59,13 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     # the token calibration is per host: on a local directory even when the state is shared
     root = options.store or Path(".sluicegate")
     background = retention(args, root) if shared is None else []
-    restore_logging = configure_logging(args.verbose, args.log_json)
-    try:
+    # a server logs each request (INFO) unless told less: -v adds debug
+    with telemetry(args, metrics=True, verbosity=1) as set_up:
         if shared is not None:
             _check_store(shared)
+        context: dict[str, Any] = {}
+        if set_up.tracer is not None:
+            context["tracer"] = set_up.tracer
         app = build_app(
             pipeline=options.pipeline,
             root=root,
@@ -69,20 +75,34 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             background=background,
             storage=shared,
             tenancy=Tenancy(single=True) if args.single_tenant else None,
+            metrics=WireMetrics(set_up.meter_provider),
+            **context,
         )
         sock = _listen(args.host, args.port)
         port = sock.getsockname()[1]
         where = f"http://{args.host}:{port}"
-        store = f"; store {terminal_safe(shared.location)}" if shared is not None else ""
-        print(
-            f"sluicegate proxy on {where} -> {args.upstream} (ANTHROPIC_BASE_URL={where}){store}",
-            file=sys.stderr,
-            flush=True,
-        )
+        log = get_logger()
+        if args.log_json:  # every line of a JSON log is JSON, the banner too
+            log.info(
+                "proxy.listening",
+                url=where,
+                upstream=args.upstream,
+                store=shared.location if shared is not None else str(root),
+            )
+        else:
+            store = f"; store {terminal_safe(shared.location)}" if shared is not None else ""
+            print(
+                f"sluicegate proxy on {where} -> {args.upstream} "
+                f"(ANTHROPIC_BASE_URL={where}){store}",
+                file=sys.stderr,
+                flush=True,
+            )
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        server.run(sockets=[sock])
-    finally:
-        restore_logging()
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
+        # raises the signal again: for a service that is the normal stop, exit 0
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[sock])
+        log.info("proxy.stopped", url=where)
     return EXIT_OK
 
 
@@ -91,7 +111,9 @@ def _listen(host: str, port: int) -> socket.socket:
     banner is printed so the banner can name the port; connections made before the server
     runs wait in the backlog."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family=family)
+    # a TCP socket by name: asyncio sets TCP_NODELAY only on connections of one (unnamed,
+    # Nagle met the client's delayed ACK and each response waited ~40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

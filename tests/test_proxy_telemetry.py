@@ -1,0 +1,165 @@
+"""What an operator sees of ``python -m pipeline proxy`` run as a process: its spans and metrics
+exported over OTLP to a real receiver, one log line per request (JSON when asked), a failure
+included."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+
+from pipeline.testing import Reply, ScriptedMessagesServer
+from tests.builders import tool_result, tool_use
+from tests.cli_support import clean_env
+from tests.otlp_receiver import OtlpReceiver, ReceivedPoint
+from tests.wire_support import free_port
+
+pytest.importorskip("uvicorn", reason="the proxy extra is not installed")
+
+TAG = "<persisted-output>"
+
+
+def reply(body: dict[str, Any]) -> Reply:
+    return Reply([{"type": "text", "text": "ok"}])
+
+
+@contextmanager
+def proxy_process(
+    upstream: str, store: Path, *extra: str, **env: str
+) -> Iterator[tuple[str, list[str], list[int]]]:
+    """The proxy command on a free port; yields its URL and, once it has stopped (SIGINT:
+    everything flushed), the lines of its stderr and its exit code."""
+    command = [sys.executable, "-m", "pipeline", "proxy", "--port", "0", "--store", str(store)]
+    proc = subprocess.Popen(
+        [*command, "--upstream", upstream, *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(**env),
+    )
+    lines: list[str] = []
+    code: list[int] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            found = re.search(r"(http://127\.0\.0\.1:\d+)", line)
+            if found and ("proxy on" in line or "proxy.listening" in line):
+                break
+        else:
+            raise AssertionError("".join(lines))
+        yield found.group(1), lines, code
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)
+        lines.extend(rest.splitlines(keepends=True))
+        code.append(proc.returncode)
+
+
+def build(output: str, tid: str = "toolu_01") -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "run the build"},
+        {"role": "assistant", "content": [tool_use(tid)]},
+        {"role": "user", "content": [tool_result(tid, output)]},
+    ]
+
+
+def total(points: list[ReceivedPoint], metric: str, **attrs: Any) -> tuple[float, int]:
+    """The last (cumulative) value and count of ``metric`` for the points whose attributes
+    include ``attrs``, summed over attribute sets."""
+    last: dict[str, ReceivedPoint] = {}
+    for p in points:
+        if p.metric == metric and all(p.attributes.get(k) == v for k, v in attrs.items()):
+            last[json.dumps(p.attributes, sort_keys=True)] = p
+    return sum(p.value for p in last.values()), sum(p.count for p in last.values())
+
+
+def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path: Path) -> None:
+    with (
+        OtlpReceiver() as receiver,
+        ScriptedMessagesServer(reply) as upstream,
+        proxy_process(
+            upstream.base_url,
+            tmp_path / "store",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+            OTEL_METRIC_EXPORT_INTERVAL="200",
+            OTEL_BSP_SCHEDULE_DELAY="100",
+        ) as (url, lines, code),
+    ):
+        client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
+        client.messages.create(model="claude-test", max_tokens=10, messages=build("x" * 60_000))
+        with client.messages.stream(
+            model="claude-test", max_tokens=10, messages=build("x" * 60_000)
+        ) as stream:
+            stream.get_final_message()
+        client.close()
+    assert code == [0]
+    spans = receiver.spans
+    requests = [s for s in spans if s.name == "wire.request"]
+    assert len(requests) == 2
+    by_id = {s.span_id: s for s in spans}
+    (persist,) = [s for s in spans if s.name == "tool_result_budget.persist"]
+    parent, chain = by_id.get(persist.parent_span_id), []
+    while parent is not None:
+        chain.append(parent.name)
+        parent = by_id.get(parent.parent_span_id)
+    assert chain[-1] == "wire.request"  # the decision under the request that made it
+    for span in requests:
+        attributes = span.attributes
+        assert attributes["gen_ai.request.model"] == "claude-test"
+        assert attributes["gen_ai.response.id"].startswith("msg_")
+        tokens_in = (
+            attributes["gen_ai.usage.input_tokens"]
+            + attributes.get("gen_ai.usage.cache_read.input_tokens", 0)
+            + attributes.get("gen_ai.usage.cache_creation.input_tokens", 0)
+        )
+        assert tokens_in > 0
+        assert attributes["gen_ai.usage.output_tokens"] > 0
+        assert "gen_ai.usage.cache_read.input_tokens" in attributes
+        assert attributes["http.response.status_code"] == 200
+        assert attributes["sluicegate.upstream.duration_ms"] >= 0
+        assert (
+            attributes["sluicegate.request.chars_out"] < attributes["sluicegate.request.chars_in"]
+        )
+    assert {s.attributes["gen_ai.request.stream"] for s in requests} == {False, True}
+    points = receiver.points
+    assert (
+        total(points, "http.server.request.duration", **{"http.response.status_code": 200})[1] == 2
+    )
+    assert total(points, "gen_ai.client.token.usage", **{"gen_ai.token.type": "output"})[1] == 2
+    assert total(points, "sluicegate.tool_results.persisted")[0] == 1  # the second re-applied
+    assert total(points, "sluicegate.chars.kept_off_wire")[0] > 2 * 50_000
+    assert total(points, "gen_ai.client.operation.duration")[1] == 2
+    assert total(points, "sluicegate.pipeline.duration")[1] == 2
+    logged = [line for line in lines if "wire.request" in line]
+    assert len(logged) == 2, lines
+    assert all("status=200" in line and "conversation=" in line for line in logged)
+    assert "persisted=1" in logged[0] and "reapplied=1" in logged[1]
+    assert not any("x" * 100 in line for line in lines)  # no content in a log line
+
+
+def test_an_unreachable_upstream_is_one_logged_failure_and_json_lines_stay_json(
+    tmp_path: Path,
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with proxy_process(dead, tmp_path / "store", "--log-json") as (url, lines, code):
+        client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
+        with pytest.raises(anthropic.InternalServerError):
+            client.messages.create(model="m", max_tokens=10, messages=build("small"))
+        client.close()
+    records = [json.loads(line) for line in lines if line.strip()]  # every line is JSON
+    assert records[0]["event"] == "proxy.listening" and records[0]["url"] == url
+    (failed,) = [r for r in records if r.get("event") == "wire.request"]
+    assert failed["status"] == 502 and failed["error"] == "ConnectError"
+    assert failed["level"] == "warning" and "conversation" in failed
+    assert records[-1]["event"] == "proxy.stopped"  # SIGINT: a graceful stop, logged
+    assert code == [0]
