@@ -41,8 +41,9 @@ class PersistedResult:
     chars: int
     path: str
     reason: str
-    """Which limit applied: ``"per_tool"``, ``"per_message"`` or ``"per_tool_gate"``."""
-    limit: float | None = None
+    """Which limit it was over: ``"per_tool"`` (its tool's) or ``"per_message"`` (the
+    budget of its API-level user message)."""
+    limit: int | None = None
     """That limit, in characters."""
     group_results: int | None = None
     """How many tool results the API-level user message held (the budget's group)."""

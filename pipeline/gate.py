@@ -185,9 +185,10 @@ async def gate_tool_result(
     if is_replacement_text(content):
         return GateOutcome(block, Decision.KEEP, Reason.ALREADY_REPLACED, size, threshold)
     if math.isinf(threshold):
-        return GateOutcome(block, Decision.SKIP_UNBOUNDED_TOOL, Reason.PER_TOOL, size, threshold)
+        skip = Decision.SKIP_UNBOUNDED_TOOL
+        return GateOutcome(block, skip, Reason.NEVER_PERSIST, size, threshold)
     if size <= threshold:
-        return GateOutcome(block, Decision.KEEP, Reason.UNDER_THRESHOLD, size, threshold)
+        return GateOutcome(block, Decision.KEEP, Reason.PER_TOOL, size, threshold)
     if not is_persistable(content):
         return GateOutcome(block, Decision.KEEP, Reason.NOT_PERSISTABLE, size, threshold)
     tool_use_id = str(block.get("tool_use_id"))

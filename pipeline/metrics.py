@@ -20,7 +20,6 @@ HTTP and GenAI semantic conventions where they exist (:mod:`pipeline.tracing` ho
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from opentelemetry import metrics
 
@@ -99,9 +98,10 @@ class WireMetrics:
             self.kept_off.add(kept_off)
 
     def upstream(
-        self, *, seconds: float, model: str | None, status: int, usage: Mapping[str, Any] | None
+        self, *, seconds: float, model: str | None, status: int, tokens: Mapping[str, int]
     ) -> None:
-        """One upstream call, ended: its duration and, when it answered, its tokens."""
+        """One upstream call, ended: its duration and the tokens its response reported (as
+        :func:`pipeline.wire_request.usage_attributes` counts them; none when it failed)."""
         attributes: dict[str, AttributeValue] = {
             ATTR.OPERATION_NAME: "chat",
             ATTR.PROVIDER_NAME: "anthropic",
@@ -111,16 +111,15 @@ class WireMetrics:
         if status >= 400:
             attributes[ATTR.ERROR_TYPE] = str(status)
         self.operation_duration.record(seconds, attributes)
-        if usage is None:
-            return
-        for kind, key in (("input", "input_tokens"), ("output", "output_tokens")):
-            value = usage.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                self.token_usage.record(value, {**attributes, ATTR.TOKEN_TYPE: kind})
-        for counter, key in (
-            (self.cache_read, "cache_read_input_tokens"),
-            (self.cache_write, "cache_creation_input_tokens"),
+        for kind, key in (
+            ("input", ATTR.USAGE_INPUT_TOKENS),
+            ("output", ATTR.USAGE_OUTPUT_TOKENS),
         ):
-            value = usage.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                counter.add(value, attributes)
+            if key in tokens:
+                self.token_usage.record(tokens[key], {**attributes, ATTR.TOKEN_TYPE: kind})
+        for counter, key in (
+            (self.cache_read, ATTR.USAGE_CACHE_READ_TOKENS),
+            (self.cache_write, ATTR.USAGE_CACHE_WRITE_TOKENS),
+        ):
+            if tokens.get(key, 0) > 0:
+                counter.add(tokens[key], attributes)

@@ -64,6 +64,7 @@ __all__ = ["DEFAULT_UPSTREAM", "build_app"]
 DEFAULT_UPSTREAM = "https://api.anthropic.com"
 
 _PLACE_ATTEMPTS = 3
+_PASSTHROUGH = "/{path:path}"
 """How many times a request is placed: again when another worker moved its conversation on."""
 
 # hop-by-hop and length headers are the proxy's own business on each side
@@ -134,11 +135,21 @@ def build_app(
         logged(started, status, error=kind)
         return _error(status, kind, message)
 
-    def logged(started: float, status: int, *, error: str | None = None, **fields: Any) -> None:
+    def logged(
+        started: float,
+        status: int,
+        *,
+        error: str | None = None,
+        method: str = "POST",
+        route: str = "/v1/messages",
+        **fields: Any,
+    ) -> None:
         seconds = time.monotonic() - started
         if error is not None:
             fields["error"] = error
-        metrics.request(status=status, seconds=seconds)
+        metrics.request(status=status, seconds=seconds, method=method, route=route)
+        if route != "/v1/messages":  # a request relayed as it is: which one
+            fields["method"] = method
         log = logger.warning if status >= 500 else logger.info
         log("wire.request", status=status, ms=round(seconds * 1000, 3), **fields)
 
@@ -208,14 +219,19 @@ def build_app(
         raise AssertionError("unreachable: the last attempt always sends")
 
     async def passthrough(request: Request) -> Response:
+        started = time.monotonic()
+        # the route is the template (a client picks the path: no metric series per path)
+        where = {"method": request.method, "route": _PASSTHROUGH, "path": request.url.path[:256]}
         upstream_request = client.build_request(
             request.method, request.url.path, params=request.query_params,
             headers=_forwarded(request), content=await request.body(),
         )  # fmt: skip
         try:
-            return _relay(await client.send(upstream_request, stream=True))
+            answer = await client.send(upstream_request, stream=True)
         except httpx2.HTTPError as exc:
+            logged(started, 502, error=type(exc).__name__, **where)
             return _unreachable(exc)
+        return _relay(answer, end=functools.partial(logged, started, answer.status_code, **where))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -229,7 +245,7 @@ def build_app(
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/v1/messages", messages, methods=["POST"]),
-        Route("/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+        Route(_PASSTHROUGH, passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 

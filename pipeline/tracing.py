@@ -13,6 +13,7 @@ content.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from enum import StrEnum
@@ -46,6 +47,8 @@ __all__ = [
     "emit_decision",
     "get_logger",
     "get_tracer",
+    "limit_attribute",
+    "size_facts",
     "span_if",
     "stage_span_name",
     "start_current_span",
@@ -106,6 +109,33 @@ MAX_ATTRIBUTE_CHARS = 256
 model's response) and a megabyte one must not become a megabyte attribute."""
 
 
+def limit_attribute(limit: float) -> int | None:
+    """A limit as a span attribute: an integer count of characters; ``None`` (leave it out)
+    for no limit (a tool that never persists)."""
+    return int(limit) if math.isfinite(limit) else None
+
+
+def size_facts(
+    chars: int,
+    limit: int | None,
+    *,
+    over: int | None = None,
+    replacement_chars: int | None = None,
+) -> dict[str, AttributeValue]:
+    """The sizes behind a decision on one tool result, as span attributes: its ``chars``, the
+    ``limit`` that drove it, how far ``over`` that limit it was (default: ``chars - limit``; a
+    per-message decision passes its message's excess) and, for a persist, what the model sees
+    instead and how much that freed."""
+    facts: dict[str, AttributeValue] = {ATTR.CHARS: chars}
+    if limit is not None:
+        facts[ATTR.LIMIT] = limit
+        facts[ATTR.CHARS_OVER] = max(0, chars - limit if over is None else over)
+    if replacement_chars is not None:
+        facts[ATTR.REPLACEMENT_CHARS] = replacement_chars
+        facts[ATTR.CHARS_FREED] = max(0, chars - replacement_chars)
+    return facts
+
+
 def bounded_attribute(value: str) -> str:
     """``value`` cut to :data:`MAX_ATTRIBUTE_CHARS` (an ellipsis marks the cut)."""
     if len(value) <= MAX_ATTRIBUTE_CHARS:
@@ -139,7 +169,7 @@ class ATTR:
     USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
     USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     USAGE_CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
-    USAGE_CACHE_WRITE_TOKENS = "gen_ai.usage.cache_write.input_tokens"
+    USAGE_CACHE_WRITE_TOKENS = "gen_ai.usage.cache_creation.input_tokens"
 
     # HTTP and general semantic conventions
     HTTP_METHOD = "http.request.method"
@@ -207,6 +237,14 @@ class ATTR:
     PATH = "sluicegate.path"
     PERSISTED = "sluicegate.persisted"
     PERSIST_FAILED = "sluicegate.persist_failed"
+    CHARS_OVER = "sluicegate.chars_over"
+    """How far over the limit that drove the decision the result (per-tool) or its message's
+    results (per-message) were, in characters; 0 when not over."""
+    CHARS_FREED = "sluicegate.chars_freed"
+    """Characters a persist took off the request: the result's size less its replacement's
+    (on a group and a pass: the sum)."""
+    KEPT_OFF_WIRE = "sluicegate.chars.kept_off_wire"
+    """Characters of tool results a pass sent as replacements instead (new and re-applied)."""
     GROUP_INDEX = "sluicegate.group.index"
     GROUP_CANDIDATES = "sluicegate.group.candidates"
     FROZEN_CHARS = "sluicegate.group.frozen_chars"
@@ -288,13 +326,14 @@ class Decision(StrEnum):
 class Reason(StrEnum):
     """Why (``sluicegate.reason``): the limit or state that drove the decision."""
 
-    # the budget and the gate
+    # the budget and the gate: the limit that decided (over it: persisted; at or under: kept)
     PER_TOOL = "per_tool"
+    """The result's own size against its tool's limit (``sluicegate.limit.per_tool``)."""
     PER_MESSAGE = "per_message"
-    PER_TOOL_GATE = "per_tool_gate"
-    UNDER_THRESHOLD = "under_threshold"
-    WITHIN_BUDGET = "within_budget"
-    """Kept: its message's results fit the per-message budget (after any persisted)."""
+    """Its API-level user message's results together against the per-message budget."""
+    NO_FRESH_RESULTS = "no_fresh_results"
+    """A pass of the budget with no result to decide: every one was decided by an earlier pass
+    (its decisions re-applied, if any)."""
     NEVER_PERSIST = "never_persist"
     """A tool that bounds its own output (``Read``): never persisted."""
     EMPTY = "empty"

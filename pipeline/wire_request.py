@@ -34,20 +34,31 @@ if TYPE_CHECKING:
 __all__ = ["WireRequest", "usage_attributes"]
 
 _USAGE_ATTRIBUTES = (
-    ("input_tokens", ATTR.USAGE_INPUT_TOKENS),
     ("output_tokens", ATTR.USAGE_OUTPUT_TOKENS),
     ("cache_read_input_tokens", ATTR.USAGE_CACHE_READ_TOKENS),
     ("cache_creation_input_tokens", ATTR.USAGE_CACHE_WRITE_TOKENS),
 )
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def usage_attributes(usage: Mapping[str, Any]) -> dict[str, int]:
-    """A response's ``usage`` as GenAI span attributes (integer counts only)."""
-    return {
-        key: value
-        for field, key in _USAGE_ATTRIBUTES
-        if isinstance(value := usage.get(field), int) and not isinstance(value, bool)
+    """A response's ``usage`` as GenAI span attributes (integer counts only). Input tokens are
+    counted as the GenAI conventions count them, the cached ones included: the API's
+    ``input_tokens`` is only what came after its last cache breakpoint."""
+    counts = {
+        key: n for field, key in _USAGE_ATTRIBUTES if (n := _count(usage.get(field))) is not None
     }
+    uncached = _count(usage.get("input_tokens"))
+    if uncached is not None:
+        counts[ATTR.USAGE_INPUT_TOKENS] = (
+            uncached
+            + counts.get(ATTR.USAGE_CACHE_READ_TOKENS, 0)
+            + counts.get(ATTR.USAGE_CACHE_WRITE_TOKENS, 0)
+        )
+    return counts
 
 
 def applied_edits(context_management: Any) -> list[str]:
@@ -82,7 +93,7 @@ class WireRequest:
         self.model = body.get("model") if isinstance(body.get("model"), str) else None
         messages = body.get("messages")
         self.fields: dict[str, Any] = {
-            "conversation": session.session_id,
+            "session_id": session.session_id,
             "tenant": tenant,
             "model": self.model,
             "stream": bool(body.get("stream")),
@@ -101,7 +112,7 @@ class WireRequest:
         self.span.set_attributes(attributes)
         self.status: int | None = None
         self.sent_at: float | None = None
-        self.usage: Mapping[str, Any] | None = None
+        self.tokens: Mapping[str, int] = {}
         self._ended = False
 
     @contextmanager
@@ -129,7 +140,7 @@ class WireRequest:
             pipeline_ms=round(seconds * 1000, 3),
             persisted=len(report.persisted),
             reapplied=report.reapplied,
-            chars_kept_off=report.chars_kept_off,
+            kept_off_wire=report.chars_kept_off,
             chars_out=chars_out,
         )
         self.span.set_attribute(ATTR.PIPELINE_MS, round(seconds * 1000, 3))
@@ -167,7 +178,7 @@ class WireRequest:
             counts = usage_attributes(usage)
             attributes.update(counts)
             self.fields.update((k.removeprefix("gen_ai.usage."), v) for k, v in counts.items())
-            self.usage = usage
+            self.tokens = counts
         edits = applied_edits(context_management)
         if edits:
             attributes[ATTR.APPLIED_EDITS] = edits  # type: ignore[assignment]
@@ -201,7 +212,7 @@ class WireRequest:
                 seconds=upstream,
                 model=self.model,
                 status=self.status or 0,
-                usage=self.usage,
+                tokens=self.tokens,
             )
         logger = self.session.ctx.logger
         log = logger.warning if error is not None or (self.status or 0) >= 500 else logger.info

@@ -126,8 +126,17 @@ class GroupScan:
         """Result key -> its output's size (the same output for every candidate of a key)."""
         self.reapplied = 0
         """Candidates whose id the ledger had replaced when they were counted (see push/pop)."""
-        self.kept_off = 0
-        """Characters those candidates do not carry (their size less their replacement's)."""
+
+    def kept_off(self, replacements: Mapping[str, str]) -> int:
+        """Characters the replaced candidates do not carry: each one's size less its
+        replacement's (none below 0). Read from the ledger as it stands, so a replacement
+        rewritten elsewhere counts at its new length; costs the smaller of the two maps."""
+        counts = self.cand_count
+        if len(replacements) < len(counts):
+            pairs = ((k, r) for k, r in replacements.items() if k in counts)
+        else:
+            pairs = ((k, replacements[k]) for k in counts if k in replacements)
+        return sum(counts[k] * max(0, self.sizes[k] - len(r)) for k, r in pairs)
 
     @property
     def groups(self) -> list[list[Candidate]]:
@@ -177,7 +186,6 @@ class GroupScan:
             self.cand_count[key] = self.cand_count.get(key, 0) + 1
             if key in replacements:
                 self.reapplied += 1
-                self.kept_off += size - len(replacements[key])
         if not (slots or u.malformed):
             self.undo.append(None)  # nothing to undo: share None rather than keep an object
             return
@@ -218,8 +226,7 @@ class GroupScan:
         if u is None:
             return
         for _ in range(u.candidates):
-            popped = self.current.pop()
-            key = popped.key
+            key = self.current.pop().key
             touched.add(key)
             n = self.cand_count[key] - 1
             if n:
@@ -229,7 +236,6 @@ class GroupScan:
                 del self.sizes[key]
             if key in replacements:
                 self.reapplied -= 1
-                self.kept_off -= popped.size - len(replacements[key])
         for name in u.slots:
             if name is None:
                 continue

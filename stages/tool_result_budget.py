@@ -17,7 +17,6 @@ A pass costs what is new since the last pass of the same session: see
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from functools import partial
 
@@ -43,6 +42,8 @@ from pipeline.tracing import (
     Reason,
     bounded_attribute,
     decision_span_name,
+    limit_attribute,
+    size_facts,
     span_if,
 )
 from stages._budget_scan import BudgetCache, Candidate, collect_groups, patch_all
@@ -169,6 +170,16 @@ class ToolResultBudget:
                 append = partial(ctx.transcript.append_stage_record, DECIDED_RECORD_STAGE, data)
                 await write_off_loop(ctx, append, stage=self.name)
         stage_span.set_attribute(ATTR.PERSISTED, len(new_records))
+        kept_off = scan.kept_off(state.replacements)
+        ctx.report.chars_kept_off += kept_off
+        stage_span.set_attribute(ATTR.KEPT_OFF_WIRE, kept_off)
+        if not decided:  # nothing fresh: the pass's decision is to re-apply (or do nothing)
+            ctx.decide(
+                self.name,
+                Decision.REAPPLY if reapplied else Decision.SKIP,
+                Reason.NO_FRESH_RESULTS,
+                facts={ATTR.REAPPLIED: reapplied, ATTR.KEPT_OFF_WIRE: kept_off},
+            )
 
         if scan.malformed:
             # A non-mapping item in a user content list: take the from-scratch output path, which
@@ -179,9 +190,6 @@ class ToolResultBudget:
         for key in replaced_now:
             if key not in already_replaced:
                 scan.reapplied += scan.cand_count.get(key, 0)
-                size = scan.sizes.get(key, 0)
-                scan.kept_off += scan.cand_count.get(key, 0) * (size - len(replaced_now[key]))
-        ctx.report.chars_kept_off += scan.kept_off
         touched.update(replaced_now)
         cache.update_output(messages, start, touched, state.replacements)
         cache.seal(state, replaced_now)
@@ -198,11 +206,13 @@ class ToolResultBudget:
         state = ctx.replacement_state
         policies = ctx.tool_policies
         tracer = ctx.tracer
+        budget = limit_attribute(self.limit)
         group_facts: dict[str, AttributeValue] = {
-            ATTR.LIMIT_PER_MESSAGE: float(self.limit),
             ATTR.GROUP_CANDIDATES: len(group),
             ATTR.GROUP_CHARS: sum(c.size for c in group),
         }
+        if budget is not None:
+            group_facts[ATTR.LIMIT_PER_MESSAGE] = budget
         with span_if(
             ctx.report.recording,
             tracer,
@@ -210,7 +220,7 @@ class ToolResultBudget:
             attributes={
                 **ctx.span_attributes(),
                 ATTR.GROUP_INDEX: index,
-                ATTR.LIMIT: float(self.limit),
+                **({} if budget is None else {ATTR.LIMIT: budget}),
                 **group_facts,
             },
         ) as span:
@@ -228,21 +238,18 @@ class ToolResultBudget:
             unbounded_keys = {c.key for c in unbounded}
             for c in unbounded:
                 state.seen_ids.add(c.key)
-                self._decision(
-                    ctx,
-                    c,
-                    Decision.SKIP_UNBOUNDED_TOOL,
-                    math.inf,
-                    Reason.NEVER_PERSIST,
-                    group_facts,
-                )
+                skip = Decision.SKIP_UNBOUNDED_TOOL
+                self._decision(ctx, c, skip, None, Reason.NEVER_PERSIST, group_facts)
 
             # 2. the per-tool gate, for results this stage is the first to see
             bounded = [c for c in fresh if not policies.never_persist(c.tool_name)]
             over_tool = [
                 c for c in bounded if c.persistable and c.size > policies.threshold(c.tool_name)
             ]
-            records = await self._persist(ctx, over_tool, Reason.PER_TOOL, apply, group_facts)
+            freed: list[int] = []
+            records = await self._persist(
+                ctx, over_tool, Reason.PER_TOOL, apply, group_facts, freed
+            )
 
             # 3. the per-message budget over what is left
             eligible = [c for c in bounded if c.key not in state.seen_ids]
@@ -257,29 +264,36 @@ class ToolResultBudget:
             fresh_size = sum(c.size for c in eligible)
             selected = select_fresh_to_replace(eligible, frozen_size, self.limit)
             selected_keys = {c.key for c in selected}
+            total = frozen_size + fresh_size  # what the per-message budget weighs
+            over = int(total - self.limit) if total > self.limit else 0
             group_facts[ATTR.FROZEN_CHARS] = frozen_size
             group_facts[ATTR.FRESH_CHARS] = fresh_size
             for c in eligible:
                 if c.key not in selected_keys:
                     state.seen_ids.add(c.key)
-                    why = Reason.WITHIN_BUDGET if c.persistable else Reason.NOT_PERSISTABLE
-                    self._decision(ctx, c, Decision.KEEP, float(self.limit), why, group_facts)
-            records += await self._persist(ctx, selected, Reason.PER_MESSAGE, apply, group_facts)
+                    why = Reason.PER_MESSAGE if c.persistable else Reason.NOT_PERSISTABLE
+                    self._decision(ctx, c, Decision.KEEP, budget, why, group_facts, over=over)
+            records += await self._persist(
+                ctx, selected, Reason.PER_MESSAGE, apply, group_facts, freed, over=over
+            )
 
-            if frozen_size + fresh_size <= self.limit:
-                outcome = GroupOutcome.UNDER_BUDGET
-            elif frozen_size > self.limit:
-                outcome = GroupOutcome.FROZEN_OVER_BUDGET
+            # what the message sends now, its persisted results aside
+            visible = frozen_size + sum(c.size for c in eligible if c.key not in state.replacements)
+            if visible > self.limit:
+                fits = frozen_size > self.limit
+                outcome = GroupOutcome.FROZEN_OVER_BUDGET if fits else GroupOutcome.OVER_BUDGET
             else:
-                visible = frozen_size + sum(
-                    c.size for c in eligible if c.key not in state.replacements
-                )
-                persisted = visible <= self.limit
-                outcome = GroupOutcome.PERSISTED if persisted else GroupOutcome.OVER_BUDGET
-            span.set_attribute(ATTR.FROZEN_CHARS, frozen_size)
-            span.set_attribute(ATTR.FRESH_CHARS, fresh_size)
-            span.set_attribute(ATTR.OUTCOME, str(outcome))
-            span.set_attribute(ATTR.PERSISTED, len(records))
+                outcome = GroupOutcome.PERSISTED if records else GroupOutcome.UNDER_BUDGET
+            span.set_attributes(
+                {
+                    ATTR.FROZEN_CHARS: frozen_size,
+                    ATTR.FRESH_CHARS: fresh_size,
+                    ATTR.CHARS_OVER: over,
+                    ATTR.CHARS_FREED: sum(freed),
+                    ATTR.OUTCOME: str(outcome),
+                    ATTR.PERSISTED: len(records),
+                }
+            )
         return records
 
     async def _persist(
@@ -289,8 +303,13 @@ class ToolResultBudget:
         reason: Reason,
         apply: dict[str, str],
         facts: dict[str, AttributeValue],
+        freed: list[int],
+        *,
+        over: int | None = None,
     ) -> list[ReplacementRecord]:
-        """Persist ``chosen`` concurrently; mark each seen together with its replacement."""
+        """Persist ``chosen`` concurrently; mark each seen together with its replacement (what
+        each persist freed is added to ``freed``). ``over``: the message's excess, for a
+        per-message decision."""
         if not chosen:
             return []
         results: dict[str, Persisted | BaseException] = {}
@@ -309,10 +328,13 @@ class ToolResultBudget:
         records: list[ReplacementRecord] = []
         for c in chosen:
             outcome = results[c.key]
-            limit = ctx.tool_policies.threshold(c.tool_name)
-            if reason is Reason.PER_MESSAGE:
-                limit = float(self.limit)
+            limit = limit_attribute(
+                self.limit
+                if reason is Reason.PER_MESSAGE
+                else ctx.tool_policies.threshold(c.tool_name)
+            )
             if isinstance(outcome, Persisted):
+                freed.append(max(0, c.size - len(outcome.replacement)))
                 state.record_replacement(c.key, outcome.replacement)
                 apply[c.key] = outcome.replacement
                 digest = c.key[len(c.tool_use_id) + 1 :]
@@ -329,7 +351,9 @@ class ToolResultBudget:
                         group_chars=int(facts[ATTR.GROUP_CHARS]),
                     )
                 )
-                self._decision(ctx, c, Decision.PERSIST, limit, reason, facts, persisted=outcome)
+                self._decision(
+                    ctx, c, Decision.PERSIST, limit, reason, facts, persisted=outcome, over=over
+                )
             else:
                 # the original is what gets sent, so it is frozen as it is
                 state.seen_ids.add(c.key)
@@ -342,6 +366,7 @@ class ToolResultBudget:
                     reason,
                     facts,
                     error=describe_error(outcome),
+                    over=over,
                 )
         return records
 
@@ -350,12 +375,13 @@ class ToolResultBudget:
         ctx: SessionContext,
         c: Candidate,
         decision: Decision,
-        limit: float,
+        limit: int | None,
         reason: Reason,
         facts: dict[str, AttributeValue],
         *,
         persisted: Persisted | None = None,
         error: str | None = None,
+        over: int | None = None,
     ) -> None:
         """One decision on one fresh result: its span (``tool_result_budget.<decision>``) says
         what was decided, why, under which limit, the sizes that drove it and, for a persist,
@@ -375,14 +401,19 @@ class ToolResultBudget:
                 ATTR.REASON: str(reason),
                 ATTR.TOOL_CALL_ID: bounded_attribute(c.tool_use_id),
                 ATTR.TOOL_NAME: bounded_attribute(c.tool_name or ""),
-                ATTR.CHARS: c.size,
-                ATTR.LIMIT: float(limit),
-                ATTR.LIMIT_PER_TOOL: float(ctx.tool_policies.threshold(c.tool_name)),
                 **facts,
+                **size_facts(
+                    c.size,
+                    limit,
+                    over=over,
+                    replacement_chars=len(persisted.replacement) if persisted else None,
+                ),
             }
+            per_tool = limit_attribute(ctx.tool_policies.threshold(c.tool_name))
+            if per_tool is not None:
+                attributes[ATTR.LIMIT_PER_TOOL] = per_tool
             if persisted is not None:
                 attributes[ATTR.PATH] = persisted.path
-                attributes[ATTR.REPLACEMENT_CHARS] = len(persisted.replacement)
             if error is not None:
                 attributes[ATTR.ERROR] = error
             executed = ctx.tool_spans.get(c.tool_use_id)
@@ -393,13 +424,13 @@ class ToolResultBudget:
         # log inside the span so the event carries the decision span's id
         name = decision_span_name(self.name, str(decision))
         with span_if(recording, ctx.tracer, name, attributes=attributes, links=links):
+            fields = {"limit": limit, "path": path, "error": error}  # only those that apply
             log(
                 "tool_result_budget.decision",
                 decision=decision,
+                reason=reason,
                 tool_use_id=c.tool_use_id,
                 tool_name=c.tool_name,
                 chars=c.size,
-                path=path,
-                reason=reason,
-                error=error,
+                **{k: v for k, v in fields.items() if v is not None},
             )

@@ -49,6 +49,13 @@ class RecordingTracer:
         self.spans.append((name, span.attributes))
         yield span
 
+    def start_span(
+        self, name: str, attributes: dict[str, Any] | None = None, **_kw: Any
+    ) -> RecordingSpan:
+        span = RecordingSpan(dict(attributes or {}))
+        self.spans.append((name, span.attributes))
+        return span
+
     def take(self) -> list[tuple[str, dict[str, Any]]]:
         spans, self.spans = self.spans, []
         return spans
@@ -60,6 +67,12 @@ class RecordingSpan:
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attributes[key] = value
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def end(self) -> None:
+        pass
 
 
 def _ctx(store: MemoryStore, state: ReplacementState | None, tracer: Any) -> SessionContext:

@@ -386,6 +386,7 @@ async def test_failed_write_keeps_original_and_freezes(tmp_path: Path) -> None:
     assert [s.attributes[ATTR.DECISION] for s in decisions] == [  # type: ignore[index]
         "keep",
         "persist_failed",
+        "skip",  # the second pass: nothing fresh, nothing replaced to re-apply
     ]
     # which failure it was: EACCES is not ENOSPC or EROFS
     assert decisions[1].attributes[ATTR.ERROR] == (  # type: ignore[index]
@@ -525,14 +526,43 @@ async def test_spans_describe_groups_and_decisions_without_content(tmp_path: Pat
     assert group.attributes[ATTR.FRESH_CHARS] == len(marker) * 4000
     assert group.attributes[ATTR.FROZEN_CHARS] == 0
     assert group.attributes[ATTR.OUTCOME] == "persisted"
-    by_id = {s.attributes[ATTR.TOOL_CALL_ID]: s for s in exporter.decisions("tool_result_budget")}  # type: ignore[index]
-    a = by_id["a"].attributes
-    assert a is not None and a[ATTR.DECISION] == "persist" and a[ATTR.CHARS] == len(marker) * 3000
+    made = [dict(s.attributes or {}) for s in exporter.decisions("tool_result_budget")]
+    by_id = {str(a[ATTR.TOOL_CALL_ID]): a for a in made if ATTR.TOOL_CALL_ID in a}
+    # the second pass decided nothing new: its own decision says it re-applied the first's
+    [again] = [s for s in exporter.decisions("tool_result_budget") if s.attributes == made[-1]]
+    assert again.name == "tool_result_budget.reapply"
+    assert made[-1][ATTR.REASON] == "no_fresh_results" and made[-1][ATTR.REAPPLIED] == 1
+    a = by_id["a"]
+    assert a[ATTR.DECISION] == "persist" and a[ATTR.CHARS] == len(marker) * 3000
     assert str(a[ATTR.PATH]).endswith("/sess-1/tool-results/a.txt")
-    assert by_id["b"].attributes[ATTR.DECISION] == "keep"  # type: ignore[index]
+    assert by_id["b"][ATTR.DECISION] == "keep"
     stage_spans = [s for s in exporter.get_finished_spans() if s.name == "stage.tool_result_budget"]
+    assert again.parent is not None and again.parent.span_id == stage_spans[1].context.span_id
     assert [s.attributes[ATTR.REAPPLIED] for s in stage_spans] == [0, 1]  # type: ignore[index]
     assert group.parent is not None and group.parent.span_id == stage_spans[0].context.span_id
     for s in exporter.get_finished_spans():
         for value in (s.attributes or {}).values():
             assert marker not in str(value)
+
+
+@pytest.mark.asyncio
+async def test_a_group_that_persisted_by_the_per_tool_limit_says_so(tmp_path: Path) -> None:
+    # one Bash result over its 30,000 limit in a message far under the budget: the group's
+    # outcome is "persisted" (its span once read under_budget beside persisted=1), the decision
+    # says how far over which limit it was and what it freed, in integers
+    exporter = SpanRecorder()
+    ctx = make_ctx(tmp_path, exporter=exporter)
+    msgs = parallel_turn("r1", {"a": 45_000, "b": 1_000}, tool="Bash")
+    await Pipeline([ToolResultBudget(limit=200_000)]).run(msgs, ctx)
+    (group,) = spans(exporter, SPAN_BUDGET_GROUP)
+    g = dict(group.attributes or {})
+    assert g[ATTR.OUTCOME] == "persisted" and g[ATTR.PERSISTED] == 1
+    assert g[ATTR.CHARS_OVER] == 0  # the rest fits the per-message budget
+    by_id = {a[ATTR.TOOL_CALL_ID]: a for a in exporter.decision_attributes("tool_result_budget")}
+    a, b = by_id["a"], by_id["b"]
+    assert (a[ATTR.DECISION], a[ATTR.REASON]) == ("persist", "per_tool")
+    assert a[ATTR.LIMIT] == a[ATTR.LIMIT_PER_TOOL] == 30_000 and type(a[ATTR.LIMIT]) is int
+    assert a[ATTR.CHARS_OVER] == 15_000
+    assert a[ATTR.CHARS_FREED] == 45_000 - a[ATTR.REPLACEMENT_CHARS]
+    assert g[ATTR.CHARS_FREED] == a[ATTR.CHARS_FREED]
+    assert (b[ATTR.DECISION], b[ATTR.REASON], b[ATTR.CHARS_OVER]) == ("keep", "per_message", 0)

@@ -572,18 +572,22 @@ def test_spans_exported_over_otlp_form_the_documented_tree(tmp_path: Path) -> No
     ]
     assert decisions
     for d in decisions:
+        if "gen_ai.tool.call.id" not in d.attributes:  # a pass with nothing fresh to decide
+            assert d.attributes["sluicegate.reason"] == "no_fresh_results"
+            assert by_id[d.parent_span_id].name == "stage.tool_result_budget"
+            continue
         group = by_id[d.parent_span_id]
         assert group.name == "tool_result_budget.group"
         stage = by_id[group.parent_span_id]
         assert stage.name == "stage.tool_result_budget"
         assert by_id[stage.parent_span_id].name == "pipeline.run"
     persist_ids = {
-        d.attributes["gen_ai.tool.call.id"]
+        d.attributes.get("gen_ai.tool.call.id")
         for d in decisions
         if d.attributes["sluicegate.decision"] == "persist"
     }
     assert persist_ids == {p["tool_use_id"] for c in calls for p in c["persisted"]}
-    reads = [d for d in decisions if d.attributes["gen_ai.tool.name"] == "Read"]
+    reads = [d for d in decisions if d.attributes.get("gen_ai.tool.name") == "Read"]
     assert reads and all(
         d.attributes["sluicegate.decision"] == "skip_unbounded_tool" for d in reads
     )

@@ -115,6 +115,7 @@ class Twin:
         assert self.ctx.replacement_state == ref_ctx.replacement_state, where
         assert self.ctx.report.persisted == ref_ctx.report.persisted, where
         assert self.ctx.report.reapplied == ref_ctx.report.reapplied, where
+        assert self.ctx.report.chars_kept_off == ref_ctx.report.chars_kept_off, where
         assert self.ctx.report.persist_failed == ref_ctx.report.persist_failed, where
         spans = self.tracer.take()
         assert spans == self.ref_tracer.take(), where

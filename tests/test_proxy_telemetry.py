@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -101,6 +102,7 @@ def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path:
             model="claude-test", max_tokens=10, messages=build("x" * 60_000)
         ) as stream:
             stream.get_final_message()
+        client.messages.count_tokens(model="claude-test", messages=build("small"))  # as it is
         client.close()
     assert code == [0]
     spans = receiver.spans
@@ -117,12 +119,10 @@ def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path:
         attributes = span.attributes
         assert attributes["gen_ai.request.model"] == "claude-test"
         assert attributes["gen_ai.response.id"].startswith("msg_")
-        tokens_in = (
-            attributes["gen_ai.usage.input_tokens"]
-            + attributes.get("gen_ai.usage.cache_read.input_tokens", 0)
-            + attributes.get("gen_ai.usage.cache_creation.input_tokens", 0)
+        cached = attributes.get("gen_ai.usage.cache_read.input_tokens", 0) + attributes.get(
+            "gen_ai.usage.cache_creation.input_tokens", 0
         )
-        assert tokens_in > 0
+        assert attributes["gen_ai.usage.input_tokens"] >= cached > 0  # cached ones included
         assert attributes["gen_ai.usage.output_tokens"] > 0
         assert "gen_ai.usage.cache_read.input_tokens" in attributes
         assert attributes["http.response.status_code"] == 200
@@ -132,17 +132,22 @@ def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path:
         )
     assert {s.attributes["gen_ai.request.stream"] for s in requests} == {False, True}
     points = receiver.points
-    assert (
-        total(points, "http.server.request.duration", **{"http.response.status_code": 200})[1] == 2
-    )
+    answered = {"http.response.status_code": 200, "http.route": "/v1/messages"}
+    assert total(points, "http.server.request.duration", **answered)[1] == 2
     assert total(points, "gen_ai.client.token.usage", **{"gen_ai.token.type": "output"})[1] == 2
     assert total(points, "sluicegate.tool_results.persisted")[0] == 1  # the second re-applied
     assert total(points, "sluicegate.chars.kept_off_wire")[0] > 2 * 50_000
     assert total(points, "gen_ai.client.operation.duration")[1] == 2
     assert total(points, "sluicegate.pipeline.duration")[1] == 2
     logged = [line for line in lines if "wire.request" in line]
+    relayed = [line for line in logged if "path=" in line]
+    assert len(relayed) == 1 and "path=/v1/messages/count_tokens" in relayed[0], logged
+    assert "status=200" in relayed[0] and "method=POST" in relayed[0]
+    route = {"http.route": "/{path:path}"}
+    assert total(points, "http.server.request.duration", **route)[1] == 1
+    logged = [line for line in logged if line not in relayed]
     assert len(logged) == 2, lines
-    assert all("status=200" in line and "conversation=" in line for line in logged)
+    assert all("status=200" in line and "session_id=" in line for line in logged)
     assert "persisted=1" in logged[0] and "reapplied=1" in logged[1]
     assert not any("x" * 100 in line for line in lines)  # no content in a log line
 
@@ -160,6 +165,37 @@ def test_an_unreachable_upstream_is_one_logged_failure_and_json_lines_stay_json(
     assert records[0]["event"] == "proxy.listening" and records[0]["url"] == url
     (failed,) = [r for r in records if r.get("event") == "wire.request"]
     assert failed["status"] == 502 and failed["error"] == "ConnectError"
-    assert failed["level"] == "warning" and "conversation" in failed
+    assert failed["level"] == "warning" and "session_id" in failed
     assert records[-1]["event"] == "proxy.stopped"  # SIGINT: a graceful stop, logged
     assert code == [0]
+
+
+def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
+    pytest.importorskip("opentelemetry.exporter.prometheus", reason="the prometheus extra")
+    scrape = free_port()
+    with (
+        ScriptedMessagesServer(reply) as upstream,
+        proxy_process(
+            upstream.base_url,
+            tmp_path / "store",
+            OTEL_METRICS_EXPORTER="prometheus",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(scrape),
+        ) as (url, _, code),
+    ):
+        client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
+        client.messages.create(model="claude-test", max_tokens=10, messages=build("x" * 60_000))
+        client.close()
+        with urllib.request.urlopen(f"http://localhost:{scrape}/metrics", timeout=10) as got:
+            page = got.read().decode()
+    assert code == [0]
+    samples = {
+        line.split("{")[0].split(" ")[0]: line
+        for line in page.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert (
+        'http_response_status_code="200"' in samples["http_server_request_duration_seconds_count"]
+    )
+    assert samples["sluicegate_tool_results_persisted_total"].endswith(" 1.0")
+    assert "gen_ai_client_token_usage_count" in " ".join(samples)
+    assert "sluicegate_chars_kept_off_wire_total" in samples

@@ -258,6 +258,8 @@ class Session:
     def decisions(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}
         for attrs in self.spans.decision_attributes("tool_result_budget"):
+            if ATTR.TOOL_CALL_ID not in attrs:
+                continue  # a pass's decision (nothing fresh), not one on a result
             out.setdefault(str(attrs[ATTR.TOOL_CALL_ID]), []).append(dict(attrs))
         return out
 

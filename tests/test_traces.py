@@ -53,17 +53,20 @@ async def test_decision_spans_answer_why_under_which_limit_and_what_instead(
         a = s.attributes or {}
         assert a[ATTR.TOOL_NAME] == "get_log" and str(a[ATTR.TOOL_CALL_ID]).startswith("t")
         assert a[ATTR.CHARS] == LOG
-        assert a[ATTR.LIMIT] == a[ATTR.LIMIT_PER_MESSAGE] == 200_000.0
-        assert a[ATTR.LIMIT_PER_TOOL] == 50_000.0
+        assert a[ATTR.LIMIT] == a[ATTR.LIMIT_PER_MESSAGE] == 200_000
+        assert a[ATTR.LIMIT_PER_TOOL] == 50_000
+        assert all(type(a[k]) is int for k in (ATTR.LIMIT, ATTR.LIMIT_PER_TOOL))  # not 2e5
         assert a[ATTR.GROUP_CHARS] == 6 * LOG and a[ATTR.GROUP_CANDIDATES] == 6
         assert a[ATTR.FRESH_CHARS] == 6 * LOG and a[ATTR.FROZEN_CHARS] == 0
+        assert a[ATTR.REASON] == "per_message"  # the limit that decided, kept or persisted
+        assert a[ATTR.CHARS_OVER] == 6 * LOG - 200_000  # how far over its message was
         if s.name.endswith(".persist"):
-            assert a[ATTR.REASON] == "per_message"
             assert Path(str(a[ATTR.PATH])).is_file()
-            assert 0 < int(a[ATTR.REPLACEMENT_CHARS]) < 3_000  # the preview and the path
+            shown = int(a[ATTR.REPLACEMENT_CHARS])
+            assert 0 < shown < 3_000  # the preview and the path
+            assert a[ATTR.CHARS_FREED] == LOG - shown
         else:
-            assert a[ATTR.REASON] == "within_budget"
-            assert ATTR.PATH not in a
+            assert ATTR.PATH not in a and ATTR.CHARS_FREED not in a
     persisted = [s for s in decisions if s.name.endswith(".persist")]
     assert len(persisted) == 1  # 240K - 40K = 200K: within the 200K budget
     # no content in any span

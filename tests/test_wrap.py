@@ -380,3 +380,52 @@ def test_the_sdk_tool_runner(tmp_path: Path) -> None:
     assert answer == "all read" and len(sent) == 3
     assert all(visible(b) <= 200_000 for b in sent)
     assert TAG in json.dumps(sent[1]) and TAG in json.dumps(sent[2])
+
+
+EDITS = {
+    "applied_edits": [
+        {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 2, "cleared_input_tokens": 900}
+    ]
+}
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_request_span_says_what_the_call_cost(tmp_path: Path, streamed: bool) -> None:
+    # model, response id, token usage (a stream's from its first and last events) and the
+    # server-side edits the API applied: what a trace UI prices a call by
+    from pipeline.testing import SpanRecorder
+
+    spans = SpanRecorder()
+
+    def edited(body: dict[str, Any]) -> Reply:
+        usage = {"input_tokens": 7, "output_tokens": 11, "cache_read_input_tokens": 300}
+        return Reply([{"type": "text", "text": "ok"}], usage=usage, context_management=EDITS)
+
+    with ScriptedMessagesServer(edited) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = wrap(raw, root=tmp_path, tracer=spans.tracer)
+        asked: dict[str, Any] = {
+            "model": "claude-test",
+            "max_tokens": 10,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        if streamed:
+            with client.messages.stream(**asked) as stream:
+                reply_id = stream.get_final_message().id
+        else:
+            reply_id = client.messages.create(**asked).id
+        raw.close()
+    [request] = spans.named("wire.request")
+    attributes = dict(request.attributes or {})
+    assert attributes["gen_ai.request.model"] == "claude-test"
+    assert attributes["gen_ai.request.stream"] is streamed
+    assert attributes["gen_ai.response.id"] == reply_id
+    assert attributes["gen_ai.usage.input_tokens"] == 307  # the cached ones included
+    assert attributes["gen_ai.usage.output_tokens"] == 11
+    assert attributes["gen_ai.usage.cache_read.input_tokens"] == 300
+    assert "gen_ai.usage.cache_creation.input_tokens" not in attributes  # not reported
+    assert list(attributes["sluicegate.context_management.applied_edits"]) == [
+        "clear_tool_uses_20250919"
+    ]
+    assert attributes["sluicegate.upstream.duration_ms"] >= 0
+    assert request.end_time is not None and request.end_time >= (request.start_time or 0)

@@ -25,7 +25,7 @@ from pipeline.policies import (
 from pipeline.replay import Call, CallResult
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tools import Tool, ToolOutput
-from pipeline.tracing import Decision, Reason
+from pipeline.tracing import Decision, Reason, limit_attribute
 
 if TYPE_CHECKING:
     import anthropic
@@ -116,14 +116,13 @@ def call_result(log: TurnLog, previous_gate: list[PersistedResult]) -> CallResul
 def gate_persisted(log: TurnLog, policies: ToolPolicies | None = None) -> list[PersistedResult]:
     """The tool results the per-tool gate persisted after this turn's response (with the
     limit that applied, when ``policies`` are given)."""
+
+    def limit(tool_name: str | None) -> int | None:
+        return None if policies is None else limit_attribute(policies.threshold(tool_name))
+
     return [
         PersistedResult(
-            g.tool_use_id,
-            g.tool_name,
-            g.chars,
-            g.path,
-            str(Reason.PER_TOOL_GATE),
-            limit=policies.threshold(g.tool_name) if policies is not None else None,
+            g.tool_use_id, g.tool_name, g.chars, g.path, str(Reason.PER_TOOL), limit(g.tool_name)
         )
         for g in log.gated
         if g.decision == Decision.PERSIST and g.path is not None

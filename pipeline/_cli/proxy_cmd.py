@@ -58,11 +58,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         )
     # the token calibration is per host: on a local directory even when the state is shared
     root = options.store or Path(".sluicegate")
-    background = retention(args, root) if shared is None else []
     # a server logs each request (INFO) unless told less: -v adds debug
     with telemetry(args, metrics=True, verbosity=1) as set_up:
+        background = retention(args, root) if shared is None else []
         if shared is not None:
-            _check_store(shared)
+            _check_store(shared, args.log_json)
         context: dict[str, Any] = {}
         if set_up.tracer is not None:
             context["tracer"] = set_up.tracer
@@ -126,16 +126,30 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _check_store(states: SessionStates) -> None:
+def _say(log_json: bool, event: str, text: str, *, warning: bool = False, **fields: Any) -> None:
+    """One line on stderr: ``text`` for a reader, or under ``--log-json`` the ``event`` with
+    ``fields`` (every line of a JSON log is JSON)."""
+    if log_json:
+        log = get_logger()
+        (log.warning if warning else log.info)(event, **fields)
+    else:
+        print(f"{_PREFIX}: {'warning: ' if warning else ''}{text}", file=sys.stderr)
+
+
+def _check_store(states: SessionStates, log_json: bool = False) -> None:
     """One listing of the shared store at start: a warning when it does not answer (the proxy
     serves all the same: results are sent whole until it does)."""
     try:
         states.check()
     except OSError as exc:
-        print(
-            f"{_PREFIX}: warning: store {terminal_safe(states.location)} does not answer now "
-            f"({exc.strerror}); serving anyway: results are sent whole until it does",
-            file=sys.stderr,
+        _say(
+            log_json,
+            "store.unanswered",
+            f"store {terminal_safe(states.location)} does not answer now ({exc.strerror}); "
+            "serving anyway: results are sent whole until it does",
+            warning=True,
+            store=states.location,
+            error=exc.strerror or type(exc).__name__,
         )
 
 
@@ -154,27 +168,41 @@ def retention(
         report = prune_store(root, max_age=max_age, max_bytes=max_bytes)
     except OSError as exc:
         raise CliError(f"--store {root}: cannot prune: {exc.strerror or exc}") from None
-    _report(report, always=True)
+    log_json = bool(getattr(args, "log_json", False))
+    _report(report, log_json, always=True)
     periodic = functools.partial(
         prune_periodically,
         root,
         interval=PRUNE_INTERVAL,
         max_age=max_age,
         max_bytes=max_bytes,
-        on_report=_report,
-        on_error=_prune_failed,
+        on_report=functools.partial(_report, log_json=log_json),
+        on_error=functools.partial(_prune_failed, log_json=log_json),
     )
     return [periodic]
 
 
-def _report(report: PruneReport, *, always: bool = False) -> None:
+def _report(report: PruneReport, log_json: bool = False, *, always: bool = False) -> None:
     # the periodic prunes speak only when they did something
     if always or report.removed or report.errors:
+        summary = report.to_json()
+        for detail in ("files", "removed_dirs", "errors"):  # one line, not one per file
+            summary.pop(detail)
         where = terminal_safe(str(report.root))
-        print(f"{_PREFIX}: store {where}: {describe(report)}", file=sys.stderr)
-    warn_errors(report, _PREFIX)
+        _say(log_json, "store.pruned", f"store {where}: {describe(report)}", **summary)
+    if not log_json:
+        warn_errors(report, _PREFIX)
+        return
+    for path, error in report.errors:
+        get_logger().warning("store.not_pruned", path=str(path), error=error)
 
 
-def _prune_failed(exc: Exception) -> None:
+def _prune_failed(exc: Exception, log_json: bool = False) -> None:
     shown = terminal_safe(str(exc), limit=500)
-    print(f"{_PREFIX}: warning: store prune failed: {shown}", file=sys.stderr)
+    _say(
+        log_json,
+        "store.prune_failed",
+        f"store prune failed: {shown}",
+        warning=True,
+        error=type(exc).__name__,
+    )

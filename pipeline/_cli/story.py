@@ -11,8 +11,9 @@ __all__ = ["Story"]
 _STORY_LINES = 12
 
 
-def _k(chars: float) -> str:
-    return f"{chars / 1000:,.0f}K" if chars >= 1000 else f"{chars:,.0f}"
+def _n(chars: int | None) -> str:
+    # exact: a rounded size beside a rounded limit can read "30K, over its limit (30K)"
+    return f"{chars or 0:,}"
 
 
 class Story:
@@ -52,24 +53,24 @@ class Story:
 def _tell(result: CallResult) -> str:
     """One call's persisted results in a sentence (empty when it persisted none)."""
     parts: list[str] = []
-    groups: dict[tuple[int | None, int | None, float | None], int] = {}
+    groups: dict[tuple[int | None, int | None, int | None], int] = {}
     for p in result.persisted:
         if p.reason == "per_message":  # one clause per API-level user message
             key = (p.group_results, p.group_chars, p.limit)
             groups[key] = groups.get(key, 0) + 1
     for (results, chars, limit), count in groups.items():
-        together = f"{results} results, {_k(chars or 0)} chars together"
+        together = f"{results} results, {_n(chars)} chars together"
         parts.append(
-            f"{together}, over the {_k(limit or 0)} per-message budget: the {count} largest "
+            f"{together}, over the per-message budget of {_n(limit)}: the {count} largest "
             f"{'was' if count == 1 else 'were'} saved to disk"
         )
     for p in result.persisted:
         if p.reason == "per_message":
             continue
         tool = terminal_safe(p.tool_name or "tool")
-        shown = f" ({_k(p.limit)})" if p.limit is not None else ""
+        shown = f" of {_n(p.limit)}" if p.limit is not None else ""
         parts.append(
-            f"a {tool} result of {_k(p.chars)} chars, over its per-tool limit{shown}: saved to "
+            f"a {tool} result of {_n(p.chars)} chars, over its per-tool limit{shown}: saved to "
             "disk as it arrived"
         )
     if not parts:

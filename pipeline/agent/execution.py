@@ -19,6 +19,8 @@ from pipeline.tracing import (
     SPAN_TOOL_EXECUTE,
     Decision,
     bounded_attribute,
+    limit_attribute,
+    size_facts,
     tool_span_name,
 )
 
@@ -95,9 +97,13 @@ async def execute_tool_call(
         gated = await gate_tool_result(
             block, tool_name=name, threshold=ctx.tool_policies.threshold(name), store=ctx.store
         )
-        span.set_attribute(ATTR.DECISION, str(gated.decision))
-        span.set_attribute(ATTR.REASON, str(gated.reason))
-        span.set_attribute(ATTR.CHARS, gated.size)
+        limit = limit_attribute(gated.threshold)
+        replaced = gated.block.get("content") if gated.path is not None else None
+        shown = len(replaced) if isinstance(replaced, str) else None
+        facts = size_facts(gated.size, limit, replacement_chars=shown)
+        span.set_attributes(
+            {ATTR.DECISION: str(gated.decision), ATTR.REASON: str(gated.reason), **facts}
+        )
         if gated.path is not None:
             span.set_attribute(ATTR.PATH, gated.path)
         if gated.decision in (Decision.PERSIST, Decision.PERSIST_FAILED):
@@ -105,9 +111,11 @@ async def execute_tool_call(
             log(
                 "tool_result_gate",
                 decision=gated.decision,
+                reason=gated.reason,
                 tool_use_id=tool_use_id,
                 tool_name=name,
                 chars=gated.size,
+                limit=limit,
                 path=gated.path,
                 error=gated.error,
             )

@@ -29,11 +29,15 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """One scripted assistant response. Usage is filled in by the server when not given."""
+    """One scripted assistant response. Usage is filled in by the server when not given;
+    ``context_management``: what the API reports of the server-side edits it applied (in the
+    message, or a stream's ``message_delta``), e.g. ``{"applied_edits": [{"type":
+    "clear_tool_uses_20250919", "cleared_tool_uses": 2, "cleared_input_tokens": 900}]}``."""
 
     content: list[dict[str, Any]]
     stop_reason: str = "end_turn"
     usage: Mapping[str, int] | None = None
+    context_management: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +187,8 @@ class ScriptedMessagesServer:
             "stop_sequence": None,
             "usage": usage,
         }
+        if outcome.context_management is not None:
+            message["context_management"] = dict(outcome.context_management)
         if body.get("stream") is True:  # the same message as server-sent events
             return 200, RawReply(sse_events(message), content_type="text/event-stream"), headers
         return 200, message, headers
@@ -233,6 +239,7 @@ def sse_events(message: Mapping[str, Any]) -> bytes:
     usage = dict(message.get("usage") or {})
     output = usage.pop("output_tokens", 0)
     start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+    edits = start.pop("context_management", None)
     events: list[tuple[str, dict[str, Any]]] = [("message_start", {"message": start})]
     for i, block in enumerate(message.get("content") or []):
         btype = block.get("type")
@@ -248,7 +255,10 @@ def sse_events(message: Mapping[str, Any]) -> bytes:
             events.append(("content_block_delta", {"index": i, "delta": delta}))
         events.append(("content_block_stop", {"index": i}))
     stop = {"stop_reason": message.get("stop_reason"), "stop_sequence": None}
-    events.append(("message_delta", {"delta": stop, "usage": {"output_tokens": output}}))
+    ending: dict[str, Any] = {"delta": stop, "usage": {"output_tokens": output}}
+    if edits is not None:  # the edits are known once the response is
+        ending["context_management"] = edits
+    events.append(("message_delta", ending))
     events.append(("message_stop", {}))
     return b"".join(
         f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
