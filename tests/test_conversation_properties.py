@@ -267,3 +267,23 @@ def test_no_request_holds_another_conversations_content(script: list[Op]) -> Non
 def test_no_request_holds_another_conversations_content_quick(script: list[Op]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         anyio.run(run, script, Path(tmp))
+
+
+def test_a_request_after_a_lost_response_and_a_restart_decides_its_new_results_again() -> None:
+    """A conversation's response was lost, then the process: its next request reaches a new
+    conversation (nothing on disk says what it sent). A result the lost call persisted stands
+    before an assistant message there, yet was never sent by that conversation: it is decided
+    again (persisted, as before), not taken as sent whole."""
+    script: list[Op] = [
+        ("new", 0, 0, 0),
+        ("fork", 0, 0),
+        ("step", 1, 0, 3),
+        ("lost", 1),
+        ("step", 0, 0, 0),
+        ("send", 0),
+        ("restart",),
+        ("step", 1, 0, 0),
+        ("send", 1),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        anyio.run(run, script, Path(tmp))
