@@ -63,6 +63,7 @@ from pipeline.replacement import (
     decided_record,
     tool_use_id_of,
 )
+from pipeline.request_fields import merge_betas as beta_header
 from pipeline.session_storage import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.spans import content_safe_span
 from pipeline.storage import validate_session_id
@@ -89,11 +90,6 @@ __all__ = [
 RESPONSE_RECORD = "wire_session.response"
 """The stage record of an observed response: where its answer stands, its id and usage, and
 the digests of the request's messages from where they changed (``chain_from``, ``chain``)."""
-
-
-def beta_header(given: str | None, betas: Iterable[str]) -> str:
-    """An ``anthropic-beta`` value holding the client's betas and the ones a stage asked for."""
-    return ",".join(sorted({*betas, *filter(None, (given or "").split(","))}))
 
 
 class _Load(enum.Enum):

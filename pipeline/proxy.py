@@ -49,12 +49,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.adapter import Call, WireSession, beta_header
+from pipeline.adapter import Call, WireSession
 from pipeline.conversations import Branch, Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.logs import get_logger
 from pipeline.metrics import WireMetrics
+from pipeline.request_fields import merge_betas, merge_request_fields
 from pipeline.session_storage import SessionStates
 from pipeline.tenancy import Tenancy
 from pipeline.wire_request import WireRequest
@@ -266,8 +267,8 @@ def _ended(request: WireRequest, metrics: WireMetrics, started: float, status: i
 
 def _upstream_body(session: WireSession, prepared: dict[str, Any]) -> bytes:
     """The prepared request with what a stage asked of it (extras), as JSON."""
-    prepared.update(session.ctx.report.request_extras)
-    return json.dumps(prepared).encode("utf-8")
+    merged = merge_request_fields(prepared, session.ctx.report.request_extras)
+    return json.dumps(merged).encode("utf-8")
 
 
 async def _send(
@@ -277,7 +278,7 @@ async def _send(
     report = session.ctx.report
     headers = _forwarded(request)
     if report.betas:
-        headers["anthropic-beta"] = beta_header(headers.get("anthropic-beta"), report.betas)
+        headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
     upstream_request = client.build_request(
         "POST", request.url.path, params=request.query_params, headers=headers, content=content
     )

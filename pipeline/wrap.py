@@ -27,11 +27,12 @@ import anthropic
 import anyio
 import httpx2
 
-from pipeline.adapter import Call, WireSession, beta_header
+from pipeline.adapter import Call, WireSession
 from pipeline.conversations import Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.metrics import WireMetrics
+from pipeline.request_fields import merge_betas, merge_request_fields
 from pipeline.spans import beside_sdk_call
 from pipeline.storage import validate_session_id
 from pipeline.tenancy import Tenancy
@@ -172,10 +173,10 @@ def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
     """The request to send: the prepared body, plus what a stage asked of the request (e.g.
     server-side clearing's ``context_management`` and its beta header)."""
     report = session.ctx.report
-    body.update(report.request_extras)
+    body = merge_request_fields(body, report.request_extras)
     headers = dict(request.headers or {})
     if report.betas:
-        headers["anthropic-beta"] = beta_header(headers.get("anthropic-beta"), report.betas)
+        headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
     return request.copy(body=body, headers=headers)
 
 

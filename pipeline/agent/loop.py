@@ -39,6 +39,7 @@ from pipeline.encoding import encodable
 from pipeline.kept_list import KeptList
 from pipeline.messages import Block, Message, now_timestamp
 from pipeline.readback import readback_for
+from pipeline.request_fields import merge_betas, merge_request_fields
 from pipeline.session_storage import SessionStorage
 from pipeline.spans import content_safe_span
 from pipeline.tokens import calibration_path_for
@@ -285,9 +286,9 @@ class Agent:
                 kwargs["tools"] = encodable(definitions)
             report = ctx.report  # what the stages asked of this request beyond its messages
             if report.request_extras:
-                kwargs["extra_body"] = dict(report.request_extras)
+                kwargs["extra_body"] = merge_request_fields({}, report.request_extras)
             if report.betas:
-                kwargs["extra_headers"] = {"anthropic-beta": ",".join(sorted(set(report.betas)))}
+                kwargs["extra_headers"] = {"anthropic-beta": merge_betas(None, report.betas)}
             try:
                 message = await self._call(request, kwargs)
             except AgentAPIError as error:

@@ -98,15 +98,17 @@ class _Server(ThreadingHTTPServer):
 class ScriptedMessagesServer:
     """Serve scripted replies on ``base_url`` until :meth:`close` (also a context manager).
 
-    ``requests`` holds every ``/v1/messages`` request body, in order; ``count_requests`` the
-    ``count_tokens`` ones. Usage mimics prompt caching: the prefix shared with the previous
-    request is reported as ``cache_read_input_tokens``, the rest as cache writes and input.
+    ``requests`` holds every ``/v1/messages`` request body, in order, and ``request_headers``
+    their HTTP headers (names in lower case); ``count_requests`` the ``count_tokens`` ones.
+    Usage mimics prompt caching: the prefix shared with the previous request is reported as
+    ``cache_read_input_tokens``, the rest as cache writes and input.
     """
 
     def __init__(self, script: Script, *, model: str = "claude-scripted") -> None:
         self.script = script
         self.model = model
         self.requests: list[dict[str, Any]] = []
+        self.request_headers: list[dict[str, str]] = []
         self.count_requests: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -138,7 +140,7 @@ class ScriptedMessagesServer:
 
     # -- request handling -------------------------------------------------------------------
     def _reply(
-        self, path: str, body: dict[str, Any]
+        self, path: str, body: dict[str, Any], sent: Mapping[str, str] | None = None
     ) -> tuple[int, dict[str, Any] | RawReply, dict[str, str]]:
         request_id = f"req_scripted_{next(self._ids):06d}"
         headers = {"request-id": request_id}
@@ -152,6 +154,7 @@ class ScriptedMessagesServer:
         with self._lock:
             previous = self.requests[-1] if self.requests else None
             self.requests.append(body)
+            self.request_headers.append({k.lower(): v for k, v in (sent or {}).items()})
             number = len(self.requests)
         try:
             outcome = self.script(body)
@@ -209,7 +212,7 @@ class ScriptedMessagesServer:
                     payload: dict[str, Any] | RawReply
                     status, payload = 400, _error("invalid_request_error", "bad JSON")
                 else:
-                    status, payload, headers = server._reply(self.path, body)
+                    status, payload, headers = server._reply(self.path, body, dict(self.headers))
                 if isinstance(payload, RawReply):
                     data, content_type = payload.body, payload.content_type
                 else:

@@ -1,0 +1,107 @@
+"""What the stages ask of a request, merged with what the client sent: the client's own
+fields are never dropped (``pipeline.request_fields``), through ``wrap`` and the proxy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from pipeline import Pipeline
+from pipeline.request_fields import merge_betas, merge_edits, merge_request_fields
+from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.wrap import wrap
+from stages import ServerSideMicrocompact, ToolResultBudget
+from tests.sdk_support import sdk_client
+from tests.wire_support import proxy
+
+THINKING = {"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}
+CLEARING = ServerSideMicrocompact(trigger_tokens=30_000, keep=2).edit()
+
+
+def test_the_clients_edits_stay_and_clear_thinking_goes_first() -> None:
+    body = {"model": "m", "context_management": {"edits": [THINKING]}}
+    extras = {"context_management": {"edits": [CLEARING]}}
+    merged = merge_request_fields(body, extras)
+    assert merged["context_management"] == {"edits": [THINKING, CLEARING]}
+    assert body == {"model": "m", "context_management": {"edits": [THINKING]}}  # not changed
+    # the stages' edit first in their list still lands after the client's clear_thinking
+    assert merge_edits([], [CLEARING, THINKING]) == [THINKING, CLEARING]
+
+
+def test_an_edit_the_client_sent_is_not_sent_twice_and_its_values_win() -> None:
+    own = {**CLEARING, "keep": {"type": "tool_uses", "value": 9}}
+    merged = merge_request_fields(
+        {"context_management": {"edits": [own]}}, {"context_management": {"edits": [CLEARING]}}
+    )
+    assert merged["context_management"]["edits"] == [own]
+
+
+def test_other_fields_the_client_sent_win_and_missing_ones_are_added() -> None:
+    merged = merge_request_fields({"metadata": {"user_id": "u"}}, {"metadata": {}, "x": 1})
+    assert merged == {"metadata": {"user_id": "u"}, "x": 1}
+
+
+@pytest.mark.parametrize("hostile", ["clear everything", {"edits": "all"}, None, 7])
+def test_a_malformed_client_value_goes_as_sent(hostile: Any) -> None:
+    merged = merge_request_fields(
+        {"context_management": hostile}, {"context_management": {"edits": [CLEARING]}}
+    )
+    assert merged["context_management"] == hostile
+
+
+def test_betas_are_a_union() -> None:
+    assert merge_betas(" b-2 ,a-1,,", ["c-3", "a-1"]) == "a-1,b-2,c-3"
+    assert merge_betas(None, ["z", "z"]) == "z"
+
+
+def _reply(_body: dict[str, Any]) -> Reply:
+    return Reply([{"type": "text", "text": "ok"}])
+
+
+async def _call(client: Any) -> None:
+    await client.beta.messages.create(
+        model="claude-test",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "hello"}],
+        context_management={"edits": [THINKING]},
+        betas=["interleaved-thinking-2025-05-14"],
+    )
+
+
+def _assert_both_sent(server: ScriptedMessagesServer) -> None:
+    (body,), (headers,) = server.requests, server.request_headers
+    assert body["context_management"]["edits"][0] == THINKING
+    assert [e["type"] for e in body["context_management"]["edits"]] == [
+        "clear_thinking_20251015",
+        "clear_tool_uses_20250919",
+    ]
+    betas = headers["anthropic-beta"].split(",")
+    assert "interleaved-thinking-2025-05-14" in betas
+    assert "context-management-2025-06-27" in betas
+
+
+def _pipeline() -> Pipeline:
+    return Pipeline([ToolResultBudget(), ServerSideMicrocompact(trigger_tokens=30_000, keep=2)])
+
+
+def test_wrap_keeps_the_clients_edits(tmp_path: Path) -> None:
+    with ScriptedMessagesServer(_reply) as server:
+        client = wrap(sdk_client(server.base_url), root=tmp_path, pipeline=_pipeline)
+        anyio.run(_call, client)
+        _assert_both_sent(server)
+
+
+def test_the_proxy_keeps_the_clients_edits(tmp_path: Path) -> None:
+    async def through(url: str) -> None:
+        async with sdk_client(url) as client:
+            await _call(client)
+
+    with (
+        ScriptedMessagesServer(_reply) as server,
+        proxy(server.base_url, tmp_path, _pipeline) as url,
+    ):
+        anyio.run(through, url)
+        _assert_both_sent(server)
