@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 __all__ = [
+    "COMPACTION_BLOCK",
     "REMINDER",
     "SYNTHETIC_MODEL",
     "WIRE_MESSAGE",
@@ -27,7 +28,9 @@ __all__ = [
     "MessageType",
     "Usage",
     "block_type",
+    "context_start",
     "first_fragment",
+    "holds_compaction",
     "new_uuid",
     "now_timestamp",
     "stable_uuid",
@@ -95,7 +98,18 @@ class Usage:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Usage:
-        """Build from an API ``usage`` object; missing or null counts are 0, bad types rejected."""
+        """Build from an API ``usage`` object; missing or null counts are 0, bad types rejected.
+
+        A usage with ``iterations`` (server-side compaction, server tool loops) reports the
+        context the response ends with in its last ``message`` iteration: that one is taken
+        (a ``compaction`` iteration prices the summarising request, never the context)."""
+        iterations = raw.get("iterations")
+        if isinstance(iterations, list):
+            sampled = [
+                i for i in iterations if isinstance(i, Mapping) and i.get("type") == "message"
+            ]
+            if sampled:
+                raw = sampled[-1]
         values: dict[str, Any] = {name: raw.get(name) for name in _USAGE_FIELDS}
         return cls(**{name: value for name, value in values.items() if value is not None})
 
@@ -288,6 +302,35 @@ def thread_start(messages: Sequence[Message]) -> int:
         if m.type == "user" and m.is_compact_summary:
             return i
     return 0
+
+
+COMPACTION_BLOCK = "compaction"
+"""The content block the API returns when it compacted the context on the server: the API
+reads a request from the last one on."""
+
+
+def holds_compaction(m: Message) -> bool:
+    """An assistant message holding a server compaction block with a summary (one without is
+    a no-op to the API)."""
+    content = m.content
+    return (
+        m.type == "assistant"
+        and isinstance(content, list)
+        and any(
+            isinstance(b, dict) and b.get("type") == COMPACTION_BLOCK and b.get("content")
+            for b in content
+        )
+    )
+
+
+def context_start(messages: Sequence[Message]) -> int:
+    """Index of the first message the API reads: :func:`thread_start`, or the last message
+    holding a server compaction block after it (the API ignores what precedes the block)."""
+    start = thread_start(messages)
+    for i in range(len(messages) - 1, start - 1, -1):
+        if holds_compaction(messages[i]):
+            return i
+    return start
 
 
 def block_type(block: object) -> object:

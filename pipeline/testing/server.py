@@ -32,11 +32,13 @@ class Reply:
     """One scripted assistant response. Usage is filled in by the server when not given;
     ``context_management``: what the API reports of the server-side edits it applied (in the
     message, or a stream's ``message_delta``), e.g. ``{"applied_edits": [{"type":
-    "clear_tool_uses_20250919", "cleared_tool_uses": 2, "cleared_input_tokens": 900}]}``."""
+    "clear_tool_uses_20250919", "cleared_tool_uses": 2, "cleared_input_tokens": 900}]}``.
+    A server compaction is a ``{"type": "compaction", "content": "<summary>"}`` block in
+    ``content`` and a ``usage`` with ``iterations`` (``stop_reason="compaction"`` when paused)."""
 
     content: list[dict[str, Any]]
     stop_reason: str = "end_turn"
-    usage: Mapping[str, int] | None = None
+    usage: Mapping[str, Any] | None = None
     context_management: Mapping[str, Any] | None = None
 
 

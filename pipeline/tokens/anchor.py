@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.messages import Message, Usage, first_fragment, thread_start
+from pipeline.messages import Message, Usage, context_start, first_fragment
 
 __all__ = ["compaction_restart", "find_anchor"]
 
@@ -27,7 +27,8 @@ def find_anchor(messages: Sequence[Message]) -> tuple[int, Usage] | None:
 
 
 def compaction_restart(messages: Sequence[Message], after: int) -> int | None:
-    """Where the API's view restarts, when a compaction point lies after index ``after``."""
-    # the wire normalisation's own rule, on the tail only: no scan of the whole session
-    offset = thread_start(messages[after:])
+    """Where the API's view restarts, when a compaction point (a compact boundary, or a server
+    compaction block in a later response) lies after index ``after``."""
+    # on the tail only: no scan of the whole session
+    offset = context_start(messages[after:])
     return after + offset if offset > 0 else None

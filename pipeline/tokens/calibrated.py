@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.messages import MAX_TOKENS, Message, Usage, thread_start
+from pipeline.messages import MAX_TOKENS, Message, Usage, context_start
 from pipeline.tokens.anchor import compaction_restart
 from pipeline.tokens.checks import (
     bounded_repr,
@@ -185,7 +185,7 @@ class CalibratedEstimator:
         self, messages: Sequence[Message], anchor: tuple[int, Usage] | None
     ) -> _Split:
         if anchor is None:
-            start = thread_start(messages)
+            start = context_start(messages)
             new, count = self._visible_sum(messages[start:])
             # a history cut at a compaction (what the pipeline's stages see) starts with it
             crossed = start > 0 or (bool(messages) and messages[0].restarts_thread)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pipeline.messages import Message, Usage
+from pipeline.messages import Message, Usage, context_start
 from pipeline.tokens.anchor import compaction_restart
 from pipeline.tokens.features import Segment, block_segments, is_wire_visible, iter_segments
 from pipeline.tokens.media import IMAGE_TOKENS
@@ -100,7 +100,8 @@ class ReferenceEstimator:
     ) -> EstimateDetail:
         """The anchor's usage total plus the rough count of everything after its first record."""
         if anchor is None:
-            part, anchor_total = self._rough(messages), 0
+            start = context_start(messages)
+            part, anchor_total = self._rough(messages[start:]), 0
             family, crossed = model_family(model), False
         else:
             i, usage = anchor
