@@ -19,9 +19,18 @@ sent as the client sent it (the API judges it); the stages' edits are then not a
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CLEAR_THINKING_EDIT", "merge_betas", "merge_edits", "merge_request_fields"]
+if TYPE_CHECKING:
+    from pipeline.context import PassReport
+
+__all__ = [
+    "CLEAR_THINKING_EDIT",
+    "ask_for_edit",
+    "merge_betas",
+    "merge_edits",
+    "merge_request_fields",
+]
 
 CLEAR_THINKING_EDIT = "clear_thinking_20251015"
 """The edit the API requires first in ``context_management.edits`` when others are given."""
@@ -52,6 +61,21 @@ def merge_edits(client: Iterable[Any], stages: Iterable[Any]) -> list[Any]:
             given.add(kind)
     # a stable sort: every other edit keeps its place
     return sorted(edits, key=lambda e: _type_of(e) != CLEAR_THINKING_EDIT)
+
+
+def ask_for_edit(report: PassReport, edit: Mapping[str, Any], beta: str) -> None:
+    """A stage asks for the server-side ``edit`` (and the ``beta`` that enables it) on this
+    pass's request: added to ``report.request_extras["context_management"]``, replacing an
+    edit of the same ``type`` another stage asked for earlier in the pass."""
+    existing = report.request_extras.get(_CONTEXT_MANAGEMENT)
+    config: dict[str, Any] = dict(existing) if isinstance(existing, Mapping) else {}
+    earlier = config.get("edits")
+    kind = _type_of(edit)
+    kept = [e for e in (earlier if isinstance(earlier, list) else []) if _type_of(e) != kind]
+    config["edits"] = [*kept, dict(edit)]
+    report.request_extras[_CONTEXT_MANAGEMENT] = config
+    if beta not in report.betas:
+        report.betas.append(beta)
 
 
 def merge_betas(given: str | None, betas: Iterable[str]) -> str:

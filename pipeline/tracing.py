@@ -262,6 +262,8 @@ class ATTR:
     KEEP = "sluicegate.keep"
     CLEAR_AT_LEAST = "sluicegate.clear_at_least"
     OVER_TRIGGER = "sluicegate.over_trigger"
+    SERVER_COMPACTIONS = "sluicegate.server_compactions"
+    """How many server compaction blocks the history holds."""
 
     # removing and summarising rounds
     REMOVED_NEW = "sluicegate.removed.new"
@@ -348,6 +350,9 @@ class Reason(StrEnum):
     BELOW_MIN_RECLAIM = "below_min_reclaim"
     NOTHING_ELIGIBLE = "nothing_eligible"
     DELEGATED = "delegated"
+    SERVER_COMPACTED = "server_compacted"
+    """The API compacted the context on the server: the history holds a compaction block it
+    did not hold on the last pass."""
     BELOW_WARNING = "below_warning"
     OVER_WARNING = "over_warning"
     OVER_BLOCKING = "over_blocking"

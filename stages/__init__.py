@@ -19,6 +19,7 @@ from stages.autocompact import Autocompact
 from stages.context_collapse import ContextCollapse
 from stages.history_snip import HistorySnip
 from stages.microcompact import Microcompact
+from stages.server_compaction import ServerCompaction
 from stages.server_microcompact import ServerSideMicrocompact
 from stages.tool_result_budget import ToolResultBudget
 
@@ -27,6 +28,7 @@ __all__ = [
     "ContextCollapse",
     "HistorySnip",
     "Microcompact",
+    "ServerCompaction",
     "ServerSideMicrocompact",
     "ToolResultBudget",
     "default_stages",

@@ -23,6 +23,7 @@ from stages.baselines import ClearEveryTurn, HeadTailTruncate
 from stages.context_collapse import ContextCollapse
 from stages.history_snip import HistorySnip
 from stages.microcompact import Microcompact
+from stages.server_compaction import ServerCompaction
 from stages.server_microcompact import ServerSideMicrocompact
 from stages.tool_result_budget import ToolResultBudget
 
@@ -46,7 +47,10 @@ STRATEGIES: dict[str, dict[str, Callable[..., Stage]]] = {
         ClearEveryTurn.strategy: ClearEveryTurn,
     },
     "context_collapse": {ContextCollapse.strategy: ContextCollapse},
-    "autocompact": {Autocompact.strategy: Autocompact},
+    "autocompact": {
+        Autocompact.strategy: Autocompact,
+        ServerCompaction.strategy: ServerCompaction,
+    },
 }
 """Slot → strategy id → constructor. ``off`` removes a slot's stage."""
 SLOTS = tuple(STRATEGIES)

@@ -3,10 +3,10 @@ results itself (Anthropic's context editing); nothing is edited locally."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from pipeline import Message, SessionContext
+from pipeline.request_fields import ask_for_edit
 from pipeline.tracing import ATTR, Decision, Reason
 from stages._shared import check_bool, check_int, check_names, tool_results
 
@@ -84,20 +84,7 @@ class ServerSideMicrocompact:
         return edit
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        report = ctx.report
-        existing = report.request_extras.get("context_management")
-        config: dict[str, Any] = dict(existing) if isinstance(existing, Mapping) else {}
-        earlier = config.get("edits")
-        # keep edits another stage asked for; ours replaces an earlier edit of the same type
-        edits = [
-            e
-            for e in (earlier if isinstance(earlier, list) else [])
-            if not (isinstance(e, Mapping) and e.get("type") == CLEAR_TOOL_USES_EDIT)
-        ]
-        config["edits"] = [*edits, self.edit()]
-        report.request_extras["context_management"] = config
-        if CONTEXT_MANAGEMENT_BETA not in report.betas:
-            report.betas.append(CONTEXT_MANAGEMENT_BETA)
+        ask_for_edit(ctx.report, self.edit(), CONTEXT_MANAGEMENT_BETA)
 
         tokens = ctx.size_of(messages)
         ctx.decide(

@@ -62,6 +62,10 @@ AGENT_NAME = "sluicegate"
 """``gen_ai.agent.name`` of the agent loop's spans."""
 
 
+_CALL_AGAIN = frozenset({"compaction", "pause_turn"})
+"""Stop reasons after which the API expects the same request again, with the response."""
+
+
 class Agent:
     """A tool-using agent whose every request goes through ``pipeline``.
 
@@ -206,7 +210,8 @@ class Agent:
         return [t.definition for t in self.tools.values()]
 
     async def run(self, prompt: str | None = None) -> AgentResult:
-        """Add ``prompt`` (if any) and loop until ``end_turn``, ``max_turns`` or cancellation.
+        """Add ``prompt`` (if any) and loop until ``end_turn``, ``max_turns`` or cancellation;
+        a paused response (``stop_reason`` ``compaction`` or ``pause_turn``) is called again.
 
         Traced as one GenAI ``invoke_agent sluicegate`` span, the turns its children."""
         ctx = self.ctx
@@ -236,6 +241,8 @@ class Agent:
             text = "".join(
                 b.get("text", "") for b in response_msg.blocks if b.get("type") == "text"
             )
+            if stop_reason in _CALL_AGAIN:
+                continue  # the API paused (after a server compaction, or a server tool's turn)
             if not any(b.get("type") == "tool_use" for b in response_msg.blocks):
                 break
         else:
