@@ -170,6 +170,11 @@ class ATTR:
     USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     USAGE_CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
     USAGE_CACHE_WRITE_TOKENS = "gen_ai.usage.cache_creation.input_tokens"
+    COMPACTION_INPUT_TOKENS = "sluicegate.compaction.input_tokens"
+    """Input tokens of the API's server-side compaction in this call (its ``compaction`` usage
+    iterations; the API leaves them out of the top-level usage)."""
+    COMPACTION_OUTPUT_TOKENS = "sluicegate.compaction.output_tokens"
+    """Output tokens (the summary) of the API's server-side compaction in this call."""
 
     # HTTP and general semantic conventions
     HTTP_METHOD = "http.request.method"

@@ -58,7 +58,27 @@ def usage_attributes(usage: Mapping[str, Any]) -> dict[str, int]:
             + counts.get(ATTR.USAGE_CACHE_READ_TOKENS, 0)
             + counts.get(ATTR.USAGE_CACHE_WRITE_TOKENS, 0)
         )
+    iterations = usage.get("iterations")
+    compactions = [
+        i for i in (iterations if isinstance(iterations, list) else []) if _is_compaction(i)
+    ]
+    if compactions:
+        for key, fields in _COMPACTION_ATTRIBUTES:
+            counts[key] = sum(_count(i.get(f)) or 0 for i in compactions for f in fields)
     return counts
+
+
+_COMPACTION_ATTRIBUTES = (
+    (
+        ATTR.COMPACTION_INPUT_TOKENS,
+        ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"),
+    ),
+    (ATTR.COMPACTION_OUTPUT_TOKENS, ("output_tokens",)),
+)
+
+
+def _is_compaction(iteration: Any) -> bool:
+    return isinstance(iteration, Mapping) and iteration.get("type") == "compaction"
 
 
 def applied_edits(context_management: Any) -> list[str]:

@@ -95,3 +95,41 @@ def test_a_compaction_block_goes_back_as_it_came(tmp_path: Path) -> None:
         anyio.run(loop, client)
         second = server.requests[1]
     assert second["messages"][1]["content"][0] == COMPACTION
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_request_span_counts_the_servers_compaction(tmp_path: Path, streamed: bool) -> None:
+    # the API leaves the compaction's tokens out of the top-level usage: the span adds them
+    from pipeline.testing import SpanRecorder
+
+    spans = SpanRecorder()
+
+    def compacting(_body: dict[str, Any]) -> Reply:
+        return Reply([COMPACTION, {"type": "text", "text": "ok"}], usage=ITERATIONS)
+
+    async def call(client: Any) -> None:
+        asked: dict[str, Any] = {
+            "model": "claude-test",
+            "max_tokens": 10,
+            "messages": [{"role": "user", "content": "hi"}],
+            "betas": ["compact-2026-01-12"],
+        }
+        if streamed:
+            async with client.beta.messages.stream(**asked) as stream:
+                await stream.get_final_message()
+        else:
+            await client.beta.messages.create(**asked)
+
+    with ScriptedMessagesServer(compacting) as server:
+        client = wrap(
+            sdk_client(server.base_url),
+            root=tmp_path,
+            pipeline=lambda: Pipeline([ToolResultBudget()]),
+            tracer=spans.tracer,
+        )
+        anyio.run(call, client)
+    [request] = spans.named("wire.request")
+    attributes = dict(request.attributes or {})
+    assert attributes["sluicegate.compaction.input_tokens"] == 26_000
+    assert attributes["sluicegate.compaction.output_tokens"] == 900
+    assert attributes["gen_ai.usage.input_tokens"] == 120  # the top-level usage, as reported
