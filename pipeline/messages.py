@@ -101,15 +101,19 @@ class Usage:
         """Build from an API ``usage`` object; missing or null counts are 0, bad types rejected.
 
         A usage with ``iterations`` (server-side compaction, server tool loops) reports the
-        context the response ends with in its last ``message`` iteration: that one is taken
-        (a ``compaction`` iteration prices the summarising request, never the context)."""
+        context the response ends with in its last ``message`` iteration: that one is taken.
+        A ``compaction`` iteration's input prices the summarising request, never the context;
+        a response that paused after one (no ``message`` iteration after it) ends with the
+        summary alone: its output tokens."""
         iterations = raw.get("iterations")
         if isinstance(iterations, list):
-            sampled = [
-                i for i in iterations if isinstance(i, Mapping) and i.get("type") == "message"
-            ]
-            if sampled:
-                raw = sampled[-1]
+            steps = [i for i in iterations if isinstance(i, Mapping)]
+            if steps and steps[-1].get("type") == "compaction":
+                raw = {"output_tokens": steps[-1].get("output_tokens")}
+            else:
+                sampled = [i for i in steps if i.get("type") == "message"]
+                if sampled:
+                    raw = sampled[-1]
         values: dict[str, Any] = {name: raw.get(name) for name in _USAGE_FIELDS}
         return cls(**{name: value for name, value in values.items() if value is not None})
 

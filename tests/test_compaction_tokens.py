@@ -4,41 +4,44 @@ API as it came (the real SDK through ``wrap``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from pipeline import Message, Pipeline, Usage
+from pipeline import Message, Pipeline, SessionContext, Usage
 from pipeline.messages import context_start
-from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.testing import Reply, ScriptedMessagesServer, compaction_reply
 from pipeline.tokens import TokenTracker
 from pipeline.wrap import wrap
 from stages import ToolResultBudget
+from tests.builders import assistant, results, tool_result, tool_use
 from tests.sdk_support import sdk_client
 
 SUMMARY = "The user asked for a build; it failed on a missing header, fixed in foo.h."
 COMPACTION = {"type": "compaction", "content": SUMMARY}
-ITERATIONS = {
-    "input_tokens": 120,
-    "output_tokens": 60,
-    "cache_read_input_tokens": 0,
-    "cache_creation_input_tokens": 0,
-    "iterations": [
-        {"type": "compaction", "input_tokens": 26_000, "output_tokens": 900,
-         "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
-        {"type": "message", "input_tokens": 400, "output_tokens": 60,
-         "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
-    ],
-}  # fmt: skip
+ITERATIONS = dict(
+    compaction_reply(
+        SUMMARY,
+        [{"type": "text", "text": "Carrying on."}],
+        compacted_tokens=26_000,
+        summary_tokens=900,
+        context_tokens=400,
+        output_tokens=60,
+    ).usage
+    or {}
+)
 
 
 def test_the_usage_of_a_compacting_response_is_its_last_sampling_iteration() -> None:
     usage = Usage.from_mapping(ITERATIONS)
     assert (usage.input_tokens, usage.output_tokens) == (400, 60)
-    only_compaction = {**ITERATIONS, "iterations": ITERATIONS["iterations"][:1]}
-    assert Usage.from_mapping(only_compaction).input_tokens == 120  # never the compaction's
+    # paused after the compaction: the context is the summary, never the summarising request
+    paused = compaction_reply(SUMMARY).usage
+    assert paused is not None
+    assert Usage.from_mapping(paused) == Usage(output_tokens=2_000)
 
 
 def _history(compacted: bool) -> list[Message]:
@@ -132,4 +135,46 @@ def test_the_request_span_counts_the_servers_compaction(tmp_path: Path, streamed
     attributes = dict(request.attributes or {})
     assert attributes["sluicegate.compaction.input_tokens"] == 26_000
     assert attributes["sluicegate.compaction.output_tokens"] == 900
-    assert attributes["gen_ai.usage.input_tokens"] == 120  # the top-level usage, as reported
+    assert attributes["gen_ai.usage.input_tokens"] == 400  # the top-level usage, as reported
+
+
+def _compacting_session(turns: int, at: int, *, recorded: bool = True) -> list[Message]:
+    """A generated session whose server compacted at turn ``at``: that response opens with a
+    compaction block, its usage the small context after it (``recorded=False``: no usage
+    recorded from there on); each turn adds an ~8K-char result."""
+    history: list[Message] = [Message.user("start")]
+    size = 1_000
+    for t in range(turns):
+        size = 600 if t == at else size + 2_300
+        blocks: list[dict[str, Any]] = [tool_use(f"t{t}", "Read")]
+        usage = Usage(input_tokens=size)
+        if t == at:
+            blocks.insert(0, {"type": "compaction", "content": SUMMARY})
+            usage = Usage.from_mapping(
+                dict(compaction_reply(SUMMARY, [{}], context_tokens=size).usage or {})
+            )
+        history += [
+            assistant(f"r{t}", *blocks, usage=usage if recorded or t < at else None),
+            results(tool_result(f"t{t}", "x" * 8_000)),
+        ]
+    return history
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("recorded", [True, False])
+async def test_a_replay_of_a_session_with_a_server_compaction(
+    tmp_path: Path, recorded: bool
+) -> None:
+    from pipeline.replay import replay_messages
+    from stages import ServerCompaction, default_stages
+
+    pipe = Pipeline(default_stages()).replace("autocompact", ServerCompaction())
+    ctx = SessionContext("compacted", tmp_path)  # the default, calibrated tracker
+    estimates, blocks = [], []
+    async for r in replay_messages(_compacting_session(20, 12, recorded=recorded), pipe, ctx):
+        estimates.append(r.estimated_tokens)
+        blocks.append(sum(json.dumps(m).count('"type": "compaction"') for m in r.request))
+    assert blocks[13] == 1 and blocks[-1] == 1  # sent back on every later call, as it came
+    # priced from the block on: the calls after it are far below those before it
+    assert estimates[14] < estimates[11] / 3
+    assert max(estimates[13:]) < 2_600 + 8 * 2_300 + 8 * 2_100

@@ -15,7 +15,7 @@ from pydantic import TypeAdapter
 
 from pipeline import Pipeline, SessionContext
 from pipeline.agent import Agent
-from pipeline.testing import Reply, ScriptedMessagesServer, SpanRecorder
+from pipeline.testing import Reply, ScriptedMessagesServer, SpanRecorder, compaction_reply
 from pipeline.tokens import TokenTracker
 from pipeline.tracing import ATTR
 from stages import ServerCompaction, default_stages
@@ -24,18 +24,6 @@ from stages.server_compaction import COMPACTION_BETA
 from tests.sdk_support import sdk_client
 
 SUMMARY = "Built the project; the failing test is test_io, caused by a missing fixture."
-ITERATIONS = {
-    "input_tokens": 90,
-    "output_tokens": 40,
-    "cache_read_input_tokens": 0,
-    "cache_creation_input_tokens": 0,
-    "iterations": [
-        {"type": "compaction", "input_tokens": 150_500, "output_tokens": 700,
-         "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
-        {"type": "message", "input_tokens": 90, "output_tokens": 40,
-         "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
-    ],
-}  # fmt: skip
 
 
 def test_the_edit_matches_the_sdks_types_and_derives_its_trigger() -> None:
@@ -78,8 +66,7 @@ async def test_the_agent_sends_the_edit_returns_the_block_and_calls_again_after_
     def script(body: dict[str, Any]) -> Reply:
         answered = sum(1 for m in body["messages"] if m["role"] == "assistant")
         if answered == 0:  # the server compacts and pauses
-            compaction = {"type": "compaction", "content": SUMMARY}
-            return Reply([compaction], stop_reason="compaction", usage=ITERATIONS)
+            return compaction_reply(SUMMARY)  # paused: the summary alone
         return Reply([{"type": "text", "text": "done"}])
 
     recorder = SpanRecorder()

@@ -3,7 +3,8 @@
 
 - :class:`ScriptedMessagesServer`: a local stand-in for the Messages API (127.0.0.1, random
   port) that the real ``anthropic`` SDK talks to over HTTP; a *script* picks each reply
-  (a :class:`Reply`, a :class:`ScriptError`, or a :class:`RawReply` sent byte for byte);
+  (a :class:`Reply`, a :class:`ScriptError`, or a :class:`RawReply` sent byte for byte;
+  :func:`compaction_reply` is a server-side compaction as the API answers one);
 - :class:`MemoryStore`: a tool-result store in memory;
 - :class:`SpanRecorder`: the spans a stage emits, in memory (needs the OpenTelemetry SDK);
 - :class:`QuietLogger`: a logger that keeps its events and prints nothing;
@@ -29,6 +30,7 @@ from pipeline.testing.server import (
     Reply,
     ScriptedMessagesServer,
     ScriptError,
+    compaction_reply,
     count_request_tokens,
 )
 
@@ -42,6 +44,7 @@ __all__ = [
     "ScriptedMessagesServer",
     "SpanRecorder",
     "assert_same_messages",
+    "compaction_reply",
     "count_request_tokens",
     "message_fields",
     "run_stage",

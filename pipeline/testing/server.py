@@ -22,6 +22,7 @@ __all__ = [
     "Reply",
     "ScriptError",
     "ScriptedMessagesServer",
+    "compaction_reply",
     "count_request_tokens",
     "sse_events",
 ]
@@ -40,6 +41,46 @@ class Reply:
     stop_reason: str = "end_turn"
     usage: Mapping[str, Any] | None = None
     context_management: Mapping[str, Any] | None = None
+
+
+def compaction_reply(
+    summary: str,
+    then: list[dict[str, Any]] | None = None,
+    *,
+    compacted_tokens: int = 150_000,
+    summary_tokens: int = 2_000,
+    context_tokens: int = 2_500,
+    output_tokens: int = 50,
+) -> Reply:
+    """A response of a server that compacted the context, as the API sends one: a
+    ``compaction`` block holding ``summary``, then the blocks of ``then`` -- or none, a paused
+    response (``stop_reason="compaction"``) -- and a usage whose ``iterations`` hold the
+    compaction (``compacted_tokens`` read, ``summary_tokens`` written) and, unless paused, the
+    sampling that followed (``context_tokens`` in, ``output_tokens`` out), which the top-level
+    counts repeat."""
+    sampled = {
+        "type": "message",
+        "input_tokens": context_tokens if then else 0,
+        "output_tokens": output_tokens if then else 0,
+        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": 0,
+    }
+    compaction = {
+        "type": "compaction",
+        "input_tokens": compacted_tokens,
+        "output_tokens": summary_tokens,
+        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": 0,
+    }
+    usage: dict[str, Any] = {
+        **{k: v for k, v in sampled.items() if k != "type"},
+        "iterations": [compaction, sampled] if then else [compaction],
+    }
+    return Reply(
+        [{"type": "compaction", "content": summary}, *(then or [])],
+        stop_reason="end_turn" if then else "compaction",
+        usage=usage,
+    )
 
 
 @dataclass(frozen=True, slots=True)
