@@ -50,7 +50,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from pipeline.adapter import Call, WireSession
-from pipeline.conversations import Branch, Conversations
+from pipeline.conversations import SESSION_HEADER, Branch, Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.logs import get_logger
@@ -60,16 +60,28 @@ from pipeline.session_storage import SessionStates
 from pipeline.tenancy import Tenancy
 from pipeline.wire_request import WireRequest
 
-__all__ = ["DEFAULT_UPSTREAM", "build_app"]
+__all__ = ["DEFAULT_UPSTREAM", "MAX_BODY_BYTES", "build_app"]
 
 DEFAULT_UPSTREAM = "https://api.anthropic.com"
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""The largest request body the proxy reads (the API's own limit); a larger one is a 413."""
 
 _PLACE_ATTEMPTS = 3
 _PASSTHROUGH = "/{path:path}"
 """How many times a request is placed: again when another worker moved its conversation on."""
 
-# hop-by-hop and length headers are the proxy's own business on each side
-_DROP_REQUEST = {"host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
+# hop-by-hop and length headers are the proxy's own business on each side; the conversation's
+# name is the proxy's alone (the API never needs it)
+_DROP_REQUEST = {
+    "host",
+    "content-length",
+    "connection",
+    "accept-encoding",
+    "transfer-encoding",
+    SESSION_HEADER,
+}
+_MESSAGES = "/v1/messages"
 _DROP_RESPONSE = {"content-length", "connection", "transfer-encoding", "content-encoding"}
 
 
@@ -83,6 +95,7 @@ def build_app(
     storage: SessionStates | str | os.PathLike[str] | None = None,
     tenancy: Tenancy | None = None,
     metrics: WireMetrics | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
@@ -97,7 +110,14 @@ def build_app(
     (default: by API key, under the store's secret; ``Tenancy(single=True)``: one tenant).
     ``metrics``: where requests are counted (default: the global meter provider's; see
     :mod:`pipeline.metrics`). Each request is one ``wire.request`` span, kept open until its
-    response has gone by, and one ``wire.request`` log event (:mod:`pipeline.wire_request`)."""
+    response has gone by, and one ``wire.request`` log event (:mod:`pipeline.wire_request`).
+    ``max_body_bytes``: the largest request body read (a larger one is refused with 413
+    before it is all read); a compressed body (``content-encoding``) is refused with 415. A
+    ``POST`` to a path ending in ``/v1/messages`` (a client whose base URL has a path, a
+    trailing slash, doubled slashes) is a Messages request, sent upstream to ``/v1/messages``;
+    a path with a ``.`` or ``..`` segment (also percent-encoded) is refused with 400."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
     metrics = metrics or WireMetrics()
     logger = context.get("logger") or get_logger()
     states = storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
@@ -154,9 +174,34 @@ def build_app(
         log = logger.warning if status >= 500 else logger.info
         log("wire.request", status=status, ms=round(seconds * 1000, 3), **fields)
 
+    async def body_of(request: Request, started: float, **where: Any) -> bytes | Response:
+        """The request's body, or the response that refuses it (too large, compressed)."""
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            message = f"content-encoding {encoding[:40]} is not supported: send the body as it is"
+            logged(started, 415, error="invalid_request_error", **where)
+            return _error(415, "invalid_request_error", message)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            return too_large(started, int(declared), **where)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                return too_large(started, size, **where)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def too_large(started: float, size: int, **where: Any) -> Response:
+        logged(started, 413, error="request_too_large", **where)
+        message = f"request body of {size} bytes or more is over the limit of {max_body_bytes}"
+        return _error(413, "request_too_large", message)
+
     async def messages(request: Request) -> Response:
         started = time.monotonic()
-        raw = await request.body()
+        raw = await body_of(request, started)
+        if isinstance(raw, Response):
+            return raw
         headers = dict(request.headers)
         try:
             body = json.loads(raw)
@@ -223,9 +268,18 @@ def build_app(
         started = time.monotonic()
         # the route is the template (a client picks the path: no metric series per path)
         where = {"method": request.method, "route": _PASSTHROUGH, "path": request.url.path[:256]}
+        segments = request.url.path.split("/")
+        if any(part in (".", "..") for part in segments):  # decoded: %2E%2E is ".." here
+            logged(started, 400, error="invalid_request_error", **where)
+            return _error(400, "invalid_request_error", "a path may not hold . or .. segments")
+        if request.method == "POST" and "/".join(filter(None, segments)).endswith(_MESSAGES[1:]):
+            return await messages(request)  # a Messages request under another spelling
+        content = await body_of(request, started, **where)
+        if isinstance(content, Response):
+            return content
         upstream_request = client.build_request(
             request.method, request.url.path, params=request.query_params,
-            headers=_forwarded(request), content=await request.body(),
+            headers=_forwarded(request), content=content,
         )  # fmt: skip
         try:
             answer = await client.send(upstream_request, stream=True)
@@ -245,7 +299,7 @@ def build_app(
 
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
-        Route("/v1/messages", messages, methods=["POST"]),
+        Route(_MESSAGES, messages, methods=["POST"]),
         Route(_PASSTHROUGH, passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
@@ -254,9 +308,8 @@ def build_app(
 async def _send_as_is(client: httpx2.AsyncClient, request: Request, raw: bytes) -> httpx2.Response:
     """The client's request upstream unchanged (its conversation's state cannot be read)."""
     upstream_request = client.build_request(
-        "POST", request.url.path, params=request.query_params, headers=_forwarded(request),
-        content=raw,
-    )  # fmt: skip
+        "POST", _MESSAGES, params=request.query_params, headers=_forwarded(request), content=raw
+    )
     return await client.send(upstream_request, stream=True)
 
 
@@ -280,7 +333,7 @@ async def _send(
     if report.betas:
         headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
     upstream_request = client.build_request(
-        "POST", request.url.path, params=request.query_params, headers=headers, content=content
+        "POST", _MESSAGES, params=request.query_params, headers=headers, content=content
     )
     return await client.send(upstream_request, stream=True)
 

@@ -28,7 +28,7 @@ import anyio
 import httpx2
 
 from pipeline.adapter import Call, WireSession
-from pipeline.conversations import Conversations
+from pipeline.conversations import SESSION_HEADER, Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.metrics import WireMetrics
@@ -174,7 +174,10 @@ def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
     server-side clearing's ``context_management`` and its beta header)."""
     report = session.ctx.report
     body = merge_request_fields(body, report.request_extras)
-    headers = dict(request.headers or {})
+    headers: dict[str, Any] = {
+        k: v for k, v in (request.headers or {}).items() if k.lower() != SESSION_HEADER
+    }
+    headers[SESSION_HEADER] = anthropic.omit  # the conversation's name never leaves the process
     if report.betas:
         headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
     return request.copy(body=body, headers=headers)

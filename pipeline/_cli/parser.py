@@ -157,6 +157,14 @@ def _add_proxy_parser(sub: Any) -> None:
         help="for clients that set no cache_control, mark the last block so the API caches "
         "the prefix (a client's own breakpoints are left alone)",
     )
+    proxy_p.add_argument(
+        "--max-body",
+        type=size,
+        default="32MB",
+        metavar="SIZE",
+        help="largest request body read (e.g. 32MB, the API's own limit; default %(default)s); "
+        "a larger one is refused with 413",
+    )
     retention = proxy_p.add_argument_group(
         "retention",
         "The store lives as long as the proxy: prune it at start-up, then every hour. A "

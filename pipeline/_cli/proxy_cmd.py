@@ -76,6 +76,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             storage=shared,
             tenancy=Tenancy(single=True) if args.single_tenant else None,
             metrics=WireMetrics(set_up.meter_provider),
+            max_body_bytes=args.max_body,
             **context,
         )
         sock = _listen(args.host, args.port)

@@ -1,0 +1,175 @@
+"""What a client can push on at the proxy's door, over HTTP against the proxy on a real port:
+the body's size and encoding, nesting, the path it names, the headers it sends on."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+
+from pipeline import Pipeline
+from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.wrap import wrap
+from stages import ToolResultBudget
+from tests.cli_support import clean_env
+from tests.sdk_support import sdk_client
+from tests.wire_support import TAG, proxy
+
+LIMIT = 200_000
+
+
+def _reply(_body: dict[str, Any]) -> Reply:
+    return Reply([{"type": "text", "text": "ok"}])
+
+
+def _budget() -> Pipeline:
+    return Pipeline([ToolResultBudget()])
+
+
+@pytest.fixture
+def door(tmp_path: Path) -> Iterator[tuple[str, ScriptedMessagesServer]]:
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, _budget, max_body_bytes=LIMIT) as url,
+    ):
+        yield url, upstream
+
+
+def _request(text: str) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": text}]}
+
+
+def _big_result_request() -> dict[str, Any]:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}}
+    out = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "y" * 120_000}
+    return {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [out]},
+        ],
+    }
+
+
+def test_a_body_over_the_limit_is_a_413_and_never_goes_upstream(door: Any) -> None:
+    url, upstream = door
+    declared = httpx2.post(f"{url}/v1/messages", json=_request("z" * (LIMIT + 10)))
+    assert declared.status_code == 413
+    assert declared.json()["error"]["type"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no content-length: counted as it comes
+        yield b'{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"'
+        for _ in range(30):
+            yield b"z" * 10_000
+        yield b'"}]}'
+
+    streamed = httpx2.post(f"{url}/v1/messages", content=chunks())
+    assert streamed.status_code == 413
+    passthrough = httpx2.post(f"{url}/v1/messages/count_tokens", content=b"z" * (LIMIT + 1))
+    assert passthrough.status_code == 413
+    assert upstream.requests == [] and upstream.count_requests == []
+    assert httpx2.post(f"{url}/v1/messages", json=_request("small")).status_code == 200
+
+
+def test_a_compressed_body_is_refused_by_name(door: Any) -> None:
+    url, upstream = door
+    packed = gzip.compress(json.dumps(_request("hi")).encode())
+    answer = httpx2.post(
+        f"{url}/v1/messages",
+        content=packed,
+        headers={"content-encoding": "gzip", "content-type": "application/json"},
+    )
+    assert answer.status_code == 415
+    assert "content-encoding gzip is not supported" in answer.json()["error"]["message"]
+    assert upstream.requests == []
+
+
+@pytest.mark.parametrize("depth", [990, 2_000, 90_000])
+def test_deeply_nested_json_is_a_400_not_a_500(door: Any, depth: int) -> None:
+    url, _ = door
+    nested = "[" * depth + "]" * depth
+    raw = (
+        '{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"text",'
+        f'"text":"x","extra":{nested}}}]}}]}}'
+    )
+    answer = httpx2.post(f"{url}/v1/messages", content=raw.encode())
+    assert answer.status_code in (200, 400), answer.text[:200]  # never a 500
+    if answer.status_code == 400:
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/messages/", "//v1/messages", "/anthropic/v1/messages"])
+def test_a_messages_request_under_another_spelling_gets_the_budget(door: Any, path: str) -> None:
+    url, upstream = door
+    answer = httpx2.post(f"{url}{path}", json=_big_result_request())
+    assert answer.status_code == 200
+    (sent,) = upstream.requests
+    assert sent["messages"][2]["content"][0]["content"].startswith(TAG)
+
+
+def _raw_get(url: str, target: str) -> int:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        status_line = conn.makefile("rb").readline().decode()
+    return int(status_line.split()[1])
+
+
+@pytest.mark.parametrize("target", ["/../../tenant-b/admin", "/v1/%2E%2E/%2e%2e/tenant-b/x"])
+def test_a_path_with_dot_segments_is_refused(door: Any, target: str) -> None:
+    url, _ = door
+    assert _raw_get(url, target) == 400
+
+
+def test_the_conversation_header_stays_with_the_proxy(door: Any) -> None:
+    url, upstream = door
+    headers = {"x-sluicegate-session": "my-private-session"}
+    assert httpx2.post(f"{url}/v1/messages", json=_request("hi"), headers=headers).is_success
+    assert "x-sluicegate-session" not in upstream.request_headers[0]
+
+
+def test_the_conversation_header_stays_with_wrap(tmp_path: Path) -> None:
+    async def call(client: Any) -> None:
+        await client.messages.create(
+            **_request("hi"), extra_headers={"x-sluicegate-session": "my-private-session"}
+        )
+
+    with ScriptedMessagesServer(_reply) as upstream:
+        named = sdk_client(upstream.base_url, default_headers={"x-sluicegate-session": "mine"})
+        anyio.run(call, wrap(named, root=tmp_path, pipeline=_budget))
+        anyio.run(call, wrap(sdk_client(upstream.base_url), root=tmp_path, pipeline=_budget))
+    assert all("x-sluicegate-session" not in h for h in upstream.request_headers)
+    assert len(upstream.request_headers) == 2
+
+
+def test_the_command_takes_its_body_limit(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "pipeline", "proxy", "--port", "0", "--log-json",
+        "--store", str(tmp_path / "store"), "--upstream", "http://127.0.0.1:9", "--max-body", "2KB",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=clean_env()
+    )
+    try:
+        assert proc.stderr is not None
+        event: dict[str, Any] = {}
+        while event.get("event") != "proxy.listening":
+            event = json.loads(proc.stderr.readline())
+        answer = httpx2.post(f"{event['url']}/v1/messages", json=_request("z" * 4_000))
+        assert answer.status_code == 413
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
