@@ -52,6 +52,7 @@ from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.digests import chain_of, opening_digest
 from pipeline.event_stream import EventStreamUsage  # public here before it had a module
+from pipeline.gate import describe_error
 from pipeline.inheritance import FORK_RECORD, Inherited
 from pipeline.logs import get_logger
 from pipeline.messages import Message, Usage
@@ -376,7 +377,10 @@ class WireSession:
             self.ctx.transcript.append_stage_record(FORK_RECORD, pending.to_record())
         except OSError as exc:
             self.ctx.logger.error(
-                "stage_record.write_failed", stage=FORK_RECORD, error=type(exc).__name__
+                "stage_record.write_failed",
+                stage=FORK_RECORD,
+                error=type(exc).__name__,
+                detail=describe_error(exc),
             )
             return
         self._pending = None
@@ -543,7 +547,10 @@ class WireSession:
             self.ctx.transcript.append_stage_record(RESPONSE_RECORD, data)
         except OSError as exc:
             self.ctx.logger.error(
-                "stage_record.write_failed", stage=RESPONSE_RECORD, error=type(exc).__name__
+                "stage_record.write_failed",
+                stage=RESPONSE_RECORD,
+                error=type(exc).__name__,
+                detail=describe_error(exc),
             )
             return False
         return True

@@ -45,9 +45,10 @@ import anyio
 import anyio.to_thread
 import httpx2
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Send
 
 from pipeline.adapter import Call, WireSession
 from pipeline.conversations import SESSION_HEADER, Branch, Conversations
@@ -185,11 +186,15 @@ def build_app(
         if declared.isdigit() and int(declared) > max_body_bytes:
             return too_large(started, int(declared), **where)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                return too_large(started, size, **where)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    return too_large(started, size, **where)
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body was in: nobody to answer
+            logged(started, 499, error="client_disconnected", **where)
+            return Response(status_code=499)
         return b"".join(chunks)
 
     def too_large(started: float, size: int, **where: Any) -> Response:
@@ -230,7 +235,7 @@ def build_app(
                     forwarded_as_is=True,
                     chars_in=len(raw),
                 )
-                return _relay(upstream_response, end=end)
+                return _relay(upstream_response, end=end, logger=logger)
             async with branch.call_lock:  # one call of a conversation at a time
                 last = attempt == _PLACE_ATTEMPTS - 1
                 if not await current(branch) and not last:
@@ -261,7 +266,7 @@ def build_app(
             done = functools.partial(
                 _ended, call_request, metrics, started, upstream_response.status_code
             )
-            return _relay(upstream_response, session, call, call_request, end=done)
+            return _relay(upstream_response, session, call, call_request, end=done, logger=logger)
         raise AssertionError("unreachable: the last attempt always sends")
 
     async def passthrough(request: Request) -> Response:
@@ -286,7 +291,8 @@ def build_app(
         except httpx2.HTTPError as exc:
             logged(started, 502, error=type(exc).__name__, **where)
             return _unreachable(exc)
-        return _relay(answer, end=functools.partial(logged, started, answer.status_code, **where))
+        end = functools.partial(logged, started, answer.status_code, **where)
+        return _relay(answer, end=end, logger=logger)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -358,12 +364,14 @@ def _relay(
     call_request: WireRequest | None = None,
     *,
     end: Callable[[], None] | None = None,
+    logger: Any = None,
 ) -> Response:
     """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
     on the way, and the session's record of it written before the client can see the end: an
     event stream passes chunk by chunk as it arrives, the chunk that completes the usage
     (``message_delta``) once the record is written; a JSON body is passed on whole once read
-    and recorded. ``end``: called once the body has gone by (or the client left)."""
+    and recorded. ``end``: called once the body has gone by (or the client left); ``logger``:
+    where a body the upstream cut is told (default: the library's)."""
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
     answered = session is not None and upstream.status_code == 200
     reader = _UsageReader(session, call, call_request) if session is not None and answered else None
@@ -372,7 +380,7 @@ def _relay(
     async def body() -> AsyncIterator[bytes]:
         try:
             held: list[bytes] = []
-            async for chunk in upstream.aiter_bytes():
+            async for chunk in _until_cut(upstream, relayed, logger or get_logger()):
                 if reader is None:
                     yield chunk
                 elif streamed:
@@ -382,7 +390,7 @@ def _relay(
                     yield chunk
                 else:
                     held.append(chunk)
-            if reader is not None:
+            if reader is not None and not (relayed.cut and not streamed):
                 if streamed:
                     await reader.events.aclose()  # a stream that ended without message_delta
                 else:
@@ -393,7 +401,36 @@ def _relay(
             if end is not None:
                 end()
 
-    return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+    relayed = _Relayed(body(), status_code=upstream.status_code, headers=headers)
+    return relayed
+
+
+class _Relayed(StreamingResponse):
+    """A relayed response that ends as the upstream's did: when the upstream's body was cut,
+    the client's is cut too (its connection closed without the body's end), not ended clean."""
+
+    cut = False
+
+    async def stream_response(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if not self.cut:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _until_cut(
+    upstream: httpx2.Response, relayed: _Relayed, logger: Any
+) -> AsyncIterator[bytes]:
+    """The upstream's body; a body cut on the way (the network, the upstream) ends it with one
+    warning, and marks the client's response cut."""
+    try:
+        async for chunk in upstream.aiter_bytes():
+            yield chunk
+    except httpx2.TransportError as exc:
+        logger.warning("wire.upstream_cut", error=type(exc).__name__)
+        relayed.cut = True
 
 
 class _UsageReader:

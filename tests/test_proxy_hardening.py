@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
-from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from pipeline.wrap import wrap
 from stages import ToolResultBudget
 from tests.cli_support import clean_env
@@ -173,3 +176,74 @@ def test_the_command_takes_its_body_limit(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
     assert proc.returncode == 0
+
+
+def test_a_client_gone_during_its_upload_is_logged_in_one_line(tmp_path: Path) -> None:
+    logger = QuietLogger()
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, _budget, logger=logger) as url,
+    ):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            head = "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+            conn.sendall(head.encode() + b"{}")
+        deadline = time.monotonic() + 10
+        while not any(e == "wire.request" for _, e, _ in logger.events):
+            assert time.monotonic() < deadline, logger.events
+            time.sleep(0.02)
+        assert upstream.requests == []
+    [(_, _, told)] = [x for x in logger.events if x[1] == "wire.request"]
+    assert (told["status"], told["error"]) == (499, "client_disconnected")
+
+
+class _CutUpstream:
+    """An upstream that starts an event stream and closes in the middle of a chunk."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 20)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                    b'40\r\nevent: message_start\r\ndata: {"type": "mess'  # 64 promised
+                )
+
+
+def test_an_upstream_stream_cut_mid_chunk_is_cut_for_the_client_and_logged_once(
+    tmp_path: Path,
+) -> None:
+    upstream = _CutUpstream()
+    logger, told = QuietLogger(), _Lines()
+    logging.getLogger("uvicorn.error").addHandler(told)
+    try:
+        with (
+            proxy(upstream.url, tmp_path, _budget, logger=logger) as url,
+            pytest.raises(httpx2.RemoteProtocolError),  # as it would be without the proxy
+            httpx2.stream("POST", f"{url}/v1/messages", json=_request("hi")) as answer,
+        ):
+            answer.read()
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(told)
+        upstream.sock.close()
+    assert not any(record.exc_info for record in told.records)  # no traceback
+    assert [e for _, e, _ in logger.events].count("wire.upstream_cut") == 1
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)

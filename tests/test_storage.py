@@ -828,3 +828,26 @@ async def test_unwritable_transcript_does_not_fail_the_turn(tmp_path: Path) -> N
         and kw["stage"] == "tool_result_budget"
         for level, event, kw in logger.events
     )
+
+
+class _FullDisk(TranscriptWriter):
+    """A transcript on a full disk: every append fails as the OS reports it."""
+
+    def append_replacements(self, *_args: Any, **_kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.anyio
+async def test_a_failed_record_write_says_which_failure(tmp_path: Path) -> None:
+    logger = _QuietLogger()
+    ctx = SessionContext(
+        SESSION,
+        tmp_path,
+        transcript=_FullDisk(tmp_path / "t.jsonl", SESSION),
+        tool_policies=ToolPolicies(cap=10_000),
+        logger=logger,
+    )
+    await Pipeline([ToolResultBudget(3_000)]).run([user_text("go"), *_turn(1, {"t1": 5_000})], ctx)
+    (failed,) = [kw for _, event, kw in logger.events if event == "stage_record.write_failed"]
+    assert failed["error"] == "OSError"
+    assert failed["detail"] == "OSError: ENOSPC (No space left on device)"  # not read-only

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import anyio.to_thread
 
 from pipeline.context import SessionContext
+from pipeline.gate import describe_error
 from pipeline.messages import thread_start
 from pipeline.tokens.checks import bounded_repr
 from stages._shared.rounds import RoundView
@@ -134,4 +135,9 @@ async def write_off_loop(ctx: SessionContext, write: Callable[[], None], *, stag
         else:
             await anyio.to_thread.run_sync(write)
     except OSError as exc:
-        ctx.logger.error("stage_record.write_failed", stage=stage, error=type(exc).__name__)
+        ctx.logger.error(
+            "stage_record.write_failed",
+            stage=stage,
+            error=type(exc).__name__,
+            detail=describe_error(exc),  # ENOSPC, EROFS: which failure, without content
+        )
