@@ -392,10 +392,6 @@ class WireSession:
         return (await self._prepare(messages))[0]
 
     async def _prepare(self, messages: Sequence[MessageParam]) -> tuple[list[MessageParam], Call]:
-        pending = self._pending
-        # what this conversation is known to have sent: what its records hold, or for a branch
-        # yet to make its log, the part it shares with the one it went another way from
-        known = self._disk_chain if pending is None else pending.chain[: pending.at]
         if self._pending is not None:
             async with self.ctx.lock:  # before any other record of this session
                 if self._pending is not None:
@@ -406,16 +402,12 @@ class WireSession:
         if self._restored is not None:
             # a new process, or a conversation that went another way: the ledger from the
             # recorded decisions and this history -- all of them, also on results this request
-            # does not hold (a retry of an earlier one): each applies only to its own output.
-            # A result counts as sent by where it stands only within what this conversation is
-            # known to have sent: a request may hold messages it never sent (a branch's first,
-            # a request after a lost response), whose results are decided again
+            # does not hold (a retry of an earlier one): each applies only to its own output
             self.ctx.replacement_state = ReplacementState.reconstruct(
                 records,
                 self._restored.replacement_records,
                 decided=decided_in(self._restored.stage_records),
                 keep_absent=True,
-                sent_messages=_shared_length(self.chain, known),
             )
             self._restored = None
         self._projected = await self.pipeline.run(records, self.ctx)
@@ -597,14 +589,6 @@ class WireSession:
         unseen = f"msg_wire_{link.hex()[:24]}"
         response_id, usage = self._responses.get(index, (unseen, None))
         return dataclasses.replace(record, uuid=uid, message_id=response_id, usage=usage)
-
-
-def _shared_length(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    """How many leading digests two chains share."""
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _holds_fork(loaded: Transcript) -> bool:

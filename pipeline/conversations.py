@@ -435,11 +435,27 @@ class Conversations:
         parent = plan.parent
         if parent is not None:
             keys = _result_keys(messages)
+            with self._lock:
+                others = [b for b in family.recent if b is not parent]
             if sync:
                 with parent.session.sync_lock:
                     inherited = parent.session.inherit(plan.at, keys)
             else:
                 inherited = parent.session.inherit(plan.at, keys)
+            # a result the parent never decided may have been decided by another conversation
+            # of the family -- this client's own, whose last request no record placed (its
+            # response was lost, then the process): bound to their output, those decisions are
+            # what this output was sent as
+            for other in others:
+                missing = keys - inherited.decided_keys()
+                if not missing:
+                    break
+                if sync:
+                    with other.session.sync_lock:
+                        found = other.session.inherit(0, missing)
+                else:
+                    found = other.session.inherit(0, missing)
+                inherited.adopt(found)
             inherited.chain = list(plan.chain)  # its first request, as this one sent it
             get_logger(session_id=_named(family.name, plan.name)).info(
                 "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at

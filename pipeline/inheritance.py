@@ -14,7 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.replacement import ReplacementRecord
+from pipeline.replacement import (
+    DECIDED_RECORD_STAGE,
+    ReplacementRecord,
+    decided_in,
+    decided_record,
+)
 from pipeline.transcript import StageRecord
 
 __all__ = ["FORK_RECORD", "Inherited"]
@@ -36,6 +41,19 @@ class Inherited:
     chain: list[bytes] = field(default_factory=list)
     """The digests of the messages of this conversation's first request."""
     tracker: dict[str, Any] | None = None
+
+    def decided_keys(self) -> set[str]:
+        """The ledger keys of the results it holds a decision on (replaced, or sent whole)."""
+        return {r.key for r in self.replacement_records} | decided_in(self.stage_records)
+
+    def adopt(self, other: Inherited) -> None:
+        """Take ``other``'s decisions on results this one holds none on (its replacement
+        records and its sent-whole decisions; nothing else of it)."""
+        known = self.decided_keys()
+        self.replacement_records += [r for r in other.replacement_records if r.key not in known]
+        whole = decided_in(other.stage_records) - known
+        if whole:
+            self.stage_records.append(StageRecord(DECIDED_RECORD_STAGE, decided_record(whole)))
 
     def to_record(self) -> dict[str, Any]:
         """The data of the :data:`FORK_RECORD`."""

@@ -277,13 +277,15 @@ def build_app(
         if any(part in (".", "..") for part in segments):  # decoded: %2E%2E is ".." here
             logged(started, 400, error="invalid_request_error", **where)
             return _error(400, "invalid_request_error", "a path may not hold . or .. segments")
-        if request.method == "POST" and "/".join(filter(None, segments)).endswith(_MESSAGES[1:]):
+        if request.method == "POST" and [p for p in segments if p][-2:] == ["v1", "messages"]:
             return await messages(request)  # a Messages request under another spelling
         content = await body_of(request, started, **where)
         if isinstance(content, Response):
             return content
+        # the path as the client wrote it: decoded, %252e would become a dot segment upstream
+        raw_path = request.scope.get("raw_path") or request.url.path.encode()
         upstream_request = client.build_request(
-            request.method, request.url.path, params=request.query_params,
+            request.method, raw_path.decode("latin-1"), params=request.query_params,
             headers=_forwarded(request), content=content,
         )  # fmt: skip
         try:

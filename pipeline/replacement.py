@@ -536,7 +536,7 @@ class ReplacementState:
         *,
         decided: AbstractSet[str] = frozenset(),
         keep_absent: bool = False,
-        sent_messages: int | None = None,
+        by_position: bool = True,
     ) -> ReplacementState:
         """Rebuild the state of a resumed session.
 
@@ -553,15 +553,12 @@ class ReplacementState:
         first present result with that id. ``keep_absent``: restore the decisions on results
         the history does not hold too (a request that is not the whole conversation: a retry of
         an earlier one); bound to their output, they apply only to it, should it come.
-        ``sent_messages``: how many leading messages the conversation is known to have sent (default
-        all): a candidate from there on is seen only when a record names it, whatever stands
-        after it (a request at the wire may hold messages its conversation never sent: a
-        branch's first, a request after a response and the process were lost).
+        ``by_position=False``: only what a record names is seen, never what merely stands before
+        the last response (a request at the wire may hold messages its conversation never sent:
+        a branch's first, a client's edit).
         """
         state = cls()
         last_response = _last_response_start(messages)
-        if sent_messages is not None:
-            last_response = min(last_response, sent_messages)
         present: set[str] = set()
         first_key: dict[str, str] = {}  # tool_use_id -> key of its first present result
         sent: set[str] = set()
@@ -573,7 +570,7 @@ class ReplacementState:
                 present.add(key)
                 first_key.setdefault(tid, key)
                 legacy = first_key[tid] == key and f"{tid}{_KEY_SEPARATOR}" in decided
-                if i < last_response or key in decided or legacy:
+                if (by_position and i < last_response) or key in decided or legacy:
                     sent.add(key)
         state.seen_ids |= sent
         if keep_absent:

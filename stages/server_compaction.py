@@ -3,6 +3,7 @@ the older context itself (Anthropic's compaction); nothing is edited locally."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ class ServerCompaction:
     refuse a trigger below its own minimum; that is its error, sent back as it came.
 
     Every pass emits one ``autocompact.<decision>`` span: ``compact`` (``server_compacted``)
-    on the first pass that sees a compaction block the history did not hold before, else
+    on the pass whose last assistant message holds a compaction block not told before, else
     ``delegate`` (``delegated``); with the trigger, whether the estimate is over it, and how
     many compaction blocks the history holds. ``may_break_cache``: the messages it returns are
     its input, byte for byte; the API's compaction starts a new cached prefix at the block.
@@ -102,12 +103,14 @@ class ServerCompaction:
         ask_for_edit(ctx.report, self.edit(), COMPACTION_BETA)
         seen = session_state(ctx, self.name, _Seen, _Seen.restore)
         blocks = sum(1 for m in messages if m.type == "assistant" for _ in _compactions(m))
+        newest = _newest_compaction(messages)
         tokens = ctx.size_of(messages)
-        if blocks > seen.blocks:
+        # the server compacted in the last response: its block, not one told before
+        if newest is not None and newest != seen.last:
             decision, reason = Decision.COMPACT, Reason.SERVER_COMPACTED
         else:
             decision, reason = Decision.DELEGATE, Reason.DELEGATED
-        seen.blocks = blocks
+        seen.last = newest
         ctx.decide(
             self.name,
             decision,
@@ -126,9 +129,9 @@ class ServerCompaction:
 
 @dataclass(slots=True)
 class _Seen:
-    """How many compaction blocks the history held on the session's last pass."""
+    """The compaction block the session's last pass told of (its summary's digest)."""
 
-    blocks: int = 0
+    last: str | None = None
 
     @classmethod
     def restore(cls, _records: list[Mapping[str, Any]]) -> _Seen:
@@ -140,3 +143,18 @@ def _compactions(m: Message) -> list[Mapping[str, Any]]:
     if not isinstance(content, list):
         return []
     return [b for b in content if isinstance(b, Mapping) and b.get("type") == COMPACTION_BLOCK]
+
+
+def _newest_compaction(messages: list[Message]) -> str | None:
+    """The digest of the compaction block in the last assistant message, if it holds one (a
+    block the server made in the last response: older ones were told when they came, or
+    before a restart)."""
+    for m in reversed(messages):
+        if m.type != "assistant":
+            continue
+        found = _compactions(m)
+        if not found:
+            return None
+        summary = str(found[-1].get("content") or "")
+        return hashlib.sha256(summary.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return None

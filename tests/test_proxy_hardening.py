@@ -247,3 +247,29 @@ class _Lines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+def test_a_double_encoded_dot_segment_reaches_the_upstream_still_encoded(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    class Upstream(_CutUpstream):
+        def _serve(self) -> None:
+            conn, _ = self.sock.accept()
+            with conn:
+                seen.append(conn.recv(1 << 16).split(b" ")[1].decode())
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+
+    upstream = Upstream()
+    try:
+        with proxy(upstream.url, tmp_path, _budget) as url:
+            assert _raw_get(url, "/v1/%252e%252e/%252e%252e/admin") == 404
+    finally:
+        upstream.sock.close()
+    assert seen == ["/v1/%252e%252e/%252e%252e/admin"]  # never /v1/%2e%2e/%2e%2e/admin
+
+
+def test_only_a_path_whose_last_segments_are_v1_messages_is_a_messages_request(door: Any) -> None:
+    url, upstream = door
+    answer = httpx2.post(f"{url}/xv1/messages", json=_big_result_request())
+    assert answer.status_code == 404  # passed on as it is: the upstream has no such route
+    assert upstream.requests == []

@@ -99,3 +99,30 @@ async def test_the_agent_sends_the_edit_returns_the_block_and_calls_again_after_
         if s.name.startswith("autocompact.")
     ]
     assert decisions == [("delegate", 0), ("compact", 1)]
+
+
+@pytest.mark.asyncio
+async def test_the_server_compaction_is_told_once_and_not_again_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    from pipeline import Message
+    from pipeline.testing import run_stage
+
+    stage = ServerCompaction()
+    compacted = [
+        Message.user("go"),
+        Message.assistant([{"type": "compaction", "content": SUMMARY}]),
+    ]
+    later = [*compacted, Message.user("more"), Message.assistant([{"type": "text", "text": "x"}])]
+
+    def told(ctx: SessionContext) -> str:
+        return str(ctx.report.decisions["autocompact"].decision)
+
+    ctx = SessionContext("s", tmp_path)
+    await run_stage(stage, compacted, ctx)
+    assert told(ctx) == "compact"
+    await run_stage(stage, compacted, ctx)  # the same request again (a retry)
+    assert told(ctx) == "delegate"
+    restarted = SessionContext("s", tmp_path)  # a new process: no memory of the block
+    await run_stage(stage, [*later, Message.user("and more")], restarted)
+    assert told(restarted) == "delegate"  # an old block is not a new compaction
