@@ -271,9 +271,10 @@ def test_no_request_holds_another_conversations_content_quick(script: list[Op]) 
 
 def test_a_request_after_a_lost_response_and_a_restart_decides_its_new_results_again() -> None:
     """A conversation's response was lost, then the process: its next request reaches a new
-    conversation (nothing on disk says what it sent). A result the lost call persisted stands
-    before an assistant message there, yet was never sent by that conversation: it is decided
-    again (persisted, as before), not taken as sent whole."""
+    conversation (no record placed its last request). A result the lost call persisted stands
+    before an assistant message there; the new conversation's parent never decided it, so it
+    takes the decision the family recorded on that output (persisted, as it was sent), not
+    "sent whole" for where it stands."""
     script: list[Op] = [
         ("new", 0, 0, 0),
         ("fork", 0, 0),
