@@ -9,11 +9,13 @@ proxy, ``wrap`` and the agent put them on the request with :func:`merge_request_
   is appended after them unless the client already sent an edit of that ``type`` (the client's
   own value wins); then ``clear_thinking_20251015`` is moved first, where the API requires it.
   The client's other ``context_management`` keys stay as sent.
-- any other field: added when the client did not send it, left as sent when it did.
+- any other field: added when the client did not send it (or sent ``null``), left as sent
+  when it did.
 - betas: the union of the client's ``anthropic-beta`` values and the stages', sorted.
 
-A client ``context_management`` that is not an object, or whose ``edits`` is not a list, is
-sent as the client sent it (the API judges it); the stages' edits are then not added.
+A client ``context_management`` of ``null`` is taken as not sent. One that is not an object,
+or whose ``edits`` is not a list, is sent as the client sent it (the API judges it); the
+stages' edits are then not added.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def merge_request_fields(body: Mapping[str, Any], extras: Mapping[str, Any]) -> 
     """``body`` with the fields the stages asked for (``extras``) merged in (see the module)."""
     merged = dict(body)
     for name, value in extras.items():
-        if name not in merged:
+        if merged.get(name) is None:  # absent, or null: the client set nothing
             merged[name] = value
         elif name == _CONTEXT_MANAGEMENT:
             merged[name] = _merge_context_management(merged[name], value)

@@ -44,7 +44,13 @@ def test_other_fields_the_client_sent_win_and_missing_ones_are_added() -> None:
     assert merged == {"metadata": {"user_id": "u"}, "x": 1}
 
 
-@pytest.mark.parametrize("hostile", ["clear everything", {"edits": "all"}, None, 7])
+def test_a_null_client_value_is_taken_as_not_sent() -> None:
+    extras = {"context_management": {"edits": [CLEARING]}}
+    merged = merge_request_fields({"context_management": None}, extras)
+    assert merged["context_management"] == {"edits": [CLEARING]}
+
+
+@pytest.mark.parametrize("hostile", ["clear everything", {"edits": "all"}, 7, [CLEARING]])
 def test_a_malformed_client_value_goes_as_sent(hostile: Any) -> None:
     merged = merge_request_fields(
         {"context_management": hostile}, {"context_management": {"edits": [CLEARING]}}
