@@ -178,3 +178,18 @@ async def test_a_replay_of_a_session_with_a_server_compaction(
     # priced from the block on: the calls after it are far below those before it
     assert estimates[14] < estimates[11] / 3
     assert max(estimates[13:]) < 2_600 + 8 * 2_300 + 8 * 2_100
+
+
+@pytest.mark.parametrize("method", ["calibrated", "reference"])
+def test_after_a_paused_compaction_the_system_prompt_and_tools_are_counted(method: Any) -> None:
+    paused = Usage.from_mapping(dict(compaction_reply(SUMMARY).usage or {}))
+    history = [
+        Message.user("go"),
+        Message.assistant([COMPACTION], message_id="msg_1", usage=paused),
+        Message.user("carry on"),
+    ]
+    tracker = TokenTracker(method)
+    system = [{"type": "text", "text": "You are a careful engineer. " * 3_000}]
+    tracker.set_request(system=system)
+    without = TokenTracker(method).estimate(history)
+    assert tracker.estimate(history) > without + 10_000  # the ~21K-token system prompt

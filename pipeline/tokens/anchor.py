@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.messages import Message, Usage, context_start, first_fragment
+from pipeline.messages import Message, Usage, context_start, first_fragment, holds_compaction
 
 __all__ = ["compaction_restart", "find_anchor"]
 
@@ -31,4 +31,11 @@ def compaction_restart(messages: Sequence[Message], after: int) -> int | None:
     compaction block in a later response) lies after index ``after``."""
     # on the tail only: no scan of the whole session
     offset = context_start(messages[after:])
-    return after + offset if offset > 0 else None
+    if offset > 0:
+        return after + offset
+    first = messages[after] if after < len(messages) else None
+    if first is not None and holds_compaction(first) and first.usage and not first.usage.input_side:
+        # a response paused after compacting: its usage is the summary alone, without the
+        # system prompt and tools a usage anchor already counts -- price from it, unanchored
+        return after
+    return None
