@@ -317,25 +317,9 @@ class WireSession:
         shared part were made before (the part is older than the pass), and each is bound to
         its output."""
         # whole-object copies first: each is made in one step, whatever another thread does
-        restored = self._restored
-        state = self.ctx.replacement_state
-        replacements, seen = dict(state.replacements), set(state.seen_ids)
         stage_records, responses = list(self.ctx.stage_records), dict(self._responses)
         tracker = self.ctx.token_tracker.state_dict()
-        if restored is not None:  # loaded, not yet rebuilt: its records are the ledger
-            records = list(restored.replacement_records)
-            seen |= decided_in(restored.stage_records)
-        else:
-            records = [
-                ReplacementRecord(tid, text, digest=key[len(tid) + 1 :] or None)
-                for key, text in replacements.items()
-                for tid in (tool_use_id_of(key),)
-            ]
-        if results is not None:
-            keep = set(results)
-            ids = {tool_use_id_of(k) for k in keep}
-            records = [r for r in records if (r.key in keep if r.digest else r.tool_use_id in ids)]
-            seen &= keep
+        records, seen = self.decisions_on(results)
         kept = [
             r
             for r in stage_records
@@ -350,6 +334,39 @@ class WireSession:
                 data["usage"] = usage.to_mapping()
             kept.append(StageRecord(RESPONSE_RECORD, data))
         return Inherited(self.session_id, at, records, kept, self.chain[:at], tracker)
+
+    def decisions_on(
+        self, results: Collection[str] | None = None
+    ) -> tuple[list[ReplacementRecord], set[str]]:
+        """This session's decisions on the results whose ledger keys are ``results`` (default
+        all): their replacement records, and the keys of those it sent whole. Each lookup is
+        one step, whatever another thread does; with ``results``, only those are looked up
+        (never a copy of the whole ledger)."""
+        restored = self._restored
+        if restored is not None:  # loaded, not yet rebuilt: its records are the ledger
+            records = list(restored.replacement_records)
+            seen = decided_in(restored.stage_records)
+        else:
+            state = self.ctx.replacement_state
+            if results is None:
+                replacements, seen = dict(state.replacements), set(state.seen_ids)
+            else:
+                ids = {tool_use_id_of(k) for k in results}
+                # a ledger rebuilt from records without digests holds bare ids
+                asked = {*results, *ids, *(f"{i}#" for i in ids)}
+                replacements = {k: t for k in asked if (t := state.replacements.get(k)) is not None}
+                seen = {k for k in results if k in state.seen_ids}
+            records = [
+                ReplacementRecord(tid, text, digest=key[len(tid) + 1 :] or None)
+                for key, text in replacements.items()
+                for tid in (tool_use_id_of(key),)
+            ]
+        if results is not None:
+            keep = set(results)
+            ids = {tool_use_id_of(k) for k in keep}
+            records = [r for r in records if (r.key in keep if r.digest else r.tool_use_id in ids)]
+            seen &= keep
+        return records, seen
 
     def _write_pending(self) -> None:
         """Make this session's log whole on its own before anything else goes into it: the

@@ -452,10 +452,10 @@ class Conversations:
                     break
                 if sync:
                     with other.session.sync_lock:
-                        found = other.session.inherit(0, missing)
+                        found = other.session.decisions_on(missing)
                 else:
-                    found = other.session.inherit(0, missing)
-                inherited.adopt(found)
+                    found = other.session.decisions_on(missing)
+                inherited.adopt(*found)
             inherited.chain = list(plan.chain)  # its first request, as this one sent it
             get_logger(session_id=_named(family.name, plan.name)).info(
                 "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at

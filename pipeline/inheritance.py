@@ -46,12 +46,12 @@ class Inherited:
         """The ledger keys of the results it holds a decision on (replaced, or sent whole)."""
         return {r.key for r in self.replacement_records} | decided_in(self.stage_records)
 
-    def adopt(self, other: Inherited) -> None:
-        """Take ``other``'s decisions on results this one holds none on (its replacement
-        records and its sent-whole decisions; nothing else of it)."""
+    def adopt(self, records: list[ReplacementRecord], whole: set[str]) -> None:
+        """Take another conversation's decisions (``records`` replaced, ``whole`` sent whole)
+        on results this one holds none on."""
         known = self.decided_keys()
-        self.replacement_records += [r for r in other.replacement_records if r.key not in known]
-        whole = decided_in(other.stage_records) - known
+        self.replacement_records += [r for r in records if r.key not in known]
+        whole = whole - known
         if whole:
             self.stage_records.append(StageRecord(DECIDED_RECORD_STAGE, decided_record(whole)))
 

@@ -28,7 +28,7 @@ import anyio
 import httpx2
 
 from pipeline.adapter import Call, WireSession
-from pipeline.conversations import SESSION_HEADER, Conversations
+from pipeline.conversations import SESSION_HEADER, Branch, Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.metrics import WireMetrics
@@ -97,6 +97,16 @@ class SluicegateMiddleware(anthropic.Middleware):
         own = {k: v for k, v in (request.headers or {}).items() if isinstance(v, str)}
         return {**self.client_headers, **own}
 
+    def _request_of(self, branch: Branch, request: Any) -> WireRequest:
+        """The request's span and log line, beside the SDK's own call span."""
+        return WireRequest(
+            branch.session,
+            request.json,
+            context=beside_sdk_call(),
+            metrics=self.metrics,
+            tenant=branch.family.tenant,
+        )
+
     async def handle_async(self, request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         """Prepare a Messages request, send it, let its session observe the response."""
         if not _is_messages_call(request):
@@ -104,14 +114,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         branch = await self.conversations.route(
             request.json, self._headers(request), explicit=self.session_id
         )
-        session = branch.session
-        seen = WireRequest(
-            session,
-            request.json,
-            context=beside_sdk_call(),
-            metrics=self.metrics,
-            tenant=branch.family.tenant,
-        )
+        session, seen = branch.session, self._request_of(branch, request)
         with seen.active():
             passing = time.monotonic()
             # the call: what the response answers, whatever is prepared meanwhile
@@ -142,14 +145,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         branch = self.conversations.route_sync(
             request.json, self._headers(request), explicit=self.session_id, build=_in_worker
         )
-        session = branch.session
-        seen = WireRequest(
-            session,
-            request.json,
-            context=beside_sdk_call(),
-            metrics=self.metrics,
-            tenant=branch.family.tenant,
-        )
+        session, seen = branch.session, self._request_of(branch, request)
         with seen.active():
             passing = time.monotonic()
             with session.sync_lock:
