@@ -420,18 +420,40 @@ class WireSession:
             # a new process, or a conversation that went another way: the ledger from the
             # recorded decisions and this history -- all of them, also on results this request
             # does not hold (a retry of an earlier one): each applies only to its own output
-            self.ctx.replacement_state = ReplacementState.reconstruct(
-                records,
-                self._restored.replacement_records,
-                decided=decided_in(self._restored.stage_records),
-                keep_absent=True,
+            decided = decided_in(self._restored.stage_records)
+            state = ReplacementState.reconstruct(
+                records, self._restored.replacement_records, decided=decided, keep_absent=True
             )
+            self.ctx.replacement_state = state
             self._restored = None
+            # a result counted as sent whole only by where it stands (the model answered after
+            # it) is recorded as decided: a later request that holds it last (a retry of an
+            # earlier one, after another restart) must not decide it again
+            placed = state.seen_ids - decided - state.replacements.keys()
+            if placed:
+                await self._record_decided(placed)
         self._projected = await self.pipeline.run(records, self.ctx)
         request = self._wire.to_api(self._projected)
         if self.cache_breakpoint and not self._wire.breakpoints:
             add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
         return request, call
+
+    async def _record_decided(self, keys: Collection[str]) -> None:
+        transcript = self.ctx.transcript
+        if transcript is None:
+            return
+        data = decided_record(sorted(keys))
+        try:
+            await anyio.to_thread.run_sync(
+                transcript.append_stage_record, DECIDED_RECORD_STAGE, data
+            )
+        except OSError as exc:
+            self.ctx.logger.error(
+                "stage_record.write_failed",
+                stage=DECIDED_RECORD_STAGE,
+                error=type(exc).__name__,
+                detail=describe_error(exc),
+            )
 
     def request_span(
         self, messages: int, *, context: Context | None = None

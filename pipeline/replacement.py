@@ -536,7 +536,6 @@ class ReplacementState:
         *,
         decided: AbstractSet[str] = frozenset(),
         keep_absent: bool = False,
-        by_position: bool = True,
     ) -> ReplacementState:
         """Rebuild the state of a resumed session.
 
@@ -553,9 +552,6 @@ class ReplacementState:
         first present result with that id. ``keep_absent``: restore the decisions on results
         the history does not hold too (a request that is not the whole conversation: a retry of
         an earlier one); bound to their output, they apply only to it, should it come.
-        ``by_position=False``: only what a record names is seen, never what merely stands before
-        the last response (a request at the wire may hold messages its conversation never sent:
-        a branch's first, a client's edit).
         """
         state = cls()
         last_response = _last_response_start(messages)
@@ -570,7 +566,7 @@ class ReplacementState:
                 present.add(key)
                 first_key.setdefault(tid, key)
                 legacy = first_key[tid] == key and f"{tid}{_KEY_SEPARATOR}" in decided
-                if (by_position and i < last_response) or key in decided or legacy:
+                if i < last_response or key in decided or legacy:
                     sent.add(key)
         state.seen_ids |= sent
         if keep_absent:

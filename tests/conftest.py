@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import structlog
+from hypothesis import settings
 
 from tests.sdk_support import close_sdk_clients
 
@@ -18,6 +19,12 @@ if TYPE_CHECKING:
 CORPUS = Path(
     os.environ.get("SLUICEGATE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")
 )
+
+# The property runs draw the same examples on every run, so a failure is one anybody can
+# reproduce; SLUICEGATE_HYPOTHESIS=explore draws new ones each run (to hunt for more).
+settings.register_profile("fixed", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("SLUICEGATE_HYPOTHESIS", "fixed"))
 
 
 def corpus_sessions() -> list[Path]:

@@ -288,3 +288,22 @@ def test_a_request_after_a_lost_response_and_a_restart_decides_its_new_results_a
     ]
     with tempfile.TemporaryDirectory() as tmp:
         anyio.run(run, script, Path(tmp))
+
+
+def test_a_result_sent_whole_for_where_it_stood_stays_whole_when_a_retry_holds_it_last() -> None:
+    """After a restart, a fork's request continues its parent's conversation and holds a result
+    before an assistant message: it goes whole for where it stands. The parent's own request
+    then holds that result last -- its response lost, the process too -- and is sent again: the
+    result stays whole (recorded as decided when it was placed), not persisted as a new one."""
+    script: list[Op] = [
+        ("new", 0, 0, 0),
+        ("send", 0),
+        ("step", 0, 0, 3),
+        ("restart",),
+        ("fork", 0, 1),
+        ("send", 1),
+        ("crash", 0),
+        ("send", 0),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        anyio.run(run, script, Path(tmp))
