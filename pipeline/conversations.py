@@ -36,6 +36,7 @@ import hashlib
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,10 @@ if TYPE_CHECKING:
 
     from pipeline.core import Pipeline
 
-__all__ = ["SESSION_HEADER", "Branch", "Conversations", "conversation_hint"]
+__all__ = ["MAX_HELD", "SESSION_HEADER", "Branch", "Conversations", "conversation_hint"]
+
+MAX_HELD = 1_000
+"""How many conversations :class:`Conversations` holds in memory by default."""
 
 SESSION_HEADER = "x-sluicegate-session"
 """The request header a client names its conversation with (a hint: see the module)."""
@@ -183,6 +187,13 @@ class Conversations:
     arguments of each session (``cache_breakpoint``, tool policies, a tracer, a logger).
     :meth:`route` (async) and :meth:`route_sync` place a request; both are safe from many
     tasks or threads at once (the index is guarded by a lock never held across I/O).
+
+    ``max_held``: how many conversations are held in memory (default
+    :data:`MAX_HELD`; None: no bound). Each holds its client's last request and what the
+    stages made of it, about 1.3 times the request's size. Past the bound, the families least
+    recently routed to are let go, all their conversations at once (one in a call, holding
+    its call lock, stays); a request of one that was let go loads it from its records again,
+    and it goes on with the same decisions, byte for byte, as a new process would.
     """
 
     def __init__(
@@ -192,8 +203,12 @@ class Conversations:
         root: str | os.PathLike[str] = ".sluicegate",
         storage: SessionStates | str | os.PathLike[str] | None = None,
         tenancy: Tenancy | None = None,
+        max_held: int | None = MAX_HELD,
         **context: Any,
     ) -> None:
+        if max_held is not None and max_held < 1:
+            raise ValueError(f"max_held must be at least 1 (or None), got {max_held}")
+        self.max_held = max_held
         self.root = Path(root)
         self.states = (
             storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
@@ -201,7 +216,10 @@ class Conversations:
         self.pipeline = pipeline
         self.context = context
         self._tenancy = tenancy
-        self._families: dict[tuple[str, str], Family] = {}
+        # least recently routed to first
+        self._families: OrderedDict[tuple[str, str], Family] = OrderedDict()
+        self._held = 0
+        """Conversations held (the branches of every family in :attr:`_families`)."""
         self._lock = threading.Lock()
 
     # -- the way in --------------------------------------------------------------------------
@@ -223,8 +241,7 @@ class Conversations:
         family = self._families.get((tenant, name))
         if family is None:
             loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name, opening)
-            with self._lock:
-                family = self._families.setdefault((tenant, name), loaded)
+            family = self._hold((tenant, name), loaded)
         return self._place(family, messages, opening, build=_call)
 
     def route_sync(
@@ -245,9 +262,13 @@ class Conversations:
         family = self._families.get((tenant, name))
         if family is None:
             loaded = run(lambda: self._load_family(tenant, name, opening))
-            with self._lock:
-                family = self._families.setdefault((tenant, name), loaded)
+            family = self._hold((tenant, name), loaded)
         return self._place(family, messages, opening, build=run, sync=True)
+
+    @property
+    def held(self) -> int:
+        """How many conversations are held in memory now."""
+        return self._held
 
     def branches(self) -> list[Branch]:
         """Every conversation held in memory."""
@@ -271,6 +292,36 @@ class Conversations:
             branch.session = session
             branch.params = []
             family.register(branch, list(session.chain))
+
+    # -- holding -----------------------------------------------------------------------------
+    def _hold(self, key: tuple[str, str], loaded: Family) -> Family:
+        """The family of ``key``: ``loaded``, unless another caller's load got there first."""
+        with self._lock:
+            family = self._families.get(key)
+            if family is None:
+                family = self._families[key] = loaded
+                self._held += len(loaded.branches)
+            return family
+
+    def _let_go(self, keep: Family) -> None:
+        """Past :attr:`max_held`, let go of the families least recently routed to (under the
+        index's lock): never ``keep``, nor one with a conversation in a call."""
+        if self.max_held is None or self._held <= self.max_held:
+            return
+        excess = self._held - self.max_held
+        gone: list[tuple[str, str]] = []
+        for key, family in self._families.items():
+            if excess <= 0:
+                break
+            if family is keep or any(b.call_lock.locked() for b in family.branches.values()):
+                continue
+            gone.append(key)
+            excess -= len(family.branches)
+        for key in gone:
+            family = self._families.pop(key)
+            self._held -= len(family.branches)
+        if gone:
+            get_logger().debug("conversations.let_go", families=len(gone), held=self._held)
 
     # -- placing -------------------------------------------------------------------------------
     def _make_tenancy(self) -> Tenancy:
@@ -345,6 +396,8 @@ class Conversations:
         made = self._new_branch(family, plan, messages, build, sync)
         with self._lock:
             branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
+            if branch is made and self._families.get(family_key(family)) is family:
+                self._held += 1
             self._set(family, branch, messages, plan.chain, plan.start)
             return branch
 
@@ -420,6 +473,10 @@ class Conversations:
         family.register(branch, chain, start)
         branch.params = list(messages)
         branch.session.routed(messages, chain)
+        key = family_key(family)
+        if self._families.get(key) is family:
+            self._families.move_to_end(key)
+            self._let_go(keep=family)
 
     def _new_branch(
         self,
@@ -492,6 +549,11 @@ def _result_keys(messages: Sequence[Any]) -> set[str]:
         except ValueError:  # a message the pass will refuse: it inherits nothing
             continue
     return keys
+
+
+def family_key(family: Family) -> tuple[str, str]:
+    """Where :class:`Conversations` holds ``family``: its tenant and name."""
+    return family.tenant, family.name
 
 
 def _named(family: str, branch: str | None) -> str:

@@ -50,7 +50,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from pipeline.adapter import WireSession
-from pipeline.conversations import SESSION_HEADER, Branch, Conversations
+from pipeline.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
 from pipeline.core import Pipeline
 from pipeline.logs import get_logger
 from pipeline.metrics import WireMetrics
@@ -58,18 +58,22 @@ from pipeline.relay import relay as _relay
 from pipeline.request_fields import merge_betas, merge_request_fields
 from pipeline.session_storage import SessionStates
 from pipeline.tenancy import Tenancy
+from pipeline.wire_limits import MAX_BODY_BYTES, MAX_UPSTREAM_CONNECTIONS, UPSTREAM_TIMEOUT
 from pipeline.wire_request import WireRequest
 
-__all__ = ["DEFAULT_UPSTREAM", "MAX_BODY_BYTES", "build_app"]
+__all__ = [
+    "DEFAULT_UPSTREAM",
+    "MAX_BODY_BYTES",
+    "MAX_UPSTREAM_CONNECTIONS",
+    "UPSTREAM_TIMEOUT",
+    "build_app",
+]
 
 DEFAULT_UPSTREAM = "https://api.anthropic.com"
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
-"""The largest request body the proxy reads (the API's own limit); a larger one is a 413."""
-
 _PLACE_ATTEMPTS = 3
-_PASSTHROUGH = "/{path:path}"
 """How many times a request is placed: again when another worker moved its conversation on."""
+_PASSTHROUGH = "/{path:path}"
 
 # hop-by-hop and length headers are the proxy's own business on each side; the conversation's
 # name is the proxy's alone (the API never needs it)
@@ -82,6 +86,8 @@ _DROP_REQUEST = {
     SESSION_HEADER,
 }
 _MESSAGES = "/v1/messages"
+_CONNECT_TIMEOUT = 30.0
+_KEPT_ALIVE = 100
 
 
 def build_app(
@@ -95,6 +101,9 @@ def build_app(
     tenancy: Tenancy | None = None,
     metrics: WireMetrics | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    upstream_timeout: float = UPSTREAM_TIMEOUT,
+    max_conversations: int | None = MAX_HELD,
+    max_upstream_connections: int = MAX_UPSTREAM_CONNECTIONS,
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
@@ -114,17 +123,40 @@ def build_app(
     before it is all read); a compressed body (``content-encoding``) is refused with 415. A
     ``POST`` to a path ending in ``/v1/messages`` (a client whose base URL has a path, a
     trailing slash, doubled slashes) is a Messages request, sent upstream to ``/v1/messages``;
-    a path with a ``.`` or ``..`` segment (also percent-encoded) is refused with 400."""
+    a path with a ``.`` or ``..`` segment (also percent-encoded) is refused with 400.
+    ``upstream_timeout``: seconds an upstream call may take to answer (then 504
+    ``timeout_error``); a client that goes away meanwhile cancels it. A conversation is held
+    for one call's pass only, never while its upstream call runs. ``max_conversations``: how
+    many conversations are held in memory (:class:`~pipeline.conversations.Conversations`'
+    ``max_held``). ``max_upstream_connections``: how many upstream calls run at once (one
+    more waits for one to end, within ``upstream_timeout``)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
+    if not upstream_timeout > 0:  # NaN too
+        raise ValueError(f"upstream_timeout must be a positive number, got {upstream_timeout}")
     metrics = metrics or WireMetrics()
     logger = context.get("logger") or get_logger()
     states = storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
     conversations = Conversations(
-        pipeline=pipeline, root=root, storage=states, tenancy=tenancy, **context
+        pipeline=pipeline,
+        root=root,
+        storage=states,
+        tenancy=tenancy,
+        max_held=max_conversations,
+        **context,
     )
+    if max_upstream_connections < 1:
+        raise ValueError(
+            f"max_upstream_connections must be at least 1, got {max_upstream_connections}"
+        )
     client = httpx2.AsyncClient(
-        base_url=upstream.rstrip("/"), timeout=httpx2.Timeout(600.0), transport=transport
+        base_url=upstream.rstrip("/"),
+        timeout=httpx2.Timeout(upstream_timeout, connect=min(upstream_timeout, _CONNECT_TIMEOUT)),
+        limits=httpx2.Limits(
+            max_connections=max_upstream_connections,
+            max_keepalive_connections=min(max_upstream_connections, _KEPT_ALIVE),
+        ),
+        transport=transport,
     )
 
     async def current(branch: Branch) -> bool:
@@ -222,10 +254,16 @@ def build_app(
             except OSError as exc:  # its state cannot be read: the request goes as it came
                 logger.warning("wire_session.load_failed", error=type(exc).__name__)
                 try:
-                    upstream_response = await _send_as_is(client, request, raw)
+                    upstream_response = await _unless_left(
+                        request, _send_as_is(client, request, raw)
+                    )
                 except httpx2.HTTPError as exc:
-                    logged(started, 502, error=type(exc).__name__, chars_in=len(raw))
-                    return _unreachable(exc)
+                    failed = _unreachable(exc)
+                    logged(started, failed.status_code, error=type(exc).__name__, chars_in=len(raw))
+                    return failed
+                if upstream_response is None:
+                    logged(started, 499, error="client_disconnected", chars_in=len(raw))
+                    return Response(status_code=499)
                 end = functools.partial(
                     logged,
                     started,
@@ -234,7 +272,9 @@ def build_app(
                     chars_in=len(raw),
                 )
                 return _relay(upstream_response, end=end, logger=logger)
-            async with branch.call_lock:  # one call of a conversation at a time
+            # one pass of a conversation at a time (with the check that no other worker moved
+            # it on); its upstream call runs outside: a slow or abandoned one holds up nobody
+            async with branch.call_lock:
                 last = attempt == _PLACE_ATTEMPTS - 1
                 if not await current(branch) and not last:
                     continue  # another worker moved it on: place the request again
@@ -254,13 +294,21 @@ def build_app(
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )
-                    try:
-                        upstream_response = await _send(client, request, session, content)
-                    except httpx2.HTTPError as exc:
-                        call_request.end(status=502, error=type(exc).__name__)
-                        metrics.request(status=502, seconds=time.monotonic() - started)
-                        return _unreachable(exc)
-                    call_request.answered(upstream_response.status_code)
+            with call_request.active():
+                try:
+                    upstream_response = await _unless_left(
+                        request, _send(client, request, session, content)
+                    )
+                except httpx2.HTTPError as exc:
+                    failed = _unreachable(exc)
+                    call_request.end(status=failed.status_code, error=type(exc).__name__)
+                    metrics.request(status=failed.status_code, seconds=time.monotonic() - started)
+                    return failed
+                if upstream_response is None:  # the call was cancelled with it
+                    call_request.end(status=499, error="client_disconnected")
+                    metrics.request(status=499, seconds=time.monotonic() - started)
+                    return Response(status_code=499)
+                call_request.answered(upstream_response.status_code)
             done = functools.partial(
                 _ended, call_request, metrics, started, upstream_response.status_code
             )
@@ -348,8 +396,38 @@ def _forwarded(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
 
 
+async def _unless_left(
+    request: Request, send: Coroutine[Any, Any, httpx2.Response]
+) -> httpx2.Response | None:
+    """The upstream's answer to ``send``, or None when the client went away first (the call
+    is then cancelled: its connection closed, nothing left running for nobody). The body was
+    read: what the client's side says next can only be that it left."""
+    answer: httpx2.Response | None = None
+    failed: Exception | None = None
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        tasks.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(watch)
+        try:
+            answer = await send
+        except Exception as exc:  # raised as it is, not in the task group's exception group
+            failed = exc
+        tasks.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    return answer
+
+
 def _unreachable(exc: httpx2.HTTPError) -> Response:
-    # as the API reports an outage, so a client retries it as one
+    # as the API reports an outage or a timeout, so a client retries it as one
+    if isinstance(exc, httpx2.TimeoutException) and not isinstance(exc, httpx2.ConnectTimeout):
+        return _error(
+            504, "timeout_error", f"upstream did not answer in time ({type(exc).__name__})"
+        )
     return _error(502, "api_error", f"upstream unreachable ({type(exc).__name__})")
 
 

@@ -28,7 +28,7 @@ import anyio
 import httpx2
 
 from pipeline.adapter import Call, WireSession
-from pipeline.conversations import SESSION_HEADER, Branch, Conversations
+from pipeline.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
 from pipeline.core import Pipeline
 from pipeline.event_stream import EventStreamUsage
 from pipeline.metrics import WireMetrics
@@ -66,8 +66,10 @@ class SluicegateMiddleware(anthropic.Middleware):
     request carries; ``Tenancy(single=True)``: one tenant). ``client_headers``: the headers
     every request of the client goes with (its credentials, its default headers: the SDK adds
     them after the middleware), read by :func:`wrap` from the client it wraps; a request's own
-    headers win. ``context``: keyword arguments of each session (``cache_breakpoint``, tool
-    policies, a tracer, a logger).
+    headers win. ``max_conversations``: how many conversations are held in memory (the least
+    recently used are let go past it, and load from their records when they come back).
+    ``context``: keyword arguments of each session (``cache_breakpoint``, tool policies, a
+    tracer, a logger).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         tenancy: Tenancy | None = None,
         client_headers: Mapping[str, str] | None = None,
         metrics: WireMetrics | None = None,
+        max_conversations: int | None = MAX_HELD,
         **context: Any,
     ) -> None:
         self.metrics = metrics or WireMetrics()
@@ -90,7 +93,11 @@ class SluicegateMiddleware(anthropic.Middleware):
         self.session_id = session_id
         self.context = context
         self.conversations = Conversations(
-            pipeline=pipeline, root=self.root, tenancy=tenancy, **context
+            pipeline=pipeline,
+            root=self.root,
+            tenancy=tenancy,
+            max_held=max_conversations,
+            **context,
         )
 
     def _headers(self, request: Any) -> dict[str, str]:
@@ -283,13 +290,15 @@ def wrap(
     pipeline: Callable[[], Pipeline] | None = None,
     session_id: str | None = None,
     tenancy: Tenancy | None = None,
+    max_conversations: int | None = MAX_HELD,
     **context: Any,
 ) -> C:
     """``client`` with every Messages request going through the pipeline (a copy: the client
     given is unchanged). ``pipeline``: a factory of each conversation's stages, required here
     (the library does not import ``stages``); ``stages.wrap`` is this function with the
     default stages (``default_stages(context_window=...)``). ``session_id``: a hint naming
-    this client's conversations; ``tenancy``: see :class:`SluicegateMiddleware`.
+    this client's conversations; ``tenancy``, ``max_conversations``: see
+    :class:`SluicegateMiddleware`.
 
     The client's credentials and default headers are read here, once: a copy of the wrapped
     client made with other credentials (``with_options(api_key=...)``) keeps this one's
@@ -304,6 +313,7 @@ def wrap(
         session_id=session_id,
         tenancy=tenancy,
         client_headers={k: v for k, v in client.default_headers.items() if isinstance(v, str)},
+        max_conversations=max_conversations,
         **context,
     )
     return client.with_middleware(middleware)

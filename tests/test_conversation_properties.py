@@ -77,14 +77,19 @@ ops = st.lists(
 )
 
 
-def registry(root: Path) -> Conversations:
+def registry(root: Path, max_held: int | None = None) -> Conversations:
     return Conversations(
-        pipeline=lambda: Pipeline([ToolResultBudget(3_000)]), root=root, logger=QuietLogger()
+        pipeline=lambda: Pipeline([ToolResultBudget(3_000)]),
+        root=root,
+        logger=QuietLogger(),
+        max_held=max_held,
     )
 
 
-async def run(script: list[Op], root: Path) -> None:
-    conversations = registry(root)
+async def run(script: list[Op], root: Path, max_held: int | None = None) -> None:
+    """``max_held``: how many conversations the registry holds (1: every request of another
+    family lets the others go, and they load from their records again)."""
+    conversations = registry(root, max_held)
     clients: list[Client] = []
     for op in script:
         kind = op[0]
@@ -93,7 +98,7 @@ async def run(script: list[Op], root: Path) -> None:
             history = [{"role": "user", "content": OPENINGS[opening]}]
             clients.append(Client(len(clients), tenant, SYSTEMS[system], history))
         elif kind == "restart":
-            conversations = registry(root)  # only the disk is left
+            conversations = registry(root, max_held)  # only the disk is left
         elif not clients:
             continue
         elif kind == "step":
@@ -121,7 +126,7 @@ async def run(script: list[Op], root: Path) -> None:
         elif kind in ("lost", "crash"):  # no response: the upstream failed, or the process died
             await send(conversations, clients[op[1] % len(clients)], root, observe=False)
             if kind == "crash":
-                conversations = registry(root)
+                conversations = registry(root, max_held)
         elif kind == "pair":
             await pair(conversations, clients, op, root)
     await check_disk(conversations, root)
@@ -267,6 +272,16 @@ def test_no_request_holds_another_conversations_content(script: list[Op]) -> Non
 def test_no_request_holds_another_conversations_content_quick(script: list[Op]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         anyio.run(run, script, Path(tmp))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=ops)
+def test_no_request_holds_another_conversations_content_when_conversations_are_let_go(
+    script: list[Op],
+) -> None:
+    """As above, with one conversation held in memory: the others load from their records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        anyio.run(run, script, Path(tmp), 1)
 
 
 def test_a_request_after_a_lost_response_and_a_restart_decides_its_new_results_again() -> None:

@@ -542,3 +542,46 @@ def test_a_retry_of_a_conversations_start_never_takes_a_branch_that_goes_further
         assert again is branch and sent_again == sent
 
     anyio.run(main)
+
+
+def test_conversations_past_the_bound_are_let_go_and_come_back_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path, max_held=2)
+        a = [user("task A"), call("t1"), answer("t1", "a" * 5_000)]
+        first, sent = await send(conversations, a)
+        assert sent[2]["content"][0]["content"].startswith(TAG)
+        for opening in ("task B", "task C"):
+            await send(conversations, [user(opening)])
+        assert conversations.held == 2
+        assert first not in conversations.branches()  # the least recently routed to went
+        a += [call("t2"), answer("t2", "b" * 100)]
+        again, resent = await send(conversations, a)
+        assert again is not first  # loaded from its records again
+        assert again.conversation_id == first.conversation_id
+        assert resent[:3] == sent  # the same bytes, the replacement and its path included
+        assert conversations.held == 2
+
+    anyio.run(main)
+
+
+def test_a_conversation_in_a_call_is_never_let_go(tmp_path: Path) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path, max_held=1)
+        busy, _ = await send(conversations, [user("task A")])
+        async with busy.call_lock:  # the proxy holds it across the call
+            await send(conversations, [user("task B")])
+            assert busy in conversations.branches()
+            assert conversations.held == 2  # over the bound while the call lasts
+        await send(conversations, [user("task C")])
+        assert busy not in conversations.branches()
+        assert conversations.held == 1
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("bound", [0, -3])
+def test_a_bound_below_one_is_refused(tmp_path: Path, bound: int) -> None:
+    with pytest.raises(ValueError, match="max_held must be at least 1"):
+        registry(tmp_path, max_held=bound)

@@ -5,13 +5,7 @@ included."""
 from __future__ import annotations
 
 import json
-import re
-import signal
-import subprocess
-import sys
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +14,8 @@ import pytest
 
 from pipeline.testing import Reply, ScriptedMessagesServer
 from tests.builders import tool_result, tool_use
-from tests.cli_support import clean_env
 from tests.otlp_receiver import OtlpReceiver, ReceivedPoint
-from tests.wire_support import free_port
+from tests.wire_support import free_port, proxy_process
 
 pytest.importorskip("uvicorn", reason="the proxy extra is not installed")
 
@@ -31,39 +24,6 @@ TAG = "<persisted-output>"
 
 def reply(body: dict[str, Any]) -> Reply:
     return Reply([{"type": "text", "text": "ok"}])
-
-
-@contextmanager
-def proxy_process(
-    upstream: str, store: Path, *extra: str, **env: str
-) -> Iterator[tuple[str, list[str], list[int]]]:
-    """The proxy command on a free port; yields its URL and, once it has stopped (SIGINT:
-    everything flushed), the lines of its stderr and its exit code."""
-    command = [sys.executable, "-m", "pipeline", "proxy", "--port", "0", "--store", str(store)]
-    proc = subprocess.Popen(
-        [*command, "--upstream", upstream, *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(**env),
-    )
-    lines: list[str] = []
-    code: list[int] = []
-    try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            found = re.search(r"(http://127\.0\.0\.1:\d+)", line)
-            if found and ("proxy on" in line or "proxy.listening" in line):
-                break
-        else:
-            raise AssertionError("".join(lines))
-        yield found.group(1), lines, code
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, rest = proc.communicate(timeout=60)
-        lines.extend(rest.splitlines(keepends=True))
-        code.append(proc.returncode)
 
 
 def build(output: str, tid: str = "toolu_01") -> list[dict[str, Any]]:

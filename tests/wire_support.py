@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import random
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +22,7 @@ import uvicorn
 from pipeline import Pipeline
 from pipeline.proxy import build_app
 from pipeline.testing import Reply
+from tests.cli_support import clean_env
 
 TAG = "<persisted-output>"
 
@@ -153,3 +157,53 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port found")
+
+
+@contextmanager
+def proxy_process(
+    upstream: str,
+    store: Path,
+    *extra: str,
+    preexec_fn: Callable[[], None] | None = None,
+    **env: str,
+) -> Iterator[tuple[str, list[str], list[int]]]:
+    """The proxy command on a port of its choosing; yields its URL and the lines of its stderr
+    (read as they come, so a chatty proxy never blocks on a full pipe; all of them once it
+    has stopped: SIGINT, everything flushed) and, then, its exit code."""
+    command = [sys.executable, "-m", "pipeline", "proxy", "--port", "0", "--store", str(store)]
+    proc = subprocess.Popen(
+        [*command, "--upstream", upstream, *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(**env),
+        preexec_fn=preexec_fn,
+    )
+    lines: list[str] = []
+    code: list[int] = []
+    listening = threading.Event()
+    assert proc.stderr is not None
+    stderr = proc.stderr
+
+    def read() -> None:
+        for line in stderr:
+            lines.append(line)
+            if "proxy on" in line or "proxy.listening" in line:
+                listening.set()
+        listening.set()  # it ended: the caller finds no URL
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        listening.wait(60)
+        found = next(
+            (m for line in lines if (m := re.search(r"(http://127\.0\.0\.1:\d+)", line))), None
+        )
+        if found is None:
+            raise AssertionError("".join(lines))
+        yield found.group(1), lines, code
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+        code.append(proc.returncode)

@@ -21,6 +21,7 @@ __all__ = [
     "store_location",
     "store_retries",
     "store_timeout",
+    "upstream_seconds",
 ]
 
 
@@ -58,6 +59,10 @@ def _whole_number(text: str, low: int, high: int, what: str = "a whole number") 
 
 def seconds(text: str) -> float:
     return _seconds_up_to(text, 3_600)
+
+
+def upstream_seconds(text: str) -> float:
+    return _seconds_up_to(text, 86_400)
 
 
 def nonempty_path(text: str) -> Path:

@@ -17,6 +17,7 @@ from pipeline._cli.arg_types import (
     positive_int,
     seconds,
     size,
+    upstream_seconds,
 )
 from pipeline._cli.demo_cmd import cmd_demo
 from pipeline._cli.options import (
@@ -29,6 +30,8 @@ from pipeline._cli.options import (
 )
 from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
+from pipeline.conversations import MAX_HELD
+from pipeline.wire_limits import HEADER_TIMEOUT, UPSTREAM_TIMEOUT
 from stages import registry as stage_registry
 
 
@@ -157,13 +160,50 @@ def _add_proxy_parser(sub: Any) -> None:
         help="for clients that set no cache_control, mark the last block so the API caches "
         "the prefix (a client's own breakpoints are left alone)",
     )
-    proxy_p.add_argument(
+    limits = proxy_p.add_argument_group(
+        "limits",
+        "What a client can hold: each bound is the proxy's own, a client past it is answered "
+        "as the API would answer (413, 504) or closed.",
+    )
+    limits.add_argument(
         "--max-body",
         type=size,
         default="32MB",
         metavar="SIZE",
         help="largest request body read (e.g. 32MB, the API's own limit; default %(default)s); "
         "a larger one is refused with 413",
+    )
+    limits.add_argument(
+        "--upstream-timeout",
+        type=upstream_seconds,
+        default=UPSTREAM_TIMEOUT,
+        metavar="SECONDS",
+        help="how long an upstream call may take to answer, then 504 timeout_error "
+        "(default %(default)s; a non-streamed answer takes the whole generation)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=positive_int,
+        metavar="N",
+        help="client connections served at once, past it 503 (default: half the open-file "
+        "limit, which is raised to its hard limit at start, less a reserve); also the "
+        "upstream calls run at once",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=HEADER_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a client has to send a request head, from connecting or from the last "
+        "response, before its connection is closed (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-conversations",
+        type=positive_int,
+        default=MAX_HELD,
+        metavar="N",
+        help="conversations held in memory; past it the least recently used are let go and "
+        "load from the store when they come back (default %(default)s)",
     )
     retention = proxy_p.add_argument_group(
         "retention",

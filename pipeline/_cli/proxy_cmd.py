@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import logging
 import socket
 import sys
 from collections.abc import Callable, Coroutine
@@ -42,6 +43,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from pipeline._cli.serving import OnceIn, connection_cap, head_timed, raise_open_files
         from pipeline.proxy import build_app
     except ImportError:
         raise CliError("the proxy needs its extra: pip install 'sluicegate[proxy]'") from None
@@ -63,6 +65,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         background = retention(args, root) if shared is None else []
         if shared is not None:
             _check_store(shared, args.log_json)
+        connections = args.max_connections or connection_cap(raise_open_files())
         context: dict[str, Any] = {}
         if set_up.tracer is not None:
             context["tracer"] = set_up.tracer
@@ -77,6 +80,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             tenancy=Tenancy(single=True) if args.single_tenant else None,
             metrics=WireMetrics(set_up.meter_provider),
             max_body_bytes=args.max_body,
+            upstream_timeout=args.upstream_timeout,
+            max_conversations=args.max_conversations,
+            max_upstream_connections=connections,
             **context,
         )
         sock = _listen(args.host, args.port)
@@ -98,7 +104,16 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                http=head_timed(args.header_timeout),
+                limit_concurrency=connections,
+            )
+        )
+        # at the descriptor limit asyncio logs each failed accept: one line in a while
+        logging.getLogger("asyncio").addFilter(OnceIn("out of system resource"))
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
         # raises the signal again: for a service that is the normal stop, exit 0
         with contextlib.suppress(KeyboardInterrupt):

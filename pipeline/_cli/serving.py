@@ -1,0 +1,118 @@
+"""How ``proxy`` serves its app with uvicorn: bounds on what a connection may hold.
+
+- **A deadline for each request head.** uvicorn times out an idle keep-alive connection but
+  not a request head that never ends (a client that sends ``POST /v1/messages HTTP/1.1`` and
+  a header, then nothing): such a connection would hold a descriptor for as long as the
+  client likes. :func:`head_timed` is uvicorn's own HTTP/1.1 protocol with one timer more:
+  from a connection's start, and from the end of each response, a request head must arrive
+  within the deadline, else the connection is closed.
+- **Connections below the descriptor limit.** The soft limit on open files is raised to the
+  hard one at start (:func:`raise_open_files`); :func:`connection_cap` is how many client
+  connections to serve at once so that each, with its upstream connection, fits under it.
+- **One line, not a flood.** At the descriptor limit asyncio logs every failed ``accept``
+  with a traceback; :class:`OnceIn` lets one such record through per interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pipeline.wire_limits import HEADER_TIMEOUT
+
+__all__ = ["OnceIn", "connection_cap", "head_timed", "raise_open_files"]
+
+_RESERVED = 128
+"""Descriptors kept out of the connection cap: the store's files, logs, the listening socket."""
+_MOST_OPEN_FILES = 1_048_576
+"""Where the soft limit is raised to when the hard one is unlimited."""
+
+
+class _HeadTimed(H11Protocol):
+    head_timeout: float = HEADER_TIMEOUT
+    _head_timer: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        if not self.transport.is_closing():
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_late)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        in_request = self.cycle is not None and not self.cycle.response_complete
+        if self.conn.their_state is h11.IDLE and not in_request and not self.transport.is_closing():
+            self.transport.close()  # no request head in time: nothing is answered
+
+
+def head_timed(seconds: float = HEADER_TIMEOUT) -> type[Any]:
+    """uvicorn's HTTP/1.1 protocol (``uvicorn.Config(http=...)``) with a deadline of
+    ``seconds`` for each request head (see the module)."""
+    return type("HeadTimedH11Protocol", (_HeadTimed,), {"head_timeout": seconds})
+
+
+def raise_open_files() -> int:
+    """Raise the soft limit on open files to the hard one (as far as the system lets); the
+    soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = _MOST_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass  # a container may forbid it: the limit stays as it was
+    return _MOST_OPEN_FILES if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_cap(open_files: int) -> int:
+    """How many client connections fit under ``open_files`` descriptors: each may hold an
+    upstream connection too, and some are kept for the rest (at least 16)."""
+    return max(16, (open_files - _RESERVED) // 2)
+
+
+class OnceIn(logging.Filter):
+    """Lets one record whose message holds ``text`` through per ``interval`` seconds, and
+    says how many it held back; every other record passes."""
+
+    def __init__(self, text: str, interval: float = 10.0) -> None:
+        super().__init__()
+        self.text = text
+        self.interval = interval
+        self._last = -float("inf")
+        self._held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.text not in record.getMessage():
+            return True
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._held += 1
+            return False
+        if self._held:
+            record.msg = f"{record.msg} ({self._held} more like it held back)"
+        self._last, self._held = now, 0
+        record.exc_info = None  # the same traceback each time: the line says it all
+        record.exc_text = None
+        return True
