@@ -1,8 +1,12 @@
-"""Retention for long-lived stores: remove persisted tool results by age, then by total size.
+"""Retention for long-lived stores: remove whole conversations nothing wrote to within an age,
+then persisted tool results by age, then by total size.
 
 A store that lives for weeks (the proxy's, an agent's ``.sluicegate``) only grows: every
-oversized tool result of every session stays under ``<root>/<session>/tool-results/``.
-:func:`prune_store` removes the old ones.
+oversized tool result of every session stays under ``<root>/<session>/tool-results/``, and a
+drop-in keeps records for every conversation it ever saw. :func:`prune_store` removes the old
+ones. With an age, a conversation directory whose files are all the store's and all older than
+it goes whole first, records included (:mod:`pipeline.retention_conversations`); what follows
+is about persisted results.
 
 What it may remove is narrow on purpose: regular files directly inside a real (not symlinked)
 ``<root>/<session>/tool-results/`` directory (or ``<root>/<tenant>/<session>/tool-results/``,
@@ -23,118 +27,41 @@ files'), and a size bound that leaves room for what live sessions persisted rece
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import functools
 import math
 import os
-import re
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Literal, NoReturn
 
 import anyio
 import anyio.to_thread
 
-from pipeline.storage import TOOL_RESULTS_SUBDIR, safe_file_stem, validate_session_id
+from pipeline.retention_conversations import prune_stale_conversations
+from pipeline.retention_files import (
+    O_CLOEXEC,
+    O_DIRECTORY,
+    Found,
+    PrunedFile,
+    PruneReport,
+    file_identity,
+    is_persisted_name,
+    list_dir,
+    lstat_in,
+    open_dir,
+    owned,
+    remove_dir,
+    remove_file,
+)
+from pipeline.storage import TOOL_RESULTS_SUBDIR, validate_session_id
 from pipeline.tenancy import TENANT_PATTERN
 
 __all__ = ["PruneReport", "PrunedFile", "is_persisted_name", "prune_periodically", "prune_store"]
-
-# <stem>[.<12 hex of the content's sha256>].<txt|json>, the stem an id safe as it is or
-# unsafe.<sha256 hex> (see pipeline.storage); a temp file starts with "." and never matches
-_PERSISTED_NAME = re.compile(
-    r"(?P<stem>unsafe\.[0-9a-f]{64}|[A-Za-z0-9_-]{1,128})(?:\.[0-9a-f]{12})?\.(?:txt|json)"
-)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def is_persisted_name(name: str) -> bool:
-    """Whether ``name`` is a name :class:`~pipeline.storage.FileToolResultStore` gives a
-    persisted result (a temp file's, a Windows device name's, or any other name is not)."""
-    match = _PERSISTED_NAME.fullmatch(name)
-    if match is None:
-        return False
-    stem = match["stem"]
-    # a stem the store would have hashed (CON, nul, ...) was never written under that name
-    return stem.startswith("unsafe.") or safe_file_stem(stem) == stem
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrunedFile:
-    """One persisted result removed (or, in a dry run, that would be)."""
-
-    path: Path
-    size: int
-    mtime: float
-    """Modification time (POSIX seconds) when it was looked at."""
-    reason: Literal["age", "size"]
-    """``age``: older than ``max_age``; ``size``: among the oldest over ``max_bytes``."""
-
-
-@dataclasses.dataclass(slots=True)
-class PruneReport:
-    """What :func:`prune_store` removed (in a dry run: would remove) and what is left."""
-
-    root: Path
-    dry_run: bool
-    removed: list[PrunedFile] = dataclasses.field(default_factory=list)
-    removed_dirs: list[Path] = dataclasses.field(default_factory=list)
-    """``tool-results`` and session directories removed once empty."""
-    kept_files: int = 0
-    """Persisted results left in place."""
-    kept_bytes: int = 0
-    vanished: int = 0
-    """Files chosen for removal that were already gone (another prune, a user): not errors."""
-    errors: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
-    """Files or directories that could not be removed or read, and why."""
-
-    @property
-    def removed_count(self) -> int:
-        """How many persisted results were removed."""
-        return len(self.removed)
-
-    @property
-    def removed_bytes(self) -> int:
-        """Their total size in bytes."""
-        return sum(f.size for f in self.removed)
-
-    def to_json(self) -> dict[str, Any]:
-        """The report as plain JSON values (paths as strings)."""
-        return {
-            "store": str(self.root),
-            "dry_run": self.dry_run,
-            "removed_files": self.removed_count,
-            "removed_bytes": self.removed_bytes,
-            "removed_by_age": sum(1 for f in self.removed if f.reason == "age"),
-            "removed_by_size": sum(1 for f in self.removed if f.reason == "size"),
-            "removed_dirs": [str(d) for d in self.removed_dirs],
-            "kept_files": self.kept_files,
-            "kept_bytes": self.kept_bytes,
-            "vanished": self.vanished,
-            "errors": [{"path": str(p), "error": e} for p, e in self.errors],
-            "files": [
-                {"path": str(f.path), "bytes": f.size, "mtime": f.mtime, "reason": f.reason}
-                for f in self.removed
-            ],
-        }
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Found:
-    session: str
-    name: str
-    size: int
-    mtime: float
-    identity: tuple[int, ...]
-    """What the file was when scanned (device, inode, ctime, mtime, size): a file written
-    under the name since -- a freed inode number is reused at once -- is not removed."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -157,10 +84,13 @@ def prune_store(
     dry_run: bool = False,
     remove_empty_dirs: bool = True,
 ) -> PruneReport:
-    """Remove persisted tool results under ``root``: those last modified more than
-    ``max_age`` before ``now``, then the oldest (by modification time) of the rest until
-    they total at most ``max_bytes``. Then remove each ``tool-results`` directory this
-    emptied, and its session directory if nothing else is in it.
+    """Remove, with ``max_age``, each conversation directory whose files are all the store's
+    and all last modified more than ``max_age`` before ``now`` (its records too: see
+    :mod:`pipeline.retention_conversations`). Then remove persisted tool results under
+    ``root``: those last modified more than ``max_age`` before ``now``, then the oldest (by
+    modification time) of the rest until they total at most ``max_bytes``. Then remove each
+    ``tool-results`` directory this emptied, and its session directory if nothing else is in
+    it.
 
     Only files :class:`~pipeline.storage.FileToolResultStore` names as persisted results, in
     real ``<root>/<session>/tool-results/`` directories, are ever looked at: see the module
@@ -190,7 +120,7 @@ def prune_store(
     try:
         # the root is the caller's choice of directory, a symlink to one included; nothing
         # below it is followed
-        root_fd = os.open(root_path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        root_fd = os.open(root_path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
     except FileNotFoundError:
         return report
     except NotADirectoryError:
@@ -198,12 +128,18 @@ def prune_store(
             errno.ENOTDIR, "store root is not a directory", str(root)
         ) from None
     try:
+        if max_age is not None:
+            cutoff = now_ts - max_age.total_seconds()
+            prune_stale_conversations(root_path, root_fd, cutoff, report)
         sessions, found = _scan(root_path, root_fd, report)
+        if report.removed_conversations:  # a dry run's: what the first phase would remove
+            gone = {str(p) for p in report.removed_conversations}
+            found = [f for f in found if str(root_path / f.session) not in gone]
         doomed = _choose(found, max_age, max_bytes, now_ts)
         kept = [f for f in found if (f.session, f.name) not in doomed]
         report.kept_files = len(kept)
         report.kept_bytes = sum(f.size for f in kept)
-        by_session: dict[str, list[tuple[_Found, Literal["age", "size"]]]] = {}
+        by_session: dict[str, list[tuple[Found, Literal["age", "size"]]]] = {}
         for f in found:
             reason = doomed.get((f.session, f.name))
             if reason is not None:
@@ -268,20 +204,18 @@ def _check_limits(max_age: timedelta | None, max_bytes: int | None) -> None:
         raise ValueError(f"max_bytes must not be negative, got {max_bytes}")
 
 
-def _scan(
-    root: Path, root_fd: int, report: PruneReport
-) -> tuple[dict[str, _Session], list[_Found]]:
+def _scan(root: Path, root_fd: int, report: PruneReport) -> tuple[dict[str, _Session], list[Found]]:
     """Every persisted result under the root, and what each session directory holds: the
     sessions directly under the root, and those of each tenant's directory
     (``<root>/<tenant>/<session>``: see :mod:`pipeline.tenancy`)."""
     sessions: dict[str, _Session] = {}
-    found: list[_Found] = []
-    for name in sorted(_listdir(root_fd, root, report)):
+    found: list[Found] = []
+    for name in sorted(list_dir(root_fd, root, report)):
         if TENANT_PATTERN.fullmatch(name):
-            with _open_dir(root, root_fd, name, report) as tenant_fd:
+            with open_dir(root, root_fd, name, report) as tenant_fd:
                 if tenant_fd is None:
                     continue
-                entries = _listdir(tenant_fd, root / name, report)
+                entries = list_dir(tenant_fd, root / name, report)
                 if TOOL_RESULTS_SUBDIR not in entries:  # a tenant's, not a session named so
                     for session in sorted(entries):
                         _scan_session(
@@ -298,7 +232,7 @@ def _scan_session(
     session: str,
     parent: str,
     sessions: dict[str, _Session],
-    found: list[_Found],
+    found: list[Found],
     report: PruneReport,
 ) -> None:
     """The persisted results of the session directory ``session`` in ``base``."""
@@ -307,29 +241,29 @@ def _scan_session(
     except ValueError:
         return  # not a name the store gives a session directory
     key = f"{parent}/{session}" if parent else session
-    with _open_dir(base, base_fd, session, report) as session_fd:
+    with open_dir(base, base_fd, session, report) as session_fd:
         if session_fd is None:
             return
-        entries = set(_listdir(session_fd, base / session, report))
+        entries = set(list_dir(session_fd, base / session, report))
         if TOOL_RESULTS_SUBDIR not in entries:
             return
         where = base / session / TOOL_RESULTS_SUBDIR
-        with _open_dir(where.parent, session_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
+        with open_dir(where.parent, session_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
             if results_fd is None:
                 return
-            results = set(_listdir(results_fd, where, report))
+            results = set(list_dir(results_fd, where, report))
             sessions[key] = _Session(session, parent, entries, results)
             for name in sorted(results):
                 if not is_persisted_name(name):
                     continue
-                st = _lstat(results_fd, where, name, report)
-                if st is None or not stat.S_ISREG(st.st_mode) or not _owned(st):
+                st = lstat_in(results_fd, where, name, report)
+                if st is None or not stat.S_ISREG(st.st_mode) or not owned(st):
                     continue  # a symlink, a directory, another user's file: not ours
-                found.append(_Found(key, name, st.st_size, st.st_mtime, _identity(st)))
+                found.append(Found(key, name, st.st_size, st.st_mtime, file_identity(st)))
 
 
 def _choose(
-    found: list[_Found], max_age: timedelta | None, max_bytes: int | None, now: float
+    found: list[Found], max_age: timedelta | None, max_bytes: int | None, now: float
 ) -> dict[tuple[str, str], Literal["age", "size"]]:
     """(session, name) → why, of each file to remove."""
     doomed: dict[tuple[str, str], Literal["age", "size"]] = {}
@@ -355,7 +289,7 @@ def _remove_session_files(
     root: Path,
     root_fd: int,
     session: _Session,
-    victims: list[tuple[_Found, Literal["age", "size"]]],
+    victims: list[tuple[Found, Literal["age", "size"]]],
     report: PruneReport,
     *,
     remove_empty_dirs: bool = True,
@@ -364,7 +298,7 @@ def _remove_session_files(
     if not session.parent:
         _remove_in(root, root_fd, session, victims, report, remove_empty_dirs=remove_empty_dirs)
         return
-    with _open_dir(root, root_fd, session.parent, report) as parent_fd:
+    with open_dir(root, root_fd, session.parent, report) as parent_fd:
         if parent_fd is None:
             report.vanished += len(victims)
             return
@@ -376,115 +310,31 @@ def _remove_in(
     base: Path,
     base_fd: int,
     session: _Session,
-    victims: list[tuple[_Found, Literal["age", "size"]]],
+    victims: list[tuple[Found, Literal["age", "size"]]],
     report: PruneReport,
     *,
     remove_empty_dirs: bool,
 ) -> None:
     where = base / session.name / TOOL_RESULTS_SUBDIR
     gone: set[str] = set()
-    with _open_dir(base, base_fd, session.name, report) as session_fd:
+    with open_dir(base, base_fd, session.name, report) as session_fd:
         if session_fd is None:
             report.vanished += len(victims)
             return
-        with _open_dir(where.parent, session_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
+        with open_dir(where.parent, session_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
             if results_fd is None:
                 report.vanished += len(victims)
                 return
             for f, reason in victims:
-                outcome = _remove_file(results_fd, where, f, report)
+                outcome = remove_file(results_fd, where, f, report)
                 if outcome == "removed":
                     report.removed.append(PrunedFile(where / f.name, f.size, f.mtime, reason))
                 if outcome != "kept":
                     gone.add(f.name)
         if not remove_empty_dirs or session.results - gone:
             return  # anything else there (a temp file in flight, a foreign file) stays
-        if not _remove_dir(session_fd, where.parent, TOOL_RESULTS_SUBDIR, report):
+        if not remove_dir(session_fd, where.parent, TOOL_RESULTS_SUBDIR, report):
             return
         if session.entries - {TOOL_RESULTS_SUBDIR}:
             return
-    _remove_dir(base_fd, base, session.name, report)
-
-
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size)
-
-
-def _remove_file(
-    dir_fd: int, where: Path, f: _Found, report: PruneReport
-) -> Literal["removed", "vanished", "kept"]:
-    """Unlink ``f`` if the name still holds the file scanned (in a dry run: say it would)."""
-    try:
-        st = os.stat(f.name, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode) or _identity(st) != f.identity:
-            return "kept"  # replaced since the scan: not the file that was chosen
-        if not report.dry_run:
-            # unlink never follows a symlink, and relative to the descriptor of the directory
-            # scanned, a directory swapped for a symlink since cannot redirect it
-            os.unlink(f.name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        report.vanished += 1
-        return "vanished"
-    except OSError as exc:
-        report.errors.append((where / f.name, exc.strerror or str(exc)))
-        return "kept"
-    return "removed"
-
-
-def _remove_dir(parent_fd: int, parent: Path, name: str, report: PruneReport) -> bool:
-    """rmdir ``name`` if empty; whether it was (or, in a dry run, would be) removed."""
-    path = parent / name
-    if not report.dry_run:
-        try:
-            os.rmdir(name, dir_fd=parent_fd)
-        except OSError:
-            # not empty after all (a writer persisted meanwhile), or gone: both fine
-            return False
-    report.removed_dirs.append(path)
-    return True
-
-
-@contextlib.contextmanager
-def _open_dir(parent: Path, parent_fd: int, name: str, report: PruneReport) -> Iterator[int | None]:
-    """A descriptor of the real directory ``name`` in ``parent`` (None: missing, a symlink or
-    not a directory), closed on exit."""
-    flags = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
-    try:
-        fd = os.open(name, flags, dir_fd=parent_fd)
-    except OSError as exc:
-        # ELOOP/ENOTDIR: a symlink or a file where a directory is expected, never followed
-        if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-            report.errors.append((parent / name, exc.strerror or str(exc)))
-        yield None
-        return
-    try:
-        st = os.fstat(fd)
-        yield fd if stat.S_ISDIR(st.st_mode) and _owned(st) else None
-    finally:
-        os.close(fd)
-
-
-def _listdir(fd: int, where: Path, report: PruneReport) -> list[str]:
-    try:
-        return os.listdir(fd)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        report.errors.append((where, exc.strerror or str(exc)))
-        return []
-
-
-def _lstat(dir_fd: int, where: Path, name: str, report: PruneReport) -> os.stat_result | None:
-    try:
-        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        report.errors.append((where / name, exc.strerror or str(exc)))
-        return None
-
-
-def _owned(st: os.stat_result) -> bool:
-    # the store only writes (and trusts) what this user owns; another user's file was not
-    # written by it
-    return not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
+    remove_dir(base_fd, base, session.name, report)

@@ -281,6 +281,8 @@ def test_a_file_that_vanishes_meanwhile_is_counted_not_raised(
     removed = persist(tmp_path, "s1", "toolu_removed", "r")
     for path in (goes, stays_gone, removed):
         age(path, 30)
+    for session in ("s1", "s2"):  # conversations still going on
+        (tmp_path / session / "decisions.jsonl").write_text("{}\n")
     scan = retention._scan
 
     def scan_then_lose_some(*args: object) -> object:
@@ -295,7 +297,7 @@ def test_a_file_that_vanishes_meanwhile_is_counted_not_raised(
     report = prune_store(tmp_path, max_age=WEEK)
     assert [f.path for f in report.removed] == [removed]
     assert report.vanished == 2 and report.errors == []
-    assert not (tmp_path / "s1").exists()
+    assert not (tmp_path / "s1" / "tool-results").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ def describe(report: PruneReport) -> str:
         f"{format_bytes(report.removed_bytes)}{why}; kept {report.kept_files}, "
         f"{format_bytes(report.kept_bytes)}"
     )
+    if report.removed_conversations:
+        line += f"; {verb} {len(report.removed_conversations)} idle conversation(s) whole"
     if report.removed_dirs:
         line += f"; {verb} {len(report.removed_dirs)} emptied director(ies)"
     if report.vanished:
