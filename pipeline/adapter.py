@@ -417,21 +417,15 @@ class WireSession:
         call = self.last_call
         assert call is not None
         if self._restored is not None:
-            # a new process, or a conversation that went another way: the ledger from the
-            # recorded decisions and this history -- all of them, also on results this request
-            # does not hold (a retry of an earlier one): each applies only to its own output
-            decided = decided_in(self._restored.stage_records)
-            state = ReplacementState.reconstruct(
-                records, self._restored.replacement_records, decided=decided, keep_absent=True
-            )
-            self.ctx.replacement_state = state
-            self._restored = None
-            # a result counted as sent whole only by where it stands (the model answered after
-            # it) is recorded as decided: a later request that holds it last (a retry of an
-            # earlier one, after another restart) must not decide it again
-            placed = state.seen_ids - decided - state.replacements.keys()
-            if placed:
-                await self._record_decided(placed)
+            async with self.ctx.lock:  # one rebuild, whatever other call of it runs
+                restored = self._restored
+                if restored is not None:
+                    # off the event loop: a long conversation's records are many
+                    state, placed = await anyio.to_thread.run_sync(_rebuild, records, restored)
+                    self.ctx.replacement_state = state
+                    self._restored = None
+                    if placed:
+                        await self._record_decided(placed)
         self._projected = await self.pipeline.run(records, self.ctx)
         request = self._wire.to_api(self._projected)
         if self.cache_breakpoint and not self._wire.breakpoints:
@@ -628,6 +622,20 @@ class WireSession:
         unseen = f"msg_wire_{link.hex()[:24]}"
         response_id, usage = self._responses.get(index, (unseen, None))
         return dataclasses.replace(record, uuid=uid, message_id=response_id, usage=usage)
+
+
+def _rebuild(records: Sequence[Message], restored: Transcript) -> tuple[ReplacementState, set[str]]:
+    """A new process's ledger, or a conversation's that went another way: from the recorded
+    decisions and this request's history -- all of them, also on results it does not hold (a
+    retry of an earlier one): each applies only to its own output. And the results it counts
+    as sent whole only by where they stand (the model answered after them), to be recorded as
+    decided: a later request that holds one last (a retry of an earlier one, after another
+    restart) must not decide it again."""
+    decided = decided_in(restored.stage_records)
+    state = ReplacementState.reconstruct(
+        records, restored.replacement_records, decided=decided, keep_absent=True
+    )
+    return state, state.seen_ids - decided - state.replacements.keys()
 
 
 def _holds_fork(loaded: Transcript) -> bool:

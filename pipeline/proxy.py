@@ -44,6 +44,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import httpx2
+from opentelemetry import propagate
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -280,7 +281,15 @@ def build_app(
                     continue  # another worker moved it on: place the request again
                 session = branch.session
                 call_request = WireRequest(
-                    session, body, chars_in=len(raw), metrics=metrics, tenant=branch.family.tenant
+                    session,
+                    body,
+                    chars_in=len(raw),
+                    metrics=metrics,
+                    tenant=branch.family.tenant,
+                    # its own trace, or its client's (a traceparent header): never whatever
+                    # the server's task for it was made in (the previous request's, on a
+                    # kept-alive connection whose next request was read during the last)
+                    context=propagate.extract(request.headers),
                 )
                 with call_request.active():
                     passing = time.monotonic()

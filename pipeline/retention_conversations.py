@@ -6,10 +6,11 @@ A drop-in makes a conversation directory for every request that starts a convers
 batch of one-shot calls leaves one each (``decisions.jsonl``, ``token-calibration.json``),
 forever, were only persisted results pruned. A conversation directory is removed when
 
-- every name in it is one the store writes there -- ``decisions.jsonl`` and a branch's
-  ``decisions.f<16 hex>.jsonl``, ``token-calibration.json`` and a branch's
-  ``token-calibration-f<16 hex>.json``, and a ``tool-results`` directory holding only
-  persisted results -- all regular files of this user, none a symbolic link;
+- it holds a conversation's records, and every name in it is one the store writes there:
+  ``decisions.jsonl`` and a branch's ``decisions.f<16 hex>.jsonl``,
+  ``token-calibration.json`` and a branch's ``token-calibration-f<16 hex>.json``, and a
+  ``tool-results`` directory holding only persisted results -- all regular files of this
+  user, none a symbolic link;
 - and every one of those files was last modified before the cutoff.
 
 Anything else there (a temp file in flight, a transcript, a file someone put there) keeps the
@@ -125,8 +126,8 @@ def _stale_files(
         if found is None:
             return None
         files.append(found)
-    if not files and not results:
-        return None  # nothing of a conversation in it (a writer may have just made it)
+    if not any(f.name.startswith("decisions") for f in files):
+        return None  # no records: not a conversation's (persisted results alone, an agent's)
     return files, results
 
 

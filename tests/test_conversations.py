@@ -585,3 +585,49 @@ def test_a_conversation_in_a_call_is_never_let_go(tmp_path: Path) -> None:
 def test_a_bound_below_one_is_refused(tmp_path: Path, bound: int) -> None:
     with pytest.raises(ValueError, match="max_held must be at least 1"):
         registry(tmp_path, max_held=bound)
+
+
+def test_loading_a_conversation_and_rebuilding_its_ledger_leave_the_event_loop_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each waits for a task on the event loop: were either on the loop, it would wait for
+    itself (and fail after the timeout)."""
+    import threading
+
+    from pipeline.replacement import ReplacementState
+
+    history = [user("go"), call("t1"), answer("t1", "x" * 5_000)]
+    anyio.run(send, registry(tmp_path), history)  # a conversation on disk
+    steps = ("load", "rebuild")
+    began = {step: threading.Event() for step in steps}
+    freed = {step: threading.Event() for step in steps}
+    load, rebuild = Conversations._load_family, ReplacementState.reconstruct.__func__
+
+    def held(step: str) -> None:
+        began[step].set()
+        assert freed[step].wait(5), f"{step} held the event loop"
+
+    def slow_load(self: Conversations, *args: Any) -> Any:
+        held("load")
+        return load(self, *args)
+
+    def slow_rebuild(cls: type[ReplacementState], *args: Any, **kwargs: Any) -> Any:
+        held("rebuild")
+        return rebuild(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Conversations, "_load_family", slow_load)
+    monkeypatch.setattr(ReplacementState, "reconstruct", classmethod(slow_rebuild))
+
+    async def main() -> None:
+        async def free() -> None:  # runs only while the event loop is free
+            for step in steps:
+                while not began[step].is_set():
+                    await anyio.sleep(0.01)
+                freed[step].set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(free)
+            _, again = await send(registry(tmp_path), [*history, call("t2"), answer("t2", "y")])
+        assert again[2]["content"][0]["content"].startswith(TAG)
+
+    anyio.run(main)

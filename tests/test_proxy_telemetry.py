@@ -68,6 +68,7 @@ def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path:
     spans = receiver.spans
     requests = [s for s in spans if s.name == "wire.request"]
     assert len(requests) == 2
+    assert len({s.trace_id for s in requests}) == 2  # one kept-alive connection, two traces
     by_id = {s.span_id: s for s in spans}
     (persist,) = [s for s in spans if s.name == "tool_result_budget.persist"]
     parent, chain = by_id.get(persist.parent_span_id), []
@@ -159,3 +160,29 @@ def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
     assert samples["sluicegate_tool_results_persisted_total"].endswith(" 1.0")
     assert "gen_ai_client_token_usage_count" in " ".join(samples)
     assert "sluicegate_chars_kept_off_wire_total" in samples
+
+
+def test_a_request_with_a_traceparent_joins_its_clients_trace(tmp_path: Path) -> None:
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with (
+        OtlpReceiver() as receiver,
+        ScriptedMessagesServer(reply) as upstream,
+        proxy_process(
+            upstream.base_url,
+            tmp_path / "store",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+            OTEL_BSP_SCHEDULE_DELAY="100",
+        ) as (url, _, _),
+    ):
+        client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
+        client.messages.create(
+            model="claude-test",
+            max_tokens=10,
+            messages=build("small"),
+            extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        )
+        client.messages.create(model="claude-test", max_tokens=10, messages=build("small"))
+        client.close()
+    joined, own = [s for s in receiver.spans if s.name == "wire.request"]
+    assert (joined.trace_id, joined.parent_span_id) == (trace_id, parent)
+    assert own.trace_id != trace_id and not own.parent_span_id

@@ -43,7 +43,13 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from pipeline._cli.serving import OnceIn, connection_cap, head_timed, raise_open_files
+        from pipeline._cli.serving import (
+            AcceptRetryAfterClose,
+            OnceIn,
+            connection_cap,
+            head_timed,
+            raise_open_files,
+        )
         from pipeline.proxy import build_app
     except ImportError:
         raise CliError("the proxy needs its extra: pip install 'sluicegate[proxy]'") from None
@@ -113,7 +119,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             )
         )
         # at the descriptor limit asyncio logs each failed accept: one line in a while
-        logging.getLogger("asyncio").addFilter(OnceIn("out of system resource"))
+        asyncio_log = logging.getLogger("asyncio")
+        asyncio_log.addFilter(OnceIn("out of system resource"))
+        asyncio_log.addFilter(AcceptRetryAfterClose())
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
         # raises the signal again: for a service that is the normal stop, exit 0
         with contextlib.suppress(KeyboardInterrupt):

@@ -10,7 +10,9 @@
   hard one at start (:func:`raise_open_files`); :func:`connection_cap` is how many client
   connections to serve at once so that each, with its upstream connection, fits under it.
 - **One line, not a flood.** At the descriptor limit asyncio logs every failed ``accept``
-  with a traceback; :class:`OnceIn` lets one such record through per interval.
+  with a traceback; :class:`OnceIn` lets one such record through per interval. It also tries
+  the listening socket again a second later, even once the server has closed it (a traceback
+  at shutdown): :class:`AcceptRetryAfterClose` drops that record.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pipeline.wire_limits import HEADER_TIMEOUT
 
-__all__ = ["OnceIn", "connection_cap", "head_timed", "raise_open_files"]
+__all__ = ["AcceptRetryAfterClose", "OnceIn", "connection_cap", "head_timed", "raise_open_files"]
 
 _RESERVED = 128
 """Descriptors kept out of the connection cap: the store's files, logs, the listening socket."""
@@ -116,3 +118,16 @@ class OnceIn(logging.Filter):
         record.exc_info = None  # the same traceback each time: the line says it all
         record.exc_text = None
         return True
+
+
+class AcceptRetryAfterClose(logging.Filter):
+    """Drops asyncio's record of an accept retried on a listening socket already closed (the
+    retry after a failed accept fires during shutdown: ``Invalid file descriptor: -1``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            "_start_serving" in record.getMessage()
+            and isinstance(exc, ValueError)
+            and "Invalid file descriptor" in str(exc)
+        )
