@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_HELD", "SESSION_HEADER", "Branch", "Conversations", "conversation_hint"]
 
-MAX_HELD = 1_000
+MAX_HELD = 256
 """How many conversations :class:`Conversations` holds in memory by default."""
 
 SESSION_HEADER = "x-sluicegate-session"

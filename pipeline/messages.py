@@ -31,6 +31,7 @@ __all__ = [
     "context_start",
     "first_fragment",
     "holds_compaction",
+    "live_start",
     "new_uuid",
     "now_timestamp",
     "stable_uuid",
@@ -334,6 +335,16 @@ def context_start(messages: Sequence[Message]) -> int:
     for i in range(len(messages) - 1, start - 1, -1):
         if holds_compaction(messages[i]):
             return i
+    return start
+
+
+def live_start(messages: Sequence[Message]) -> int:
+    """Index of the first message a stage may remove or summarise: after the last compact
+    boundary, and after the message holding the last server compaction block (what precedes
+    it the API no longer reads; the block itself must stay)."""
+    start = context_start(messages)
+    if start < len(messages) and holds_compaction(messages[start]):
+        return start + 1
     return start
 
 

@@ -126,3 +126,33 @@ async def test_the_server_compaction_is_told_once_and_not_again_after_a_restart(
     restarted = SessionContext("s", tmp_path)  # a new process: no memory of the block
     await run_stage(stage, [*later, Message.user("and more")], restarted)
     assert told(restarted) == "delegate"  # an old block is not a new compaction
+
+
+@pytest.mark.parametrize("stage", ["history_snip", "context_collapse"])
+@pytest.mark.asyncio
+async def test_a_local_stage_takes_nothing_before_a_server_compaction_block(
+    tmp_path: Path, stage: str
+) -> None:
+    """What precedes the block the API no longer reads: removing or summarising it frees
+    nothing; the block itself must stay. Over the trigger from what follows it, the stage
+    works on that part alone."""
+    from pipeline.messages import Message
+    from stages import ContextCollapse, HistorySnip
+    from tests.rounds_support import agentic, make_ctx, run
+    from tests.test_context_collapse import FakeSummarizer
+
+    rounds = agentic(90)
+    at = 1 + 2 * 15  # after fifteen rounds
+    block = Message.assistant([{"type": "compaction", "content": SUMMARY}], uuid="block")
+    history = [*rounds[:at], block, Message.user("go on", uuid="after"), *rounds[at:]]
+    ctx = make_ctx(tmp_path)
+    assert ctx.token_tracker.estimate(history) >= 9_000  # what follows the block alone
+    local = (
+        HistorySnip(context_window=10_000, keep_recent_rounds=4)
+        if stage == "history_snip"
+        else ContextCollapse(FakeSummarizer(), context_window=10_000, keep_recent_rounds=4)
+    )
+    out = await run(local, history, ctx)
+    kept = {m.uuid for m in out}
+    assert kept >= {m.uuid for m in history[: at + 2]}  # all before it, the block, the prompt
+    assert len(out) < len(history)  # and it did take some of what follows

@@ -122,6 +122,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         asyncio_log = logging.getLogger("asyncio")
         asyncio_log.addFilter(OnceIn("out of system resource"))
         asyncio_log.addFilter(AcceptRetryAfterClose())
+        # and uvicorn's line for each request answered 503 past --max-connections
+        logging.getLogger("uvicorn.error").addFilter(OnceIn("Exceeded concurrency limit"))
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
         # raises the signal again: for a service that is the normal stop, exit 0
         with contextlib.suppress(KeyboardInterrupt):

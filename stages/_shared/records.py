@@ -19,7 +19,7 @@ import anyio.to_thread
 
 from pipeline.context import SessionContext
 from pipeline.gate import describe_error
-from pipeline.messages import thread_start
+from pipeline.messages import live_start
 from pipeline.tokens.checks import bounded_repr
 from stages._shared.rounds import RoundView
 
@@ -104,7 +104,7 @@ def kept_uuids(view: RoundView, keep_recent: int) -> frozenset[str]:
     for s, e, protected in view.rounds(keep_recent):
         if not protected:
             takeable[s:e] = [True] * (e - s)
-    start = thread_start(messages)
+    start = live_start(messages)
     return frozenset(m.uuid for i, m in enumerate(messages) if i >= start and not takeable[i])
 
 

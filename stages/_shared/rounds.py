@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
-from pipeline.messages import Message, block_type, first_fragment, thread_start
+from pipeline.messages import Message, block_type, first_fragment, live_start
 from pipeline.tokens import find_anchor
 
 __all__ = [
@@ -94,11 +94,11 @@ def last_response(messages: Sequence[Message], start: int = 0) -> tuple[int, int
 
 
 def api_rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[int, int]]:
-    """``[start, end)`` of every round after the prefix (the records before the first response)."""
+    """``[start, end)`` of every round after the prefix (the records before the first response
+    after the last compact boundary or server compaction block: what precedes one is not read
+    by the API, and the block stays)."""
     n = len(messages)
-    cuts = [
-        p for p in range(thread_start(messages), n) if ok[p] and messages[p].type == "assistant"
-    ]
+    cuts = [p for p in range(live_start(messages), n) if ok[p] and messages[p].type == "assistant"]
     bounds = [*cuts, n]
     return [(bounds[i], bounds[i + 1]) for i in range(len(cuts))]
 
@@ -116,7 +116,7 @@ def protected_rounds(
     """Rounds that must stay: the latest ones, and those holding the first user message, the
     latest prompt and the usage anchor (removing the anchor would move the estimate's base)."""
     keep = set(range(max(0, len(rounds) - keep_recent), len(rounds)))
-    start = thread_start(messages)
+    start = live_start(messages)
     first_user = next((i for i in range(start, len(messages)) if messages[i].type == "user"), None)
     prompt = next(
         (i for i in range(len(messages) - 1, start - 1, -1) if is_prompt(messages[i])), None

@@ -3,7 +3,7 @@ conversations and requests, its memory before and after; then idle connections a
 descriptor limit.
 
     python tests/benchmarks/bench_proxy_load.py [--conversations 1000] [--calls 5]
-        [--concurrency 16] [--held 1000,100]
+        [--concurrency 16] [--held 1000,256,100]
 
 Not a test: it prints figures. Loopback only, against a scripted upstream in this process.
 
@@ -11,7 +11,7 @@ Not a test: it prints figures. Loopback only, against a scripted upstream in thi
    store: ``--conversations`` conversations of ``--calls`` calls each, ``--concurrency`` at once;
    each call adds a tool call and its output (every third one 60K chars, persisted). Printed:
    requests a second, latency mean, p50, p99, the proxy's RSS at start and at the end, and how
-   many conversations it held.
+   many conversations it held at most.
 2. **Idle connections at the descriptor limit.** A proxy limited to 256 descriptors, 400
    connections that send half a request head and stay; printed: how long until a normal
    request is answered again, and how many lines the proxy logged meanwhile.
@@ -144,11 +144,14 @@ def idle_connections(count: int = 400) -> None:
         logged_before = len(lines)
         started = time.perf_counter()
         body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
-        status = None
+        status, refused = None, 0
         while status != 200 and time.perf_counter() - started < 120:
             try:
                 status = httpx2.post(f"{url}/v1/messages", json=body, timeout=5).status_code
             except httpx2.TransportError:
+                status = None
+            if status != 200:
+                refused += 1
                 time.sleep(0.2)
         waited = time.perf_counter() - started
         for conn in held:
@@ -156,7 +159,8 @@ def idle_connections(count: int = 400) -> None:
         logged = len(lines) - logged_before
     print(
         f"{len(held)} half-open connections against 256 descriptors: a request answered "
-        f"{status} after {waited:.1f} s; {logged} log lines meanwhile"
+        f"{status} after {waited:.1f} s ({refused} tries refused or unanswered before, one "
+        f"each 0.2 s); {logged} log lines meanwhile"
     )
 
 
@@ -165,7 +169,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=1_000)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--held", default="1000,100")
+    parser.add_argument("--held", default="1000,256,100")
     args = parser.parse_args()
     for held in (int(h) for h in args.held.split(",")):
         load(args.conversations, args.calls, args.concurrency, held)
