@@ -55,7 +55,7 @@ from pipeline.event_stream import EventStreamUsage  # public here before it had 
 from pipeline.gate import describe_error
 from pipeline.inheritance import FORK_RECORD, Inherited
 from pipeline.logs import get_logger
-from pipeline.messages import Message, Usage
+from pipeline.messages import Message, Usage, usage_compacted
 from pipeline.replacement import (
     DECIDED_RECORD_STAGE,
     ReplacementRecord,
@@ -509,7 +509,7 @@ class WireSession:
             if self._append_response(data):
                 self._written(data, chain)
             if parsed is not None:
-                self._learn(parsed, model)
+                self._learn(parsed, model, compacted=usage_compacted(usage or {}))
                 self.ctx.token_tracker.save(self._calibration)  # a new process starts warm
 
     async def observe_async(
@@ -528,7 +528,7 @@ class WireSession:
             if await anyio.to_thread.run_sync(self._append_response, data):
                 self._written(data, chain)
         if parsed is not None:
-            self._learn(parsed, model)
+            self._learn(parsed, model, compacted=usage_compacted(usage or {}))
             # the snapshot taken here: the tracker is not to be read from another thread
             state = self.ctx.token_tracker.state_dict()
             await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state)
@@ -580,9 +580,13 @@ class WireSession:
             return False
         return True
 
-    def _learn(self, usage: Usage, model: str) -> None:
+    def _learn(self, usage: Usage, model: str, *, compacted: bool) -> None:
         self.ctx.token_tracker.observe(
-            self._projected, usage, model=model, tokens_freed=self.ctx.report.tokens_freed
+            self._projected,
+            usage,
+            model=model,
+            tokens_freed=self.ctx.report.tokens_freed,
+            compacted=compacted,
         )
 
     def _sync(self, messages: Sequence[Any]) -> list[Message]:

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from itertools import compress, count
 
 from pipeline.kept_list import KeptList
-from pipeline.messages import Message, thread_start
+from pipeline.messages import Message, holds_compaction, live_start, thread_start
 
 __all__ = ["AppendWatch", "InputLog", "ThreadStart", "first_difference", "message_keys"]
 
@@ -197,7 +197,11 @@ def _keeps_keys(was: Message, now: Message) -> bool:
 
 
 def _reaches_back(m: Message) -> bool:
-    return m.is_compact_boundary or (m.type == "user" and m.is_compact_summary)
+    return (
+        m.is_compact_boundary
+        or (m.type == "user" and m.is_compact_summary)
+        or (m.type == "assistant" and holds_compaction(m))
+    )
 
 
 def _bump(counts: dict[str, int], key: str, by: int) -> None:
@@ -224,7 +228,8 @@ def _names_in(messages: Sequence[Message]) -> dict[str, str]:
 class AppendWatch:
     """Whether each pass's input is the last one plus records that reach nothing older.
 
-    Also keeps, for the current input, :attr:`start` (``thread_start``) and :attr:`tool_names`
+    Also keeps, for the current input, :attr:`start` (``thread_start``), :attr:`live`
+    (``live_start``) and :attr:`tool_names`
     (tool_use_id -> tool name), which stages would otherwise rescan the history for. Its index
     of the input's identities (uuids, response ids, tool_use_ids, each with how many records
     carry it) follows an edit at the cost of what changed, not of the whole history.
@@ -239,6 +244,9 @@ class AppendWatch:
         self._primed = False
         self.start = 0
         """Index of the first record the API sees (after the last compact boundary)."""
+        self.live = 0
+        """Index of the first record a stage may remove or clear (:func:`~pipeline.messages.
+        live_start`: after a server compaction block, too)."""
         self.tool_names: dict[str, str] = {}
         """tool_use_id -> tool name, over every record of the input."""
 
@@ -341,6 +349,7 @@ class AppendWatch:
         self._uuids, self._rids, self._tids = {}, {}, {}
         self._count(messages, 1)
         self.start = thread_start(messages)
+        self.live = live_start(messages)
         self.tool_names = {}
         self._learn_names(messages)
 

@@ -36,6 +36,7 @@ __all__ = [
     "now_timestamp",
     "stable_uuid",
     "thread_start",
+    "usage_compacted",
 ]
 
 MessageType = Literal["user", "assistant", "progress", "attachment", "system"]
@@ -121,6 +122,16 @@ class Usage:
     def to_mapping(self) -> dict[str, int]:
         """The API's ``usage`` shape."""
         return dataclasses.asdict(self)
+
+
+def usage_compacted(raw: Mapping[str, Any]) -> bool:
+    """Whether an API ``usage`` object says the server compacted the context in that call
+    (a ``compaction`` iteration): its input is not the request's, so nothing is learned from
+    comparing the two."""
+    iterations = raw.get("iterations")
+    return isinstance(iterations, list) and any(
+        isinstance(i, Mapping) and i.get("type") == "compaction" for i in iterations
+    )
 
 
 MAX_TOKENS = 10**12

@@ -30,7 +30,7 @@ from structlog.contextvars import bound_contextvars
 from pipeline.context import PersistedResult, SessionContext
 from pipeline.core import Pipeline
 from pipeline.kept_list import KeptList
-from pipeline.messages import Message, Usage
+from pipeline.messages import Message, Usage, holds_compaction
 from pipeline.pairing import PairingProblem
 from pipeline.recorded import RecordedRequest
 from pipeline.spans import content_safe_span
@@ -244,8 +244,11 @@ async def replay_messages(
             # as a live loop: the request as projected is what the usage is paired with; a
             # pass whose stages removed anchored content is neither learned from nor measured
             freed = report.tokens_freed
+            compacted = holds_compaction(messages[call.index])  # its usage: the compacted context
             result.observations = {
-                name: tracker.observe(projected, usage, model=call.model, tokens_freed=freed)
+                name: tracker.observe(
+                    projected, usage, model=call.model, tokens_freed=freed, compacted=compacted
+                )
                 for name, tracker in (("default", ctx.token_tracker), ("reference", reference))
             }
             if removed:

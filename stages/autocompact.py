@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from pipeline import Message, PipelineHalt, SessionContext, to_api
-from pipeline.messages import new_uuid, thread_start
+from pipeline.messages import context_start, new_uuid
 from pipeline.tokens import find_anchor
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._shared import (
@@ -253,7 +253,8 @@ class Autocompact:
         summarizer: Summarizer,
         facts: dict[str, AttributeValue],
     ) -> tuple[Decision, Reason]:
-        start = thread_start(view)
+        # from the server's compaction block on, if there is one: the API reads nothing before
+        start = context_start(view)
         cuts = cut_indices(view, start)
         limit = _latest_request(view, start)
         limit = len(view) - 1 if limit is None else limit

@@ -276,10 +276,14 @@ class Microcompact:
         """What to clear now (all of it, or nothing), and why. Reads the whole history."""
         found = p.scan()
         newest = found.newest_ids(self.keep)
+        live = state.watch.live  # before a server compaction block: not read, not freed
         eligible = [
             r
             for r in found.candidates(state.cleared)
-            if r.tool_use_id not in newest and not r.protected and r.reclaim > 0
+            if r.tool_use_id not in newest
+            and not r.protected
+            and r.reclaim > 0
+            and all(at >= live for at, _ in r.positions)
         ]
         reclaimable = sum(r.reclaim for r in eligible)
         facts[ATTR.KEPT] = found.kept(state.cleared)

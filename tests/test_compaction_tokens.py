@@ -193,3 +193,28 @@ def test_after_a_paused_compaction_the_system_prompt_and_tools_are_counted(metho
     tracker.set_request(system=system)
     without = TokenTracker(method).estimate(history)
     assert tracker.estimate(history) > without + 10_000  # the ~21K-token system prompt
+
+
+def test_a_compacting_call_is_never_learned_from(tmp_path: Path) -> None:
+    """Its usage is of the compacted context, not of the request: comparing the two would
+    teach the estimator that the request cost a thirtieth of what it did."""
+    anchor = Usage(input_tokens=12_000, output_tokens=50)
+    history = [
+        Message.user("the whole history " * 4_000),
+        Message.assistant([{"type": "text", "text": "ok"}], message_id="msg_0", usage=anchor),
+        Message.user("and then " * 2_000),
+    ]
+    usage = Usage.from_mapping(ITERATIONS)
+    told = TokenTracker().observe(history, usage, model="m", compacted=True)
+    assert not told.learned and "compacted" in told.reason
+    assert TokenTracker().observe(history, usage, model="m").learned  # what it would have done
+
+    # at the wire: the usage's own compaction iteration says so
+    from pipeline.adapter import WireSession
+
+    session = WireSession("w", tmp_path, Pipeline([ToolResultBudget()]))
+    probe = [Message.user("a probe " * 500)]
+    before = session.ctx.token_tracker.estimate(probe)
+    anyio.run(session.prepare, [{"role": "user", "content": "the whole history " * 4_000}])
+    session.observe("msg_1", ITERATIONS, "m")
+    assert session.ctx.token_tracker.estimate(probe) == before

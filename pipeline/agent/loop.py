@@ -37,7 +37,7 @@ from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.encoding import encodable
 from pipeline.kept_list import KeptList
-from pipeline.messages import Block, Message, now_timestamp
+from pipeline.messages import Block, Message, holds_compaction, now_timestamp
 from pipeline.readback import readback_for
 from pipeline.request_fields import merge_betas, merge_request_fields
 from pipeline.session_storage import SessionStorage
@@ -309,7 +309,11 @@ class Agent:
             assert usage is not None and model is not None and message_id is not None
             # the usage is of the request as sent (projected), not of the raw history
             observation = ctx.token_tracker.observe(
-                held.messages, usage, model=model, tokens_freed=report.tokens_freed
+                held.messages,
+                usage,
+                model=model,
+                tokens_freed=report.tokens_freed,
+                compacted=holds_compaction(message),
             )
             held.release()  # (after a failed call, the next pass lets it go)
             if ctx.transcript is not None:  # resumable: keep the calibration with the session

@@ -190,13 +190,16 @@ class TokenTracker:
         *,
         model: str | None = None,
         tokens_freed: int = 0,
+        compacted: bool = False,
     ) -> Observation:
         """Feed the usage of the call made with ``messages_before_call`` (the messages as sent).
 
         ``model``: the model that served the call (default: the anchor's). ``tokens_freed``:
         tokens the stages removed in that pass from content the anchor's usage counted; the
         usage delta then mixes removals with additions, so it is neither learned from nor
-        counted in the error statistics. Observing the same messages twice in a row (say,
+        counted in the error statistics. ``compacted``: the server compacted the context in
+        that call (its usage is of the compacted context, not of the request): not learned
+        from either. Observing the same messages twice in a row (say,
         :meth:`count_with_api` and then the real call) learns once.
         """
         messages = messages_before_call
@@ -206,6 +209,8 @@ class TokenTracker:
             skip = "already observed"
         elif tokens_freed > 0:
             skip = "stages removed anchored content"
+        elif compacted:
+            skip = "the server compacted the context"
         anchor = find_anchor(messages)
         # priced as the estimate stood before the call, before the estimator learns from it
         before = self.estimator.estimate_detail(messages, anchor, model=model)
