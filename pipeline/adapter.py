@@ -168,6 +168,11 @@ class WireSession:
             self.chain = list(inherited.chain)
         elif loaded is not None:
             loaded = self._expand(loaded)
+        else:
+            # a conversation new to the store: its first request may hold results the model
+            # answered after (a client's history from before this layer): rebuilt by where
+            # they stand, as a new process would, they go as they were sent -- whole
+            loaded = Transcript(path=Path(self.storage.location), messages=[])
         self._calibration = calibration_path_for(root, self.storage.session_id, self.storage.branch)
         if "token_tracker" not in context:
             if inherited is not None and inherited.tracker is not None:
@@ -186,7 +191,7 @@ class WireSession:
         """Held by a synchronous caller around each call's pass and observation (threads of
         one client may share a conversation)."""
         self._observing = anyio.Lock()
-        self._restored = loaded
+        self._restored: Transcript | None = loaded
         self._responses: dict[int, tuple[str, Usage | None]] = {}
         if loaded is not None:
             self._restore_responses(loaded.stage_records)

@@ -15,7 +15,9 @@ by what it holds, never by a name alone:
   ``cache_control`` anywhere, and Claude Code's billing-header line in the system prompt.
 - **Prefix.** Within a family, each message is known by a digest of itself and every message
   before it (a chain). A request continues the conversation whose last request it extends
-  (its messages begin with all of that request's); a request that shares only part of one
+  (its messages begin with all of that request's), unless the message that follows was sent
+  by another conversation (a fork of that one repeats its messages): it is then placed by
+  that one's, so it goes out as that one sent it; a request that shares only part of one
   goes another way from it -- a fork, an edit, a rewind -- and becomes a conversation of its
   own, a *branch*, which starts from the other's decisions (:meth:`WireSession.inherit`), so
   the part they share goes out as the other sent it. A request that sends again what a
@@ -409,7 +411,12 @@ class Conversations:
         found = self._extends(family, messages)
         if found is not None:
             branch, start = found
-            return branch, chain_of(messages, start, branch.chain, opening=opening), start
+            chain = chain_of(messages, start, branch.chain, opening=opening)
+            after = family.owner.get(chain[start]) if start < len(chain) else None
+            if after is None or after is branch:
+                return branch, chain, start
+            # what follows its last request another conversation sent (a fork of that one
+            # that repeats its messages): placed by that one's, below, to send what it sent
         shared, chain = self._shared_prefix(family, messages, opening)
         known = 0
         while known < len(chain) and chain[known] in family.owner:

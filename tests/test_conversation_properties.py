@@ -322,3 +322,38 @@ def test_a_result_sent_whole_for_where_it_stood_stays_whole_when_a_retry_holds_i
     ]
     with tempfile.TemporaryDirectory() as tmp:
         anyio.run(run, script, Path(tmp))
+
+
+FOUND = {
+    # a fork's request extends another conversation's last request, while its parent sent what
+    # follows: placed by the parent's (they sent a result whole; the other would persist it)
+    "fork-beyond-a-sibling": [
+        ("new", 0, 0, 0), ("fork", 0, 0), ("fork", 0, 0), ("send", 2), ("step", 1, 0, 3),
+        ("fork", 1, 2), ("step", 1, 0, 0), ("send", 1), ("send", 0), ("send", 3),
+    ],
+    "fork-beyond-another-opening": [
+        ("new", 0, 1, 0), ("fork", 0, 0), ("new", 0, 1, 0), ("send", 1), ("step", 0, 0, 3),
+        ("fork", 0, 1), ("step", 0, 0, 0), ("send", 0), ("send", 2), ("send", 3),
+    ],
+    "retry-after-a-crash": [
+        ("new", 0, 0, 0), ("fork", 0, 0), ("fork", 0, 0), ("send", 2), ("step", 1, 0, 3),
+        ("step", 1, 0, 0), ("crash", 1), ("send", 0), ("send", 1),
+    ],
+    "after-a-restart": [
+        ("new", 0, 0, 0), ("fork", 0, 0), ("fork", 0, 0), ("send", 1), ("step", 2, 0, 3),
+        ("step", 2, 0, 0), ("send", 2), ("restart",), ("send", 0), ("send", 2),
+    ],
+    # a parent and its fork at once, the result they share new to both: one rule for both
+    # (where it stands), whichever pass runs first
+    "parent-and-fork-at-once": [
+        ("new", 0, 0, 0), ("step", 0, 0, 3), ("fork", 0, 1), ("fork", 0, 1), ("step", 0, 0, 0),
+        ("pair", 0, 1, 0), ("send", 2),
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("script", list(FOUND.values()), ids=list(FOUND))
+def test_what_random_runs_found(script: list[Op]) -> None:
+    for _ in range(5):  # one of them depends on which of two passes runs first
+        with tempfile.TemporaryDirectory() as tmp:
+            anyio.run(run, script, Path(tmp))

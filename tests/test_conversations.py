@@ -113,10 +113,10 @@ def test_a_fork_sends_its_parents_bytes(tmp_path: Path, fork_first: bool) -> Non
     async def main() -> None:
         conversations = registry(tmp_path)
         history = [user("review"), call("t1"), answer("t1", "log " * 2_000)]
+        system = [{"type": "text", "text": "you help"}]
+        await send(conversations, history, system=system)  # its output new: persisted
         history += [call("t2"), answer("t2", "ok")]
-        _, parent_sent = await send(
-            conversations, history, system=[{"type": "text", "text": "you help"}]
-        )
+        _, parent_sent = await send(conversations, history, system=system)
         launch = {
             "role": "assistant",
             "content": [
@@ -324,6 +324,7 @@ def test_a_branch_keeps_what_it_inherited_across_a_restart(tmp_path: Path, fault
         ]
         fork_history = [*history[:3], call("t9"), answer("t9", "f")]
         first = registry(tmp_path, storage=states)
+        await send(first, history[:3])  # its output new: persisted
         await send(first, history)
         fork, fork_sent = await send(first, fork_history)
         assert fork_sent[2]["content"][0]["content"].startswith(TAG)

@@ -259,8 +259,8 @@ def claude_code_system(subagent: bool) -> list[dict[str, Any]]:
 
 @KINDS
 def test_a_fork_sends_its_parents_bytes(tmp_path: Path, kind: str) -> None:
-    history = build("parent's build log\n" * 3_000)  # 57K: persisted by its own size
-    history += [calls("toolu_02"), answers(("toolu_02", "ok"))]
+    first = build("parent's build log\n" * 3_000)  # 57K: persisted by its own size
+    history = [*first, calls("toolu_02"), answers(("toolu_02", "ok"))]
     launch = [
         {"type": "text", "text": "I'll fork this."},
         {"type": "tool_use", "id": "toolu_ag", "name": "Agent", "input": {"subagent_type": "fork"}},
@@ -275,12 +275,14 @@ def test_a_fork_sends_its_parents_bytes(tmp_path: Path, kind: str) -> None:
     fork = [*history, {"role": "assistant", "content": launch[1:]}, started]
     with drop_in(kind, tmp_path) as (server, client):
         c = client("sk-ant-one")
+        create(c, first, claude_code_system(False))  # its output new: persisted
         create(c, history, claude_code_system(False))
         create(c, fork, claude_code_system(True))
         create(c, parent_next, claude_code_system(False))
-        sent = server.requests
+        sent = server.requests[1:]
     parent = sent[0]["messages"]
-    assert results_of(sent[0])[0].startswith(TAG)
+    assert results_of(server.requests[0])[0].startswith(TAG)
+    assert parent[2]["content"][0]["content"].startswith(TAG)
     assert sent[1]["messages"][: len(parent)] == parent  # the fork: its parent's bytes
     assert sent[2]["messages"][: len(parent)] == parent
     assert len([p for p in tmp_path.rglob("tool-results/*") if p.is_file()]) == 1
