@@ -395,15 +395,7 @@ class WireSession:
             self.chain = current
             self._pending = None
             return
-        try:
-            self.ctx.transcript.append_stage_record(FORK_RECORD, pending.to_record())
-        except OSError as exc:
-            self.ctx.logger.error(
-                "stage_record.write_failed",
-                stage=FORK_RECORD,
-                error=type(exc).__name__,
-                detail=describe_error(exc),
-            )
+        if not self._appended(FORK_RECORD, pending.to_record()):
             return
         self._pending = None
         self._disk_chain = list(pending.chain)
@@ -438,21 +430,8 @@ class WireSession:
         return request, call
 
     async def _record_decided(self, keys: Collection[str]) -> None:
-        transcript = self.ctx.transcript
-        if transcript is None:
-            return
         data = decided_record(sorted(keys))
-        try:
-            await anyio.to_thread.run_sync(
-                transcript.append_stage_record, DECIDED_RECORD_STAGE, data
-            )
-        except OSError as exc:
-            self.ctx.logger.error(
-                "stage_record.write_failed",
-                stage=DECIDED_RECORD_STAGE,
-                error=type(exc).__name__,
-                detail=describe_error(exc),
-            )
+        await anyio.to_thread.run_sync(self._appended, DECIDED_RECORD_STAGE, data)
 
     def request_span(
         self, messages: int, *, context: Context | None = None
@@ -571,14 +550,19 @@ class WireSession:
     def _append_response(self, data: dict[str, Any]) -> bool:
         """Whether the record was written (a failure is logged: the response was delivered;
         only another worker or a new process would miss its id and usage)."""
+        return self._appended(RESPONSE_RECORD, data)
+
+    def _appended(self, stage: str, data: Mapping[str, Any]) -> bool:
+        """Append a stage record (blocking); whether it was written. A failure is logged
+        (``stage_record.write_failed``, which one without content), never raised."""
         if self.ctx.transcript is None:
             return False
         try:
-            self.ctx.transcript.append_stage_record(RESPONSE_RECORD, data)
+            self.ctx.transcript.append_stage_record(stage, data)
         except OSError as exc:
             self.ctx.logger.error(
                 "stage_record.write_failed",
-                stage=RESPONSE_RECORD,
+                stage=stage,
                 error=type(exc).__name__,
                 detail=describe_error(exc),
             )
