@@ -60,6 +60,7 @@ from pipeline.replacement import (
     DECIDED_RECORD_STAGE,
     ReplacementRecord,
     ReplacementState,
+    answered_results,
     decided_in,
     decided_record,
     tool_use_id_of,
@@ -197,6 +198,8 @@ class WireSession:
             self._restore_responses(loaded.stage_records)
         self._params: list[Any] = []
         self._records: list[Message] = []
+        self._first_new = 0
+        """Where the last request prepared stopped repeating the one before."""
         self._wire = WireCache()
         self._projected: list[Message] = []
         self._calls = 0
@@ -423,6 +426,16 @@ class WireSession:
                     self._restored = None
                     if placed:
                         await self._record_decided(placed)
+        # a result new to this conversation that stands before the model's last answer was
+        # sent before (by the conversation this request also belongs to, or the client before
+        # this layer): as a new process would, it goes whole -- a fresh decision here would
+        # send what the model never saw in that form
+        state = self.ctx.replacement_state
+        placed = answered_results(records, self._first_new) - state.seen_ids
+        placed -= state.replacements.keys()
+        if placed:
+            state.seen_ids |= placed
+            await self._record_decided(placed)
         self._projected = await self.pipeline.run(records, self.ctx)
         request = self._wire.to_api(self._projected)
         if self.cache_breakpoint and not self._wire.breakpoints:
@@ -597,6 +610,7 @@ class WireSession:
         out = records[:same]
         out += [self._record(i, messages[i], chain[i]) for i in range(same, len(messages))]
         self._params, self._records, self.chain = list(messages), out, chain
+        self._first_new = same
         self.last_call = Call(len(messages), tuple(chain))
         return out
 

@@ -412,8 +412,10 @@ class Conversations:
         if found is not None:
             branch, start = found
             chain = chain_of(messages, start, branch.chain, opening=opening)
-            after = family.owner.get(chain[start]) if start < len(chain) else None
-            if after is None or after is branch:
+            known = start
+            while known < len(chain) and chain[known] in family.owner:
+                known += 1
+            if known == start or family.owner[chain[known - 1]] is branch:
                 return branch, chain, start
             # what follows its last request another conversation sent (a fork of that one
             # that repeats its messages): placed by that one's, below, to send what it sent

@@ -32,6 +32,7 @@ __all__ = [
     "ReplacementRecord",
     "ReplacementState",
     "ResultSlot",
+    "answered_results",
     "candidate_size",
     "content_digest",
     "is_candidate",
@@ -330,6 +331,17 @@ def _last_response_start(messages: Sequence[Message]) -> int:
         else:
             break
     return start
+
+
+def answered_results(messages: Sequence[Message], first: int = 0) -> set[str]:
+    """The ledger keys of the results in ``messages[first:]`` that stand before the last real
+    response: the model answered after them, so they were sent (by position, as
+    :meth:`ReplacementState.reconstruct` counts them). Reads from ``first`` on only."""
+    last = _last_response_start(messages)
+    keys: set[str] = set()
+    for i in range(first, last):
+        keys.update(slot.key for slot in read_results(messages[i]) if slot.key is not None)
+    return keys
 
 
 class _Counter:

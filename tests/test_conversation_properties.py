@@ -345,6 +345,22 @@ FOUND = {
     ],
     # a parent and its fork at once, the result they share new to both: one rule for both
     # (where it stands), whichever pass runs first
+    # a retry of a conversation's start, then a fork of a fork that repeats its parent:
+    # placed by the conversation that sent the most of it
+    "a-fork-of-a-fork-after-a-restart": [
+        ("new", 0, 0, 0), ("fork", 0, 0), ("fork", 1, 1), ("send", 2), ("step", 1, 0, 3),
+        ("step", 1, 0, 0), ("send", 1), ("restart",), ("send", 0), ("send", 1),
+    ],
+    "a-fork-of-a-fork-after-a-crash": [
+        ("new", 0, 0, 0), ("fork", 0, 0), ("fork", 1, 1), ("step", 1, 0, 0), ("send", 1),
+        ("step", 2, 0, 3), ("step", 2, 0, 0), ("crash", 2), ("send", 0), ("send", 2),
+    ],
+    # a conversation's request brings a result the model answered after, new to it, while
+    # a fork holding the same result is placed: both send it whole
+    "a-new-result-already-answered": [
+        ("new", 0, 0, 0), ("send", 0), ("step", 0, 0, 0), ("step", 0, 0, 3), ("fork", 0, 2),
+        ("fork", 1, 3), ("step", 0, 0, 0), ("pair", 0, 2, 0), ("send", 1),
+    ],
     "parent-and-fork-at-once": [
         ("new", 0, 0, 0), ("step", 0, 0, 3), ("fork", 0, 1), ("fork", 0, 1), ("step", 0, 0, 0),
         ("pair", 0, 1, 0), ("send", 2),
