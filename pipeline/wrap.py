@@ -183,7 +183,14 @@ def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
     headers[SESSION_HEADER] = anthropic.omit  # the conversation's name never leaves the process
     if report.betas:
         headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
-    return request.copy(body=body, headers=headers)
+    # the SDK's copy deep-copies the body it is about to replace (the whole history, every
+    # call): it copies none while it is away, and gets it back at once
+    options = request.options
+    history, options.json_data = options.json_data, None
+    try:
+        return request.copy(body=body, headers=headers)
+    finally:
+        options.json_data = history
 
 
 def _observed(seen: WireRequest, message: Any) -> None:

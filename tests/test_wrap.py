@@ -429,3 +429,36 @@ def test_the_request_span_says_what_the_call_cost(tmp_path: Path, streamed: bool
     ]
     assert attributes["sluicegate.upstream.duration_ms"] >= 0
     assert request.end_time is not None and request.end_time >= (request.start_time or 0)
+
+
+class _Counted(str):
+    """A text that counts its deep copies."""
+
+    copies = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Counted:
+        _Counted.copies += 1
+        return _Counted(str(self))
+
+
+def test_wrap_never_deep_copies_the_history(tmp_path: Path) -> None:
+    """The SDK's request copy deep-copies the body it is about to replace: the whole history,
+    every call (~320 ms a call at 5,000 messages)."""
+    history: list[dict[str, Any]] = [{"role": "user", "content": _Counted("start")}]
+    for k in range(200):
+        tid = f"toolu_{k:04d}"
+        history += [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": tid, "name": "x",
+                                               "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid,
+                                          "content": _Counted("y" * 100)}]},
+        ]  # fmt: skip
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as up:
+        raw = anthropic.Anthropic(base_url=up.base_url, api_key="sk-ant-x", max_retries=0)
+        client = wrap_with(raw, root=tmp_path, pipeline=lambda: Pipeline([ToolResultBudget()]))
+        _Counted.copies = 0
+        client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+        raw.close()
+        sent = up.requests[0]["messages"]
+    assert _Counted.copies == 0
+    assert len(sent) == len(history)
