@@ -39,7 +39,7 @@ import dataclasses
 import enum
 import threading
 import uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +88,9 @@ __all__ = [
     "WireSession",
     "beta_header",
 ]
+
+Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
+"""How results were decided (their ledger keys): replacement records, keys sent whole."""
 
 RESPONSE_RECORD = "wire_session.response"
 """The stage record of an observed response: where its answer stands, its id and usage, and
@@ -206,6 +209,9 @@ class WireSession:
         self.last_call: Call | None = None
         """The request :meth:`prepare` prepared last (what :meth:`observe` records by
         default)."""
+        self.elsewhere: Decided | None = None
+        """How the other conversations of this one's family decided results (their ledger
+        keys): set by :class:`~pipeline.conversations.Conversations`; None alone."""
 
     @classmethod
     async def open(
@@ -425,7 +431,7 @@ class WireSession:
                     self.ctx.replacement_state = state
                     self._restored = None
                     if placed:
-                        await self._record_decided(placed)
+                        await self._place_answered(placed)
         # a result new to this conversation that stands before the model's last answer was
         # sent before (by the conversation this request also belongs to, or the client before
         # this layer): as a new process would, it goes whole -- a fresh decision here would
@@ -434,17 +440,41 @@ class WireSession:
         placed = answered_results(records, self._first_new) - state.seen_ids
         placed -= state.replacements.keys()
         if placed:
-            state.seen_ids |= placed
-            await self._record_decided(placed)
+            await self._place_answered(placed)
         self._projected = await self.pipeline.run(records, self.ctx)
         request = self._wire.to_api(self._projected)
         if self.cache_breakpoint and not self._wire.breakpoints:
             add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
         return request, call
 
-    async def _record_decided(self, keys: Collection[str]) -> None:
-        data = decided_record(sorted(keys))
-        await anyio.to_thread.run_sync(self._appended, DECIDED_RECORD_STAGE, data)
+    async def _place_answered(self, keys: set[str]) -> None:
+        """Results the model answered after, that this conversation never decided: what
+        another conversation of its family sent each as (:attr:`elsewhere`: a replacement
+        bound to the same output -- this client's own, whose request no record placed here),
+        else whole. Either way recorded, so a new process decides alike."""
+        state = self.ctx.replacement_state
+        adopted: list[ReplacementRecord] = []
+        if self.elsewhere is not None:
+            found, _ = await anyio.to_thread.run_sync(self.elsewhere, keys)
+            adopted = [r for r in found if r.key in keys and r.key not in state.replacements]
+        for record in adopted:
+            state.record_replacement(record.key, record.replacement)
+        whole = keys - {r.key for r in adopted}
+        state.seen_ids |= whole
+        transcript = self.ctx.transcript
+        if adopted and transcript is not None:
+            try:
+                await anyio.to_thread.run_sync(transcript.append_replacements, adopted)
+            except OSError as exc:
+                self.ctx.logger.error(
+                    "stage_record.write_failed",
+                    stage="content-replacement",
+                    error=type(exc).__name__,
+                    detail=describe_error(exc),
+                )
+        if whole:
+            data = decided_record(sorted(whole))
+            await anyio.to_thread.run_sync(self._appended, DECIDED_RECORD_STAGE, data)
 
     def request_span(
         self, messages: int, *, context: Context | None = None

@@ -34,12 +34,13 @@ way: every worker names the same branch alike.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,7 +52,7 @@ from pipeline.adapter import WireSession
 from pipeline.digests import chain_of, opening_digest
 from pipeline.logs import get_logger
 from pipeline.messages import Message
-from pipeline.replacement import read_results
+from pipeline.replacement import ReplacementRecord, read_results
 from pipeline.session_storage import SessionStates, SessionStorage
 from pipeline.storage import validate_session_id
 from pipeline.tenancy import Tenancy
@@ -290,6 +291,7 @@ class Conversations:
             opening=family.opening,
             **self.context,
         )
+        session.elsewhere = functools.partial(self._decided_elsewhere, family, branch.name)
         with self._lock:
             branch.session = session
             branch.params = []
@@ -369,7 +371,7 @@ class Conversations:
     def _session(
         self, family: Family, name: str | None, storage: SessionStorage, **options: Any
     ) -> WireSession:
-        return WireSession(
+        session = WireSession(
             _named(family.name, name),
             family.calibration_root,
             self.pipeline(),
@@ -378,6 +380,28 @@ class Conversations:
             **options,
             **self.context,
         )
+        session.elsewhere = functools.partial(self._decided_elsewhere, family, name)
+        return session
+
+    def _decided_elsewhere(
+        self, family: Family, name: str | None, keys: Collection[str]
+    ) -> tuple[list[ReplacementRecord], set[str]]:
+        """How the family's other conversations decided the results ``keys``. Each lookup is
+        one step whatever another thread does (:meth:`WireSession.decisions_on`), so no lock
+        of theirs is taken: one of them may be in a pass that asks the same of this one."""
+        with self._lock:
+            others = [b for b in family.recent if b.name != name]
+        records: list[ReplacementRecord] = []
+        seen: set[str] = set()
+        missing = set(keys)
+        for other in others:
+            if not missing:
+                break
+            found, whole = other.session.decisions_on(missing)
+            records += found
+            seen |= whole
+            missing -= {r.key for r in found} | whole
+        return records, seen
 
     def _place(
         self,

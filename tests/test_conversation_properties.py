@@ -361,6 +361,13 @@ FOUND = {
         ("new", 0, 0, 0), ("send", 0), ("step", 0, 0, 0), ("step", 0, 0, 3), ("fork", 0, 2),
         ("fork", 1, 3), ("step", 0, 0, 0), ("pair", 0, 2, 0), ("send", 1),
     ],
+    # the first call's response was lost, then the process: its result persisted, recorded
+    # in a conversation no record places the next request in; that request is placed in
+    # another (a twin's start) and takes the family's decision on it, not "whole"
+    "a-lost-call-then-a-twin": [
+        ("new", 0, 1, 0), ("fork", 0, 0), ("step", 0, 0, 3), ("lost", 0), ("new", 0, 1, 0),
+        ("send", 1), ("restart",), ("send", 2), ("step", 0, 0, 0), ("send", 0),
+    ],
     "parent-and-fork-at-once": [
         ("new", 0, 0, 0), ("step", 0, 0, 3), ("fork", 0, 1), ("fork", 0, 1), ("step", 0, 0, 0),
         ("pair", 0, 1, 0), ("send", 2),
