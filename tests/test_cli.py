@@ -662,3 +662,22 @@ def test_missing_sdk_gives_an_install_hint(
     assert len(err.strip().splitlines()) == 1
     assert out == ""
     assert not (tmp_path / "demo-session.jsonl").exists()  # failed before doing any work
+
+
+def test_the_command_says_its_version() -> None:
+    import importlib.metadata
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"sluicegate {importlib.metadata.version('sluicegate')}"
+
+
+@pytest.mark.parametrize("flag", ["--json", "--progress", "--dump-requests"])
+def test_the_proxy_takes_no_flag_it_would_ignore(flag: str, tmp_path: Path) -> None:
+    """A server prints no table, JSON lines, request dumps or progress bar: such a flag is
+    refused, never silently ignored."""
+    assert flag not in run_cli("proxy", "--help").stdout
+    proc = run_cli(
+        "proxy", "--store", tmp_path, flag, *(["x"] if flag == "--dump-requests" else [])
+    )
+    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr

@@ -157,11 +157,11 @@ class ReplayOptions:
             # an object store URL (proxy, agent) is the command's own business
             store=args.store if not isinstance(args.store, str) else None,
             keep_store=getattr(args, "keep_store", False),
-            json=args.json,
-            dump_requests=args.dump_requests,
+            json=getattr(args, "json", False),  # a server (the proxy) prints none of these
+            dump_requests=getattr(args, "dump_requests", None),
             dump_calls=_dump_calls(getattr(args, "dump_calls", None)),
             dump_format=getattr(args, "dump_format", "full"),
-            progress=args.progress,
+            progress=getattr(args, "progress", None),
             console_spans=args.console_spans,
             stage_specs=tuple(getattr(args, "stage", None) or ()),
         )

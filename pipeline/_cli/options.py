@@ -82,11 +82,17 @@ def add_object_store_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_replay_options(
-    p: argparse.ArgumentParser, *, temporary_store: bool, store_help: str | None = None
+    p: argparse.ArgumentParser,
+    *,
+    temporary_store: bool,
+    store_help: str | None = None,
+    per_call_output: bool = True,
 ) -> None:
     """The options every pipeline command takes; ``temporary_store``: the command makes a
     temporary store when no ``--store`` is given (and so takes ``--keep-store``);
-    ``store_help``: the command's ``--store`` also takes an object store URL, as this says."""
+    ``store_help``: the command's ``--store`` also takes an object store URL, as this says;
+    ``per_call_output=False``: a server (the proxy), which prints no table, JSON lines,
+    request dumps or progress bar."""
     budget = p.add_argument_group("budget")
     budget.add_argument(
         "--per-message-chars",
@@ -122,6 +128,22 @@ def add_replay_options(
     )
 
     out = p.add_argument_group("output")
+    if per_call_output:
+        _add_per_call_output(out)
+    out.add_argument("--console-spans", action="store_true", help="also print every span to stderr")
+    out.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log to stderr at INFO (-v) or DEBUG (-vv); default WARNING",
+    )
+    out.add_argument(
+        "--log-json", action="store_true", help="log JSON lines instead of readable text"
+    )
+
+
+def _add_per_call_output(out: argparse._ArgumentGroup) -> None:
     out.add_argument(
         "--json",
         action="store_true",
@@ -153,15 +175,4 @@ def add_replay_options(
         action=argparse.BooleanOptionalAction,
         default=None,
         help="progress bar on stderr (default: only when stderr is a terminal)",
-    )
-    out.add_argument("--console-spans", action="store_true", help="also print every span to stderr")
-    out.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=0,
-        help="log to stderr at INFO (-v) or DEBUG (-vv); default WARNING",
-    )
-    out.add_argument(
-        "--log-json", action="store_true", help="log JSON lines instead of readable text"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,13 @@ from pipeline.wire_limits import HEADER_TIMEOUT, UPSTREAM_TIMEOUT
 from stages import registry as stage_registry
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("sluicegate")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sluicegate`` / ``python -m pipeline`` argument parser."""
     parser = argparse.ArgumentParser(
@@ -43,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(tool_result_budget -> history_snip -> microcompact -> context_collapse -> autocompact).",
         epilog="Run 'sluicegate COMMAND --help' for a command's options.",
     )
+    parser.add_argument("--version", action="version", version=f"sluicegate {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     replay = sub.add_parser(
@@ -225,7 +234,9 @@ def _add_proxy_parser(sub: Any) -> None:
         help="then remove the oldest persisted results until they total at most SIZE (e.g. "
         "500M, 2G; powers of 1024)",
     )
-    add_replay_options(proxy_p, temporary_store=False, store_help=PROXY_STORE_HELP)
+    add_replay_options(
+        proxy_p, temporary_store=False, store_help=PROXY_STORE_HELP, per_call_output=False
+    )
     add_object_store_options(proxy_p)
     proxy_p.set_defaults(handler=cmd_proxy, store=None)
 
