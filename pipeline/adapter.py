@@ -92,6 +92,9 @@ __all__ = [
 Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
 """How results were decided (their ledger keys): replacement records, keys sent whole."""
 
+REPLACEMENT_RECORD = "content-replacement"
+"""What a failure to append replacement records is logged as (the transcript's own type)."""
+
 RESPONSE_RECORD = "wire_session.response"
 """The stage record of an observed response: where its answer stands, its id and usage, and
 the digests of the request's messages from where they changed (``chain_from``, ``chain``)."""
@@ -461,17 +464,8 @@ class WireSession:
             state.record_replacement(record.key, record.replacement)
         whole = keys - {r.key for r in adopted}
         state.seen_ids |= whole
-        transcript = self.ctx.transcript
-        if adopted and transcript is not None:
-            try:
-                await anyio.to_thread.run_sync(transcript.append_replacements, adopted)
-            except OSError as exc:
-                self.ctx.logger.error(
-                    "stage_record.write_failed",
-                    stage="content-replacement",
-                    error=type(exc).__name__,
-                    detail=describe_error(exc),
-                )
+        if adopted:
+            await anyio.to_thread.run_sync(self._appended, REPLACEMENT_RECORD, adopted)
         if whole:
             data = decided_record(sorted(whole))
             await anyio.to_thread.run_sync(self._appended, DECIDED_RECORD_STAGE, data)
@@ -595,13 +589,18 @@ class WireSession:
         only another worker or a new process would miss its id and usage)."""
         return self._appended(RESPONSE_RECORD, data)
 
-    def _appended(self, stage: str, data: Mapping[str, Any]) -> bool:
-        """Append a stage record (blocking); whether it was written. A failure is logged
+    def _appended(self, stage: str, data: Mapping[str, Any] | Sequence[ReplacementRecord]) -> bool:
+        """Append a stage record, or (``stage`` :data:`REPLACEMENT_RECORD`) replacement
+        records (blocking); whether it was written. A failure is logged
         (``stage_record.write_failed``, which one without content), never raised."""
-        if self.ctx.transcript is None:
+        transcript = self.ctx.transcript
+        if transcript is None:
             return False
         try:
-            self.ctx.transcript.append_stage_record(stage, data)
+            if isinstance(data, Mapping):
+                transcript.append_stage_record(stage, data)
+            else:
+                transcript.append_replacements(data)
         except OSError as exc:
             self.ctx.logger.error(
                 "stage_record.write_failed",

@@ -525,8 +525,6 @@ class Conversations:
         parent = plan.parent
         if parent is not None:
             keys = _result_keys(messages)
-            with self._lock:
-                others = [b for b in family.recent if b is not parent]
             if sync:
                 with parent.session.sync_lock:
                     inherited = parent.session.inherit(plan.at, keys)
@@ -536,16 +534,9 @@ class Conversations:
             # of the family -- this client's own, whose last request no record placed (its
             # response was lost, then the process): bound to their output, those decisions are
             # what this output was sent as
-            for other in others:
-                missing = keys - inherited.decided_keys()
-                if not missing:
-                    break
-                if sync:
-                    with other.session.sync_lock:
-                        found = other.session.decisions_on(missing)
-                else:
-                    found = other.session.decisions_on(missing)
-                inherited.adopt(*found)
+            missing = keys - inherited.decided_keys()
+            if missing:
+                inherited.adopt(*self._decided_elsewhere(family, parent.name, missing))
             inherited.chain = list(plan.chain)  # its first request, as this one sent it
             get_logger(session_id=_named(family.name, plan.name)).info(
                 "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at
