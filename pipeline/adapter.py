@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import threading
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -198,6 +199,7 @@ class WireSession:
         """Held by a synchronous caller around each call's pass and observation (threads of
         one client may share a conversation)."""
         self._observing = anyio.Lock()
+        self._calibration_due: dict[str, Any] | None = None
         self._restored: Transcript | None = loaded
         self._responses: dict[int, tuple[str, Usage | None]] = {}
         if loaded is not None:
@@ -552,7 +554,29 @@ class WireSession:
             self._learn(parsed, model, compacted=usage_compacted(usage or {}))
             # the snapshot taken here: the tracker is not to be read from another thread
             state = self.ctx.token_tracker.state_dict()
-            await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state)
+            if self.storage.sync is not None:
+                self._calibration_due = state  # saved by settle(), after the response
+            else:
+                await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state)
+
+    async def settle(self) -> None:
+        """Make what this session wrote so far durable, off the response's path: its records
+        (a local store opened with ``fsync_each=False``: one ``fsync`` for the call's appends)
+        and the token calibration learned since the last settle. Nothing to do where each
+        append was durable already. A failure is logged, never raised (the response has gone)."""
+        sync = self.storage.sync
+        if sync is None:
+            return
+        state, self._calibration_due = self._calibration_due, None
+        try:
+            await anyio.to_thread.run_sync(sync)
+        except OSError as exc:
+            self.ctx.logger.error(
+                "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
+            )
+        if state is not None:  # an estimate, not a decision: a power loss costs a cold start
+            save = functools.partial(TokenTracker.save_state, durable=False)
+            await anyio.to_thread.run_sync(save, self._calibration, state)
 
     def _response(
         self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None

@@ -8,10 +8,13 @@ agent cleans what the caller gives (system prompt, tool definitions, model).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
-__all__ = ["encodable"]
+import msgspec
+
+__all__ = ["dumps_body", "encodable", "loads_body"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _ENCODE_MAX = 65_536
@@ -129,3 +132,33 @@ def _cleaned(value: Any) -> Any:
     if isinstance(value, list):
         return [_cleaned(v) for v in value]
     return value
+
+
+def loads_body(raw: bytes) -> tuple[Any, bool]:
+    """A request body parsed, and whether :func:`dumps_body` may write it with the fast
+    encoder. ``msgspec`` parses what is standard JSON (integers of any size exactly, as the
+    standard library does); what it refuses is parsed by the standard library, as before
+    (``NaN``, ``Infinity``, a lone surrogate's escape, a number out of a float's range, a
+    body nested past msgspec's depth), so both accept and refuse the same bodies and say so
+    the same way: ``ValueError`` (also ``RecursionError``) from the standard library."""
+    try:
+        return _decode(raw), True
+    except msgspec.DecodeError:
+        return json.loads(raw), False
+
+
+def dumps_body(value: Any, *, fast: bool = True) -> bytes:
+    """``value`` as the JSON bytes of a request: ``msgspec`` (UTF-8, compact) when ``fast``
+    and it can write the value; else the standard library's ``json.dumps`` (a lone surrogate;
+    a value parsed from a body the fast parser refused: ``fast=False``, so that ``NaN`` stays
+    ``NaN`` rather than becoming ``null``)."""
+    if fast:
+        try:
+            return _encode(value)
+        except (TypeError, ValueError, OverflowError):  # UnicodeEncodeError is a ValueError
+            pass
+    return json.dumps(value).encode("utf-8")
+
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -53,6 +52,7 @@ from starlette.routing import Route
 from pipeline.adapter import WireSession
 from pipeline.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
 from pipeline.core import Pipeline
+from pipeline.encoding import dumps_body, loads_body
 from pipeline.logs import get_logger
 from pipeline.metrics import WireMetrics
 from pipeline.relay import relay as _relay
@@ -105,6 +105,7 @@ def build_app(
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     max_conversations: int | None = MAX_HELD,
     max_upstream_connections: int = MAX_UPSTREAM_CONNECTIONS,
+    fsync_each: bool = False,
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
@@ -130,14 +131,23 @@ def build_app(
     for one call's pass only, never while its upstream call runs. ``max_conversations``: how
     many conversations are held in memory (:class:`~pipeline.conversations.Conversations`'
     ``max_held``). ``max_upstream_connections``: how many upstream calls run at once (one
-    more waits for one to end, within ``upstream_timeout``)."""
+    more waits for one to end, within ``upstream_timeout``). ``fsync_each``: how a local
+    store's records are made durable -- False (default): each is written before the proxy goes
+    on (a crash of the process loses none) and the call's are synced once, after its response
+    has gone by (off the request's path; a machine that loses power in that moment may lose
+    the last call's); True: each before the proxy goes on. An object store's are always
+    written before the response ends."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
     if not upstream_timeout > 0:  # NaN too
         raise ValueError(f"upstream_timeout must be a positive number, got {upstream_timeout}")
     metrics = metrics or WireMetrics()
     logger = context.get("logger") or get_logger()
-    states = storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
+    states = (
+        storage
+        if isinstance(storage, SessionStates)
+        else SessionStates(storage or root, fsync_each=fsync_each)
+    )
     conversations = Conversations(
         pipeline=pipeline,
         root=root,
@@ -240,7 +250,7 @@ def build_app(
             return raw
         headers = dict(request.headers)
         try:
-            body = json.loads(raw)
+            body, fast = loads_body(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
         except RecursionError:
@@ -299,7 +309,7 @@ def build_app(
                         call_request.end(status=400, error="invalid_request_error")
                         logged(started, 400, error="invalid_request_error")
                         return _error(400, "invalid_request_error", str(exc)[:300])
-                    content = _upstream_body(session, prepared)
+                    content = _upstream_body(session, prepared, fast=fast)
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )
@@ -321,7 +331,15 @@ def build_app(
             done = functools.partial(
                 _ended, call_request, metrics, started, upstream_response.status_code
             )
-            return _relay(upstream_response, session, call, call_request, end=done, logger=logger)
+            return _relay(
+                upstream_response,
+                session,
+                call,
+                call_request,
+                end=done,
+                after=session.settle,
+                logger=logger,
+            )
         raise AssertionError("unreachable: the last attempt always sends")
 
     async def passthrough(request: Request) -> Response:
@@ -381,10 +399,10 @@ def _ended(request: WireRequest, metrics: WireMetrics, started: float, status: i
     metrics.request(status=status, seconds=time.monotonic() - started)
 
 
-def _upstream_body(session: WireSession, prepared: dict[str, Any]) -> bytes:
+def _upstream_body(session: WireSession, prepared: dict[str, Any], *, fast: bool) -> bytes:
     """The prepared request with what a stage asked of it (extras), as JSON."""
     merged = merge_request_fields(prepared, session.ctx.report.request_extras)
-    return json.dumps(merged).encode("utf-8")
+    return dumps_body(merged, fast=fast)
 
 
 async def _send(

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx2
+from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
@@ -31,14 +32,17 @@ def relay(
     call_request: WireRequest | None = None,
     *,
     end: Callable[[], None] | None = None,
+    after: Callable[[], Awaitable[None]] | None = None,
     logger: Any = None,
 ) -> Response:
     """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
     on the way, and the session's record of it written before the client can see the end: an
     event stream passes chunk by chunk as it arrives, the chunk that completes the usage
     (``message_delta``) once the record is written; a JSON body is passed on whole once read
-    and recorded. ``end``: called once the body has gone by (or the client left); ``logger``:
-    where a body the upstream cut is told (default: the library's)."""
+    and recorded. ``end``: called once the body has gone by (or the client left); ``after``:
+    awaited after that, once the client has the whole response (the session's
+    :meth:`~pipeline.adapter.WireSession.settle`); ``logger``: where a body the upstream cut is
+    told (default: the library's)."""
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
     answered = session is not None and upstream.status_code == 200
     reader = _UsageReader(session, call, call_request) if session is not None and answered else None
@@ -68,7 +72,12 @@ def relay(
             if end is not None:
                 end()
 
-    relayed = _Relayed(body(), status_code=upstream.status_code, headers=headers)
+    relayed = _Relayed(
+        body(),
+        status_code=upstream.status_code,
+        headers=headers,
+        background=None if after is None else BackgroundTask(after),
+    )
     return relayed
 
 

@@ -116,6 +116,10 @@ class SessionStorage:
     """Which branch of the session's records this is: None for its first, ``f<16 hex>`` for
     another (a conversation that went another way from a point of this one; its results share
     the session's ``tool-results``)."""
+    sync: Callable[[], None] | None = None
+    """Makes the records appended so far durable (blocking; ``OSError`` when it cannot): set
+    where an append is written but not yet durable (a local store opened with
+    ``fsync_each=False``); None where each append already is."""
 
 
 def in_turn_options(timeout: float = STORE_TIMEOUT, retries: int = STORE_RETRIES) -> dict[str, Any]:
@@ -191,9 +195,14 @@ class SessionStates:
         *,
         writer_id: str | None = None,
         object_store: ObjectStoreAPI | None = None,
+        fsync_each: bool = True,
         **options: Any,
     ) -> None:
         text = os.fspath(location)
+        self.fsync_each = fsync_each
+        """Whether a local store's appends are each made durable before they return; False:
+        written at once, made durable by the session's ``sync`` (the proxy does so once per
+        call, after the response has gone by). An object store's are always durable."""
         if not isinstance(text, str):
             raise ValueError("a store location must be a path or a URL string, not bytes")
         self.writer_id = writer_id
@@ -251,7 +260,7 @@ class SessionStates:
         if branch is not None and not _BRANCH.fullmatch(branch):
             raise ValueError(f"a branch is named f<16 hex>, got {branch!r:.40}")
         if self._root is not None:
-            return _local(self._root, sid, branch, content_named)
+            return _local(self._root, sid, branch, content_named, self.fsync_each)
         assert self._store is not None
         return _on_objects(
             self._store,
@@ -270,6 +279,7 @@ class SessionStates:
         sub = validate_session_id(name)
         inner = SessionStates.__new__(SessionStates)
         inner.writer_id = self.writer_id
+        inner.fsync_each = self.fsync_each
         inner._root = None if self._root is None else self._root / sub
         inner._store = self._store
         inner._uri_base = self._uri_base
@@ -398,10 +408,15 @@ def _shown(url: str) -> str:
 
 
 def _local(
-    root: Path, sid: str, branch: str | None = None, content_named: bool = False
+    root: Path,
+    sid: str,
+    branch: str | None = None,
+    content_named: bool = False,
+    fsync_each: bool = True,
 ) -> SessionStorage:
     store = FileToolResultStore(root, sid, content_named=content_named)
     path = root / sid / (DECISIONS_FILE if branch is None else f"decisions.{branch}.jsonl")
+    records = TranscriptWriter(path, sid, fsync_each=fsync_each)
 
     def load() -> Transcript | None:
         return load_transcript(path, strict=False) if path.exists() else None
@@ -410,10 +425,11 @@ def _local(
         session_id=sid,
         location=str(root),
         store=store,
-        records=TranscriptWriter(path, sid),
+        records=records,
         load=load,
         reader=PersistedOutputReader(store.directory),
         branch=branch,
+        sync=None if fsync_each else records.sync,
     )
 
 

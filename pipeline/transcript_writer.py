@@ -154,7 +154,10 @@ class TranscriptWriter(JsonlRecordWriter):
     """Appends messages and ``content-replacement`` records to a session JSONL file.
 
     Each append is one ``write`` of whole lines followed by a flush and ``fsync``, so a crash
-    leaves at most a torn last line, which a ``strict=False`` load skips and reports.
+    leaves at most a torn last line, which a ``strict=False`` load skips and reports. With
+    ``fsync_each=False`` an append is written (a crash of the process loses nothing) and
+    :meth:`sync` makes what was appended durable on disk later, once for many appends (a
+    machine that loses power in between may lose them): for callers that must answer first.
 
     The file is created 0600 and missing directories above it 0700 (the conversation is
     private). A transcript or session directory that is a symbolic link, or not a regular file
@@ -163,12 +166,38 @@ class TranscriptWriter(JsonlRecordWriter):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], session_id: str, *, agent_id: str | None = None
+        self,
+        path: str | os.PathLike[str],
+        session_id: str,
+        *,
+        agent_id: str | None = None,
+        fsync_each: bool = True,
     ) -> None:
         self.path = Path(path)
         self.session_id = session_id
         self.agent_id = agent_id
+        self.fsync_each = fsync_each
+        self._unsynced = False
         self._last_uuid = _last_uuid(self.path)
+
+    def sync(self) -> None:
+        """Make every append so far durable on disk (one ``fsync``; nothing when each append
+        already was, or none was made since the last sync). Blocking."""
+        if not self._unsynced:
+            return
+        self._unsynced = False  # an append from now on marks it again
+        try:
+            fd = _open_transcript(self.path, os.O_RDONLY)
+        except BaseException:
+            self._unsynced = True
+            raise
+        try:
+            os.fsync(fd)
+        except BaseException:
+            self._unsynced = True
+            raise
+        finally:
+            os.close(fd)
 
     def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
         payload = encode_records(records)
@@ -182,7 +211,10 @@ class TranscriptWriter(JsonlRecordWriter):
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 payload = b"\n" + payload
             os.write(fd, payload)
-            os.fsync(fd)
+            if self.fsync_each:
+                os.fsync(fd)
+            else:
+                self._unsynced = True
         finally:
             os.close(fd)
 

@@ -214,6 +214,13 @@ def _add_proxy_parser(sub: Any) -> None:
         help="conversations held in memory; past it the least recently used are let go and "
         "load from the store when they come back (default %(default)s)",
     )
+    limits.add_argument(
+        "--fsync-each",
+        action="store_true",
+        help="make each record of a local --store durable (fsync) before going on; by "
+        "default records are written at once and made durable once per call, after its "
+        "response (a power loss in that moment may lose the last call's)",
+    )
     retention = proxy_p.add_argument_group(
         "retention",
         "The store lives as long as the proxy: prune it at start-up, then every hour. A "

@@ -89,6 +89,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             upstream_timeout=args.upstream_timeout,
             max_conversations=args.max_conversations,
             max_upstream_connections=connections,
+            fsync_each=args.fsync_each,
             **context,
         )
         sock = _listen(args.host, args.port)

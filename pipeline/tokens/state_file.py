@@ -38,9 +38,13 @@ def calibration_path_for(
     return Path(root) / session_id / f"token-calibration-{safe}.json"
 
 
-def write_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> bool:
+def write_state(
+    path: str | os.PathLike[str], state: Mapping[str, Any], *, durable: bool = True
+) -> bool:
     """Write ``state`` as JSON to ``path`` atomically (temp file, fsync, rename); False, and a
-    warning logged, when it cannot."""
+    warning logged, when it cannot. ``durable=False``: no fsync (still atomic for readers and
+    a crash of the process; a machine losing power may leave the old state or none, which a
+    load reads as a cold start)."""
     target = Path(path)
     data = json.dumps(state, separators=(",", ":")).encode("utf-8")
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
@@ -54,7 +58,8 @@ def write_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> bool:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, target)  # readers see the old state or the new, never half
         finally:
             tmp.unlink(missing_ok=True)

@@ -379,10 +379,13 @@ class TokenTracker:
         return self.save_state(path, self.state_dict())
 
     @staticmethod
-    def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> bool:
+    def save_state(
+        path: str | os.PathLike[str], state: Mapping[str, Any], *, durable: bool = True
+    ) -> bool:
         """Write a :meth:`state_dict` taken earlier, as :meth:`save` does: the snapshot is
-        taken on the event loop, the write (an fsync) goes to a worker thread."""
-        return write_state(path, state)
+        taken on the event loop, the write (an fsync) goes to a worker thread. ``durable=False``:
+        without the fsync (see :func:`~pipeline.tokens.state_file.write_state`)."""
+        return write_state(path, state, durable=durable)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, method: Method = "calibrated") -> TokenTracker:

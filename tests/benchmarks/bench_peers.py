@@ -1,0 +1,389 @@
+"""What a hop costs: the proxy (run as users run it, ``sluicegate proxy``) and ``wrap`` against a
+direct call and against a bare Python forwarder (Starlette + httpx, the same stack the proxy
+is built on), all in one run, interleaved call by call so the machine's noise falls on all.
+
+    python tests/benchmarks/bench_peers.py [--sizes 10,100,1000,10000] [--calls 40]
+        [--concurrency 16] [--prepare 1000,5000,10000,20000]
+
+Not a test: it prints figures.
+
+1. **Added latency.** Each target serves one conversation that grows by a round (a tool call and
+   its ~2K-char result) per call, as a client loop does; a plain HTTP client sends bodies encoded
+   before the clock starts. Per size: median and p99 of each target's wall time per call, and what
+   it adds over the direct call (median of the per-call differences, interleaved). ``wrap`` is
+   the SDK wrapped against the SDK alone (the SDK's own cost cancels out).
+2. **Throughput.** ``--concurrency`` conversations at 100 messages at once, each sending calls back
+   to back for a few seconds: requests a second and p50/p99 latency per target.
+3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
+   1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
+
+The upstream is a tiny server in its own process answering every request with the same reply,
+so what is measured is the hop, not the upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import httpx2 as httpx  # noqa: E402
+
+REPLY = {
+    "id": "msg_bench",
+    "type": "message",
+    "role": "assistant",
+    "model": "claude-bench",
+    "content": [{"type": "text", "text": "ok"}],
+    "stop_reason": "end_turn",
+    "stop_sequence": None,
+    "usage": {"input_tokens": 10, "output_tokens": 1},
+}
+
+
+def serve_upstream() -> None:
+    """The upstream: reads the body, answers the same reply (a process of its own)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    reply = json.dumps(REPLY).encode()
+
+    async def messages(request: Request) -> Response:
+        await request.body()
+        return Response(reply, media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
+    _serve(app)
+
+
+def serve_forwarder(upstream: str) -> None:
+    """The bare forwarder: what anyone would write in twenty lines to relay the Messages API."""
+    import uvicorn  # noqa: F401
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    client = httpx.AsyncClient(base_url=upstream, timeout=None)
+    drop = {"host", "content-length", "connection"}
+
+    async def messages(request: Request) -> StreamingResponse:
+        headers = {k: v for k, v in request.headers.items() if k not in drop}
+        sent = client.build_request(
+            "POST", "/v1/messages", headers=headers, content=await request.body()
+        )
+        got = await client.send(sent, stream=True)
+        keep = {
+            k: v for k, v in got.headers.items() if k not in ("content-length", "transfer-encoding")
+        }
+        return StreamingResponse(
+            got.aiter_raw(), got.status_code, keep, background=BackgroundTask(got.aclose)
+        )
+
+    app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
+    _serve(app)
+
+
+def _serve(app: Any) -> None:
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    print(f"listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", http="h11")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def process(*args: str) -> Iterator[str]:
+    """This file run in a mode (``--serve-upstream``, ``--serve-forwarder URL``); yields its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    found = re.search(r"(http://127\.0\.0\.1:\d+)", line)
+    try:
+        if found is None:
+            raise RuntimeError(f"{args[0]} did not start: {line!r}")
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def proxy_command(upstream: str, store: Path) -> Iterator[str]:
+    """``python -m pipeline proxy`` as users run it; yields its URL."""
+    from tests.wire_support import proxy_process
+
+    with proxy_process(upstream, store, "--max-connections", "1024") as (url, _lines, _code):
+        yield url
+
+
+def history(n: int, tag: str = "", size: int = 2_000) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{"role": "user", "content": f"start {tag}"}]
+    k = 0
+    while len(out) < n - 1:
+        out += round_of(f"toolu_{tag}{k:05d}", "y", size)
+        k += 1
+    return out
+
+
+def round_of(tid: str, fill: str, size: int = 2_000) -> list[dict[str, Any]]:
+    return [
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": tid, "name": "x", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": tid, "content": fill * size}],
+        },
+    ]
+
+
+class Conversation:
+    """One target's conversation: a body per call, grown by a round, encoded before timing."""
+
+    def __init__(self, n: int, tag: str) -> None:
+        self.messages = history(n, tag)
+        self.tag = tag
+        self.k = 0
+
+    def next_body(self) -> bytes:
+        body = {"model": "m", "max_tokens": 10, "messages": self.messages}
+        raw = json.dumps(body).encode()
+        self.messages = self.messages + round_of(f"toolu_{self.tag}next{self.k}", "z")
+        self.k += 1
+        return raw
+
+
+def send(client: httpx.Client, url: str, raw: bytes) -> float:
+    start = time.perf_counter()
+    response = client.post(
+        url + "/v1/messages",
+        content=raw,
+        headers={
+            "content-type": "application/json",
+            "x-api-key": "k",
+            "anthropic-version": "2023-06-01",
+        },
+    )
+    elapsed = (time.perf_counter() - start) * 1000
+    if response.status_code != 200:
+        raise RuntimeError(f"{url}: {response.status_code} {response.text[:200]}")
+    return elapsed
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def latency(targets: dict[str, str], sizes: list[int], calls: int) -> None:
+    print(
+        "\n1. Added latency per call (ms; median / p99 of wall time; added = median of the"
+        " per-call difference to direct)"
+    )
+    heads = (
+        ["messages"]
+        + [f"{name} med/p99" for name in targets]
+        + [f"{n} added" for n in targets if n != "direct"]
+    )
+    print("  ".join(h.rjust(16) for h in heads))
+    for n in sizes:
+        per_call = min(calls, max(8, calls * 1000 // max(n, 1000)))
+        convs = {name: Conversation(n, f"{name}{n}") for name in targets}
+        times: dict[str, list[float]] = {name: [] for name in targets}
+        with httpx.Client(timeout=120) as client:
+            for name, url in targets.items():  # warm: connection, first call of each conversation
+                send(client, url, convs[name].next_body())
+            for _ in range(per_call):
+                bodies = {name: convs[name].next_body() for name in targets}
+                for name, url in targets.items():
+                    times[name].append(send(client, url, bodies[name]))
+        cells = [f"{statistics.median(times[t]):7.2f}/{p99(times[t]):7.2f}" for t in targets]
+        added = [
+            statistics.median(a - d for a, d in zip(times[t], times["direct"], strict=True))
+            for t in targets
+            if t != "direct"
+        ]
+        print(
+            "  ".join(
+                [str(n).rjust(16), *(c.rjust(16) for c in cells), *(f"{a:+16.2f}" for a in added)]
+            )
+        )
+        sys.stdout.flush()
+
+
+def wrap_latency(upstream: str, sizes: list[int], calls: int) -> None:
+    import anthropic
+
+    from stages import wrap
+
+    print(
+        "\n   wrap: the SDK wrapped against the SDK alone (ms per call, median / p99;"
+        " added = median difference)"
+    )
+    for n in sizes:
+        per_call = min(calls, max(8, calls * 1000 // max(n, 1000)))
+        with tempfile.TemporaryDirectory() as root:
+            plain = anthropic.Anthropic(base_url=upstream, api_key="k", max_retries=0)
+            wrapped = wrap(
+                anthropic.Anthropic(base_url=upstream, api_key="k", max_retries=0), root=Path(root)
+            )
+            convs = {"sdk": history(n, "s"), "wrap": history(n, "w")}
+            times: dict[str, list[float]] = {"sdk": [], "wrap": []}
+            for k in range(per_call + 1):
+                for name, client in (("sdk", plain), ("wrap", wrapped)):
+                    start = time.perf_counter()
+                    client.messages.create(model="m", max_tokens=10, messages=convs[name])  # type: ignore[arg-type]
+                    if k:
+                        times[name].append((time.perf_counter() - start) * 1000)
+                    convs[name] = convs[name] + round_of(f"toolu_{name}n{k}", "z")
+        added = statistics.median(w - s for w, s in zip(times["wrap"], times["sdk"], strict=True))
+        cells = " ".join(
+            f"{name} {statistics.median(t):7.2f}/{p99(t):7.2f}" for name, t in times.items()
+        )
+        print(f"   {n:>8}  {cells}  added {added:+.2f}")
+        sys.stdout.flush()
+
+
+def throughput(targets: dict[str, str], concurrency: int, seconds: float) -> None:
+    print(
+        f"\n2. Throughput: {concurrency} conversations at 100 messages at once,"
+        f" {seconds:.0f} s each"
+    )
+    print(f"{'target':>12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
+    for name, url in targets.items():
+        stop = time.monotonic() + seconds
+
+        def worker(i: int, url: str = url, name: str = name, stop: float = stop) -> list[float]:
+            conv = Conversation(100, f"t{name}{i}")
+            mine = []
+            with httpx.Client(timeout=120) as client:
+                while time.monotonic() < stop:
+                    if len(conv.messages) > 140:  # stay near 100 messages: a new conversation
+                        conv = Conversation(100, f"t{name}{i}r{conv.k}")
+                    mine.append(send(client, url, conv.next_body()))
+            return mine
+
+        began = time.monotonic()
+        with ThreadPoolExecutor(concurrency) as pool:
+            all_times = [t for mine in pool.map(worker, range(concurrency)) for t in mine]
+        took = time.monotonic() - began
+        print(
+            f"{name:>12} {len(all_times) / took:9.1f}"
+            f" {statistics.median(all_times):9.2f} {p99(all_times):9.2f}"
+        )
+        sys.stdout.flush()
+
+
+def prepare_scaling(sizes: list[int], calls: int) -> None:
+    from pipeline import Pipeline
+    from pipeline.adapter import WireSession
+    from stages import default_stages
+
+    print(
+        "\n3. WireSession.prepare and observe_async per call (ms, median over calls; the"
+        " conversation grows a round a"
+        " call; 100-char results and a 10M-token window, so no stage fires: the steady cost)"
+    )
+
+    async def run(n: int, root: Path) -> float:
+        pipeline = Pipeline(default_stages(context_window=10_000_000))
+        session = await WireSession.open(f"bench{n}", root, pipeline)
+        messages: list[Any] = history(n, "p", 100)
+        times = []
+        for k in range(calls + 1):
+            start = time.perf_counter()
+            await session.prepare(messages)
+            # the response, as the proxy observes it: its usage anchors the next estimate
+            usage = {"input_tokens": 3 + len(messages) * 30, "output_tokens": 20}
+            await session.observe_async(f"msg_p{k}", usage, "m")
+            if k:
+                times.append((time.perf_counter() - start) * 1000)
+            messages = messages + round_of(f"toolu_pn{k}", "z", 100)
+        return statistics.median(times)
+
+    medians = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as root:
+            medians.append(asyncio.run(run(n, Path(root))))
+        print(f"{n:>8} messages {medians[-1]:9.3f} ms")
+        sys.stdout.flush()
+    if len(sizes) > 1:
+        xs = [math.log(n) for n in sizes]
+        ys = [math.log(m) for m in medians]
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+            (x - mx) ** 2 for x in xs
+        )
+        print(
+            f"exponent {slope:.2f}; {sizes[-1]:,} against {sizes[0]:,}:"
+            f" {medians[-1] / medians[0]:.2f}x"
+        )
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-upstream":
+        serve_upstream()
+        return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--serve-forwarder":
+        serve_forwarder(sys.argv[2])
+        return 0
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--sizes", default="10,100,1000,10000")
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--prepare", default="1000,5000,10000,20000")
+    parser.add_argument(
+        "--skip", default="", help="parts to leave out: latency,wrap,throughput,prepare"
+    )
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    sizes = [int(x) for x in args.sizes.split(",")]
+    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
+    with contextlib.ExitStack() as stack:
+        upstream = stack.enter_context(process("--serve-upstream"))
+        forwarder = stack.enter_context(process("--serve-forwarder", upstream))
+        store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        proxy = stack.enter_context(proxy_command(upstream, store / "p"))
+        targets = {"direct": upstream, "forwarder": forwarder, "proxy": proxy}
+        if "latency" not in skip:
+            latency(targets, sizes, args.calls)
+        if "wrap" not in skip:
+            wrap_latency(upstream, sizes, args.calls)
+        if "throughput" not in skip:
+            throughput(targets, args.concurrency, args.seconds)
+    if "prepare" not in skip:
+        prepare_scaling([int(x) for x in args.prepare.split(",")], 12)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The proxy's request path does only what a request needs: records written before it goes on,
+made durable once per call after the response has gone by; request bodies read and written
+by the fast JSON codec, with the standard library's behaviour wherever the two would differ."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx2
+import pytest
+
+from pipeline import Pipeline
+from pipeline.adapter import RESPONSE_RECORD
+from pipeline.encoding import dumps_body, loads_body
+from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.transcript import load_transcript
+from pipeline.transcript_writer import TranscriptPathError, TranscriptWriter
+from stages import default_stages
+from tests.wire_support import proxy
+
+
+def _ok(_body: dict[str, Any]) -> Reply:
+    return Reply([{"type": "text", "text": "ok"}])
+
+
+def _conversation(size: int) -> list[dict[str, Any]]:
+    call = {"type": "tool_use", "id": "t1", "name": "x", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "y" * size}
+    return [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]},
+    ]
+
+
+def test_no_fsync_before_the_client_has_its_response(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fsync of what each call writes (its records, the token calibration) waits until
+    the client holds the response: one on the request's path would wait in vain (the client
+    is still waiting) and be seen so. (A persisted result's file, and the store's secret made
+    once, are durable before the request that names them goes.)"""
+    answered = threading.Event()
+    seen: list[bool] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if "decisions" in name or "calibration" in name:  # what every call writes
+            seen.append(answered.wait(3))  # the response first, or this fsync held it up
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with (
+        ScriptedMessagesServer(_ok) as up,
+        proxy(up.base_url, tmp_path, lambda: Pipeline(default_stages())) as url,
+    ):
+        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+        for size in (60_000, 100):  # one persists its result, one keeps it
+            answered.clear()
+            client.messages.create(model="m", max_tokens=5, messages=_conversation(size))  # type: ignore[arg-type]
+            answered.set()
+            client = anthropic.Anthropic(
+                base_url=url,
+                api_key="k",
+                max_retries=0,
+                default_headers={"x-sluicegate-session": "b"},
+            )
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert seen, "the calls were never made durable"
+    assert all(seen), f"{seen.count(False)} of {len(seen)} fsyncs ran before the response"
+    # and every record is there for a new process: written before the response ended
+    decisions = list(tmp_path.rglob("decisions.jsonl"))
+    assert len(decisions) == 2
+    loaded = [load_transcript(path, strict=False) for path in decisions]
+    assert all(any(r.stage == RESPONSE_RECORD for r in t.stage_records) for t in loaded)
+    assert any(t.replacement_records for t in loaded)
+
+
+def test_a_writer_without_fsync_each_append_is_read_back_at_once_and_synced_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s" / "decisions.jsonl"
+    writer = TranscriptWriter(path, "s", fsync_each=False)
+    calls: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real_fsync(fd)))
+    writer.append_stage_record("x", {"a": 1})
+    writer.append_stage_record("x", {"a": 2})
+    assert calls == []
+    assert [r.data["a"] for r in load_transcript(path).stage_records] == [1, 2]
+    writer.sync()
+    writer.sync()  # nothing appended since: nothing to do
+    assert len(calls) == 1
+    # a link planted in its place is refused, as an append refuses it
+    writer.append_stage_record("x", {"a": 3})
+    path.rename(tmp_path / "moved.jsonl")
+    path.symlink_to(tmp_path / "moved.jsonl")
+    with pytest.raises(TranscriptPathError):
+        writer.sync()
+
+
+def test_the_proxy_can_still_fsync_each_record_before_going_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answered = threading.Event()
+    seen: list[bool] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if "decisions" in os.path.basename(os.readlink(f"/proc/self/fd/{fd}")):
+            seen.append(answered.is_set())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with (
+        ScriptedMessagesServer(_ok) as up,
+        proxy(up.base_url, tmp_path, lambda: Pipeline(default_stages()), fsync_each=True) as url,
+    ):
+        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+        client.messages.create(model="m", max_tokens=5, messages=_conversation(60_000))  # type: ignore[arg-type]
+        answered.set()
+    assert False in seen  # durable before the response, as asked
+
+
+@pytest.mark.parametrize(
+    ("raw", "fast"),
+    [
+        (b'{"a": "caf\\u00e9", "b": [1, 2.5, null, true]}', True),
+        (b'{"a": NaN}', False),
+        (b'{"a": Infinity}', False),
+        (b'{"a": 123456789012345678901234567890, "b": -18446744073709551617}', True),
+        (b'{"a": 1e400}', False),
+        (b'{"a": "\\ud800"}', False),
+    ],
+)
+def test_bodies_parse_as_the_standard_library_parses_them(raw: bytes, fast: bool) -> None:
+    value, was_fast = loads_body(raw)
+    assert was_fast is fast
+    expected = json.loads(raw)
+    assert json.dumps(value) == json.dumps(expected)  # NaN != NaN: compare the writing
+    again, _ = loads_body(dumps_body(value, fast=was_fast))
+    assert json.dumps(again) == json.dumps(expected)
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b'{"a": 1,}', b"[" * 100_000 + b"]" * 100_000])
+def test_bad_bodies_are_refused_as_before(raw: bytes) -> None:
+    with pytest.raises((ValueError, RecursionError)):
+        json.loads(raw)
+    with pytest.raises((ValueError, RecursionError)):
+        loads_body(raw)
+
+
+def test_a_value_outside_fast_json_is_written_by_the_standard_library() -> None:
+    assert json.loads(dumps_body({"n": 2**70})) == {"n": 2**70}
+    assert dumps_body({"s": "\ud800"}) == json.dumps({"s": "\ud800"}).encode()
+    assert b"NaN" in dumps_body({"x": math.nan}, fast=False)
+
+
+def test_a_nan_in_a_request_reaches_the_upstream_as_nan(tmp_path: Path) -> None:
+    """What the fast codec cannot read goes as the standard library writes it: a NaN stays a
+    NaN (the fast writer would make it null), for the API to judge."""
+    with (
+        ScriptedMessagesServer(_ok) as up,
+        proxy(up.base_url, tmp_path, lambda: Pipeline(default_stages())) as url,
+    ):
+        body = (
+            b'{"model": "m", "max_tokens": 5, "temperature": NaN,'
+            b' "messages": [{"role": "user", "content": "hi"}]}'
+        )
+        response = httpx2.post(
+            url + "/v1/messages", content=body, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 200
+        assert math.isnan(up.requests[0]["temperature"])
+        text = "caf\u00e9 \u2603"
+        ok = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": text}]}
+        response = httpx2.post(url + "/v1/messages", content=json.dumps(ok).encode())
+        assert response.status_code == 200
+        assert up.requests[1]["messages"][0]["content"] == text
