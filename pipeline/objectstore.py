@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
         GetOptions,
         GetResult,
         ListResult,
-        ListStream,
         ObjectMeta,
         PutMode,
         PutResult,
@@ -88,7 +87,7 @@ class ObjectStoreAPI(Protocol):
 
     def list(
         self, prefix: str | None = None, *, offset: str | None = None
-    ) -> ListStream[Sequence[ObjectMeta]]:
+    ) -> Iterable[Sequence[ObjectMeta]]:
         """``obstore.list``: keys under ``prefix`` (whole segments), after ``offset`` if given."""
         ...
 

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 from pipeline.readback import PagedReader, PersistedOutputReader
 from pipeline.records import RecordLog
 from pipeline.storage import (
+    STORE_COOL_DOWN,
     FileToolResultStore,
     StoreError,
     ToolResultStore,
@@ -186,7 +187,9 @@ class SessionStates:
     shared by every session (one connection pool, not one per conversation).
 
     ``open(session_id)`` gives a session's :class:`SessionStorage`; ``shared`` tells whether
-    the location can be shared by several workers (an object store).
+    the location can be shared by several workers (an object store). ``cool_down``: seconds an
+    object store that failed is not asked again, each call failing at once meanwhile
+    (:class:`~pipeline.store_breaker.StoreBreaker`); None: every call asks it.
     """
 
     def __init__(
@@ -196,6 +199,7 @@ class SessionStates:
         writer_id: str | None = None,
         object_store: ObjectStoreAPI | None = None,
         fsync_each: bool = True,
+        cool_down: float | None = STORE_COOL_DOWN,
         **options: Any,
     ) -> None:
         text = os.fspath(location)
@@ -226,9 +230,12 @@ class SessionStates:
         except ValueError as exc:
             raise ValueError(f"store URL {_shown(text)}: {exc}") from None
         self._uri_base = uri_base
-        self._store = (
-            object_store if object_store is not None else _build_store(kind, uri_base, options)
-        )
+        from pipeline.store_breaker import StoreBreaker
+
+        store = object_store if object_store is not None else _build_store(kind, uri_base, options)
+        # a store that failed is not asked again for a while: one that hangs would cost every
+        # call of every conversation its timeout and retries
+        self._store = store if cool_down is None else StoreBreaker(store, cool_down=cool_down)
         self.location = f"{uri_base}/{self._prefix}" if self._prefix else uri_base
 
     @property

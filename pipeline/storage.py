@@ -34,6 +34,7 @@ from pipeline.fileops import FileOps, OsFileOps
 
 __all__ = [
     "STALE_TEMP_SECONDS",
+    "STORE_COOL_DOWN",
     "FileOps",
     "FileToolResultStore",
     "OsFileOps",
@@ -62,6 +63,11 @@ _TEMP_NAME = re.compile(r"\.tmp-([0-9a-f]{8})([0-9a-f]{4})([0-9a-f]{4})-(.+)")
 _TEMP_ATTEMPTS = 16
 _READ_CHUNK = 1 << 20
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+STORE_COOL_DOWN = 15.0
+"""Seconds an object store that failed is not asked again (then one call probes it): see
+:mod:`pipeline.store_breaker`."""
 
 
 class StoreError(OSError):

@@ -298,7 +298,9 @@ def _faulty_states(fail: Any) -> Any:
     from pipeline.session_storage import SessionStates
     from tests.objectstore_support import Wrapped
 
-    return SessionStates("memory:///conv", object_store=Wrapped(MemoryStore(), before=fail))
+    # a fault each time asked (no cool-down): these tests aim one fault at one write
+    store = Wrapped(MemoryStore(), before=fail)
+    return SessionStates("memory:///conv", object_store=store, cool_down=None)
 
 
 @pytest.mark.parametrize("fault", ["fork record", "damaged fork record"])

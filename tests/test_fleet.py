@@ -50,6 +50,8 @@ SIZES = (300, 2_600, 3_000)
 proxies are given, so the budget persists the two largest (every fourth turn has one small
 result and nothing to persist)."""
 PER_MESSAGE = "2500"
+COOL_DOWN = 1.0
+"""Seconds a worker leaves a store that failed alone (short: the outage tests wait it out)."""
 _BANNER = re.compile(r"sluicegate proxy on (http://127\.0\.0\.1:\d+) ")
 
 
@@ -228,6 +230,7 @@ def start_workers(
                 sys.executable, "-m", "pipeline", "proxy", "--port", "0",
                 "--upstream", upstream, "--store", store,
                 "--per-message-chars", PER_MESSAGE, "--store-retries", "1",
+                "--store-cool-down", str(COOL_DOWN),
             ],
             cwd=where,
             env=env,
@@ -431,6 +434,7 @@ def test_a_store_outage_never_fails_a_call_and_the_session_stays_consistent(
             for _ in down:
                 conversation.call(first.url)  # the calls go on: no error reaches the client
             moto = start_moto(port)  # the store is back, with what it held
+            time.sleep(COOL_DOWN + 0.2)  # the workers ask it again
             for _ in range(8, 12):
                 conversation.call(first.url)
             conversation.call(second.url)  # a worker that never served this conversation

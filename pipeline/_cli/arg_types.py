@@ -18,6 +18,7 @@ __all__ = [
     "positive_int",
     "seconds",
     "size",
+    "store_cool_down",
     "store_location",
     "store_retries",
     "store_timeout",
@@ -86,6 +87,16 @@ def store_location(text: str) -> Path | str:
 
 def store_timeout(text: str) -> float:
     return _seconds_up_to(text, 600)
+
+
+def store_cool_down(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not math.isfinite(value) or not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 3600 s, got {text[:40]!r}")
+    return value
 
 
 def store_retries(text: str) -> int:

@@ -173,9 +173,12 @@ def object_store_states(args: argparse.Namespace) -> SessionStates | None:
     refused. ``CliError`` for a URL that is not ``s3://BUCKET/PREFIX`` or a missing extra."""
     location = args.store
     timeout, retries = getattr(args, "store_timeout", None), getattr(args, "store_retries", None)
+    cool_down = getattr(args, "store_cool_down", None)
     if not isinstance(location, str):
-        if timeout is not None or retries is not None:
-            raise CliError("--store-timeout and --store-retries apply to an s3:// --store")
+        if timeout is not None or retries is not None or cool_down is not None:
+            raise CliError(
+                "--store-timeout, --store-retries and --store-cool-down apply to an s3:// --store"
+            )
         return None
     if not location.lower().startswith("s3://"):
         # a memory:// store would live and die with one process: nothing a fleet can share
@@ -187,6 +190,8 @@ def object_store_states(args: argparse.Namespace) -> SessionStates | None:
             STORE_RETRIES if retries is None else retries,
         )
     try:
+        if cool_down is not None:
+            options["cool_down"] = cool_down or None  # 0: no breaker, every call asks
         return SessionStates(location, **options)
     except ImportError:
         raise CliError(

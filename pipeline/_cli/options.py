@@ -8,12 +8,14 @@ import textwrap
 from pipeline._cli.arg_types import (
     nonempty_path,
     positive_int,
+    store_cool_down,
     store_location,
     store_retries,
     store_timeout,
 )
 from pipeline.policies import DEFAULT_MAX_RESULT_SIZE_CHARS, MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
 from pipeline.session_storage import STORE_RETRIES, STORE_TIMEOUT
+from pipeline.storage import STORE_COOL_DOWN
 
 STORE_HELP = (
     "directory for persisted results (<DIR>/<session>/tool-results/); never removed by the "
@@ -78,6 +80,14 @@ def add_object_store_options(p: argparse.ArgumentParser) -> None:
         type=store_retries,
         metavar="N",
         help=f"retries of a failed store request, 0-10 (default {STORE_RETRIES})",
+    )
+    group.add_argument(
+        "--store-cool-down",
+        type=store_cool_down,
+        metavar="SECONDS",
+        help="after a store request has failed, how long the store is not asked again (each "
+        "call goes on without it at once; then one call probes it); 0 asks it every call "
+        f"(default {STORE_COOL_DOWN:g})",
     )
 
 
