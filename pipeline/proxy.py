@@ -50,9 +50,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from pipeline.adapter import WireSession
+from pipeline.body_reader import BodyReader
 from pipeline.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
 from pipeline.core import Pipeline
-from pipeline.encoding import dumps_body, loads_body
+from pipeline.encoding import dumps_body
 from pipeline.logs import get_logger
 from pipeline.metrics import WireMetrics
 from pipeline.relay import relay as _relay
@@ -143,6 +144,8 @@ def build_app(
         raise ValueError(f"upstream_timeout must be a positive number, got {upstream_timeout}")
     metrics = metrics or WireMetrics()
     logger = context.get("logger") or get_logger()
+    # request bodies parsed in the size of what is new in them (see pipeline.body_reader)
+    bodies = BodyReader(max_bodies=max_conversations or MAX_HELD)
     states = (
         storage
         if isinstance(storage, SessionStates)
@@ -250,7 +253,7 @@ def build_app(
             return raw
         headers = dict(request.headers)
         try:
-            body, fast = loads_body(raw)
+            body, fast = bodies.read(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
         except RecursionError:

@@ -1,0 +1,148 @@
+"""The body reader gives what a full parse gives, for any sequence of bodies: the same value,
+the same bytes once written, the same refusals; and it parses only what is new."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.body_reader import BodyReader
+from pipeline.encoding import dumps_body, loads_body
+
+
+def _same_as_a_full_parse(reader: BodyReader, raw: bytes) -> None:
+    try:
+        expected, fast = loads_body(raw)
+    except (ValueError, RecursionError) as exc:
+        with pytest.raises(type(exc)):
+            reader.read(raw)
+        return
+    got, got_fast = reader.read(raw)
+    assert json.dumps(got) == json.dumps(expected)  # NaN is not equal to itself
+    assert list(got) == list(expected)  # the fields in their order
+    assert dumps_body(got, fast=got_fast) == dumps_body(expected, fast=fast)
+
+
+texts = st.text(alphabet=st.sampled_from('ab \n"\\é☃😀\ud800'), max_size=12)
+blocks = st.one_of(
+    texts,
+    st.lists(
+        st.fixed_dictionaries({"type": st.just("text"), "text": texts}), min_size=1, max_size=3
+    ),
+)
+messages = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]), "content": blocks}
+)
+extras = st.dictionaries(
+    st.sampled_from(["model", "system", "tools", "max_tokens", "metadata"]),
+    st.one_of(
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        texts,
+        st.just([{"name": "t", "input_schema": {"messages": [1, {"messages": "x"}]}}]),
+    ),
+    max_size=4,
+)
+edits = st.sampled_from(["append", "append2", "edit", "drop_last", "extras", "same", "fork"])
+writers = st.sampled_from(
+    [
+        {},
+        {"separators": (",", ":")},
+        {"indent": 1},
+        {"ensure_ascii": False},
+    ]
+)
+tails = st.sampled_from(
+    ["", "NaN", "1e400", "dup", "trailing", "badutf8", "nested", "number", "notobject", "empty"]
+)
+
+
+def _body(msgs: list[Any], extra: dict[str, Any], before: bool, writer: dict[str, Any]) -> bytes:
+    fields = dict(extra)
+    body = {**fields, "messages": msgs} if before else {"messages": msgs, **fields}
+    return json.dumps(body, **writer).encode("utf-8", "surrogatepass")
+
+
+def _spoiled(raw: bytes, how: str) -> bytes:
+    if how == "NaN":
+        return raw.replace(b'"messages"', b'"t": NaN, "messages"', 1)
+    if how == "1e400":
+        return raw.replace(b'"messages"', b'"t": 1e400, "messages"', 1)
+    if how == "dup":
+        return raw[:-1] + b', "messages": []}'
+    if how == "trailing":
+        return raw.replace(b"]}", b",]}") if raw.endswith(b"]}") else raw + b","
+    if how == "badutf8":
+        return raw.replace(b'"messages"', b'"t": "\xff", "messages"', 1)
+    if how == "nested":
+        return raw[:-1] + b', "x": {"messages": [1, 2]}}'
+    if how == "number":
+        return raw.replace(b'"messages": [', b'"messages": [12, ', 1)
+    if how == "notobject":
+        return b"[" + raw + b"]"
+    if how == "empty":
+        return raw.replace(b'"messages": [', b'"messages": [ ', 1)
+    return raw
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.lists(messages, max_size=6),
+    steps=st.lists(
+        st.tuples(edits, messages, extras, st.booleans(), writers, tails), min_size=1, max_size=12
+    ),
+)
+def test_any_sequence_of_bodies_reads_as_a_full_parse(start: list[Any], steps: list[Any]) -> None:
+    reader = BodyReader()
+    msgs, extra = list(start), {"model": "m"}
+    seen: list[list[Any]] = [list(msgs)]
+    for edit, message, new_extra, before, writer, tail in steps:
+        if edit == "append":
+            msgs = [*msgs, message]
+        elif edit == "append2":
+            msgs = [*msgs, message, message]
+        elif edit == "edit" and msgs:
+            msgs = [*msgs[:-1], message, *msgs[-1:]][-len(msgs) :]
+            msgs[len(msgs) // 2] = message
+        elif edit == "drop_last":
+            msgs = msgs[:-1]
+        elif edit == "extras":
+            extra = new_extra
+        elif edit == "fork":
+            msgs = [*seen[len(seen) // 2], message]
+        seen.append(list(msgs))
+        _same_as_a_full_parse(reader, _spoiled(_body(msgs, extra, before, writer), tail))
+
+
+def test_a_growing_conversation_parses_only_its_new_messages() -> None:
+    reader = BodyReader()
+    msgs: list[Any] = [{"role": "user", "content": "go"}]
+    first: list[Any] = []
+    for k in range(30):
+        raw = json.dumps({"model": "m", "max_tokens": 5, "messages": msgs}).encode()
+        body, fast = reader.read(raw)
+        assert fast and body == json.loads(raw)
+        if k == 0:
+            first = body["messages"]
+        else:  # the same objects where the text is the same: compared by identity later
+            assert all(a is b for a, b in zip(body["messages"], first, strict=False))
+        msgs = [*msgs, {"role": "assistant", "content": f"a{k}"}, {"role": "user", "content": "u"}]
+    assert reader.reused == sum(1 + 2 * k for k in range(29))
+
+
+def test_what_it_keeps_is_bounded() -> None:
+    reader = BodyReader(max_chars=10_000)
+    for k in range(50):
+        msgs = [{"role": "user", "content": f"{k} " + "x" * 1_000}]
+        reader.read(json.dumps({"messages": msgs}).encode())
+    assert reader._chars <= 10_000
+    reader = BodyReader(max_bodies=3)
+    for k in range(10):
+        reader.read(json.dumps({"messages": [{"role": "user", "content": str(k)}]}).encode())
+    assert len(reader._kept) == 3
+    with pytest.raises(ValueError, match="max_chars"):
+        BodyReader(max_chars=-1)
