@@ -593,9 +593,7 @@ class WireSession:
             # the fork record could not be written: this record carries what it holds
             data["fork"] = self._pending.to_record()
         chain, disk = list(call.chain), self._disk_chain
-        start, limit = 0, min(len(chain), len(disk))
-        while start < limit and chain[start] == disk[start]:
-            start += 1
+        start = _shared_start(chain, disk)
         if start < len(chain) or start < len(disk):
             # the messages this conversation sent, from where the records differ: for a new
             # process or another worker to place its requests (see pipeline.conversations)
@@ -648,9 +646,7 @@ class WireSession:
         """The request's records: the last request's for as long as this one repeats it, a new
         record for every message from the first that differs on (digested from there on)."""
         prev, records = self._params, self._records
-        same, limit = 0, min(len(prev), len(messages))
-        while same < limit and prev[same] == messages[same]:
-            same += 1
+        same = _shared_start(prev, messages)
         routed, self._routed = self._routed, None
         if routed is not None and routed[0] is messages and len(routed[1]) == len(messages):
             chain = routed[1]
@@ -682,6 +678,19 @@ class WireSession:
         unseen = f"msg_wire_{link.hex()[:24]}"
         response_id, usage = self._responses.get(index, (unseen, None))
         return dataclasses.replace(record, uuid=uid, message_id=response_id, usage=usage)
+
+
+def _shared_start(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items ``a`` and ``b`` share (equal by value). A request mostly repeats
+    all of the last one: that is one comparison of the lists in C (the same objects compare by
+    identity), not a step of Python per message."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # a tuple is never equal to a list
+        return n
+    same = 0
+    while same < n and a[same] == b[same]:
+        same += 1
+    return same
 
 
 def _rebuild(records: Sequence[Message], restored: Transcript) -> tuple[ReplacementState, set[str]]:
