@@ -13,7 +13,7 @@ import anthropic
 import uvicorn
 
 from pipeline import Pipeline
-from pipeline.proxy import DEFAULT_UPSTREAM, build_app
+from pipeline.dropin.proxy import DEFAULT_UPSTREAM, build_app
 from stages import default_stages
 
 upstream = os.environ.get("ANTHROPIC_BASE_URL", DEFAULT_UPSTREAM)

@@ -15,7 +15,7 @@ The library in one screen::
 
 The concrete stages live in the ``stages`` package; test doubles in ``pipeline.testing``; an
 agent loop on the anthropic SDK in ``pipeline.agent``; replaying recorded sessions in
-``pipeline.replay``.
+``pipeline.transcript.replay``.
 """
 
 from pipeline.context import SessionContext
@@ -23,10 +23,10 @@ from pipeline.core import Pipeline, PipelineHalt, Stage, StageError, stage
 from pipeline.messages import Message, Usage
 from pipeline.policies import ToolPolicies
 from pipeline.replacement import ReplacementState
-from pipeline.storage import FileToolResultStore, ToolResultStore
+from pipeline.store.files import FileToolResultStore, ToolResultStore
 from pipeline.tokens import TokenTracker
-from pipeline.transcript import TranscriptWriter, load_transcript
-from pipeline.wire import to_api
+from pipeline.transcript.read import TranscriptWriter, load_transcript
+from pipeline.wire.form import to_api
 
 __all__ = [
     "FileToolResultStore",

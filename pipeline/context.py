@@ -15,9 +15,9 @@ from pipeline.incremental import ThreadStart
 from pipeline.logs import get_logger
 from pipeline.messages import Message, Usage
 from pipeline.policies import ToolPolicies
-from pipeline.records import RecordLog
 from pipeline.replacement import ReplacementState
-from pipeline.storage import FileToolResultStore, ToolResultStore, validate_session_id
+from pipeline.store.files import FileToolResultStore, ToolResultStore, validate_session_id
+from pipeline.store.records import RecordLog
 from pipeline.tokens import TokenTracker, find_anchor
 from pipeline.tracing import (
     ATTR,
@@ -27,7 +27,7 @@ from pipeline.tracing import (
     emit_decision,
     get_tracer,
 )
-from pipeline.transcript import StageRecord
+from pipeline.transcript.read import StageRecord
 
 __all__ = ["Held", "PassReport", "PersistedResult", "SessionContext", "StageDecision"]
 

@@ -21,7 +21,7 @@ from pipeline.replacement import (
     content_is_empty,
     is_replacement_text,
 )
-from pipeline.storage import ToolResultStore
+from pipeline.store.files import ToolResultStore
 from pipeline.tracing import Decision, Reason
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 A :class:`Message` is one record of an agent's conversation as the agent keeps it (Claude Code
 keeps one record per streamed content block, interleaved with progress and system records). The
-Messages API sees something else: :func:`pipeline.wire.to_api` turns the records into the
+Messages API sees something else: :func:`pipeline.wire.form.to_api` turns the records into the
 ``MessageParam`` dicts that ``client.messages.create(messages=...)`` accepts.
 """
 
@@ -51,11 +51,11 @@ REMINDER = "reminder"
 """``subtype`` of an attachment record that the agent renders as ``<system-reminder>`` text the
 way Claude Code 2.1 does (a transcript's ``rendered`` attachments): on the wire it goes before
 the prompt it came with, or into the content of the tool result it follows
-(:func:`pipeline.wire.to_api`)."""
+(:func:`pipeline.wire.form.to_api`)."""
 WIRE_MESSAGE = "wire"
 """``subtype`` of a user or assistant record that holds one whole message exactly as a call
 sent it (recorded by Claude Code 2.1): on the wire it is that message, never merged with a
-neighbour (:func:`pipeline.recorded.apply_recorded_wire`)."""
+neighbour (:func:`pipeline.transcript.recorded.apply_recorded_wire`)."""
 SYNTHETIC_MODEL = "<synthetic>"
 """Model name of assistant records that no API call produced (errors, interruptions)."""
 

@@ -21,9 +21,9 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
-from pipeline.harness import last_result_index, split_tail
 from pipeline.messages import Block, Message, thread_start
 from pipeline.tokens.checks import bounded_repr
+from pipeline.wire.harness import last_result_index, split_tail
 
 __all__ = [
     "DECIDED_RECORD_STAGE",
@@ -79,7 +79,7 @@ _KEY_SEPARATOR = "#"
 
 def content_digest(content: Any) -> str:
     """32 hex digits of SHA-256 over a result's output (its core: see
-    :mod:`pipeline.harness`): a string as it is, a block list as compact JSON with its keys
+    :mod:`pipeline.wire.harness`): a string as it is, a block list as compact JSON with its keys
     sorted and without ``cache_control`` (a client moves its breakpoints between calls).
     ``ValueError`` for content nested too deeply to write."""
     if isinstance(content, str):
@@ -252,7 +252,7 @@ def candidate_size(content: Any) -> int:
 
 
 def is_candidate_content(core: Any) -> bool:
-    """Output (a result's core: see :mod:`pipeline.harness`) the budget may decide on: not
+    """Output (a result's core: see :mod:`pipeline.wire.harness`) the budget may decide on: not
     blank (blank results get the placeholder, never a decision), not a replacement, no
     image."""
     if content_is_empty(core) or is_replacement_text(core):
@@ -277,7 +277,7 @@ class ResultSlot:
     tool_use_id: str | None
     """None when the block has no string id (nothing can address it)."""
     core: Any
-    """The tool's output: the content less the harness tail (:mod:`pipeline.harness`)."""
+    """The tool's output: the content less the harness tail (:mod:`pipeline.wire.harness`)."""
     empty: bool
     key: str | None
     """The ledger key (:func:`result_key`) of a candidate, None for anything else."""

@@ -287,7 +287,7 @@ class ATTR:
 
 class METRIC:
     """Metric names: the OpenTelemetry HTTP and GenAI ones where one exists, else
-    ``sluicegate.*`` (see :mod:`pipeline.metrics`)."""
+    ``sluicegate.*`` (see :mod:`pipeline.dropin.metrics`)."""
 
     HTTP_SERVER_DURATION = "http.server.request.duration"
     GENAI_OPERATION_DURATION = "gen_ai.client.operation.duration"

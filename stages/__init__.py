@@ -77,9 +77,10 @@ def wrap(
     **context: Any,
 ) -> C:
     """``client`` (sync or async) with every Messages request going through
-    ``default_stages(context_window=...)`` -- see :func:`pipeline.wrap.wrap` for the layer and
+    ``default_stages(context_window=...)`` -- see :func:`pipeline.dropin.wrap.wrap` for the layer
+    and
     the sessions, and to choose other stages."""
-    from pipeline.wrap import wrap as wrap_with
+    from pipeline.dropin.wrap import wrap as wrap_with
 
     return wrap_with(
         client,

@@ -69,7 +69,7 @@ def _name(slot: ResultSlot, tool_names: Mapping[str, str]) -> Name | None:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A tool_result the budget may decide on, and where it sits. ``content`` is the tool's
-    output (the harness tail split off: :mod:`pipeline.harness`); ``key`` its ledger key."""
+    output (the harness tail split off: :mod:`pipeline.wire.harness`); ``key`` its ledger key."""
 
     msg_index: int
     tool_use_id: str

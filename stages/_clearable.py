@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeline.harness import split_tail
 from pipeline.messages import Message
 from pipeline.replacement import content_is_empty, is_replacement_text
 from pipeline.tokens import find_anchor, rough_tokens_for_block, rough_tokens_for_messages
+from pipeline.wire.harness import split_tail
 from stages._shared import CLEARED_PLACEHOLDER, ContentFor, result_ids, tool_results
 
 __all__ = [
@@ -40,7 +40,7 @@ def is_preview(content: Any) -> bool:
 def is_protected_content(content: Any) -> bool:
     """Content microcompact never touches: empty, already cleared, or a persisted-output preview
     (replacing a preview would lose the path to the full output); a harness tail
-    (:mod:`pipeline.harness`) aside."""
+    (:mod:`pipeline.wire.harness`) aside."""
     content = split_tail(content)[0]
     if content_is_empty(content):
         return True

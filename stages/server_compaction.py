@@ -10,8 +10,8 @@ from typing import Any
 
 from pipeline import Message, SessionContext
 from pipeline.messages import COMPACTION_BLOCK
-from pipeline.request_fields import ask_for_edit
 from pipeline.tracing import ATTR, Decision, Reason
+from pipeline.wire.request_fields import ask_for_edit
 from stages._shared import DEFAULT_CONTEXT_WINDOW, check_bool, check_int, session_state
 
 __all__ = ["COMPACTION_BETA", "COMPACT_EDIT", "ServerCompaction"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline import Message, SessionContext
-from pipeline.request_fields import ask_for_edit
 from pipeline.tracing import ATTR, Decision, Reason
+from pipeline.wire.request_fields import ask_for_edit
 from stages._shared import check_bool, check_int, check_names, tool_results
 
 __all__ = ["CLEAR_TOOL_USES_EDIT", "CONTEXT_MANAGEMENT_BETA", "ServerSideMicrocompact"]

@@ -51,7 +51,7 @@ def json_paths(node: Any, prefix: tuple[str | int, ...] = ()) -> Iterator[tuple[
 
 def key(tool_use_id: str, core: Any) -> str:
     """The ledger key of the result ``tool_use_id`` whose output (its content less any harness
-    tail: see :mod:`pipeline.harness`) is ``core``."""
+    tail: see :mod:`pipeline.wire.harness`) is ``core``."""
     return result_key(tool_use_id, core)
 
 

@@ -107,7 +107,7 @@ def keys_of(store: Any, prefix: str | None = None) -> list[str]:
 
 @dataclass
 class Wrapped:
-    """A real store with a hook before each call (:class:`~pipeline.objectstore.ObjectStoreAPI`):
+    """A real store with a hook before each call (:class:`~pipeline.store.objects.ObjectStoreAPI`):
     ``before[name](*args, **kwargs)`` may raise (a fault) or change nothing; ``calls`` counts
     each call by name and ``gets`` keeps each get's key and options."""
 

@@ -21,9 +21,9 @@ from pipeline import (
     Usage,
     to_api,
 )
-from pipeline.pairing import check_pairing
 from pipeline.testing import SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages
+from pipeline.wire.pairing import check_pairing
 from tests.builders import tool_result, tool_use
 
 

@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 from pipeline import Message, Pipeline, ToolPolicies, to_api
-from pipeline.adapter import DECISIONS_FILE, WireSession
-from pipeline.conversations import conversation_hint
+from pipeline.dropin.adapter import DECISIONS_FILE, WireSession
+from pipeline.dropin.conversations import conversation_hint
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget, default_stages
 

@@ -12,9 +12,9 @@ import pytest
 
 from pipeline import Message, Pipeline, SessionContext, TranscriptWriter, load_transcript, to_api
 from pipeline.agent import CANCELLED_RESULT, INTERRUPTED_RESULT, Agent, AgentAPIError
-from pipeline.pairing import check_pairing
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, without_cache_control
 from pipeline.tools import Tool, tool
+from pipeline.wire.pairing import check_pairing
 from stages import ToolResultBudget, default_stages
 from tests.sdk_support import sdk_client
 
@@ -305,7 +305,7 @@ async def test_a_session_on_an_object_store_resumes_from_its_records(
     pytest.importorskip("obstore", reason="the objectstore extra (obstore) is not installed")
     from obstore.store import MemoryStore
 
-    from pipeline.session_storage import open_session_state
+    from pipeline.store.sessions import open_session_state
 
     pipeline = Pipeline([ToolResultBudget(limit=20_000)])
     url = "memory:///agents"

@@ -44,7 +44,6 @@ from pipeline.agent import (
     store_root_of,
 )
 from pipeline.agent.retry import retry_after_seconds
-from pipeline.pairing import PairingError, check_pairing
 from pipeline.testing import (
     QuietLogger,
     RawReply,
@@ -54,6 +53,7 @@ from pipeline.testing import (
     without_cache_control,
 )
 from pipeline.tools import tool
+from pipeline.wire.pairing import PairingError, check_pairing
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.sdk_support import sdk_client

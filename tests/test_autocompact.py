@@ -24,7 +24,6 @@ from pipeline import (
     load_transcript,
     to_api,
 )
-from pipeline.pairing import check_pairing
 from pipeline.summarizer import (
     DEFAULT_SUMMARY_PROMPT,
     AnthropicSummarizer,
@@ -33,7 +32,8 @@ from pipeline.summarizer import (
 )
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages, rough_tokens_for_text
-from pipeline.transcript import StageRecord
+from pipeline.transcript.read import StageRecord
+from pipeline.wire.pairing import check_pairing
 from stages.autocompact import SUMMARY_PREFIX, Autocompact, ContextWindowExceeded, Thresholds
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.sdk_support import sdk_client

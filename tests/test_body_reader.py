@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.body_reader import BodyReader
-from pipeline.encoding import dumps_body, loads_body
+from pipeline.wire.body_reader import BodyReader
+from pipeline.wire.encoding import dumps_body, loads_body
 
 
 def _same_as_a_full_parse(reader: BodyReader, raw: bytes) -> None:
@@ -22,6 +22,7 @@ def _same_as_a_full_parse(reader: BodyReader, raw: bytes) -> None:
             reader.read(raw)
         return
     got, got_fast = reader.read(raw)
+    assert got_fast is fast
     assert json.dumps(got) == json.dumps(expected)  # NaN is not equal to itself
     assert list(got) == list(expected)  # the fields in their order
     assert dumps_body(got, fast=got_fast) == dumps_body(expected, fast=fast)
@@ -146,3 +147,20 @@ def test_what_it_keeps_is_bounded() -> None:
     assert len(reader._kept) == 3
     with pytest.raises(ValueError, match="max_chars"):
         BodyReader(max_chars=-1)
+
+
+@pytest.mark.parametrize("tail", [b",]", b", ]", b",\n]"])
+def test_a_trailing_comma_after_messages_read_before_is_refused(tail: bytes) -> None:
+    reader = BodyReader()
+    head = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}'
+    reader.read(head + b"]}")
+    with pytest.raises(ValueError):
+        reader.read(head + tail + b"}")
+
+
+def test_a_lone_surrogate_in_a_message_read_before_still_says_slow() -> None:
+    reader = BodyReader()
+    first = b'{"messages": [{"role": "user", "content": "a\\ud800"}'
+    assert reader.read(first + b"]}")[1] is False
+    body, fast = reader.read(first + b', {"role": "user", "content": "b"}]}')
+    assert fast is False and body == json.loads(first + b', {"role": "user", "content": "b"}]}')

@@ -11,10 +11,10 @@ import pytest
 
 from pipeline import Pipeline, SessionContext, ToolPolicies, load_transcript
 from pipeline.gate import is_persistable, persist_content
-from pipeline.pairing import check_pairing
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, candidate_size
-from pipeline.replay import replay_messages
-from pipeline.storage import FileToolResultStore
+from pipeline.store.files import FileToolResultStore
+from pipeline.transcript.replay import replay_messages
+from pipeline.wire.pairing import check_pairing
 from stages import ToolResultBudget
 from tests.conftest import CORPUS, corpus_params
 

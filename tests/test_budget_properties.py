@@ -50,9 +50,9 @@ from pipeline import (
     to_api,
 )
 from pipeline.gate import persist_content
-from pipeline.pairing import check_pairing
 from pipeline.replacement import ReplacementRecord, content_digest, decided_in
 from pipeline.testing import QuietLogger
+from pipeline.wire.pairing import check_pairing
 from stages import ToolResultBudget
 from stages.tool_result_budget import Candidate, collect_groups, select_fresh_to_replace
 from tests.builders import assistant, key, results, tool_result, tool_use, user_text

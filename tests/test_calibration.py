@@ -40,7 +40,7 @@ from pipeline.tokens.media import image_size, image_tokens
 from pipeline.tokens.priors import model_family
 from pipeline.tokens.text_stats import text_class, text_stats
 from pipeline.tools import tool
-from pipeline.wire import to_api
+from pipeline.wire.form import to_api
 from stages import default_stages
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.cli_support import CALL_KEYS

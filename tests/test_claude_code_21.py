@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from pipeline import Pipeline, SessionContext, TokenTracker, load_transcript, to_api
-from pipeline.replay import CallResult, find_calls, replay_messages
-from pipeline.transcript import LineProblem, Transcript, TranscriptError
+from pipeline.transcript.read import LineProblem, Transcript, TranscriptError
+from pipeline.transcript.replay import CallResult, find_calls, replay_messages
 from stages import default_stages
 from tests.conftest import CORPUS
 

@@ -24,8 +24,8 @@ from pipeline._cli.app import main
 from pipeline._cli.common import session_id_for
 from pipeline._cli.demo_session import OUTPUT_MARKER, generate_session, write_session
 from pipeline._cli.report import ReplaySummary
-from pipeline.pairing import check_pairing
-from pipeline.replay import find_calls, replay_messages, request_chars
+from pipeline.transcript.replay import find_calls, replay_messages, request_chars
+from pipeline.wire.pairing import check_pairing
 from stages import default_stages
 from tests.cli_support import CALL_KEYS, clean_env, parse_json_lines, run_cli
 from tests.conftest import corpus_sessions

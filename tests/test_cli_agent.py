@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from pipeline import load_transcript, to_api
-from pipeline.pairing import check_pairing
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, without_cache_control
+from pipeline.wire.pairing import check_pairing
 
 
 def _env(server: ScriptedMessagesServer) -> dict[str, str]:

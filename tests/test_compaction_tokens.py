@@ -12,10 +12,10 @@ import anyio
 import pytest
 
 from pipeline import Message, Pipeline, SessionContext, Usage
+from pipeline.dropin.wrap import wrap
 from pipeline.messages import context_start
 from pipeline.testing import Reply, ScriptedMessagesServer, compaction_reply
 from pipeline.tokens import TokenTracker
-from pipeline.wrap import wrap
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use
 from tests.sdk_support import sdk_client
@@ -165,7 +165,7 @@ def _compacting_session(turns: int, at: int, *, recorded: bool = True) -> list[M
 async def test_a_replay_of_a_session_with_a_server_compaction(
     tmp_path: Path, recorded: bool
 ) -> None:
-    from pipeline.replay import replay_messages
+    from pipeline.transcript.replay import replay_messages
     from stages import ServerCompaction, default_stages
 
     pipe = Pipeline(default_stages()).replace("autocompact", ServerCompaction())
@@ -210,7 +210,7 @@ def test_a_compacting_call_is_never_learned_from(tmp_path: Path) -> None:
     assert TokenTracker().observe(history, usage, model="m").learned  # what it would have done
 
     # at the wire: the usage's own compaction iteration says so
-    from pipeline.adapter import WireSession
+    from pipeline.dropin.adapter import WireSession
 
     session = WireSession("w", tmp_path, Pipeline([ToolResultBudget()]))
     probe = [Message.user("a probe " * 500)]

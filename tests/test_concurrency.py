@@ -38,7 +38,7 @@ from pipeline import (
     Usage,
     to_api,
 )
-from pipeline.storage import TOOL_RESULTS_SUBDIR
+from pipeline.store.files import TOOL_RESULTS_SUBDIR
 from pipeline.testing import QuietLogger
 from stages import default_stages
 from tests.builders import assistant, by_id, ids, results, tool_result, tool_use, user_text

@@ -33,7 +33,7 @@ from pipeline.summarizer import (
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, assert_same_messages
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR
-from pipeline.transcript import StageRecord
+from pipeline.transcript.read import StageRecord
 from stages import ContextCollapse, HistorySnip, default_stages
 from stages.context_collapse import SUMMARY_HEADER
 from tests.rounds_support import (

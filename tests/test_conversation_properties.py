@@ -1,4 +1,5 @@
-"""Properties of placing requests (``pipeline.conversations``) over random runs: clients of two
+"""Properties of placing requests (``pipeline.dropin.conversations``) over random runs: clients of
+two
 tenants whose conversations open alike, reuse tool ids, fork from each other at any point,
 send two requests at once (as the proxy serves them, as ``wrap`` does, a twin, a retry beside
 the next), lose a response (the upstream failed) or lose the process before one (a crash), and
@@ -30,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import Pipeline
-from pipeline.conversations import Conversations
+from pipeline.dropin.conversations import Conversations
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from tests.wire_support import TAG

@@ -1,4 +1,5 @@
-"""Which conversation a request belongs to (``pipeline.conversations``), in process: placed by
+"""Which conversation a request belongs to (``pipeline.dropin.conversations``), in process: placed
+by
 tenant and by the messages it begins with, never by a name alone."""
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import anyio
 import pytest
 
 from pipeline import Pipeline
-from pipeline.conversations import Branch, Conversations, conversation_hint
-from pipeline.tenancy import Tenancy
+from pipeline.dropin.conversations import Branch, Conversations, conversation_hint
+from pipeline.dropin.tenancy import Tenancy
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from tests.wire_support import TAG
@@ -295,7 +296,7 @@ def test_a_branch_never_sends_its_parents_summary(tmp_path: Path) -> None:
 def _faulty_states(fail: Any) -> Any:
     from obstore.store import MemoryStore
 
-    from pipeline.session_storage import SessionStates
+    from pipeline.store.sessions import SessionStates
     from tests.objectstore_support import Wrapped
 
     # a fault each time asked (no cool-down): these tests aim one fault at one write
@@ -398,7 +399,7 @@ def test_a_pruned_result_name_never_holds_another_output(tmp_path: Path) -> None
     removed one, another output with the same id never takes its name."""
     from datetime import timedelta
 
-    from pipeline.retention import prune_store
+    from pipeline.store.retention import prune_store
 
     async def main() -> None:
         conversations = registry(tmp_path)

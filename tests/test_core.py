@@ -400,7 +400,7 @@ async def test_a_replayed_call_never_runs_in_the_callers_span(
     """Each replayed call is a trace of its own: with a library tracer that records nothing,
     what runs inside a call (a stage, a log line's trace ids) still does not see the span of
     the application that runs the replay."""
-    from pipeline.replay import replay_messages
+    from pipeline.transcript.replay import replay_messages
 
     seen: list[trace.SpanContext] = []
 

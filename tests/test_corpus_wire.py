@@ -20,9 +20,9 @@ import pytest
 import structlog
 
 from pipeline import Message, Pipeline, SessionContext, Stage, load_transcript, to_api
-from pipeline.pairing import check_pairing
-from pipeline.replay import CallResult, find_calls, replay_messages
-from pipeline.transcript import Transcript
+from pipeline.transcript.read import Transcript
+from pipeline.transcript.replay import CallResult, find_calls, replay_messages
+from pipeline.wire.pairing import check_pairing
 from stages import Autocompact, ContextCollapse, HistorySnip, Microcompact, default_stages
 from tests.conftest import corpus_params, corpus_sessions
 

@@ -28,10 +28,10 @@ from pipeline import (
     to_api,
 )
 from pipeline.agent import INTERRUPTED_RESULT, Agent
-from pipeline.pairing import check_pairing
-from pipeline.replay import find_calls
 from pipeline.testing import Reply, ScriptedMessagesServer, without_cache_control
 from pipeline.tools import tool
+from pipeline.transcript.replay import find_calls
+from pipeline.wire.pairing import check_pairing
 from stages import ContextCollapse, HistorySnip, ToolResultBudget
 from tests.rounds_support import agentic
 from tests.sdk_support import sdk_client

@@ -11,8 +11,8 @@ import pytest
 from pipeline import Pipeline, SessionContext, load_transcript, to_api
 from pipeline._cli.demo_agent import LiveDemo, demo_replies
 from pipeline._cli.demo_session import OUTPUT_MARKER, generate_session
-from pipeline.pairing import check_pairing
-from pipeline.replay import CallResult
+from pipeline.transcript.replay import CallResult
+from pipeline.wire.pairing import check_pairing
 from stages import default_stages
 from tests.cli_support import clean_env, parse_json_lines, run_cli
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan

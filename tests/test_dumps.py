@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pipeline import Message
 from pipeline._cli.dumps import RequestDumper, parse_calls
-from pipeline.wire_cache import WireCache
+from pipeline.wire.cache import WireCache
 from tests.builders import results, tool_result, tool_use, user_text
 from tests.cli_support import run_cli
 from tests.edit_support import records

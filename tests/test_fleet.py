@@ -31,8 +31,8 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
-from pipeline.conversations import SESSION_HEADER
-from pipeline.session_storage import SessionStates
+from pipeline.dropin.conversations import SESSION_HEADER
+from pipeline.store.sessions import SessionStates
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.cli_support import clean_env, run_cli
@@ -612,7 +612,7 @@ def test_a_response_is_recorded_before_the_client_can_act_on_it(
     the store by then, even when writing it is slow."""
     from obstore.store import MemoryStore
 
-    from pipeline.objectrecords import ObjectRecordLog
+    from pipeline.store.object_records import ObjectRecordLog
 
     memory = MemoryStore()
 

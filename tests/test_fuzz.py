@@ -95,9 +95,9 @@ from pipeline import (
     to_api,
 )
 from pipeline.messages import MAX_TOKENS
-from pipeline.storage import TOOL_RESULTS_SUBDIR
+from pipeline.store.files import TOOL_RESULTS_SUBDIR
 from pipeline.tracing import ATTR
-from pipeline.transcript import MAX_NESTING, TranscriptError
+from pipeline.transcript.read import MAX_NESTING, TranscriptError
 from stages import default_stages
 
 # ---------------------------------------------------------------------------------------------

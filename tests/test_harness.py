@@ -1,4 +1,4 @@
-"""Text a harness appended to a tool result (``pipeline.harness``): split off exactly, put back
+"""Text a harness appended to a tool result (``pipeline.wire.harness``): split off exactly, put back
 verbatim, never measured, persisted or cleared with the output."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from pipeline import Message, Pipeline, SessionContext
-from pipeline.harness import MAX_TAIL_CHARS, last_result_index, split_tail, with_tail
 from pipeline.testing import QuietLogger
+from pipeline.wire.harness import MAX_TAIL_CHARS, last_result_index, split_tail, with_tail
 from stages import Microcompact, ToolResultBudget
 from tests.builders import assistant, tool_result, tool_use, user_text
 

@@ -25,7 +25,7 @@ from pipeline import (
 from pipeline.testing import assert_same_messages
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tracing import ATTR
-from pipeline.transcript import StageRecord
+from pipeline.transcript.read import StageRecord
 from stages import HistorySnip
 from stages.history_snip import snip_marker_text
 from tests.builders import tool_result, tool_use

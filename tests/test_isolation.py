@@ -27,8 +27,8 @@ import anthropic
 import pytest
 
 from pipeline import Pipeline
+from pipeline.dropin.wrap import wrap
 from pipeline.testing import Reply, ScriptedMessagesServer
-from pipeline.wrap import wrap
 from stages import default_stages
 from tests.cli_support import clean_env
 from tests.wire_support import TAG, proxy

@@ -28,8 +28,8 @@ from pipeline._cli.app import main
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.logs import LOGGER_NAME, get_logger
-from pipeline.replay import replay_messages
 from pipeline.testing import MemoryStore, SpanRecorder
+from pipeline.transcript.replay import replay_messages
 from stages.tool_result_budget import ToolResultBudget
 from tests.cli_support import clean_env, parse_json_lines, run_cli
 

@@ -14,8 +14,8 @@ from anthropic.types.user_message_param import UserMessageParam
 from pydantic import TypeAdapter
 
 from pipeline import Message, Usage, to_api
-from pipeline.pairing import PairingError, PairingProblem, check_pairing, ensure_paired
 from pipeline.testing import assert_same_messages
+from pipeline.wire.pairing import PairingError, PairingProblem, check_pairing, ensure_paired
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 

@@ -38,13 +38,13 @@ from pipeline import (
     to_api,
 )
 from pipeline.agent import Agent
-from pipeline.pairing import check_pairing
 from pipeline.replacement import is_replacement_text
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tools import tool
 from pipeline.tracing import ATTR, Reason
-from pipeline.transcript import StageRecord
+from pipeline.transcript.read import StageRecord
+from pipeline.wire.pairing import check_pairing
 from stages import Microcompact, ServerSideMicrocompact, default_stages
 from stages._shared import CLEARED_PLACEHOLDER
 from stages.microcompact import DEFAULT_COMPACTABLE_TOOLS

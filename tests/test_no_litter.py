@@ -24,7 +24,7 @@ from pipeline._cli.cleanup import interrupts_deferred, remove_made_dir
 from pipeline._cli.common import ReplayOptions, StoreDir
 from pipeline._cli.demo_session import write_session
 from pipeline._cli.report import REMOVED_WITH_TEMPORARY_STORE
-from pipeline.transcript import TranscriptWriter
+from pipeline.transcript.read import TranscriptWriter
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.cli_support import clean_env, parse_json_lines, run_cli
 

@@ -24,15 +24,15 @@ pytest.importorskip("obstore", reason="the objectstore extra (obstore) is not in
 from obstore.exceptions import AlreadyExistsError
 
 from pipeline import Message, Pipeline, SessionContext, ToolPolicies, to_api
-from pipeline.objectreader import ObjectOutputReader
-from pipeline.objectrecords import ObjectRecordLog
-from pipeline.objectstore import ObjectToolResultStore
-from pipeline.readback import PersistedOutputReader, ReadbackError
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, ReplacementRecord
-from pipeline.storage import FileToolResultStore, StoreError
+from pipeline.store.files import FileToolResultStore, StoreError
+from pipeline.store.object_reader import ObjectOutputReader
+from pipeline.store.object_records import ObjectRecordLog
+from pipeline.store.objects import ObjectToolResultStore
+from pipeline.store.readback import PersistedOutputReader, ReadbackError
 from pipeline.testing import QuietLogger, SpanRecorder
 from pipeline.tracing import ATTR
-from pipeline.transcript import TranscriptWriter
+from pipeline.transcript.read import TranscriptWriter
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.objectstore_support import (
@@ -213,7 +213,7 @@ async def test_racing_different_content_gets_two_names(moto_s3: MotoS3, tmp_path
 
 _PERSIST_SCRIPT = """
 import sys, anyio
-from pipeline.session_storage import open_session_state
+from pipeline.store.sessions import open_session_state
 url, sid, tid, n = sys.argv[1:5]
 text = "".join(f"shared row {i}\\n" for i in range(int(n)))
 storage = open_session_state(url, sid, retry_config={"max_retries": 1})

@@ -21,17 +21,18 @@ pytest.importorskip("obstore", reason="the objectstore extra (obstore) is not in
 from obstore.exceptions import GenericError
 from obstore.store import MemoryStore
 
-from pipeline import Message, Pipeline, SessionContext, ToolPolicies, objectreader, to_api
+from pipeline import Message, Pipeline, SessionContext, ToolPolicies, to_api
 from pipeline.gate import describe_error
-from pipeline.objectreader import ObjectOutputReader, index_lines
-from pipeline.objectrecords import APPEND_ATTEMPTS, ObjectRecordLog
-from pipeline.objectstore import ObjectLayout, ObjectToolResultStore, normalize_prefix
-from pipeline.readback import PersistedOutputReader, ReadbackError, _count_lines
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, content_digest
-from pipeline.storage import StoreError
+from pipeline.store import object_reader as objectreader
+from pipeline.store.files import StoreError
+from pipeline.store.object_reader import ObjectOutputReader, index_lines
+from pipeline.store.object_records import APPEND_ATTEMPTS, ObjectRecordLog
+from pipeline.store.objects import ObjectLayout, ObjectToolResultStore, normalize_prefix
+from pipeline.store.readback import PersistedOutputReader, ReadbackError, _count_lines
 from pipeline.testing import QuietLogger, SpanRecorder
 from pipeline.tracing import ATTR
-from pipeline.transcript import (
+from pipeline.transcript.read import (
     TranscriptError,
     jsonl_lines,
     load_transcript,

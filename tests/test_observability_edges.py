@@ -17,9 +17,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-import pipeline.retention as retention
-from pipeline.retention import prune_store
-from pipeline.storage import FileToolResultStore
+import pipeline.store.retention as retention
+from pipeline.store.files import FileToolResultStore
+from pipeline.store.retention import prune_store
 from tests.cli_support import clean_env, run_cli
 
 

@@ -21,8 +21,8 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
+from pipeline.dropin.wrap import wrap
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
-from pipeline.wrap import wrap
 from stages import ToolResultBudget
 from tests.cli_support import clean_env
 from tests.sdk_support import sdk_client

@@ -15,7 +15,7 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
-from pipeline.proxy import build_app
+from pipeline.dropin.proxy import build_app
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.wire_support import TAG, proxy, proxy_process

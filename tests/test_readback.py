@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import Pipeline, SessionContext, ToolPolicies, readback
-from pipeline.readback import LineReader, PersistedOutputReader, ReadbackError
-from pipeline.storage import FileToolResultStore
+from pipeline import Pipeline, SessionContext, ToolPolicies
+from pipeline.store import readback
+from pipeline.store.files import FileToolResultStore
+from pipeline.store.readback import LineReader, PersistedOutputReader, ReadbackError
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use
 

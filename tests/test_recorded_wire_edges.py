@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import load_transcript, to_api
-from pipeline.replay import find_calls
+from pipeline.transcript.replay import find_calls
 
 S = "s1"
 

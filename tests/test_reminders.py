@@ -18,7 +18,7 @@ import pytest
 
 from pipeline import Message, TranscriptWriter, load_transcript, to_api
 from pipeline.messages import REMINDER, WIRE_MESSAGE, Usage
-from pipeline.wire_cache import WireCache
+from pipeline.wire.cache import WireCache
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}

@@ -11,8 +11,8 @@ import anyio
 
 from pipeline import Pipeline, SessionContext
 from pipeline.messages import Message, Usage
-from pipeline.replay import replay_messages
 from pipeline.tokens import TokenTracker, rough_tokens_for_messages
+from pipeline.transcript.replay import replay_messages
 from stages import default_stages
 
 SUMMARY = "Summary: the build failed in three shards; two fixed, one left (a flaky network test)."

@@ -19,9 +19,9 @@ import pytest
 from anthropic.types import MessageParam
 
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage
-from pipeline.replay import less_usage, replay_messages
 from pipeline.testing import MemoryStore, QuietLogger
 from pipeline.tracing import ATTR
+from pipeline.transcript.replay import less_usage, replay_messages
 from stages import HistorySnip
 from stages.autocompact import Autocompact
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -125,7 +125,7 @@ async def test_a_shared_replay_sends_what_a_copying_one_sends(tmp_path: Path) ->
     """``shared=True`` (the CLI's way) hands out one list brought up to date call by call: read
     before the next call, each request is byte for byte the one a copying replay returns, with
     the default stages acting (persisting, snipping and clearing) along the way."""
-    from pipeline.transcript import load_transcript
+    from pipeline.transcript.read import load_transcript
     from stages import Microcompact, ToolResultBudget
     from tests.benchmarks.long_session import write
 

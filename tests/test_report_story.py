@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline._cli.report import Story
 from pipeline.context import PersistedResult
-from pipeline.replay import Call, CallResult
+from pipeline.transcript.replay import Call, CallResult
 
 
 def _result(number: int, persisted: list[PersistedResult], reapplied: int = 0) -> CallResult:

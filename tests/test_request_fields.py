@@ -1,5 +1,5 @@
 """What the stages ask of a request, merged with what the client sent: the client's own
-fields are never dropped (``pipeline.request_fields``), through ``wrap`` and the proxy."""
+fields are never dropped (``pipeline.wire.request_fields``), through ``wrap`` and the proxy."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import anyio
 import pytest
 
 from pipeline import Pipeline
-from pipeline.request_fields import merge_betas, merge_edits, merge_request_fields
+from pipeline.dropin.wrap import wrap
 from pipeline.testing import Reply, ScriptedMessagesServer
-from pipeline.wrap import wrap
+from pipeline.wire.request_fields import merge_betas, merge_edits, merge_request_fields
 from stages import ServerSideMicrocompact, ToolResultBudget
 from tests.sdk_support import sdk_client
 from tests.wire_support import proxy

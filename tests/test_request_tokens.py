@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, Usage
-from pipeline.adapter import WireSession
 from pipeline.agent import Agent
 from pipeline.agent.results import TurnLog
+from pipeline.dropin.adapter import WireSession
 from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.tools import Tool
 from tests.sdk_support import sdk_client

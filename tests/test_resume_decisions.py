@@ -25,7 +25,7 @@ from pipeline import (
 )
 from pipeline.replacement import ReplacementRecord, content_digest, decided_in
 from pipeline.testing import QuietLogger
-from pipeline.transcript import StageRecord
+from pipeline.transcript.read import StageRecord
 from stages import ToolResultBudget
 from tests.builders import assistant, key, results, tool_result, tool_use, user_text
 

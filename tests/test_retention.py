@@ -21,13 +21,13 @@ import anyio
 import pytest
 import uvicorn
 
-import pipeline.retention as retention
+import pipeline.store.retention as retention
 from pipeline import Pipeline
 from pipeline._cli.app import main
 from pipeline._cli.store_cmd import format_bytes, parse_duration, parse_size
-from pipeline.proxy import build_app
-from pipeline.retention import PruneReport, is_persisted_name, prune_periodically, prune_store
-from pipeline.storage import FileToolResultStore
+from pipeline.dropin.proxy import build_app
+from pipeline.store.files import FileToolResultStore
+from pipeline.store.retention import PruneReport, is_persisted_name, prune_periodically, prune_store
 from tests.cli_support import clean_env, run_cli
 
 DAY = 86_400.0

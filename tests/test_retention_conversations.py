@@ -1,4 +1,4 @@
-"""Retention of whole conversations (``pipeline.retention_conversations``): a conversation
+"""Retention of whole conversations (``pipeline.store.retention_conversations``): a conversation
 directory the store wrote, untouched for longer than the age, goes whole, its records
 included; anything else keeps it."""
 
@@ -14,8 +14,8 @@ import anyio
 import httpx2
 
 from pipeline import Pipeline
-from pipeline.conversations import Conversations
-from pipeline.retention import prune_store
+from pipeline.dropin.conversations import Conversations
+from pipeline.store.retention import prune_store
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.wire_support import proxy_process

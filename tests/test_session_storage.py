@@ -17,13 +17,14 @@ pytest.importorskip("obstore", reason="the objectstore extra (obstore) is not in
 from obstore.store import MemoryStore
 
 from pipeline import FileToolResultStore, Pipeline, ToolPolicies, TranscriptWriter
-from pipeline.adapter import WireSession
-from pipeline.objectreader import ObjectOutputReader
-from pipeline.objectrecords import ObjectRecordLog
-from pipeline.objectstore import ObjectToolResultStore
-from pipeline.readback import PersistedOutputReader
-from pipeline.records import RecordLog
-from pipeline.session_storage import (
+from pipeline.dropin.adapter import WireSession
+from pipeline.store.files import StoreError
+from pipeline.store.object_reader import ObjectOutputReader
+from pipeline.store.object_records import ObjectRecordLog
+from pipeline.store.objects import ObjectToolResultStore
+from pipeline.store.readback import PersistedOutputReader
+from pipeline.store.records import RecordLog
+from pipeline.store.sessions import (
     DECISIONS_FILE,
     STORE_RETRIES,
     SessionStates,
@@ -32,7 +33,6 @@ from pipeline.session_storage import (
     in_turn_options,
     open_session_state,
 )
-from pipeline.storage import StoreError
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from tests.objectstore_support import SECRET_KEY, MotoS3, keys_of, start_moto

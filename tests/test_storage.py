@@ -37,7 +37,7 @@ from pipeline import (
     to_api,
 )
 from pipeline.gate import persist_content
-from pipeline.storage import OsFileOps, StoreError, safe_file_stem
+from pipeline.store.files import OsFileOps, StoreError, safe_file_stem
 from stages import ToolResultBudget
 from tests.builders import assistant, key, results, tool_result, tool_use, user_text
 

@@ -15,9 +15,9 @@ pytest.importorskip("obstore")
 from obstore.store import MemoryStore
 
 from pipeline import Pipeline
-from pipeline.session_storage import SessionStates
-from pipeline.storage import StoreError
-from pipeline.store_breaker import StoreBreaker
+from pipeline.store.breaker import StoreBreaker
+from pipeline.store.files import StoreError
+from pipeline.store.sessions import SessionStates
 from pipeline.testing import Reply, ScriptedMessagesServer
 from stages import default_stages
 from tests.objectstore_support import Wrapped
@@ -159,3 +159,34 @@ def test_a_hanging_store_costs_the_proxy_one_wait_not_one_per_call(tmp_path: Pat
             ]
     assert len(upstream.requests) == 6  # no call failed
     assert len(hung) == 1, f"the store was waited on {len(hung)} times"
+
+
+class LazyDown:
+    """A store whose listing is lazy, as obstore's is: asking succeeds, reading fails."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def list(self, prefix: str | None = None, *, offset: str | None = None) -> Any:
+        def batches() -> Any:
+            self.reads += 1
+            raise OSError("timed out")
+            yield []  # a generator
+
+        return batches()
+
+
+def test_a_lazy_listing_is_a_probe_only_once_read() -> None:
+    clock, inner = Clock(), LazyDown()
+    breaker = StoreBreaker(inner, cool_down=10, clock=clock)  # type: ignore[arg-type]
+    for _ in range(3):
+        with pytest.raises(OSError):
+            list(breaker.list("x"))
+    clock.now += 10
+    with pytest.raises(OSError):  # the probe: the listing's first read fails
+        list(breaker.list("x"))
+    assert breaker.open
+    for _ in range(3):
+        with pytest.raises(StoreError):
+            list(breaker.list("x"))
+    assert inner.reads == 4

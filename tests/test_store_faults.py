@@ -77,7 +77,7 @@ from pipeline import (
 )
 from pipeline.gate import gate_tool_result
 from pipeline.replacement import PERSISTED_OUTPUT_TAG, ReplacementState
-from pipeline.storage import OsFileOps
+from pipeline.store.files import OsFileOps
 from pipeline.testing import QuietLogger, SpanRecorder
 from pipeline.tracing import ATTR
 from stages import ToolResultBudget

@@ -36,14 +36,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, Pipeline, SessionContext, ToolPolicies
-from pipeline.readback import PersistedOutputReader
-from pipeline.storage import (
+from pipeline.store.files import (
     STALE_TEMP_SECONDS,
     FileToolResultStore,
     OsFileOps,
     StoreError,
     safe_file_stem,
 )
+from pipeline.store.readback import PersistedOutputReader
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -480,7 +480,7 @@ WRITER = textwrap.dedent(
     import os, signal, sys, time
     from pathlib import Path
     import anyio
-    from pipeline.storage import FileToolResultStore, OsFileOps
+    from pipeline.store.files import FileToolResultStore, OsFileOps
 
     root, session, tid, how, marker = sys.argv[1:6]
 
@@ -614,7 +614,7 @@ CONCURRENT_WRITER = textwrap.dedent(
     """
     import sys
     import anyio
-    from pipeline.storage import FileToolResultStore
+    from pipeline.store.files import FileToolResultStore
 
     root, session, who, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 

@@ -14,7 +14,7 @@ import pytest
 from pipeline import Pipeline, SessionContext, ToolPolicies, to_api
 from pipeline.gate import gate_tool_result, persist_content
 from pipeline.replacement import MAX_REPLACEMENT_CHARS, is_candidate, is_replacement_text
-from pipeline.storage import FileToolResultStore
+from pipeline.store.files import FileToolResultStore
 from pipeline.testing import QuietLogger
 from pipeline.tracing import Decision, Reason
 from stages import ToolResultBudget

@@ -25,7 +25,7 @@ from pipeline.incremental import ThreadStart
 from pipeline.kept_list import KeptList
 from pipeline.messages import REMINDER, thread_start
 from pipeline.testing import MemoryStore, QuietLogger
-from pipeline.wire_cache import WireCache
+from pipeline.wire.cache import WireCache
 from stages import ToolResultBudget, default_stages
 from tests.builders import assistant, ids, results, tool_result, tool_use, user_text
 

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, to_api
-from pipeline.encoding import encodable
-from pipeline.pairing import check_pairing
+from pipeline.wire.encoding import encodable
+from pipeline.wire.pairing import check_pairing
 
 PROPERTY_SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]

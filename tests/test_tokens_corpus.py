@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import TokenTracker, load_transcript
-from pipeline.replay import find_calls
 from pipeline.tokens import ErrorStats
+from pipeline.transcript.replay import find_calls
 from tests.conftest import corpus_sessions
 
 pytestmark = pytest.mark.corpus

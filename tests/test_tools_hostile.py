@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline._cli.coding_tools import bash_tool, read_file_tool
-from pipeline.readback import DEFAULT_MAX_CHARS, LineReader, ReadbackError
+from pipeline.store.readback import DEFAULT_MAX_CHARS, LineReader, ReadbackError
 from pipeline.tools import Tool
 
 needs_proc = pytest.mark.skipif(

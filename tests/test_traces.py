@@ -14,10 +14,10 @@ from opentelemetry import trace
 
 from pipeline import Message, Pipeline, SessionContext, ToolPolicies, Usage
 from pipeline.agent import Agent
-from pipeline.replay import replay_messages
 from pipeline.testing import Reply, ScriptedMessagesServer, SpanRecorder
 from pipeline.tools import Tool
 from pipeline.tracing import ATTR, SPAN_REPLAY, SPAN_REPLAY_CALL
+from pipeline.transcript.replay import replay_messages
 from stages import ToolResultBudget, default_stages
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.sdk_support import sdk_client

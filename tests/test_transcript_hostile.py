@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, SessionContext, TranscriptWriter, load_transcript
-from pipeline.transcript import TranscriptError, TranscriptPathError
+from pipeline.transcript.read import TranscriptError, TranscriptPathError
 from tests.builders import json_paths
 
 SESSION = "5f0c1e2a-0000-4000-8000-000000000001"

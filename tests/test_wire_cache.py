@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import Message, to_api
-from pipeline.caching import place_cache_breakpoint
 from pipeline.kept_list import KeptList
 from pipeline.messages import REMINDER
-from pipeline.pairing import PairingError, check_pairing
 from pipeline.testing import RecordReads
-from pipeline.wire_cache import WireCache, request_chars
+from pipeline.wire.cache import WireCache, request_chars
+from pipeline.wire.caching import place_cache_breakpoint
+from pipeline.wire.pairing import PairingError, check_pairing
 from tests.builders import results, tool_result, tool_use, user_text
 from tests.edit_support import records
 
@@ -295,9 +295,9 @@ def test_an_edit_redoes_only_what_follows_it() -> None:
     assert json.dumps(request) == json.dumps(to_api(edited))
 
 
-def test_wire_cache_is_still_importable_from_pipeline_wire() -> None:
+def test_wire_cache_is_importable_from_pipeline_wire() -> None:
     import pipeline.wire as wire
-    import pipeline.wire_cache as wire_cache
+    import pipeline.wire.cache as wire_cache
 
     assert wire.WireCache is wire_cache.WireCache
     assert wire.request_chars is wire_cache.request_chars

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,11 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
-from pipeline.adapter import RESPONSE_RECORD
-from pipeline.encoding import dumps_body, loads_body
+from pipeline.dropin.adapter import RESPONSE_RECORD
 from pipeline.testing import Reply, ScriptedMessagesServer
-from pipeline.transcript import load_transcript
-from pipeline.transcript_writer import TranscriptPathError, TranscriptWriter
+from pipeline.transcript.read import load_transcript
+from pipeline.transcript.writer import TranscriptPathError, TranscriptWriter
+from pipeline.wire.encoding import dumps_body, loads_body
 from stages import default_stages
 from tests.wire_support import proxy
 
@@ -184,3 +186,31 @@ def test_a_nan_in_a_request_reaches_the_upstream_as_nan(tmp_path: Path) -> None:
         response = httpx2.post(url + "/v1/messages", content=json.dumps(ok).encode())
         assert response.status_code == 200
         assert up.requests[1]["messages"][0]["content"] == text
+
+
+def test_a_call_that_fails_upstream_still_makes_its_records_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with proxy(free_port_url(), tmp_path, lambda: Pipeline(default_stages())) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError):
+            client.messages.create(model="m", max_tokens=5, messages=_conversation(60_000))  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while "decisions.jsonl" not in synced and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "decisions.jsonl" in synced  # the persist's record, made durable after the 502
+
+
+def free_port_url() -> str:
+    """An upstream nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"

@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from pipeline import Pipeline
+from pipeline.dropin.wrap import wrap as wrap_with
 from pipeline.testing import Reply, ScriptedMessagesServer
-from pipeline.wrap import wrap as wrap_with
 from stages import ToolResultBudget, wrap
 from tests.sdk_support import sdk_client
 from tests.wire_support import (

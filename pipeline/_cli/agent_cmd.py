@@ -24,11 +24,11 @@ from pipeline._cli.common import (
 )
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
-from pipeline.encoding import encodable
 from pipeline.policies import ToolPolicies
-from pipeline.session_storage import SessionStorage
-from pipeline.storage import TOOL_RESULTS_SUBDIR, validate_session_id
-from pipeline.transcript import TranscriptWriter
+from pipeline.store.files import TOOL_RESULTS_SUBDIR, validate_session_id
+from pipeline.store.sessions import SessionStorage
+from pipeline.transcript.read import TranscriptWriter
+from pipeline.wire.encoding import encodable
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

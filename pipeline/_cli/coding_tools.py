@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from pipeline.readback import LineReader, PagedReader
+from pipeline.store.readback import LineReader, PagedReader
 from pipeline.tools import Tool
 
 __all__ = ["BASH_DECLARED_LIMIT", "bash_tool", "read_file_tool", "run_shell"]
@@ -35,8 +35,8 @@ def read_file_tool(
 
     Never persisted (``math.inf``): persisting the output of the tool that reads persisted
     outputs would be a loop; its own per-call character bound applies instead. A bad path or
-    page of any kind raises :class:`~pipeline.readback.ReadbackError` only, and memory stays
-    bounded whatever the file (see :class:`~pipeline.readback.LineReader`).
+    page of any kind raises :class:`~pipeline.store.readback.ReadbackError` only, and memory stays
+    bounded whatever the file (see :class:`~pipeline.store.readback.LineReader`).
     """
     roots = [cwd] + ([store_directory] if store_directory is not None else [])
     reader = LineReader(

@@ -28,11 +28,11 @@ from pipeline.policies import (
     DEFAULT_MAX_RESULT_SIZE_CHARS,
     MAX_TOOL_RESULTS_PER_MESSAGE_CHARS,
 )
-from pipeline.replay import CallResult
-from pipeline.session_storage import STORE_RETRIES, STORE_TIMEOUT, SessionStates, in_turn_options
-from pipeline.storage import validate_session_id
+from pipeline.store.files import validate_session_id
+from pipeline.store.sessions import STORE_RETRIES, STORE_TIMEOUT, SessionStates, in_turn_options
 from pipeline.tracing import get_tracer
-from pipeline.transcript import Transcript, TranscriptError, load_transcript
+from pipeline.transcript.read import Transcript, TranscriptError, load_transcript
+from pipeline.transcript.replay import CallResult
 from stages import registry as stage_registry
 
 if TYPE_CHECKING:

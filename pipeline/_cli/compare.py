@@ -29,7 +29,7 @@ from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.messages import Message
-from pipeline.replay import replay_messages, request_chars
+from pipeline.transcript.replay import replay_messages, request_chars
 
 __all__ = [
     "PRICES",

@@ -22,10 +22,10 @@ from pipeline.policies import (
     UNDECLARED_MAX_RESULT_SIZE_CHARS,
     ToolPolicies,
 )
-from pipeline.replay import Call, CallResult
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from pipeline.tools import Tool, ToolOutput
 from pipeline.tracing import Decision, Reason, limit_attribute
+from pipeline.transcript.replay import Call, CallResult
 
 if TYPE_CHECKING:
     import anthropic

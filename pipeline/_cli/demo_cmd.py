@@ -33,9 +33,9 @@ from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
 from pipeline.core import PipelineHalt, StageError
 from pipeline.policies import ToolPolicies
-from pipeline.replay import CallResult
-from pipeline.storage import TOOL_RESULTS_SUBDIR
-from pipeline.transcript import TranscriptWriter
+from pipeline.store.files import TOOL_RESULTS_SUBDIR
+from pipeline.transcript.read import TranscriptWriter
+from pipeline.transcript.replay import CallResult
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -30,7 +30,7 @@ from typing import Any
 
 from pipeline.messages import Block, Content, Message, Usage
 from pipeline.policies import MAX_TOOL_RESULTS_PER_MESSAGE_CHARS, ToolPolicies
-from pipeline.transcript import TranscriptWriter
+from pipeline.transcript.read import TranscriptWriter
 
 __all__ = ["DEFAULT_SEED", "OUTPUT_MARKER", "DemoSession", "generate_session", "write_session"]
 

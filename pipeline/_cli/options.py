@@ -14,8 +14,8 @@ from pipeline._cli.arg_types import (
     store_timeout,
 )
 from pipeline.policies import DEFAULT_MAX_RESULT_SIZE_CHARS, MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
-from pipeline.session_storage import STORE_RETRIES, STORE_TIMEOUT
-from pipeline.storage import STORE_COOL_DOWN
+from pipeline.store.files import STORE_COOL_DOWN
+from pipeline.store.sessions import STORE_RETRIES, STORE_TIMEOUT
 
 STORE_HELP = (
     "directory for persisted results (<DIR>/<session>/tool-results/); never removed by the "

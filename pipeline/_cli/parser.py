@@ -31,8 +31,8 @@ from pipeline._cli.options import (
 )
 from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
-from pipeline.conversations import MAX_HELD
-from pipeline.wire_limits import HEADER_TIMEOUT, UPSTREAM_TIMEOUT
+from pipeline.dropin.conversations import MAX_HELD
+from pipeline.dropin.limits import HEADER_TIMEOUT, UPSTREAM_TIMEOUT
 from stages import registry as stage_registry
 
 

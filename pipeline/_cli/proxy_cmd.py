@@ -1,4 +1,5 @@
-"""``proxy``: the Messages API reverse proxy (see :mod:`pipeline.proxy`), served by uvicorn."""
+"""``proxy``: the Messages API reverse proxy (see :mod:`pipeline.dropin.proxy`), served by
+uvicorn."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ from pipeline._cli.common import (
 )
 from pipeline._cli.safe_text import terminal_safe
 from pipeline._cli.store_cmd import describe, warn_errors
+from pipeline.dropin.metrics import WireMetrics
+from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
-from pipeline.metrics import WireMetrics
 from pipeline.policies import ToolPolicies
-from pipeline.retention import PruneReport, prune_periodically, prune_store
-from pipeline.session_storage import SessionStates
-from pipeline.tenancy import Tenancy
+from pipeline.store.retention import PruneReport, prune_periodically, prune_store
+from pipeline.store.sessions import SessionStates
 
 PRUNE_INTERVAL = 3_600.0
 """Seconds between two prunes of the store while the proxy runs (``--retain``,
@@ -50,7 +51,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             head_timed,
             raise_open_files,
         )
-        from pipeline.proxy import build_app
+        from pipeline.dropin.proxy import build_app
     except ImportError:
         raise CliError("the proxy needs its extra: pip install 'sluicegate[proxy]'") from None
     parts = urlsplit(args.upstream)

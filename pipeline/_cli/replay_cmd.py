@@ -43,11 +43,11 @@ from pipeline.context import SessionContext
 from pipeline.core import Pipeline, PipelineHalt, StageError
 from pipeline.logs import get_logger
 from pipeline.policies import ToolPolicies
-from pipeline.replay import CallResult, find_calls, replay_messages
 from pipeline.spans import content_safe_span
-from pipeline.storage import TOOL_RESULTS_SUBDIR
+from pipeline.store.files import TOOL_RESULTS_SUBDIR
 from pipeline.tracing import ATTR, SPAN_REPLAY
-from pipeline.transcript import Transcript
+from pipeline.transcript.read import Transcript
+from pipeline.transcript.replay import CallResult, find_calls, replay_messages
 from stages import registry as stage_registry
 from stages.autocompact import ContextWindowExceeded
 

@@ -11,9 +11,9 @@ from typing import IO, Any, Protocol
 
 from pipeline._cli.safe_text import terminal_safe
 from pipeline._cli.story import Story
-from pipeline.replay import CallResult
 from pipeline.tokens.stats import UNDERCOUNT_TOLERANCE, ErrorStats, nearest_rank, rounded
-from pipeline.transcript import Transcript
+from pipeline.transcript.read import Transcript
+from pipeline.transcript.replay import CallResult
 
 __all__ = [
     "ESTIMATORS",

@@ -25,7 +25,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pipeline.wire_limits import HEADER_TIMEOUT
+from pipeline.dropin.limits import HEADER_TIMEOUT
 
 __all__ = ["AcceptRetryAfterClose", "OnceIn", "connection_cap", "head_timed", "raise_open_files"]
 

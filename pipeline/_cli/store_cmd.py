@@ -1,4 +1,4 @@
-"""``store prune``: retention for a long-lived store (see :mod:`pipeline.retention`), and the
+"""``store prune``: retention for a long-lived store (see :mod:`pipeline.store.retention`), and the
 duration and size values its options (and the proxy's) take."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline._cli.common import EXIT_FAILED, EXIT_OK, CliError
 from pipeline._cli.safe_text import terminal_safe
-from pipeline.retention import PruneReport, prune_store
+from pipeline.store.retention import PruneReport, prune_store
 
 _MAX_TEXT = 32
 """Longer values are refused before they are parsed (and shown cut in the error)."""

@@ -4,7 +4,7 @@ the later requests re-applied."""
 from __future__ import annotations
 
 from pipeline._cli.safe_text import terminal_safe
-from pipeline.replay import CallResult
+from pipeline.transcript.replay import CallResult
 
 __all__ = ["Story"]
 

@@ -32,16 +32,12 @@ from pipeline.agent.resume import (
     store_root_of,
 )
 from pipeline.agent.retry import RetryPolicy
-from pipeline.caching import place_cache_breakpoint
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
-from pipeline.encoding import encodable
 from pipeline.kept_list import KeptList
 from pipeline.messages import Block, Message, holds_compaction, now_timestamp
-from pipeline.readback import readback_for
-from pipeline.request_fields import merge_betas, merge_request_fields
-from pipeline.session_storage import SessionStorage
 from pipeline.spans import content_safe_span
+from pipeline.store.sessions import SessionStorage, readback_for
 from pipeline.tokens import calibration_path_for
 from pipeline.tools import Tool
 from pipeline.tracing import (
@@ -51,7 +47,10 @@ from pipeline.tracing import (
     agent_span_name,
     bounded_attribute,
 )
-from pipeline.wire_cache import WireCache
+from pipeline.wire.cache import WireCache
+from pipeline.wire.caching import place_cache_breakpoint
+from pipeline.wire.encoding import encodable
+from pipeline.wire.request_fields import merge_betas, merge_request_fields
 
 __all__ = ["CANCELLED_RESULT", "INTERRUPTED_RESULT", "Agent", "readback_for", "store_root_of"]
 
@@ -74,7 +73,7 @@ class Agent:
     the API to cache each request's prefix (a ``cache_control`` breakpoint on its last block,
     while the request holds fewer than four). Tools' declared
     ``max_result_size_chars`` are added to ``ctx.tool_policies``. With a file store or an
-    object store (:class:`~pipeline.objectstore.ObjectToolResultStore`), the read-back tool for
+    object store (:class:`~pipeline.store.objects.ObjectToolResultStore`), the read-back tool for
     persisted outputs is registered automatically (never persisted itself).
     """
 
@@ -154,7 +153,7 @@ class Agent:
         skipped. The tool pairing is repaired as :func:`~pipeline.agent.repair.repair_pairing`
         says (a tool call left unanswered anywhere gets an error result, a late result moves
         to its call, an orphan goes); a history it cannot repair (a tool_use id used twice)
-        raises :class:`~pipeline.pairing.PairingError` before anything is written. ``root``:
+        raises :class:`~pipeline.wire.pairing.PairingError` before anything is written. ``root``:
         the store root; by default the one the transcript lives in
         (``<root>/<session>/transcript.jsonl``), else ``.sluicegate``.
         """
@@ -184,7 +183,7 @@ class Agent:
         **kwargs: Any,
     ) -> Agent:
         """:meth:`resume` from a session's records wherever they live (an object store's
-        record log: :func:`~pipeline.session_storage.open_session_state`), its results in
+        record log: :func:`~pipeline.store.sessions.open_session_state`), its results in
         ``storage.store``; the session continues appending there. ``root``: the local
         directory of the token calibration. Blocking (the records are loaded): call it before
         the event loop runs, or in a worker thread. ``ValueError`` when nothing is recorded.

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pipeline.messages import Block, Message, now_timestamp
-from pipeline.pairing import PairingProblem, check_pairing
-from pipeline.wire import to_api, wire_positions
+from pipeline.wire.form import to_api, wire_positions
+from pipeline.wire.pairing import PairingProblem, check_pairing
 
 if TYPE_CHECKING:
     pass

@@ -16,8 +16,8 @@ import anthropic
 from pydantic import BaseModel
 
 from pipeline.agent.results import AgentAPIError
-from pipeline.encoding import encodable
 from pipeline.messages import Block, Message, Usage, now_timestamp
+from pipeline.wire.encoding import encodable
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam

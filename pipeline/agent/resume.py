@@ -15,14 +15,14 @@ from pipeline.agent.repair import repair_pairing
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.kept_list import KeptList
-from pipeline.pairing import PairingError
-from pipeline.records import RecordLog
 from pipeline.replacement import ReplacementState, decided_in
-from pipeline.session_storage import SessionStorage
-from pipeline.storage import ToolResultStore
+from pipeline.store.files import ToolResultStore
+from pipeline.store.records import RecordLog
+from pipeline.store.sessions import SessionStorage
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tools import Tool
-from pipeline.transcript import Transcript, TranscriptWriter, load_transcript
+from pipeline.transcript.read import Transcript, TranscriptWriter, load_transcript
+from pipeline.wire.pairing import PairingError
 
 if TYPE_CHECKING:
     from pipeline.agent.loop import Agent

@@ -32,7 +32,7 @@ __all__ = [
 
 
 class MemoryStore:
-    """A :class:`~pipeline.storage.ToolResultStore` in memory: deterministic paths, no I/O.
+    """A :class:`~pipeline.store.files.ToolResultStore` in memory: deterministic paths, no I/O.
 
     ``files`` maps each path to the text stored there. As in the file store, a second write of
     an id with the same text reuses the path and one with other text goes to

@@ -49,7 +49,7 @@ from pipeline.tokens.state_file import (
     write_state,
 )
 from pipeline.tokens.stats import BIG_GROWTH, ErrorStats, EstimateDetail, Observation
-from pipeline.wire import to_api
+from pipeline.wire.form import to_api
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic import AsyncAnthropic

@@ -6,9 +6,9 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pipeline.harness import last_result_index, split_tail, with_tail
 from pipeline.kept_list import KeptList
 from pipeline.messages import Block, Message
+from pipeline.wire.harness import last_result_index, split_tail, with_tail
 
 __all__ = [
     "CLEARED_PLACEHOLDER",
@@ -60,7 +60,7 @@ def patch_message(m: Message, content_for: ContentFor) -> Message:
     """``m`` with the tool_results ``content_for`` names carrying their new content; ``m``
     itself when nothing changes. Every other block field (``tool_use_id``, ``is_error``,
     ``cache_control``) is kept, and so is text a harness appended to the last result
-    (:mod:`pipeline.harness`): the new content takes the place of the tool's output only.
+    (:mod:`pipeline.wire.harness`): the new content takes the place of the tool's output only.
     ``content_for`` is called once per tool_result block, in order."""
     blocks: list[Block] | None = None
     last = last_result_index(m.content)

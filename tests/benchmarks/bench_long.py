@@ -57,12 +57,12 @@ from pipeline import (  # noqa: E402
     load_transcript,
     to_api,
 )
-from pipeline.caching import place_cache_breakpoint  # noqa: E402
 from pipeline.kept_list import KeptList  # noqa: E402
-from pipeline.pairing import check_pairing  # noqa: E402
-from pipeline.replay import find_calls, replay_messages  # noqa: E402
 from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
-from pipeline.wire_cache import WireCache, request_chars  # noqa: E402
+from pipeline.transcript.replay import find_calls, replay_messages  # noqa: E402
+from pipeline.wire.cache import WireCache, request_chars  # noqa: E402
+from pipeline.wire.caching import place_cache_breakpoint  # noqa: E402
+from pipeline.wire.pairing import check_pairing  # noqa: E402
 from stages import ToolResultBudget, default_stages  # noqa: E402
 from tests.benchmarks.bench_pipeline import FullRescanBudget, HistoryGen  # noqa: E402
 from tests.benchmarks.long_session import write as write_session  # noqa: E402
@@ -321,7 +321,7 @@ def cli_peak_rss(*cli: str) -> int:
 
 _LOAD = """
 import json, os, resource, sys
-import pipeline.replay, pipeline.transcript as t
+import pipeline.transcript.replay, pipeline.transcript.read as t
 page = os.sysconf("SC_PAGE_SIZE") // 1024
 with open("/proc/self/statm") as f:
     before = int(f.read().split()[1]) * page

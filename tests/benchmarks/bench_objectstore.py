@@ -38,8 +38,8 @@ import anyio  # noqa: E402
 import anyio.to_thread  # noqa: E402
 
 from pipeline import Pipeline, ToolPolicies  # noqa: E402
-from pipeline.adapter import WireSession  # noqa: E402
-from pipeline.session_storage import SessionStates  # noqa: E402
+from pipeline.dropin.adapter import WireSession  # noqa: E402
+from pipeline.store.sessions import SessionStates  # noqa: E402
 from pipeline.testing import QuietLogger  # noqa: E402
 from stages import ToolResultBudget  # noqa: E402
 

@@ -304,7 +304,7 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float) -> Non
 
 def prepare_scaling(sizes: list[int], calls: int) -> None:
     from pipeline import Pipeline
-    from pipeline.adapter import WireSession
+    from pipeline.dropin.adapter import WireSession
     from stages import default_stages
 
     print(

@@ -60,15 +60,15 @@ from pipeline import (  # noqa: E402
     to_api,
 )
 from pipeline.gate import empty_result_text, is_persistable, persist_content  # noqa: E402
-from pipeline.harness import last_result_index, split_tail, with_tail  # noqa: E402
 from pipeline.replacement import (  # noqa: E402
     candidate_size,
     content_is_empty,
     is_candidate_content,
     result_key,
 )
-from pipeline.replay import replay_messages  # noqa: E402
 from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
+from pipeline.transcript.replay import replay_messages  # noqa: E402
+from pipeline.wire.harness import last_result_index, split_tail, with_tail  # noqa: E402
 from stages import ToolResultBudget, default_stages  # noqa: E402
 
 DEFAULT_CORPUS = Path(os.environ.get("SLUICEGATE_CORPUS", REPO.parent / "shared" / "corpus"))
@@ -531,7 +531,7 @@ def bench_replay(corpus: Path, runs: int) -> None:
         f"({calls / (re_ - lo):,.0f} calls/s of replay)"
     )
     # where the replay's time goes (one more run, instrumented)
-    from pipeline.wire_cache import WireCache
+    from pipeline.wire.cache import WireCache
 
     stage_times: dict[str, list[float]] = {}
     wire_times: list[float] = []

@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # this checkout's package, even when run from elsewhere
 
 from pipeline import Message, Usage, load_transcript  # noqa: E402
-from pipeline.replay import Call, find_calls  # noqa: E402
 from pipeline.tokens import (  # noqa: E402
     TokenTracker,
     find_anchor,
@@ -50,6 +49,7 @@ from pipeline.tokens.priors import (  # noqa: E402
     model_family,
 )
 from pipeline.tokens.stats import BIG_GROWTH, nearest_rank  # noqa: E402
+from pipeline.transcript.replay import Call, find_calls  # noqa: E402
 
 DEFAULT_CORPUS = Path(os.environ.get("SLUICEGATE_CORPUS", REPO.parent / "shared" / "corpus"))
 

@@ -29,19 +29,19 @@ sys.path.insert(0, str(REPO))
 import anyio  # noqa: E402
 
 from pipeline import Pipeline, SessionContext, ToolPolicies, load_transcript  # noqa: E402
-from pipeline.replay import find_calls, replay_messages  # noqa: E402
 from pipeline.testing import QuietLogger  # noqa: E402
+from pipeline.transcript.replay import find_calls, replay_messages  # noqa: E402
 from stages import default_stages  # noqa: E402
 
 _HELPERS = ("pipeline/messages.py", "pipeline/kept_list.py", "dataclasses.py", "<string>")
 """Allocations made here are charged to the module that called them."""
 _OWNERS = (
     ("pipeline/wire", "request"),  # wire.py and wire_cache.py
-    ("pipeline/pairing.py", "request"),
-    ("pipeline/caching.py", "request"),
+    ("pipeline/wire/pairing.py", "request"),
+    ("pipeline/wire/caching.py", "request"),
     ("stages/_shared/results.py", "rewritten"),
     ("pipeline/gate.py", "rewritten"),
-    ("pipeline/replay.py", "replay"),
+    ("pipeline/transcript/replay.py", "replay"),
     ("stages/", "state"),
     ("pipeline/", "state"),
 )

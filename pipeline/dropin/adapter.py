@@ -1,0 +1,723 @@
+"""A conversation as it arrives at the wire: a Messages request in, the request to send out.
+
+A client that already has its loop (the SDK, a proxy in front of any program) re-sends its own,
+unmodified history on every call. :class:`WireSession` turns each request's ``messages`` into
+records, runs the pipeline with the conversation's :class:`~pipeline.context.SessionContext`
+and gives back the ``messages`` to send. It is the layer ``wrap`` and the proxy stand on;
+which conversation a request belongs to is :mod:`pipeline.dropin.conversations`' business.
+
+- **Stable records.** While a request repeats the last one, message by message, each message
+  is the same record object as before (the stages' incremental passes rest on identity); from
+  the first that differs on, each gets a uuid derived from the digest of it and every message
+  before it (:mod:`pipeline.wire.digests`), so the same history gives the same records in another
+  process, and a stage's decision on a record never applies to one that follows other messages
+  (in a conversation that went another way from this one). Assistant messages carry no id on
+  the wire: the response id and usage the session observed are attached to the message that
+  answered it.
+- **Decisions stay.** Earlier decisions are re-applied byte for byte (prefix-stable); they are
+  recorded in ``<root>/<session>/decisions.jsonl`` (replacement and stage records, responses,
+  the digests of the messages the conversation sent), or wherever the session's ``storage``
+  keeps records (an object store shared by a fleet:
+  :func:`~pipeline.store.sessions.open_session_state`), so a new process continues with the
+  same decisions.
+- **A conversation that goes another way** from a point of this one (a client's fork, an edit,
+  a rewind) starts from this one's decisions: :meth:`WireSession.inherit` gives them
+  (:mod:`pipeline.dropin.inheritance`), and a session made with them (``inherited=``) sends the same
+  bytes for the part they share; they are written as the first record of its own log, so it is
+  whole on its own.
+- **Cost.** Per call: one equality check per message (C-level) plus the new messages; the
+  pipeline and the request building are incremental as in the agent loop.
+- **Off the event loop.** :meth:`WireSession.open` loads the recorded decisions in a worker
+  thread and :meth:`WireSession.observe_async` appends in one (an object store's request, a
+  file's fsync); the stages' own appends already run there. The constructor and
+  :meth:`WireSession.observe` do the same inline, for synchronous callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import threading
+import uuid
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+
+from pipeline.context import SessionContext
+from pipeline.core import Pipeline
+from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
+from pipeline.dropin.inheritance import FORK_RECORD, Inherited
+from pipeline.gate import describe_error
+from pipeline.logs import get_logger
+from pipeline.messages import Message, Usage, usage_compacted
+from pipeline.replacement import (
+    DECIDED_RECORD_STAGE,
+    ReplacementRecord,
+    ReplacementState,
+    answered_results,
+    decided_in,
+    decided_record,
+    tool_use_id_of,
+)
+from pipeline.spans import content_safe_span
+from pipeline.store.files import validate_session_id
+from pipeline.store.sessions import DECISIONS_FILE, SessionStorage, open_session_state
+from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
+from pipeline.transcript.read import StageRecord, Transcript
+from pipeline.wire.cache import WireCache
+from pipeline.wire.caching import add_cache_breakpoint
+from pipeline.wire.digests import chain_of, opening_digest
+from pipeline.wire.request_fields import merge_betas as beta_header
+
+if TYPE_CHECKING:
+    from anthropic.types import MessageParam
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
+__all__ = [
+    "DECISIONS_FILE",
+    "FORK_RECORD",
+    "Call",
+    "EventStreamUsage",
+    "Inherited",
+    "WireSession",
+    "beta_header",
+]
+
+Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
+"""How results were decided (their ledger keys): replacement records, keys sent whole."""
+
+REPLACEMENT_RECORD = "content-replacement"
+"""What a failure to append replacement records is logged as (the transcript's own type)."""
+
+RESPONSE_RECORD = "wire_session.response"
+"""The stage record of an observed response: where its answer stands, its id and usage, and
+the digests of the request's messages from where they changed (``chain_from``, ``chain``)."""
+
+
+class _Load(enum.Enum):
+    NOW = "now"
+    """Load the recorded decisions in the constructor (blocking)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One prepared request, as its response is to be recorded: where the answer will stand
+    and the digests of the request's messages (taken when it was prepared, so that a request of
+    the same conversation prepared meanwhile changes neither)."""
+
+    index: int
+    chain: tuple[bytes, ...]
+
+
+class WireSession:
+    """One conversation seen at the wire (see the module docstring).
+
+    ``cache_breakpoint``: for a client that sets no ``cache_control`` itself, put one on the
+    last block (a client's own breakpoints are always left alone). ``storage``: where the
+    session's results and decisions live -- a :class:`~pipeline.store.sessions.SessionStorage`
+    or a location for :func:`~pipeline.store.sessions.open_session_state` (``s3://...``);
+    by default the files under ``root``. ``root`` also holds the token calibration (always a
+    local directory: each host learns its own). ``loaded``: the records ``storage.load()``
+    returned, when the caller has loaded them (:meth:`open` does so off the event loop); by
+    default the constructor loads them. ``inherited``: the decisions of the conversation this
+    one went another way from (:meth:`inherit`): written as the first record of this session's
+    log before anything else of it (tried again on each call until written), unless its log
+    already holds records (another worker made it).
+    ``prepare(messages)`` gives the messages to send; ``observe(...)`` takes the response's id
+    and usage (the token tracker learns from it, and the next request's answering message
+    carries them). Calls of one session must not overlap (the pipeline serialises them; a
+    synchronous caller with threads holds :attr:`sync_lock` around each call's pass).
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        root: str | Path,
+        pipeline: Pipeline,
+        *,
+        cache_breakpoint: bool = False,
+        storage: SessionStorage | str | None = None,
+        loaded: Transcript | _Load | None = _Load.NOW,
+        inherited: Inherited | None = None,
+        opening: bytes | None = None,
+        **context: Any,
+    ) -> None:
+        self.session_id = validate_session_id(session_id)
+        self.opening = opening
+        """The first link of this conversation's chain
+        (:func:`~pipeline.wire.digests.opening_digest`:
+        its system prompt and hint in it); None: the first message's alone."""
+        self._routed: tuple[Sequence[Any], list[bytes]] | None = None
+        self.pipeline = pipeline
+        self.cache_breakpoint = cache_breakpoint
+        self.storage = self._storage_for(self.session_id, root, storage)
+        if isinstance(loaded, _Load):
+            loaded = None if inherited is not None else self.storage.load()
+        self.chain: list[bytes] = []
+        """The digests of the messages of the last request prepared (:mod:`pipeline.wire.digests`),
+        as loaded from the records until the first."""
+        self._disk_chain: list[bytes] = []
+        """The chain as the records hold it."""
+        self._pending: Inherited | None = None
+        if loaded is None and inherited is not None:
+            self._pending = inherited
+            loaded = Transcript(
+                path=Path(self.storage.location),
+                messages=[],
+                replacement_records=list(inherited.replacement_records),
+                stage_records=list(inherited.stage_records),
+            )
+            self.chain = list(inherited.chain)
+        elif loaded is not None:
+            loaded = self._expand(loaded)
+        else:
+            # a conversation new to the store: its first request may hold results the model
+            # answered after (a client's history from before this layer): rebuilt by where
+            # they stand, as a new process would, they go as they were sent -- whole
+            loaded = Transcript(path=Path(self.storage.location), messages=[])
+        self._calibration = calibration_path_for(root, self.storage.session_id, self.storage.branch)
+        if "token_tracker" not in context:
+            if inherited is not None and inherited.tracker is not None:
+                context["token_tracker"] = TokenTracker.from_state_dict(inherited.tracker)
+            else:
+                context["token_tracker"] = TokenTracker.load(self._calibration)
+        context.setdefault("store", self.storage.store)
+        self.ctx = SessionContext(
+            self.session_id,
+            root,
+            transcript=self.storage.records,
+            stage_records=loaded.stage_records if loaded is not None else (),
+            **context,
+        )
+        self.sync_lock = threading.Lock()
+        """Held by a synchronous caller around each call's pass and observation (threads of
+        one client may share a conversation)."""
+        self._observing = anyio.Lock()
+        self._calibration_due: dict[str, Any] | None = None
+        self._restored: Transcript | None = loaded
+        self._responses: dict[int, tuple[str, Usage | None]] = {}
+        if loaded is not None:
+            self._restore_responses(loaded.stage_records)
+        self._params: list[Any] = []
+        self._records: list[Message] = []
+        self._first_new = 0
+        """Where the last request prepared stopped repeating the one before."""
+        self._wire = WireCache()
+        self._projected: list[Message] = []
+        self._calls = 0
+        self.last_call: Call | None = None
+        """The request :meth:`prepare` prepared last (what :meth:`observe` records by
+        default)."""
+        self.elsewhere: Decided | None = None
+        """How the other conversations of this one's family decided results (their ledger
+        keys): set by :class:`~pipeline.dropin.conversations.Conversations`; None alone."""
+
+    @classmethod
+    async def open(
+        cls,
+        session_id: str,
+        root: str | Path,
+        pipeline: Pipeline,
+        *,
+        storage: SessionStorage | str | None = None,
+        **options: Any,
+    ) -> WireSession:
+        """A session as the constructor makes it, its recorded decisions loaded in a worker
+        thread (an object store's listing and reads must not hold up the event loop).
+        ``OSError`` (:class:`~pipeline.store.files.StoreError`) when the store cannot be read."""
+        sid = validate_session_id(session_id)
+        resolved = cls._storage_for(sid, root, storage)
+        loaded = await anyio.to_thread.run_sync(resolved.load)
+        if "token_tracker" not in options:  # a local file, but a read all the same
+            path = calibration_path_for(root, resolved.session_id, resolved.branch)
+            options["token_tracker"] = await anyio.to_thread.run_sync(TokenTracker.load, path)
+        return cls(sid, root, pipeline, storage=resolved, loaded=loaded, **options)
+
+    @staticmethod
+    def _storage_for(
+        session_id: str, root: str | Path, storage: SessionStorage | str | None
+    ) -> SessionStorage:
+        if not isinstance(storage, SessionStorage):
+            # a root is a directory, whatever it looks like: a URL must come as ``storage``
+            where = Path(root) if storage is None else storage
+            return open_session_state(where, session_id)
+        named = storage.session_id
+        if storage.branch is not None:
+            named = f"{named}.{storage.branch}"
+        if named != session_id:
+            raise ValueError(f"storage is for session {named!r}, not {session_id!r}")
+        return storage
+
+    # -- records ------------------------------------------------------------------------------
+    def _expand(self, loaded: Transcript) -> Transcript:
+        """``loaded`` with what a fork record in it inherited put first, and the chain of the
+        messages it recorded sending (the fork record's, then its own calls')."""
+        records = loaded.stage_records
+        fork = next((r.data for r in records if r.stage == FORK_RECORD), None)
+        if fork is None:  # its own record could not be written: a response record carries it
+            fork = next(
+                (
+                    r.data["fork"]
+                    for r in records
+                    if r.stage == RESPONSE_RECORD and isinstance(r.data.get("fork"), Mapping)
+                ),
+                None,
+            )
+        own = [r for r in records if r.stage != FORK_RECORD]
+        if fork is not None:
+            got, problems = Inherited.from_record(fork)
+            if problems:
+                get_logger(session_id=self.session_id).warning(
+                    "wire_session.record_unreadable", record=FORK_RECORD, parts=problems[:20]
+                )
+            loaded = dataclasses.replace(
+                loaded,
+                replacement_records=[*got.replacement_records, *loaded.replacement_records],
+                stage_records=[*got.stage_records, *own],
+            )
+            self.chain = list(got.chain)
+        else:
+            loaded = dataclasses.replace(loaded, stage_records=own)
+        for record in own:
+            if record.stage == RESPONSE_RECORD:
+                self._restore_chain(record.data)
+        self._disk_chain = list(self.chain)
+        return loaded
+
+    def _restore_chain(self, data: Mapping[str, Any]) -> None:
+        start, digests = data.get("chain_from"), data.get("chain")
+        if not isinstance(start, int) or isinstance(start, bool) or not isinstance(digests, list):
+            return
+        if not 0 <= start <= len(self.chain):
+            return
+        parsed = []
+        for text in digests:
+            try:
+                parsed.append(bytes.fromhex(text))
+            except (ValueError, TypeError):
+                break  # what follows a bad link cannot be placed
+        self.chain[start:] = parsed
+
+    def routed(self, messages: Sequence[Any], chain: list[bytes]) -> None:
+        """The digests of ``messages`` as the router computed them
+        (:mod:`pipeline.dropin.conversations`):
+        when those very messages are prepared next, they are not digested again."""
+        self._routed = (messages, chain)
+
+    def _restore_responses(self, records: Iterable[StageRecord]) -> None:
+        for record in records:
+            if record.stage == RESPONSE_RECORD:
+                self._restore_response(record.data)
+
+    def _restore_response(self, data: Mapping[str, Any]) -> None:
+        index, rid, usage = data.get("index"), data.get("id"), data.get("usage")
+        if not isinstance(index, int) or not isinstance(rid, str):
+            return
+        try:
+            parsed = Usage.from_mapping(usage) if isinstance(usage, Mapping) else None
+        except ValueError:
+            parsed = None
+        self._responses[index] = (rid, parsed)
+
+    # -- a conversation that goes another way ------------------------------------------------
+    def inherit(self, at: int, results: Collection[str] | None = None) -> Inherited:
+        """What a conversation that shares this one's first ``at`` messages, then goes another
+        way, starts from: this one's decisions on the results it holds (``results``: their
+        ledger keys, :func:`~pipeline.replacement.result_key`; default all; a decision applies
+        only to the output it was made on), this one's other stage records (they name records
+        by the digest of all before them: they apply only to what the two share), the responses
+        this one observed for the shared part and its token tracker's state. A copy, taken
+        without waiting for a pass of this session that may be running: its decisions on the
+        shared part were made before (the part is older than the pass), and each is bound to
+        its output."""
+        # whole-object copies first: each is made in one step, whatever another thread does
+        stage_records, responses = list(self.ctx.stage_records), dict(self._responses)
+        tracker = self.ctx.token_tracker.state_dict()
+        records, seen = self.decisions_on(results)
+        kept = [
+            r
+            for r in stage_records
+            if r.stage not in (FORK_RECORD, RESPONSE_RECORD, DECIDED_RECORD_STAGE)
+        ]
+        if seen:
+            kept.append(StageRecord(DECIDED_RECORD_STAGE, decided_record(seen)))
+        for index in sorted(i for i in responses if i < at):
+            rid, usage = responses[index]
+            data: dict[str, Any] = {"index": index, "id": rid}
+            if usage is not None:
+                data["usage"] = usage.to_mapping()
+            kept.append(StageRecord(RESPONSE_RECORD, data))
+        return Inherited(self.session_id, at, records, kept, self.chain[:at], tracker)
+
+    def decisions_on(
+        self, results: Collection[str] | None = None
+    ) -> tuple[list[ReplacementRecord], set[str]]:
+        """This session's decisions on the results whose ledger keys are ``results`` (default
+        all): their replacement records, and the keys of those it sent whole. Each lookup is
+        one step, whatever another thread does; with ``results``, only those are looked up
+        (never a copy of the whole ledger)."""
+        restored = self._restored
+        if restored is not None:  # loaded, not yet rebuilt: its records are the ledger
+            records = list(restored.replacement_records)
+            seen = decided_in(restored.stage_records)
+        else:
+            state = self.ctx.replacement_state
+            if results is None:
+                replacements, seen = dict(state.replacements), set(state.seen_ids)
+            else:
+                ids = {tool_use_id_of(k) for k in results}
+                # a ledger rebuilt from records without digests holds bare ids
+                asked = {*results, *ids, *(f"{i}#" for i in ids)}
+                replacements = {k: t for k in asked if (t := state.replacements.get(k)) is not None}
+                seen = {k for k in results if k in state.seen_ids}
+            records = [
+                ReplacementRecord(tid, text, digest=key[len(tid) + 1 :] or None)
+                for key, text in replacements.items()
+                for tid in (tool_use_id_of(key),)
+            ]
+        if results is not None:
+            keep = set(results)
+            ids = {tool_use_id_of(k) for k in keep}
+            records = [r for r in records if (r.key in keep if r.digest else r.tool_use_id in ids)]
+            seen &= keep
+        return records, seen
+
+    def _write_pending(self) -> None:
+        """Make this session's log whole on its own before anything else goes into it: the
+        fork record of what it inherited -- unless its log already holds records (another
+        worker made the same conversation first), which then win. A write that fails is tried
+        again on the next call."""
+        pending = self._pending
+        if pending is None or self.ctx.transcript is None:
+            self._pending = None
+            return
+        try:
+            found = self.storage.load()
+        except OSError:
+            found = None
+        if found is not None and _holds_fork(found):  # another worker made it: its records win
+            current = self.chain
+            self._restored = self._expand(found)
+            self.ctx.stage_records = list(self._restored.stage_records)
+            self._responses.clear()
+            self._restore_responses(self._restored.stage_records)
+            self.chain = current
+            self._pending = None
+            return
+        if not self._appended(FORK_RECORD, pending.to_record()):
+            return
+        self._pending = None
+        self._disk_chain = list(pending.chain)
+
+    # -- per call ---------------------------------------------------------------------------
+    async def prepare(self, messages: Sequence[MessageParam]) -> list[MessageParam]:
+        """The ``messages`` to send for a request whose own are ``messages``."""
+        return (await self._prepare(messages))[0]
+
+    async def _prepare(self, messages: Sequence[MessageParam]) -> tuple[list[MessageParam], Call]:
+        if self._pending is not None:
+            async with self.ctx.lock:  # before any other record of this session
+                if self._pending is not None:
+                    await anyio.to_thread.run_sync(self._write_pending)
+        records = self._sync(messages)
+        call = self.last_call
+        assert call is not None
+        if self._restored is not None:
+            async with self.ctx.lock:  # one rebuild, whatever other call of it runs
+                restored = self._restored
+                if restored is not None:
+                    # off the event loop: a long conversation's records are many
+                    state, placed = await anyio.to_thread.run_sync(_rebuild, records, restored)
+                    self.ctx.replacement_state = state
+                    self._restored = None
+                    if placed:
+                        await self._place_answered(placed)
+        # a result new to this conversation that stands before the model's last answer was
+        # sent before (by the conversation this request also belongs to, or the client before
+        # this layer): as a new process would, it goes whole -- a fresh decision here would
+        # send what the model never saw in that form
+        state = self.ctx.replacement_state
+        placed = answered_results(records, self._first_new) - state.seen_ids
+        placed -= state.replacements.keys()
+        if placed:
+            await self._place_answered(placed)
+        self._projected = await self.pipeline.run(records, self.ctx)
+        request = self._wire.to_api(self._projected)
+        if self.cache_breakpoint and not self._wire.breakpoints:
+            add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
+        return request, call
+
+    async def _place_answered(self, keys: set[str]) -> None:
+        """Results the model answered after, that this conversation never decided: what
+        another conversation of its family sent each as (:attr:`elsewhere`: a replacement
+        bound to the same output -- this client's own, whose request no record placed here),
+        else whole. Either way recorded, so a new process decides alike."""
+        state = self.ctx.replacement_state
+        adopted: list[ReplacementRecord] = []
+        if self.elsewhere is not None:
+            found, _ = await anyio.to_thread.run_sync(self.elsewhere, keys)
+            adopted = [r for r in found if r.key in keys and r.key not in state.replacements]
+        for record in adopted:
+            state.record_replacement(record.key, record.replacement)
+        whole = keys - {r.key for r in adopted}
+        state.seen_ids |= whole
+        if adopted:
+            await anyio.to_thread.run_sync(self._appended, REPLACEMENT_RECORD, adopted)
+        if whole:
+            data = decided_record(sorted(whole))
+            await anyio.to_thread.run_sync(self._appended, DECIDED_RECORD_STAGE, data)
+
+    def request_span(
+        self, messages: int, *, context: Context | None = None
+    ) -> AbstractContextManager[Span]:
+        """The span of one client request (its pipeline pass becomes a child), numbered within
+        the session as this process saw it, current while the ``with`` lasts; ``context``: the
+        one to start it in (default: the current one). :class:`~pipeline.dropin.wire_request.
+        WireRequest` keeps one open until the response has gone by."""
+        self.ctx.call = self._calls
+        self._calls += 1
+        return content_safe_span(
+            self.ctx.tracer,
+            SPAN_WIRE_REQUEST,
+            context=context,
+            attributes={**self.ctx.span_attributes(), ATTR.MESSAGES: messages},
+        )
+
+    def start_request_span(self, messages: int, *, context: Context | None = None) -> Span:
+        """:meth:`request_span`, started and not made current (the caller ends it)."""
+        self.ctx.call = self._calls
+        self._calls += 1
+        return self.ctx.tracer.start_span(
+            SPAN_WIRE_REQUEST,
+            context=context,
+            attributes={**self.ctx.span_attributes(), ATTR.MESSAGES: messages},
+            record_exception=False,
+            set_status_on_exception=False,
+        )
+
+    async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``body`` with its ``messages`` prepared (everything else as it was); its system
+        prompt and tools are counted by the token tracker. Its :class:`Call` is
+        :attr:`last_call` once prepared."""
+        return (await self.prepare_call(body))[0]
+
+    async def prepare_call(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], Call]:
+        """:meth:`prepare_request`, and the :class:`Call` its response is to be observed with
+        (``observe(..., call=...)``), whatever other request of this session is prepared
+        meanwhile."""
+        self.ctx.token_tracker.set_request(system=body.get("system"), tools=body.get("tools"))
+        messages, call = await self._prepare(body.get("messages") or [])
+        return {**body, "messages": messages}, call
+
+    def observe(
+        self,
+        response_id: str,
+        usage: Mapping[str, Any] | None,
+        model: str,
+        *,
+        call: Call | None = None,
+    ) -> None:
+        """The response to a prepared request (``call``, default :attr:`last_call`): its usage
+        feeds the token tracker, and the message that answers it in the next request carries
+        its id and usage. The record and the calibration are written inline (blocking): on an
+        event loop, use :meth:`observe_async`. Takes :attr:`sync_lock` (another thread may be
+        preparing a call of the same conversation)."""
+        with self.sync_lock:
+            parsed, data, chain = self._response(response_id, usage, call)
+            if self._append_response(data):
+                self._written(data, chain)
+            if parsed is not None:
+                self._learn(parsed, model, compacted=usage_compacted(usage or {}))
+                self.ctx.token_tracker.save(self._calibration)  # a new process starts warm
+
+    async def observe_async(
+        self,
+        response_id: str,
+        usage: Mapping[str, Any] | None,
+        model: str,
+        *,
+        call: Call | None = None,
+    ) -> None:
+        """:meth:`observe` with the writes in a worker thread. It returns once the record is
+        written (or has failed, logged): a caller that holds the response back until then
+        knows that another worker serving the next call will find it."""
+        async with self._observing:  # one record at a time: each builds on the last one's chain
+            parsed, data, chain = self._response(response_id, usage, call)
+            if await anyio.to_thread.run_sync(self._append_response, data):
+                self._written(data, chain)
+        if parsed is not None:
+            self._learn(parsed, model, compacted=usage_compacted(usage or {}))
+            # the snapshot taken here: the tracker is not to be read from another thread
+            state = self.ctx.token_tracker.state_dict()
+            if self.storage.sync is not None:
+                self._calibration_due = state  # saved by settle(), after the response
+            else:
+                await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state)
+
+    async def settle(self) -> None:
+        """Make what this session wrote so far durable, off the response's path: its records
+        (a local store opened with ``fsync_each=False``: one ``fsync`` for the call's appends)
+        and the token calibration learned since the last settle. Nothing to do where each
+        append was durable already. A failure is logged, never raised (the response has gone)."""
+        sync = self.storage.sync
+        if sync is None:
+            return
+        state, self._calibration_due = self._calibration_due, None
+        try:
+            await anyio.to_thread.run_sync(sync)
+        except OSError as exc:
+            self.ctx.logger.error(
+                "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
+            )
+        if state is not None:  # an estimate, not a decision: a power loss costs a cold start
+            save = functools.partial(TokenTracker.save_state, durable=False)
+            await anyio.to_thread.run_sync(save, self._calibration, state)
+
+    def _response(
+        self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None
+    ) -> tuple[Usage | None, dict[str, Any], list[bytes]]:
+        """Remember a response for the message that will answer it; its usage (``ValueError``
+        when malformed), the record to append and the chain that record leaves on disk."""
+        parsed = Usage.from_mapping(usage) if usage is not None else None
+        call = call or self.last_call or Call(len(self._params), tuple(self.chain))
+        self._responses[call.index] = (response_id, parsed)
+        data: dict[str, Any] = {"index": call.index, "id": response_id}
+        if usage is not None:
+            data["usage"] = dict(usage)
+        if self._pending is not None:
+            # the fork record could not be written: this record carries what it holds
+            data["fork"] = self._pending.to_record()
+        chain, disk = list(call.chain), self._disk_chain
+        start = _shared_start(chain, disk)
+        if start < len(chain) or start < len(disk):
+            # the messages this conversation sent, from where the records differ: for a new
+            # process or another worker to place its requests (see pipeline.dropin.conversations)
+            data["chain_from"] = start
+            data["chain"] = [c.hex() for c in chain[start:]]
+        return parsed, data, chain
+
+    def _written(self, data: Mapping[str, Any], chain: list[bytes]) -> None:
+        self._disk_chain = chain
+        if "fork" in data:
+            self._pending = None
+
+    def _append_response(self, data: dict[str, Any]) -> bool:
+        """Whether the record was written (a failure is logged: the response was delivered;
+        only another worker or a new process would miss its id and usage)."""
+        return self._appended(RESPONSE_RECORD, data)
+
+    def _appended(self, stage: str, data: Mapping[str, Any] | Sequence[ReplacementRecord]) -> bool:
+        """Append a stage record, or (``stage`` :data:`REPLACEMENT_RECORD`) replacement
+        records (blocking); whether it was written. A failure is logged
+        (``stage_record.write_failed``, which one without content), never raised."""
+        transcript = self.ctx.transcript
+        if transcript is None:
+            return False
+        try:
+            if isinstance(data, Mapping):
+                transcript.append_stage_record(stage, data)
+            else:
+                transcript.append_replacements(data)
+        except OSError as exc:
+            self.ctx.logger.error(
+                "stage_record.write_failed",
+                stage=stage,
+                error=type(exc).__name__,
+                detail=describe_error(exc),
+            )
+            return False
+        return True
+
+    def _learn(self, usage: Usage, model: str, *, compacted: bool) -> None:
+        self.ctx.token_tracker.observe(
+            self._projected,
+            usage,
+            model=model,
+            tokens_freed=self.ctx.report.tokens_freed,
+            compacted=compacted,
+        )
+
+    def _sync(self, messages: Sequence[Any]) -> list[Message]:
+        """The request's records: the last request's for as long as this one repeats it, a new
+        record for every message from the first that differs on (digested from there on)."""
+        prev, records = self._params, self._records
+        same = _shared_start(prev, messages)
+        routed, self._routed = self._routed, None
+        if routed is not None and routed[0] is messages and len(routed[1]) == len(messages):
+            chain = routed[1]
+        else:
+            first = messages[0] if messages else None
+            opening = self.opening or opening_digest(None, "", first)
+            start = same if self._params and len(self.chain) >= same else 0
+            chain = chain_of(messages, start, self.chain, opening=opening)
+        # the same record where the request repeats the last one: the stages' work on it stands
+        out = records[:same]
+        out += [self._record(i, messages[i], chain[i]) for i in range(same, len(messages))]
+        self._params, self._records, self.chain = list(messages), out, chain
+        self._first_new = same
+        self.last_call = Call(len(messages), tuple(chain))
+        return out
+
+    def _record(self, index: int, param: Any, link: bytes) -> Message:
+        try:
+            record = Message.from_param(param)
+        except ValueError as exc:
+            raise ValueError(f"messages[{index}]: {exc}") from None
+        # named by the digest of it and everything before it: the same in a new process, never
+        # the name of a record that follows other messages (stages name records by uuid)
+        uid = str(uuid.UUID(bytes=link, version=5))
+        if record.type == "user":
+            return dataclasses.replace(record, uuid=uid)
+        # an answer this session did not observe: an id of its own place, so that two equal
+        # answers (a model repeating a call with the same id) stay two messages
+        unseen = f"msg_wire_{link.hex()[:24]}"
+        response_id, usage = self._responses.get(index, (unseen, None))
+        return dataclasses.replace(record, uuid=uid, message_id=response_id, usage=usage)
+
+
+def _shared_start(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items ``a`` and ``b`` share (equal by value). A request mostly repeats
+    all of the last one: that is one comparison of the lists in C (the same objects compare by
+    identity), not a step of Python per message."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # a tuple is never equal to a list
+        return n
+    same = 0
+    while same < n and a[same] == b[same]:
+        same += 1
+    return same
+
+
+def _rebuild(records: Sequence[Message], restored: Transcript) -> tuple[ReplacementState, set[str]]:
+    """A new process's ledger, or a conversation's that went another way: from the recorded
+    decisions and this request's history -- all of them, also on results it does not hold (a
+    retry of an earlier one): each applies only to its own output. And the results it counts
+    as sent whole only by where they stand (the model answered after them), to be recorded as
+    decided: a later request that holds one last (a retry of an earlier one, after another
+    restart) must not decide it again."""
+    decided = decided_in(restored.stage_records)
+    state = ReplacementState.reconstruct(
+        records, restored.replacement_records, decided=decided, keep_absent=True
+    )
+    return state, state.seen_ids - decided - state.replacements.keys()
+
+
+def _holds_fork(loaded: Transcript) -> bool:
+    """Whether a log holds what a branch inherited (its fork record, or a response record that
+    carries it)."""
+    return any(
+        r.stage == FORK_RECORD or (r.stage == RESPONSE_RECORD and "fork" in r.data)
+        for r in loaded.stage_records
+    )
+
+
+def _index_of(data: Mapping[str, Any]) -> int:
+    index = data.get("index")
+    return index if isinstance(index, int) and not isinstance(index, bool) else -1

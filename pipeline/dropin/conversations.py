@@ -1,0 +1,588 @@
+"""Which conversation a request belongs to: its tenant, then the conversation whose messages it
+begins with.
+
+A drop-in (``wrap``, the proxy) is handed requests, not conversations. Each request is placed
+by what it holds, never by a name alone:
+
+- **Tenant.** The request's credential decides whose conversations it may join
+  (:mod:`pipeline.dropin.tenancy`): another key's conversations are never found, whatever the
+  request names. Every conversation's records and results live under its tenant:
+  ``<root>/<tenant>/<conversation>/``.
+- **Family.** A conversation opens with a system prompt and a first message. Requests that
+  open alike, with the same hint, form a family: the hint is the caller's explicit id
+  (``wrap(session_id=...)``, the ``x-sluicegate-session`` header), else Claude Code's session
+  (``metadata.user_id``), else none. What a client moves between calls does not count:
+  ``cache_control`` anywhere, and Claude Code's billing-header line in the system prompt.
+- **Prefix.** Within a family, each message is known by a digest of itself and every message
+  before it (a chain). A request continues the conversation whose last request it extends
+  (its messages begin with all of that request's), unless the message that follows was sent
+  by another conversation (a fork of that one repeats its messages): it is then placed by
+  that one's, so it goes out as that one sent it; a request that shares only part of one
+  goes another way from it -- a fork, an edit, a rewind -- and becomes a conversation of its
+  own, a *branch*, which starts from the other's decisions (:meth:`WireSession.inherit`), so
+  the part they share goes out as the other sent it. A request that sends again what a
+  conversation sent before (a retry) is that conversation's. Two requests that open alike
+  stay one conversation only while one extends the other.
+
+Finding the conversation costs one comparison per message with the last request of the most
+recent one (C-level), and a digest per new message; the digests are kept with each
+conversation's records (``chain`` in its response records), so a new process, or another
+worker on the same object store, places requests as this one would. A branch's name is the
+family's, then ``.f`` and 16 hex of the digest of the first message in which it went its own
+way: every worker names the same branch alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from pipeline.dropin.adapter import WireSession
+from pipeline.dropin.tenancy import Tenancy
+from pipeline.logs import get_logger
+from pipeline.messages import Message
+from pipeline.replacement import ReplacementRecord, read_results
+from pipeline.store.files import validate_session_id
+from pipeline.store.sessions import SessionStates, SessionStorage
+from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.wire.digests import chain_of, opening_digest
+
+if TYPE_CHECKING:
+    import os
+
+    from pipeline.core import Pipeline
+
+__all__ = ["MAX_HELD", "SESSION_HEADER", "Branch", "Conversations", "conversation_hint"]
+
+MAX_HELD = 256
+"""How many conversations :class:`Conversations` holds in memory by default."""
+
+SESSION_HEADER = "x-sluicegate-session"
+"""The request header a client names its conversation with (a hint: see the module)."""
+
+T = TypeVar("T")
+_CLAUDE_CODE_SESSION = re.compile(r"_session_([0-9a-fA-F-]{36})$")
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_LABEL_CHARS = 48
+
+
+def conversation_hint(
+    body: Mapping[str, Any],
+    *,
+    explicit: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> str:
+    """The hint a request carries of its conversation: ``explicit`` (the caller's argument),
+    else the ``x-sluicegate-session`` header, else ``cc-<uuid>`` for Claude Code's session
+    (``metadata.user_id``: a JSON object with ``session_id`` in 2.x, ``..._session_<uuid>``
+    before), else ``""``. ``ValueError`` when an explicit id or the header is not a safe
+    session id (``[A-Za-z0-9_.-]{1,128}``)."""
+    chosen = explicit
+    if chosen is None and headers is not None:
+        chosen = next((v for k, v in headers.items() if k.lower() == SESSION_HEADER), None)
+    if chosen is not None:
+        return validate_session_id(chosen)
+    claude_code = _claude_code_session(body.get("metadata"))
+    return "" if claude_code is None else f"cc-{claude_code}"
+
+
+def _claude_code_session(metadata: Any) -> str | None:
+    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    if not isinstance(user_id, str):
+        return None
+    try:
+        parsed = json.loads(user_id)
+    except (ValueError, RecursionError):  # not Claude Code's: no hint
+        parsed = None
+    session = parsed.get("session_id") if isinstance(parsed, dict) else None
+    if session is None:
+        found = _CLAUDE_CODE_SESSION.search(user_id)
+        session = found.group(1) if found else None
+    if isinstance(session, str) and _UUID.fullmatch(session):
+        return session.lower()
+    return None
+
+
+def _family_name(hint: str, opening: bytes) -> str:
+    """``<hint label>-<24 hex>`` (``fp-...`` without a hint): a directory name that shows the
+    hint, bounded in length whatever the hint."""
+    label = hint or "fp"
+    if len(label) > _LABEL_CHARS:
+        label = f"{label[:32]}_{hashlib.sha256(label.encode()).hexdigest()[:15]}"
+    return f"{label}-{opening.hex()[:24]}"
+
+
+@dataclass(eq=False)
+class Branch:
+    """One conversation of a family: its session and how it was last routed."""
+
+    family: Family
+    name: str | None
+    """None for the family's first conversation, ``f<16 hex>`` for a branch."""
+    session: WireSession
+    chain: list[bytes] = field(default_factory=list)
+    """The digests of the messages of the last request routed here."""
+    params: list[Any] = field(default_factory=list)
+    """The messages of the last request routed here, as the client sent them (empty when not
+    known: loaded from records, only the digests are)."""
+    call_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    """What a caller that must not overlap two calls of a conversation takes (the proxy)."""
+
+    @property
+    def conversation_id(self) -> str:
+        """The conversation's name: the family's, then ``.<branch>`` for a branch."""
+        return _named(self.family.name, self.name)
+
+
+@dataclass(eq=False)
+class Family:
+    """The conversations of one tenant that open alike, and the index of what they sent."""
+
+    tenant: str
+    name: str
+    opening: bytes
+    """The first link of every chain of the family (system prompt, hint, first message)."""
+    states: SessionStates
+    """The tenant's sessions."""
+    calibration_root: Path
+    branches: dict[str | None, Branch] = field(default_factory=dict)
+    owner: dict[bytes, Branch] = field(default_factory=dict)
+    """A chain digest -> the first conversation that sent that prefix."""
+    ends: dict[bytes, Branch] = field(default_factory=dict)
+    """The chain digest of a conversation's last request -> that conversation."""
+    recent: list[Branch] = field(default_factory=list)
+    """Most recently routed first."""
+
+    def register(self, branch: Branch, chain: list[bytes], start: int = 0) -> None:
+        """``branch`` now ends with ``chain`` (new from ``start``), the most recent."""
+        old = branch.chain
+        if old and self.ends.get(old[-1]) is branch:
+            del self.ends[old[-1]]
+        for c in chain[start:]:
+            self.owner.setdefault(c, branch)
+        if chain:
+            self.ends[chain[-1]] = branch
+        branch.chain = chain
+        if branch in self.recent:
+            self.recent.remove(branch)
+        self.recent.insert(0, branch)
+
+
+class Conversations:
+    """Every conversation a drop-in serves, found by tenant and prefix (see the module).
+
+    ``pipeline``: a factory of each conversation's stages; ``storage``: where their state lives
+    (a :class:`~pipeline.store.sessions.SessionStates` or a location for one; default the
+    files under ``root``); ``root``: where each host keeps its token calibration (under the
+    tenant's directory); ``tenancy``: how requests are told apart (default: by credential, under
+    the store's secret; ``Tenancy(single=True)`` for one tenant); ``context``: keyword
+    arguments of each session (``cache_breakpoint``, tool policies, a tracer, a logger).
+    :meth:`route` (async) and :meth:`route_sync` place a request; both are safe from many
+    tasks or threads at once (the index is guarded by a lock never held across I/O).
+
+    ``max_held``: how many conversations are held in memory (default
+    :data:`MAX_HELD`; None: no bound). Each holds its client's last request and what the
+    stages made of it, about 1.3 times the request's size. Past the bound, the families least
+    recently routed to are let go, all their conversations at once (one in a call, holding
+    its call lock, stays); a request of one that was let go loads it from its records again,
+    and it goes on with the same decisions, byte for byte, as a new process would.
+    """
+
+    def __init__(
+        self,
+        *,
+        pipeline: Callable[[], Pipeline],
+        root: str | os.PathLike[str] = ".sluicegate",
+        storage: SessionStates | str | os.PathLike[str] | None = None,
+        tenancy: Tenancy | None = None,
+        max_held: int | None = MAX_HELD,
+        **context: Any,
+    ) -> None:
+        if max_held is not None and max_held < 1:
+            raise ValueError(f"max_held must be at least 1 (or None), got {max_held}")
+        self.max_held = max_held
+        self.root = Path(root)
+        self.states = (
+            storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
+        )
+        self.pipeline = pipeline
+        self.context = context
+        self._tenancy = tenancy
+        # least recently routed to first
+        self._families: OrderedDict[tuple[str, str], Family] = OrderedDict()
+        self._held = 0
+        """Conversations held (the branches of every family in :attr:`_families`)."""
+        self._lock = threading.Lock()
+
+    # -- the way in --------------------------------------------------------------------------
+    async def route(
+        self,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        *,
+        explicit: str | None = None,
+    ) -> Branch:
+        """The conversation of a request (``body``: its JSON; ``headers``: its HTTP headers),
+        a new one made if it continues none. Loads from the store in a worker thread.
+        ``ValueError`` for a bad hint or a request without a ``messages`` list; ``OSError``
+        when the store cannot be read."""
+        tenancy = self._tenancy
+        if tenancy is None:
+            tenancy = await anyio.to_thread.run_sync(self._make_tenancy)
+        tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
+        family = self._families.get((tenant, name))
+        if family is None:
+            loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name, opening)
+            family = self._hold((tenant, name), loaded)
+        return self._place(family, messages, opening, build=_call)
+
+    def route_sync(
+        self,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        *,
+        explicit: str | None = None,
+        build: Callable[[Callable[[], Any]], Any] | None = None,
+    ) -> Branch:
+        """:meth:`route` for a synchronous caller (blocking I/O inline). ``build``: how to run
+        the making of a new session (the sync ``wrap`` makes them in a worker thread, away
+        from whatever event loop the caller runs); a branch's parent is read under its
+        :attr:`~pipeline.dropin.adapter.WireSession.sync_lock`."""
+        run = build or _call
+        tenancy = self._tenancy or self._make_tenancy()
+        tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
+        family = self._families.get((tenant, name))
+        if family is None:
+            loaded = run(lambda: self._load_family(tenant, name, opening))
+            family = self._hold((tenant, name), loaded)
+        return self._place(family, messages, opening, build=run, sync=True)
+
+    @property
+    def held(self) -> int:
+        """How many conversations are held in memory now."""
+        return self._held
+
+    def branches(self) -> list[Branch]:
+        """Every conversation held in memory."""
+        with self._lock:
+            return [b for f in self._families.values() for b in f.branches.values()]
+
+    async def reload(self, branch: Branch) -> None:
+        """Load ``branch``'s session again from its records (another worker served it), in a
+        worker thread; the index learns what its records say it sent. ``OSError`` when the
+        store cannot be read."""
+        family = branch.family
+        session = await WireSession.open(
+            branch.conversation_id,
+            family.calibration_root,
+            self.pipeline(),
+            storage=branch.session.storage,
+            opening=family.opening,
+            **self.context,
+        )
+        session.elsewhere = functools.partial(self._decided_elsewhere, family, branch.name)
+        with self._lock:
+            branch.session = session
+            branch.params = []
+            family.register(branch, list(session.chain))
+
+    # -- holding -----------------------------------------------------------------------------
+    def _hold(self, key: tuple[str, str], loaded: Family) -> Family:
+        """The family of ``key``: ``loaded``, unless another caller's load got there first."""
+        with self._lock:
+            family = self._families.get(key)
+            if family is None:
+                family = self._families[key] = loaded
+                self._held += len(loaded.branches)
+            return family
+
+    def _let_go(self, keep: Family) -> None:
+        """Past :attr:`max_held`, let go of the families least recently routed to (under the
+        index's lock): never ``keep``, nor one with a conversation in a call."""
+        if self.max_held is None or self._held <= self.max_held:
+            return
+        excess = self._held - self.max_held
+        gone: list[tuple[str, str]] = []
+        for key, family in self._families.items():
+            if excess <= 0:
+                break
+            if family is keep or any(b.call_lock.locked() for b in family.branches.values()):
+                continue
+            gone.append(key)
+            excess -= len(family.branches)
+        for key in gone:
+            family = self._families.pop(key)
+            self._held -= len(family.branches)
+        if gone:
+            get_logger().debug("conversations.let_go", families=len(gone), held=self._held)
+
+    # -- placing -------------------------------------------------------------------------------
+    def _make_tenancy(self) -> Tenancy:
+        made = Tenancy(self.states.secret())
+        with self._lock:
+            if self._tenancy is None:
+                self._tenancy = made
+            return self._tenancy
+
+    def _key(
+        self,
+        tenancy: Tenancy,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        explicit: str | None,
+    ) -> tuple[str, str, list[Any], bytes]:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise ValueError("a Messages request needs a 'messages' list")
+        hint = conversation_hint(body, explicit=explicit, headers=headers)
+        tenant = tenancy.tenant_of(headers)
+        opening = opening_digest(body.get("system"), hint, messages[0] if messages else None)
+        return tenant, _family_name(hint, opening), messages, opening
+
+    def _load_family(self, tenant: str, name: str, opening: bytes) -> Family:
+        """A family as its records leave it (blocking: a listing and every branch's records)."""
+        states = self.states.within(tenant)
+        family = Family(tenant, name, opening, states, self.root / tenant)
+        for branch_name in states.branches(name):
+            storage = states.open(name, branch=branch_name, content_named=True)
+            tracker = TokenTracker.load(
+                calibration_path_for(family.calibration_root, name, branch_name)
+            )
+            session = self._session(
+                family, branch_name, storage, loaded=storage.load(), token_tracker=tracker
+            )
+            branch = Branch(family, branch_name, session)
+            family.branches[branch_name] = branch
+            family.register(branch, list(session.chain))
+        family.recent.reverse()  # the first conversation first
+        return family
+
+    def _session(
+        self, family: Family, name: str | None, storage: SessionStorage, **options: Any
+    ) -> WireSession:
+        session = WireSession(
+            _named(family.name, name),
+            family.calibration_root,
+            self.pipeline(),
+            storage=storage,
+            opening=family.opening,
+            **options,
+            **self.context,
+        )
+        session.elsewhere = functools.partial(self._decided_elsewhere, family, name)
+        return session
+
+    def _decided_elsewhere(
+        self, family: Family, name: str | None, keys: Collection[str]
+    ) -> tuple[list[ReplacementRecord], set[str]]:
+        """How the family's other conversations decided the results ``keys``. Each lookup is
+        one step whatever another thread does (:meth:`WireSession.decisions_on`), so no lock
+        of theirs is taken: one of them may be in a pass that asks the same of this one."""
+        with self._lock:
+            others = [b for b in family.recent if b.name != name]
+        records: list[ReplacementRecord] = []
+        seen: set[str] = set()
+        missing = set(keys)
+        for other in others:
+            if not missing:
+                break
+            found, whole = other.session.decisions_on(missing)
+            records += found
+            seen |= whole
+            missing -= {r.key for r in found} | whole
+        return records, seen
+
+    def _place(
+        self,
+        family: Family,
+        messages: list[Any],
+        opening: bytes,
+        *,
+        build: Callable[[Callable[[], Any]], Any],
+        sync: bool = False,
+    ) -> Branch:
+        with self._lock:
+            plan = self._plan(family, messages, opening)
+            if isinstance(plan, tuple):
+                branch, chain, start = plan
+                self._set(family, branch, messages, chain, start)
+                return branch
+        # a new conversation: made outside the index's lock (its parent read under its own)
+        made = self._new_branch(family, plan, messages, build, sync)
+        with self._lock:
+            branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
+            if branch is made and self._families.get(family_key(family)) is family:
+                self._held += 1
+            self._set(family, branch, messages, plan.chain, plan.start)
+            return branch
+
+    def _plan(
+        self, family: Family, messages: list[Any], opening: bytes
+    ) -> tuple[Branch, list[bytes], int] | _NewBranch:
+        """Where a request goes (under the index's lock): an existing conversation, with the
+        request's chain and where it is new; or a conversation to make."""
+        found = self._extends(family, messages)
+        if found is not None:
+            branch, start = found
+            chain = chain_of(messages, start, branch.chain, opening=opening)
+            known = start
+            while known < len(chain) and chain[known] in family.owner:
+                known += 1
+            if known == start or family.owner[chain[known - 1]] is branch:
+                return branch, chain, start
+            # what follows its last request another conversation sent (a fork of that one
+            # that repeats its messages): placed by that one's, below, to send what it sent
+        shared, chain = self._shared_prefix(family, messages, opening)
+        known = 0
+        while known < len(chain) and chain[known] in family.owner:
+            known += 1
+        start = min(shared, known)
+        if not family.branches:
+            return _NewBranch(None, None, chain, 0, start)
+        if not chain or known == 0:
+            # no message known (a request without any, or conversations recorded before any
+            # response): the most recent, whose decisions apply only to what they were made on
+            return family.recent[0], chain, start
+        if known == len(chain):
+            end = chain[-1]  # all of it sent before: a retry, or a twin
+            return family.ends.get(end) or family.owner[end], chain, start
+        if chain[known - 1] in family.ends:
+            return family.ends[chain[known - 1]], chain, start
+        name = f"f{chain[known].hex()[:16]}"
+        existing = family.branches.get(name)
+        if existing is not None:
+            return existing, chain, start
+        return _NewBranch(name, family.owner[chain[known - 1]], chain, known, start)
+
+    def _extends(self, family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
+        """The conversation whose last request this one extends furthest, compared by value
+        (one message compared first to rule most out; of equal ones, the most recent): a retry
+        of an earlier request of one conversation must not take another's that repeats it."""
+        n = len(messages)
+        best: tuple[Branch, int] | None = None
+        for branch in family.recent:
+            params = branch.params
+            m = len(params)
+            if not m or m > n or m != len(branch.chain) or (best is not None and m <= best[1]):
+                continue
+            if messages[m - 1] == params[m - 1] and messages[:m] == params:
+                best = (branch, m)
+        return best
+
+    def _shared_prefix(
+        self, family: Family, messages: list[Any], opening: bytes
+    ) -> tuple[int, list[bytes]]:
+        """The request's chain, the part it shares by value with the most recent conversation
+        taken from that one's (not digested again)."""
+        shared, base = 0, []
+        if family.recent:
+            recent = family.recent[0]
+            params, chain = recent.params, recent.chain
+            limit = min(len(params), len(chain), len(messages))
+            while shared < limit and messages[shared] == params[shared]:
+                shared += 1
+            base = chain[:shared]
+        return shared, chain_of(messages, shared, base, opening=opening)
+
+    def _set(
+        self,
+        family: Family,
+        branch: Branch,
+        messages: list[Any],
+        chain: list[bytes],
+        start: int,
+    ) -> None:
+        family.register(branch, chain, start)
+        branch.params = list(messages)
+        branch.session.routed(messages, chain)
+        key = family_key(family)
+        if self._families.get(key) is family:
+            self._families.move_to_end(key)
+            self._let_go(keep=family)
+
+    def _new_branch(
+        self,
+        family: Family,
+        plan: _NewBranch,
+        messages: list[Any],
+        build: Callable[[Callable[[], Any]], Any],
+        sync: bool,
+    ) -> Branch:
+        # a family's conversations share their results: each under its content's name
+        storage = family.states.open(family.name, branch=plan.name, content_named=True)
+        inherited = None
+        parent = plan.parent
+        if parent is not None:
+            keys = _result_keys(messages)
+            if sync:
+                with parent.session.sync_lock:
+                    inherited = parent.session.inherit(plan.at, keys)
+            else:
+                inherited = parent.session.inherit(plan.at, keys)
+            # a result the parent never decided may have been decided by another conversation
+            # of the family -- this client's own, whose last request no record placed (its
+            # response was lost, then the process): bound to their output, those decisions are
+            # what this output was sent as
+            missing = keys - inherited.decided_keys()
+            if missing:
+                inherited.adopt(*self._decided_elsewhere(family, parent.name, missing))
+            inherited.chain = list(plan.chain)  # its first request, as this one sent it
+            get_logger(session_id=_named(family.name, plan.name)).info(
+                "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at
+            )
+
+        def make() -> WireSession:
+            return self._session(family, plan.name, storage, loaded=None, inherited=inherited)
+
+        return Branch(family, plan.name, build(make))
+
+
+@dataclass(frozen=True)
+class _NewBranch:
+    """A conversation to make: its name, the one it goes another way from (None for a new
+    family's first), the request's chain, how many messages they share, where it is new."""
+
+    name: str | None
+    parent: Branch | None
+    chain: list[bytes]
+    at: int
+    start: int
+
+
+def _result_keys(messages: Sequence[Any]) -> set[str]:
+    """The ledger keys of the tool results a request holds (what a branch inherits decisions
+    on): the other conversation's decisions on anything else stay with it."""
+    keys: set[str] = set()
+    for param in messages:
+        if not (isinstance(param, Mapping) and param.get("role") == "user"):
+            continue
+        try:
+            record = Message.from_param(param)
+            keys.update(slot.key for slot in read_results(record) if slot.key is not None)
+        except ValueError:  # a message the pass will refuse: it inherits nothing
+            continue
+    return keys
+
+
+def family_key(family: Family) -> tuple[str, str]:
+    """Where :class:`Conversations` holds ``family``: its tenant and name."""
+    return family.tenant, family.name
+
+
+def _named(family: str, branch: str | None) -> str:
+    return family if branch is None else f"{family}.{branch}"
+
+
+def _call(fn: Callable[[], T]) -> T:
+    return fn()

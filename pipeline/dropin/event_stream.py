@@ -1,0 +1,98 @@
+"""A Messages event stream read as it passes, for the response's id, model and usage (what the
+proxy and the wrapped client learn from a streamed response without holding it back)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.dropin.adapter import Call, WireSession
+    from pipeline.dropin.wire_request import WireRequest
+
+__all__ = ["EventStreamUsage"]
+
+
+class EventStreamUsage:
+    """Reads a Messages event stream as it passes, for the response's id, model and usage
+    (``message_start``, then ``message_delta``'s running totals), and gives them to the
+    session at :meth:`close` (or :meth:`aclose`); the bytes are not changed, held back or
+    buffered beyond the current line. ``final`` turns True once ``message_delta`` has been
+    read: the usage is complete from there on. ``call``: the prepared request the response
+    answers (default: the session's last); ``request``: the
+    :class:`~pipeline.dropin.wire_request.WireRequest` to tell what the response said of itself."""
+
+    def __init__(
+        self, session: WireSession, call: Call | None = None, request: WireRequest | None = None
+    ) -> None:
+        self.session = session
+        self.call = call
+        self.request = request
+        self.pending = b""
+        self.message: dict[str, Any] = {}
+        self.usage: dict[str, Any] = {}
+        self.context_management: Any = None
+        self.final = False
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        """The next bytes of the stream."""
+        lines = (self.pending + chunk).split(b"\n")
+        self.pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip())
+
+    def _event(self, data: bytes) -> None:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(event, dict):
+            return
+        if event.get("type") == "message_start" and isinstance(event.get("message"), dict):
+            self.message = event["message"]
+            if isinstance(self.message.get("usage"), dict):
+                self.usage = dict(self.message["usage"])
+        elif event.get("type") == "message_delta" and isinstance(event.get("usage"), dict):
+            self.usage.update({k: v for k, v in event["usage"].items() if v is not None})
+            delta = event.get("delta")
+            edits = event.get("context_management") or (
+                delta.get("context_management") if isinstance(delta, dict) else None
+            )
+            if edits is not None:
+                self.context_management = edits
+            self.final = True
+
+    def _take(self) -> tuple[str, dict[str, Any], str] | None:
+        """What the session observes (once): id, usage and model; None without them."""
+        if self.done:
+            return None
+        self.done = True
+        rid, model = self.message.get("id"), self.message.get("model")
+        if self.request is not None:
+            self.request.observed(
+                response_id=rid if isinstance(rid, str) else None,
+                model=model if isinstance(model, str) else None,
+                usage=self.usage or None,
+                context_management=self.context_management
+                or self.message.get("context_management"),
+            )
+        if isinstance(rid, str) and self.usage:
+            return rid, self.usage, str(model)
+        return None
+
+    def close(self) -> None:
+        """The stream has gone by: the session observes the response (once)."""
+        taken = self._take()
+        if taken is not None:
+            with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
+                self.session.observe(*taken, call=self.call)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, the session's writes in a worker thread."""
+        taken = self._take()
+        if taken is not None:
+            with contextlib.suppress(ValueError):
+                await self.session.observe_async(*taken, call=self.call)

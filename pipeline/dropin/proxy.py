@@ -1,0 +1,474 @@
+"""A reverse proxy in front of the Messages API, for programs that are not Python.
+
+Point a client at it (``ANTHROPIC_BASE_URL=http://127.0.0.1:8787``, Claude Code included): a
+``POST /v1/messages`` goes through its conversation's :class:`~pipeline.dropin.adapter.WireSession`
+(found by the request's credential and messages: :mod:`pipeline.dropin.conversations`), then
+upstream; every other path (``count_tokens``, models, batches) is passed through untouched.
+Auth and ``anthropic-*`` headers go upstream as they came; upstream errors come back as the
+upstream gave them; a streamed response is passed on chunk by chunk as it arrives (never
+buffered) while its usage is read for the session's token tracker. ``GET /healthz`` answers
+``ok``. Each API key's conversations are its own (:mod:`pipeline.dropin.tenancy`).
+
+An ASGI app on Starlette (the ``proxy`` extra: ``pip install '.[proxy]'``); ``python -m
+pipeline proxy`` serves it with uvicorn. Persisted outputs are files on the proxy's host: the
+model reads them back only where the client's tools see that file system (Claude Code on the
+same machine does).
+
+A fleet. With ``storage="s3://bucket/prefix"`` every proxy given that URL shares the sessions'
+results and decisions, and a conversation may move between them at any call. A proxy keeps
+each conversation in memory and, before each call, lists what other workers recorded since
+(one LIST): when another worker served it, the session is loaded again (only the new record
+objects are read). The response's record is written before the client sees the response end
+(an event stream's ``message_delta`` is held back until then; a JSON body is passed on whole
+once read), so the worker serving the next call finds it.
+
+The store never fails a request. A result that cannot be persisted is sent whole (the
+budget's ``persist_failed``); a record that cannot be written is logged
+(``stage_record.write_failed``) and the call goes on; a conversation whose records cannot be
+read when this proxy first meets it is sent upstream as the client sent it
+(``wire_session.load_failed``), and loading is tried again on its next call; one whose news
+cannot be listed goes on from what this proxy knows (``wire_session.refresh_failed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import httpx2
+from opentelemetry import propagate
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from pipeline.core import Pipeline
+from pipeline.dropin.adapter import WireSession
+from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
+from pipeline.dropin.limits import MAX_BODY_BYTES, MAX_UPSTREAM_CONNECTIONS, UPSTREAM_TIMEOUT
+from pipeline.dropin.metrics import WireMetrics
+from pipeline.dropin.relay import relay as _relay
+from pipeline.dropin.tenancy import Tenancy
+from pipeline.dropin.wire_request import WireRequest
+from pipeline.logs import get_logger
+from pipeline.store.sessions import SessionStates
+from pipeline.wire.body_reader import BodyReader
+from pipeline.wire.encoding import dumps_body
+from pipeline.wire.request_fields import merge_betas, merge_request_fields
+
+__all__ = [
+    "DEFAULT_UPSTREAM",
+    "MAX_BODY_BYTES",
+    "MAX_UPSTREAM_CONNECTIONS",
+    "UPSTREAM_TIMEOUT",
+    "build_app",
+]
+
+DEFAULT_UPSTREAM = "https://api.anthropic.com"
+
+_PLACE_ATTEMPTS = 3
+"""How many times a request is placed: again when another worker moved its conversation on."""
+_PASSTHROUGH = "/{path:path}"
+
+# hop-by-hop and length headers are the proxy's own business on each side; the conversation's
+# name is the proxy's alone (the API never needs it)
+_DROP_REQUEST = {
+    "host",
+    "content-length",
+    "connection",
+    "accept-encoding",
+    "transfer-encoding",
+    SESSION_HEADER,
+}
+_MESSAGES = "/v1/messages"
+_CONNECT_TIMEOUT = 30.0
+_KEPT_ALIVE = 100
+
+
+def build_app(
+    *,
+    pipeline: Callable[[], Pipeline],
+    root: str | Path = ".sluicegate",
+    upstream: str = DEFAULT_UPSTREAM,
+    transport: httpx2.AsyncBaseTransport | None = None,
+    background: Sequence[Callable[[], Coroutine[Any, Any, object]]] = (),
+    storage: SessionStates | str | os.PathLike[str] | None = None,
+    tenancy: Tenancy | None = None,
+    metrics: WireMetrics | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    upstream_timeout: float = UPSTREAM_TIMEOUT,
+    max_conversations: int | None = MAX_HELD,
+    max_upstream_connections: int = MAX_UPSTREAM_CONNECTIONS,
+    fsync_each: bool = False,
+    **context: Any,
+) -> Starlette:
+    """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
+    ``context``: keyword arguments of each session's ``SessionContext``; ``transport``: how to
+    reach the upstream (tests pass one; default: the network); ``background``: tasks run for
+    the app's lifetime, started when it starts and cancelled when it shuts down (periodic
+    store pruning, say). A background task must handle its own errors: one that raises takes
+    the server down with it. ``storage``: where the sessions' results and decisions live -- a
+    :class:`~pipeline.store.sessions.SessionStates` or a location for one (a directory,
+    ``s3://bucket/prefix``); by default the files under ``root``, which always holds the token
+    calibration (local to each host). ``tenancy``: how requests are told apart by credential
+    (default: by API key, under the store's secret; ``Tenancy(single=True)``: one tenant).
+    ``metrics``: where requests are counted (default: the global meter provider's; see
+    :mod:`pipeline.dropin.metrics`). Each request is one ``wire.request`` span, kept open until its
+    response has gone by, and one ``wire.request`` log event (:mod:`pipeline.dropin.wire_request`).
+    ``max_body_bytes``: the largest request body read (a larger one is refused with 413
+    before it is all read); a compressed body (``content-encoding``) is refused with 415. A
+    ``POST`` to a path ending in ``/v1/messages`` (a client whose base URL has a path, a
+    trailing slash, doubled slashes) is a Messages request, sent upstream to ``/v1/messages``;
+    a path with a ``.`` or ``..`` segment (also percent-encoded) is refused with 400.
+    ``upstream_timeout``: seconds an upstream call may take to answer (then 504
+    ``timeout_error``); a client that goes away meanwhile cancels it. A conversation is held
+    for one call's pass only, never while its upstream call runs. ``max_conversations``: how
+    many conversations are held in memory (:class:`~pipeline.dropin.conversations.Conversations`'
+    ``max_held``). ``max_upstream_connections``: how many upstream calls run at once (one
+    more waits for one to end, within ``upstream_timeout``). ``fsync_each``: how a local
+    store's records are made durable -- False (default): each is written before the proxy goes
+    on (a crash of the process loses none) and the call's are synced once, after its response
+    has gone by (off the request's path; a machine that loses power in that moment may lose
+    the last call's); True: each before the proxy goes on. An object store's are always
+    written before the response ends."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
+    if not upstream_timeout > 0:  # NaN too
+        raise ValueError(f"upstream_timeout must be a positive number, got {upstream_timeout}")
+    metrics = metrics or WireMetrics()
+    logger = context.get("logger") or get_logger()
+    # request bodies parsed in the size of what is new in them (see pipeline.wire.body_reader)
+    bodies = BodyReader(max_bodies=max_conversations or MAX_HELD)
+    states = (
+        storage
+        if isinstance(storage, SessionStates)
+        else SessionStates(storage or root, fsync_each=fsync_each)
+    )
+    conversations = Conversations(
+        pipeline=pipeline,
+        root=root,
+        storage=states,
+        tenancy=tenancy,
+        max_held=max_conversations,
+        **context,
+    )
+    if max_upstream_connections < 1:
+        raise ValueError(
+            f"max_upstream_connections must be at least 1, got {max_upstream_connections}"
+        )
+    client = httpx2.AsyncClient(
+        base_url=upstream.rstrip("/"),
+        timeout=httpx2.Timeout(upstream_timeout, connect=min(upstream_timeout, _CONNECT_TIMEOUT)),
+        limits=httpx2.Limits(
+            max_connections=max_upstream_connections,
+            max_keepalive_connections=min(max_upstream_connections, _KEPT_ALIVE),
+        ),
+        transport=transport,
+    )
+
+    async def current(branch: Branch) -> bool:
+        """Whether ``branch`` is as its records leave it; when another worker recorded calls
+        of it since, it is loaded again (False: place the request again)."""
+        if not states.shared:
+            return True  # local files: this process is the only writer
+        session = branch.session
+        try:
+            moved = await anyio.to_thread.run_sync(session.storage.changed_elsewhere)
+        except OSError as exc:
+            session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
+            return True
+        if not moved:
+            return True
+        try:
+            await conversations.reload(branch)
+        except OSError as exc:
+            session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
+            return True
+        return False
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    def refused(started: float, status: int, kind: str, message: str) -> Response:
+        """A request answered here, before any conversation: counted and logged."""
+        logged(started, status, error=kind)
+        return _error(status, kind, message)
+
+    def logged(
+        started: float,
+        status: int,
+        *,
+        error: str | None = None,
+        method: str = "POST",
+        route: str = "/v1/messages",
+        **fields: Any,
+    ) -> None:
+        seconds = time.monotonic() - started
+        if error is not None:
+            fields["error"] = error
+        metrics.request(status=status, seconds=seconds, method=method, route=route)
+        if route != "/v1/messages":  # a request relayed as it is: which one
+            fields["method"] = method
+        log = logger.warning if status >= 500 else logger.info
+        log("wire.request", status=status, ms=round(seconds * 1000, 3), **fields)
+
+    async def body_of(request: Request, started: float, **where: Any) -> bytes | Response:
+        """The request's body, or the response that refuses it (too large, compressed)."""
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            message = f"content-encoding {encoding[:40]} is not supported: send the body as it is"
+            logged(started, 415, error="invalid_request_error", **where)
+            return _error(415, "invalid_request_error", message)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            return too_large(started, int(declared), **where)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    return too_large(started, size, **where)
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body was in: nobody to answer
+            logged(started, 499, error="client_disconnected", **where)
+            return Response(status_code=499)
+        return b"".join(chunks)
+
+    def too_large(started: float, size: int, **where: Any) -> Response:
+        logged(started, 413, error="request_too_large", **where)
+        message = f"request body of {size} bytes or more is over the limit of {max_body_bytes}"
+        return _error(413, "request_too_large", message)
+
+    async def messages(request: Request) -> Response:
+        started = time.monotonic()
+        raw = await body_of(request, started)
+        if isinstance(raw, Response):
+            return raw
+        headers = dict(request.headers)
+        try:
+            body, fast = bodies.read(raw)
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                raise ValueError("not a Messages request")
+        except RecursionError:
+            return refused(started, 400, "invalid_request_error", "request body nested too deeply")
+        except ValueError as exc:  # what the API would say of it, before any upstream call
+            return refused(started, 400, "invalid_request_error", str(exc)[:300])
+        for attempt in range(_PLACE_ATTEMPTS):
+            try:
+                branch = await conversations.route(body, headers)
+            except ValueError as exc:
+                return refused(started, 400, "invalid_request_error", str(exc)[:300])
+            except OSError as exc:  # its state cannot be read: the request goes as it came
+                logger.warning("wire_session.load_failed", error=type(exc).__name__)
+                try:
+                    upstream_response = await _unless_left(
+                        request, _send_as_is(client, request, raw)
+                    )
+                except httpx2.HTTPError as exc:
+                    failed = _unreachable(exc)
+                    logged(started, failed.status_code, error=type(exc).__name__, chars_in=len(raw))
+                    return failed
+                if upstream_response is None:
+                    logged(started, 499, error="client_disconnected", chars_in=len(raw))
+                    return Response(status_code=499)
+                end = functools.partial(
+                    logged,
+                    started,
+                    upstream_response.status_code,
+                    forwarded_as_is=True,
+                    chars_in=len(raw),
+                )
+                return _relay(upstream_response, end=end, logger=logger)
+            # one pass of a conversation at a time (with the check that no other worker moved
+            # it on); its upstream call runs outside: a slow or abandoned one holds up nobody
+            async with branch.call_lock:
+                last = attempt == _PLACE_ATTEMPTS - 1
+                if not await current(branch) and not last:
+                    continue  # another worker moved it on: place the request again
+                session = branch.session
+                call_request = WireRequest(
+                    session,
+                    body,
+                    chars_in=len(raw),
+                    metrics=metrics,
+                    tenant=branch.family.tenant,
+                    # its own trace, or its client's (a traceparent header): never whatever
+                    # the server's task for it was made in (the previous request's, on a
+                    # kept-alive connection whose next request was read during the last)
+                    context=propagate.extract(request.headers),
+                )
+                with call_request.active():
+                    passing = time.monotonic()
+                    try:
+                        prepared, call = await session.prepare_call(body)
+                    except ValueError as exc:
+                        call_request.end(status=400, error="invalid_request_error")
+                        logged(started, 400, error="invalid_request_error")
+                        refusal = _error(400, "invalid_request_error", str(exc)[:300])
+                        return _settled(refusal, session)
+                    content = _upstream_body(session, prepared, fast=fast)
+                    call_request.prepared(
+                        session.ctx.report, time.monotonic() - passing, len(content)
+                    )
+            with call_request.active():
+                try:
+                    upstream_response = await _unless_left(
+                        request, _send(client, request, session, content)
+                    )
+                except httpx2.HTTPError as exc:
+                    failed = _unreachable(exc)
+                    call_request.end(status=failed.status_code, error=type(exc).__name__)
+                    metrics.request(status=failed.status_code, seconds=time.monotonic() - started)
+                    return _settled(failed, session)
+                if upstream_response is None:  # the call was cancelled with it
+                    call_request.end(status=499, error="client_disconnected")
+                    metrics.request(status=499, seconds=time.monotonic() - started)
+                    return _settled(Response(status_code=499), session)
+                call_request.answered(upstream_response.status_code)
+            done = functools.partial(
+                _ended, call_request, metrics, started, upstream_response.status_code
+            )
+            return _relay(
+                upstream_response,
+                session,
+                call,
+                call_request,
+                end=done,
+                after=session.settle,
+                logger=logger,
+            )
+        raise AssertionError("unreachable: the last attempt always sends")
+
+    async def passthrough(request: Request) -> Response:
+        started = time.monotonic()
+        # the route is the template (a client picks the path: no metric series per path)
+        where = {"method": request.method, "route": _PASSTHROUGH, "path": request.url.path[:256]}
+        segments = request.url.path.split("/")
+        if any(part in (".", "..") for part in segments):  # decoded: %2E%2E is ".." here
+            logged(started, 400, error="invalid_request_error", **where)
+            return _error(400, "invalid_request_error", "a path may not hold . or .. segments")
+        if request.method == "POST" and [p for p in segments if p][-2:] == ["v1", "messages"]:
+            return await messages(request)  # a Messages request under another spelling
+        content = await body_of(request, started, **where)
+        if isinstance(content, Response):
+            return content
+        # the path as the client wrote it: decoded, %252e would become a dot segment upstream
+        raw_path = request.scope.get("raw_path") or request.url.path.encode()
+        upstream_request = client.build_request(
+            request.method, raw_path.decode("latin-1"), params=request.query_params,
+            headers=_forwarded(request), content=content,
+        )  # fmt: skip
+        try:
+            answer = await client.send(upstream_request, stream=True)
+        except httpx2.HTTPError as exc:
+            logged(started, 502, error=type(exc).__name__, **where)
+            return _unreachable(exc)
+        end = functools.partial(logged, started, answer.status_code, **where)
+        return _relay(answer, end=end, logger=logger)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tasks:
+            for task in background:
+                tasks.start_soon(task)
+            yield
+            tasks.cancel_scope.cancel()
+        await client.aclose()  # graceful shutdown: the server has drained its requests
+
+    routes = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route(_MESSAGES, messages, methods=["POST"]),
+        Route(_PASSTHROUGH, passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _send_as_is(client: httpx2.AsyncClient, request: Request, raw: bytes) -> httpx2.Response:
+    """The client's request upstream unchanged (its conversation's state cannot be read)."""
+    upstream_request = client.build_request(
+        "POST", _MESSAGES, params=request.query_params, headers=_forwarded(request), content=raw
+    )
+    return await client.send(upstream_request, stream=True)
+
+
+def _ended(request: WireRequest, metrics: WireMetrics, started: float, status: int) -> None:
+    request.end()
+    metrics.request(status=status, seconds=time.monotonic() - started)
+
+
+def _settled(response: Response, session: WireSession) -> Response:
+    """``response``, the session's records made durable once it has gone (what the pass
+    wrote before the call failed: :meth:`~pipeline.dropin.adapter.WireSession.settle`)."""
+    response.background = BackgroundTask(session.settle)
+    return response
+
+
+def _upstream_body(session: WireSession, prepared: dict[str, Any], *, fast: bool) -> bytes:
+    """The prepared request with what a stage asked of it (extras), as JSON."""
+    merged = merge_request_fields(prepared, session.ctx.report.request_extras)
+    return dumps_body(merged, fast=fast)
+
+
+async def _send(
+    client: httpx2.AsyncClient, request: Request, session: WireSession, content: bytes
+) -> httpx2.Response:
+    """The prepared request upstream, with the beta header a stage asked for."""
+    report = session.ctx.report
+    headers = _forwarded(request)
+    if report.betas:
+        headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
+    upstream_request = client.build_request(
+        "POST", _MESSAGES, params=request.query_params, headers=headers, content=content
+    )
+    return await client.send(upstream_request, stream=True)
+
+
+def _forwarded(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+
+
+async def _unless_left(
+    request: Request, send: Coroutine[Any, Any, httpx2.Response]
+) -> httpx2.Response | None:
+    """The upstream's answer to ``send``, or None when the client went away first (the call
+    is then cancelled: its connection closed, nothing left running for nobody). The body was
+    read: what the client's side says next can only be that it left."""
+    answer: httpx2.Response | None = None
+    failed: Exception | None = None
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        tasks.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(watch)
+        try:
+            answer = await send
+        except Exception as exc:  # raised as it is, not in the task group's exception group
+            failed = exc
+        tasks.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    return answer
+
+
+def _unreachable(exc: httpx2.HTTPError) -> Response:
+    # as the API reports an outage or a timeout, so a client retries it as one
+    if isinstance(exc, httpx2.TimeoutException) and not isinstance(exc, httpx2.ConnectTimeout):
+        return _error(
+            504, "timeout_error", f"upstream did not answer in time ({type(exc).__name__})"
+        )
+    return _error(502, "api_error", f"upstream unreachable ({type(exc).__name__})")
+
+
+def _error(status: int, kind: str, message: str) -> Response:
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)

@@ -1,0 +1,142 @@
+"""Relaying an upstream response to the proxy's client: passed on as it arrives, its id and
+usage read on the way for the conversation's session, its end reported (see
+:func:`relay`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx2
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Send
+
+from pipeline.dropin.adapter import Call, WireSession
+from pipeline.dropin.event_stream import EventStreamUsage
+from pipeline.dropin.wire_request import WireRequest
+from pipeline.logs import get_logger
+
+__all__ = ["relay"]
+
+# length and hop-by-hop headers are the proxy's own business on its side
+_DROP_RESPONSE = {"content-length", "connection", "transfer-encoding", "content-encoding"}
+
+
+def relay(
+    upstream: httpx2.Response,
+    session: WireSession | None = None,
+    call: Call | None = None,
+    call_request: WireRequest | None = None,
+    *,
+    end: Callable[[], None] | None = None,
+    after: Callable[[], Awaitable[None]] | None = None,
+    logger: Any = None,
+) -> Response:
+    """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
+    on the way, and the session's record of it written before the client can see the end: an
+    event stream passes chunk by chunk as it arrives, the chunk that completes the usage
+    (``message_delta``) once the record is written; a JSON body is passed on whole once read
+    and recorded. ``end``: called once the body has gone by (or the client left); ``after``:
+    awaited after that, once the client has the whole response (the session's
+    :meth:`~pipeline.dropin.adapter.WireSession.settle`); ``logger``: where a body the upstream cut
+    is
+    told (default: the library's)."""
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
+    answered = session is not None and upstream.status_code == 200
+    reader = _UsageReader(session, call, call_request) if session is not None and answered else None
+    streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            held: list[bytes] = []
+            async for chunk in _until_cut(upstream, relayed, logger or get_logger()):
+                if reader is None:
+                    yield chunk
+                elif streamed:
+                    reader.events.feed(chunk)
+                    if reader.events.final:
+                        await reader.events.aclose()  # once; the client has not seen the end
+                    yield chunk
+                else:
+                    held.append(chunk)
+            if reader is not None and not (relayed.cut and not streamed):
+                if streamed:
+                    await reader.events.aclose()  # a stream that ended without message_delta
+                else:
+                    await reader.observe_json(b"".join(held))
+                    yield b"".join(held)
+        finally:
+            await upstream.aclose()
+            if end is not None:
+                end()
+
+    relayed = _Relayed(
+        body(),
+        status_code=upstream.status_code,
+        headers=headers,
+        background=None if after is None else BackgroundTask(after),
+    )
+    return relayed
+
+
+class _Relayed(StreamingResponse):
+    """A relayed response that ends as the upstream's did: when the upstream's body was cut,
+    the client's is cut too (its connection closed without the body's end), not ended clean."""
+
+    cut = False
+
+    async def stream_response(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if not self.cut:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _until_cut(
+    upstream: httpx2.Response, relayed: _Relayed, logger: Any
+) -> AsyncIterator[bytes]:
+    """The upstream's body; a body cut on the way (the network, the upstream) ends it with one
+    warning, and marks the client's response cut."""
+    try:
+        async for chunk in upstream.aiter_bytes():
+            yield chunk
+    except httpx2.TransportError as exc:
+        logger.warning("wire.upstream_cut", error=type(exc).__name__)
+        relayed.cut = True
+
+
+class _UsageReader:
+    """The response's id, model and usage, read as the bytes go by."""
+
+    def __init__(
+        self, session: WireSession, call: Call | None, request: WireRequest | None
+    ) -> None:
+        self.events = EventStreamUsage(session, call, request)
+        self.session, self.call, self.request = session, call, request
+
+    async def observe_json(self, body: bytes) -> None:
+        """A JSON body's id and usage to the session (nothing when it holds none)."""
+        try:
+            message = json.loads(body)
+        except ValueError:
+            return
+        if not isinstance(message, dict):
+            return
+        usage, rid = message.get("usage"), message.get("id")
+        model = message.get("model")
+        if self.request is not None:
+            self.request.observed(
+                response_id=rid if isinstance(rid, str) else None,
+                model=model if isinstance(model, str) else None,
+                usage=usage if isinstance(usage, dict) else None,
+                context_management=message.get("context_management"),
+            )
+        if isinstance(usage, dict) and isinstance(rid, str):
+            with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
+                model = str(message.get("model"))
+                await self.session.observe_async(rid, usage, model=model, call=self.call)

@@ -1,0 +1,326 @@
+"""``wrap(client)``: an existing anthropic SDK client whose every Messages request goes through
+the pipeline.
+
+The layer is the SDK's own client middleware (``client.with_middleware``): every method that
+sends a Messages request -- ``messages.create``, ``messages.stream``, ``beta.messages.*``, the
+tool runner -- passes through it, once per HTTP attempt, inside the SDK's retry loop (the
+pipeline's output for an unchanged request is the same, so a retry sends the same bytes). Other
+requests (``count_tokens``, models, batches) pass untouched. Each conversation gets its
+:class:`~pipeline.dropin.adapter.WireSession`, found by the request's credential and messages
+(:mod:`pipeline.dropin.conversations`) and kept on disk under ``root``, so a restarted program
+continues with the same decisions.
+
+A streamed response is read as it passes to the caller (nothing held back): its id, model and
+usage reach the session when the stream has gone by.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anthropic
+import anyio
+import httpx2
+
+from pipeline.core import Pipeline
+from pipeline.dropin.adapter import Call, WireSession
+from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
+from pipeline.dropin.event_stream import EventStreamUsage
+from pipeline.dropin.metrics import WireMetrics
+from pipeline.dropin.tenancy import Tenancy
+from pipeline.dropin.wire_request import WireRequest
+from pipeline.spans import beside_sdk_call
+from pipeline.store.files import validate_session_id
+from pipeline.wire.request_fields import merge_betas, merge_request_fields
+
+__all__ = ["SluicegateMiddleware", "wrap"]
+
+C = TypeVar("C", anthropic.Anthropic, anthropic.AsyncAnthropic)
+T = TypeVar("T")
+
+
+def _is_messages_call(request: Any) -> bool:
+    url = str(request.url).split("?", 1)[0].rstrip("/")
+    return (
+        str(request.method).lower() == "post"
+        and url.endswith("/v1/messages")
+        and isinstance(request.json, Mapping)
+        and isinstance(request.json.get("messages"), list)
+    )
+
+
+class SluicegateMiddleware(anthropic.Middleware):
+    """The SDK middleware :func:`wrap` installs (usable directly with ``with_middleware``).
+
+    ``pipeline``: a factory of the stages every conversation runs (called once per
+    conversation; stage objects keep no per-session state, so a shared one is fine too).
+    ``session_id``: a hint naming every request of this client (see
+    :mod:`pipeline.dropin.conversations`: requests are still placed by their messages, so two
+    conversations that open differently, or go different ways, never share a ledger).
+    ``tenancy``: how requests are told apart by credential (default: by the API key the
+    request carries; ``Tenancy(single=True)``: one tenant). ``client_headers``: the headers
+    every request of the client goes with (its credentials, its default headers: the SDK adds
+    them after the middleware), read by :func:`wrap` from the client it wraps; a request's own
+    headers win. ``max_conversations``: how many conversations are held in memory (the least
+    recently used are let go past it, and load from their records when they come back).
+    ``context``: keyword arguments of each session (``cache_breakpoint``, tool policies, a
+    tracer, a logger).
+    """
+
+    def __init__(
+        self,
+        *,
+        root: str | Path = ".sluicegate",
+        pipeline: Callable[[], Pipeline],
+        session_id: str | None = None,
+        tenancy: Tenancy | None = None,
+        client_headers: Mapping[str, str] | None = None,
+        metrics: WireMetrics | None = None,
+        max_conversations: int | None = MAX_HELD,
+        **context: Any,
+    ) -> None:
+        self.metrics = metrics or WireMetrics()
+        self.client_headers = dict(client_headers or {})
+        if session_id is not None:
+            validate_session_id(session_id)
+        self.root = Path(root)
+        self.pipeline = pipeline
+        self.session_id = session_id
+        self.context = context
+        self.conversations = Conversations(
+            pipeline=pipeline,
+            root=self.root,
+            tenancy=tenancy,
+            max_held=max_conversations,
+            **context,
+        )
+
+    def _headers(self, request: Any) -> dict[str, str]:
+        own = {k: v for k, v in (request.headers or {}).items() if isinstance(v, str)}
+        return {**self.client_headers, **own}
+
+    def _request_of(self, branch: Branch, request: Any) -> WireRequest:
+        """The request's span and log line, beside the SDK's own call span."""
+        return WireRequest(
+            branch.session,
+            request.json,
+            context=beside_sdk_call(),
+            metrics=self.metrics,
+            tenant=branch.family.tenant,
+        )
+
+    async def handle_async(self, request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+        """Prepare a Messages request, send it, let its session observe the response."""
+        if not _is_messages_call(request):
+            return await call_next(request)
+        branch = await self.conversations.route(
+            request.json, self._headers(request), explicit=self.session_id
+        )
+        session, seen = branch.session, self._request_of(branch, request)
+        with seen.active():
+            passing = time.monotonic()
+            # the call: what the response answers, whatever is prepared meanwhile
+            body, call = await session.prepare_call(request.json)
+            seen.prepared(session.ctx.report, time.monotonic() - passing, None)
+            response = await call_next(_outgoing(session, request, body))
+            seen.answered(response.status_code)
+            if response.status_code == 200 and request.stream:
+                _tap(session, response.http_response, call, seen)  # it ends with the stream
+                return response
+            if response.status_code == 200:
+                message = await response.parse()
+                usage, rid = getattr(message, "usage", None), getattr(message, "id", None)
+                _observed(seen, message)
+                if usage is not None and isinstance(rid, str):
+                    await session.observe_async(
+                        rid, usage.model_dump(), model=str(message.model), call=call
+                    )
+        seen.end()
+        return response
+
+    def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
+        """The synchronous client's path: the same work, the pipeline run on a private event
+        loop in a worker thread (so a caller that has a running loop is not disturbed), one
+        thread at a time per conversation (:attr:`WireSession.sync_lock`)."""
+        if not _is_messages_call(request):
+            return call_next(request)
+        branch = self.conversations.route_sync(
+            request.json, self._headers(request), explicit=self.session_id, build=_in_worker
+        )
+        session, seen = branch.session, self._request_of(branch, request)
+        with seen.active():
+            passing = time.monotonic()
+            with session.sync_lock:
+                body, call = _run_sync(lambda: session.prepare_call(request.json))
+                report = session.ctx.report
+            seen.prepared(report, time.monotonic() - passing, None)
+            response = call_next(_outgoing(session, request, body))
+            seen.answered(response.status_code)
+            if response.status_code == 200 and request.stream:
+                _tap(session, response.http_response, call, seen)  # it ends with the stream
+                return response
+            if response.status_code == 200:
+                message = response.parse()
+                _observed(seen, message)
+                _observe(session, message, call)
+        seen.end()
+        return response
+
+
+def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
+    """The request to send: the prepared body, plus what a stage asked of the request (e.g.
+    server-side clearing's ``context_management`` and its beta header)."""
+    report = session.ctx.report
+    body = merge_request_fields(body, report.request_extras)
+    headers: dict[str, Any] = {
+        k: v for k, v in (request.headers or {}).items() if k.lower() != SESSION_HEADER
+    }
+    headers[SESSION_HEADER] = anthropic.omit  # the conversation's name never leaves the process
+    if report.betas:
+        headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
+    # the SDK's copy deep-copies the body it is about to replace (the whole history, every
+    # call): it copies none while it is away, and gets it back at once
+    options = request.options
+    history, options.json_data = options.json_data, None
+    try:
+        return request.copy(body=body, headers=headers)
+    finally:
+        options.json_data = history
+
+
+def _observed(seen: WireRequest, message: Any) -> None:
+    """What a parsed response says of itself, to the request's span and line."""
+    usage = getattr(message, "usage", None)
+    rid, model = getattr(message, "id", None), getattr(message, "model", None)
+    edits: Any = getattr(message, "context_management", None)
+    if edits is not None and hasattr(edits, "model_dump"):
+        edits = edits.model_dump()
+    seen.observed(
+        response_id=rid if isinstance(rid, str) else None,
+        model=str(model) if model is not None else None,
+        usage=usage.model_dump() if usage is not None else None,
+        context_management=edits,
+    )
+
+
+def _observe(session: WireSession, message: Any, call: Call | None) -> None:
+    usage = getattr(message, "usage", None)
+    if usage is not None and isinstance(getattr(message, "id", None), str):
+        session.observe(message.id, usage.model_dump(), model=str(message.model), call=call)
+
+
+class _AsyncTap(httpx2.AsyncByteStream):
+    def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
+        self.inner, self.reader, self.seen = inner, reader, seen
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner:
+            self.reader.feed(chunk)
+            yield chunk
+        await self.reader.aclose()  # the whole stream went by: its usage is complete
+        self.seen.end()
+
+    async def aclose(self) -> None:
+        try:
+            await self.inner.aclose()
+        finally:
+            self.seen.end()  # the caller left early: the request is over all the same
+
+
+class _SyncTap(httpx2.SyncByteStream):
+    def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
+        self.inner, self.reader, self.seen = inner, reader, seen
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.inner:
+            self.reader.feed(chunk)
+            yield chunk
+        self.reader.close()
+        self.seen.end()
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            self.seen.end()
+
+
+def _tap(session: WireSession, http: Any, call: Call | None, seen: WireRequest) -> None:
+    """Let the session observe a streamed response's usage as the caller reads it; the
+    request ends with the stream."""
+    reader = EventStreamUsage(session, call, seen)
+    stream = http.stream
+    http.stream = (
+        _AsyncTap(stream, reader, seen)
+        if isinstance(stream, httpx2.AsyncByteStream)
+        else _SyncTap(stream, reader, seen)
+    )
+
+
+_ASYNC_LIBRARY: contextvars.ContextVar[str | None] | None
+try:
+    from sniffio import current_async_library_cvar as _ASYNC_LIBRARY
+except ImportError:  # without sniffio, anyio asks asyncio, whose running loop is per thread
+    _ASYNC_LIBRARY = None
+
+
+def _in_worker(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, in a copy of the caller's context (its span, its log
+    context: a thread starts with an empty one) less the mark by which anyio, through sniffio,
+    tells which event loop runs: none runs there, whatever loop the caller runs."""
+    context = contextvars.copy_context()
+    if _ASYNC_LIBRARY is not None:
+        context.run(_ASYNC_LIBRARY.set, None)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(context.run, fn, *args).result()
+
+
+def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await fn()
+
+    def run() -> T:
+        return anyio.run(main)
+
+    return _in_worker(run)
+
+
+def wrap(
+    client: C,
+    *,
+    root: str | Path = ".sluicegate",
+    pipeline: Callable[[], Pipeline] | None = None,
+    session_id: str | None = None,
+    tenancy: Tenancy | None = None,
+    max_conversations: int | None = MAX_HELD,
+    **context: Any,
+) -> C:
+    """``client`` with every Messages request going through the pipeline (a copy: the client
+    given is unchanged). ``pipeline``: a factory of each conversation's stages, required here
+    (the library does not import ``stages``); ``stages.wrap`` is this function with the
+    default stages (``default_stages(context_window=...)``). ``session_id``: a hint naming
+    this client's conversations; ``tenancy``, ``max_conversations``: see
+    :class:`SluicegateMiddleware`.
+
+    The client's credentials and default headers are read here, once: a copy of the wrapped
+    client made with other credentials (``with_options(api_key=...)``) keeps this one's
+    tenant, so wrap each key's client to keep its conversations apart."""
+    if pipeline is None:
+        raise TypeError(
+            "wrap() needs pipeline=: a factory such as lambda: Pipeline(default_stages())"
+        )
+    middleware = SluicegateMiddleware(
+        root=root,
+        pipeline=pipeline,
+        session_id=session_id,
+        tenancy=tenancy,
+        client_headers={k: v for k, v in client.default_headers.items() if isinstance(v, str)},
+        max_conversations=max_conversations,
+        **context,
+    )
+    return client.with_middleware(middleware)

@@ -1,0 +1,51 @@
+"""Where a session's state lives: persisted tool results, the records of its decisions, and
+reading results back.
+
+- :mod:`.files`: the one-method :class:`ToolResultStore` protocol and the local file store;
+  :mod:`.fileops`: the operating-system calls it makes, as a seam;
+- :mod:`.records`: the :class:`RecordLog` protocol every record backend implements;
+- :mod:`.sessions`: a session's state from one location (a directory or an object store URL);
+- :mod:`.objects`, :mod:`.object_records`, :mod:`.object_reader`: the same on an object store
+  (the ``objectstore`` extra), behind :mod:`.breaker`'s circuit breaker;
+- :mod:`.readback`: the tool the model calls to read a persisted output back;
+- :mod:`.retention` (with :mod:`.retention_files`, :mod:`.retention_conversations`): pruning a
+  long-lived store.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.store.files import FileToolResultStore, StoreError, ToolResultStore
+    from pipeline.store.records import RecordLog
+    from pipeline.store.sessions import SessionStates, SessionStorage, open_session_state
+
+__all__ = [
+    "FileToolResultStore",
+    "RecordLog",
+    "SessionStates",
+    "SessionStorage",
+    "StoreError",
+    "ToolResultStore",
+    "open_session_state",
+]
+
+_HOME = {
+    "FileToolResultStore": "pipeline.store.files",
+    "RecordLog": "pipeline.store.records",
+    "SessionStates": "pipeline.store.sessions",
+    "SessionStorage": "pipeline.store.sessions",
+    "StoreError": "pipeline.store.files",
+    "ToolResultStore": "pipeline.store.files",
+    "open_session_state": "pipeline.store.sessions",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use: a module of this package never loads the others with it
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -1,0 +1,291 @@
+"""A session's records on an object store: one immutable object per append.
+
+No shared file is read, modified and written back. Each append creates one new object,
+``<prefix>/<session>/records/<sequence:012d>.jsonl``, holding the same JSONL lines
+:class:`~pipeline.transcript.read.TranscriptWriter` would append, and it is created exclusively
+(``mode="create"``): an object once written is never replaced, and a number is taken once.
+
+Order. Before an append the log lists what was added since its last listing and takes the
+number after the highest it has seen. Two writers that reach for the same number race on one
+key: one create wins, the other gets a conflict and takes the next number. Numbers thus have no
+gaps (a writer only goes past a number it found taken), number N exists before N + 1 is
+written, and listing the keys after the last one seen finds every record added since --
+whatever lag a listing had. The load order is the number order, the same for every reader, and
+it is the order the appends committed. A conflict on a key that holds exactly the bytes being
+appended is this append's own create, retried by the client after a lost reply (or another
+writer appending the very same lines there): it counts as done, no record twice.
+
+Reading (:meth:`ObjectRecordLog.load`) lists the records, sorts them and parses them in order as
+one transcript with ``strict=False``: a malformed line of any object is skipped and reported as
+it is in a file. A listed object that cannot be read yet (eventual consistency) is tried again
+a few times, then skipped with a warning; any other store error fails the load (``StoreError``)
+rather than give a partial record set that would silently change decisions.
+
+A worker that keeps a session in memory while others may serve it asks
+:meth:`ObjectRecordLog.changed_elsewhere` before each call: one listing of the keys after the
+last one it has seen, True when another writer added records since this log last loaded. The
+bytes of every record object this log has read or written are kept (objects are immutable), so
+loading again after a move reads only the objects that are new.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextvars
+import errno
+import random
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pipeline.logs import get_logger
+from pipeline.store.files import StoreError
+from pipeline.store.objects import RECORDS_SUBDIR, ObjectLayout, ObjectStoreAPI, is_create_conflict
+from pipeline.transcript.read import (
+    JsonlRecordWriter,
+    Transcript,
+    encode_records,
+    jsonl_lines,
+    load_transcript_lines,
+)
+
+__all__ = ["APPEND_ATTEMPTS", "READERS", "ObjectRecordLog"]
+
+APPEND_ATTEMPTS = 16
+"""Create conflicts an append survives before it fails (each takes the next number)."""
+_BACKOFF_CAP = 0.05
+"""Longest pause (seconds) after a lost number: writers racing for one conversation take
+turns instead of one starving (a writer that lost eight numbers in a row to a busy peer failed,
+under CPU load, before the pause)."""
+READERS = 16
+"""Record objects a load reads at once."""
+_RECORD_NAME = re.compile(r"([0-9]{12})\.jsonl")
+_WRITER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_MAX_SEQUENCE = 10**12 - 1
+_SYSTEM_RANDOM = random.SystemRandom()
+
+
+def _store_error(action: str, key: str, exc: BaseException) -> StoreError:
+    """A store failure as an ``OSError`` (what callers of a record log catch), named by its
+    type only: an ``obstore`` message carries the request URL and the server's reply."""
+    return StoreError(errno.EIO, f"record {action} failed ({type(exc).__name__})", key)
+
+
+class ObjectRecordLog(JsonlRecordWriter):
+    """:class:`~pipeline.store.records.RecordLog` on an object store (see the module docstring).
+
+    ``store``: an ``obstore`` store (or anything with
+    :class:`~pipeline.store.objects.ObjectStoreAPI`'s methods); ``prefix``, ``session_id``,
+    ``uri_base``, ``records`` (the records directory's name): see
+    :class:`~pipeline.store.objects.ObjectLayout`. ``writer_id``
+    (``[A-Za-z0-9_.-]{1,64}``) names this writer in what it logs; by default a random one.
+    ``read_attempts`` and ``retry_delay`` (seconds, doubled each time):
+    how long :meth:`load` waits for a listed object to become readable.
+
+    Appends block (a LIST and a PUT): run them in a worker thread from async code. They raise
+    :class:`~pipeline.store.files.StoreError` (an ``OSError``) when the store fails. The log keeps
+    the bytes of the records it has read or written (what the session's decisions take: a
+    replacement record holds its preview, about 2 KB), so a later :meth:`load` reads only what
+    is new.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStoreAPI,
+        *,
+        prefix: str = "",
+        session_id: str,
+        uri_base: str = "memory://",
+        writer_id: str | None = None,
+        agent_id: str | None = None,
+        records: str = RECORDS_SUBDIR,
+        read_attempts: int = 4,
+        retry_delay: float = 0.1,
+        logger: Any = None,
+    ) -> None:
+        if writer_id is None:
+            writer_id = secrets.token_hex(8)
+        if not isinstance(writer_id, str) or not _WRITER_ID.fullmatch(writer_id):
+            raise ValueError(f"writer_id must match [A-Za-z0-9_.-]{{1,64}}, got {writer_id!r:.80}")
+        if read_attempts < 1 or retry_delay < 0:
+            raise ValueError("read_attempts must be >= 1 and retry_delay >= 0")
+        self.store = store
+        self.layout = ObjectLayout(session_id, prefix, uri_base, records)
+        self.session_id = self.layout.session_id
+        self.agent_id = agent_id
+        self.writer_id = writer_id
+        self.read_attempts = read_attempts
+        self.retry_delay = retry_delay
+        self.logger = logger or get_logger(session_id=self.session_id)
+        self._last_uuid = None
+        self._next = 0
+        """The number the next append tries first: one past the highest seen."""
+        self._listed_after: str | None = None
+        """The greatest key seen by a listing: the next listing asks only for what follows."""
+        self._known: dict[str, bytes] = {}
+        """The bytes of every record object read or written by this log, by key."""
+        self._unloaded: set[str] = set()
+        """Keys of other writers' records listed since the last load and not loaded yet."""
+        self._lock = threading.Lock()
+
+    # -- appending --------------------------------------------------------------------------
+    def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
+        payload = encode_records(records)
+        if payload:
+            with self._lock:  # one append at a time: each takes the number after the last
+                self._append(payload)
+
+    def _append(self, payload: bytes) -> str:
+        key = ""
+        for attempt in range(APPEND_ATTEMPTS):
+            try:
+                self._catch_up()
+            except Exception as exc:
+                raise _store_error("listing", self.layout.records_dir, exc) from exc
+            if self._next > _MAX_SEQUENCE:
+                raise StoreError(errno.EOVERFLOW, "record numbers exhausted", key)
+            key = f"{self.layout.records_dir}/{self._next:012d}.jsonl"
+            try:
+                self.store.put(key, payload, mode="create")
+            except Exception as exc:
+                if not is_create_conflict(exc):
+                    raise _store_error("append", key, exc) from exc
+                if not self._holds(key, payload):
+                    # taken by another writer (or our listing lagged): the next number, after
+                    # a short random pause that lets a busy peer's run of appends end
+                    self._next += 1
+                    time.sleep(_SYSTEM_RANDOM.uniform(0, min(_BACKOFF_CAP, 0.001 * 2**attempt)))
+                    continue
+                # our own create, whose reply was lost and which the client sent again
+            self._next += 1
+            self._known[key] = payload
+            return key
+        raise StoreError(errno.EEXIST, f"no free record number in {APPEND_ATTEMPTS} attempts", key)
+
+    def _holds(self, key: str, payload: bytes) -> bool:
+        """Whether ``key`` holds exactly ``payload`` (False when it cannot be read)."""
+        try:
+            found = self.store.get(key)
+            return found.meta["size"] == len(payload) and bytes(found.bytes()) == payload
+        except Exception:  # unreadable now: count it as taken, the append takes the next number
+            return False
+
+    def _catch_up(self) -> None:
+        for key, sequence in self._listing(after=self._listed_after):
+            self._next = max(self._next, sequence + 1)
+            if key not in self._known:
+                self._unloaded.add(key)  # another writer's: the next load must read it
+
+    def changed_elsewhere(self) -> bool:
+        """Whether another writer added records this log has not loaded (one listing of the
+        keys after the last seen). Blocking; ``StoreError`` when the store cannot be listed."""
+        with self._lock:
+            try:
+                self._catch_up()
+            except Exception as exc:
+                raise _store_error("listing", self.layout.records_dir, exc) from exc
+            return bool(self._unloaded)
+
+    def _listing(self, *, after: str | None = None) -> Iterator[tuple[str, int]]:
+        """(key, sequence) of every record object listed, after ``after`` if given;
+        other names under ``records/`` are not ours and are left out."""
+        head = self.layout.records_dir + "/"
+        for chunk in self.store.list(self.layout.records_dir, offset=after):
+            for meta in chunk:
+                key = meta["path"]
+                if self._listed_after is None or key > self._listed_after:
+                    self._listed_after = key
+                match = _RECORD_NAME.fullmatch(key[len(head) :]) if key.startswith(head) else None
+                if match is not None:
+                    yield key, int(match[1])
+
+    # -- loading ----------------------------------------------------------------------------
+    def load(self) -> Transcript | None:
+        """Every record of the session, in number order, as one transcript
+        (``strict=False``: malformed lines are in ``Transcript.problems``, each also logged with
+        its object); None when the session has no record object yet (as for a transcript file
+        that does not exist). The next message appended chains from the last message loaded.
+
+        Raises :class:`~pipeline.store.files.StoreError` when the store cannot be listed or read
+        (an object that lists but is not found yet is skipped after a few tries instead)."""
+        with self._lock:
+            try:
+                entries = sorted(self._listing(), key=lambda e: e[1])
+            except Exception as exc:
+                raise _store_error("listing", self.layout.records_dir, exc) from exc
+            if not entries:
+                return None
+            self._next = max(self._next, entries[-1][1] + 1)
+        # every object is read before any is parsed: a read that fails fails the load whole,
+        # and then nothing counts as loaded; one skipped as unreadable stays unloaded (the
+        # next check asks for a load again)
+        missing = [key for key, _sequence in entries if key not in self._known]
+        fetched: dict[str, bytes | None] = {}
+        if missing:
+            # several reads at once: a new worker's first load of a long session is one GET
+            # per record object, and each waits on the store's latency
+            # each read in a copy of the caller's context: what it logs says the call and
+            # the trace it belongs to (a worker thread starts with an empty context)
+            contexts = [contextvars.copy_context() for _ in missing]
+            with ThreadPoolExecutor(max_workers=min(READERS, len(missing))) as pool:
+                bodies = pool.map(lambda c, k: c.run(self._read, k), contexts, missing)
+                fetched = dict(zip(missing, bodies, strict=True))
+        contents: list[tuple[str, bytes]] = []
+        for key, _sequence in entries:
+            data = self._known.get(key)
+            if data is None:
+                data = fetched.get(key)
+            if data is not None:
+                contents.append((key, data))
+        with self._lock:
+            for key, data in contents:
+                self._known[key] = data
+            read = {key for key, _data in contents}
+            self._unloaded.difference_update(read)
+            self._unloaded.update(key for key, _seq in entries if key not in read)
+        starts: list[int] = []
+        names: list[str] = []
+
+        def lines() -> Iterator[str]:
+            count = 0
+            for key, data in contents:
+                text = data.decode("utf-8", errors="surrogateescape")
+                if text and not text.endswith("\n"):
+                    text += "\n"  # a torn object must not swallow the next one's first line
+                starts.append(count + 1)
+                names.append(key)
+                for line in jsonl_lines(text):
+                    count += 1
+                    yield line
+
+        loaded = load_transcript_lines(lines(), self.layout.records_dir, strict=False)
+        for problem in loaded.problems:
+            at = bisect.bisect_right(starts, problem.line) - 1
+            self.logger.warning(
+                "records.malformed_line",
+                key=names[at],
+                line=problem.line - starts[at] + 1,
+                reason=problem.reason,
+            )
+        if loaded.messages:
+            with self._lock:
+                self._last_uuid = loaded.messages[-1].uuid
+        return loaded
+
+    def _read(self, key: str) -> bytes | None:
+        """The bytes of ``key``; None when it stays not found (it listed: a store whose reads
+        lag its listings)."""
+        for attempt in range(self.read_attempts):
+            try:
+                return bytes(self.store.get(key).bytes())
+            except FileNotFoundError:
+                if attempt + 1 < self.read_attempts:
+                    time.sleep(self.retry_delay * 2**attempt)
+            except Exception as exc:
+                raise _store_error("read", key, exc) from exc
+        self.logger.warning("records.unreadable_object", key=key, attempts=self.read_attempts)
+        return None

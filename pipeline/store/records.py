@@ -1,0 +1,41 @@
+"""Where a session's records go: the narrow protocol every transcript backend implements.
+
+A session appends three kinds of records as it goes -- the conversation's messages, the budget's
+``content-replacement`` entries and stages' ``stage-record`` decisions -- and a resumed session
+(or another worker) loads them back to repeat every decision byte for byte. The local backend is
+:class:`~pipeline.transcript.read.TranscriptWriter` (one JSONL file); the object-store backend is
+:class:`~pipeline.store.object_records.ObjectRecordLog` (one immutable object per append).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from pipeline.messages import Message
+from pipeline.replacement import ReplacementRecord
+
+__all__ = ["RecordLog"]
+
+
+@runtime_checkable
+class RecordLog(Protocol):
+    """An append-only log of a session's records.
+
+    The methods block (a file's ``fsync``, an object store's request): callers on an event loop
+    run them in a worker thread. An append either lands whole or raises ``OSError``; callers
+    that must not fail a turn log that and go on (the decision stands in this process, only a
+    resume would lose it).
+    """
+
+    def append_messages(self, messages: Sequence[Message]) -> None:
+        """Append messages, chaining ``parentUuid`` from the last message this log knows."""
+        ...
+
+    def append_replacements(self, records: Sequence[ReplacementRecord]) -> None:
+        """Append one ``content-replacement`` entry holding ``records`` (no-op when empty)."""
+        ...
+
+    def append_stage_record(self, stage: str, data: Mapping[str, Any]) -> None:
+        """Append a ``stage-record``: a stage's decision a resumed session must repeat."""
+        ...

@@ -1,0 +1,430 @@
+"""Read session transcripts in Claude Code's JSONL format (appending them is
+:mod:`pipeline.transcript.writer`, whose names are re-exported here).
+
+Reading keeps what the API saw (``message.content``) and drops what it did not (the structured
+``toolUseResult``, progress payloads, file-history snapshots). Older Claude Code files interleave
+sub-agent records (``isSidechain: true``) with the main thread; a sub-agent's own file holds only
+sidechain records. The loaded thread is the non-sidechain records where there are any, else all.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.messages import (
+    REMINDER,
+    Block,
+    Content,
+    Message,
+    Usage,
+    new_uuid,
+)
+from pipeline.replacement import ReplacementRecord
+from pipeline.tokens.checks import bounded_repr, bounded_text
+from pipeline.transcript.recorded import (
+    API_REQUEST,
+    API_REQUEST_BLOB,
+    API_REQUEST_SHAPE,
+    IGNORED_RECORD_TYPES,
+    RecordedRequest,
+    WireCheck,
+    apply_recorded_wire,
+    parse_blob,
+    parse_request,
+    parse_shape,
+)
+from pipeline.transcript.writer import (
+    BOM,
+    CONTENT_REPLACEMENT,
+    STAGE_RECORD,
+    JsonlRecordWriter,
+    TranscriptPathError,
+    TranscriptWriter,
+    encode_records,
+    message_to_record,
+)
+
+__all__ = [
+    "JsonlRecordWriter",
+    "LineProblem",
+    "StageRecord",
+    "Transcript",
+    "TranscriptError",
+    "TranscriptPathError",
+    "TranscriptWriter",
+    "encode_records",
+    "jsonl_lines",
+    "load_transcript",
+    "load_transcript_lines",
+    "message_to_record",
+]
+
+_MESSAGE_RECORD_TYPES = frozenset({"user", "assistant", "progress", "attachment", "system"})
+_MAX_REASON = 300
+"""Longest reason a malformed line reports: values are quoted at most ~80 characters each, and
+this caps whatever else an error might carry (a hostile line must not print megabytes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    """A decision a stage wrote to the transcript so that a resumed session can repeat it."""
+
+    stage: str
+    data: Mapping[str, Any]
+
+
+class TranscriptError(ValueError):
+    """A transcript line that cannot be read; names the file and the 1-based line number."""
+
+    def __init__(self, path: Path | str, line: int, reason: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{path}:{line}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class LineProblem:
+    """A line skipped by a non-strict load."""
+
+    line: int
+    reason: str
+
+
+@dataclass(slots=True)
+class Transcript:
+    """A loaded session: the thread's messages, replacement records and what was skipped."""
+
+    path: Path
+    messages: list[Message]
+    replacement_records: list[ReplacementRecord] = field(default_factory=list)
+    session_id: str | None = None
+    skipped_types: Counter[str] = field(default_factory=Counter)
+    """Records not part of the prompt or of an unknown type, by type (never fatal)."""
+    requests: list[RecordedRequest] = field(default_factory=list)
+    """What each call sent besides its messages (Claude Code 2.1's ``api-request`` records):
+    model, system prompt, tools; in file order."""
+    version: str | None = None
+    """The Claude Code version that wrote the first record naming one (``"2.1.328"``...)."""
+    wire_check: WireCheck = field(default_factory=WireCheck)
+    """How the records compared with what each call recorded sending (Claude Code 2.1): how
+    many recorded messages replaced records that did not render to them, and how many calls
+    could not be made exact (:func:`pipeline.transcript.recorded.apply_recorded_wire`)."""
+    sidechain_skipped: int = 0
+    """Sub-agent records interleaved with the main thread and left out of it."""
+    problems: list[LineProblem] = field(default_factory=list)
+    """Malformed lines skipped by a ``strict=False`` load."""
+    stage_records: list[StageRecord] = field(default_factory=list)
+    """``stage-record`` entries in file order (:meth:`TranscriptWriter.append_stage_record`)."""
+
+    def records_for(self, stage: str) -> list[Mapping[str, Any]]:
+        """The data of every record stage ``stage`` wrote, in order."""
+        return [r.data for r in self.stage_records if r.stage == stage]
+
+    @property
+    def unknown_types(self) -> Counter[str]:
+        """Skipped records of a type the loader does not know (a newer format, say)."""
+        known = IGNORED_RECORD_TYPES | {API_REQUEST, API_REQUEST_SHAPE, API_REQUEST_BLOB}
+        return Counter({t: n for t, n in self.skipped_types.items() if t not in known})
+
+
+def _require_str(raw: Mapping[str, Any], key: str, *, optional: bool = True) -> str | None:
+    value = raw.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _parse_blocks(content: Any, where: str) -> Content:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of blocks")
+    blocks: list[Block] = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise ValueError(f"{where}[{i}] is not a content block with a string 'type'")
+        btype = block["type"] = _shared(block["type"])
+        if btype == "tool_use":
+            if not isinstance(block.get("id"), str):
+                raise ValueError(f"{where}[{i}]: tool_use without a string 'id'")
+            block["id"] = _shared(block["id"])
+            if isinstance(block.get("name"), str):
+                block["name"] = _shared(block["name"])
+            if isinstance(block.get("input"), dict):
+                block["input"] = _shared_keys(block["input"])
+        if btype == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise ValueError(f"{where}[{i}]: tool_result without a string 'tool_use_id'")
+            block["tool_use_id"] = _shared(block["tool_use_id"])
+            inner = block.get("content")
+            if inner is not None and not isinstance(inner, str | list):
+                raise ValueError(f"{where}[{i}]: tool_result content must be a string or a list")
+            if isinstance(inner, list):
+                if not all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in inner):
+                    raise ValueError(f"{where}[{i}]: tool_result content holds a non-block")
+                block["content"] = [_shared_keys(b) for b in inner]
+        blocks.append(_shared_keys(block))
+    return blocks
+
+
+_SHARED_MAX = 64
+"""Longest value :func:`_shared` interns: ids, names and types, never content."""
+
+
+def _shared(value: str) -> str:
+    """One string object for every equal short value (block types, tool names and ids, model
+    names): the JSON decoder makes a new string per occurrence, so a long session held
+    thousands of copies of ``"tool_use"`` and each tool id twice (a tenth of the loaded
+    transcript's overhead). Long values are left alone: interning them would cost a hash of
+    the content and keep nothing."""
+    return sys.intern(value) if len(value) <= _SHARED_MAX else value
+
+
+def _shared_opt(value: str | None) -> str | None:
+    return None if value is None else _shared(value)
+
+
+def _shared_keys(block: dict[str, Any]) -> dict[str, Any]:
+    """The block with its keys interned: the JSON decoder makes new key strings for every line,
+    so a long session held one copy of ``"tool_use_id"`` and friends per block (about a tenth
+    of the transcript's size in memory)."""
+    return {sys.intern(k): v for k, v in block.items()}
+
+
+def _parse_message(raw: Mapping[str, Any]) -> Message:
+    rtype = raw["type"]
+    common: dict[str, Any] = {
+        "uuid": _require_str(raw, "uuid") or new_uuid(),
+        "timestamp": _require_str(raw, "timestamp"),
+        "is_sidechain": bool(raw.get("isSidechain", False)),
+        "is_meta": bool(raw.get("isMeta", False)),
+    }
+    if rtype in ("user", "assistant"):
+        body = raw.get("message")
+        if not isinstance(body, Mapping):
+            raise ValueError(f"{rtype} record without a 'message' object")
+        content = _parse_blocks(body.get("content"), "message.content")
+        if rtype == "user":
+            return Message(
+                type="user",
+                content=content,
+                is_compact_summary=bool(raw.get("isCompactSummary", False)),
+                **common,
+            )
+        usage_raw = body.get("usage")
+        if usage_raw is not None and not isinstance(usage_raw, Mapping):
+            raise ValueError("message.usage must be an object")
+        return Message(
+            type="assistant",
+            content=content,
+            message_id=_require_str(body, "id"),
+            model=_shared_opt(_require_str(body, "model")),
+            usage=Usage.from_mapping(usage_raw) if usage_raw is not None else None,
+            stop_reason=_shared_opt(_require_str(body, "stop_reason")),
+            **common,
+        )
+    if rtype == "system":
+        content_raw = raw.get("content")
+        return Message(
+            type="system",
+            content=content_raw if isinstance(content_raw, str) else "",
+            subtype=_require_str(raw, "subtype"),
+            **common,
+        )
+    if rtype == "attachment":
+        rendered = raw.get("rendered")
+        if rendered is not None:  # Claude Code 2.1: the text it sends, already rendered
+            return Message(
+                type="attachment", content=_rendered_blocks(rendered), subtype=REMINDER, **common
+            )
+        att = raw.get("attachment")
+        att_content: Any = att.get("content") if isinstance(att, Mapping) else None
+        content = _parse_blocks(att_content, "attachment.content") if att_content else ""
+        return Message(type="attachment", content=content, **common)
+    return Message(type="progress", **common)  # progress payloads are UI-only: not kept
+
+
+def _rendered_blocks(rendered: Any) -> list[Block]:
+    """The text blocks of a 2.1 attachment's ``rendered`` list (``[{"content": str}, ...]``)."""
+    if not isinstance(rendered, list):
+        raise ValueError("attachment 'rendered' must be a list")
+    blocks: list[Block] = []
+    for i, item in enumerate(rendered):
+        text = item.get("content") if isinstance(item, Mapping) else None
+        if not isinstance(text, str):
+            raise ValueError(f"attachment rendered[{i}] has no string 'content'")
+        if text:
+            blocks.append({"type": "text", "text": text})
+    return blocks
+
+
+def _replacement_record(rep: Any) -> ReplacementRecord:
+    """One ``content-replacement`` entry. The fields are checked here first, so that every
+    value an error quotes is cut short (:func:`bounded_repr`): a hostile entry must not turn
+    into a message of megabytes."""
+    if not isinstance(rep, Mapping):
+        raise ValueError("content-replacement entry is not an object")
+    tool_use_id, replacement = rep.get("tool_use_id"), rep.get("replacement")
+    kind = rep.get("kind", "tool-result")
+    if not isinstance(tool_use_id, str) or not tool_use_id:
+        raise ValueError(f"replacement record: bad tool_use_id {bounded_repr(tool_use_id)}")
+    if not isinstance(replacement, str):
+        raise ValueError(
+            f"replacement record {bounded_repr(tool_use_id)}: replacement is not a string"
+        )
+    if not isinstance(kind, str):
+        raise ValueError(
+            f"replacement record {bounded_repr(tool_use_id)}: bad kind {bounded_repr(kind)}"
+        )
+    return ReplacementRecord.from_json(rep)
+
+
+MAX_NESTING = 256
+"""Deepest JSON nesting a record may have. Real records stay under 20; anything deeper would
+only reach recursion limits later (estimating, serialising a request), far from its line."""
+
+
+def _check_depth(raw: Any, line: str) -> None:
+    """Refuse a record nested deeper than :data:`MAX_NESTING` (a cheap count rules out almost
+    every line before any walk)."""
+    if line.count("[") + line.count("{") <= MAX_NESTING:
+        return
+    stack: list[tuple[Any, int]] = [(raw, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def load_transcript(
+    path: str | os.PathLike[str], *, strict: bool = True, recorded_wire: bool = True
+) -> Transcript:
+    """Read a Claude Code session JSONL file.
+
+    A malformed line raises :class:`TranscriptError` naming the file and line; with
+    ``strict=False`` it is skipped and listed in ``Transcript.problems`` instead. Unknown record
+    types are skipped and counted in ``Transcript.skipped_types``, never fatal.
+
+    Claude Code 2.1 records what each call sent: ``api-request`` records become
+    ``Transcript.requests``; with ``recorded_wire`` (default) a user message whose records do
+    not render to what the call recorded sending (its ``api-request`` chain and
+    ``api-request-blob`` records) is replaced by the recorded messages, so that
+    :func:`~pipeline.wire.form.to_api` rebuilds exactly what was sent (``Transcript.wire_check``).
+    """
+    p = Path(path)
+    # JSONL lines end at "\n" only: a bare "\r" is JSON whitespace inside a record
+    with p.open("r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
+        return load_transcript_lines(fh, p, strict=strict, recorded_wire=recorded_wire)
+
+
+def jsonl_lines(text: str) -> Iterator[str]:
+    """The lines of JSONL ``text`` as a file read with ``newline="\n"`` gives them: split at
+    ``"\n"`` only, each with its line end (``str.splitlines`` would also split at ``"\r"``,
+    ``"\u2028"`` and others, which are whitespace or string content inside a record)."""
+    return iter(io.StringIO(text, newline="\n"))
+
+
+def load_transcript_lines(
+    lines: Iterable[str],
+    name: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    recorded_wire: bool = True,
+) -> Transcript:
+    """:func:`load_transcript` on lines already read: ``lines`` as iterating a file opened
+    with ``newline="\n"`` yields them (see :func:`jsonl_lines`); ``name`` is what
+    ``Transcript.path`` and a :class:`TranscriptError` call the source. Same rules, same
+    errors as reading a file."""
+    p = Path(name)
+    main: list[Message] = []
+    side: list[Message] = []
+    records: list[ReplacementRecord] = []
+    result = Transcript(path=p, messages=main)
+    shapes: dict[str, Mapping[str, Any]] = {}
+    requests: list[tuple[int, int, int, Mapping[str, Any]]] = []
+    blobs: list[tuple[int, int, int, Mapping[str, Any]]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if lineno == 1 and line.startswith(BOM):
+            line = line[1:]  # a byte order mark some editors write: only at the file's start
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+            if not isinstance(raw, dict):
+                raise ValueError("a record must be a JSON object")
+            rtype = raw.get("type")
+            if not isinstance(rtype, str):
+                raise ValueError("record without a string 'type'")
+            _check_depth(raw, line)
+            if rtype == CONTENT_REPLACEMENT:
+                reps = raw.get("replacements")
+                if not isinstance(reps, list):
+                    raise ValueError("content-replacement without a 'replacements' list")
+                parsed = [_replacement_record(rep) for rep in reps]  # all or none
+                records.extend(parsed)
+            elif rtype == STAGE_RECORD:
+                stage, data = raw.get("stage"), raw.get("data")
+                if not isinstance(stage, str) or not isinstance(data, dict):
+                    raise ValueError("stage-record needs a string 'stage' and an object 'data'")
+                result.stage_records.append(StageRecord(stage, data))
+            elif rtype == API_REQUEST_SHAPE:
+                digest, shape = parse_shape(raw)
+                shapes[digest] = shape
+                result.skipped_types[rtype] += 1
+            elif rtype in (API_REQUEST, API_REQUEST_BLOB):
+                parse_request(raw, shapes, 0) if rtype == API_REQUEST else parse_blob(raw, 0)
+                (requests if rtype == API_REQUEST else blobs).append(
+                    (len(main), len(side), lineno, raw)
+                )
+                result.skipped_types[rtype] += 1
+            elif rtype not in _MESSAGE_RECORD_TYPES:
+                result.skipped_types[rtype] += 1
+            else:
+                msg = _parse_message(raw)
+                (side if msg.is_sidechain else main).append(msg)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            reason = f"malformed record: {bounded_text(str(exc), _MAX_REASON)}"
+            if strict:
+                raise TranscriptError(p, lineno, reason) from None
+            result.problems.append(LineProblem(lineno, reason))
+            continue
+        # only a record that loaded names the session (a skipped line decides nothing)
+        if result.session_id is None and isinstance(raw.get("sessionId"), str):
+            result.session_id = raw["sessionId"]
+        if result.version is None and isinstance(raw.get("version"), str):
+            result.version = raw["version"][:40]
+    on_side = not main and bool(side)
+    if on_side:
+        result.messages = side
+    else:
+        result.sidechain_skipped = len(side)
+    result.replacement_records = records
+    result.requests = [
+        parse_request(raw, shapes, at_side if on_side else at_main, lineno)
+        for at_main, at_side, lineno, raw in requests
+    ]
+    if recorded_wire and (blobs or result.requests):
+        result.messages, result.requests, result.wire_check = apply_recorded_wire(
+            result.messages,
+            result.requests,
+            [
+                parse_blob(raw, at_side if on_side else at_main, lineno)
+                for at_main, at_side, lineno, raw in blobs
+            ],
+        )
+    return result

@@ -1,0 +1,293 @@
+"""Append session transcripts in Claude Code's JSONL format: one ``write`` of whole lines per
+append, fsync'd, 0600 in 0700, never through a symbolic link (:class:`TranscriptWriter`), and
+the same lines for other sinks (:class:`JsonlRecordWriter`, :func:`encode_records`).
+:mod:`pipeline.transcript.read` reads them back."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.messages import REMINDER, Message, now_timestamp
+from pipeline.replacement import ReplacementRecord
+
+__all__ = [
+    "BOM",
+    "CONTENT_REPLACEMENT",
+    "STAGE_RECORD",
+    "JsonlRecordWriter",
+    "TranscriptPathError",
+    "TranscriptWriter",
+    "encode_records",
+    "message_to_record",
+]
+
+CONTENT_REPLACEMENT = "content-replacement"
+STAGE_RECORD = "stage-record"
+BOM = "\ufeff"
+"""A byte order mark some editors write at a file's start (read past, never written)."""
+
+
+def _encode_line(record: Mapping[str, Any]) -> bytes:
+    """One JSONL line. Text read from invalid UTF-8 (surrogate escapes) goes back as the same
+    bytes; a lone surrogate from a JSON escape has no UTF-8 form, so such a record is written
+    with ASCII escapes (it loads back as the same string)."""
+    try:
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return (json.dumps(record) + "\n").encode("ascii")
+
+
+def encode_records(records: Iterable[Mapping[str, Any]]) -> bytes:
+    """Records as the JSONL bytes a transcript holds for them, one line each."""
+    return b"".join(map(_encode_line, records))
+
+
+def message_to_record(
+    m: Message, *, session_id: str, parent_uuid: str | None, agent_id: str | None = None
+) -> dict[str, Any]:
+    """The Claude Code JSONL record for one message."""
+    rec: dict[str, Any] = {
+        "parentUuid": parent_uuid,
+        "isSidechain": m.is_sidechain,
+        "type": m.type,
+        "sessionId": session_id,
+        "uuid": m.uuid,
+        "timestamp": m.timestamp or now_timestamp(),
+    }
+    if agent_id is not None:
+        rec["agentId"] = agent_id
+    if m.is_meta:
+        rec["isMeta"] = True
+    if m.type == "user":
+        rec["message"] = {"role": "user", "content": m.content}
+        if m.is_compact_summary:
+            rec["isCompactSummary"] = True
+    elif m.type == "assistant":
+        rec["message"] = {
+            "id": m.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": m.model,
+            "content": m.content,
+            "stop_reason": m.stop_reason,
+            "stop_sequence": None,
+            "usage": m.usage.to_mapping() if m.usage is not None else None,
+        }
+    elif m.type == "system":
+        rec["subtype"] = m.subtype
+        rec["content"] = m.content if isinstance(m.content, str) else ""
+    elif m.is_reminder:
+        rec["attachment"] = {"type": REMINDER}
+        rec["rendered"] = [{"content": b.get("text", "")} for b in m.blocks]
+    elif m.type == "attachment":
+        rec["attachment"] = {"type": "content", "content": m.content}
+    else:
+        rec["data"] = {}
+    return rec
+
+
+class TranscriptPathError(OSError):
+    """The transcript cannot be written safely where it was asked for: the file or its
+    directory is a symbolic link, or not a regular file / a real directory. Nothing is written
+    there (following a planted link would append the conversation to another file)."""
+
+
+class JsonlRecordWriter:
+    """The records a transcript appends, in Claude Code's JSONL format: messages chained by
+    ``parentUuid``, ``content-replacement`` and ``stage-record`` entries. A subclass says where
+    the lines go (:meth:`_write_lines`), so every backend writes the same lines.
+
+    ``_last_uuid``: the uuid the next message chains from (None: the first of the thread).
+    """
+
+    session_id: str
+    agent_id: str | None
+    _last_uuid: str | None
+
+    def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append ``records`` as one unit, or raise ``OSError`` (nothing of them then counts
+        as written)."""
+        raise NotImplementedError
+
+    def append_messages(self, messages: Sequence[Message]) -> None:
+        """Append messages, chaining ``parentUuid`` from the last one written."""
+        records = []
+        parent = self._last_uuid
+        for m in messages:
+            records.append(
+                message_to_record(
+                    m, session_id=self.session_id, parent_uuid=parent, agent_id=self.agent_id
+                )
+            )
+            parent = m.uuid
+        self._write_lines(records)
+        self._last_uuid = parent  # only once written: a failed write must not break the chain
+
+    def append_replacements(self, records: Sequence[ReplacementRecord]) -> None:
+        """Append one ``content-replacement`` entry holding ``records`` (no-op when empty)."""
+        if not records:
+            return
+        entry: dict[str, Any] = {"type": CONTENT_REPLACEMENT, "sessionId": self.session_id}
+        if self.agent_id is not None:
+            entry["agentId"] = self.agent_id
+        entry["replacements"] = [r.to_json() for r in records]
+        self._write_lines([entry])
+
+    def append_stage_record(self, stage: str, data: Mapping[str, Any]) -> None:
+        """Append a ``stage-record``: a stage's decision a resumed session must repeat."""
+        entry: dict[str, Any] = {"type": STAGE_RECORD, "sessionId": self.session_id}
+        if self.agent_id is not None:
+            entry["agentId"] = self.agent_id
+        entry["stage"] = stage
+        entry["data"] = dict(data)
+        self._write_lines([entry])
+
+
+class TranscriptWriter(JsonlRecordWriter):
+    """Appends messages and ``content-replacement`` records to a session JSONL file.
+
+    Each append is one ``write`` of whole lines followed by a flush and ``fsync``, so a crash
+    leaves at most a torn last line, which a ``strict=False`` load skips and reports. With
+    ``fsync_each=False`` an append is written (a crash of the process loses nothing) and
+    :meth:`sync` makes what was appended durable on disk later, once for many appends (a
+    machine that loses power in between may lose them): for callers that must answer first.
+
+    The file is created 0600 and missing directories above it 0700 (the conversation is
+    private). A transcript or session directory that is a symbolic link, or not a regular file
+    or a real directory, is refused with :class:`TranscriptPathError`, here when it is already
+    so and on every append (it may be planted later).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        session_id: str,
+        *,
+        agent_id: str | None = None,
+        fsync_each: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.session_id = session_id
+        self.agent_id = agent_id
+        self.fsync_each = fsync_each
+        self._unsynced = False
+        self._last_uuid = _last_uuid(self.path)
+
+    def sync(self) -> None:
+        """Make every append so far durable on disk (one ``fsync``; nothing when each append
+        already was, or none was made since the last sync). Blocking."""
+        if not self._unsynced:
+            return
+        self._unsynced = False  # an append from now on marks it again
+        try:
+            fd = _open_transcript(self.path, os.O_RDONLY)
+        except BaseException:
+            self._unsynced = True
+            raise
+        try:
+            os.fsync(fd)
+        except BaseException:
+            self._unsynced = True
+            raise
+        finally:
+            os.close(fd)
+
+    def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
+        payload = encode_records(records)
+        if not payload:
+            return
+        fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        try:
+            # After a crash the file may end in a torn line: start on a fresh line, or the
+            # first record appended now would be glued to it and lost with it.
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                payload = b"\n" + payload
+            os.write(fd, payload)
+            if self.fsync_each:
+                os.fsync(fd)
+            else:
+                self._unsynced = True
+        finally:
+            os.close(fd)
+
+
+def _make_private_dirs(directory: Path) -> None:
+    """Create ``directory`` and any missing parent 0700 (``Path.mkdir(parents=True)`` would
+    give the parents the default mode, 0755 under the usual umask)."""
+    missing: list[Path] = []
+    d = directory
+    while not os.path.lexists(d) and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        # made meanwhile (another writer): what it is gets checked on opening it
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+
+
+def _open_transcript(path: Path, flags: int) -> int:
+    """A descriptor for the transcript at ``path``, opened relative to its directory, which
+    itself is opened without following a link: no symbolic link at either place is ever
+    followed, even one planted between two appends. ``O_CREAT`` in ``flags`` creates what is
+    missing (the file 0600, directories 0700)."""
+    directory = path.parent
+    if flags & os.O_CREAT:
+        _make_private_dirs(directory)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise TranscriptPathError(
+                errno.ENOTDIR,
+                "refusing the transcript's directory: it is a symbolic link or not a directory "
+                "(give the real path)",
+                str(directory),
+            ) from None
+        raise
+    try:
+        fd = os.open(
+            path.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=dir_fd
+        )
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TranscriptPathError(
+                errno.ELOOP,
+                "refusing to write the transcript through a symbolic link (give the real path)",
+                str(path),
+            ) from None
+        raise
+    finally:
+        os.close(dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TranscriptPathError(errno.EINVAL, "the transcript is not a regular file", str(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _last_uuid(path: Path) -> str | None:
+    """The uuid of the last record of an existing transcript (None for a new one)."""
+    try:
+        fd = _open_transcript(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    last: str | None = None
+    with os.fdopen(fd, "r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if lineno == 1 and line.startswith(BOM):
+                line = line[1:]
+            try:
+                raw = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(raw, dict) and isinstance(raw.get("uuid"), str):
+                last = raw["uuid"]
+    return last

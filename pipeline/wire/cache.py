@@ -1,0 +1,391 @@
+"""The incremental wire form: :class:`WireCache` builds each call's request at the cost of what
+changed since the last call, equal to :func:`pipeline.wire.form.to_api` of the whole history; and
+:func:`request_chars`, the size of a request's visible text."""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from itertools import compress, count
+from typing import TYPE_CHECKING, Any, cast
+
+from pipeline.incremental import InputLog
+from pipeline.messages import Block, Message, thread_start
+from pipeline.wire.caching import param_breakpoints
+from pipeline.wire.encoding import encodable
+from pipeline.wire.form import _entry_to_param, _Wire, _WireEntry
+from pipeline.wire.pairing import PairingError, PairingIndex
+
+if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
+    from anthropic.types import MessageParam
+
+__all__ = ["WireCache", "request_chars"]
+
+
+class WireCache:
+    """``to_api`` for one conversation across calls, at the cost of what changed.
+
+    :attr:`chars` is ``request_chars`` of the last request and :attr:`pairing` its
+    :func:`~pipeline.wire.pairing.check_pairing`, both kept up to date the same way.
+
+    A call finds the first record that differs from the last call's input (one C-level
+    identity sweep, or the list's own journal for a :class:`~pipeline.kept_list.KeptList`). Old
+    records replaced by records of the same wire shape (the same kinds of blocks and tool ids:
+    a stage clearing old results) rebuild only the messages they went into. Otherwise it rolls
+    the wire entries back to the first one a changed record went into and feeds the records
+    from there: a history that only grew costs its new records, another edit what follows it.
+    A changed or new compact boundary starts over.
+
+    The messages of a returned request are shared with the cache and with the next requests,
+    except the last ``editable`` ones (default 2), which are new dicts with new content lists:
+    a caller may edit those (say, add a ``cache_control`` breakpoint by replacing a block) but
+    must not mutate the earlier ones. Block dicts are shared with the records, as with
+    ``to_api``: never mutate those. (Copying every message on every call made a long session's
+    requests quadratic, and kept the garbage collector busy with the copies.)
+    """
+
+    def __init__(self, *, editable: int = 2) -> None:
+        self.editable = editable
+        self._log = InputLog()
+        self._shared: list[MessageParam] = []
+        """The list ``to_api(shared=True)`` returns (its first ``_shared_plain`` are params)."""
+        self._shared_plain = 0
+        self._changed_from = 0
+        """The first param refreshed since the last shared request."""
+        self._reset(0)
+        self._fresh = True
+
+    def to_api(self, messages: Sequence[Message], *, shared: bool = False) -> list[MessageParam]:
+        """Exactly ``to_api(messages)`` (and raises where it raises).
+
+        ``shared=True`` returns the cache's own list, brought up to date in place (at the cost
+        of what changed) rather than a new one: it is valid until the next call, which changes
+        it. For a caller that is done with each request before it asks for the next (a replay
+        printing each call): a new list of every message per call is the part of a long
+        session's request that grows with the history.
+        """
+        try:
+            self._extend(messages)
+        except BaseException:
+            # a record to_api rejects (or a cancellation) midway: start over next time
+            self._log.clear()
+            self._fresh = True
+            raise
+        params, k = self._params, self.editable
+        if shared:
+            return self._shared_list()
+        if len(params) <= k:
+            return [_fresh(p) for p in params]
+        if not k:
+            return list(params)
+        # one slice, extended in place: unpacking a slice copies it twice (a cost that grows
+        # with the history, paid on every call)
+        out = params[:-k]
+        out.extend(map(_fresh, params[-k:]))
+        return out
+
+    def _shared_list(self) -> list[MessageParam]:
+        """The shared request: params up to the last ``editable``, fresh copies after; only
+        the part from the first param refreshed since the last shared request is rewritten."""
+        out, params = self._shared, self._params
+        tail = max(0, len(params) - self.editable)
+        keep = min(self._changed_from, self._shared_plain, tail)
+        del out[keep:]
+        out += params[keep:tail]
+        out.extend(map(_fresh, params[max(keep, tail) :]))
+        self._shared_plain, self._changed_from = tail, len(params)
+        return out
+
+    def replaced(self, index: int) -> None:
+        """The caller replaced message ``index`` of the last shared request (say, by a copy that
+        carries a ``cache_control`` breakpoint,
+        :func:`~pipeline.wire.caching.place_cache_breakpoint`):
+        the next shared request puts the cache's own message back there."""
+        self._shared_plain = max(0, min(self._shared_plain, index))
+
+    @property
+    def tool_use_ids(self) -> AbstractSet[str]:
+        """The tool_use ids of the last request (a live view)."""
+        return self.pairing.tool_use_ids
+
+    def ensure_paired(self) -> None:
+        """Raise :class:`~pipeline.wire.pairing.PairingError` naming every offending id if the last
+        request's tool pairing is broken (``ensure_paired`` at the cost of what changed)."""
+        if self.pairing.count:
+            raise PairingError(self.pairing.problems)
+
+    def _reset(self, start: int) -> None:
+        self._wire = _Wire()
+        self._start = start
+        """Index of the first record the wire holds (after the last compact boundary)."""
+        self._entry_of = array("q")
+        """Per record from ``_start``: the entry it went into (-1: dropped)."""
+        self._first_record = array("q")
+        """Per entry: the index of the record that created it."""
+        self._last_record = array("q")
+        """Per entry: the index of the last record that went into it."""
+        self._params: list[MessageParam] = []
+        self._changed_from = 0
+        self._chars: list[int] = []
+        self.chars = 0
+        """Characters of visible text in the last request (see :func:`request_chars`)."""
+        self._breakpoints: list[int] = []
+        self.breakpoints = 0
+        """Blocks of the last request that carry ``cache_control`` (the API allows four)."""
+        self.pairing = PairingIndex()
+        """The pairing problems of the last request (see :meth:`ensure_paired`)."""
+
+    def _extend(self, messages: Sequence[Message]) -> None:
+        n_old = len(self._log.inputs)
+        first = self._log.take(messages)
+        if first == n_old == len(messages) and not self._fresh:
+            return  # the very same records
+        removed = self._log.removed
+        if (
+            not self._fresh
+            and first > self._start
+            and removed
+            and len(removed) <= len(messages) - first
+            and self._patch(messages, first, removed)
+        ):
+            first = n_old  # what is left is new records
+            if first == len(messages):
+                return
+        restart = any(m.restarts_thread for m in messages[first:])
+        # a change at the thread's first record (a summary, say) may move where it starts
+        if self._fresh or restart or first <= self._start:
+            self._fresh = False
+            self._reset(thread_start(messages))
+            self._feed(messages, self._start, 0)
+            return
+        entries = len(self._wire.entries)
+        rollback, r0 = self._rollback(first)
+        if rollback < entries:
+            self._wire.truncate(rollback)
+            del self._first_record[rollback:]
+            del self._last_record[rollback:]
+        del self._entry_of[r0 - self._start :]
+        self._feed(messages, r0, min(rollback, entries))
+
+    def _patch(self, messages: Sequence[Message], first: int, removed: Sequence[Message]) -> bool:
+        """Old records replaced in place by records of the same wire shape (a stage clearing old
+        results: new content, the same kinds of blocks and ids; new records may follow): rebuild
+        only the entries they went into. Every decision the wire takes from a record's shape
+        (which entry it joins, merges, barriers, pairing) is unchanged, so the other entries and
+        the pairing stand. False (nothing changed) when the edit is not that, or touches too
+        much for it to pay."""
+        kept = messages[first : first + len(removed)]
+        changed = list(compress(count(first), map(operator.is_not, removed, kept)))
+        if 2 * len(changed) > len(removed):  # then feeding them again is as cheap
+            return False
+        start, entry_of = self._start, self._entry_of
+        before = {i: removed[i - first] for i in changed}  # the changed records as they were
+        # per entry to patch: (old block, new block) of each block its changed records replaced
+        replaced: dict[int, list[tuple[Any, Any]]] = {}
+        rebuild: set[int] = set()
+        for i, old in before.items():
+            new = messages[i]
+            if not _same_place(old, new):
+                return False
+            e = entry_of[i - start]
+            if e >= 0:
+                pairs = _replaced_blocks(old, new)
+                if pairs is None:
+                    rebuild.add(e)
+                else:
+                    replaced.setdefault(e, []).extend(pairs)
+        rebuilt: dict[int, _WireEntry] = {}
+        for e in replaced.keys() | rebuild:
+            sources = [
+                r
+                for r in range(self._first_record[e], self._last_record[e] + 1)
+                if entry_of[r - start] == e
+            ]
+            entry = self._wire.entries[e]
+            if e not in rebuild:
+                was_built_from = [before.get(r, messages[r]) for r in sources]
+                blocks = _swap_in(entry.blocks, was_built_from, replaced[e])
+                if blocks is not None:
+                    entry.blocks = blocks  # a new list: earlier requests hold the old one
+                    rebuilt[e] = entry
+                    continue
+            part = _Wire()
+            try:
+                for r in sources:
+                    part.add(messages[r])
+            except ValueError:  # content it cannot send: the full path says so
+                return False
+            if len(part.entries) != 1:
+                return False
+            rebuilt[e] = part.entries[0]
+        for e, entry in rebuilt.items():
+            self._wire.entries[e] = entry
+            param = self._params[e] = _entry_to_param(entry)
+            chars, marks = _param_chars(param), param_breakpoints(param)
+            self.chars += chars - self._chars[e]
+            self.breakpoints += marks - self._breakpoints[e]
+            self._chars[e], self._breakpoints[e] = chars, marks
+        if rebuilt:
+            self._changed_from = min(self._changed_from, min(rebuilt))
+        return True
+
+    def _rollback(self, first: int) -> tuple[int, int]:
+        """The first entry a record from ``first`` on went into, and the record to feed from:
+        re-feeding starts at the record that created that entry (or at ``first``, if that comes
+        sooner), so the first entry any record from there went into, and so on."""
+        entry_of, start, first_record = self._entry_of, self._start, self._first_record
+        r0, e = first, len(self._wire.entries)
+        while True:
+            low = min((x for x in entry_of[r0 - start :] if x >= 0), default=e)
+            if low >= e:
+                return e, r0
+            e = low
+            r0 = min(r0, first_record[e])
+
+    def _feed(self, messages: Sequence[Message], r0: int, keep: int) -> None:
+        """Add the records from ``r0`` on; refresh the params from entry ``keep`` and from the
+        first entry a new record went into, whichever comes first."""
+        wire, entry_of, first_record = self._wire, self._entry_of, self._first_record
+        last_record = self._last_record
+        before = len(wire.entries)
+        low = before
+        for idx in range(r0, len(messages)):
+            went = wire.add(messages[idx])
+            entry_of.append(went)
+            if went >= 0:
+                low = min(low, went)
+                if went == len(first_record):
+                    first_record.append(idx)
+                    last_record.append(idx)
+                else:
+                    last_record[went] = idx
+        keep = min(keep, low, before)
+        fresh = [_entry_to_param(e) for e in wire.entries[keep:]]
+        self._changed_from = min(self._changed_from, keep)
+        del self._params[keep:]
+        self._params += fresh
+        self.chars -= sum(self._chars[keep:])
+        del self._chars[keep:]
+        counted = [_param_chars(p) for p in fresh]
+        self._chars += counted
+        self.chars += sum(counted)
+        self.breakpoints -= sum(self._breakpoints[keep:])
+        del self._breakpoints[keep:]
+        marked = [param_breakpoints(p) for p in fresh]
+        self._breakpoints += marked
+        self.breakpoints += sum(marked)
+        self.pairing.update(self._params, keep)
+
+
+def _replaced_blocks(old: Message, new: Message) -> list[tuple[Any, Any]] | None:
+    """(old block, new block) for each block of ``old`` that ``new`` replaces; None when the
+    entry must be built again from its records: string content, or a new block the wire
+    would not send as it is (one holding a lone surrogate)."""
+    if not isinstance(old.content, list) or not isinstance(new.content, list):
+        return None
+    pairs = []
+    for ob, nb in zip(old.content, new.content, strict=True):
+        if ob is not nb:
+            if encodable(nb) is not nb:
+                return None
+            pairs.append((ob, nb))
+    return pairs
+
+
+def _swap_in(
+    blocks: list[Block], records: Sequence[Message], pairs: list[tuple[Any, Any]]
+) -> list[Block] | None:
+    """An entry's ``blocks`` with each old block of ``pairs`` replaced by its new one, when
+    every old block went into the entry as itself and only there: held once by the
+    ``records`` the entry was built from (as they were then), and found among the blocks as
+    itself -- not copied at a text seam, folded with a reminder, cleaned of a lone surrogate
+    or moved before the prompt, all of which the wire decides by block types alone, so the
+    new block goes where the old one went. None otherwise: the entry is built again."""
+    held = [id(b) for m in records if isinstance(m.content, list) for b in m.content]
+    # most entries hold no block object twice: then every old block is held once
+    twice = Counter(held) if len(set(held)) != len(held) else None
+    at = {id(b): k for k, b in enumerate(blocks)}
+    out = list(blocks)
+    for ob, nb in pairs:
+        k = at.get(id(ob))
+        if k is None or (twice is not None and twice[id(ob)] != 1):
+            return None
+        out[k] = nb
+    return out
+
+
+def _same_place(old: Message, new: Message) -> bool:
+    """Whether the wire places ``new`` where it placed ``old``, neither restarting the thread:
+    what it decides a record's place by is the same -- its kind, subtype, response id, and its
+    blocks' types and tool ids (or, for string content, whether there is any)."""
+    if (
+        old.type != new.type
+        or old.subtype != new.subtype
+        or old.message_id != new.message_id
+        or new.restarts_thread
+        or old.restarts_thread
+    ):
+        return False
+    before, after = old.content, new.content
+    if isinstance(before, str) or isinstance(after, str):
+        return isinstance(before, str) and isinstance(after, str) and bool(before) == bool(after)
+    if len(before) != len(after):
+        return False
+    for ob, nb in zip(before, after, strict=True):
+        if ob is not nb:
+            shape = _block_place(nb)
+            if shape is None or shape != _block_place(ob):
+                return False
+        elif not isinstance(nb, dict):
+            return False  # an item that is no block: the full path raises for it
+    return True
+
+
+def _block_place(block: Any) -> tuple[Any, str] | None:
+    """A block's type and tool id (None: an item that is not a block)."""
+    if not isinstance(block, dict):
+        return None
+    kind = block.get("type")
+    tid = block.get("id") if kind == "tool_use" else block.get("tool_use_id")
+    return kind, str(tid)  # as the pairing keys an id (1 == True, not "1")
+
+
+def _block_chars(block: Any) -> int:
+    if not isinstance(block, dict):
+        return 0
+    btype = block.get("type")
+    if btype == "text":
+        return len(str(block.get("text") or ""))
+    if btype == "thinking":
+        return len(str(block.get("thinking") or ""))
+    if btype == "tool_use":
+        return len(str(block.get("name") or "")) + len(repr(block.get("input")))
+    if btype == "tool_result":
+        content = block.get("content")
+        if isinstance(content, str):
+            return len(content)
+        if isinstance(content, list):
+            return sum(_block_chars(b) for b in content)
+    return 0
+
+
+def request_chars(request: Sequence[MessageParam]) -> int:
+    """Characters of text, thinking, tool input and tool output in a request (images: 0)."""
+    return sum(map(_param_chars, request))
+
+
+def _fresh(param: MessageParam) -> MessageParam:
+    """A new message dict with a new content list (the blocks themselves are shared)."""
+    content: Any = param["content"]
+    fresh = {"role": param["role"], "content": content if isinstance(content, str) else [*content]}
+    return cast("MessageParam", fresh)
+
+
+def _param_chars(param: MessageParam) -> int:
+    content: Any = param["content"]
+    if isinstance(content, str):
+        return len(content)
+    return sum(_block_chars(b) for b in content)

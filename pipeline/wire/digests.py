@@ -1,0 +1,110 @@
+"""Digests of a conversation's messages: what tells one conversation from another.
+
+Each message is known by a 16-byte digest of itself and every message before it: a *chain*,
+whose first link also holds the system prompt and the conversation's hint. Two requests whose
+chains agree up to a position sent the same messages up to there. What a client moves between
+calls does not count: ``cache_control`` anywhere, and Claude Code's billing-header line in the
+system prompt (it differs between a conversation and its sub-agents).
+:mod:`pipeline.dropin.conversations` places requests by them; a
+:class:`~pipeline.dropin.adapter.WireSession` names its records by them, so a decision made on a
+record never applies to a record that follows other messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["DIGEST_BYTES", "chain_of", "chain_step", "message_digest", "opening_digest"]
+
+DIGEST_BYTES = 16
+_ROOT = b"\x00" * DIGEST_BYTES
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _hash(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
+
+
+def _canonical(value: Any) -> bytes:
+    """Compact JSON with sorted keys; ``ValueError`` for content nested too deeply to write."""
+    try:
+        text = json.dumps(
+            value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr
+        )
+    except RecursionError:
+        raise ValueError("content nested too deeply") from None
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _plain_blocks(content: Any) -> Any:
+    """Content with ``cache_control`` off its blocks and off the blocks a tool_result holds."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for b in content:
+        if isinstance(b, Mapping):
+            plain = {k: v for k, v in b.items() if k != "cache_control"}
+            inner = plain.get("content")
+            if isinstance(inner, list):
+                plain["content"] = _plain_blocks(inner)
+            out.append(plain)
+        else:
+            out.append(b)
+    return out
+
+
+def message_digest(param: Any) -> bytes:
+    """16 bytes that tell a message from any other, breakpoints (``cache_control``) aside;
+    ``ValueError`` for content nested too deeply."""
+    if isinstance(param, Mapping):
+        value: Any = {"role": param.get("role"), "content": _plain_blocks(param.get("content"))}
+    else:
+        value = param
+    return _hash(_canonical(value))
+
+
+def chain_step(previous: bytes, message: bytes) -> bytes:
+    """The digest of a message and everything before it (``previous``: the digest up to the
+    message before it)."""
+    return _hash(previous + message)
+
+
+def _system_digest(system: Any) -> bytes:
+    if isinstance(system, str):
+        kept: Any = "\n".join(
+            line for line in system.split("\n") if not line.startswith(_BILLING_HEADER)
+        )
+    elif isinstance(system, list):
+        kept = [
+            b
+            for b in _plain_blocks(system)
+            if not (
+                isinstance(b, Mapping)
+                and isinstance(b.get("text"), str)
+                and b["text"].startswith(_BILLING_HEADER)
+            )
+        ]
+    else:
+        kept = system
+    return _hash(_canonical(kept))
+
+
+def opening_digest(system: Any, hint: str, first: Any) -> bytes:
+    """The first link of a chain: the system prompt (billing line and breakpoints aside), the
+    hint and the first message (None for a request without messages)."""
+    seed = _hash(_system_digest(system) + hint.encode("utf-8", "surrogatepass"))
+    return chain_step(seed, message_digest(first) if first is not None else _ROOT)
+
+
+def chain_of(
+    messages: Sequence[Any], start: int = 0, base: Sequence[bytes] = (), *, opening: bytes
+) -> list[bytes]:
+    """The chain of ``messages``: ``base`` (the chain of ``messages[:start]``) extended over
+    the rest, the first link ``opening``."""
+    chain = list(base[:start])
+    for i in range(start, len(messages)):
+        chain.append(opening if i == 0 else chain_step(chain[-1], message_digest(messages[i])))
+    return chain
