@@ -3,17 +3,22 @@
 Large tool outputs are persisted by the per-tool gate as they are produced; the model gets a
 preview, the path, and a read-back tool. The transcript is written as the loop goes, so the
 session can be resumed with ``Agent.resume(path, ...)``.
+
+Runs offline against a scripted model (it asks for the logs, then answers); with
+ANTHROPIC_API_KEY set, asks the API.
 """
 
 import asyncio
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import anthropic
 
 from pipeline import Pipeline, SessionContext, TranscriptWriter
 from pipeline.agent import Agent
+from pipeline.testing import Reply, messages_api
 from pipeline.tools import tool
 from stages import default_stages
 
@@ -43,7 +48,7 @@ async def get_config(name: str) -> str:
     return {"timeout_ms": "250"}.get(name, "unset")
 
 
-async def main() -> None:
+async def main(api: dict[str, str]) -> None:
     root = Path(".sluicegate")
     ctx = SessionContext(
         "agent-example",
@@ -51,7 +56,7 @@ async def main() -> None:
         transcript=TranscriptWriter(root / "agent-example.jsonl", "agent-example"),
     )
     agent = Agent(
-        anthropic.AsyncAnthropic(),
+        anthropic.AsyncAnthropic(**api),
         model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6"),
         pipeline=Pipeline(default_stages()),
         ctx=ctx,
@@ -63,4 +68,13 @@ async def main() -> None:
         print("persisted:", p.name, p.stat().st_size, "bytes")
 
 
-asyncio.run(main())
+def scripted_model(body: dict[str, Any]) -> Reply:
+    """Offline: ask for the logs first, then answer (what a model would do here)."""
+    if not any(m["role"] == "user" and isinstance(m["content"], list) for m in body["messages"]):
+        call = {"type": "tool_use", "id": "toolu_logs", "name": "fetch_logs"}
+        return Reply([{**call, "input": {"service": "checkout"}}], stop_reason="tool_use")
+    return Reply([{"type": "text", "text": "Requests take up to 96 ms; the timeout is 250 ms."}])
+
+
+with messages_api(scripted_model) as api:
+    asyncio.run(main(api))

@@ -5,6 +5,8 @@ becomes one with the ``@stage`` decorator. This one masks API-key-looking string
 It must be deterministic: it runs before every call, and the same input must give the same bytes
 or the prompt cache breaks. It builds a new list and never edits the one it is given, so it says
 ``readonly_input=True``: the pipeline then hands it the list itself instead of a copy.
+
+Runs offline against a scripted stand-in for the API; with ANTHROPIC_API_KEY set, asks the API.
 """
 
 import asyncio
@@ -14,6 +16,7 @@ import re
 import anthropic
 
 from pipeline import Message, Pipeline, SessionContext, stage, to_api
+from pipeline.testing import messages_api
 from stages import default_stages
 
 SECRET = re.compile(r"sk-[A-Za-z0-9_-]{16,}")
@@ -38,7 +41,7 @@ async def redact_secrets(messages: list[Message], ctx: SessionContext) -> list[M
     return out if changed else messages  # unchanged input: hand back the same list
 
 
-async def main() -> None:
+async def main(api: dict[str, str]) -> None:
     pipe = Pipeline(default_stages()).insert_after("tool_result_budget", redact_secrets)
     print(pipe)
     history = [
@@ -65,7 +68,8 @@ async def main() -> None:
         ),
     ]
     projected = await pipe.run(history, SessionContext("custom-stage", ".sluicegate"))
-    reply = await anthropic.AsyncAnthropic().messages.create(
+    print("the model is sent:", to_api(projected)[-1]["content"][0]["content"])  # type: ignore[index]
+    reply = await anthropic.AsyncAnthropic(**api).messages.create(
         model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6"),
         max_tokens=256,
         messages=to_api(projected),
@@ -73,4 +77,5 @@ async def main() -> None:
     print(reply.content[0].text if reply.content and reply.content[0].type == "text" else reply)
 
 
-asyncio.run(main())
+with messages_api() as api:
+    asyncio.run(main(api))

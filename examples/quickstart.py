@@ -1,4 +1,7 @@
-"""Quickstart: compose the pipeline, run it before a call, send what it returns."""
+"""Quickstart: compose the pipeline, run it before a call, send what it returns.
+
+Runs offline against a scripted stand-in for the API; with ANTHROPIC_API_KEY set, asks the API.
+"""
 
 import asyncio
 import os
@@ -6,11 +9,12 @@ import os
 import anthropic
 
 from pipeline import Message, Pipeline, SessionContext, to_api
+from pipeline.testing import messages_api
 from stages import default_stages
 
 
-async def main() -> None:
-    client = anthropic.AsyncAnthropic()  # key and base URL from ANTHROPIC_* env vars
+async def main(api: dict[str, str]) -> None:
+    client = anthropic.AsyncAnthropic(**api)  # key and base URL from ANTHROPIC_* env vars
     pipe = Pipeline(default_stages())
     ctx = SessionContext(session_id="quickstart", root=".sluicegate")
     history = [
@@ -24,6 +28,10 @@ async def main() -> None:
         ),
     ]
     projected = await pipe.run(history, ctx)  # the 220K-char log is persisted, a preview is sent
+    for p in ctx.report.persisted:  # what was decided
+        print(f"persisted {p.tool_use_id} ({p.tool_name}, {p.chars:,} chars, {p.reason} limit)")
+        print(f"  the model gets a preview and the path {p.path}")
+    print(f"request: {sum(len(str(m['content'])) for m in to_api(projected)):,} chars")
     reply = await client.messages.create(
         model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6"),
         max_tokens=512,
@@ -32,4 +40,5 @@ async def main() -> None:
     print(reply.content[0].text if reply.content and reply.content[0].type == "text" else reply)
 
 
-asyncio.run(main())
+with messages_api() as api:
+    asyncio.run(main(api))

@@ -5,6 +5,8 @@ estimate passes ``trigger_tokens``. Clearing changes what the model already saw,
 ``may_break_cache = True`` (the pipeline's spans record that). It never edits the list it is
 given, so it says ``readonly_input = True``: the pipeline then hands it the list itself rather
 than a copy.
+
+Runs offline against a scripted stand-in for the API; with ANTHROPIC_API_KEY set, asks the API.
 """
 
 import asyncio
@@ -13,6 +15,7 @@ import os
 import anthropic
 
 from pipeline import Message, Pipeline, SessionContext, to_api
+from pipeline.testing import messages_api
 from stages import default_stages
 
 CLEARED = "[Old tool result content cleared]"
@@ -54,7 +57,7 @@ class ClearOldToolResults:
         return out
 
 
-async def main() -> None:
+async def main(api: dict[str, str]) -> None:
     pipe = Pipeline(default_stages()).replace("microcompact", ClearOldToolResults(keep=2))
     print(pipe)
     history: list[Message] = [Message.user("Look at these logs.")]
@@ -91,7 +94,7 @@ async def main() -> None:
         and any(b.get("content") == CLEARED for b in m.content)
     )
     print(f"cleared {cleared} of 5 tool results")
-    reply = await anthropic.AsyncAnthropic().messages.create(
+    reply = await anthropic.AsyncAnthropic(**api).messages.create(
         model=os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6"),
         max_tokens=256,
         messages=to_api(projected),
@@ -99,4 +102,5 @@ async def main() -> None:
     print(reply.content[0].text if reply.content and reply.content[0].type == "text" else reply)
 
 
-asyncio.run(main())
+with messages_api() as api:
+    asyncio.run(main(api))

@@ -1,15 +1,21 @@
-"""Your own SDK loop, one changed line: every request goes through the default pipeline."""
+"""Your own SDK loop, one changed line: every request goes through the default pipeline.
+
+Runs offline against a scripted stand-in for the API; with ANTHROPIC_API_KEY set, asks the API.
+What was decided is logged through the library's logger (``logging`` at INFO shows it).
+"""
 
 import asyncio
+import logging
 import os
 
 import anthropic
 
+from pipeline.testing import messages_api
 from stages import wrap
 
 
-async def main() -> None:
-    client = wrap(anthropic.AsyncAnthropic())  # the one line; key and base URL from ANTHROPIC_*
+async def main(api: dict[str, str]) -> None:
+    client = wrap(anthropic.AsyncAnthropic(**api))  # the one line; key, URL from ANTHROPIC_*
     model = os.environ.get("ANTHROPIC_MODEL", "claude-sonnet-4-6")
     messages: list[anthropic.types.MessageParam] = [
         {"role": "user", "content": "Why did the build fail?"},
@@ -35,4 +41,7 @@ async def main() -> None:
     print(reply.content[0].text if reply.content else "")
 
 
-asyncio.run(main())
+logging.basicConfig(format="%(message)s")
+logging.getLogger("sluicegate").setLevel(logging.INFO)  # its decisions and requests
+with messages_api() as api:
+    asyncio.run(main(api))

@@ -154,3 +154,33 @@ def test_the_proxy_example_says_so_when_its_port_is_taken(
     assert done.returncode != 0  # it ends, rather than wait for a server that never starts
     assert f"could not listen on 127.0.0.1:{port}" in done.stderr
     assert server.requests == []
+
+
+OFFLINE = {
+    "quickstart.py": ["persisted toolu_1 (Bash, 220,000 chars, per_tool limit)", "request: "],
+    "wrap_client.py": ["decision=persist", "persisted=1"],
+    "custom_stage.py": ["the model is sent: API_KEY=sk-***"],
+    "swap_strategy.py": ["cleared 3 of 5 tool results"],
+    "agent_with_tools.py": ["end_turn after 2 calls", "persisted: toolu_logs.txt"],
+    "proxy_server.py": ["decision=persist", "kept_off_wire="],
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFFLINE))
+def test_each_example_runs_offline_and_says_what_was_decided(name: str, tmp_path: Path) -> None:
+    """No key, no network: the example talks to pipeline.testing's stand-in for the API and
+    prints (or logs) what the pipeline decided."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        cwd=tmp_path,
+        env={**env, "PROXY_PORT": str(free_port())},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    said = done.stdout + done.stderr
+    for expected in OFFLINE[name]:
+        assert expected in said, said[-2000:]
+    assert sorted(OFFLINE) == sorted(p.name for p in EXAMPLES.glob("*.py"))

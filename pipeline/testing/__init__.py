@@ -5,6 +5,8 @@
   port) that the real ``anthropic`` SDK talks to over HTTP; a *script* picks each reply
   (a :class:`Reply`, a :class:`ScriptError`, or a :class:`RawReply` sent byte for byte;
   :func:`compaction_reply` is a server-side compaction as the API answers one);
+  :func:`messages_api`: that server for a ``with`` block unless ``ANTHROPIC_API_KEY`` is set
+  (examples that run offline, and against the API given a key);
 - :class:`MemoryStore`: a tool-result store in memory;
 - :class:`SpanRecorder`: the spans a stage emits, in memory (needs the OpenTelemetry SDK);
 - :class:`QuietLogger`: a logger that keeps its events and prints nothing;
@@ -26,15 +28,18 @@ from pipeline.testing.doubles import (
     without_cache_control,
 )
 from pipeline.testing.server import (
+    OFFLINE_ANSWER,
     RawReply,
     Reply,
     ScriptedMessagesServer,
     ScriptError,
     compaction_reply,
     count_request_tokens,
+    messages_api,
 )
 
 __all__ = [
+    "OFFLINE_ANSWER",
     "MemoryStore",
     "QuietLogger",
     "RawReply",
@@ -47,6 +52,7 @@ __all__ = [
     "compaction_reply",
     "count_request_tokens",
     "message_fields",
+    "messages_api",
     "run_stage",
     "without_cache_control",
 ]

@@ -8,11 +8,13 @@ code path over real HTTP with no key and no network. Every request body is recor
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
+import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -314,3 +316,25 @@ def sse_events(message: Mapping[str, Any]) -> bytes:
 
 def _error(kind: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+OFFLINE_ANSWER = "(an offline answer from pipeline.testing: set ANTHROPIC_API_KEY to ask the API)"
+
+
+@contextlib.contextmanager
+def messages_api(script: Script | None = None) -> Iterator[dict[str, str]]:
+    """Keyword arguments for an ``anthropic`` client: ``{}`` when ``ANTHROPIC_API_KEY`` is set
+    (the SDK reads its ``ANTHROPIC_*`` variables: the real API, or whatever
+    ``ANTHROPIC_BASE_URL`` names), else a :class:`ScriptedMessagesServer` for the ``with``
+    block and ``{"base_url": ..., "api_key": "offline"}`` for it. ``script``: its replies
+    (default: every request answered with :data:`OFFLINE_ANSWER`). For examples and demos that
+    run with no key and no network, and against the API once given a key."""
+    if os.environ.get("ANTHROPIC_API_KEY"):
+        yield {}
+        return
+
+    def answer(_body: dict[str, Any]) -> Reply:
+        return Reply([{"type": "text", "text": OFFLINE_ANSWER}])
+
+    with ScriptedMessagesServer(script or answer) as server:
+        yield {"base_url": server.base_url, "api_key": "offline"}
