@@ -203,27 +203,14 @@ def _finish(
     first_lone = None
     if old is not None and old.first_lone is not None and old.first_lone < len(messages):
         first_lone = old.first_lone
-    pos = _skip(text, pos)
-    if messages:  # after a message: a comma and another, or the end
-        if text[pos : pos + 1] == ",":
-            pos = _skip(text, pos + 1)
-            if text[pos : pos + 1] == "]":
-                raise _Unknown  # a trailing comma: the full parse says what is wrong
-        elif text[pos : pos + 1] != "]":
-            raise _Unknown
+    pos = _next_message(text, pos) if messages else _skip(text, pos)
     while text[pos : pos + 1] != "]":
         value, pos = _DECODER.raw_decode(text, pos)
         if first_lone is None and has_lone_surrogate(value):
             first_lone = len(messages)
         messages.append(value)
         ends.append(pos)
-        pos = _skip(text, pos)
-        if text[pos : pos + 1] == ",":
-            pos = _skip(text, pos + 1)
-            if text[pos : pos + 1] == "]":
-                raise _Unknown  # a trailing comma: the full parse says what is wrong
-        elif text[pos : pos + 1] != "]":
-            raise _Unknown
+        pos = _next_message(text, pos)
     rest = text[pos + 1 :]
     after = old.after if old is not None and rest == old.rest else _fields_after(rest)
     names = [n for n, _ in before] + ["messages"] + [n for n, _ in after]
@@ -231,6 +218,18 @@ def _finish(
         raise _Unknown  # a key twice: the last one counts, as the full parse knows
     fields_lone = has_lone_surrogate(dict([*before, *after]))
     return _Body(text, array_open, ends, messages, before, rest, after, first_lone, fields_lone)
+
+
+def _next_message(text: str, pos: int) -> int:
+    """After a message: past its comma to the next one, or at the array's ``]``."""
+    pos = _skip(text, pos)
+    if text[pos : pos + 1] == ",":
+        pos = _skip(text, pos + 1)
+        if text[pos : pos + 1] == "]":
+            raise _Unknown  # a trailing comma: the full parse says what is wrong
+    elif text[pos : pos + 1] != "]":
+        raise _Unknown
+    return pos
 
 
 def _fields_after(rest: str) -> list[tuple[str, Any]]:
