@@ -681,3 +681,22 @@ def test_the_proxy_takes_no_flag_it_would_ignore(flag: str, tmp_path: Path) -> N
         "proxy", "--store", tmp_path, flag, *(["x"] if flag == "--dump-requests" else [])
     )
     assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    import argparse
+
+    from pipeline._cli.parser import build_parser
+
+    silent: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    walk(subparser, f"{name} {sub}")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                silent.append(f"{name} {action.option_strings or action.dest}")
+
+    walk(build_parser(), "sluicegate")
+    assert silent == []

@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=TRACING_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    replay.add_argument("transcript", type=Path, metavar="TRANSCRIPT.jsonl")
+    replay.add_argument(
+        "transcript",
+        type=Path,
+        metavar="TRANSCRIPT.jsonl",
+        help="a session transcript (Claude Code's JSONL, or one sluicegate wrote)",
+    )
     replay.add_argument(
         "--lenient",
         action="store_true",
@@ -149,14 +154,23 @@ def _add_proxy_parser(sub: Any) -> None:
         "through; persisted outputs and decisions go under --store (default .sluicegate), "
         "shared by a fleet of proxies when it is s3://BUCKET/PREFIX.",
     )
-    proxy_p.add_argument("--host", default="127.0.0.1")
+    proxy_p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default %(default)s: this machine only)",
+    )
     proxy_p.add_argument(
         "--port",
         type=port,
         default=8787,
         help="port to listen on; 0: one the system picks, printed at start (default %(default)s)",
     )
-    proxy_p.add_argument("--upstream", default="https://api.anthropic.com", metavar="URL")
+    proxy_p.add_argument(
+        "--upstream",
+        default="https://api.anthropic.com",
+        metavar="URL",
+        help="where requests go on to (default %(default)s)",
+    )
     proxy_p.add_argument(
         "--single-tenant",
         action="store_true",
@@ -318,7 +332,13 @@ def _add_agent_parser(sub: Any) -> None:
     agent_p.add_argument(
         "--allow-bash", action="store_true", help="offer the bash tool (runs what the model writes)"
     )
-    agent_p.add_argument("--max-turns", type=positive_int, default=25, metavar="N")
+    agent_p.add_argument(
+        "--max-turns",
+        type=positive_int,
+        default=25,
+        metavar="N",
+        help="model calls at most before the loop stops (default %(default)s)",
+    )
     agent_p.add_argument(
         "--max-retries",
         type=int,
@@ -334,7 +354,13 @@ def _add_agent_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="how long one API call may take before it fails (default %(default)s)",
     )
-    agent_p.add_argument("--max-tokens", type=positive_int, default=8_192, metavar="N")
+    agent_p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=8_192,
+        metavar="N",
+        help="max_tokens of each model call (default %(default)s)",
+    )
     agent_p.add_argument(
         "--resume", type=Path, metavar="TRANSCRIPT", help="continue the session of this transcript"
     )
