@@ -4,6 +4,7 @@ appends, the response's record) in sessions holding 10, 100 and 1,000 persisted 
 local files and on S3 (moto's server on 127.0.0.1), side by side with ratios.
 
     python tests/benchmarks/bench_objectstore.py [--sizes 10,100,1000] [--calls 30]
+        [--delay-ms 20]
 
 Not a test: it prints figures. Each measured call adds one round whose ~6,000-char result is
 persisted (as every call of the session so far did); wall and CPU time per call (CPU of the
@@ -12,7 +13,11 @@ on. "Takeover" is the first call of a worker that never served the session (it l
 records, then passes over the whole history). moto runs in a process of its own on localhost
 and answers in about a millisecond with no network between: these ratios are what the
 backend's code and requests cost, not S3's latency (a few milliseconds per request within a
-region, tens from another).
+region, tens from another). ``--delay-ms D`` puts a relay between the process and moto that
+holds each request D ms before passing it on (S3's latency, as from another region at 20): the
+figures then show what a call pays the store on its path, and the store requests a call makes
+(counted at the relay; median and p99) -- for a call that persists a result, one that persists
+none ("kept"), and a new worker's first call.
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ CAP = 5_000
 
 
 class Client:
-    """A client's history: one tool call and its persisted-size result per round."""
+    """A client's history: one tool call and its persisted-size result per round (``chars``:
+    another size; under the cap, nothing is persisted)."""
 
     def __init__(self) -> None:
         self.params: list[dict[str, Any]] = [{"role": "user", "content": "benchmark"}]
         self.rounds = 0
+        self.chars = RESULT_CHARS
 
     def grow(self) -> None:
         tid = f"toolu_{self.rounds:05d}"
@@ -72,7 +79,7 @@ class Client:
                     {
                         "type": "tool_result",
                         "tool_use_id": tid,
-                        "content": (line * (RESULT_CHARS // len(line) + 1))[:RESULT_CHARS],
+                        "content": (line * (self.chars // len(line) + 1))[: self.chars],
                     }
                 ],
             }
@@ -109,19 +116,34 @@ async def timed(work: Callable[[], Awaitable[object]]) -> tuple[float, float]:
 
 
 async def measure(
-    states: Callable[[], SessionStates], root: Path, size: int, calls: int, takeovers: int
+    states: Callable[[], SessionStates],
+    root: Path,
+    size: int,
+    calls: int,
+    takeovers: int,
+    requests: Callable[[], int] = lambda: 0,
 ) -> dict[str, list[float]]:
-    """Grow a session to ``size`` persisted results, then time ``calls`` calls and
-    ``takeovers`` first calls of new workers."""
+    """Grow a session to ``size`` persisted results, then time ``calls`` calls that persist,
+    ``calls`` that persist nothing and ``takeovers`` first calls of new workers; ``requests``:
+    the store requests made so far."""
     client = Client()
     session = await open_session(states(), root / "host-a")
     for _ in range(size):
         await one_call(session, client)
-    out: dict[str, list[float]] = {"wall": [], "cpu": [], "take_wall": [], "take_cpu": []}
+    out: dict[str, list[float]] = {}
+
+    async def sample(kind: str, work: Callable[[], Awaitable[object]]) -> None:
+        before = requests()
+        wall, cpu = await timed(work)
+        for key, value in (("wall", wall), ("cpu", cpu), ("requests", requests() - before)):
+            out.setdefault(f"{kind}{key}", []).append(value)
+
     for _ in range(calls):
-        wall, cpu = await timed(lambda: one_call(session, client))
-        out["wall"].append(wall)
-        out["cpu"].append(cpu)
+        await sample("", lambda: one_call(session, client))
+    client.chars = CAP // 2
+    for _ in range(calls):
+        await sample("kept_", lambda: one_call(session, client))
+    client.chars = RESULT_CHARS
     for k in range(takeovers):
         host = root / f"host-new-{size}-{k}"
 
@@ -129,10 +151,55 @@ async def measure(
             fresh = await open_session(states(), host)  # a new worker: nothing cached
             await fresh.prepare(client.params)
 
-        wall, cpu = await timed(takeover)
-        out["take_wall"].append(wall)
-        out["take_cpu"].append(cpu)
+        await sample("take_", takeover)
     return out
+
+
+class DelayRelay:
+    """A TCP relay on 127.0.0.1 in front of ``target`` (host, port) that holds each request
+    ``delay`` seconds before passing it on, and counts requests (a chunk from a client that
+    starts with an HTTP method after the last response began)."""
+
+    def __init__(self, target: tuple[str, int], delay: float) -> None:
+        import asyncio
+        import threading
+
+        self.target, self.delay, self.requests = target, delay, 0
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.port = 0
+
+        async def serve() -> None:
+            server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            ready.set()
+            async with server:
+                await server.serve_forever()
+
+        threading.Thread(target=self._loop.run_until_complete, args=(serve(),), daemon=True).start()
+        ready.wait(10)
+
+    async def _client(self, reader: Any, writer: Any) -> None:
+        import asyncio
+
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+
+        async def upward() -> None:
+            while data := await reader.read(65536):
+                if data[:8].split(b" ", 1)[0] in (b"GET", b"PUT", b"HEAD", b"POST", b"DELETE"):
+                    self.requests += 1
+                    await asyncio.sleep(self.delay)
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def downward() -> None:
+            while data := await up_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        await asyncio.gather(upward(), downward(), return_exceptions=True)
 
 
 def start_moto_process() -> tuple[subprocess.Popen[bytes], str]:
@@ -161,6 +228,11 @@ def start_moto_process() -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.1)
 
 
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 def cell(values: list[float]) -> str:
     return f"{statistics.mean(values):8.2f} / {statistics.median(values):7.2f}"
 
@@ -174,12 +246,16 @@ def main() -> int:
     parser.add_argument("--sizes", default="10,100,1000")
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--takeovers", type=int, default=5)
+    parser.add_argument("--delay-ms", type=float, default=0.0)
     args = parser.parse_args()
     try:
         server, endpoint = start_moto_process()
     except (OSError, RuntimeError) as exc:
         print(f"cannot start moto's S3 server: {exc}", file=sys.stderr)
         return 1
+    host, port = endpoint.removeprefix("http://").split(":")
+    relay = DelayRelay((host, int(port)), args.delay_ms / 1000)
+    moto_endpoint, endpoint = endpoint, f"http://127.0.0.1:{relay.port}"
     os.environ.update(
         {
             "AWS_ENDPOINT_URL": endpoint,
@@ -190,7 +266,7 @@ def main() -> int:
         }
     )
     bucket = "sluicegate-bench"
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{bucket}", method="PUT"))
+    urllib.request.urlopen(urllib.request.Request(f"{moto_endpoint}/{bucket}", method="PUT"))
     print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
     rows = []
     try:
@@ -213,6 +289,7 @@ def main() -> int:
                     size,
                     args.calls,
                     args.takeovers,
+                    lambda: relay.requests,
                 )
             rows.append((size, local, s3))
             print(f"  {size:,} persisted results measured", file=sys.stderr)
@@ -222,8 +299,10 @@ def main() -> int:
 
     heads = ("persisted", "local wall", "s3 wall", "wall", "local CPU", "s3 CPU", "CPU")
     widths = (9, 18, 18, 7, 18, 18, 7)
+    print(f"store requests held {args.delay_ms:g} ms each at a relay in front of moto")
     for title, prefix in (
-        ("per call (a worker that served the previous call)", ""),
+        ("per call that persists (a worker that served the previous call)", ""),
+        ("per call that persists nothing", "kept_"),
         ("takeover (the first call of a worker new to the session)", "take_"),
     ):
         print(f"\n{title}, ms: mean / median")
@@ -239,7 +318,9 @@ def main() -> int:
                 cell(s3[cpu]),
                 ratio(s3[cpu], local[cpu]),
             )
-            print(" ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+            print(" ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)), end="")
+            asked = s3[f"{prefix}requests"]
+            print(f"   store requests median {statistics.median(asked):g}, p99 {p99(asked):g}")
     print(
         "(ratios of medians, S3 over local; S3 is moto on 127.0.0.1, not S3's latency; CPU is "
         "the process's, worker threads included)"
