@@ -42,10 +42,9 @@ from stages._shared import (
     check_fraction,
     check_int,
     check_summarizer,
-    reapply_projection,
     record_decision,
-    session_state,
 )
+from stages._shared.projection_pass import ProjectionPass
 from stages._shared.records import (
     check_not_kept,
     check_optional_str,
@@ -202,21 +201,26 @@ class ContextCollapse:
         )
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
-        state = session_state(ctx, self.name, _CollapseState, partial(self._restore, ctx, view))
-        project = partial(_project, messages, state.commits)
-        out, active, last = reapply_projection(
-            messages, state, len(state.commits), lambda: project(view.ok), reuse=self.incremental
-        )
-        anchor = view.anchor
         # commits made since the anchor's response are not in its usage (a retried pass)
-        older = [c for c in state.commits if anchor is None or c.anchor != anchor]
-        then = out if len(older) == len(state.commits) else _project(messages, older, view.ok)[0]
-        freed = view.freed(then, out)
-        before = ctx.size_of(out, also_freed=freed)
+        def counted(state: _CollapseState, anchor: str | None) -> list[_Commit] | None:
+            older = [c for c in state.commits if anchor is None or c.anchor != anchor]
+            return None if len(older) == len(state.commits) else older
 
+        run = ProjectionPass.open(
+            self.name,
+            messages,
+            ctx,
+            kind=_CollapseState,
+            restore=self._restore,
+            decisions=lambda state: state.commits,
+            count=lambda state: len(state.commits),
+            project=_project,
+            counted=counted,
+            reuse=self.incremental,
+        )
+        view, state, before, freed = run.view, run.state, run.before, run.refreed
         facts: dict[str, AttributeValue] = {ATTR.STRATEGY: self.strategy}
-        decision = Decision.REAPPLY if active else Decision.SKIP
+        decision = Decision.REAPPLY if run.applied else Decision.SKIP
         if self.summarizer is None:
             reason = Reason.NO_SUMMARIZER
         elif before < self.commit_tokens:
@@ -229,30 +233,25 @@ class ContextCollapse:
             decision, reason, commit = await self._summarize(span, view, ctx, state, facts)
             if commit is not None:
                 await self._commit(ctx, state, commit)
-                out, active = _project(messages, state.commits, view.ok)
-                freed = view.freed(then, out)
+                run.out, run.applied = _project(messages, state.commits, view.ok)
+                freed = view.freed(run.then, run.out)
         commits = state.commits
-        state.last = Projection.remember(
-            last, len(commits), lambda: (u for c in commits for u in c.uuids), out, active
-        )
-
-        ctx.report.tokens_freed += freed
-        if active:
+        if run.applied:
             ctx.report.suppress_autocompact = True
-        facts[ATTR.COMMITS_ACTIVE] = active
-        facts[ATTR.COMMITS_TOTAL] = len(state.commits)
+        facts[ATTR.COMMITS_ACTIVE] = run.applied
+        facts[ATTR.COMMITS_TOTAL] = len(commits)
         facts[ATTR.TOKENS_FREED] = freed
         facts[ATTR.TRIGGER_TOKENS] = self.commit_tokens
         facts[ATTR.FAILURES] = state.failures
-        ctx.decide(
-            self.name,
+        return run.close(
+            ctx,
             decision,
             reason,
-            tokens_before=before,
-            tokens_after=ctx.size_of(out),
+            count=len(commits),
+            members=lambda: (u for c in commits for u in c.uuids),
+            freed=freed,
             facts=facts,
         )
-        return out
 
     def _restore(
         self, ctx: SessionContext, view: RoundView, records: list[Mapping[str, Any]]

@@ -37,10 +37,9 @@ from stages._shared import (
     check_bool,
     check_fraction,
     check_int,
-    reapply_projection,
     record_decision,
-    session_state,
 )
+from stages._shared.projection_pass import ProjectionPass
 from stages._shared.records import (
     check_not_kept,
     check_optional_str,
@@ -215,20 +214,25 @@ class HistorySnip:
         )
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
-        state = session_state(ctx, self.name, _SnipState, partial(self._restore, ctx, view))
-        project = partial(_project, messages, state.removed)
-        out, reapplied, last = reapply_projection(
-            messages, state, len(state.removed), lambda: project(view.ok), reuse=self.incremental
-        )
-        anchor = view.anchor
         # The request the anchor's usage counted lacked only removals made before that response;
         # later ones (a retried pass, a crash before the call) are freed again against it.
-        since = set(state.by_anchor.get(anchor, ())) if anchor is not None else set()
-        then = out if not since else _project(messages, state.removed.keys() - since, view.ok)[0]
-        refreed = view.freed(then, out)
-        before = ctx.size_of(out, also_freed=refreed)
+        def counted(state: _SnipState, anchor: str | None) -> Collection[str] | None:
+            since = set(state.by_anchor.get(anchor, ())) if anchor is not None else set()
+            return state.removed.keys() - since if since else None
 
+        run = ProjectionPass.open(
+            self.name,
+            messages,
+            ctx,
+            kind=_SnipState,
+            restore=self._restore,
+            decisions=lambda state: state.removed,
+            count=lambda state: len(state.removed),
+            project=_project,
+            counted=counted,
+            reuse=self.incremental,
+        )
+        view, state, reapplied, before = run.view, run.state, run.applied, run.before
         decision = Decision.REAPPLY if reapplied else Decision.SKIP
         reason, new = Reason.BELOW_TRIGGER, []
         if before >= self.trigger_tokens:
@@ -236,23 +240,21 @@ class HistorySnip:
             excess = before - self.target_tokens + view.price([_marker(10**6, "")])
             new = self._select(view, state.removed.keys(), excess)
             reason = Reason.OVER_TRIGGER if new else Reason.NOTHING_ELIGIBLE
-        dropped = reapplied
         if new:
             decision = Decision.SNIP
-            state.remove(new, anchor)
-            out, dropped = _project(messages, state.removed, view.ok)
-            data = {"strategy": self.strategy, "removed": new, "anchor": anchor}
+            state.remove(new, view.anchor)
+            run.out, run.applied = _project(messages, state.removed, view.ok)
+            data = {"strategy": self.strategy, "removed": new, "anchor": view.anchor}
             await record_decision(ctx, self.name, data)
             ctx.logger.info("history_snip.snipped", removed=len(new))
-        state.last = Projection.remember(last, len(state.removed), state.removed.keys, out, dropped)
-        freed = view.freed(then, out) if new else refreed
-        ctx.report.tokens_freed += freed
-        ctx.decide(
-            self.name,
+        freed = view.freed(run.then, run.out) if new else run.refreed
+        return run.close(
+            ctx,
             decision,
             reason,
-            tokens_before=before,
-            tokens_after=ctx.size_of(out),
+            count=len(state.removed),
+            members=state.removed.keys,
+            freed=freed,
             facts={
                 ATTR.STRATEGY: self.strategy,
                 ATTR.REMOVED_NEW: len(new),
@@ -263,7 +265,6 @@ class HistorySnip:
                 ATTR.TARGET_TOKENS: self.target_tokens,
             },
         )
-        return out
 
     def _restore(
         self, ctx: SessionContext, view: RoundView, records: list[Mapping[str, Any]]

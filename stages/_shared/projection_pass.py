@@ -1,0 +1,99 @@
+"""The skeleton every projecting stage's pass shares (history snip, context collapse): its
+recorded decisions re-applied, what the anchor's usage already counted, and the decision told
+once the stage has acted (or not)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pipeline import Message, SessionContext
+from pipeline.tracing import AttributeValue, Decision, Reason
+from stages._shared.projection import Projection, ProjectionState, reapply_projection
+from stages._shared.records import session_state
+from stages._shared.rounds import RoundView
+
+__all__ = ["ProjectionPass"]
+
+S = TypeVar("S", bound=ProjectionState)
+D = TypeVar("D")
+
+
+@dataclass(slots=True)
+class ProjectionPass(Generic[S]):
+    """One pass of a projecting stage over ``messages``: :meth:`open` re-applies the recorded
+    decisions (``out``, with ``applied`` of them) and prices the request against the anchor's
+    usage (``before``, with ``refreed`` tokens the anchor's request still held); the stage
+    then decides, and :meth:`close` keeps the output for the next pass and tells the decision."""
+
+    name: str
+    view: RoundView
+    state: S
+    out: list[Message]
+    applied: int
+    last: Projection | None
+    then: list[Message]
+    """What the anchor's request held, in this pass's terms (``out`` when it held it all)."""
+    refreed: int
+    before: int
+
+    @classmethod
+    def open(
+        cls,
+        name: str,
+        messages: list[Message],
+        ctx: SessionContext,
+        *,
+        kind: type[S],
+        restore: Callable[[SessionContext, RoundView, list[Mapping[str, Any]]], S],
+        decisions: Callable[[S], D],
+        count: Callable[[S], int],
+        project: Callable[[list[Message], D, list[bool]], tuple[list[Message], int]],
+        counted: Callable[[S, str | None], D | None],
+        reuse: bool,
+    ) -> ProjectionPass[S]:
+        """``decisions(state)``: what the stage decided so far, ``count(state)`` how many;
+        ``project(messages, decisions, ok)``: them applied; ``counted(state, anchor)``: the
+        decisions the anchor's request already had, or None when it had them all (the rest
+        were made since: a retried pass, a crash before the call, and free tokens again)."""
+        view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
+        state = session_state(ctx, name, kind, lambda records: restore(ctx, view, records))
+        out, applied, last = reapply_projection(
+            messages,
+            state,
+            count(state),
+            lambda: project(messages, decisions(state), view.ok),
+            reuse=reuse,
+        )
+        older = counted(state, view.anchor)
+        then = out if older is None else project(messages, older, view.ok)[0]
+        refreed = view.freed(then, out)
+        before = ctx.size_of(out, also_freed=refreed)
+        return cls(name, view, state, out, applied, last, then, refreed, before)
+
+    def close(
+        self,
+        ctx: SessionContext,
+        decision: Decision,
+        reason: Reason,
+        *,
+        count: int,
+        members: Callable[[], Iterable[str]],
+        freed: int,
+        facts: Mapping[str, AttributeValue],
+    ) -> list[Message]:
+        """Keep this pass's output for the next (``count`` decisions naming ``members``), add
+        ``freed`` tokens to the pass's report and tell the decision; the output."""
+        out = self.out
+        self.state.last = Projection.remember(self.last, count, members, out, self.applied)
+        ctx.report.tokens_freed += freed
+        ctx.decide(
+            self.name,
+            decision,
+            reason,
+            tokens_before=self.before,
+            tokens_after=ctx.size_of(out),
+            facts=dict(facts),
+        )
+        return out
