@@ -80,6 +80,20 @@ class _CollapseState:
         """A resumed session's state: every recorded commit (checked), repeated."""
         return cls(commits=list(commits))
 
+    def decided(self) -> list[_Commit]:
+        """Every commit so far."""
+        return self.commits
+
+    def decided_count(self) -> int:
+        """How many."""
+        return len(self.commits)
+
+    def counted(self, anchor: str | None) -> list[_Commit] | None:
+        """The commits the anchor's request had: not those made since its response (a
+        retried pass)."""
+        older = [c for c in self.commits if anchor is None or c.anchor != anchor]
+        return None if len(older) == len(self.commits) else older
+
 
 def _parse_commit(data: Mapping[str, Any], strategy: str, kept: Collection[str]) -> _Commit:
     """The commit a record holds; ``ValueError`` when it is not one this stage could have
@@ -201,21 +215,13 @@ class ContextCollapse:
         )
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        # commits made since the anchor's response are not in its usage (a retried pass)
-        def counted(state: _CollapseState, anchor: str | None) -> list[_Commit] | None:
-            older = [c for c in state.commits if anchor is None or c.anchor != anchor]
-            return None if len(older) == len(state.commits) else older
-
         run = ProjectionPass.open(
             self.name,
             messages,
             ctx,
-            kind=_CollapseState,
-            restore=self._restore,
-            decisions=lambda state: state.commits,
-            count=lambda state: len(state.commits),
-            project=_project,
-            counted=counted,
+            _CollapseState,
+            self._restore,
+            _project,
             reuse=self.incremental,
         )
         view, state, before, freed = run.view, run.state, run.before, run.refreed

@@ -75,6 +75,20 @@ class _SnipState:
     last: Projection | None = None
     """The previous pass's output (``applied``: records dropped), while it can be extended."""
 
+    def decided(self) -> Collection[str]:
+        """Every record removed so far."""
+        return self.removed.keys()
+
+    def decided_count(self) -> int:
+        """How many."""
+        return len(self.removed)
+
+    def counted(self, anchor: str | None) -> Collection[str] | None:
+        """The removals the anchor's request lacked: those made before its response (later
+        ones, from a retried pass or a crash before the call, are freed again against it)."""
+        since = set(self.by_anchor.get(anchor, ())) if anchor is not None else set()
+        return self.removed.keys() - since if since else None
+
     def remove(self, uids: Iterable[str], anchor: str | None) -> None:
         """Record removals made while ``anchor`` was the usage anchor (a uuid keeps its first)."""
         for uid in uids:
@@ -214,23 +228,8 @@ class HistorySnip:
         )
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
-        # The request the anchor's usage counted lacked only removals made before that response;
-        # later ones (a retried pass, a crash before the call) are freed again against it.
-        def counted(state: _SnipState, anchor: str | None) -> Collection[str] | None:
-            since = set(state.by_anchor.get(anchor, ())) if anchor is not None else set()
-            return state.removed.keys() - since if since else None
-
         run = ProjectionPass.open(
-            self.name,
-            messages,
-            ctx,
-            kind=_SnipState,
-            restore=self._restore,
-            decisions=lambda state: state.removed,
-            count=lambda state: len(state.removed),
-            project=_project,
-            counted=counted,
-            reuse=self.incremental,
+            self.name, messages, ctx, _SnipState, self._restore, _project, reuse=self.incremental
         )
         view, state, reapplied, before = run.view, run.state, run.applied, run.before
         decision = Decision.REAPPLY if reapplied else Decision.SKIP

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from pipeline import Message, SessionContext
 from pipeline.tracing import AttributeValue, Decision, Reason
@@ -14,10 +14,30 @@ from stages._shared.projection import Projection, ProjectionState, reapply_proje
 from stages._shared.records import session_state
 from stages._shared.rounds import RoundView
 
-__all__ = ["ProjectionPass"]
+__all__ = ["Projecting", "ProjectionPass"]
 
-S = TypeVar("S", bound=ProjectionState)
-D = TypeVar("D")
+D = TypeVar("D", covariant=True)
+
+
+class Projecting(ProjectionState, Protocol[D]):
+    """What a projecting stage keeps per session: its decisions so far, and which of them the
+    request its usage anchor answered already had."""
+
+    def decided(self) -> D:
+        """Every decision so far, as the stage's projection takes them."""
+        ...
+
+    def decided_count(self) -> int:
+        """How many there are."""
+        ...
+
+    def counted(self, anchor: str | None) -> D | None:
+        """The decisions the anchor's request had; None when it had them all (the rest were
+        made since: a retried pass, a crash before the call, and free tokens again)."""
+        ...
+
+
+S = TypeVar("S", bound=Projecting[Any])
 
 
 @dataclass(slots=True)
@@ -44,29 +64,25 @@ class ProjectionPass(Generic[S]):
         name: str,
         messages: list[Message],
         ctx: SessionContext,
-        *,
         kind: type[S],
         restore: Callable[[SessionContext, RoundView, list[Mapping[str, Any]]], S],
-        decisions: Callable[[S], D],
-        count: Callable[[S], int],
-        project: Callable[[list[Message], D, list[bool]], tuple[list[Message], int]],
-        counted: Callable[[S, str | None], D | None],
+        project: Callable[[list[Message], Any, list[bool]], tuple[list[Message], int]],
+        *,
         reuse: bool,
     ) -> ProjectionPass[S]:
-        """``decisions(state)``: what the stage decided so far, ``count(state)`` how many;
-        ``project(messages, decisions, ok)``: them applied; ``counted(state, anchor)``: the
-        decisions the anchor's request already had, or None when it had them all (the rest
-        were made since: a retried pass, a crash before the call, and free tokens again)."""
+        """The pass of stage ``name`` over ``messages``: its state (``restore`` builds it from
+        the stage's records on a session's first pass); ``project(messages, decisions, ok)``:
+        the decisions applied; ``reuse``: extend the last pass's output where it can."""
         view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
         state = session_state(ctx, name, kind, lambda records: restore(ctx, view, records))
         out, applied, last = reapply_projection(
             messages,
             state,
-            count(state),
-            lambda: project(messages, decisions(state), view.ok),
+            state.decided_count(),
+            lambda: project(messages, state.decided(), view.ok),
             reuse=reuse,
         )
-        older = counted(state, view.anchor)
+        older = state.counted(view.anchor)
         then = out if older is None else project(messages, older, view.ok)[0]
         refreed = view.freed(then, out)
         before = ctx.size_of(out, also_freed=refreed)
