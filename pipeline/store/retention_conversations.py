@@ -28,20 +28,8 @@ import stat
 from pathlib import Path
 
 from pipeline.dropin.tenancy import TENANT_PATTERN
+from pipeline.store import retention_files as steps
 from pipeline.store.files import TOOL_RESULTS_SUBDIR, validate_session_id
-from pipeline.store.retention_files import (
-    Found,
-    PrunedFile,
-    PruneReport,
-    file_identity,
-    is_persisted_name,
-    list_dir,
-    lstat_in,
-    open_dir,
-    owned,
-    remove_dir,
-    remove_file,
-)
 from pipeline.store.sessions import DECISIONS_FILE
 from pipeline.tokens.state_file import CALIBRATION_FILE
 
@@ -54,31 +42,33 @@ _OWN_FILE = re.compile(
 )
 
 
-def prune_stale_conversations(root: Path, root_fd: int, cutoff: float, report: PruneReport) -> None:
+def prune_stale_conversations(
+    root: Path, root_fd: int, cutoff: float, report: steps.PruneReport
+) -> None:
     """Remove each conversation directory under ``root`` (or a tenant's directory in it) whose
     files are all the store's and all older than ``cutoff`` (POSIX seconds); in a dry run,
     say which would go. Removed directories are added to ``report.removed_dirs``, their
     persisted results to ``report.removed``."""
-    for name in sorted(list_dir(root_fd, root, report)):
+    for name in sorted(steps.list_dir(root_fd, root, report)):
         if not TENANT_PATTERN.fullmatch(name):
             _prune_if_stale(root, root_fd, name, cutoff, report)
             continue
-        with open_dir(root, root_fd, name, report) as tenant_fd:
+        with steps.open_dir(root, root_fd, name, report) as tenant_fd:
             if tenant_fd is None:
                 continue
-            for conversation in sorted(list_dir(tenant_fd, root / name, report)):
+            for conversation in sorted(steps.list_dir(tenant_fd, root / name, report)):
                 _prune_if_stale(root / name, tenant_fd, conversation, cutoff, report)
 
 
 def _prune_if_stale(
-    base: Path, base_fd: int, name: str, cutoff: float, report: PruneReport
+    base: Path, base_fd: int, name: str, cutoff: float, report: steps.PruneReport
 ) -> None:
     try:
         validate_session_id(name)
     except ValueError:
         return  # not a name the store gives a conversation directory
     where = base / name
-    with open_dir(base, base_fd, name, report) as conv_fd:
+    with steps.open_dir(base, base_fd, name, report) as conv_fd:
         if conv_fd is None:
             return
         own = _stale_files(conv_fd, where, cutoff, report)
@@ -86,34 +76,34 @@ def _prune_if_stale(
             return
         files, results = own
         if results is not None:
-            with open_dir(where, conv_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
+            with steps.open_dir(where, conv_fd, TOOL_RESULTS_SUBDIR, report) as results_fd:
                 if results_fd is None:
                     return
                 if not _remove_all(results_fd, where / TOOL_RESULTS_SUBDIR, results, report):
                     return
-            if not remove_dir(conv_fd, where, TOOL_RESULTS_SUBDIR, report):
+            if not steps.remove_dir(conv_fd, where, TOOL_RESULTS_SUBDIR, report):
                 return
         if not _remove_all(conv_fd, where, files, report):
             return
-    if remove_dir(base_fd, base, name, report):
+    if steps.remove_dir(base_fd, base, name, report):
         report.removed_conversations.append(where)
 
 
 def _stale_files(
-    conv_fd: int, where: Path, cutoff: float, report: PruneReport
-) -> tuple[list[Found], list[Found] | None] | None:
+    conv_fd: int, where: Path, cutoff: float, report: steps.PruneReport
+) -> tuple[list[steps.Found], list[steps.Found] | None] | None:
     """The directory's own files and its persisted results (None: no ``tool-results``), when
     every name in it is the store's and every file older than ``cutoff``; else None."""
-    files: list[Found] = []
-    results: list[Found] | None = None
-    for entry in list_dir(conv_fd, where, report):
+    files: list[steps.Found] = []
+    results: list[steps.Found] | None = None
+    for entry in steps.list_dir(conv_fd, where, report):
         if entry == TOOL_RESULTS_SUBDIR:
-            with open_dir(where, conv_fd, entry, report) as results_fd:
+            with steps.open_dir(where, conv_fd, entry, report) as results_fd:
                 if results_fd is None:
                     return None  # a symbolic link, another user's: not the store's
                 results = []
-                for result in list_dir(results_fd, where / entry, report):
-                    if not is_persisted_name(result):
+                for result in steps.list_dir(results_fd, where / entry, report):
+                    if not steps.is_persisted_name(result):
                         return None
                     found = _stale(results_fd, where / entry, result, cutoff, report)
                     if found is None:
@@ -131,20 +121,24 @@ def _stale_files(
     return files, results
 
 
-def _stale(dir_fd: int, where: Path, name: str, cutoff: float, report: PruneReport) -> Found | None:
-    st = lstat_in(dir_fd, where, name, report)
-    if st is None or not stat.S_ISREG(st.st_mode) or not owned(st) or st.st_mtime >= cutoff:
+def _stale(
+    dir_fd: int, where: Path, name: str, cutoff: float, report: steps.PruneReport
+) -> steps.Found | None:
+    st = steps.lstat_in(dir_fd, where, name, report)
+    if st is None or not stat.S_ISREG(st.st_mode) or not steps.owned(st) or st.st_mtime >= cutoff:
         return None
-    return Found(str(where), name, st.st_size, st.st_mtime, file_identity(st))
+    return steps.Found(str(where), name, st.st_size, st.st_mtime, steps.file_identity(st))
 
 
-def _remove_all(dir_fd: int, where: Path, found: list[Found], report: PruneReport) -> bool:
+def _remove_all(
+    dir_fd: int, where: Path, found: list[steps.Found], report: steps.PruneReport
+) -> bool:
     """Remove each file; whether every one is gone (one changed since its scan stays)."""
     whole = True
     for f in found:
-        outcome = remove_file(dir_fd, where, f, report)
+        outcome = steps.remove_file(dir_fd, where, f, report)
         if outcome == "kept":
             whole = False
         elif outcome == "removed" and where.name == TOOL_RESULTS_SUBDIR:
-            report.removed.append(PrunedFile(where / f.name, f.size, f.mtime, "age"))
+            report.removed.append(steps.PrunedFile(where / f.name, f.size, f.mtime, "age"))
     return whole

@@ -13,17 +13,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.transcript.read import (
-        LineProblem,
-        StageRecord,
-        Transcript,
-        TranscriptError,
-        load_transcript,
-    )
+    from pipeline.transcript.read import StageRecord, Transcript, TranscriptError, load_transcript
     from pipeline.transcript.writer import TranscriptPathError, TranscriptWriter
 
 __all__ = [
-    "LineProblem",
     "StageRecord",
     "Transcript",
     "TranscriptError",
@@ -33,7 +26,6 @@ __all__ = [
 ]
 
 _HOME = {
-    "LineProblem": "pipeline.transcript.read",
     "StageRecord": "pipeline.transcript.read",
     "Transcript": "pipeline.transcript.read",
     "TranscriptError": "pipeline.transcript.read",

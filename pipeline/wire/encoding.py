@@ -82,22 +82,14 @@ def _has_surrogate(value: Any) -> bool:
     walked = {id(value)}  # content that contains itself is walked once, not forever
     while stack:
         v = stack.pop()
-        if isinstance(v, list):
-            for x in v:
-                if isinstance(x, str):
-                    if _lone_surrogate(x):
-                        return True
-                elif isinstance(x, dict | list) and id(x) not in walked:
-                    walked.add(id(x))
-                    stack.append(x)
-            continue
-        try:
-            plain_keys = all(map(str.isascii, v))
-        except TypeError:  # a key that is not a string (built content): look at each
-            plain_keys = False
-        if not plain_keys and any(isinstance(k, str) and _SURROGATE.search(k) for k in v):
-            return True
-        for x in v.values():
+        if isinstance(v, dict):
+            try:
+                plain_keys = all(map(str.isascii, v))
+            except TypeError:  # a key that is not a string (built content): look at each
+                plain_keys = False
+            if not plain_keys and any(isinstance(k, str) and _SURROGATE.search(k) for k in v):
+                return True
+        for x in v.values() if isinstance(v, dict) else v:
             if isinstance(x, str):
                 if _lone_surrogate(x):
                     return True
