@@ -214,3 +214,48 @@ def free_port_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_wrap_makes_a_calls_records_durable_with_one_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Each record is written as the call goes and synced once at its end; the calibration is
+    saved without an fsync (before: one per record, and one for the calibration)."""
+    import anyio
+
+    from stages import wrap
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    with ScriptedMessagesServer(_ok) as up:
+        history = _conversation(60_000)
+        if kind == "sync":
+            client = wrap(anthropic.Anthropic(base_url=up.base_url, api_key="k"), root=tmp_path)
+            client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+            monkeypatch.setattr(os, "fsync", fsync)
+            history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+            client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+        else:
+
+            async def main() -> None:
+                nonlocal history
+                base = anthropic.AsyncAnthropic(base_url=up.base_url, api_key="k")
+                async with wrap(base, root=tmp_path) as client:
+                    await client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+                    monkeypatch.setattr(os, "fsync", fsync)
+                    history += [
+                        {"role": "assistant", "content": "ok"},
+                        {"role": "user", "content": "more"},
+                    ]
+                    await client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+
+            anyio.run(main)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert [name for name in synced if "calibration" in name] == []
+    assert [name for name in synced if "decisions" in name] == ["decisions.jsonl"]

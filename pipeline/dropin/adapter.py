@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import threading
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -535,7 +534,10 @@ class WireSession:
                 self._written(data, chain)
             if parsed is not None:
                 self._learn(parsed, model, compacted=usage_compacted(usage or {}))
-                self.ctx.token_tracker.save(self._calibration)  # a new process starts warm
+                if self.storage.sync is not None:
+                    self._calibration_due = self.ctx.token_tracker.state_dict()
+                else:
+                    self.ctx.token_tracker.save(self._calibration)  # a new process starts warm
 
     async def observe_async(
         self,
@@ -566,19 +568,29 @@ class WireSession:
         (a local store opened with ``fsync_each=False``: one ``fsync`` for the call's appends)
         and the token calibration learned since the last settle. Nothing to do where each
         append was durable already. A failure is logged, never raised (the response has gone)."""
-        sync = self.storage.sync
-        if sync is None:
+        if self.storage.sync is None:
             return
         state, self._calibration_due = self._calibration_due, None
+        await anyio.to_thread.run_sync(self._settled, state)
+
+    def settle_sync(self) -> None:
+        """:meth:`settle`, blocking (the synchronous client's path)."""
+        if self.storage.sync is None:
+            return
+        state, self._calibration_due = self._calibration_due, None
+        self._settled(state)
+
+    def _settled(self, calibration: Mapping[str, Any] | None) -> None:
+        sync = self.storage.sync
+        assert sync is not None
         try:
-            await anyio.to_thread.run_sync(sync)
+            sync()
         except OSError as exc:
             self.ctx.logger.error(
                 "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
             )
-        if state is not None:  # an estimate, not a decision: a power loss costs a cold start
-            save = functools.partial(TokenTracker.save_state, durable=False)
-            await anyio.to_thread.run_sync(save, self._calibration, state)
+        if calibration is not None:  # an estimate, not a decision: a power loss costs a cold start
+            TokenTracker.save_state(self._calibration, calibration, durable=False)
 
     def _response(
         self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None

@@ -36,6 +36,7 @@ from pipeline.dropin.tenancy import Tenancy
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.spans import beside_sdk_call
 from pipeline.store.files import validate_session_id
+from pipeline.store.sessions import SessionStates
 from pipeline.wire.request_fields import merge_betas, merge_request_fields
 
 __all__ = ["SluicegateMiddleware", "wrap"]
@@ -92,6 +93,8 @@ class SluicegateMiddleware(anthropic.Middleware):
         self.pipeline = pipeline
         self.session_id = session_id
         self.context = context
+        # each call's records written as it goes and made durable once, at the call's end
+        context.setdefault("storage", SessionStates(self.root, fsync_each=False))
         self.conversations = Conversations(
             pipeline=pipeline,
             root=self.root,
@@ -140,6 +143,7 @@ class SluicegateMiddleware(anthropic.Middleware):
                     await session.observe_async(
                         rid, usage.model_dump(), model=str(message.model), call=call
                     )
+            await session.settle()  # the call's records durable: one fsync
         seen.end()
         return response
 
@@ -168,6 +172,7 @@ class SluicegateMiddleware(anthropic.Middleware):
                 message = response.parse()
                 _observed(seen, message)
                 _observe(session, message, call)
+            session.settle_sync()  # the call's records durable: one fsync
         seen.end()
         return response
 
