@@ -12,32 +12,10 @@
 ``wrap`` is also ``stages.wrap``, with the default stages.
 """
 
-from __future__ import annotations
+from pipeline.dropin.adapter import WireSession
+from pipeline.dropin.conversations import Conversations
+from pipeline.dropin.tenancy import Tenancy
+from pipeline.dropin.wrap import wrap
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pipeline.dropin.adapter import WireSession
-    from pipeline.dropin.conversations import Conversations
-    from pipeline.dropin.proxy import build_app
-    from pipeline.dropin.tenancy import Tenancy
-    from pipeline.dropin.wrap import wrap
-
-__all__ = ["Conversations", "Tenancy", "WireSession", "build_app", "wrap"]
-
-_HOME = {
-    "Conversations": "pipeline.dropin.conversations",
-    "Tenancy": "pipeline.dropin.tenancy",
-    "WireSession": "pipeline.dropin.adapter",
-    "build_app": "pipeline.dropin.proxy",
-    "wrap": "pipeline.dropin.wrap",
-}
-
-
-def __getattr__(name: str) -> Any:
-    # imported on first use: a module of this package never loads the others with it
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)
+# the proxy (``pipeline.dropin.proxy.build_app``) is not imported here: it needs the proxy extra
+__all__ = ["Conversations", "Tenancy", "WireSession", "wrap"]

@@ -699,7 +699,8 @@ def _shared_start(a: Sequence[Any], b: Sequence[Any]) -> int:
     all of the last one: that is one comparison of the lists in C (the same objects compare by
     identity), not a step of Python per message."""
     n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):  # a tuple is never equal to a list
+    same_kind = type(a) is type(b)
+    if (a[:n] == b[:n]) if same_kind else (list(a[:n]) == list(b[:n])):  # a tuple != a list
         return n
     same = 0
     while same < n and a[same] == b[same]:

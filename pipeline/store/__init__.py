@@ -12,15 +12,9 @@ reading results back.
   long-lived store.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pipeline.store.files import FileToolResultStore, StoreError, ToolResultStore
-    from pipeline.store.records import RecordLog
-    from pipeline.store.sessions import SessionStates, SessionStorage, open_session_state
+from pipeline.store.files import FileToolResultStore, StoreError, ToolResultStore
+from pipeline.store.records import RecordLog
+from pipeline.store.sessions import SessionStates, SessionStorage, open_session_state
 
 __all__ = [
     "FileToolResultStore",
@@ -31,21 +25,3 @@ __all__ = [
     "ToolResultStore",
     "open_session_state",
 ]
-
-_HOME = {
-    "FileToolResultStore": "pipeline.store.files",
-    "RecordLog": "pipeline.store.records",
-    "SessionStates": "pipeline.store.sessions",
-    "SessionStorage": "pipeline.store.sessions",
-    "StoreError": "pipeline.store.files",
-    "ToolResultStore": "pipeline.store.files",
-    "open_session_state": "pipeline.store.sessions",
-}
-
-
-def __getattr__(name: str) -> Any:
-    # imported on first use: a module of this package never loads the others with it
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)

@@ -12,28 +12,7 @@
 Nothing here sends anything: the drop-ins (:mod:`pipeline.dropin`) do.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pipeline.wire.cache import WireCache, request_chars
-    from pipeline.wire.form import to_api, wire_positions
+from pipeline.wire.cache import WireCache, request_chars
+from pipeline.wire.form import to_api, wire_positions
 
 __all__ = ["WireCache", "request_chars", "to_api", "wire_positions"]
-
-_HOME = {
-    "WireCache": "pipeline.wire.cache",
-    "request_chars": "pipeline.wire.cache",
-    "to_api": "pipeline.wire.form",
-    "wire_positions": "pipeline.wire.form",
-}
-
-
-def __getattr__(name: str) -> Any:
-    # imported on first use: a module of this package never loads the others with it
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)
