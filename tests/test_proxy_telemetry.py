@@ -111,6 +111,10 @@ def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path:
     assert all("status=200" in line and "session_id=" in line for line in logged)
     assert "persisted=1" in logged[0] and "reapplied=1" in logged[1]
     assert not any("x" * 100 in line for line in lines)  # no content in a log line
+    # each request's line names its own trace and span: an operator goes from it to its trace
+    for span in requests:
+        (line,) = [x for x in logged if f"response_id={span.attributes['gen_ai.response.id']}" in x]
+        assert f"trace_id={span.trace_id}" in line and f"span_id={span.span_id}" in line, line
 
 
 def test_an_unreachable_upstream_is_one_logged_failure_and_json_lines_stay_json(

@@ -236,4 +236,7 @@ class WireRequest:
             )
         logger = self.session.ctx.logger
         log = logger.warning if error is not None or (self.status or 0) >= 500 else logger.info
-        log("wire.request", **{k: v for k, v in self.fields.items() if v is not None})
+        # the line names this request's span, whatever context its end runs in (a relayed
+        # body ends in the server's task, which a kept-alive connection made during another)
+        with trace.use_span(self.span, end_on_exit=False):
+            log("wire.request", **{k: v for k, v in self.fields.items() if v is not None})
