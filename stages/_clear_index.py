@@ -26,6 +26,7 @@ from stages._clearable import (
     ClearableResult,
     ClearableScan,
     Gains,
+    HistoryAt,
     block_gain,
     is_protected_content,
     rough_tokens_priced,
@@ -114,33 +115,27 @@ class ClearIndex:
         self.valid = True
 
     def fold(
-        self,
-        messages: Sequence[Message],
-        start: int,
-        turn_start: int,
-        names: Mapping[str, str],
-        tools: frozenset[str],
-        cleared: Mapping[str, str],
-        gains: Gains,
-        *,
-        afresh: bool = True,
+        self, at: HistoryAt, cleared: Mapping[str, str], gains: Gains, *, afresh: bool = True
     ) -> bool:
-        """Fold in what has settled since the last fold (the arguments of :meth:`view`).
+        """Fold in what has settled in the history ``at`` since the last fold (the arguments
+        of :meth:`view`).
 
         A pass that does not clear folds in its few newly settled records (``afresh=False``),
         so the pass that clears finds nearly all of them folded in already; it never folds in
         the whole history (after an edit), which is left to a pass that reads it, and never
         raises for content it cannot measure. Returns whether the index is now up to date."""
-        anchor = find_anchor(messages)
-        settled = max(start, min(turn_start + 1, anchor[0] if anchor is not None else start))
+        start = at.start
+        anchor = find_anchor(at.messages)
+        settled = max(start, min(at.turn_start + 1, anchor[0] if anchor is not None else start))
         price = True
-        if not self.valid or self.start != start or self.tools != tools or settled < self.settled:
+        stale = not self.valid or self.start != start or self.tools != at.tools
+        if stale or settled < self.settled:
             if not afresh:
                 return False
-            self.reset(start, tools)
+            self.reset(start, at.tools)
             price = False
         try:
-            self.settle(messages, settled, names, cleared, gains, price=price)
+            self.settle(at.messages, settled, at.names, cleared, gains, price=price)
         except ValueError:  # a result that cannot be measured (its content refers to itself)
             if afresh:
                 raise
@@ -162,24 +157,18 @@ class ClearIndex:
         rest = max(first, min(len(out), settled))
         return total + rough_tokens_priced(out[rest:], gains)
 
-    def view(
-        self,
-        messages: Sequence[Message],
-        start: int,
-        turn_start: int,
-        names: Mapping[str, str],
-        tools: frozenset[str],
-        cleared: Mapping[str, str],
-        gains: Gains,
-    ) -> ClearView:
-        """The compactable results of ``messages`` (the arguments of
-        :func:`~stages._clearable.scan_clearable`; ``cleared``: the session's cleared ids).
+    def view(self, at: HistoryAt, cleared: Mapping[str, str], gains: Gains) -> ClearView:
+        """The compactable results of the history ``at`` (as
+        :func:`~stages._clearable.scan_clearable` finds them; ``cleared``: the session's
+        cleared ids).
 
         Folds in what has settled since the last view and scans the rest. Only valid while the
         history has only grown since the index was last reset (the caller unsets ``valid``
         otherwise)."""
-        self.fold(messages, start, turn_start, names, tools, cleared, gains)
-        tail = scan_clearable(messages, self.settled, turn_start, names, tools, gains, self.count)
+        self.fold(at, cleared, gains)
+        tail = scan_clearable(
+            at.messages, self.settled, at.turn_start, at.names, at.tools, gains, self.count
+        )
         return ClearView(self, tail)
 
     def note_cleared(self, ids: Iterable[str]) -> None:

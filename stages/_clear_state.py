@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.incremental import AppendWatch
 from pipeline.messages import Message
 from stages._clear_index import ClearIndex, ClearView
-from stages._clearable import ClearableScan, Gains, scan_clearable
+from stages._clearable import ClearableScan, Gains, HistoryAt, scan_clearable
 from stages._shared import CLEARED_PLACEHOLDER
 
 __all__ = ["ClearPass", "ClearState", "LastPass", "Reapplied"]
@@ -96,15 +96,11 @@ class ClearState:
 
 
 @dataclass(slots=True)
-class ClearPass:
-    """One pass over one history: where things are, and the compactable results if read."""
+class ClearPass(HistoryAt):
+    """One pass over one history (where things are, :class:`HistoryAt`), and the compactable
+    results if read."""
 
-    messages: list[Message]
-    start: int
-    turn_start: int
     response: tuple[int, int] | None
-    names: Mapping[str, str]
-    tools: frozenset[str]
     state: ClearState
     incremental: bool
     _scan: ClearableScan | ClearView | None = None
@@ -121,12 +117,4 @@ class ClearPass:
             return scan_clearable(
                 self.messages, self.start, self.turn_start, self.names, self.tools, state.gains
             )
-        return state.index.view(
-            self.messages,
-            self.start,
-            self.turn_start,
-            self.names,
-            self.tools,
-            state.cleared,
-            state.gains,
-        )
+        return state.index.view(self, state.cleared, state.gains)

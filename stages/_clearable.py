@@ -21,6 +21,7 @@ __all__ = [
     "ClearableResult",
     "ClearableScan",
     "Gains",
+    "HistoryAt",
     "block_gain",
     "clears",
     "is_preview",
@@ -190,6 +191,19 @@ def response_times(
     stamps = [_parse_time(m.timestamp) for m in messages[response[1] + 1 :]]
     known = [t for t in stamps if t is not None]
     return _parse_time(messages[response[1]].timestamp), max(known) if known else None
+
+
+@dataclass(slots=True)
+class HistoryAt:
+    """A history as a clearing pass reads it: ``messages`` from ``start`` (where the live
+    thread starts), the newest turn from ``turn_start`` (the first fragment of the last
+    response), tool ``names`` by tool_use id, the clearable ``tools``."""
+
+    messages: list[Message]
+    start: int
+    turn_start: int
+    names: Mapping[str, str]
+    tools: frozenset[str]
 
 
 def scan_clearable(

@@ -21,14 +21,12 @@ from pipeline.tokens import find_anchor
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._shared import (
     DEFAULT_CONTEXT_WINDOW,
-    check_bool,
-    check_int,
-    check_summarizer,
     cut_indices,
     is_prompt,
     record_decision,
     session_state,
 )
+from stages._shared.args import check_bool, check_int, check_summarizer
 
 if TYPE_CHECKING:  # pipeline.summarizer imports the (slow) SDK: types only here
     from anthropic.types import MessageParam

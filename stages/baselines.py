@@ -15,7 +15,8 @@ from typing import Any
 
 from pipeline import Message, SessionContext
 from pipeline.tracing import ATTR, Decision, Reason
-from stages._shared import CLEARED_PLACEHOLDER, check_int, replace_results, tool_results
+from stages._shared import CLEARED_PLACEHOLDER, replace_results, tool_results
+from stages._shared.args import check_int
 
 __all__ = ["ClearEveryTurn", "HeadTailTruncate"]
 

@@ -23,35 +23,24 @@ failed or discarded summaries in a row: stop paying for them); ``collapse`` with
 from __future__ import annotations
 
 import uuid as _uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from pipeline import Message, SessionContext, to_api
-from pipeline.incremental import AppendWatch
 from pipeline.kept_list import KeptList
 from pipeline.messages import block_type, stable_uuid, thread_start
 from pipeline.summarizer import Summarizer, SummaryPromptTooLong
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._shared import (
     DEFAULT_CONTEXT_WINDOW,
-    Projection,
+    ProjectionPass,
+    ProjectionState,
     RoundView,
-    check_bool,
-    check_fraction,
-    check_int,
-    check_summarizer,
     record_decision,
 )
-from stages._shared.projection_pass import ProjectionPass
-from stages._shared.records import (
-    check_not_kept,
-    check_optional_str,
-    check_uuid_list,
-    kept_uuids,
-    parse_records,
-)
+from stages._shared.args import check_below, check_bool, check_fraction, check_int, check_summarizer
+from stages._shared.records import RoundRecord, restore_round_records
 
 __all__ = ["SUMMARY_HEADER", "ContextCollapse"]
 
@@ -67,13 +56,10 @@ class _Commit:
 
 
 @dataclass(slots=True)
-class _CollapseState:
+class _CollapseState(ProjectionState[list[_Commit]]):
     commits: list[_Commit] = field(default_factory=list)
     failures: int = 0  # consecutive failed or discarded summaries
     span_cap: int | None = None  # halved after a prompt-too-long reply
-    watch: AppendWatch = field(default_factory=AppendWatch)
-    last: Projection | None = None
-    """The previous pass's output (``applied``: commits active), while it can be extended."""
 
     @classmethod
     def restore(cls, commits: Iterable[_Commit]) -> _CollapseState:
@@ -95,21 +81,12 @@ class _CollapseState:
         return None if len(older) == len(self.commits) else older
 
 
-def _parse_commit(data: Mapping[str, Any], strategy: str, kept: Collection[str]) -> _Commit:
-    """The commit a record holds; ``ValueError`` when it is not one this stage could have
-    written: a wrong shape, or a span naming a record collapse always keeps in this history."""
-    if data.get("strategy", strategy) != strategy:
-        raise ValueError(f"not a {strategy} record")
+def _commit_of(span: RoundRecord, data: Mapping[str, Any]) -> _Commit:
+    """The commit a checked record holds; ``ValueError`` without a summary."""
     summary = data.get("summary")
     if not isinstance(summary, str) or not summary:
         raise ValueError("'summary' must be a non-empty string")
-    commit = _Commit(
-        check_uuid_list(data.get("uuids"), "uuids"),
-        summary,
-        check_optional_str(data.get("anchor"), "anchor"),
-    )
-    check_not_kept(commit.uuids, kept, ContextCollapse.name)
-    return commit
+    return _Commit(span.uuids, summary, span.anchor)
 
 
 def _summary_message(commit: _Commit) -> Message:
@@ -196,11 +173,9 @@ class ContextCollapse:
         self.keep_recent_rounds = check_int("keep_recent_rounds", keep_recent_rounds, minimum=1)
         self.max_failures = check_int("max_failures", max_failures, minimum=1)
         self.incremental = check_bool("incremental", incremental)
-        if not self.target_fraction < self.commit_fraction:
-            raise ValueError(
-                f"target_fraction ({target_fraction!r}) must be below commit_fraction "
-                f"({commit_fraction!r})"
-            )
+        check_below(
+            "target_fraction", self.target_fraction, "commit_fraction", self.commit_fraction
+        )
 
     @property
     def commit_tokens(self) -> int:
@@ -266,11 +241,10 @@ class ContextCollapse:
         malformed, or whose span holds what collapse keeps (the first user message, the
         latest prompt, the anchor's round, the recent rounds: a forged or damaged record), is
         left out with a warning; the rest are repeated."""
-        if not records:
-            return _CollapseState()
-        kept = kept_uuids(view, self.keep_recent_rounds)
-        parse = partial(_parse_commit, strategy=self.strategy, kept=kept)
-        return _CollapseState.restore(parse_records(ctx, self.name, records, parse))
+        commits = restore_round_records(
+            ctx, self, view, records, uuids_key="uuids", build=_commit_of
+        )
+        return _CollapseState.restore(commits)
 
     def _select(self, view: RoundView, state: _CollapseState, before: int) -> list[Message]:
         """The oldest run of collapsible rounds covering the excess over the target, capped."""

@@ -22,31 +22,21 @@ import uuid as _uuid
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from pipeline import Message, SessionContext
-from pipeline.incremental import AppendWatch
 from pipeline.kept_list import KeptList
 from pipeline.messages import stable_uuid, thread_start
 from pipeline.tracing import ATTR, Decision, Reason
 from stages._shared import (
     DEFAULT_CONTEXT_WINDOW,
-    Projection,
+    ProjectionPass,
+    ProjectionState,
     RoundView,
-    check_bool,
-    check_fraction,
-    check_int,
     record_decision,
 )
-from stages._shared.projection_pass import ProjectionPass
-from stages._shared.records import (
-    check_not_kept,
-    check_optional_str,
-    check_uuid_list,
-    kept_uuids,
-    parse_records,
-)
+from stages._shared.args import check_below, check_bool, check_fraction, check_int
+from stages._shared.records import RoundRecord, restore_round_records
 
 __all__ = ["HistorySnip", "snip_marker_text"]
 
@@ -66,14 +56,11 @@ def _marker(removed_messages: int, first_uuid: str) -> Message:
 
 
 @dataclass(slots=True)
-class _SnipState:
+class _SnipState(ProjectionState[Collection[str]]):
     removed: dict[str, str | None] = field(default_factory=dict)
     """Removed uuid -> uuid of the usage anchor when it was removed (insertion ordered)."""
     by_anchor: dict[str, list[str]] = field(default_factory=dict)
     """Usage-anchor uuid -> the uuids removed while it was the anchor (a lookup per pass)."""
-    watch: AppendWatch = field(default_factory=AppendWatch)
-    last: Projection | None = None
-    """The previous pass's output (``applied``: records dropped), while it can be extended."""
 
     def decided(self) -> Collection[str]:
         """Every record removed so far."""
@@ -98,33 +85,12 @@ class _SnipState:
                     self.by_anchor.setdefault(anchor, []).append(uid)
 
     @classmethod
-    def restore(cls, removals: Iterable[_Removal]) -> _SnipState:
+    def restore(cls, removals: Iterable[RoundRecord]) -> _SnipState:
         """A resumed session's state: every recorded removal (checked), repeated."""
         state = cls()
         for removal in removals:
             state.remove(removal.uuids, removal.anchor)
         return state
-
-
-@dataclass(frozen=True, slots=True)
-class _Removal:
-    """One recorded snip: the uuids it removed and the usage anchor at the time."""
-
-    uuids: tuple[str, ...]
-    anchor: str | None
-
-    @classmethod
-    def parse(cls, data: Mapping[str, Any], strategy: str, kept: Collection[str]) -> _Removal:
-        """The removal a record holds; ``ValueError`` when it is not one this stage could have
-        written: a wrong shape, or a uuid of a record snip always keeps in this history."""
-        if data.get("strategy", strategy) != strategy:
-            raise ValueError(f"not a {strategy} record")
-        removal = cls(
-            check_uuid_list(data.get("removed"), "removed"),
-            check_optional_str(data.get("anchor"), "anchor"),
-        )
-        check_not_kept(removal.uuids, kept, HistorySnip.name)
-        return removal
 
 
 def _wire_messages(run: Sequence[Message]) -> int:
@@ -204,11 +170,9 @@ class HistorySnip:
         self.target_fraction = check_fraction("target_fraction", target_fraction)
         self.keep_recent_rounds = check_int("keep_recent_rounds", keep_recent_rounds, minimum=1)
         self.incremental = check_bool("incremental", incremental)
-        if not self.target_fraction < self.trigger_fraction:
-            raise ValueError(
-                f"target_fraction ({target_fraction!r}) must be below trigger_fraction "
-                f"({trigger_fraction!r})"
-            )
+        check_below(
+            "target_fraction", self.target_fraction, "trigger_fraction", self.trigger_fraction
+        )
 
     @property
     def trigger_tokens(self) -> int:
@@ -272,11 +236,10 @@ class HistorySnip:
         malformed, or that would remove what snip keeps (the first user message, the latest
         prompt, the anchor's round, the recent rounds: a forged or damaged record), is left
         out with a warning; the rest are repeated."""
-        if not records:
-            return _SnipState()
-        kept = kept_uuids(view, self.keep_recent_rounds)
-        parse = partial(_Removal.parse, strategy=self.strategy, kept=kept)
-        return _SnipState.restore(parse_records(ctx, self.name, records, parse))
+        removals = restore_round_records(
+            ctx, self, view, records, uuids_key="removed", build=lambda removal, _: removal
+        )
+        return _SnipState.restore(removals)
 
     def _select(self, view: RoundView, removed: Collection[str], excess: int) -> list[str]:
         """uuids of the oldest removable rounds whose tokens cover ``excess``."""

@@ -51,10 +51,6 @@ from stages._clearable import (
 from stages._shared import (
     CLEARED_PLACEHOLDER,
     anchor_uuid,
-    check_bool,
-    check_int,
-    check_minutes,
-    check_names,
     last_response,
     patch_results,
     record_decision,
@@ -62,6 +58,7 @@ from stages._shared import (
     result_ids,
     session_state,
 )
+from stages._shared.args import check_bool, check_int, check_minutes, check_names
 
 __all__ = ["DEFAULT_COMPACTABLE_TOOLS", "Microcompact"]
 
@@ -190,7 +187,7 @@ class Microcompact:
         turn_start = response[0] if response is not None else start - 1
         names = state.watch.tool_names
         p = ClearPass(
-            messages, start, turn_start, response, names, self._tools, state, self.incremental
+            messages, start, turn_start, names, self._tools, response, state, self.incremental
         )
 
         # earlier decisions, byte for byte (never in the newest turn, never an excluded tool)
@@ -214,10 +211,7 @@ class Microcompact:
                 cleared = len(eligible)
         else:
             if self.incremental:  # the pass that clears then finds the history folded in
-                state.index.fold(
-                    messages, start, turn_start, names, self._tools, state.cleared, state.gains,
-                    afresh=False,
-                )  # fmt: skip
+                state.index.fold(p, state.cleared, state.gains, afresh=False)
             facts[ATTR.TRIGGER] = "none"
             reason = Reason.BELOW_TRIGGER if self.trigger_tokens > 0 else Reason.CACHE_WARM
             facts.update({ATTR.CLEARED: 0, ATTR.TOKENS_FREED: 0, ATTR.CACHE_REWRITE_TOKENS: 0})

@@ -12,7 +12,8 @@ from pipeline import Message, SessionContext
 from pipeline.messages import COMPACTION_BLOCK
 from pipeline.tracing import ATTR, Decision, Reason
 from pipeline.wire.request_fields import ask_for_edit
-from stages._shared import DEFAULT_CONTEXT_WINDOW, check_bool, check_int, session_state
+from stages._shared import DEFAULT_CONTEXT_WINDOW, session_state
+from stages._shared.args import check_bool, check_int
 
 __all__ = ["COMPACTION_BETA", "COMPACT_EDIT", "ServerCompaction"]
 

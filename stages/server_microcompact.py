@@ -8,7 +8,8 @@ from typing import Any
 from pipeline import Message, SessionContext
 from pipeline.tracing import ATTR, Decision, Reason
 from pipeline.wire.request_fields import ask_for_edit
-from stages._shared import check_bool, check_int, check_names, tool_results
+from stages._shared import tool_results
+from stages._shared.args import check_bool, check_int, check_names
 
 __all__ = ["CLEAR_TOOL_USES_EDIT", "CONTEXT_MANAGEMENT_BETA", "ServerSideMicrocompact"]
 

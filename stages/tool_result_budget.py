@@ -47,7 +47,8 @@ from pipeline.tracing import (
     span_if,
 )
 from stages._budget_scan import BudgetCache, Candidate, collect_groups, patch_all
-from stages._shared import check_bool, check_positive, write_off_loop
+from stages._shared import write_off_loop
+from stages._shared.args import check_bool, check_positive
 
 __all__ = ["Candidate", "ToolResultBudget", "collect_groups", "select_fresh_to_replace"]
 

@@ -28,16 +28,17 @@ from pipeline.testing import Reply, ScriptedMessagesServer, count_request_tokens
 from pipeline.tokens import (
     IMAGE_TOKENS,
     CalibratedEstimator,
+    CallSeen,
     ErrorStats,
     EstimateDetail,
     ReferenceEstimator,
     calibration_path_for,
-    find_anchor,
 )
 from pipeline.tokens.family import FamilyModel
 from pipeline.tokens.features import content_vector
 from pipeline.tokens.media import image_size, image_tokens
 from pipeline.tokens.priors import model_family
+from pipeline.tokens.reference import NOTHING_TO_LEARN
 from pipeline.tokens.text_stats import text_class, text_stats
 from pipeline.tools import tool
 from pipeline.wire.form import to_api
@@ -313,9 +314,8 @@ def test_it_learns_a_denser_tokenizer_from_the_usage_deltas() -> None:
     errors: list[float] = []
     for n in range(25):
         msgs = _session_step(msgs, n, Usage(input_tokens=context, output_tokens=8), model)
-        anchor = find_anchor(msgs)
         # what the next call really costs: 1.4 x the priced growth since the anchor
-        growth = 1.4 * truth.estimate_detail(msgs, anchor).estimated_part
+        growth = 1.4 * truth.estimate_detail(msgs).estimated_part
         context += 8 + round(growth)
         obs = tracker.observe(msgs, Usage(input_tokens=context), model=model)
         assert obs.relative_error is not None
@@ -380,11 +380,9 @@ def test_an_estimator_of_another_kind_is_asked_every_time() -> None:
     class Counting(CalibratedEstimator):
         asked = 0
 
-        def estimate_detail(
-            self, messages: Any, anchor: Any, *, model: str | None = None
-        ) -> EstimateDetail:
+        def estimate_detail(self, messages: Any, *, model: str | None = None) -> EstimateDetail:
             self.asked += 1
-            detail = super().estimate_detail(messages, anchor, model=model)
+            detail = super().estimate_detail(messages, model=model)
             return dataclasses.replace(detail, total=detail.total + self.asked)
 
     tracker = TokenTracker(estimator=Counting())
@@ -674,29 +672,43 @@ def test_a_calibration_step_is_the_textbook_step_float_for_float(
         assert repr(model.p) == repr(p)
 
 
-def test_a_reference_tracker_observes_as_its_estimator_does() -> None:
-    """The reference estimator learns nothing, so a tracker takes its estimate before the call
-    as what it observed rather than asking again: the observations, errors and estimates are
-    those of the same estimator asked through its ``observe`` (a subclass is asked)."""
+def test_an_estimator_is_asked_to_learn_only_from_calls_the_tracker_did_not_rule_out() -> None:
+    """The tracker hands an estimator each call it may learn from, with the estimate the
+    estimator made of it beforehand; a call seen twice in a row, one after a pass removed
+    anchored content, or one the server compacted never reaches it, and what the tracker
+    reports of every call is the estimate made before it."""
 
-    class AskedEachTime(ReferenceEstimator):
-        pass
+    class Recording(ReferenceEstimator):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[CallSeen] = []
 
-    plain, asked = TokenTracker("reference"), TokenTracker(estimator=AskedEachTime())
+        def learn_from(self, call: CallSeen) -> tuple[bool, str]:
+            self.calls.append(call)
+            return super().learn_from(call)
+
+    est = Recording()
+    tracker = TokenTracker(estimator=est)
     msgs: list[Message] = [user_text("go")]
-    sent = 2_000
+    sent, offered = 2_000, 0
     for i in range(40):
         usage = Usage(input_tokens=3, cache_read_input_tokens=sent)
         freed = 500 if i % 7 == 3 else 0
-        for tracker in (plain, asked):
-            tracker.set_request(system="sys" if i > 5 else None)
-        a = plain.observe(msgs, usage, model=SONNET, tokens_freed=freed)
-        b = asked.observe(msgs, usage, model=SONNET, tokens_freed=freed)
-        assert a == b
-        if i % 5 == 0:  # the same messages observed twice in a row
-            assert plain.observe(msgs, usage) == asked.observe(msgs, usage)
-        assert (plain.last_error, plain.estimate(msgs)) == (asked.last_error, asked.estimate(msgs))
+        before = est.estimate_detail(msgs, model=SONNET)
+        obs = tracker.observe(msgs, usage, model=SONNET, tokens_freed=freed, compacted=i == 11)
+        assert obs.estimate == before.total
+        if freed or i == 11:
+            assert len(est.calls) == offered and not obs.learned
+        else:
+            offered += 1
+            call = est.calls[-1]
+            assert len(est.calls) == offered
+            assert call.messages is msgs and call.usage is usage and call.before == before
+            assert obs.reason == NOTHING_TO_LEARN
+        if i % 5 == 0 and not freed:  # the same messages observed twice in a row
+            assert tracker.observe(msgs, usage).reason == "already observed"
+            assert len(est.calls) == offered
         msgs.append(assistant(f"m{i}", tool_use(f"t{i}", "Bash", command=f"step {i}"), usage=usage))
         msgs.append(results(tool_result(f"t{i}", "out " * (50 * i))))
         sent += 400 + 60 * i
-    assert plain.error_stats() == asked.error_stats()
+    assert offered == 40 - 6 - 1

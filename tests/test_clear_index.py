@@ -16,7 +16,7 @@ from pipeline.messages import SYNTHETIC_MODEL
 from pipeline.replacement import PERSISTED_OUTPUT_TAG
 from pipeline.tokens import rough_tokens_for_messages
 from stages._clear_index import ClearIndex
-from stages._clearable import Gains, rough_tokens_priced, scan_clearable
+from stages._clearable import Gains, HistoryAt, rough_tokens_priced, scan_clearable
 from stages._shared import CLEARED_PLACEHOLDER, last_response, tool_results
 from tests.builders import tool_result, tool_use
 
@@ -144,9 +144,8 @@ def _fold_quietly(
     response = last_response(history, watch.start)
     turn_start = response[0] if response is not None else watch.start - 1
     was_valid = index.valid
-    folded = index.fold(
-        history, watch.start, turn_start, watch.tool_names, TOOLS, cleared, gains, afresh=False
-    )
+    at = HistoryAt(history, watch.start, turn_start, watch.tool_names, TOOLS)
+    folded = index.fold(at, cleared, gains, afresh=False)
     assert folded or not was_valid or index.start != watch.start  # only an edit defers it
 
 
@@ -174,7 +173,7 @@ def _check(
     response = last_response(history, start)
     turn_start = response[0] if response is not None else start - 1
     full = scan_clearable(history, start, turn_start, names, TOOLS)
-    view = index.view(history, start, turn_start, names, TOOLS, cleared, gains)
+    view = index.view(HistoryAt(history, start, turn_start, names, TOOLS), cleared, gains)
     for tid in set(seen) | set(full.results):
         assert (tid in view) == (tid in full.results), tid
         assert view.get(tid) == full.results.get(tid), tid
@@ -205,7 +204,7 @@ def test_a_settled_result_with_nothing_to_reclaim_becomes_eligible_by_a_later_oc
     assert response is not None
     names = watch.tool_names
     full = scan_clearable(history, 0, response[0], names, TOOLS)
-    view = index.view(history, 0, response[0], names, TOOLS, {}, {})
+    view = index.view(HistoryAt(history, 0, response[0], names, TOOLS), {}, {})
     assert index.settled == 3 and "t0" in index.results  # t0's first occurrence is settled
     assert _eligible(view, {}) == _eligible(full, {}) == ["t0", "t2"]
 

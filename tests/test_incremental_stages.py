@@ -33,8 +33,9 @@ from pipeline.incremental import AppendWatch
 from pipeline.testing import MemoryStore, QuietLogger, RecordReads, assert_same_messages
 from pipeline.tracing import ATTR, Decision
 from stages import ContextCollapse, HistorySnip, Microcompact, ToolResultBudget
-from stages.context_collapse import _CollapseState, _parse_commit
-from stages.history_snip import _Removal, _SnipState
+from stages._shared.records import RoundRecord
+from stages.context_collapse import _CollapseState, _commit_of
+from stages.history_snip import _SnipState
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 from tests.edit_support import Gen, edit_history, records, run_sessions, start_history
 
@@ -122,12 +123,12 @@ class Twin:
         # stage keeps: a caller's edit (an insert at the front, a truncation) moves what is
         # kept, so the check would refuse records the continuing session goes on applying.
         removals = [
-            _Removal.parse(data, strategy=HistorySnip.strategy, kept=frozenset())
+            RoundRecord(tuple(data["removed"]), data.get("anchor"))
             for data in ref_ctx.records_for("history_snip")
         ]
         ref_ctx.stage_state["history_snip"] = _SnipState.restore(removals)
         commits = [
-            _parse_commit(data, strategy=ContextCollapse.strategy, kept=frozenset())
+            _commit_of(RoundRecord(tuple(data["uuids"]), data.get("anchor")), data)
             for data in ref_ctx.records_for("context_collapse")
         ]
         restored = _CollapseState.restore(commits)

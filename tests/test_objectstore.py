@@ -28,7 +28,7 @@ from pipeline.replacement import PERSISTED_OUTPUT_TAG, ReplacementRecord
 from pipeline.store.files import FileToolResultStore, StoreError
 from pipeline.store.object_reader import ObjectOutputReader
 from pipeline.store.object_records import ObjectRecordLog
-from pipeline.store.objects import ObjectToolResultStore
+from pipeline.store.objects import ObjectLayout, ObjectToolResultStore
 from pipeline.store.readback import PersistedOutputReader, ReadbackError
 from pipeline.testing import QuietLogger, SpanRecorder
 from pipeline.tracing import ATTR
@@ -243,7 +243,7 @@ def test_two_processes_persist_one_object_and_read_back(moto_s3: MotoS3) -> None
     text = "".join(f"shared row {i}\n" for i in range(5000))
     assert bytes(client.get(keys_of(client)[0]).bytes()) == text.encode()
 
-    reader = ObjectOutputReader(client, **where(bucket))
+    reader = ObjectOutputReader(client, ObjectLayout(**where(bucket)))
     page = anyio.run(reader, {"path": uri, "offset": 4001, "limit": 3})
     assert page == (
         "shared row 4000\nshared row 4001\nshared row 4002\n"
@@ -423,7 +423,7 @@ async def test_readback_pages_as_the_local_reader_does(moto_s3: MotoS3, tmp_path
     local = FileToolResultStore(tmp_path / "root", SESSION)
     path = await local.persist("toolu_big", text, "txt")
     counted = Wrapped(moto_s3.store(bucket))
-    remote = ObjectOutputReader(counted, **where(bucket), max_chars=600)
+    remote = ObjectOutputReader(counted, ObjectLayout(**where(bucket)), max_chars=600)
     here = PersistedOutputReader(local.directory, max_chars=600)
 
     async def both(offset: int, limit: int) -> tuple[str, str]:
@@ -457,7 +457,7 @@ async def test_readback_refuses_other_uris(moto_s3: MotoS3) -> None:
     other_session = ObjectToolResultStore(client, **where(bucket, "sess-other"))
     foreign = await other_session.persist("toolu_1", "secret of another session\n", "txt")
     mine = await ObjectToolResultStore(client, **where(bucket)).persist("toolu_1", "mine\n", "txt")
-    reader = ObjectOutputReader(client, **where(bucket))
+    reader = ObjectOutputReader(client, ObjectLayout(**where(bucket)))
     assert await reader({"path": mine}) == "mine\n"
     refused = [
         foreign,
@@ -488,7 +488,7 @@ async def test_hostile_ids_stay_inside_the_prefix(moto_s3: MotoS3) -> None:
     bucket = moto_s3.new_bucket()
     client = moto_s3.store(bucket)
     store = ObjectToolResultStore(client, **where(bucket))
-    reader = ObjectOutputReader(client, **where(bucket))
+    reader = ObjectOutputReader(client, ObjectLayout(**where(bucket)))
     hostile = ["../../x", "../../../etc/passwd", "a\x00b", "x" * 10_240, "CON", "a/b", "%2e%2e", ""]
     uris = {}
     for i, tid in enumerate(hostile):

@@ -364,7 +364,7 @@ def test_object_pages_equal_file_pages(text: str, offset: int, limit: int, max_c
         patch.setattr(objectreader, "MARK_BYTES", 16)
         uri = anyio.run(store.persist, "toolu_1", text, "txt")
         (Path(tmp) / "r.txt").write_bytes(text.encode())
-        remote = ObjectOutputReader(memory, **WHERE, max_chars=max_chars)
+        remote = ObjectOutputReader(memory, ObjectLayout(**WHERE), max_chars=max_chars)
         here = PersistedOutputReader(tmp, max_chars=max_chars)
         pages = []
         for reader, path in ((remote, uri), (here, str(Path(tmp) / "r.txt"))):
@@ -390,7 +390,7 @@ def test_line_index_counts_as_the_reader_does(text: str, chunk: int) -> None:
 
 
 def test_readers_share_one_definition() -> None:
-    remote = ObjectOutputReader(MemoryStore(), **WHERE)
+    remote = ObjectOutputReader(MemoryStore(), ObjectLayout(**WHERE))
     assert remote.definition == PersistedOutputReader("/tmp").definition
     assert remote.as_tool().max_result_size_chars == float("inf")
 
@@ -414,7 +414,7 @@ async def test_in_memory_session_through_the_budget(tmp_path: Path) -> None:
     (sent,) = _sent_results(out)
     assert sent["content"].startswith(PERSISTED_OUTPUT_TAG)
     assert f"Full output saved to: {uri}\n" in sent["content"]
-    reader = ObjectOutputReader(memory, **WHERE)
+    reader = ObjectOutputReader(memory, ObjectLayout(**WHERE))
     assert await reader({"path": uri, "offset": 49, "limit": 5}) == "row 48\nrow 49\n"
     loaded = ObjectRecordLog(memory, writer_id="b", **WHERE).load()
     assert loaded is not None

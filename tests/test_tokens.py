@@ -400,11 +400,11 @@ def test_the_reference_prices_each_record_by_its_own_content() -> None:
     old = results(tool_result("t1", "x" * 400))
     new = Message.user([tool_result("t1", "y" * 800)], uuid=old.uuid)
     head = [user_text("a" * 40)]
-    assert estimator.estimate_detail([*head, old], None).estimated_part == 10 + 100
-    assert estimator.estimate_detail([*head, new], None).estimated_part == 10 + 200
-    assert estimator.estimate_detail([*head, old], None).estimated_part == 10 + 100
+    assert estimator.estimate_detail([*head, old]).estimated_part == 10 + 100
+    assert estimator.estimate_detail([*head, new]).estimated_part == 10 + 200
+    assert estimator.estimate_detail([*head, old]).estimated_part == 10 + 100
     for n in range(3_000):  # past what it remembers: still right
-        assert estimator.estimate_detail([user_text("b" * (4 * n))], None).estimated_part == n
+        assert estimator.estimate_detail([user_text("b" * (4 * n))]).estimated_part == n
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -32,7 +32,6 @@ from pipeline.store.files import validate_session_id
 from pipeline.store.sessions import STORE_RETRIES, STORE_TIMEOUT, SessionStates, in_turn_options
 from pipeline.tracing import get_tracer
 from pipeline.transcript.read import Transcript, TranscriptError, load_transcript
-from pipeline.transcript.replay import CallResult
 from stages import registry as stage_registry
 
 if TYPE_CHECKING:
@@ -344,17 +343,6 @@ def _dump_calls(spec: str | None) -> frozenset[int] | None:
         return parse_calls(spec)
     except ValueError as exc:
         raise CliError(f"--dump-calls: {exc}") from None
-
-
-def dump_request(dumper: RequestDumper | None, result: CallResult) -> None:
-    """Write one call's request if ``--dump-requests`` asked for it."""
-    if dumper is None:
-        return
-    try:
-        dumper.dump(result.call.number, result.request)
-    except OSError as exc:
-        where = dumper.directory / f"{result.call.number:04d}.json"
-        raise CliError(f"cannot write {where}: {exc.strerror or exc}", EXIT_FAILED) from None
 
 
 @dataclass(frozen=True)

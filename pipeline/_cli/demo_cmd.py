@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,6 @@ from pipeline._cli.common import (
     CliError,
     ReplayOptions,
     StoreDir,
-    dump_request,
     load,
     store_root,
     with_tracing,
@@ -27,13 +25,8 @@ from pipeline._cli.common import (
     writable_file,
 )
 from pipeline._cli.dumps import is_dump_name
-from pipeline._cli.replay_cmd import halted, run_replay
-from pipeline._cli.report import JsonOutput, Output, ReplaySummary, TableOutput
+from pipeline._cli.replay_cmd import Run, run_replay
 from pipeline._cli.safe_text import terminal_safe
-from pipeline.context import SessionContext
-from pipeline.core import PipelineHalt, StageError
-from pipeline.policies import ToolPolicies
-from pipeline.store.files import TOOL_RESULTS_SUBDIR
 from pipeline.transcript.read import TranscriptWriter
 from pipeline.transcript.replay import CallResult
 
@@ -121,35 +114,17 @@ def run_live_demo(
         transcript_path.unlink(missing_ok=True)
     except OSError as exc:
         raise CliError(f"cannot replace {transcript_path}: {exc.strerror or exc}") from None
-    ctx = SessionContext(
-        session.session_id,
-        root=store.path,
-        tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
-        tracer=tracer,
-        transcript=TranscriptWriter(transcript_path, session.session_id),
-    )
+    writer = TranscriptWriter(transcript_path, session.session_id)
+    run = Run.open(session.session_id, store, options, tracer, writer)
+    ctx, summary = run.ctx, run.summary
     pipe = options.pipeline()
-    summary = ReplaySummary(
-        session.session_id, ctx.root, options.per_message_chars, options.per_tool_chars
-    )
-    summary.store_kept = store.kept
-    output: Output = (
-        JsonOutput(sys.stdout)
-        if options.json
-        else TableOutput(sys.stdout, ctx.root / session.session_id / TOOL_RESULTS_SUBDIR)
-    )
     if not options.json:
         shown = transcript_shown or terminal_safe(str(transcript_path))
         print(f"live agent session {session.session_id} (transcript: {shown})")
 
-    dumper = options.dumper()
-
     def on_call(result: CallResult) -> None:
         result.request_tokens = ctx.token_tracker.request_tokens  # the agent's system + tools
-        chars = result.request_chars
-        summary.add(result, chars)
-        dump_request(dumper, result)
-        output.call(result, chars)
+        run.output.call(result, run.counted(result))
 
     def client(base_url: str) -> anthropic.AsyncAnthropic:
         telemetry: Any = {"tracer_provider": provider} if provider is not None else None
@@ -158,15 +133,12 @@ def run_live_demo(
         )
 
     try:
-        anyio.run(LiveDemo(session, pipe, ctx, on_call).run, client)
-    except StageError as exc:
-        raise CliError(f"demo: call {summary.calls}: {exc}", EXIT_FAILED) from None
-    except PipelineHalt as exc:
-        raise CliError(f"demo: call {summary.calls}: {halted(exc)}", EXIT_FAILED) from None
+        with run.calls("demo"):
+            anyio.run(LiveDemo(session, pipe, ctx, on_call).run, client)
     except OSError as exc:  # the transcript (or the store) failed mid-run: a full disk, say
         where = f"{exc.filename}: " if exc.filename else ""
         raise CliError(
             f"demo: call {summary.calls}: {where}{exc.strerror or exc}", EXIT_FAILED
         ) from None
-    output.summary(summary)
+    run.output.summary(summary)
     return EXIT_OK

@@ -8,7 +8,9 @@ import gc
 import json
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +23,6 @@ from pipeline._cli.common import (
     CliError,
     ReplayOptions,
     StoreDir,
-    dump_request,
     load,
     pipeline_for,
     session_id_for,
@@ -45,6 +46,7 @@ from pipeline.logs import get_logger
 from pipeline.policies import ToolPolicies
 from pipeline.spans import content_safe_span
 from pipeline.store.files import TOOL_RESULTS_SUBDIR
+from pipeline.store.records import RecordLog
 from pipeline.tracing import ATTR, SPAN_REPLAY
 from pipeline.transcript.read import Transcript
 from pipeline.transcript.replay import CallResult, find_calls, replay_messages
@@ -96,14 +98,9 @@ def _warn_pairing(result: CallResult, summary: ReplaySummary) -> None:
 
 
 async def _replay_calls(
-    transcript: Transcript,
-    pipe: Pipeline,
-    ctx: SessionContext,
-    dumper: RequestDumper | None,
-    output: Output,
-    summary: ReplaySummary,
-    progress: Progress,
+    transcript: Transcript, pipe: Pipeline, run: Run, progress: Progress
 ) -> None:
+    ctx, summary, output = run.ctx, run.summary, run.output
     # the session's own trace, carrying the totals; each call is a trace linked to it
     with content_safe_span(
         ctx.tracer, SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
@@ -112,9 +109,7 @@ async def _replay_calls(
         async for result in replay_messages(
             transcript.messages, pipe, ctx, requests=transcript.requests, shared=True
         ):
-            chars = result.request_chars
-            summary.add(result, chars)
-            dump_request(dumper, result)
+            chars = run.counted(result)
             progress.clear()
             _warn_pairing(result, summary)
             output.call(result, chars)
@@ -129,6 +124,72 @@ async def _replay_calls(
         )
     progress.clear()
     output.summary(summary)
+
+
+@dataclass(slots=True)
+class Run:
+    """One run into a store (a replay, or the live demo): its session context, what it
+    reports, and where its requests are dumped."""
+
+    ctx: SessionContext
+    summary: ReplaySummary
+    output: Output
+    dumper: RequestDumper | None
+
+    @classmethod
+    def open(
+        cls,
+        session_id: str,
+        store_dir: StoreDir,
+        options: ReplayOptions,
+        tracer: trace.Tracer | None,
+        transcript: RecordLog | None = None,
+    ) -> Run:
+        """A run of ``session_id`` into ``store_dir`` (the live demo writes ``transcript``)."""
+        dumper = options.dumper()  # a directory that cannot be made fails before the run
+        store = store_dir.path
+        ctx = SessionContext(
+            session_id,
+            root=store,
+            tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
+            tracer=tracer,
+            transcript=transcript,
+        )
+        summary = ReplaySummary(
+            session_id, store, options.per_message_chars, options.per_tool_chars
+        )
+        summary.store_kept = store_dir.kept
+        results_dir = store / session_id / TOOL_RESULTS_SUBDIR
+        output: Output = (
+            JsonOutput(sys.stdout) if options.json else TableOutput(sys.stdout, results_dir)
+        )
+        return cls(ctx, summary, output, dumper)
+
+    def counted(self, result: CallResult) -> int:
+        """``result`` added to the summary, its request written if ``--dump-requests`` asked
+        for it; the chars of its request."""
+        chars = result.request_chars
+        self.summary.add(result, chars)
+        if self.dumper is not None:
+            try:
+                self.dumper.dump(result.call.number, result.request)
+            except OSError as exc:
+                where = self.dumper.directory / f"{result.call.number:04d}.json"
+                why = exc.strerror or exc
+                raise CliError(f"cannot write {where}: {why}", EXIT_FAILED) from None
+        return chars
+
+    @contextmanager
+    def calls(self, where: str, *, first: Callable[[], None] | None = None) -> Iterator[None]:
+        """A stage's error or a halt in a call, as the command's failure (exit 1) naming
+        ``where`` and the call; ``first`` runs before it is raised (a progress line cleared)."""
+        try:
+            yield
+        except (StageError, PipelineHalt) as exc:
+            if first is not None:
+                first()
+            why = halted(exc) if isinstance(exc, PipelineHalt) else str(exc)
+            raise CliError(f"{where}: call {self.summary.calls}: {why}", EXIT_FAILED) from None
 
 
 def run_replay(
@@ -158,35 +219,15 @@ def _replay_into(
     tracer: trace.Tracer | None,
 ) -> int:
     session_id = session_id_for(transcript)
-    store = store_dir.path
-    dumper = options.dumper()  # a directory that cannot be made fails before the replay starts
-    ctx = SessionContext(
-        session_id,
-        root=store,
-        tool_policies=ToolPolicies.claude_code(cap=options.per_tool_chars),
-        tracer=tracer,
-    )
-    summary = ReplaySummary(session_id, store, options.per_message_chars, options.per_tool_chars)
-    summary.transcript = transcript_info(transcript)
-    summary.store_kept = store_dir.kept
-    results_dir = store / session_id / TOOL_RESULTS_SUBDIR
-    output: Output = (
-        JsonOutput(sys.stdout) if options.json else TableOutput(sys.stdout, results_dir)
-    )
+    run = Run.open(session_id, store_dir, options, tracer)
+    run.summary.transcript = transcript_info(transcript)
     show_progress = sys.stderr.isatty() if options.progress is None else options.progress
     progress = Progress(len(find_calls(transcript.messages)), sys.stderr, show_progress)
     log = get_logger(session_id=session_id)
     log.info("replay.start", transcript=str(transcript.path), calls=progress.total)
-    try:
-        anyio.run(_replay_calls, transcript, pipe, ctx, dumper, output, summary, progress)
-    except StageError as exc:
-        progress.clear()
-        raise CliError(f"{transcript.path}: call {summary.calls}: {exc}", EXIT_FAILED) from None
-    except PipelineHalt as exc:
-        progress.clear()
-        raise CliError(
-            f"{transcript.path}: call {summary.calls}: {halted(exc)}", EXIT_FAILED
-        ) from None
+    with run.calls(str(transcript.path), first=progress.clear):
+        anyio.run(_replay_calls, transcript, pipe, run, progress)
+    summary = run.summary
     log.info("replay.done", calls=summary.calls, persisted=summary.persisted)
     return EXIT_OK
 

@@ -135,8 +135,9 @@ class ObjectOutputReader(PagedReader):
     """The read-back tool (``read_persisted_output``) for one session's results on an object
     store, named by their URIs (see the module docstring).
 
-    ``store``, ``prefix``, ``session_id``, ``uri_base``: as the
-    :class:`~pipeline.store.objects.ObjectToolResultStore` that wrote them was given.
+    ``store`` and ``layout``: those of the
+    :class:`~pipeline.store.objects.ObjectToolResultStore` that wrote them (its ``.store`` and
+    ``.layout``).
     """
 
     name = READBACK_TOOL_NAME
@@ -144,10 +145,8 @@ class ObjectOutputReader(PagedReader):
     def __init__(
         self,
         store: ObjectStoreAPI,
+        layout: ObjectLayout,
         *,
-        prefix: str = "",
-        session_id: str,
-        uri_base: str,
         default_limit: int = DEFAULT_LIMIT_LINES,
         max_chars: int = DEFAULT_MAX_CHARS,
     ) -> None:
@@ -158,7 +157,7 @@ class ObjectOutputReader(PagedReader):
             max_chars=max_chars,
         )
         self.store = store
-        self.layout = ObjectLayout(session_id, prefix, uri_base)
+        self.layout = layout
         self._indexes: OrderedDict[tuple[str, str | None, int], LineIndex] = OrderedDict()
         self._lock = threading.Lock()
 

@@ -466,15 +466,16 @@ def _on_objects(
         writer_id=writer_id,
         records=RECORDS_SUBDIR if branch is None else f"{RECORDS_SUBDIR}.{branch}",
     )
+    results = ObjectToolResultStore(
+        store, prefix=prefix, session_id=sid, uri_base=uri_base, content_named=content_named
+    )
     return SessionStorage(
         session_id=sid,
         location=location,
-        store=ObjectToolResultStore(
-            store, prefix=prefix, session_id=sid, uri_base=uri_base, content_named=content_named
-        ),
+        store=results,
         records=records,
         load=records.load,
-        reader=ObjectOutputReader(store, prefix=prefix, session_id=sid, uri_base=uri_base),
+        reader=ObjectOutputReader(store, results.layout),
         changed_elsewhere=records.changed_elsewhere,
         branch=branch,
     )
@@ -527,11 +528,5 @@ def readback_for(store: object) -> PagedReader | None:
     if objects is not None and isinstance(store, objects.ObjectToolResultStore):
         from pipeline.store.object_reader import ObjectOutputReader
 
-        layout = store.layout
-        return ObjectOutputReader(
-            store.store,
-            prefix=layout.prefix,
-            session_id=layout.session_id,
-            uri_base=layout.uri_base,
-        )
+        return ObjectOutputReader(store.store, store.layout)
     return None

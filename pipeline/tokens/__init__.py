@@ -10,6 +10,7 @@
 
 from pipeline.tokens.anchor import find_anchor
 from pipeline.tokens.calibrated import CalibratedEstimator
+from pipeline.tokens.estimator import CallSeen
 from pipeline.tokens.media import IMAGE_TOKENS
 from pipeline.tokens.reference import (
     ReferenceEstimator,
@@ -30,6 +31,7 @@ __all__ = [
     "CALIBRATION_FILE",
     "IMAGE_TOKENS",
     "CalibratedEstimator",
+    "CallSeen",
     "ErrorStats",
     "EstimateDetail",
     "Estimator",

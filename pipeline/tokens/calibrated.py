@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.messages import MAX_TOKENS, Message, Usage, context_start
-from pipeline.tokens.anchor import compaction_restart
+from pipeline.tokens.anchor import compaction_restart, find_anchor
 from pipeline.tokens.checks import (
     bounded_repr,
     check_int,
@@ -42,6 +42,7 @@ from pipeline.tokens.checks import (
     checked_family,
     or_empty,
 )
+from pipeline.tokens.estimator import CallSeen
 from pipeline.tokens.family import FamilyModel, dot
 from pipeline.tokens.features import ContentVector, content_vector, is_wire_visible
 from pipeline.tokens.priors import (
@@ -133,7 +134,7 @@ class CalibratedEstimator:
         self._last_split: tuple[Usage, tuple[Message, ...], _Split] | None = None
         """The anchor usage, records from the anchor on and split of the latest estimate."""
         self._learned = 0
-        """Counts :meth:`observe` calls: what an estimate depends on besides its split."""
+        """Counts :meth:`learn_from` calls: what an estimate depends on besides its split."""
         self._last_detail: tuple[_Split, str | None, int, EstimateDetail] | None = None
         self._cache_size = cache_size
 
@@ -141,8 +142,8 @@ class CalibratedEstimator:
 
     @property
     def observations(self) -> int:
-        """Calls observed so far (learned from or not): what an estimate reads besides the
-        records, its anchor and the model."""
+        """Calls offered to :meth:`learn_from` so far (learned from or not): what an estimate reads
+        besides the records, its anchor and the model."""
         return self._learned
 
     # -- content ------------------------------------------------------------------------------
@@ -269,17 +270,13 @@ class CalibratedEstimator:
         )
 
     def estimate_detail(
-        self,
-        messages: Sequence[Message],
-        anchor: tuple[int, Usage] | None,
-        *,
-        model: str | None = None,
+        self, messages: Sequence[Message], *, model: str | None = None
     ) -> EstimateDetail:
-        """The estimate for ``messages`` whose anchor is ``anchor``, decomposed.
+        """The estimate for ``messages`` from their usage anchor, decomposed.
 
         ``model``: the model about to be called (default: the anchor's, else the last seen).
         """
-        return self._detail(self._split(messages, anchor), model)
+        return self._detail(self._split(messages, find_anchor(messages)), model)
 
     def tokens_for_messages(self, messages: Sequence[Message], *, model: str | None = None) -> int:
         """Calibrated tokens of the wire-visible content of ``messages`` alone: no anchor, no
@@ -306,26 +303,11 @@ class CalibratedEstimator:
         self.families[family] = state
         return state
 
-    def observe(
-        self,
-        messages: Sequence[Message],
-        anchor: tuple[int, Usage] | None,
-        usage: Usage,
-        *,
-        model: str | None = None,
-        skip: str | None = None,
-    ) -> tuple[EstimateDetail, bool, str]:
-        """Learn from one call: ``messages`` is what it saw, ``usage`` its usage.
-
-        Returns the estimate as it stood before learning, whether it learned, and why (not).
-        ``skip``: the caller knows the delta is confounded (say, stages removed content the
-        anchor's usage counted); nothing is learned and ``skip`` is the reason.
-        """
-        split = self._split(messages, anchor)
-        detail = self._detail(split, model)
+    def learn_from(self, call: CallSeen) -> tuple[bool, str]:
+        """Learn from one call: whether it learned, and why (not)."""
+        split = self._split(call.messages, find_anchor(call.messages))
         self._learned += 1  # whatever follows may change the state every estimate reads
-        if skip is not None:
-            return detail, False, skip
+        model, usage = call.model, call.usage
         family = model_family(model or split.anchor_model)
         in_side = usage.input_side
         if split.usage is None:
@@ -334,15 +316,15 @@ class CalibratedEstimator:
             self.last_family = family
             if split.crossed and self.overhead is not None:
                 self.compaction_extra = max(0, round(in_side - content - self.overhead))
-                return detail, False, "after a compaction: extra measured"
+                return False, "after a compaction: extra measured"
             self.overhead = max(0, round(in_side - content))
-            return detail, False, "no anchor: overhead measured"
+            return False, "no anchor: overhead measured"
         both_known = model is not None and split.anchor_model is not None
         if both_known and model_family(split.anchor_model) != family:
             # the system prompt changes with the model: this delta is not content
             self._state(family)
             self.last_family = family
-            return detail, False, "model family changed"
+            return False, "model family changed"
         state = self._state(family)
         self.last_family = family
         r_tokens, n_tokens = split.response.tokens, split.new.tokens
@@ -355,7 +337,7 @@ class CalibratedEstimator:
             state.base_tokens[i] += x[i]
         state.n_obs += 1
         if not self.learn:
-            return detail, False, "learning off"
+            return False, "learning off"
         state.update(
             x,
             float(in_side - split.usage.input_side),
@@ -363,7 +345,7 @@ class CalibratedEstimator:
             rel_noise=self.rel_noise,
             clip_sigma=self.clip_sigma,
         )
-        return detail, True, "ok"
+        return True, "ok"
 
     # -- reporting ----------------------------------------------------------------------------
     def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:

@@ -4,12 +4,28 @@ that prices content and learns from usage (one of two built in, or your own)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline.messages import Message, Usage
 from pipeline.tokens.stats import EstimateDetail
 
-__all__ = ["Estimator"]
+__all__ = ["CallSeen", "Estimator"]
+
+
+@dataclass(frozen=True, slots=True)
+class CallSeen:
+    """One call an estimator may learn from: what it saw, what it cost, and the estimate the
+    estimator made of it beforehand."""
+
+    messages: Sequence[Message]
+    """The messages as sent."""
+    usage: Usage
+    """The call's usage."""
+    model: str | None
+    """The model that served it (None: the anchor's)."""
+    before: EstimateDetail
+    """The estimator's own estimate of ``messages``, made before the call."""
 
 
 @runtime_checkable
@@ -20,30 +36,19 @@ class Estimator(Protocol):
     """``"calibrated"`` or ``"reference"`` (the name a saved state records)."""
 
     def estimate_detail(
-        self,
-        messages: Sequence[Message],
-        anchor: tuple[int, Usage] | None,
-        *,
-        model: str | None = None,
+        self, messages: Sequence[Message], *, model: str | None = None
     ) -> EstimateDetail:
-        """The estimate for ``messages`` whose anchor is ``anchor``, decomposed."""
+        """The estimate for ``messages`` from their usage anchor
+        (:func:`~pipeline.tokens.find_anchor`), decomposed."""
         ...
 
     def tokens_for_messages(self, messages: Sequence[Message], *, model: str | None = None) -> int:
         """Tokens of the content of ``messages`` alone (no anchor, overhead or margin)."""
         ...
 
-    def observe(
-        self,
-        messages: Sequence[Message],
-        anchor: tuple[int, Usage] | None,
-        usage: Usage,
-        *,
-        model: str | None = None,
-        skip: str | None = None,
-    ) -> tuple[EstimateDetail, bool, str]:
-        """Learn from one call (unless ``skip`` says why not): the estimate as it stood,
-        whether it learned, and why (not)."""
+    def learn_from(self, call: CallSeen) -> tuple[bool, str]:
+        """Learn from one call the tracker did not rule out: whether it learned, and why (not).
+        The tracker never asks for a call it already knows to be confounded."""
         ...
 
     def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:

@@ -13,7 +13,6 @@ from typing import Any
 
 from pipeline.kept_list import KeptList
 from pipeline.messages import Message
-from pipeline.tokens.anchor import find_anchor
 from pipeline.tokens.calibrated import CalibratedEstimator
 from pipeline.tokens.estimator import Estimator
 from pipeline.tokens.reference import ReferenceEstimator
@@ -51,14 +50,14 @@ class KeptEstimates:
         would give the same answer again."""
         seen = _observations(estimator)
         if seen is None:
-            return estimator.estimate_detail(messages, find_anchor(messages), model=model)
+            return estimator.estimate_detail(messages, model=model)
         # the estimator itself is compared by identity (the built-in ones define no __eq__)
         state = (messages.stamp, estimator, seen, model)
         latest = self._latest
         hit = latest.get(id(messages))
         if hit is not None and hit[0] is messages and hit[1] == state:
             return hit[2]
-        detail = estimator.estimate_detail(messages, find_anchor(messages), model=model)
+        detail = estimator.estimate_detail(messages, model=model)
         if id(messages) not in latest and len(latest) >= _KEPT:
             del latest[next(iter(latest))]  # the oldest: dicts keep insertion order
         latest[id(messages)] = (messages, state, detail)

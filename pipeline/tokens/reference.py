@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pipeline.messages import Message, Usage, context_start
-from pipeline.tokens.anchor import compaction_restart
+from pipeline.messages import Message, context_start
+from pipeline.tokens.anchor import compaction_restart, find_anchor
+from pipeline.tokens.estimator import CallSeen
 from pipeline.tokens.features import Segment, block_segments, is_wire_visible, iter_segments
 from pipeline.tokens.media import IMAGE_TOKENS
 from pipeline.tokens.priors import model_family
@@ -92,13 +93,10 @@ class ReferenceEstimator:
         return total
 
     def estimate_detail(
-        self,
-        messages: Sequence[Message],
-        anchor: tuple[int, Usage] | None,
-        *,
-        model: str | None = None,
+        self, messages: Sequence[Message], *, model: str | None = None
     ) -> EstimateDetail:
         """The anchor's usage total plus the rough count of everything after its first record."""
+        anchor = find_anchor(messages)
         if anchor is None:
             start = context_start(messages)
             part, anchor_total = self._rough(messages[start:]), 0
@@ -126,26 +124,9 @@ class ReferenceEstimator:
         """The rough count of ``messages`` alone."""
         return rough_tokens_for_messages(messages)
 
-    def observe(
-        self,
-        messages: Sequence[Message],
-        anchor: tuple[int, Usage] | None,
-        usage: Usage,
-        *,
-        model: str | None = None,
-        skip: str | None = None,
-    ) -> tuple[EstimateDetail, bool, str]:
-        """The estimate as it stood; nothing is learned."""
-        return self.observed(self.estimate_detail(messages, anchor, model=model), skip)
-
-    @staticmethod
-    def observed(
-        detail: EstimateDetail, skip: str | None = None
-    ) -> tuple[EstimateDetail, bool, str]:
-        """What :meth:`observe` returns for a call whose estimate was ``detail``: a tracker
-        that has just made that estimate takes it as observed rather than pricing the records
-        after the anchor again."""
-        return detail, False, skip or NOTHING_TO_LEARN
+    def learn_from(self, call: CallSeen) -> tuple[bool, str]:
+        """Nothing is learned."""
+        return False, NOTHING_TO_LEARN
 
     def ratios(self, family: str | None = None) -> dict[str, dict[str, float | None]]:
         """The fixed ratios: 4 chars/token for text, 2 for JSON-family text."""

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from pipeline.kept_list import KeptList
 from pipeline.logs import get_logger
 from pipeline.messages import MAX_TOKENS, Message, Usage
-from pipeline.tokens.anchor import find_anchor
 from pipeline.tokens.calibrated import CalibratedEstimator
 from pipeline.tokens.checks import (
     bounded_repr,
@@ -38,7 +37,7 @@ from pipeline.tokens.checks import (
     check_keys,
     check_mapping,
 )
-from pipeline.tokens.estimator import Estimator
+from pipeline.tokens.estimator import CallSeen, Estimator
 from pipeline.tokens.kept_estimates import KeptEstimates
 from pipeline.tokens.reference import ReferenceEstimator
 from pipeline.tokens.request import RequestOverhead
@@ -164,7 +163,7 @@ class TokenTracker:
         if isinstance(messages, KeptList):
             detail = self._kept.detail(self.estimator, messages, model)
         else:
-            detail = self.estimator.estimate_detail(messages, find_anchor(messages), model=model)
+            detail = self.estimator.estimate_detail(messages, model=model)
         return self._with_request(detail)
 
     def estimate(self, messages: Sequence[Message], *, model: str | None = None) -> int:
@@ -211,22 +210,17 @@ class TokenTracker:
             skip = "stages removed anchored content"
         elif compacted:
             skip = "the server compacted the context"
-        anchor = find_anchor(messages)
         # priced as the estimate stood before the call, before the estimator learns from it
-        before = self.estimator.estimate_detail(messages, anchor, model=model)
+        before = self.estimator.estimate_detail(messages, model=model)
         if skip is None:
             skip = self.request.skip_reason(has_anchor=before.has_anchor)
         measured = self._overhead_measured()
         extra = self.request.extra(has_anchor=before.has_anchor, overhead_measured=measured)
-        if type(self.estimator) is ReferenceEstimator:
-            # it learns nothing, so what it observes is ``before``: asking it would price the
-            # records after the anchor a second time (the replay observes every call)
-            detail, learned, reason = ReferenceEstimator.observed(before, skip)
+        if skip is None:
+            learned, reason = self.estimator.learn_from(CallSeen(messages, usage, model, before))
         else:
-            detail, learned, reason = self.estimator.observe(
-                messages, anchor, usage, model=model, skip=skip
-            )
-        detail = self._with_request(detail, extra)
+            learned, reason = False, skip
+        detail = self._with_request(before, extra)
         # a call without an anchor (and no compaction) is where an overhead gets measured
         fresh = not before.has_anchor and not before.crossed_compaction and skip is None
         self.request.observed(overhead_measured_now=fresh)

@@ -1,18 +1,11 @@
-"""The parts every stage shares, in one place: argument checks (:mod:`.args`), tool results and
-replace-by-id (:mod:`.results`), rounds and cut points (:mod:`.rounds`), per-session state and
-decision records (:mod:`.records`) and the reusable last output (:mod:`.projection`)."""
+"""The parts every stage shares, in one place: tool results and replace-by-id (:mod:`.results`),
+rounds and cut points (:mod:`.rounds`), per-session state and decision records
+(:mod:`.records`), the reusable last output (:mod:`.projection`) and the pass of a projecting
+stage (:mod:`.projection_pass`). The argument checks are imported from :mod:`.args` itself."""
 
 from pipeline.policies import DEFAULT_CONTEXT_WINDOW
-from stages._shared.args import (
-    check_bool,
-    check_fraction,
-    check_int,
-    check_minutes,
-    check_names,
-    check_positive,
-    check_summarizer,
-)
-from stages._shared.projection import Projection, reapply_projection
+from stages._shared.projection import Projection
+from stages._shared.projection_pass import ProjectionPass, ProjectionState
 from stages._shared.records import record_decision, session_state, write_off_loop
 from stages._shared.results import (
     CLEARED_PLACEHOLDER,
@@ -44,17 +37,12 @@ __all__ = [
     "ContentFor",
     "Price",
     "Projection",
+    "ProjectionPass",
+    "ProjectionState",
     "RoundView",
     "anchor_uuid",
     "api_rounds",
     "by_id",
-    "check_bool",
-    "check_fraction",
-    "check_int",
-    "check_minutes",
-    "check_names",
-    "check_positive",
-    "check_summarizer",
     "cut_indices",
     "freed_before_anchor",
     "is_prompt",
@@ -63,7 +51,6 @@ __all__ = [
     "patch_results",
     "priced_before",
     "protected_rounds",
-    "reapply_projection",
     "record_decision",
     "replace_results",
     "result_ids",

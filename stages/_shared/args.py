@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from pipeline.summarizer import Summarizer
 
 __all__ = [
+    "check_below",
     "check_bool",
     "check_fraction",
     "check_int",
@@ -41,6 +42,13 @@ def check_fraction(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
         raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
     return float(value)
+
+
+def check_below(target_name: str, target: object, trigger_name: str, trigger: object) -> None:
+    """``ValueError`` unless ``target`` is below ``trigger`` (fractions already checked): a stage
+    that acts at the trigger must bring the context under it."""
+    if not (isinstance(target, float) and isinstance(trigger, float) and target < trigger):
+        raise ValueError(f"{target_name} ({target!r}) must be below {trigger_name} ({trigger!r})")
 
 
 def check_positive(name: str, value: object) -> float:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
-from pipeline.incremental import AppendWatch
 from pipeline.messages import Message
 
-__all__ = ["Projection", "ProjectionState", "reapply_projection"]
+__all__ = ["Projection"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,34 +63,3 @@ class Projection:
         out = self.out
         out += messages[grown:]
         return out, self.applied
-
-
-class ProjectionState(Protocol):
-    """What a projecting stage keeps per session for :func:`reapply_projection`."""
-
-    watch: AppendWatch
-    last: Projection | None
-
-
-def reapply_projection(
-    messages: list[Message],
-    state: ProjectionState,
-    decisions: int,
-    project: Callable[[], tuple[list[Message], int]],
-    *,
-    reuse: bool,
-) -> tuple[list[Message], int, Projection | None]:
-    """The recorded decisions applied to ``messages``: the last pass's output plus the new
-    records when the history only grew by records that reach nothing older and none of them
-    is one a decision names; else ``project()`` from scratch.
-
-    Returns the output, what :attr:`Projection.applied` counts, and the last pass's projection
-    (taken out of ``state``: a pass that fails midway leaves nothing to reuse).
-    """
-    state.last, last = None, state.last
-    grown = state.watch.advance(messages, reuse=reuse)
-    if not decisions:
-        return messages, 0, last
-    extended = last.extend(messages, grown, decisions) if last else None
-    out, applied = extended or project()
-    return out, applied, last

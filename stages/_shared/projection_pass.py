@@ -5,39 +5,47 @@ once the stage has acted (or not)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from pipeline import Message, SessionContext
+from pipeline.incremental import AppendWatch
 from pipeline.tracing import AttributeValue, Decision, Reason
-from stages._shared.projection import Projection, ProjectionState, reapply_projection
+from stages._shared.projection import Projection
 from stages._shared.records import session_state
 from stages._shared.rounds import RoundView
 
-__all__ = ["Projecting", "ProjectionPass"]
+__all__ = ["ProjectionPass", "ProjectionState"]
 
-D = TypeVar("D", covariant=True)
+D = TypeVar("D")
 
 
-class Projecting(ProjectionState, Protocol[D]):
-    """What a projecting stage keeps per session: its decisions so far, and which of them the
+@dataclass(slots=True)
+class ProjectionState(Generic[D]):
+    """What a projecting stage keeps per session: the last pass's output while it can be
+    reused, and (in the stage's own subclass) its decisions so far and which of them the
     request its usage anchor answered already had."""
+
+    watch: AppendWatch = field(default_factory=AppendWatch)
+    """Whether the history only grew since the last pass."""
+    last: Projection | None = None
+    """The previous pass's output, while it can be extended."""
 
     def decided(self) -> D:
         """Every decision so far, as the stage's projection takes them."""
-        ...
+        raise NotImplementedError
 
     def decided_count(self) -> int:
         """How many there are."""
-        ...
+        raise NotImplementedError
 
     def counted(self, anchor: str | None) -> D | None:
         """The decisions the anchor's request had; None when it had them all (the rest were
         made since: a retried pass, a crash before the call, and free tokens again)."""
-        ...
+        raise NotImplementedError
 
 
-S = TypeVar("S", bound=Projecting[Any])
+S = TypeVar("S", bound=ProjectionState[Any])
 
 
 @dataclass(slots=True)
@@ -75,7 +83,7 @@ class ProjectionPass(Generic[S]):
         the decisions applied; ``reuse``: extend the last pass's output where it can."""
         view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
         state = session_state(ctx, name, kind, lambda records: restore(ctx, view, records))
-        out, applied, last = reapply_projection(
+        out, applied, last = _reapply(
             messages,
             state,
             state.decided_count(),
@@ -113,3 +121,27 @@ class ProjectionPass(Generic[S]):
             facts=dict(facts),
         )
         return out
+
+
+def _reapply(
+    messages: list[Message],
+    state: ProjectionState[Any],
+    decisions: int,
+    project: Callable[[], tuple[list[Message], int]],
+    *,
+    reuse: bool,
+) -> tuple[list[Message], int, Projection | None]:
+    """The recorded decisions applied to ``messages``: the last pass's output plus the new
+    records when the history only grew by records that reach nothing older and none of them
+    is one a decision names; else ``project()`` from scratch.
+
+    Returns the output, what :attr:`Projection.applied` counts, and the last pass's projection
+    (taken out of ``state``: a pass that fails midway leaves nothing to reuse).
+    """
+    state.last, last = None, state.last
+    grown = state.watch.advance(messages, reuse=reuse)
+    if not decisions:
+        return messages, 0, last
+    extended = last.extend(messages, grown, decisions) if last else None
+    out, applied = extended or project()
+    return out, applied, last

@@ -12,8 +12,9 @@ had never been made, and the stage decides again from the history it sees.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
 
@@ -24,12 +25,13 @@ from pipeline.tokens.checks import bounded_repr
 from stages._shared.rounds import RoundView
 
 __all__ = [
-    "check_not_kept",
+    "RoundRecord",
+    "RoundStage",
     "check_optional_str",
-    "check_uuid_list",
     "kept_uuids",
     "parse_records",
     "record_decision",
+    "restore_round_records",
     "session_state",
     "write_off_loop",
 ]
@@ -114,6 +116,53 @@ def check_not_kept(uuids: Iterable[str], kept: Collection[str], stage: str) -> N
     hit = next((u for u in uuids if u in kept), None)
     if hit is not None:
         raise ValueError(f"names {bounded_repr(hit)}, a record {stage} always keeps")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """What a recorded decision over whole rounds names: the records it took, and the usage
+    anchor when it took them (its freed tokens count against that usage)."""
+
+    uuids: tuple[str, ...]
+    anchor: str | None
+
+
+class RoundStage(Protocol):
+    """A stage that takes whole old rounds, as :func:`restore_round_records` reads it."""
+
+    name: str
+    strategy: str
+    keep_recent_rounds: int
+
+
+def restore_round_records(
+    ctx: SessionContext,
+    stage: RoundStage,
+    view: RoundView,
+    records: list[Mapping[str, Any]],
+    *,
+    uuids_key: str,
+    build: Callable[[RoundRecord, Mapping[str, Any]], D],
+) -> list[D]:
+    """The decisions ``stage`` recorded, checked as :func:`parse_records` checks them: each
+    names its records under ``uuids_key`` (and its ``anchor``), none of them one the stage
+    keeps in ``view``'s history (:func:`kept_uuids` with its ``keep_recent_rounds``: a forged
+    or damaged record), and ``build`` makes the stage's decision of it (raising
+    ``ValueError`` on the stage's own fields)."""
+    if not records:
+        return []
+    kept = kept_uuids(view, stage.keep_recent_rounds)
+    strategy = stage.strategy
+
+    def parse(data: Mapping[str, Any]) -> D:
+        if data.get("strategy", strategy) != strategy:
+            raise ValueError(f"not a {strategy} record")
+        uuids = check_uuid_list(data.get(uuids_key), uuids_key)
+        anchor = check_optional_str(data.get("anchor"), "anchor")
+        check_not_kept(uuids, kept, stage.name)
+        return build(RoundRecord(uuids, anchor), data)
+
+    return parse_records(ctx, stage.name, records, parse)
 
 
 async def record_decision(ctx: SessionContext, stage: str, data: Mapping[str, Any]) -> None:
