@@ -438,6 +438,8 @@ def test_a_store_outage_never_fails_a_call_and_the_session_stays_consistent(
             for _ in range(8, 12):
                 conversation.call(first.url)
             conversation.call(second.url)  # a worker that never served this conversation
+            moto_store = moto.store(bucket)
+            stored_keys = keys_of(moto_store, PREFIX)
         finally:
             moto.stop()
         requests = upstream.requests
@@ -448,26 +450,30 @@ def test_a_store_outage_never_fails_a_call_and_the_session_stays_consistent(
     for k in range(1, 12):
         before = requests[k - 1]["messages"]
         assert requests[k]["messages"][: len(before)] == before, k
-    # during the outage the results that should have been persisted were sent whole
-    lost: set[str] = set()
+    # during the outage the results over the budget were persisted all the same: to the
+    # worker's spool, under the names the store would have given them
+    spooled: set[str] = set()
     for k in down:
         newest = requests[k]["messages"][-1]["content"]
         if len(newest) > 1:  # a turn over the budget
-            assert all(not b["content"].startswith(TAG) for b in newest)
-            lost.update(b["tool_use_id"] for b in newest if len(b["content"]) > SIZES[0])
-    assert len(lost) == 6  # the two largest of the three turns answered in the outage
-    # after it, persisting works again
+            over = [b for b in newest if len(b["content"]) > SIZES[0]]
+            assert over and all(b["content"].startswith(TAG) for b in over)
+            spooled.update(b["tool_use_id"] for b in over)
+    assert len(spooled) == 6  # the two largest of the three turns answered in the outage
+    # after it, persisting works again, and the spool has reached the store
     assert requests[11]["messages"][-1]["content"][-1]["content"].startswith(TAG)
+    stored = [key for key in stored_keys if "/tool-results/" in key]
+    assert all(any(f"/{tid}." in key for key in stored) for tid in spooled)
 
-    # a worker that never served the conversation takes it over: the decisions that could not
-    # be recorded are on results before the last response, which it counts as sent (whole,
-    # unless a replacement is recorded), so it sends what the first worker would have sent
+    # a worker that never served the conversation takes it over: the decisions whose records
+    # could not be written (results before the last response) it makes again, alike
     before, after = results_of(requests[11]), results_of(requests[12])
     assert all(after[k] == before[k] for k in before)
     assert requests[12]["messages"][: len(requests[11]["messages"])] == requests[11]["messages"]
 
     told = first.stderr
     assert "stage_record.write_failed" in told  # each failed append is logged...
+    assert "store.spooled" in told  # ...each result spooled...
     assert "wire_session.refresh_failed" in told  # ...and each listing that could not be made
     assert SECRET_KEY not in told + second.stderr  # ...without the credentials
     assert "Traceback" not in told
@@ -577,12 +583,15 @@ def test_a_worker_serving_again_first_learns_what_another_decided(tmp_path: Path
         assert requests[k]["messages"][: len(before)] == before, k
 
 
-def test_a_decision_whose_record_was_lost_is_not_known_to_the_next_worker(tmp_path: Path) -> None:
-    """The documented limit: the second worker persists two results but cannot record it (its
-    record writes fail for that call). The first worker, serving the next call, counts those
-    results as sent whole (they stand before the last response and no replacement is
-    recorded) and sends them whole: the model sees them in full again, once, and the prompt
-    cache misses from there."""
+def test_a_decision_whose_record_was_lost_is_made_again_alike_by_the_next_worker(
+    tmp_path: Path,
+) -> None:
+    """The second worker persists two results but cannot record it (its record writes fail
+    for that call). The first worker, serving the next call, finds no record of those results
+    in a conversation whose records show it served calls: a record lost, not a result sent
+    before this layer. It decides them again, as the second did (the decision depends on the
+    results and their message alone): the model never sees them change form. Before, it counted
+    them as sent whole and sent them in full."""
     from obstore.store import MemoryStore
 
     with ScriptedMessagesServer(script) as upstream:
@@ -596,8 +605,10 @@ def test_a_decision_whose_record_was_lost_is_not_known_to_the_next_worker(tmp_pa
         requests = upstream.requests
     before, after = results_of(requests[5]), results_of(requests[6])
     assert before["toolu_04_1"].startswith(TAG) and before["toolu_04_2"].startswith(TAG)
-    assert {k for k in before if before[k] != after[k]} == {"toolu_04_1", "toolu_04_2"}
-    assert after["toolu_04_2"] == output("toolu_04_2", SIZES[2])
+    assert {k for k in before if before[k] != after[k]} == set()
+    for k in range(1, 8):
+        previous = requests[k - 1]["messages"]
+        assert requests[k]["messages"][: len(previous)] == previous, k
     failed = [kw for level, event, kw in logger.events if event == "stage_record.write_failed"]
     assert failed and all(kw["error"] == "StoreError" for kw in failed)
 

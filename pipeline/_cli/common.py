@@ -166,10 +166,13 @@ class ReplayOptions:
         )
 
 
-def object_store_states(args: argparse.Namespace) -> SessionStates | None:
+def object_store_states(
+    args: argparse.Namespace, *, spool: Path | None = None
+) -> SessionStates | None:
     """The sessions' states on the object store ``--store`` names (with ``--store-timeout``
-    and ``--store-retries``); None for a local ``--store`` (or none), where those two are
-    refused. ``CliError`` for a URL that is not ``s3://BUCKET/PREFIX`` or a missing extra."""
+    and ``--store-retries``; ``spool``: where results it cannot take wait); None for a local
+    ``--store`` (or none), where those two are refused. ``CliError`` for a URL that is not
+    ``s3://BUCKET/PREFIX`` or a missing extra."""
     location = args.store
     timeout, retries = getattr(args, "store_timeout", None), getattr(args, "store_retries", None)
     cool_down = getattr(args, "store_cool_down", None)
@@ -191,7 +194,7 @@ def object_store_states(args: argparse.Namespace) -> SessionStates | None:
     try:
         if cool_down is not None:
             options["cool_down"] = cool_down or None  # 0: no breaker, every call asks
-        return SessionStates(location, **options)
+        return SessionStates(location, spool=spool, **options)
     except ImportError:
         raise CliError(
             "an s3:// store needs the objectstore extra: pip install 'sluicegate[objectstore]'"

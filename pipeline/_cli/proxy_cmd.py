@@ -30,6 +30,7 @@ from pipeline.logs import get_logger
 from pipeline.policies import ToolPolicies
 from pipeline.store.retention import PruneReport, prune_periodically, prune_store
 from pipeline.store.sessions import SessionStates
+from pipeline.store.spool import SPOOL_DIR
 
 PRUNE_INTERVAL = 3_600.0
 """Seconds between two prunes of the store while the proxy runs (``--retain``,
@@ -59,14 +60,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         raise CliError(f"--upstream must be an http(s) URL, got {args.upstream[:80]!r}")
     options = ReplayOptions.from_args(args)
     options.pipeline()  # a bad --stage is refused before the server starts
-    shared = object_store_states(args)
+    # the token calibration is per host: on a local directory even when the state is shared;
+    # so is the spool of results an object store could not take
+    root = options.store or Path(".sluicegate")
+    shared = object_store_states(args, spool=root / SPOOL_DIR)
     if shared is not None and (args.retain is not None or args.max_store_size is not None):
         raise CliError(
             "--retain and --max-store-size prune a local --store; on s3:// expire the "
             "objects under the prefix with the bucket's lifecycle rules instead"
         )
-    # the token calibration is per host: on a local directory even when the state is shared
-    root = options.store or Path(".sluicegate")
     # a server logs each request (INFO) unless told less: -v adds debug
     with telemetry(args, metrics=True, verbosity=1) as set_up:
         background = retention(args, root) if shared is None else []

@@ -165,6 +165,8 @@ class WireSession:
         self._disk_chain: list[bytes] = []
         """The chain as the records hold it."""
         self._pending: Inherited | None = None
+        self._served = False
+        """Whether the loaded records hold a response of this conversation's own."""
         if loaded is None and inherited is not None:
             self._pending = inherited
             loaded = Transcript(
@@ -214,6 +216,15 @@ class WireSession:
         self.last_call: Call | None = None
         """The request :meth:`prepare` prepared last (what :meth:`observe` records by
         default)."""
+        self.rederive = self.storage.shared and self._served
+        """Whether a result the model answered after that no record decided is decided again
+        by the budget (as whoever served its call decided it: the decision depends on the
+        result and its message alone), rather than counted as sent whole. True for a
+        conversation of a shared store whose records show it served calls (a gap in them is a
+        record another worker could not write, not a result sent before this layer) and for
+        one whose records could not be read (set by the caller); False otherwise: a
+        conversation new to the store (or a branch's first request) may carry results the
+        model saw whole before this layer."""
         self.elsewhere: Decided | None = None
         """How the other conversations of this one's family decided results (their ledger
         keys): set by :class:`~pipeline.dropin.conversations.Conversations`; None alone."""
@@ -270,6 +281,7 @@ class WireSession:
                 None,
             )
         own = [r for r in records if r.stage != FORK_RECORD]
+        self._served = any(r.stage == RESPONSE_RECORD for r in own)
         if fork is not None:
             got, problems = Inherited.from_record(fork)
             if problems:
@@ -457,7 +469,8 @@ class WireSession:
         """Results the model answered after, that this conversation never decided: what
         another conversation of its family sent each as (:attr:`elsewhere`: a replacement
         bound to the same output -- this client's own, whose request no record placed here),
-        else whole. Either way recorded, so a new process decides alike."""
+        else whole (or, with :attr:`rederive`, decided again by the budget). Either way
+        recorded, so a new process decides alike."""
         state = self.ctx.replacement_state
         adopted: list[ReplacementRecord] = []
         if self.elsewhere is not None:
@@ -466,6 +479,10 @@ class WireSession:
         for record in adopted:
             state.record_replacement(record.key, record.replacement)
         whole = keys - {r.key for r in adopted}
+        if self.rederive:
+            # left fresh: the budget decides them in this pass, as it did where they were new
+            state.seen_ids.difference_update(whole)
+            whole = set()
         state.seen_ids |= whole
         if adopted:
             await anyio.to_thread.run_sync(self._appended, REPLACEMENT_RECORD, adopted)
@@ -566,31 +583,38 @@ class WireSession:
     async def settle(self) -> None:
         """Make what this session wrote so far durable, off the response's path: its records
         (a local store opened with ``fsync_each=False``: one ``fsync`` for the call's appends)
-        and the token calibration learned since the last settle. Nothing to do where each
-        append was durable already. A failure is logged, never raised (the response has gone)."""
-        if self.storage.sync is None:
+        and the token calibration learned since the last settle; and write to an object store
+        what its spool holds (results persisted while it was down). Nothing to do where each
+        append was durable already and nothing is spooled. A failure is logged, never raised
+        (the response has gone)."""
+        if self.storage.sync is None and self.storage.drain is None:
             return
         state, self._calibration_due = self._calibration_due, None
         await anyio.to_thread.run_sync(self._settled, state)
 
     def settle_sync(self) -> None:
         """:meth:`settle`, blocking (the synchronous client's path)."""
-        if self.storage.sync is None:
+        if self.storage.sync is None and self.storage.drain is None:
             return
         state, self._calibration_due = self._calibration_due, None
         self._settled(state)
 
     def _settled(self, calibration: Mapping[str, Any] | None) -> None:
-        sync = self.storage.sync
-        assert sync is not None
-        try:
-            sync()
-        except OSError as exc:
-            self.ctx.logger.error(
-                "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
-            )
+        sync, drain = self.storage.sync, self.storage.drain
+        if sync is not None:
+            try:
+                sync()
+            except OSError as exc:
+                self.ctx.logger.error(
+                    "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
+                )
         if calibration is not None:  # an estimate, not a decision: a power loss costs a cold start
             TokenTracker.save_state(self._calibration, calibration, durable=False)
+        if drain is not None:
+            try:
+                drain()
+            except OSError as exc:  # the local spool itself failed: its results wait on
+                self.ctx.logger.error("store.spool_failed", error=type(exc).__name__)
 
     def _response(
         self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None

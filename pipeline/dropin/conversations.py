@@ -163,6 +163,8 @@ class Family:
     """The chain digest of a conversation's last request -> that conversation."""
     recent: list[Branch] = field(default_factory=list)
     """Most recently routed first."""
+    unsure: bool = False
+    """Its records could not be read (the store was down): its conversations re-derive."""
 
     def register(self, branch: Branch, chain: list[bytes], start: int = 0) -> None:
         """``branch`` now ends with ``chain`` (new from ``start``), the most recent."""
@@ -243,7 +245,12 @@ class Conversations:
         tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
         family = self._families.get((tenant, name))
         if family is None:
-            loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name, opening)
+            try:
+                loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name, opening)
+            except OSError:
+                if not self.states.shared:
+                    raise  # a local store that cannot be read is not a view of a fleet's
+                loaded = self._unsure(tenant, name, opening)
             family = self._hold((tenant, name), loaded)
         return self._place(family, messages, opening, build=_call)
 
@@ -264,7 +271,12 @@ class Conversations:
         tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
         family = self._families.get((tenant, name))
         if family is None:
-            loaded = run(lambda: self._load_family(tenant, name, opening))
+            try:
+                loaded = run(lambda: self._load_family(tenant, name, opening))
+            except OSError:
+                if not self.states.shared:
+                    raise  # a local store that cannot be read is not a view of a fleet's
+                loaded = self._unsure(tenant, name, opening)
             family = self._hold((tenant, name), loaded)
         return self._place(family, messages, opening, build=run, sync=True)
 
@@ -297,9 +309,21 @@ class Conversations:
             branch.params = []
             family.register(branch, list(session.chain))
 
+    def _unsure(self, tenant: str, name: str, opening: bytes) -> Family:
+        """The family of a request whose records a shared store could not give (it is down):
+        one without records whose conversations decide every result no record tells them of
+        as the fleet decided it (:attr:`WireSession.rederive`), held for this request only --
+        the next loads again."""
+        get_logger().warning("conversations.load_failed", rederive=True)
+        states = self.states.within(tenant)
+        return Family(tenant, name, opening, states, self.root / tenant, unsure=True)
+
     # -- holding -----------------------------------------------------------------------------
     def _hold(self, key: tuple[str, str], loaded: Family) -> Family:
-        """The family of ``key``: ``loaded``, unless another caller's load got there first."""
+        """The family of ``key``: ``loaded``, unless another caller's load got there first.
+        A family whose records could not be read is not held: the next request loads it."""
+        if loaded.unsure:
+            return loaded
         with self._lock:
             family = self._families.get(key)
             if family is None:
@@ -543,7 +567,9 @@ class Conversations:
             )
 
         def make() -> WireSession:
-            return self._session(family, plan.name, storage, loaded=None, inherited=inherited)
+            session = self._session(family, plan.name, storage, loaded=None, inherited=inherited)
+            session.rederive = session.rederive or family.unsure
+            return session
 
         return Branch(family, plan.name, build(make))
 

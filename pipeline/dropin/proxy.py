@@ -22,12 +22,15 @@ objects are read). The response's record is written before the client sees the r
 (an event stream's ``message_delta`` is held back until then; a JSON body is passed on whole
 once read), so the worker serving the next call finds it.
 
-The store never fails a request. A result that cannot be persisted is sent whole (the
-budget's ``persist_failed``); a record that cannot be written is logged
-(``stage_record.write_failed``) and the call goes on; a conversation whose records cannot be
-read when this proxy first meets it is sent upstream as the client sent it
-(``wire_session.load_failed``), and loading is tried again on its next call; one whose news
-cannot be listed goes on from what this proxy knows (``wire_session.refresh_failed``).
+The store never fails a request, and its outage never changes what the model has seen. A
+result that cannot be persisted waits in the local spool (``<root>/spool``: see
+:mod:`pipeline.store.spool`) under the URI the store would have given it; a record that cannot
+be written is logged (``stage_record.write_failed``) and the call goes on; a conversation whose
+records cannot be read (``conversations.load_failed``) or whose news cannot be listed
+(``wire_session.refresh_failed``) goes on from what this proxy knows, deciding the results no
+record tells it of as the fleet did (:attr:`~pipeline.dropin.adapter.WireSession.rederive`).
+Only a request whose tenant cannot be told (the store's tenancy secret never read) is sent
+upstream as the client sent it (``wire_session.load_failed``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from pipeline.dropin.tenancy import Tenancy
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.logs import get_logger
 from pipeline.store.sessions import SessionStates
+from pipeline.store.spool import SPOOL_DIR
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body
 from pipeline.wire.request_fields import merge_betas, merge_request_fields
@@ -147,11 +151,13 @@ def build_app(
     logger = context.get("logger") or get_logger()
     # request bodies parsed in the size of what is new in them (see pipeline.wire.body_reader)
     bodies = BodyReader(max_bodies=max_conversations or MAX_HELD)
-    states = (
-        storage
-        if isinstance(storage, SessionStates)
-        else SessionStates(storage or root, fsync_each=fsync_each)
-    )
+    if isinstance(storage, SessionStates):
+        states = storage
+    elif storage is not None and "://" in os.fspath(storage):
+        # an object store: what it cannot take waits in the local root (pipeline.store.spool)
+        states = SessionStates(storage, spool=Path(root) / SPOOL_DIR)
+    else:
+        states = SessionStates(storage or root, fsync_each=fsync_each)
     conversations = Conversations(
         pipeline=pipeline,
         root=root,
@@ -184,6 +190,9 @@ def build_app(
             moved = await anyio.to_thread.run_sync(session.storage.changed_elsewhere)
         except OSError as exc:
             session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
+            # another worker may have served calls this one cannot read of: what it decided on
+            # their results is decided again here, alike, rather than taken as sent whole
+            session.rederive = True
             return True
         if not moved:
             return True
@@ -191,6 +200,7 @@ def build_app(
             await conversations.reload(branch)
         except OSError as exc:
             session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
+            session.rederive = True
             return True
         return False
 

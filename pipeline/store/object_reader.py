@@ -36,6 +36,7 @@ from pipeline.store.readback import (
     _shown,
     _skip_lines,
 )
+from pipeline.store.spool import Spool
 
 if TYPE_CHECKING:
     from obstore import GetOptions, ObjectMeta
@@ -135,9 +136,9 @@ class ObjectOutputReader(PagedReader):
     """The read-back tool (``read_persisted_output``) for one session's results on an object
     store, named by their URIs (see the module docstring).
 
-    ``store`` and ``layout``: those of the
-    :class:`~pipeline.store.objects.ObjectToolResultStore` that wrote them (its ``.store`` and
-    ``.layout``).
+    ``store``, ``layout`` and ``spool``: those of the
+    :class:`~pipeline.store.objects.ObjectToolResultStore` that wrote them (a result in its
+    spool is read from there).
     """
 
     name = READBACK_TOOL_NAME
@@ -149,6 +150,7 @@ class ObjectOutputReader(PagedReader):
         *,
         default_limit: int = DEFAULT_LIMIT_LINES,
         max_chars: int = DEFAULT_MAX_CHARS,
+        spool: Spool | None = None,
     ) -> None:
         super().__init__(
             name=READBACK_TOOL_NAME,
@@ -158,6 +160,9 @@ class ObjectOutputReader(PagedReader):
         )
         self.store = store
         self.layout = layout
+        self.spool = spool
+        """Results this worker persisted while the store was down, read from here until they
+        are written to it."""
         self._indexes: OrderedDict[tuple[str, str | None, int], LineIndex] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -174,6 +179,12 @@ class ObjectOutputReader(PagedReader):
 
     def _read(self, path: str, offset: int, limit: int) -> str:
         key = self.resolve(path)
+        spooled = self.spool.path_of(key) if self.spool is not None else None
+        if spooled is not None:
+            try:
+                return self._page_file(spooled, path, offset, limit)
+            except FileNotFoundError:
+                pass  # written to the store meanwhile: read there
         try:
             meta = self.store.head(key)
         except FileNotFoundError:

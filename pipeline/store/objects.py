@@ -42,6 +42,7 @@ from pipeline.store.files import (
     safe_file_stem,
     validate_session_id,
 )
+from pipeline.store.spool import Spool
 
 if TYPE_CHECKING:
     from obstore import (
@@ -61,6 +62,7 @@ __all__ = [
     "ObjectToolResultStore",
     "is_create_conflict",
     "normalize_prefix",
+    "place_object",
 ]
 
 RECORDS_SUBDIR = "records"
@@ -185,8 +187,10 @@ class ObjectToolResultStore:
     ``prefix``, ``session_id``, ``uri_base``: see :class:`ObjectLayout`; ``content_named``:
     every result under its content's name, as
     :class:`~pipeline.store.files.FileToolResultStore` does with it. ``persist`` returns the URI
-    of the object that holds the text. An error of the store (unreachable, denied)
-    propagates: the budget then sends the original and records ``persist_failed``.
+    of the object that holds the text. An error of the store (unreachable, denied) puts the
+    result in ``spool`` (:class:`~pipeline.store.spool.Spool`) when there is one and it has
+    room, with the URI the store's write would have given; else it propagates: the budget then
+    sends the original and records ``persist_failed``.
     """
 
     def __init__(
@@ -197,11 +201,14 @@ class ObjectToolResultStore:
         session_id: str,
         uri_base: str,
         content_named: bool = False,
+        spool: Spool | None = None,
     ) -> None:
         self.store = store
         self.layout = ObjectLayout(session_id, prefix, uri_base)
         self.session_id = self.layout.session_id
         self.content_named = content_named
+        self.spool = spool
+        """Where a result goes when the store cannot take it (:mod:`pipeline.store.spool`)."""
 
     def key_for(self, tool_use_id: str, ext: str) -> str:
         """The key of ``tool_use_id``'s result when nothing else is in the way."""
@@ -221,13 +228,21 @@ class ObjectToolResultStore:
 
     # -- blocking part, run in a worker thread ----------------------------------------------
     def _write(self, key: str, data: bytes) -> str:
-        if not self.content_named and self._place(key, data):
-            return key
         digest = hashlib.sha256(data).hexdigest()[:12]
         stem, ext = key.rsplit(".", 1)
         distinct = f"{stem}.{digest}.{ext}"
-        if self._place(distinct, data):
-            return distinct
+        try:
+            if not self.content_named and self._place(key, data):
+                return key
+            if self._place(distinct, data):
+                return distinct
+        except Exception:
+            # the store is down or refused the write: spooled, the result gets the replacement
+            # the write would have given (a content-named one: the same on every worker)
+            spooled = key if not self.content_named else distinct
+            if self.spool is not None and self.spool.put(spooled, data):
+                return spooled
+            raise
         raise StoreError(
             errno.EEXIST,
             "different objects hold both names for this result",
@@ -235,20 +250,32 @@ class ObjectToolResultStore:
         )
 
     def _place(self, key: str, data: bytes) -> bool:
-        """Make ``key`` hold ``data``: True when it does, False when other bytes are there."""
-        for _ in range(2):
-            try:
-                self.store.put(key, data, mode="create")
-                return True
-            except Exception as exc:
-                if not is_create_conflict(exc):
-                    raise
-            # someone created it first: it counts only if it holds our bytes
-            try:
-                found = self.store.get(key)
-            except FileNotFoundError:
-                continue  # created and gone again (a prune): try to create it once more
-            if found.meta["size"] != len(data):
-                return False
-            return bytes(found.bytes()) == data
-        raise StoreError(errno.EAGAIN, "a result object keeps appearing and vanishing", key)
+        return place_object(self.store, key, data)
+
+    def drain(self) -> tuple[int, int]:
+        """Write what :attr:`spool` holds to the store (blocking): (written, still waiting)."""
+        if self.spool is None or not self.spool.waiting():
+            return 0, 0
+        return self.spool.drain(self._place)
+
+
+def place_object(store: ObjectStoreAPI, key: str, data: bytes) -> bool:
+    """Make ``key`` hold ``data``, never replacing other bytes: True when it does (created, or
+    already holding those bytes), False when other bytes are there. Raises what the store
+    raises otherwise."""
+    for _ in range(2):
+        try:
+            store.put(key, data, mode="create")
+            return True
+        except Exception as exc:
+            if not is_create_conflict(exc):
+                raise
+        # someone created it first: it counts only if it holds our bytes
+        try:
+            found = store.get(key)
+        except FileNotFoundError:
+            continue  # created and gone again (a prune): try to create it once more
+        if found.meta["size"] != len(data):
+            return False
+        return bytes(found.bytes()) == data
+    raise StoreError(errno.EAGAIN, "a result object keeps appearing and vanishing", key)

@@ -271,6 +271,15 @@ class PagedReader:
             return body + f"\n[lines {offset}-{last} of {last + rest}; next: offset={last + 1}]"
         return body
 
+    def _page_file(self, real: Path, path: str, offset: int, limit: int) -> str:
+        """The page of a local file ``real`` (named ``path`` to the model)."""
+        with _open_regular(real, path) as raw:
+            start, skipped = _skip_lines(raw, offset - 1)
+            if skipped < offset - 1:
+                raise self._past_end(offset, skipped)
+            raw.seek(start)
+            return self._page_at(raw, offset, limit, lambda text, _last: _count_lines(text))
+
     @staticmethod
     def _past_end(offset: int, total: int) -> ReadbackError:
         return ReadbackError(f"offset {_brief(offset)} is past the end ({total} lines)")
@@ -339,12 +348,7 @@ class LineReader(PagedReader):
             raise ReadbackError(f"cannot read {_shown(path)}: {_reason(exc)}") from exc
 
     def _page(self, real: Path, path: str, offset: int, limit: int) -> str:
-        with _open_regular(real, path) as raw:
-            start, skipped = _skip_lines(raw, offset - 1)
-            if skipped < offset - 1:
-                raise self._past_end(offset, skipped)
-            raw.seek(start)
-            return self._page_at(raw, offset, limit, lambda text, _last: _count_lines(text))
+        return self._page_file(real, path, offset, limit)
 
 
 class PersistedOutputReader(LineReader):

@@ -41,6 +41,7 @@ from pipeline.store.files import (
 )
 from pipeline.store.readback import PagedReader, PersistedOutputReader
 from pipeline.store.records import RecordLog
+from pipeline.store.spool import Spool
 from pipeline.transcript.read import Transcript, TranscriptWriter, load_transcript
 
 if TYPE_CHECKING:
@@ -124,6 +125,12 @@ class SessionStorage:
     """Makes the records appended so far durable (blocking; ``OSError`` when it cannot): set
     where an append is written but not yet durable (a local store opened with
     ``fsync_each=False``); None where each append already is."""
+    shared: bool = False
+    """Whether other workers may write this session's records too (an object store)."""
+    drain: Callable[[], object] | None = None
+    """Writes to the store the results spooled while it was down (blocking; cheap when none
+    wait; a store still down leaves them for the next time): set on an object store with a
+    spool (:mod:`pipeline.store.spool`)."""
 
 
 def in_turn_options(timeout: float = STORE_TIMEOUT, retries: int = STORE_RETRIES) -> dict[str, Any]:
@@ -192,7 +199,10 @@ class SessionStates:
     ``open(session_id)`` gives a session's :class:`SessionStorage`; ``shared`` tells whether
     the location can be shared by several workers (an object store). ``cool_down``: seconds an
     object store that failed is not asked again, each call failing at once meanwhile
-    (:class:`~pipeline.store.breaker.StoreBreaker`); None: every call asks it.
+    (:class:`~pipeline.store.breaker.StoreBreaker`); None: every call asks it. ``spool``: a
+    local directory where an object store's sessions keep the results it cannot take (it is
+    down, or refuses the write), until it takes them (:mod:`pipeline.store.spool`); None: such
+    a result is sent whole.
     """
 
     def __init__(
@@ -203,6 +213,7 @@ class SessionStates:
         object_store: ObjectStoreAPI | None = None,
         fsync_each: bool = True,
         cool_down: float | None = STORE_COOL_DOWN,
+        spool: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
         text = os.fspath(location)
@@ -213,11 +224,14 @@ class SessionStates:
         if not isinstance(text, str):
             raise ValueError("a store location must be a path or a URL string, not bytes")
         self.writer_id = writer_id
+        self.spool: Spool | None = None
+        """Where an object store's sessions put results it cannot take (None: they are sent
+        whole): see :mod:`pipeline.store.spool`."""
         self._root: Path | None = None
         self._store: ObjectStoreAPI | None = None
         self._prefix = self._uri_base = ""
         if "://" not in text:
-            if options or object_store is not None:
+            if options or object_store is not None or spool is not None:
                 raise ValueError(
                     "store options apply to object store URLs, not to a local directory"
                 )
@@ -240,6 +254,8 @@ class SessionStates:
         # call of every conversation its timeout and retries
         self._store = store if cool_down is None else StoreBreaker(store, cool_down=cool_down)
         self.location = f"{uri_base}/{self._prefix}" if self._prefix else uri_base
+        if spool is not None:
+            self.spool = Spool(spool)
 
     @property
     def shared(self) -> bool:
@@ -281,6 +297,7 @@ class SessionStates:
             self.location,
             branch,
             content_named,
+            self.spool,
         )
 
     def within(self, name: str) -> SessionStates:
@@ -290,6 +307,7 @@ class SessionStates:
         inner = SessionStates.__new__(SessionStates)
         inner.writer_id = self.writer_id
         inner.fsync_each = self.fsync_each
+        inner.spool = self.spool
         inner._root = None if self._root is None else self._root / sub
         inner._store = self._store
         inner._uri_base = self._uri_base
@@ -453,6 +471,7 @@ def _on_objects(
     location: str,
     branch: str | None = None,
     content_named: bool = False,
+    spool: Spool | None = None,
 ) -> SessionStorage:
     from pipeline.store.object_reader import ObjectOutputReader
     from pipeline.store.object_records import ObjectRecordLog
@@ -467,7 +486,12 @@ def _on_objects(
         records=RECORDS_SUBDIR if branch is None else f"{RECORDS_SUBDIR}.{branch}",
     )
     results = ObjectToolResultStore(
-        store, prefix=prefix, session_id=sid, uri_base=uri_base, content_named=content_named
+        store,
+        prefix=prefix,
+        session_id=sid,
+        uri_base=uri_base,
+        content_named=content_named,
+        spool=spool,
     )
     return SessionStorage(
         session_id=sid,
@@ -475,9 +499,11 @@ def _on_objects(
         store=results,
         records=records,
         load=records.load,
-        reader=ObjectOutputReader(store, results.layout),
+        reader=ObjectOutputReader(store, results.layout, spool=spool),
         changed_elsewhere=records.changed_elsewhere,
         branch=branch,
+        shared=True,
+        drain=None if spool is None else results.drain,
     )
 
 

@@ -1,0 +1,135 @@
+"""The spool of results an object store could not take: a result persisted while the store is
+down gets the URI the store's write would have given, is read back from the spool on that
+worker, and reaches the store (conditionally) once it answers again."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from pipeline.store.object_reader import ObjectOutputReader
+from pipeline.store.objects import ObjectLayout, ObjectToolResultStore
+from pipeline.store.spool import Spool
+from tests.objectstore_support import Wrapped, keys_of
+
+obstore = pytest.importorskip("obstore", reason="the objectstore extra is not installed")
+
+WHERE: dict[str, str] = {"prefix": "p", "session_id": "sess-spool", "uri_base": "memory://"}
+_METHODS = ("put", "get", "head", "list", "list_with_delimiter")
+
+
+class Down:
+    """Every store call fails while ``down``."""
+
+    def __init__(self) -> None:
+        self.down = True
+
+    def hook(self, *_args: Any, **_kwargs: Any) -> None:
+        if self.down:
+            raise OSError("unreachable (test)")
+
+
+def stores(tmp_path: Path, **spool: Any) -> tuple[Any, Down, ObjectToolResultStore, Spool]:
+    memory = obstore.store.MemoryStore()
+    down = Down()
+    wrapped = Wrapped(memory, before=dict.fromkeys(_METHODS, down.hook))
+    kept = Spool(tmp_path / "spool", **spool)
+    store = ObjectToolResultStore(wrapped, content_named=True, spool=kept, **WHERE)
+    return memory, down, store, kept
+
+
+def test_a_result_persisted_while_the_store_is_down_is_read_back_then_written(
+    tmp_path: Path,
+) -> None:
+    memory, down, store, spool = stores(tmp_path)
+    text = "".join(f"line {i}\n" for i in range(500))
+    uri = anyio.run(store.persist, "toolu_1", text, "txt")
+    down.down = False
+    up_uri = anyio.run(
+        ObjectToolResultStore(memory, content_named=True, **WHERE).persist, "toolu_x", text, "txt"
+    )
+    down.down = True
+    # the URI the store itself gives the same bytes (another worker's, say)
+    assert uri == up_uri.replace("toolu_x", "toolu_1")
+    assert len(spool) == 1 and not [k for k in keys_of(memory, "p") if "toolu_1" in k]
+    # this worker reads it back from its spool while the store is down
+    reader = ObjectOutputReader(store.store, store.layout, spool=spool)
+    page = anyio.run(reader, {"path": uri, "offset": 499, "limit": 5})
+    assert page == "line 498\nline 499\n"
+    # a file of this user's only
+    (body,) = (tmp_path / "spool").glob("*.txt")
+    assert stat.S_IMODE(body.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "spool").stat().st_mode) == 0o700
+
+    assert store.drain() == (0, 1)  # still down: it waits
+    down.down = False
+    assert store.drain() == (1, 0)
+    key = uri.removeprefix("memory:///")
+    assert bytes(memory.get(key).bytes()) == text.encode()
+    assert len(spool) == 0 and not spool.waiting()
+    assert anyio.run(reader, {"path": uri, "offset": 499, "limit": 5}) == page  # from the store
+
+
+def test_draining_keeps_what_the_store_holds(tmp_path: Path) -> None:
+    """A spooled object another worker wrote first with the same bytes counts as written; one
+    whose key holds other bytes is dropped (never written over)."""
+    memory, down, store, _spool = stores(tmp_path)
+    same = anyio.run(store.persist, "toolu_1", "same\n" * 100, "txt")
+    other = anyio.run(store.persist, "toolu_2", "mine\n" * 100, "txt")
+    same_key, other_key = (u.removeprefix("memory:///") for u in (same, other))
+    memory.put(same_key, ("same\n" * 100).encode())
+    memory.put(other_key, b"theirs")
+    down.down = False
+    assert store.drain() == (1, 0)
+    assert bytes(memory.get(other_key).bytes()) == b"theirs"
+
+
+def test_a_full_spool_leaves_the_store_error_to_the_budget(tmp_path: Path) -> None:
+    """Past ``max_bytes`` a result is not spooled: the store's error propagates (the budget
+    then sends the result whole, as without a spool)."""
+    _memory, _down, store, spool = stores(tmp_path, max_bytes=1_000)
+    anyio.run(store.persist, "toolu_1", "a" * 600, "txt")
+    with pytest.raises(OSError, match="unreachable"):
+        anyio.run(store.persist, "toolu_2", "b" * 600, "txt")
+    assert len(spool) == 1
+    # the same bytes again take no more room: the object is there already
+    anyio.run(store.persist, "toolu_1", "a" * 600, "txt")
+    assert len(spool) == 1
+
+
+def test_what_a_crash_leaves_in_the_spool_is_passed_over(tmp_path: Path) -> None:
+    """An object without both its files (a crash between them), a temporary file and a
+    counted spool reopened by a new process: only whole objects are drained."""
+    memory, down, store, _spool = stores(tmp_path)
+    anyio.run(store.persist, "toolu_1", "kept\n" * 50, "txt")
+    directory = tmp_path / "spool"
+    (directory / ("0" * 64 + ".key")).write_text("p/sess-spool/tool-results/half.txt")
+    (directory / ".x.txt.1.2.tmp").write_bytes(b"torn")
+    reopened = Spool(directory)
+    assert len(reopened) == 1 and reopened.waiting()
+    down.down = False
+    assert ObjectToolResultStore(memory, content_named=True, spool=reopened, **WHERE).drain() == (
+        1,
+        0,
+    )
+    assert not [k for k in keys_of(memory, "p") if "half" in k]
+
+
+def test_a_spool_takes_no_bad_size() -> None:
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="max_bytes"):
+            Spool("/tmp/x", max_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_a_reader_without_the_spooled_result_says_it_is_not_there(tmp_path: Path) -> None:
+    """Another worker (no spool of its own) cannot read a result still waiting in this
+    worker's spool: it is told the output is not found."""
+    memory, _down, store, _spool = stores(tmp_path)
+    uri = anyio.run(store.persist, "toolu_1", "x\n" * 10, "txt")
+    other = ObjectOutputReader(memory, ObjectLayout(**WHERE))
+    with pytest.raises(Exception, match="not found"):
+        anyio.run(other, {"path": uri})
