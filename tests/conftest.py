@@ -14,7 +14,7 @@ from hypothesis import settings
 from tests.sdk_support import close_sdk_clients
 
 if TYPE_CHECKING:
-    from tests.objectstore_support import MotoS3
+    from tests.objectstore_support import Azurite, MotoS3
 
 CORPUS = Path(
     os.environ.get("SLUICEGATE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")
@@ -85,6 +85,19 @@ def umask_zero() -> Iterator[None]:
         yield
     finally:
         os.umask(old)
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    """Azurite's Azure Blob server on 127.0.0.1 for this test process (skipped where there is
+    no Node, or it cannot be installed or started); each test takes a new container."""
+    from tests.objectstore_support import start_azurite
+
+    server = start_azurite(tmp_path_factory.mktemp("azurite"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

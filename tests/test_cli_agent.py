@@ -179,7 +179,7 @@ def test_the_agent_refuses_a_store_url_it_cannot_use(tmp_path: Path) -> None:
         proc = _run(server, tmp_path, "--store", "memory:///x", "hi")
         timeout = _run(server, tmp_path, "--store-timeout", "2", "hi")
     assert proc.returncode == 2 and "s3://BUCKET/PREFIX" in proc.stderr
-    assert timeout.returncode == 2 and "apply to an s3:// --store" in timeout.stderr
+    assert timeout.returncode == 2 and "apply to an s3:// or az:// --store" in timeout.stderr
 
 
 def test_api_error_is_reported_without_a_traceback(tmp_path: Path) -> None:

@@ -1,12 +1,14 @@
-"""A fleet of proxies on one S3 API: real ``python -m pipeline proxy`` processes sharing
-``--store s3://BUCKET/fleet`` on moto's server (127.0.0.1), in front of one scripted Messages
-API, with the real SDK as the client. One conversation moves between workers every few calls,
+"""A fleet of proxies on one object store: real ``python -m pipeline proxy`` processes sharing
+``--store s3://BUCKET/fleet`` on moto's S3 server, and ``--store az://CONTAINER/fleet`` on
+Azurite's Azure Blob server (both on 127.0.0.1), in front of one scripted Messages API, with
+the real SDK as the client. One conversation moves between workers every few calls,
 two workers take the same request at once, the store goes away and comes back, every worker is
 killed and replaced -- and what reaches the upstream is compared, byte for byte, with the same
 conversation through one proxy that never moved (the same prefix and session in another
 bucket: only the bucket's name differs in the URIs the model is shown).
 
-Skipped where moto's server cannot start (no ``moto[server]``, no local socket).
+Skipped where a server cannot start (no ``moto[server]``; no Node for Azurite, which the tests
+install once with npm into ``~/.cache/sluicegate-tests``; no local socket).
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from pipeline.store.sessions import SessionStates
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.cli_support import clean_env, run_cli
-from tests.objectstore_support import SECRET_KEY, MotoS3, Wrapped, keys_of, start_moto
+from tests.objectstore_support import (
+    SECRET_KEY,
+    Azurite,
+    MotoS3,
+    Wrapped,
+    keys_of,
+    start_azurite,
+    start_moto,
+)
 from tests.wire_support import proxy
 
 pytest.importorskip("uvicorn", reason="the proxy extra is not installed")
@@ -209,10 +219,28 @@ class Worker:
         self.process.wait(timeout=30)
 
 
-def worker_env(moto: MotoS3) -> dict[str, str]:
-    """The environment of a worker: the caller's without any AWS settings, plus moto's."""
-    env = {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
-    env.update(moto.env())
+Server = MotoS3 | Azurite
+"""A fleet's object store: S3 (moto) or Azure Blob Storage (Azurite)."""
+
+
+@pytest.fixture(scope="module", params=["s3", "azure"])
+def fleet_store(request: pytest.FixtureRequest) -> Server:
+    """Each object store the fleet tests run on."""
+    server: Server = request.getfixturevalue("moto_s3" if request.param == "s3" else "azurite")
+    return server
+
+
+def start_server(kind: str, home: Path) -> Server:
+    """A server of ``kind`` of the test's own (one it stops and starts again), its data (if
+    not in memory) under ``home``."""
+    return start_moto() if kind == "s3" else start_azurite(home / "azurite")
+
+
+def worker_env(server: Server) -> dict[str, str]:
+    """The environment of a worker: the caller's without any object-store settings, plus
+    the server's."""
+    env = {k: v for k, v in clean_env().items() if not k.startswith(("AWS_", "AZURE_", "AZURITE_"))}
+    env.update(server.env())
     return env
 
 
@@ -277,12 +305,12 @@ def workers() -> Iterator[Callable[..., list[Worker]]]:
         worker.kill()
 
 
-def run_alone(moto: MotoS3, home: Path, calls: int) -> tuple[str, list[str]]:
+def run_alone(server: Server, home: Path, calls: int) -> tuple[str, list[str]]:
     """The conversation through one proxy that never moves: its bucket and what was sent."""
-    bucket = moto.new_bucket()
+    bucket = server.new_bucket()
     with ScriptedMessagesServer(script) as upstream:
         (only,) = start_workers(
-            1, upstream.base_url, f"s3://{bucket}/{PREFIX}", worker_env(moto), home
+            1, upstream.base_url, server.url(bucket, PREFIX), worker_env(server), home
         )
         try:
             conversation = Conversation()
@@ -294,9 +322,9 @@ def run_alone(moto: MotoS3, home: Path, calls: int) -> tuple[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def alone(moto_s3: MotoS3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
-    """The reference run: :data:`CALLS` calls through one proxy, computed once per module."""
-    return run_alone(moto_s3, tmp_path_factory.mktemp("alone"), CALLS)
+def alone(fleet_store: Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
+    """The reference run: :data:`CALLS` calls through one proxy, computed once per store."""
+    return run_alone(fleet_store, tmp_path_factory.mktemp("alone"), CALLS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,16 +334,16 @@ def alone(moto_s3: MotoS3, tmp_path_factory: pytest.TempPathFactory) -> tuple[st
 
 @pytest.mark.slow
 def test_a_conversation_moving_between_workers_sends_what_one_worker_sends(
-    moto_s3: MotoS3,
+    fleet_store: Server,
     alone: tuple[str, list[str]],
     workers: Callable[..., list[Worker]],
     tmp_path: Path,
 ) -> None:
     reference_bucket, reference = alone
-    bucket = moto_s3.new_bucket()
+    bucket = fleet_store.new_bucket()
     with ScriptedMessagesServer(script) as upstream:
         pair = workers(
-            2, upstream.base_url, f"s3://{bucket}/{PREFIX}", worker_env(moto_s3), tmp_path
+            2, upstream.base_url, fleet_store.url(bucket, PREFIX), worker_env(fleet_store), tmp_path
         )
         conversation = Conversation()
         for call in range(CALLS):
@@ -330,11 +358,11 @@ def test_a_conversation_moving_between_workers_sends_what_one_worker_sends(
     last = json.loads(moved[-1])
     persisted = {k: v for k, v in results_of(last).items() if v.startswith(TAG)}
     assert len(persisted) > 50
-    where = conversation_key(moto_s3.store(bucket))
-    objects = keys_of(moto_s3.store(bucket), f"{where}/tool-results")
+    where = conversation_key(fleet_store.store(bucket))
+    objects = keys_of(fleet_store.store(bucket), f"{where}/tool-results")
     assert len(objects) == len(persisted)
     for tool_use_id, text in persisted.items():
-        shown_path = re.escape(f"s3://{bucket}/{where}/tool-results/{tool_use_id}.")
+        shown_path = re.escape(f"{fleet_store.url(bucket, where)}/tool-results/{tool_use_id}.")
         assert re.search(shown_path + r"[0-9a-f]{12}\.txt\n", text), text[:200]
     # each worker served its calls (its log says so) and every call's response was recorded
     # in the fleet's records, whichever worker served it
@@ -342,7 +370,7 @@ def test_a_conversation_moving_between_workers_sends_what_one_worker_sends(
         sum("wire.request" in line and "status=200" in line for line in w.lines) for w in pair
     ]
     assert served == [sum(1 for c in range(CALLS) if (c // 3) % 2 == k) for k in (0, 1)]
-    records = keys_of(moto_s3.store(bucket), f"{where}/records")
+    records = keys_of(fleet_store.store(bucket), f"{where}/records")
     assert len(records) >= CALLS
 
 
@@ -378,12 +406,12 @@ def at_once(conversation: Conversation, urls: list[str]) -> None:
 
 
 def test_two_workers_taking_the_same_request_at_once_persist_one_object(
-    moto_s3: MotoS3, workers: Callable[..., list[Worker]], tmp_path: Path
+    fleet_store: Server, workers: Callable[..., list[Worker]], tmp_path: Path
 ) -> None:
-    bucket = moto_s3.new_bucket()
+    bucket = fleet_store.new_bucket()
     with ScriptedMessagesServer(script) as upstream:
         pair = workers(
-            2, upstream.base_url, f"s3://{bucket}/{PREFIX}", worker_env(moto_s3), tmp_path
+            2, upstream.base_url, fleet_store.url(bucket, PREFIX), worker_env(fleet_store), tmp_path
         )
         conversation = Conversation()
         conversation.call(pair[0].url)  # the prompt: nothing to persist yet
@@ -396,7 +424,7 @@ def test_two_workers_taking_the_same_request_at_once_persist_one_object(
 
     shown = {k: v for k, v in results_of(requests[-1]).items() if v.startswith(TAG)}
     assert len(shown) == 6  # the two largest of three turns
-    store = moto_s3.store(bucket)
+    store = fleet_store.store(bucket)
     where = conversation_key(store)
     objects = keys_of(store, f"{where}/tool-results")
     # one object per result, under its content's name: no second object for a racing write
@@ -415,16 +443,16 @@ def test_two_workers_taking_the_same_request_at_once_persist_one_object(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["s3", "azure"])
 def test_a_store_outage_never_fails_a_call_and_the_session_stays_consistent(
-    workers: Callable[..., list[Worker]], tmp_path: Path
+    kind: str, workers: Callable[..., list[Worker]], tmp_path: Path
 ) -> None:
-    moto = start_moto()  # its own server: stopped and started again below
-    port = int(moto.endpoint.rsplit(":", 1)[1])
+    moto = start_server(kind, tmp_path)  # its own server: stopped and started again below
     bucket = moto.new_bucket()
     up, down = range(0, 5), range(5, 8)
     with ScriptedMessagesServer(script) as upstream:
         first, second = workers(
-            2, upstream.base_url, f"s3://{bucket}/{PREFIX}", worker_env(moto), tmp_path
+            2, upstream.base_url, moto.url(bucket, PREFIX), worker_env(moto), tmp_path
         )
         conversation = Conversation()
         try:
@@ -433,7 +461,7 @@ def test_a_store_outage_never_fails_a_call_and_the_session_stays_consistent(
             moto.stop()  # the store is unreachable from here
             for _ in down:
                 conversation.call(first.url)  # the calls go on: no error reaches the client
-            moto = start_moto(port)  # the store is back, with what it held
+            moto = moto.again()  # the store is back, with what it held
             time.sleep(COOL_DOWN + 0.2)  # the workers ask it again
             for _ in range(8, 12):
                 conversation.call(first.url)
@@ -486,17 +514,17 @@ def test_a_store_outage_never_fails_a_call_and_the_session_stays_consistent(
 
 @pytest.mark.slow
 def test_every_worker_killed_and_replaced_mid_session_changes_nothing(
-    moto_s3: MotoS3,
+    fleet_store: Server,
     alone: tuple[str, list[str]],
     workers: Callable[..., list[Worker]],
     tmp_path: Path,
 ) -> None:
     reference_bucket, reference = alone
-    bucket = moto_s3.new_bucket()
-    store = f"s3://{bucket}/{PREFIX}"
+    bucket = fleet_store.new_bucket()
+    store = fleet_store.url(bucket, PREFIX)
     calls, restart_at = 24, 12
     with ScriptedMessagesServer(script) as upstream:
-        env = worker_env(moto_s3)
+        env = worker_env(fleet_store)
         pair = workers(2, upstream.base_url, store, env, tmp_path / "before")
         conversation = Conversation()
         for call in range(calls):
@@ -691,7 +719,7 @@ def test_the_proxy_refuses_what_an_object_store_cannot_do(tmp_path: Path) -> Non
     proc = run_cli("proxy", "--store", "s3://AKIDX:hunter2@bucket/x")
     assert proc.returncode == 2 and "hunter2" not in proc.stderr
     proc = run_cli("proxy", "--store", str(tmp_path), "--store-timeout", "2")
-    assert proc.returncode == 2 and "apply to an s3:// --store" in proc.stderr
+    assert proc.returncode == 2 and "apply to an s3:// or az:// --store" in proc.stderr
     proc = run_cli("proxy", "--store", "s3://bucket/x", "--store-retries", "11")
     assert proc.returncode == 2 and "--store-retries" in proc.stderr
 

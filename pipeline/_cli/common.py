@@ -172,19 +172,23 @@ def object_store_states(
     """The sessions' states on the object store ``--store`` names (with ``--store-timeout``
     and ``--store-retries``; ``spool``: where results it cannot take wait); None for a local
     ``--store`` (or none), where those two are refused. ``CliError`` for a URL that is not
-    ``s3://BUCKET/PREFIX`` or a missing extra."""
+    ``s3://BUCKET/PREFIX`` or ``az://CONTAINER/PREFIX``, or a missing extra."""
     location = args.store
     timeout, retries = getattr(args, "store_timeout", None), getattr(args, "store_retries", None)
     cool_down = getattr(args, "store_cool_down", None)
     if not isinstance(location, str):
         if timeout is not None or retries is not None or cool_down is not None:
             raise CliError(
-                "--store-timeout, --store-retries and --store-cool-down apply to an s3:// --store"
+                "--store-timeout, --store-retries and --store-cool-down apply to an s3:// or "
+                "az:// --store"
             )
         return None
-    if not location.lower().startswith("s3://"):
+    if not location.lower().startswith(("s3://", "az://")):
         # a memory:// store would live and die with one process: nothing a fleet can share
-        raise CliError(f"--store: give a directory or s3://BUCKET/PREFIX, got {safe_url(location)}")
+        raise CliError(
+            "--store: give a directory, s3://BUCKET/PREFIX or az://CONTAINER/PREFIX, got "
+            f"{safe_url(location)}"
+        )
     options: dict[str, Any] = {}
     if timeout is not None or retries is not None:
         options = in_turn_options(
@@ -197,7 +201,7 @@ def object_store_states(
         return SessionStates(location, spool=spool, **options)
     except ImportError:
         raise CliError(
-            "an s3:// store needs the objectstore extra: pip install 'sluicegate[objectstore]'"
+            "an object store needs the objectstore extra: pip install 'sluicegate[objectstore]'"
         ) from None
     except ValueError as exc:
         raise CliError(f"--store: {exc}") from None

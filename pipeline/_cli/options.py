@@ -30,12 +30,13 @@ KEEP_STORE_HELP = (
 LONG_LIVED_STORE_HELP = "directory for persisted results (<DIR>/<session>/tool-results/)"
 PROXY_STORE_HELP = (
     "where the sessions' persisted results and decisions live: a directory "
-    "(<DIR>/<session>/...), or s3://BUCKET/PREFIX shared by every proxy given the same URL "
-    "(a fleet; the objectstore extra). Default .sluicegate"
+    "(<DIR>/<session>/...), or s3://BUCKET/PREFIX (az://CONTAINER/PREFIX on Azure) shared by "
+    "every proxy given the same URL (a fleet; the objectstore extra). Default .sluicegate"
 )
 AGENT_STORE_HELP = (
     "directory for the session (<DIR>/<session>/transcript.jsonl and tool-results/), or "
-    "s3://BUCKET/PREFIX for the persisted results (the objectstore extra; the transcript and "
+    "s3://BUCKET/PREFIX or az://CONTAINER/PREFIX for the persisted results (the objectstore "
+    "extra; the transcript and "
     "the token calibration stay in .sluicegate, or beside the --resume transcript)"
 )
 TRACING_EPILOG = """\
@@ -66,8 +67,9 @@ def add_object_store_options(p: argparse.ArgumentParser) -> None:
         "With --store s3://BUCKET/PREFIX: credentials, region and endpoint come from the usual "
         "AWS environment variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
         "AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP...; AWS_TIMEOUT and AWS_CONNECT_TIMEOUT "
-        "too, below the flags here). A store that fails never fails a call: a result it cannot "
-        "hold is sent whole.",
+        "too, below the flags here); with az://CONTAINER/PREFIX from the AZURE_STORAGE_* ones "
+        "(AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY...). A store that fails never "
+        "fails a call.",
     )
     group.add_argument(
         "--store-timeout",
@@ -121,9 +123,7 @@ def add_replay_options(
         "apply (Bash 30000, Grep 20000, ...) and Read is never persisted",
     )
     if store_help is not None:
-        budget.add_argument(
-            "--store", type=store_location, metavar="DIR|s3://BUCKET/PREFIX", help=store_help
-        )
+        budget.add_argument("--store", type=store_location, metavar="DIR|URL", help=store_help)
     else:
         help_text = STORE_HELP if temporary_store else LONG_LIVED_STORE_HELP
         budget.add_argument("--store", type=nonempty_path, metavar="DIR", help=help_text)

@@ -152,7 +152,7 @@ def _add_proxy_parser(sub: Any) -> None:
         help="a Messages API reverse proxy: point ANTHROPIC_BASE_URL at it",
         description="POST /v1/messages goes through the pipeline, everything else passes "
         "through; persisted outputs and decisions go under --store (default .sluicegate), "
-        "shared by a fleet of proxies when it is s3://BUCKET/PREFIX.",
+        "shared by a fleet of proxies when it is s3://BUCKET/PREFIX or az://CONTAINER/PREFIX.",
     )
     proxy_p.add_argument(
         "--host",

@@ -4,11 +4,11 @@
 log the session appends its decisions to, the loader of what was recorded before, and the
 read-back tool for the results. A local directory is the default file backend, unchanged
 (``<root>/<session>/tool-results/``, ``<root>/<session>/decisions.jsonl``, paths shown to the
-model as Claude Code shows them); ``s3://bucket/prefix`` puts the same state on S3, shared by
-every worker given the same URL (:mod:`pipeline.store.objects`,
-:mod:`pipeline.store.object_records`,
-:mod:`pipeline.store.object_reader`; needs the ``objectstore`` extra); ``memory:///prefix`` keeps it
-in memory (tests).
+model as Claude Code shows them); ``s3://bucket/prefix`` puts the same state on S3 (and
+``az://container/prefix`` on Azure Blob Storage), shared by every worker given the same URL
+(:mod:`pipeline.store.objects`, :mod:`pipeline.store.object_records`,
+:mod:`pipeline.store.object_reader`; needs the ``objectstore`` extra); ``memory:///prefix``
+keeps it in memory (tests).
 
 :class:`SessionStates` is the same for many sessions of one worker (a proxy): the location
 checked once, one store client shared by every session. Calls made while a client waits (a
@@ -69,6 +69,8 @@ _SECRET_BYTES = 32
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 """S3's bucket naming rules (the part that matters here: no slash, no case, no space)."""
+_CONTAINER = re.compile(r"(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]")
+"""Azure Blob Storage's container naming rules."""
 
 STORE_TIMEOUT = 3.0
 """Seconds one object-store request may take (connecting: at most 1 s of it) by default."""
@@ -95,7 +97,8 @@ _CLIENT_KEYS = (
     "timeout",
     "user_agent",
 )
-"""obstore's HTTP client options that S3 also reads from ``AWS_<KEY>`` variables."""
+"""obstore's HTTP client options that it also reads from ``AWS_<KEY>`` (S3) or ``AZURE_<KEY>``
+(Azure) variables."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,10 @@ def open_session_state(
       ``config``, ``client_options``, ``retry_config``, ``credential_provider`` or
       ``S3Config`` keys). Timeouts and retries are :func:`in_turn_options`' unless
       ``client_options`` (merged over them) or ``retry_config`` (instead of them) say otherwise;
+    - ``az://container[/prefix]``: Azure Blob Storage through
+      ``obstore.store.AzureStore.from_url``, the same way (``AZURE_STORAGE_ACCOUNT_NAME``,
+      ``AZURE_STORAGE_ACCOUNT_KEY``, ``AZURE_STORAGE_USE_EMULATOR`` with
+      ``AZURITE_BLOB_STORAGE_URL`` for Azurite, ``AZURE_ALLOW_HTTP``...);
     - ``memory:///[prefix]``: a new in-memory store.
 
     ``object_store``: use this ``obstore`` store instead of building one from the URL (two
@@ -418,13 +425,17 @@ def _parse_url(text: str) -> tuple[str, str, str]:
         if not _BUCKET.fullmatch(parts.hostname or "") or parts.netloc != parts.hostname:
             raise ValueError(f"store URL {_shown(text)}: not a valid S3 bucket name")
         return "s3", f"s3://{parts.netloc}", parts.path
+    if scheme == "az":
+        if not _CONTAINER.fullmatch(parts.hostname or "") or parts.netloc != parts.hostname:
+            raise ValueError(f"store URL {_shown(text)}: not a valid Azure container name")
+        return "azure", f"az://{parts.netloc}", parts.path
     if scheme == "memory":
         if parts.netloc:
             raise ValueError(f"store URL {_shown(text)}: a memory URL has no host (memory:///x)")
         return "memory", "memory://", parts.path
     raise ValueError(
         f"unsupported store URL scheme {scheme[:20]!r} in {_shown(text)}: give a local "
-        "directory, s3://bucket/prefix or memory:///prefix"
+        "directory, s3://bucket/prefix, az://container/prefix or memory:///prefix"
     )
 
 
@@ -509,26 +520,31 @@ def _on_objects(
 
 def _build_store(kind: str, uri_base: str, options: dict[str, Any]) -> ObjectStoreAPI:
     from obstore.exceptions import BaseError
-    from obstore.store import MemoryStore, S3Store
+    from obstore.store import AzureStore, MemoryStore, S3Store
 
     if kind == "memory":
         if options:
             raise ValueError("a memory store takes no options")
         return MemoryStore()
-    options = _with_in_turn_defaults(options)
+    env = "AZURE" if kind == "azure" else "AWS"
+    options = _with_in_turn_defaults(options, env)
     try:
-        # the bucket only: the key prefix is ours to apply (it is in every key and URI)
+        # the bucket (container) only: the key prefix is ours to apply (in every key and URI)
+        if kind == "azure":
+            return AzureStore.from_url(uri_base, **options)
         return S3Store.from_url(uri_base, **options)
     except (BaseError, TypeError) as exc:
+        what = "Azure" if kind == "azure" else "S3"
         raise ValueError(
-            f"cannot configure the S3 store {_shown(uri_base)}: {str(exc)[:300]}"
+            f"cannot configure the {what} store {_shown(uri_base)}: {str(exc)[:300]}"
         ) from None
 
 
-def _with_in_turn_defaults(options: dict[str, Any]) -> dict[str, Any]:
+def _with_in_turn_defaults(options: dict[str, Any], env: str = "AWS") -> dict[str, Any]:
     """``options`` over :func:`in_turn_options`. Client options given in code win over
-    ``AWS_<KEY>`` variables, which win over the defaults: obstore drops the environment's
-    client options (``AWS_ALLOW_HTTP`` among them) once any are passed, so they are read here."""
+    ``<env>_<KEY>`` variables (``AWS_``, ``AZURE_``), which win over the defaults: obstore
+    drops the environment's client options (``AWS_ALLOW_HTTP`` among them) once any are
+    passed, so they are read here."""
     defaults = in_turn_options()
     given = options.get("client_options")
     if given is not None and not isinstance(given, Mapping):
@@ -536,7 +552,7 @@ def _with_in_turn_defaults(options: dict[str, Any]) -> dict[str, Any]:
     from_env = {
         key: value
         for key in _CLIENT_KEYS
-        if (value := os.environ.get(f"AWS_{key.upper()}")) is not None
+        if (value := os.environ.get(f"{env}_{key.upper()}")) is not None
     }
     merged = {**defaults, **options}
     merged["client_options"] = {**defaults["client_options"], **from_env, **(given or {})}
@@ -554,5 +570,5 @@ def readback_for(store: object) -> PagedReader | None:
     if objects is not None and isinstance(store, objects.ObjectToolResultStore):
         from pipeline.store.object_reader import ObjectOutputReader
 
-        return ObjectOutputReader(store.store, store.layout)
+        return ObjectOutputReader(store.store, store.layout, spool=store.spool)
     return None
