@@ -125,6 +125,23 @@ def keys_of(store: Any, prefix: str | None = None) -> list[str]:
     return sorted(meta["path"] for chunk in store.list(prefix) for meta in chunk)
 
 
+class Outage:
+    """A fault hook (for :class:`Wrapped`'s ``before``): raises ``OSError`` while ``down``, as an
+    unreachable store's call does; ``hooks()`` puts it before every call."""
+
+    def __init__(self, down: bool = True, message: str = "the store is unreachable (test)"):
+        self.down = down
+        self.message = message
+
+    def __call__(self, *_args: Any, **_kwargs: Any) -> None:
+        if self.down:
+            raise OSError(self.message)
+
+    def hooks(self) -> dict[str, Callable[..., None]]:
+        """``before`` for :class:`Wrapped`: this fault before each of the store's calls."""
+        return dict.fromkeys(("put", "get", "head", "list", "list_with_delimiter"), self)
+
+
 @dataclass
 class Wrapped:
     """A real store with a hook before each call (:class:`~pipeline.store.objects.ObjectStoreAPI`):

@@ -26,25 +26,12 @@ from pipeline.store.sessions import SECRET_NAME, SessionStates
 from pipeline.store.spool import Spool
 from pipeline.testing import QuietLogger, ScriptedMessagesServer
 from stages import ToolResultBudget
-from tests.objectstore_support import Wrapped, keys_of
+from tests.objectstore_support import Outage, Wrapped, keys_of
 from tests.test_fleet import PER_MESSAGE, PREFIX, TAG, Conversation, results_of, script
 from tests.wire_support import proxy
 
 pytest.importorskip("uvicorn", reason="the proxy extra is not installed")
 obstore = pytest.importorskip("obstore", reason="the objectstore extra is not installed")
-
-_METHODS = ("put", "get", "head", "list", "list_with_delimiter")
-
-
-class Switch:
-    """The store's state: while ``down``, every call fails as an unreachable store's does."""
-
-    def __init__(self) -> None:
-        self.down = False
-
-    def hook(self, *_args: Any, **_kwargs: Any) -> None:
-        if self.down:
-            raise OSError("the store is unreachable (test outage)")
 
 
 def budget() -> Pipeline:
@@ -53,13 +40,13 @@ def budget() -> Pipeline:
 
 @contextlib.contextmanager
 def worker(
-    upstream: str, root: Path, memory: Any, switch: Switch, *, spool: bool = True
+    upstream: str, root: Path, memory: Any, switch: Outage, *, spool: bool = True
 ) -> Iterator[str]:
     """A proxy on ``memory`` behind ``switch`` (no circuit breaker: each call asks the store,
     so the test needs no waiting), its spool under ``root``."""
     states = SessionStates(
         "memory:///" + PREFIX,
-        object_store=Wrapped(memory, before=dict.fromkeys(_METHODS, switch.hook)),
+        object_store=Wrapped(memory, before=switch.hooks()),
         cool_down=None,
         spool=root / "spool" if spool else None,
     )
@@ -80,7 +67,7 @@ def reference(tmp_path: Path, calls: int) -> tuple[list[dict[str, Any]], bytes]:
     """The conversation through one proxy alone, and its store's tenancy secret."""
     memory = obstore.store.MemoryStore()
     with ScriptedMessagesServer(script) as upstream:
-        with worker(upstream.base_url, tmp_path / "alone", memory, Switch()) as url:
+        with worker(upstream.base_url, tmp_path / "alone", memory, Outage(down=False)) as url:
             conversation = Conversation()
             for _ in range(calls):
                 conversation.call(url)
@@ -103,7 +90,7 @@ def test_workers_that_cannot_read_the_store_send_what_a_fleet_without_an_outage_
     route = ["a", "a", "a", "b", "a", "b", "a", "c", "b"]
     memory = obstore.store.MemoryStore()
     memory.put(f"{PREFIX}/{SECRET_NAME}", secret)
-    switch = Switch()
+    switch = Outage(down=False)
     with ScriptedMessagesServer(script) as upstream, contextlib.ExitStack() as stack:
         urls = {
             name: stack.enter_context(worker(upstream.base_url, tmp_path / name, memory, switch))
@@ -132,7 +119,7 @@ def test_without_a_spool_a_result_persisted_in_the_outage_is_sent_whole(tmp_path
     """The limit a spool removes: a worker without one sends whole what it could not persist
     (and so does every worker after it, from the record of that)."""
     memory = obstore.store.MemoryStore()
-    switch = Switch()
+    switch = Outage(down=False)
     with ScriptedMessagesServer(script) as upstream:
         with worker(upstream.base_url, tmp_path / "a", memory, switch, spool=False) as url:
             conversation = Conversation()

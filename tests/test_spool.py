@@ -14,29 +14,17 @@ import pytest
 from pipeline.store.object_reader import ObjectOutputReader
 from pipeline.store.objects import ObjectLayout, ObjectToolResultStore
 from pipeline.store.spool import Spool
-from tests.objectstore_support import Wrapped, keys_of
+from tests.objectstore_support import Outage, Wrapped, keys_of
 
 obstore = pytest.importorskip("obstore", reason="the objectstore extra is not installed")
 
 WHERE: dict[str, str] = {"prefix": "p", "session_id": "sess-spool", "uri_base": "memory://"}
-_METHODS = ("put", "get", "head", "list", "list_with_delimiter")
 
 
-class Down:
-    """Every store call fails while ``down``."""
-
-    def __init__(self) -> None:
-        self.down = True
-
-    def hook(self, *_args: Any, **_kwargs: Any) -> None:
-        if self.down:
-            raise OSError("unreachable (test)")
-
-
-def stores(tmp_path: Path, **spool: Any) -> tuple[Any, Down, ObjectToolResultStore, Spool]:
+def stores(tmp_path: Path, **spool: Any) -> tuple[Any, Outage, ObjectToolResultStore, Spool]:
     memory = obstore.store.MemoryStore()
-    down = Down()
-    wrapped = Wrapped(memory, before=dict.fromkeys(_METHODS, down.hook))
+    down = Outage()
+    wrapped = Wrapped(memory, before=down.hooks())
     kept = Spool(tmp_path / "spool", **spool)
     store = ObjectToolResultStore(wrapped, content_named=True, spool=kept, **WHERE)
     return memory, down, store, kept

@@ -20,7 +20,7 @@ from pipeline.store.files import StoreError
 from pipeline.store.sessions import SessionStates
 from pipeline.testing import Reply, ScriptedMessagesServer
 from stages import default_stages
-from tests.objectstore_support import Wrapped
+from tests.objectstore_support import Outage, Wrapped
 from tests.wire_support import proxy
 
 
@@ -32,19 +32,8 @@ class Clock:
         return self.now
 
 
-class Down:
-    """A fault hook: raises while ``down`` (as a store that timed out would)."""
-
-    def __init__(self) -> None:
-        self.down = True
-
-    def __call__(self, *_args: Any, **_kwargs: Any) -> None:
-        if self.down:
-            raise OSError("timed out")
-
-
 def test_after_a_failure_calls_fail_at_once_without_reaching_the_store() -> None:
-    down, clock = Down(), Clock()
+    down, clock = Outage(message="timed out"), Clock()
     inner = Wrapped(MemoryStore(), before={"put": down, "get": down, "list": down})
     breaker = StoreBreaker(inner, cool_down=10, clock=clock)
     for _ in range(3):  # quick failures: the third in a row finds it down
@@ -62,7 +51,7 @@ def test_after_a_failure_calls_fail_at_once_without_reaching_the_store() -> None
 
 
 def test_one_quick_failure_does_not_open_it_one_slow_one_does() -> None:
-    down, clock = Down(), Clock()
+    down, clock = Outage(message="timed out"), Clock()
 
     def slowly(*args: Any, **kwargs: Any) -> None:
         clock.now += 1.5  # as long as a timeout takes
@@ -82,7 +71,7 @@ def test_one_quick_failure_does_not_open_it_one_slow_one_does() -> None:
 
 
 def test_after_the_cool_down_one_call_probes_and_its_success_closes() -> None:
-    down, clock = Down(), Clock()
+    down, clock = Outage(message="timed out"), Clock()
     inner = Wrapped(MemoryStore(), before={"put": down})
     breaker = StoreBreaker(inner, cool_down=10, failures=1, clock=clock)
     with pytest.raises(OSError):
