@@ -5,8 +5,8 @@ No shared file is read, modified and written back. Each append creates one new o
 :class:`~pipeline.transcript.read.TranscriptWriter` would append, and it is created exclusively
 (``mode="create"``): an object once written is never replaced, and a number is taken once.
 
-Order. Before an append the log lists what was added since its last listing and takes the
-number after the highest it has seen. Two writers that reach for the same number race on one
+Order. An append takes the number after the highest the log has seen (listing what was added
+since its last listing first when it has never listed, and after a number it found taken). Two writers that reach for the same number race on one
 key: one create wins, the other gets a conflict and takes the next number. Numbers thus have no
 gaps (a writer only goes past a number it found taken), number N exists before N + 1 is
 written, and listing the keys after the last one seen finds every record added since --
@@ -141,11 +141,17 @@ class ObjectRecordLog(JsonlRecordWriter):
 
     def _append(self, payload: bytes) -> str:
         key = ""
+        # the number after the highest this log has seen is tried without a listing first (one
+        # request, not two, on each append of a conversation one worker serves); a log that has
+        # never listed, or whose number was taken, lists what was added first
+        listed = self._listed_after is not None or bool(self._known)
         for attempt in range(APPEND_ATTEMPTS):
-            try:
-                self._catch_up()
-            except Exception as exc:
-                raise _store_error("listing", self.layout.records_dir, exc) from exc
+            if not listed:
+                try:
+                    self._catch_up()
+                except Exception as exc:
+                    raise _store_error("listing", self.layout.records_dir, exc) from exc
+            listed = False
             if self._next > _MAX_SEQUENCE:
                 raise StoreError(errno.EOVERFLOW, "record numbers exhausted", key)
             key = f"{self.layout.records_dir}/{self._next:012d}.jsonl"
@@ -156,7 +162,10 @@ class ObjectRecordLog(JsonlRecordWriter):
                     raise _store_error("append", key, exc) from exc
                 if not self._holds(key, payload):
                     # taken by another writer (or our listing lagged): the next number, after
-                    # a short random pause that lets a busy peer's run of appends end
+                    # a short random pause that lets a busy peer's run of appends end; the
+                    # record there is another writer's, for the next load to read
+                    if key not in self._known:
+                        self._unloaded.add(key)
                     self._next += 1
                     time.sleep(_SYSTEM_RANDOM.uniform(0, min(_BACKOFF_CAP, 0.001 * 2**attempt)))
                     continue
