@@ -259,3 +259,33 @@ def test_wrap_makes_a_calls_records_durable_with_one_fsync(
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert [name for name in synced if "calibration" in name] == []
     assert [name for name in synced if "decisions" in name] == ["decisions.jsonl"]
+
+
+def test_the_token_calibration_is_saved_at_most_every_two_seconds_and_at_shutdown(
+    tmp_path: Path,
+) -> None:
+    """A conversation's calibration is saved once its first call is observed (a new process
+    starts warm), then at most every CALIBRATION_EVERY seconds (not a JSON dump and a file
+    write per call), and whatever it learned since is saved when the proxy shuts down."""
+    history: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    with ScriptedMessagesServer(_ok) as upstream:
+        with proxy(upstream.base_url, tmp_path, lambda: Pipeline(default_stages())) as url:
+            client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+            saved: list[bytes] = []
+            for k in range(5):
+                reply = client.messages.create(model="m", max_tokens=5, messages=history)
+                history += [
+                    {"role": "assistant", "content": [{"type": "text", "text": reply.id}]},
+                    {"role": "user", "content": f"and {k} " + "word " * 400},
+                ]
+                deadline = time.monotonic() + 2  # saved after the response, off its path
+                while not (found := list(tmp_path.rglob("*calibration*.json"))):
+                    assert time.monotonic() < deadline, "no calibration saved"
+                    time.sleep(0.01)
+                (path,) = found
+                time.sleep(0.05)  # a save of this call, were there one, has happened
+                saved.append(path.read_bytes())
+            assert len(set(saved)) == 1  # five calls within two seconds: one save, the first
+        final = path.read_bytes()  # the proxy has shut down
+    assert final != saved[0]
+    assert json.loads(final) != json.loads(saved[0])

@@ -392,6 +392,8 @@ def build_app(
             yield
             tasks.cancel_scope.cancel()
         await client.aclose()  # graceful shutdown: the server has drained its requests
+        for branch in conversations.branches():  # what they learned since their last save
+            await branch.session.save_calibration()
 
     routes = [
         Route("/healthz", healthz, methods=["GET"]),

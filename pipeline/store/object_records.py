@@ -6,8 +6,9 @@ No shared file is read, modified and written back. Each append creates one new o
 (``mode="create"``): an object once written is never replaced, and a number is taken once.
 
 Order. An append takes the number after the highest the log has seen (listing what was added
-since its last listing first when it has never listed, and after a number it found taken). Two writers that reach for the same number race on one
-key: one create wins, the other gets a conflict and takes the next number. Numbers thus have no
+since its last listing first when it has never listed, and after a number it found taken).
+Two writers that reach for the same number race on one key: one create wins, the other gets a
+conflict and takes the next number. Numbers thus have no
 gaps (a writer only goes past a number it found taken), number N exists before N + 1 is
 written, and listing the keys after the last one seen finds every record added since --
 whatever lag a listing had. The load order is the number order, the same for every reader, and
