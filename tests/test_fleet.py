@@ -559,10 +559,11 @@ class Faults:
 
 
 def in_process_pair(
-    tmp_path: Path, upstream: str, memory: Any
+    tmp_path: Path, upstream: str, memory: Any, *, spools: bool = False
 ) -> tuple[Faults, QuietLogger, list[Any]]:
     """Two proxies (context managers, not entered) sharing ``memory``; the second one's puts
-    go through :class:`Faults`, its events to the logger returned."""
+    go through :class:`Faults`, its events to the logger returned; ``spools``: each with a
+    spool (as the command's workers are)."""
     faults, logger = Faults(), QuietLogger()
 
     def budget() -> Pipeline:
@@ -573,7 +574,9 @@ def in_process_pair(
         upstream,
         tmp_path / "a",
         budget,
-        storage=SessionStates(shared, object_store=Wrapped(memory)),
+        storage=SessionStates(
+            shared, object_store=Wrapped(memory), spool=tmp_path / "a-spool" if spools else None
+        ),
         logger=QuietLogger(),
     )
     second = proxy(
@@ -581,7 +584,9 @@ def in_process_pair(
         tmp_path / "b",
         budget,
         storage=SessionStates(
-            shared, object_store=Wrapped(memory, before={"put": faults.before_put})
+            shared,
+            object_store=Wrapped(memory, before={"put": faults.before_put}),
+            spool=tmp_path / "b-spool" if spools else None,
         ),
         logger=logger,
     )
@@ -617,13 +622,15 @@ def test_a_decision_whose_record_was_lost_is_made_again_alike_by_the_next_worker
     """The second worker persists two results but cannot record it (its record writes fail
     for that call). The first worker, serving the next call, finds no record of those results
     in a conversation whose records show it served calls: a record lost, not a result sent
-    before this layer. It decides them again, as the second did (the decision depends on the
-    results and their message alone): the model never sees them change form. Before, it counted
-    them as sent whole and sent them in full."""
+    before this layer. With spools (a persist never falls back to whole) it decides them again,
+    as the second did (the decision depends on the results and their message alone): the model
+    never sees them change form. Before, it counted them as sent whole and sent them in full."""
     from obstore.store import MemoryStore
 
     with ScriptedMessagesServer(script) as upstream:
-        faults, logger, pair = in_process_pair(tmp_path, upstream.base_url, MemoryStore())
+        faults, logger, pair = in_process_pair(
+            tmp_path, upstream.base_url, MemoryStore(), spools=True
+        )
         with pair[0] as a, pair[1] as b:
             conversation = Conversation()
             for call in range(8):

@@ -130,3 +130,29 @@ def test_without_a_spool_a_result_persisted_in_the_outage_is_sent_whole(tmp_path
     after = results_of(requests[2])
     assert not after["toolu_00_2"].startswith(TAG)  # sent whole: it could not be persisted
     assert after["toolu_01_2"].startswith(TAG)  # the store is back
+
+
+def test_without_a_spool_what_went_whole_in_the_outage_stays_whole_on_another_worker(
+    tmp_path: Path,
+) -> None:
+    """Without a spool a persist that fails sends the result whole, and its record may fail
+    too: a worker that re-decided it would send a replacement. So only a fleet with spools
+    re-decides; without, the next worker counts the result as sent, and the prefix holds."""
+    memory = obstore.store.MemoryStore()
+    switch = Outage(down=False)
+    with ScriptedMessagesServer(script) as upstream, contextlib.ExitStack() as stack:
+        a, b = (
+            stack.enter_context(
+                worker(upstream.base_url, tmp_path / n, memory, switch, spool=False)
+            )
+            for n in "ab"
+        )
+        conversation = Conversation()
+        for k, url in enumerate([a, a, b, b]):
+            switch.down = k == 1  # turn 0's results: neither persisted nor recorded
+            conversation.call(url)
+        requests = upstream.requests
+    for k in range(1, len(requests)):
+        previous = requests[k - 1]["messages"]
+        assert requests[k]["messages"][: len(previous)] == previous, k
+    assert not results_of(requests[-1])["toolu_00_2"].startswith(TAG)

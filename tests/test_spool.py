@@ -4,7 +4,9 @@ worker, and reaches the store (conditionally) once it answers again."""
 
 from __future__ import annotations
 
+import hashlib
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import anyio
 import pytest
 
 from pipeline.store.object_reader import ObjectOutputReader
-from pipeline.store.objects import ObjectLayout, ObjectToolResultStore
+from pipeline.store.objects import ObjectLayout, ObjectToolResultStore, place_object
 from pipeline.store.spool import Spool
 from tests.objectstore_support import Outage, Wrapped, keys_of
 
@@ -53,9 +55,9 @@ def test_a_result_persisted_while_the_store_is_down_is_read_back_then_written(
     assert stat.S_IMODE(body.stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "spool").stat().st_mode) == 0o700
 
-    assert store.drain() == (0, 1)  # still down: it waits
+    assert store.drain(force=True) == (0, 1)  # still down: it waits
     down.down = False
-    assert store.drain() == (1, 0)
+    assert store.drain(force=True) == (1, 0)
     key = uri.removeprefix("memory:///")
     assert bytes(memory.get(key).bytes()) == text.encode()
     assert len(spool) == 0 and not spool.waiting()
@@ -72,7 +74,7 @@ def test_draining_keeps_what_the_store_holds(tmp_path: Path) -> None:
     memory.put(same_key, ("same\n" * 100).encode())
     memory.put(other_key, b"theirs")
     down.down = False
-    assert store.drain() == (1, 0)
+    assert store.drain(force=True) == (1, 0)
     assert bytes(memory.get(other_key).bytes()) == b"theirs"
 
 
@@ -100,10 +102,8 @@ def test_what_a_crash_leaves_in_the_spool_is_passed_over(tmp_path: Path) -> None
     reopened = Spool(directory)
     assert len(reopened) == 1 and reopened.waiting()
     down.down = False
-    assert ObjectToolResultStore(memory, content_named=True, spool=reopened, **WHERE).drain() == (
-        1,
-        0,
-    )
+    drained = ObjectToolResultStore(memory, content_named=True, spool=reopened, **WHERE)
+    assert drained.drain(force=True) == (1, 0)
     assert not [k for k in keys_of(memory, "p") if "half" in k]
 
 
@@ -121,3 +121,74 @@ def test_a_reader_without_the_spooled_result_says_it_is_not_there(tmp_path: Path
     other = ObjectOutputReader(memory, ObjectLayout(**WHERE))
     with pytest.raises(Exception, match="not found"):
         anyio.run(other, {"path": uri})
+
+
+def test_one_drain_at_a_time_and_at_most_one_a_second(tmp_path: Path) -> None:
+    """Each call's settle asks for a drain: while one runs another returns at once, and one
+    that ran less than a second ago is not run again (unless forced)."""
+    memory, down, store, spool = stores(tmp_path)
+    anyio.run(store.persist, "toolu_1", "a\n" * 50, "txt")
+    down.down = False
+    started, release = threading.Event(), threading.Event()
+
+    def slow_place(key: str, data: bytes) -> bool:
+        started.set()
+        release.wait(5)
+        return place_object(memory, key, data)
+
+    first = threading.Thread(target=spool.drain, args=(slow_place,), kwargs={"force": True})
+    first.start()
+    assert started.wait(5)
+    assert spool.drain(slow_place, force=True) == (0, -1)  # the first one drains
+    release.set()
+    first.join(5)
+    assert len(spool) == 0 and not spool.waiting()
+    anyio.run(store.persist, "toolu_2", "b\n" * 50, "txt")  # straight to the store now
+    assert spool.drain(slow_place) == (0, -1)  # drained less than a second ago
+
+
+def test_a_drain_passes_over_an_object_the_store_refuses(tmp_path: Path) -> None:
+    """One object the store keeps refusing does not hold up the others; three failures in a
+    row end the drain (the store is down)."""
+    memory, _down, store, spool = stores(tmp_path)
+    uris = [anyio.run(store.persist, f"toolu_{i}", f"{i}\n" * 50, "txt") for i in range(5)]
+    refused = uris[2].removeprefix("memory:///")
+
+    def place(key: str, data: bytes) -> bool:
+        if key == refused:
+            raise PermissionError("denied (test)")
+        return place_object(memory, key, data)
+
+    assert spool.drain(place, force=True) == (4, 1)
+    assert [k for k in keys_of(memory, "p") if "tool-results" in k] == sorted(
+        u.removeprefix("memory:///") for u in uris if u != uris[2]
+    )
+
+    def down(key: str, data: bytes) -> bool:
+        raise OSError("down (test)")
+
+    anyio.run(store.persist, "toolu_9", "9\n" * 50, "txt")  # wait: the store is still down
+    assert spool.drain(down, force=True) == (0, 2)
+
+
+def test_a_spool_trusts_only_what_it_wrote(tmp_path: Path) -> None:
+    """A key file whose name is not its key's digest, or whose key is not a tool result's, is
+    never written to the store; a spool directory others can write to is refused."""
+    memory, _down, store, spool = stores(tmp_path)
+    anyio.run(store.persist, "toolu_1", "a\n" * 50, "txt")
+    directory = tmp_path / "spool"
+    forged = "p/other-session/records/000000000007.jsonl"
+    (directory / (hashlib.sha256(forged.encode()).hexdigest() + ".key")).write_text(forged)
+    (directory / (hashlib.sha256(forged.encode()).hexdigest() + ".txt")).write_text("{}")
+    (directory / ("0" * 64 + ".key")).write_text("p/sess-spool/tool-results/toolu_x.txt")
+    (directory / ("0" * 64 + ".txt")).write_text("x")
+    assert len(spool) == 1
+    assert spool.drain(lambda k, d: place_object(memory, k, d), force=True) == (1, 0)
+    assert [k for k in keys_of(memory, "p") if "records" in k or "toolu_x" in k] == []
+
+    open_dir = tmp_path / "shared-spool"
+    open_dir.mkdir(mode=0o777)
+    open_dir.chmod(0o777)
+    with pytest.raises(OSError, match="alone"):
+        Spool(open_dir).put("p/s/tool-results/r.txt", b"x")
+    assert not Spool(tmp_path / "s2").put("p/s/records/000000000001.jsonl", b"x")

@@ -227,11 +227,13 @@ class WireSession:
         self.last_call: Call | None = None
         """The request :meth:`prepare` prepared last (what :meth:`observe` records by
         default)."""
-        self.rederive = self.storage.shared and self._served
+        self.rederive = self.storage.shared and self.storage.drain is not None and self._served
         """Whether a result the model answered after that no record decided is decided again
         by the budget (as whoever served its call decided it: the decision depends on the
         result and its message alone), rather than counted as sent whole. True for a
-        conversation of a shared store whose records show it served calls (a gap in them is a
+        conversation of a shared store with a spool (where a persist never falls back to
+        sending a result whole, which a later decision would then contradict) whose records
+        show it served calls (a gap in them is a
         record another worker could not write, not a result sent before this layer) and for
         one whose records could not be read (set by the caller); False otherwise: a
         conversation new to the store (or a branch's first request) may carry results the
@@ -476,6 +478,13 @@ class WireSession:
             add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
         return request, call
 
+    def store_unread(self) -> None:
+        """The store could not be read for this conversation (its records may miss calls
+        another worker served): from now on it decides what no record tells it of again
+        (:attr:`rederive`), where its store has a spool."""
+        if self.storage.shared and self.storage.drain is not None:
+            self.rederive = True
+
     async def _place_answered(self, keys: set[str]) -> None:
         """Results the model answered after, that this conversation never decided: what
         another conversation of its family sent each as (:attr:`elsewhere`: a replacement
@@ -484,16 +493,19 @@ class WireSession:
         recorded, so a new process decides alike."""
         state = self.ctx.replacement_state
         adopted: list[ReplacementRecord] = []
+        sent_whole: set[str] = set()
         if self.elsewhere is not None:
-            found, _ = await anyio.to_thread.run_sync(self.elsewhere, keys)
+            found, sent_whole = await anyio.to_thread.run_sync(self.elsewhere, keys)
             adopted = [r for r in found if r.key in keys and r.key not in state.replacements]
         for record in adopted:
             state.record_replacement(record.key, record.replacement)
         whole = keys - {r.key for r in adopted}
         if self.rederive:
             # left fresh: the budget decides them in this pass, as it did where they were new
-            state.seen_ids.difference_update(whole)
-            whole = set()
+            # (what another conversation of the family sent whole stays whole)
+            fresh = whole - sent_whole
+            state.seen_ids.difference_update(fresh)
+            whole -= fresh
         state.seen_ids |= whole
         if adopted:
             await anyio.to_thread.run_sync(self._appended, REPLACEMENT_RECORD, adopted)
@@ -563,8 +575,9 @@ class WireSession:
             if parsed is not None:
                 self._learn(parsed, model, compacted=usage_compacted(usage or {}))
                 self._calibration_dirty = True
-                if self.storage.sync is None and (state := self._calibration_to_save()):
-                    TokenTracker.save_state(self._calibration, state)  # a new process starts warm
+                state = self._calibration_to_save() if self.storage.sync is None else None
+                if state and not TokenTracker.save_state(self._calibration, state):
+                    self._calibration_dirty = True  # a new process starts warm: tried again
 
     async def observe_async(
         self,
@@ -585,7 +598,12 @@ class WireSession:
             self._learn(parsed, model, compacted=usage_compacted(usage or {}))
             self._calibration_dirty = True  # saved by settle(), after the response, if local
             if self.storage.sync is None and (state := self._calibration_to_save()):
-                await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state)
+                await self._save_calibration(state)
+
+    async def _save_calibration(self, state: dict[str, Any]) -> None:
+        """Write ``state`` in a worker thread; one that fails is tried again later."""
+        if not await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state):
+            self._calibration_dirty = True
 
     async def save_calibration(self) -> None:
         """Save the token calibration now if it learned since its last save (a worker thread
@@ -596,7 +614,7 @@ class WireSession:
         self._calibration_saved = -math.inf
         state = self._calibration_to_save()
         if state is not None:
-            await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state)
+            await self._save_calibration(state)
 
     def _calibration_to_save(self) -> dict[str, Any] | None:
         """The token tracker's state when it learned since the last save and that save is
@@ -637,8 +655,11 @@ class WireSession:
                 self.ctx.logger.error(
                     "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
                 )
-        if calibration is not None:  # an estimate, not a decision: a power loss costs a cold start
-            TokenTracker.save_state(self._calibration, calibration, durable=False)
+        # an estimate, not a decision: a power loss costs a cold start
+        if calibration is not None and not TokenTracker.save_state(
+            self._calibration, calibration, durable=False
+        ):
+            self._calibration_dirty = True  # tried again at the next settle
         if drain is not None:
             try:
                 drain()

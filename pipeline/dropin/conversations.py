@@ -295,6 +295,7 @@ class Conversations:
         worker thread; the index learns what its records say it sent. ``OSError`` when the
         store cannot be read."""
         family = branch.family
+        await branch.session.save_calibration()  # what it learned since its last save
         session = await WireSession.open(
             branch.conversation_id,
             family.calibration_root,
@@ -568,7 +569,8 @@ class Conversations:
 
         def make() -> WireSession:
             session = self._session(family, plan.name, storage, loaded=None, inherited=inherited)
-            session.rederive = session.rederive or family.unsure
+            if family.unsure:
+                session.store_unread()
             return session
 
         return Branch(family, plan.name, build(make))

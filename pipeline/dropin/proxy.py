@@ -192,7 +192,7 @@ def build_app(
             session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
             # another worker may have served calls this one cannot read of: what it decided on
             # their results is decided again here, alike, rather than taken as sent whole
-            session.rederive = True
+            session.store_unread()
             return True
         if not moved:
             return True
@@ -200,7 +200,7 @@ def build_app(
             await conversations.reload(branch)
         except OSError as exc:
             session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
-            session.rederive = True
+            session.store_unread()
             return True
         return False
 
@@ -384,16 +384,25 @@ def build_app(
         end = functools.partial(logged, started, answer.status_code, **where)
         return _relay(answer, end=end, logger=logger)
 
+    async def drain_spool() -> None:
+        """Results spooled while the store was down reach it even without traffic."""
+        while True:
+            await anyio.sleep(SPOOL_DRAIN_EVERY)
+            await _drained(states)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tasks:
             for task in background:
                 tasks.start_soon(task)
+            if states.spool is not None:
+                tasks.start_soon(drain_spool)
             yield
             tasks.cancel_scope.cancel()
         await client.aclose()  # graceful shutdown: the server has drained its requests
         for branch in conversations.branches():  # what they learned since their last save
             await branch.session.save_calibration()
+        await _drained(states, force=True)
 
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
@@ -401,6 +410,18 @@ def build_app(
         Route(_PASSTHROUGH, passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+SPOOL_DRAIN_EVERY = 5.0
+"""Seconds between two drains of the spool without traffic (each call's end asks for one)."""
+
+
+async def _drained(states: SessionStates, *, force: bool = False) -> None:
+    """One drain of the spool in a worker thread; a failure of the local disk is logged."""
+    try:
+        await anyio.to_thread.run_sync(functools.partial(states.drain_spool, force=force))
+    except OSError as exc:
+        get_logger().error("store.spool_failed", error=type(exc).__name__)
 
 
 async def _send_as_is(client: httpx2.AsyncClient, request: Request, raw: bytes) -> httpx2.Response:

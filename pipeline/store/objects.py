@@ -231,15 +231,18 @@ class ObjectToolResultStore:
         digest = hashlib.sha256(data).hexdigest()[:12]
         stem, ext = key.rsplit(".", 1)
         distinct = f"{stem}.{digest}.{ext}"
+        plain_taken = self.content_named
         try:
-            if not self.content_named and self._place(key, data):
-                return key
+            if not self.content_named:
+                if self._place(key, data):
+                    return key
+                plain_taken = True  # other bytes there: this result goes by its content's name
             if self._place(distinct, data):
                 return distinct
         except Exception:
             # the store is down or refused the write: spooled, the result gets the replacement
             # the write would have given (a content-named one: the same on every worker)
-            spooled = key if not self.content_named else distinct
+            spooled = distinct if plain_taken else key
             if self.spool is not None and self.spool.put(spooled, data):
                 return spooled
             raise
@@ -252,11 +255,15 @@ class ObjectToolResultStore:
     def _place(self, key: str, data: bytes) -> bool:
         return place_object(self.store, key, data)
 
-    def drain(self) -> tuple[int, int]:
-        """Write what :attr:`spool` holds to the store (blocking): (written, still waiting)."""
+    def drain(self, *, force: bool = False) -> tuple[int, int]:
+        """Write what :attr:`spool` holds to the store (blocking): (written, still waiting;
+        -1: not asked now -- a drain runs elsewhere, ran less than a second ago unless
+        ``force``, or the store's circuit breaker is open)."""
         if self.spool is None or not self.spool.waiting():
             return 0, 0
-        return self.spool.drain(self._place)
+        if getattr(self.store, "open", None) is True:  # a circuit breaker that is open
+            return 0, -1
+        return self.spool.drain(self._place, force=force)
 
 
 def place_object(store: ObjectStoreAPI, key: str, data: bytes) -> bool:

@@ -269,6 +269,19 @@ class SessionStates:
         """Whether this is an object store (workers given the same URL share its state)."""
         return self._store is not None
 
+    def drain_spool(self, *, force: bool = False) -> tuple[int, int]:
+        """Write what :attr:`spool` holds to the object store (blocking): (written, left; -1:
+        not asked now, see :meth:`~pipeline.store.spool.Spool.drain`). Nothing to do without a
+        spool or while the store's circuit breaker is open."""
+        if self.spool is None or self._store is None or not self.spool.waiting():
+            return 0, 0
+        if getattr(self._store, "open", None) is True:
+            return 0, -1
+        from pipeline.store.objects import place_object
+
+        store = self._store
+        return self.spool.drain(lambda key, data: place_object(store, key, data), force=force)
+
     def check(self) -> None:
         """Ask an object store for one listing under the prefix (a directory: nothing):
         :class:`~pipeline.store.files.StoreError` naming the failure's type when it cannot answer

@@ -16,14 +16,22 @@ replacement in the conversation then points at nothing, and a read-back says so.
 
 Files: ``<directory>/<sha256 of the key>.txt`` holding the result's bytes, and beside it
 ``.key`` holding the key (written first; a spooled object without both is ignored). Each is
-written to a temporary name, fsync'd and renamed: a crash leaves an object whole or absent.
+written to a new temporary name (created exclusively), fsync'd and renamed: a crash leaves an
+object whole or absent. The directory must be this user's alone (0700, not a symbolic link):
+a spool in a directory others can write to is refused, and a ``.key`` whose name is not the
+digest of its key, or whose key is not a tool result's, is never written to the store.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import re
+import secrets
+import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -39,9 +47,17 @@ MAX_SPOOLED_BYTES = 1 << 30
 whole, as without a spool) -- a long outage must not fill the worker's disk."""
 
 
+_RESULT_KEY = re.compile(r"(?:[A-Za-z0-9_.=-]+/)*tool-results/[A-Za-z0-9_.-]{1,200}")
+"""The keys a spool holds: a tool result's object (``.../tool-results/<name>``), nothing else."""
+_DRAIN_EVERY = 1.0
+"""Seconds between two drains of one spool (each call's settle asks for one)."""
+_DRAIN_FAILURES = 3
+"""Failures in a row that end a drain (the store is down: the rest waits)."""
+
+
 class Spool:
-    """Result objects waiting for their store, in ``directory`` (made on first use);
-    ``max_bytes``: what it holds at most. Thread-safe."""
+    """Result objects waiting for their store, in ``directory`` (made on first use, private);
+    ``max_bytes``: what it holds at most. Thread-safe; one drain at a time."""
 
     def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int = MAX_SPOOLED_BYTES):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
@@ -49,26 +65,44 @@ class Spool:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
+        self._draining = threading.Lock()
+        self._last_drain = -float("inf")
         self._held: int | None = None
         """Bytes spooled (None: not counted yet, the directory not read)."""
 
     def _paths(self, key: str) -> tuple[Path, Path]:
-        name = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        name = _digest(key)
         return self.directory / f"{name}.txt", self.directory / f"{name}.key"
 
     def _count(self) -> int:
         if self._held is None:
-            self._held = sum(p.stat().st_size for p in self.directory.glob("*.txt") if p.is_file())
+            self._held = sum(size for _key, _body, _name, size in self._entries())
         return self._held
 
+    def _private_directory(self) -> None:
+        """Make the directory (0700) or check the one there: a real directory of this user's
+        that no one else can write to; ``OSError`` otherwise."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.directory.lstat()
+        mine = not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
+        if not stat.S_ISDIR(st.st_mode) or not mine or st.st_mode & 0o022:
+            raise OSError(
+                errno.EPERM,
+                "refusing the spool directory: not a directory of this user's alone",
+                str(self.directory),
+            )
+
     def put(self, key: str, data: bytes) -> bool:
-        """Spool ``data`` for ``key``: True once it is durable here; False when the spool is
-        full (``max_bytes``). ``OSError`` when the local disk fails."""
+        """Spool ``data`` for ``key`` (a tool result's object key): True once it is durable
+        here; False when the spool is full (``max_bytes``) or ``key`` is not a result's.
+        ``OSError`` when the local disk fails or the directory is not private."""
+        if not _RESULT_KEY.fullmatch(key):
+            return False
         body, name = self._paths(key)
         with self._lock:
+            self._private_directory()
             if body.exists() and name.exists():
                 return True  # the same key holds the same bytes: content-named
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             if self._count() + len(data) > self.max_bytes:
                 return False
             _write_durably(name, key.encode("utf-8", "surrogatepass"))
@@ -86,62 +120,93 @@ class Spool:
     def waiting(self) -> bool:
         """Whether anything is spooled (counted once from the directory, then kept)."""
         with self._lock:
-            if not self.directory.is_dir():
-                return False
             return self._count() > 0
 
     def __len__(self) -> int:
         """How many objects wait."""
         return sum(1 for _ in self._entries())
 
-    def _entries(self) -> Iterator[tuple[str, Path, Path]]:
-        if not self.directory.is_dir():
+    def _entries(self) -> Iterator[tuple[str, Path, Path, int]]:
+        """(key, body, key file, size) of each whole, well-formed spooled object."""
+        try:
+            names = sorted(self.directory.glob("*.key"))
+        except OSError:
             return
-        for name in sorted(self.directory.glob("*.key")):
+        for name in names:
             body = name.with_suffix(".txt")
-            if not body.is_file():
-                continue
             try:
                 key = name.read_bytes().decode("utf-8", "surrogatepass")
+                size = body.lstat().st_size if stat.S_ISREG(body.lstat().st_mode) else -1
             except (OSError, UnicodeDecodeError):
                 continue
-            yield key, body, name
+            # a key file another hand wrote or changed is never sent to the store
+            if size < 0 or name.stem != _digest(key) or not _RESULT_KEY.fullmatch(key):
+                continue
+            yield key, body, name, size
 
-    def drain(self, place: Callable[[str, bytes], bool]) -> tuple[int, int]:
-        """Write every spooled object with ``place(key, data)`` (True: the store holds those
-        bytes at ``key`` now; False: other bytes are there), oldest key first; stops at the
-        first error (the store is still down). Returns (written, left). A key whose object
-        holds other bytes is logged (``store.spool_conflict``) and dropped: only this
-        worker's read-back could still show it, and it must not shadow the store's."""
-        written = 0
+    def drain(self, place: Callable[[str, bytes], bool], *, force: bool = False) -> tuple[int, int]:
+        """Write the spooled objects with ``place(key, data)`` (True: the store holds those
+        bytes at ``key`` now; False: other bytes are there). One drain at a time, at most one a
+        second unless ``force``; an object that fails is passed over, and
+        :data:`_DRAIN_FAILURES` failures in a row end the drain (the store is down: the rest
+        waits for the next). Returns (written, left). An object whose key holds other bytes
+        is logged (``store.spool_conflict``) and dropped: only this worker's read-back could
+        still show it, and it must not shadow the store's."""
+        if not self._draining.acquire(blocking=False):
+            return 0, -1  # another thread drains now
+        try:
+            now = time.monotonic()
+            if not force and now - self._last_drain < _DRAIN_EVERY:
+                return 0, -1
+            self._last_drain = now
+            return self._drain(place)
+        finally:
+            self._draining.release()
+
+    def _drain(self, place: Callable[[str, bytes], bool]) -> tuple[int, int]:
+        written = left = failures = 0
         log = get_logger()
-        for key, body, name in list(self._entries()):
-            try:
-                data = body.read_bytes()
-            except OSError:
+        for key, body, name, size in list(self._entries()):
+            if failures >= _DRAIN_FAILURES:
+                left += 1
                 continue
             try:
+                data = body.read_bytes()
                 placed = place(key, data)
-            except Exception as exc:  # still down (or denied): the rest waits too
+            except Exception as exc:  # down, denied, or this object refused: it waits
+                failures += 1
+                left += 1
                 log.info("store.spool_waiting", error=type(exc).__name__)
-                break
+                continue
+            failures = 0
             if not placed:
-                log.error("store.spool_conflict", bytes=len(data))
+                log.error("store.spool_conflict", bytes=size)
+            removed = False
             with self._lock:
                 for path in (body, name):
-                    path.unlink(missing_ok=True)
-                if self._held is not None:
-                    self._held = max(0, self._held - len(data))
+                    try:
+                        path.unlink()
+                        removed = removed or path is body
+                    except FileNotFoundError:
+                        pass
+                if removed and self._held is not None:
+                    self._held = max(0, self._held - size)
             written += placed
-        return written, len(self)
+        return written, left
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    """``data`` at ``path`` (private to this user), whole or not at all."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    """``data`` at ``path`` (private to this user), whole or not at all: written to a new
+    temporary file (created exclusively, never through a link), then renamed."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(tmp, flags, 0o600)
     try:
-        with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
