@@ -5,7 +5,8 @@
 - :mod:`.proxy`: ``build_app``, a reverse proxy for any program (the ``proxy`` extra), with
   :mod:`.relay` (responses passed on), :mod:`.event_stream` (a stream read as it passes),
   :mod:`.wire_request` (one request's span and log), :mod:`.metrics` and :mod:`.limits`;
-- :mod:`.adapter`: :class:`WireSession`, one conversation as it arrives at the wire;
+- :mod:`.adapter`: :class:`WireSession`, one conversation as it arrives at the wire
+  (:mod:`.calibration`: when its token calibration is written);
   :mod:`.conversations`: which conversation a request belongs to (:mod:`.tenancy`: whose;
   :mod:`.inheritance`: what one that went another way starts from).
 

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import threading
-import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -51,6 +49,7 @@ import anyio.to_thread
 
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
+from pipeline.dropin.calibration import CalibrationSaves
 from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
 from pipeline.dropin.inheritance import FORK_RECORD, Inherited
 from pipeline.gate import describe_error
@@ -96,12 +95,6 @@ Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
 
 REPLACEMENT_RECORD = "content-replacement"
 """What a failure to append replacement records is logged as (the transcript's own type)."""
-
-CALIBRATION_EVERY = 2.0
-"""Seconds between two saves of a session's token calibration: the first observed call saves
-it at once (a new process starts warm), later ones at most this often -- a save is a JSON
-dump and a file write per call otherwise, and a crash costs at most this much learning of an
-estimate."""
 
 RESPONSE_RECORD = "wire_session.response"
 """The stage record of an observed response: where its answer stands, its id and usage, and
@@ -209,10 +202,10 @@ class WireSession:
         """Held by a synchronous caller around each call's pass and observation (threads of
         one client may share a conversation)."""
         self._observing = anyio.Lock()
-        self._calibration_dirty = False
-        """The token tracker learned since its state was last saved."""
-        self._calibration_saved = -math.inf
-        """When it was last saved (monotonic seconds)."""
+        self._saves = CalibrationSaves(
+            self._calibration, lambda: self.ctx.token_tracker.state_dict()
+        )
+        """When the token calibration is written (:mod:`pipeline.dropin.calibration`)."""
         self._restored: Transcript | None = loaded
         self._responses: dict[int, tuple[str, Usage | None]] = {}
         if loaded is not None:
@@ -574,10 +567,9 @@ class WireSession:
                 self._written(data, chain)
             if parsed is not None:
                 self._learn(parsed, model, compacted=usage_compacted(usage or {}))
-                self._calibration_dirty = True
-                state = self._calibration_to_save() if self.storage.sync is None else None
-                if state and not TokenTracker.save_state(self._calibration, state):
-                    self._calibration_dirty = True  # a new process starts warm: tried again
+                self._saves.learned()
+                if self.storage.sync is None and (state := self._saves.due()):
+                    self._saves.write(state)  # a new process starts warm
 
     async def observe_async(
         self,
@@ -596,54 +588,36 @@ class WireSession:
                 self._written(data, chain)
         if parsed is not None:
             self._learn(parsed, model, compacted=usage_compacted(usage or {}))
-            self._calibration_dirty = True  # saved by settle(), after the response, if local
-            if self.storage.sync is None and (state := self._calibration_to_save()):
-                await self._save_calibration(state)
-
-    async def _save_calibration(self, state: dict[str, Any]) -> None:
-        """Write ``state`` in a worker thread; one that fails is tried again later."""
-        if not await anyio.to_thread.run_sync(TokenTracker.save_state, self._calibration, state):
-            self._calibration_dirty = True
+            self._saves.learned()  # written by settle(), after the response, if local
+            if self.storage.sync is None and (state := self._saves.due()):
+                await anyio.to_thread.run_sync(self._saves.write, state)
 
     async def save_calibration(self) -> None:
-        """Save the token calibration now if it learned since its last save (a worker thread
-        writes it); a failure is logged. For a server shutting down: saves are spaced
-        :data:`CALIBRATION_EVERY` apart otherwise."""
-        if not self._calibration_dirty:
-            return
-        self._calibration_saved = -math.inf
-        state = self._calibration_to_save()
+        """Write the token calibration now if it learned since its last write (a worker
+        thread writes it). For a server shutting down or a conversation loaded again: writes
+        are spaced :data:`~pipeline.dropin.calibration.CALIBRATION_EVERY` apart otherwise."""
+        state = self._saves.due(now=True)
         if state is not None:
-            await self._save_calibration(state)
-
-    def _calibration_to_save(self) -> dict[str, Any] | None:
-        """The token tracker's state when it learned since the last save and that save is
-        :data:`CALIBRATION_EVERY` seconds old; None otherwise. Taken on the caller's thread
-        (the tracker is not to be read from another)."""
-        now = time.monotonic()
-        if not self._calibration_dirty or now - self._calibration_saved < CALIBRATION_EVERY:
-            return None
-        self._calibration_dirty, self._calibration_saved = False, now
-        return self.ctx.token_tracker.state_dict()
+            await anyio.to_thread.run_sync(self._saves.write, state)
 
     async def settle(self) -> None:
         """Make what this session wrote so far durable, off the response's path: its records
         (a local store opened with ``fsync_each=False``: one ``fsync`` for the call's appends)
-        and the token calibration (at most every :data:`CALIBRATION_EVERY` seconds); and write
+        and the token calibration (:mod:`pipeline.dropin.calibration`); and write
         to an object store
         what its spool holds (results persisted while it was down). Nothing to do where each
         append was durable already and nothing is spooled. A failure is logged, never raised
         (the response has gone)."""
         if self.storage.sync is None and self.storage.drain is None:
             return
-        state = self._calibration_to_save() if self.storage.sync is not None else None
+        state = self._saves.due() if self.storage.sync is not None else None
         await anyio.to_thread.run_sync(self._settled, state)
 
     def settle_sync(self) -> None:
         """:meth:`settle`, blocking (the synchronous client's path)."""
         if self.storage.sync is None and self.storage.drain is None:
             return
-        state = self._calibration_to_save() if self.storage.sync is not None else None
+        state = self._saves.due() if self.storage.sync is not None else None
         self._settled(state)
 
     def _settled(self, calibration: Mapping[str, Any] | None) -> None:
@@ -655,11 +629,8 @@ class WireSession:
                 self.ctx.logger.error(
                     "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
                 )
-        # an estimate, not a decision: a power loss costs a cold start
-        if calibration is not None and not TokenTracker.save_state(
-            self._calibration, calibration, durable=False
-        ):
-            self._calibration_dirty = True  # tried again at the next settle
+        if calibration is not None:  # an estimate, not a decision: no fsync
+            self._saves.write(calibration, durable=False)
         if drain is not None:
             try:
                 drain()

@@ -40,6 +40,7 @@ __all__ = [
     "OsFileOps",
     "StoreError",
     "ToolResultStore",
+    "is_result_key",
     "safe_file_stem",
     "validate_session_id",
 ]
@@ -98,6 +99,19 @@ def safe_file_stem(tool_use_id: str) -> str:
         return tool_use_id
     digest = hashlib.sha256(tool_use_id.encode("utf-8", errors="surrogatepass")).hexdigest()
     return f"unsafe.{digest}"
+
+
+RESULT_NAME = re.compile(
+    r"(?:[A-Za-z0-9_-]{1,128}|unsafe\.[0-9a-f]{64})(?:\.[0-9a-f]{12})?\.(?:txt|json)"
+)
+"""Every name a result store gives a result (:func:`safe_file_stem`, the content's digest
+when it goes by that, the extension), and nothing else."""
+
+
+def is_result_key(key: str) -> bool:
+    """Whether an object ``key`` names a tool result: ``.../tool-results/<a result's name>``."""
+    head, _, name = key.rpartition("/")
+    return head.rpartition("/")[2] == TOOL_RESULTS_SUBDIR and bool(RESULT_NAME.fullmatch(name))
 
 
 def validate_session_id(session_id: str) -> str:

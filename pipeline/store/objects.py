@@ -36,7 +36,9 @@ except ImportError as exc:  # pragma: no cover - the objectstore extra installs 
         "the object-store backend needs obstore: pip install 'sluicegate[objectstore]'"
     ) from exc
 
+from pipeline.logs import get_logger
 from pipeline.store.files import (
+    RESULT_NAME,
     TOOL_RESULTS_SUBDIR,
     StoreError,
     safe_file_stem,
@@ -68,10 +70,6 @@ __all__ = [
 RECORDS_SUBDIR = "records"
 _SEGMENT = re.compile(r"[A-Za-z0-9_.=-]{1,255}")
 _URI_BASE = re.compile(r"[a-z][a-z0-9+.-]*://[^\s?#]*")
-_RESULT_NAME = re.compile(
-    r"(?:[A-Za-z0-9_-]{1,128}|unsafe\.[0-9a-f]{64})(?:\.[0-9a-f]{12})?\.(?:txt|json)"
-)
-"""Every name :class:`ObjectToolResultStore` gives a result, and nothing else."""
 
 
 class ObjectStoreAPI(Protocol):
@@ -175,7 +173,7 @@ class ObjectLayout:
         """The key of a tool result of this session named by ``uri``; None for any other URI
         (another bucket, prefix or session, a name this layout never gives, a traversal)."""
         head = f"{self.uri_base}/{self.results_dir}/"
-        if not uri.startswith(head) or not _RESULT_NAME.fullmatch(uri[len(head) :]):
+        if not uri.startswith(head) or not RESULT_NAME.fullmatch(uri[len(head) :]):
             return None
         return uri[len(self.uri_base) + 1 :]
 
@@ -244,6 +242,7 @@ class ObjectToolResultStore:
             # the write would have given (a content-named one: the same on every worker)
             spooled = distinct if plain_taken else key
             if self.spool is not None and self.spool.put(spooled, data):
+                get_logger(session_id=self.session_id).warning("store.spooled", bytes=len(data))
                 return spooled
             raise
         raise StoreError(

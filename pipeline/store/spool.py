@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import secrets
 import stat
 import threading
@@ -36,6 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pipeline.logs import get_logger
+from pipeline.store.files import is_result_key
 
 __all__ = ["MAX_SPOOLED_BYTES", "SPOOL_DIR", "Spool"]
 
@@ -47,8 +47,6 @@ MAX_SPOOLED_BYTES = 1 << 30
 whole, as without a spool) -- a long outage must not fill the worker's disk."""
 
 
-_RESULT_KEY = re.compile(r"(?:[A-Za-z0-9_.=-]+/)*tool-results/[A-Za-z0-9_.-]{1,200}")
-"""The keys a spool holds: a tool result's object (``.../tool-results/<name>``), nothing else."""
 _DRAIN_EVERY = 1.0
 """Seconds between two drains of one spool (each call's settle asks for one)."""
 _DRAIN_FAILURES = 3
@@ -96,7 +94,7 @@ class Spool:
         """Spool ``data`` for ``key`` (a tool result's object key): True once it is durable
         here; False when the spool is full (``max_bytes``) or ``key`` is not a result's.
         ``OSError`` when the local disk fails or the directory is not private."""
-        if not _RESULT_KEY.fullmatch(key):
+        if not is_result_key(key):
             return False
         body, name = self._paths(key)
         with self._lock:
@@ -109,7 +107,6 @@ class Spool:
             _write_durably(body, data)
             _fsync_dir(self.directory)
             self._held = self._count() + len(data)
-        get_logger().warning("store.spooled", bytes=len(data))
         return True
 
     def path_of(self, key: str) -> Path | None:
@@ -140,7 +137,7 @@ class Spool:
             except (OSError, UnicodeDecodeError):
                 continue
             # a key file another hand wrote or changed is never sent to the store
-            if size < 0 or name.stem != _digest(key) or not _RESULT_KEY.fullmatch(key):
+            if size < 0 or name.stem != _digest(key) or not is_result_key(key):
                 continue
             yield key, body, name, size
 
@@ -192,6 +189,8 @@ class Spool:
                 if removed and self._held is not None:
                     self._held = max(0, self._held - size)
             written += placed
+        if written:
+            log.info("store.spool_drained", written=written, left=left)
         return written, left
 
 
