@@ -139,7 +139,7 @@ class Outage:
 
     def hooks(self) -> dict[str, Callable[..., None]]:
         """``before`` for :class:`Wrapped`: this fault before each of the store's calls."""
-        return dict.fromkeys(("put", "get", "head", "list", "list_with_delimiter"), self)
+        return dict.fromkeys(("put", "get", "head", "list", "list_with_delimiter", "delete"), self)
 
 
 @dataclass
@@ -188,6 +188,10 @@ class Wrapped:
     def list_with_delimiter(self, prefix: str | None = None) -> Any:
         self._hook("list_with_delimiter", prefix)
         return self.inner.list_with_delimiter(prefix)
+
+    def delete(self, paths: Any) -> None:
+        self._hook("delete", paths)
+        self.inner.delete(paths)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -748,3 +748,31 @@ def test_a_worker_starts_and_serves_while_the_store_is_unreachable(
     assert "wire_session.load_failed" in worker.stderr
     assert all(TAG not in json.dumps(r) for r in requests)
     assert requests[-1]["messages"] == conversation.messages[:-2]  # as the client sent it
+
+
+def test_record_snapshots_on_the_store_replace_each_other_and_load_as_the_records(
+    fleet_store: Server,
+) -> None:
+    """On S3 (moto) and Azure (Azurite): every compaction a new base, the older ones removed in
+    one batch but the chain just replaced; a new reader starts from the newest and loads what
+    the records give."""
+    from pipeline.store.object_records import ObjectRecordLog
+    from pipeline.store.object_snapshots import snapshots_dir
+
+    store = fleet_store.store(fleet_store.new_bucket())
+
+    def log(writer: str) -> ObjectRecordLog:
+        return ObjectRecordLog(
+            store, prefix=PREFIX, session_id="snaps", writer_id=writer, delta_bytes=0
+        )
+
+    writer = log("a")
+    for k in range(4):
+        writer.append_stage_record("response", {"index": k, "id": f"msg_{k}"})
+        writer.compact()
+    directory = snapshots_dir(writer.layout.records_dir)
+    left = [key.rsplit("/", 1)[1] for key in keys_of(store, directory)]
+    assert left == ["000000000000-000000000002.jsonl", "000000000000-000000000003.jsonl"]
+    loaded = log("b").load()
+    assert loaded is not None
+    assert [r.data["index"] for r in loaded.stage_records] == [0, 1, 2, 3]

@@ -603,22 +603,27 @@ class WireSession:
     async def settle(self) -> None:
         """Make what this session wrote so far durable, off the response's path: its records
         (a local store opened with ``fsync_each=False``: one ``fsync`` for the call's appends)
-        and the token calibration (:mod:`pipeline.dropin.calibration`); and write
-        to an object store
-        what its spool holds (results persisted while it was down). Nothing to do where each
-        append was durable already and nothing is spooled. A failure is logged, never raised
+        and the token calibration (:mod:`pipeline.dropin.calibration`); and, on an object
+        store, write what its spool holds (results persisted while it was down) and the
+        call's records as a snapshot (:mod:`pipeline.store.object_snapshots`). Nothing to do
+        on a local store whose appends were each durable. A failure is logged, never raised
         (the response has gone)."""
-        if self.storage.sync is None and self.storage.drain is None:
+        if not self._settles:
             return
         state = self._saves.due() if self.storage.sync is not None else None
         await anyio.to_thread.run_sync(self._settled, state)
 
     def settle_sync(self) -> None:
         """:meth:`settle`, blocking (the synchronous client's path)."""
-        if self.storage.sync is None and self.storage.drain is None:
+        if not self._settles:
             return
         state = self._saves.due() if self.storage.sync is not None else None
         self._settled(state)
+
+    @property
+    def _settles(self) -> bool:
+        storage = self.storage
+        return not (storage.sync is None and storage.drain is None and storage.compact is None)
 
     def _settled(self, calibration: Mapping[str, Any] | None) -> None:
         sync, drain = self.storage.sync, self.storage.drain
@@ -636,6 +641,11 @@ class WireSession:
                 drain()
             except OSError as exc:  # the local spool itself failed: its results wait on
                 self.ctx.logger.error("store.spool_failed", error=type(exc).__name__)
+        if self.storage.compact is not None:
+            try:
+                self.storage.compact()
+            except OSError as exc:  # a cache: a worker new to the conversation reads records
+                self.ctx.logger.warning("records.snapshot_failed", error=type(exc).__name__)
 
     def _response(
         self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None

@@ -155,6 +155,10 @@ class StoreBreaker:
         """The store's ``list_with_delimiter``, unless skipped."""
         return self._call(self.store.list_with_delimiter, prefix)
 
+    def delete(self, paths: str | Sequence[str]) -> None:
+        """The store's ``delete``, unless skipped."""
+        self._call(self.store.delete, paths)
+
 
 def _is_answer(exc: BaseException) -> bool:
     """Whether ``exc`` is the store answering (nothing there, already there), not failing."""

@@ -27,6 +27,11 @@ A worker that keeps a session in memory while others may serve it asks
 last one it has seen, True when another writer added records since this log last loaded. The
 bytes of every record object this log has read or written are kept (objects are immutable), so
 loading again after a move reads only the objects that are new.
+
+Compaction (:meth:`ObjectRecordLog.compact`, after each call): the records are also written as
+snapshots (:mod:`pipeline.store.object_snapshots`), and a load starts from the newest chain of
+them when that spares it reading more than two records, so a worker new to a long conversation
+reads at most three objects, not one per record.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import Any
 
 from pipeline.logs import get_logger
 from pipeline.store.files import StoreError
+from pipeline.store.object_snapshots import DELTA_BYTES, choose_chain, snapshot_name, snapshots_dir
 from pipeline.store.objects import RECORDS_SUBDIR, ObjectLayout, ObjectStoreAPI, is_create_conflict
 from pipeline.transcript.read import (
     JsonlRecordWriter,
@@ -70,6 +76,12 @@ _MAX_SEQUENCE = 10**12 - 1
 _SYSTEM_RANDOM = random.SystemRandom()
 
 
+def _line_ended(data: bytes) -> bytes:
+    """A record object's bytes as a load reads them: a torn object must not swallow the next
+    one's first line."""
+    return data if not data or data.endswith(b"\n") else data + b"\n"
+
+
 def _store_error(action: str, key: str, exc: BaseException) -> StoreError:
     """A store failure as an ``OSError`` (what callers of a record log catch), named by its
     type only: an ``obstore`` message carries the request URL and the server's reply."""
@@ -85,7 +97,8 @@ class ObjectRecordLog(JsonlRecordWriter):
     :class:`~pipeline.store.objects.ObjectLayout`. ``writer_id``
     (``[A-Za-z0-9_.-]{1,64}``) names this writer in what it logs; by default a random one.
     ``read_attempts`` and ``retry_delay`` (seconds, doubled each time):
-    how long :meth:`load` waits for a listed object to become readable.
+    how long :meth:`load` waits for a listed object to become readable. ``delta_bytes``: see
+    :meth:`compact`.
 
     Appends block (a LIST and a PUT): run them in a worker thread from async code. They raise
     :class:`~pipeline.store.files.StoreError` (an ``OSError``) when the store fails. The log keeps
@@ -106,6 +119,7 @@ class ObjectRecordLog(JsonlRecordWriter):
         records: str = RECORDS_SUBDIR,
         read_attempts: int = 4,
         retry_delay: float = 0.1,
+        delta_bytes: int = DELTA_BYTES,
         logger: Any = None,
     ) -> None:
         if writer_id is None:
@@ -114,6 +128,9 @@ class ObjectRecordLog(JsonlRecordWriter):
             raise ValueError(f"writer_id must match [A-Za-z0-9_.-]{{1,64}}, got {writer_id!r:.80}")
         if read_attempts < 1 or retry_delay < 0:
             raise ValueError("read_attempts must be >= 1 and retry_delay >= 0")
+        if isinstance(delta_bytes, bool) or not isinstance(delta_bytes, int) or delta_bytes < 0:
+            raise ValueError(f"delta_bytes must be an int >= 0, got {delta_bytes!r:.80}")
+        self.delta_bytes = delta_bytes
         self.store = store
         self.layout = ObjectLayout(session_id, prefix, uri_base, records)
         self.session_id = self.layout.session_id
@@ -127,11 +144,23 @@ class ObjectRecordLog(JsonlRecordWriter):
         """The number the next append tries first: one past the highest seen."""
         self._listed_after: str | None = None
         """The greatest key seen by a listing: the next listing asks only for what follows."""
+        self._held: list[tuple[int, bytes, str]] = []
+        """The records from number 0 on without a gap, in pieces: (the last record a piece
+        holds, its bytes as loaded, the object they came from: a record or a snapshot)."""
+        self._ends: list[int] = []
+        """Each held piece's last record, ascending."""
         self._known: dict[str, bytes] = {}
-        """The bytes of every record object read or written by this log, by key."""
+        """The bytes of the record objects read or written past the held ones, by key."""
         self._unloaded: set[str] = set()
         """Keys of other writers' records listed since the last load and not loaded yet."""
+        self._snapshots: set[str] = set()
+        """Snapshot keys known to exist (the older ones go when a new base is written)."""
+        self._chain: tuple[str, ...] = ()
+        """The newest chain known: its base's key and its newest delta's."""
+        self._chain_base = -1
+        self._chain_last = -1
         self._lock = threading.Lock()
+        self._compacting = threading.Lock()
 
     # -- appending --------------------------------------------------------------------------
     def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
@@ -145,7 +174,7 @@ class ObjectRecordLog(JsonlRecordWriter):
         # the number after the highest this log has seen is tried without a listing first (one
         # request, not two, on each append of a conversation one worker serves); a log that has
         # never listed, or whose number was taken, lists what was added first
-        listed = self._listed_after is not None or bool(self._known)
+        listed = self._listed_after is not None or bool(self._ends or self._known)
         for attempt in range(APPEND_ATTEMPTS):
             if not listed:
                 try:
@@ -165,7 +194,7 @@ class ObjectRecordLog(JsonlRecordWriter):
                     # taken by another writer (or our listing lagged): the next number, after
                     # a short random pause that lets a busy peer's run of appends end; the
                     # record there is another writer's, for the next load to read
-                    if key not in self._known:
+                    if not self._has(key):
                         self._unloaded.add(key)
                     self._next += 1
                     time.sleep(_SYSTEM_RANDOM.uniform(0, min(_BACKOFF_CAP, 0.001 * 2**attempt)))
@@ -173,6 +202,7 @@ class ObjectRecordLog(JsonlRecordWriter):
                 # our own create, whose reply was lost and which the client sent again
             self._next += 1
             self._known[key] = payload
+            self._advance()
             return key
         raise StoreError(errno.EEXIST, f"no free record number in {APPEND_ATTEMPTS} attempts", key)
 
@@ -187,8 +217,28 @@ class ObjectRecordLog(JsonlRecordWriter):
     def _catch_up(self) -> None:
         for key, sequence in self._listing(after=self._listed_after):
             self._next = max(self._next, sequence + 1)
-            if key not in self._known:
+            if not self._has(key):
                 self._unloaded.add(key)  # another writer's: the next load must read it
+
+    def _key(self, sequence: int) -> str:
+        return f"{self.layout.records_dir}/{sequence:012d}.jsonl"
+
+    @property
+    def _held_last(self) -> int:
+        return self._ends[-1] if self._ends else -1
+
+    def _has(self, key: str) -> bool:
+        """Whether this log holds the record at ``key`` (the lock held)."""
+        if key in self._known:
+            return True
+        match = _RECORD_NAME.fullmatch(key.rsplit("/", 1)[-1])
+        return match is not None and int(match[1]) <= self._held_last
+
+    def _advance(self) -> None:
+        """Move the records that now follow the held ones without a gap into them."""
+        while (key := self._key(self._held_last + 1)) in self._known:
+            self._held.append((self._held_last + 1, _line_ended(self._known.pop(key)), key))
+            self._ends.append(self._held_last + 1)
 
     def changed_elsewhere(self) -> bool:
         """Whether another writer added records this log has not loaded (one listing of the
@@ -219,21 +269,25 @@ class ObjectRecordLog(JsonlRecordWriter):
         (``strict=False``: malformed lines are in ``Transcript.problems``, each also logged with
         its object); None when the session has no record object yet (as for a transcript file
         that does not exist). The next message appended chains from the last message loaded.
+        It starts from the newest snapshots when they spare it more than two records' reads.
 
         Raises :class:`~pipeline.store.files.StoreError` when the store cannot be listed or read
         (an object that lists but is not found yet is skipped after a few tries instead)."""
+        self._start_from_snapshots()
         with self._lock:
+            after = self._key(self._held_last) if self._ends else None
             try:
-                entries = sorted(self._listing(), key=lambda e: e[1])
+                entries = sorted(self._listing(after=after), key=lambda e: e[1])
             except Exception as exc:
                 raise _store_error("listing", self.layout.records_dir, exc) from exc
-            if not entries:
+            if not entries and not self._ends and not self._known:
                 return None
-            self._next = max(self._next, entries[-1][1] + 1)
-        # every object is read before any is parsed: a read that fails fails the load whole,
+            if entries:
+                self._next = max(self._next, entries[-1][1] + 1)
+            missing = [key for key, _sequence in entries if not self._has(key)]
+        # every object is read before any is taken: a read that fails fails the load whole,
         # and then nothing counts as loaded; one skipped as unreadable stays unloaded (the
         # next check asks for a load again)
-        missing = [key for key, _sequence in entries if key not in self._known]
         fetched: dict[str, bytes | None] = {}
         if missing:
             # several reads at once: a new worker's first load of a long session is one GET
@@ -244,31 +298,25 @@ class ObjectRecordLog(JsonlRecordWriter):
             with ThreadPoolExecutor(max_workers=min(READERS, len(missing))) as pool:
                 bodies = pool.map(lambda c, k: c.run(self._read, k), contexts, missing)
                 fetched = dict(zip(missing, bodies, strict=True))
-        contents: list[tuple[str, bytes]] = []
-        for key, _sequence in entries:
-            data = self._known.get(key)
-            if data is None:
-                data = fetched.get(key)
-            if data is not None:
-                contents.append((key, data))
         with self._lock:
-            for key, data in contents:
-                self._known[key] = data
-            read = {key for key, _data in contents}
-            self._unloaded.difference_update(read)
-            self._unloaded.update(key for key, _seq in entries if key not in read)
+            for key, data in fetched.items():
+                if data is not None and not self._has(key):
+                    self._known[key] = data
+            self._advance()
+            listed = {key for key, _sequence in entries}
+            self._unloaded = {key for key in self._unloaded | listed if not self._has(key)}
+            pieces = [(data, key) for _last, data, key in self._held]
+            beyond = sorted(self._known.items())  # past a gap: in number order, as before
+            pieces += [(_line_ended(data), key) for key, data in beyond]
         starts: list[int] = []
         names: list[str] = []
 
         def lines() -> Iterator[str]:
             count = 0
-            for key, data in contents:
-                text = data.decode("utf-8", errors="surrogateescape")
-                if text and not text.endswith("\n"):
-                    text += "\n"  # a torn object must not swallow the next one's first line
+            for data, key in pieces:
                 starts.append(count + 1)
                 names.append(key)
-                for line in jsonl_lines(text):
+                for line in jsonl_lines(data.decode("utf-8", errors="surrogateescape")):
                     count += 1
                     yield line
 
@@ -285,6 +333,115 @@ class ObjectRecordLog(JsonlRecordWriter):
             with self._lock:
                 self._last_uuid = loaded.messages[-1].uuid
         return loaded
+
+    # -- snapshots --------------------------------------------------------------------------
+    @property
+    def _snapshots_dir(self) -> str:
+        return snapshots_dir(self.layout.records_dir)
+
+    def _start_from_snapshots(self) -> None:
+        """Hold the newest chain of snapshots when it reaches more than two records past what
+        is held (two reads for every record it covers). A chain that cannot be read, or went
+        meanwhile, is left: the records are read instead."""
+        directory = self._snapshots_dir
+        try:
+            listed = [meta["path"] for chunk in self.store.list(directory) for meta in chunk]
+        except Exception as exc:
+            raise _store_error("listing", directory, exc) from exc
+        chain = choose_chain(listed, directory)
+        if chain is None:
+            return
+        with self._lock:
+            self._snapshots.update(listed)
+            if chain.last > self._chain_last:
+                self._chain = (chain.base,) if chain.delta is None else (chain.base, chain.delta)
+                self._chain_base, self._chain_last = chain.base_last, chain.last
+            if chain.last <= self._held_last + 2:
+                return
+            keep = bisect.bisect_left(self._ends, chain.base_last)
+            kept_base = keep < len(self._ends) and self._ends[keep] == chain.base_last
+        wanted = ([] if kept_base else [chain.base]) + ([chain.delta] if chain.delta else [])
+        found = [self._read_snapshot(key) for key in wanted]
+        if any(data is None for data in found):
+            return
+        with self._lock:
+            if chain.last <= self._held_last:  # a concurrent load went as far
+                return
+            pieces = self._held[: keep + 1] if kept_base else []
+            for key, data in zip(wanted, found, strict=True):
+                assert data is not None
+                pieces.append((chain.base_last if key == chain.base else chain.last, data, key))
+            self._held = pieces
+            self._ends = [last for last, _data, _key in pieces]
+            for key in [k for k in self._known if self._has(k)]:
+                del self._known[key]
+            self._unloaded = {key for key in self._unloaded if not self._has(key)}
+            self._next = max(self._next, chain.last + 1)
+            self._advance()
+
+    def _read_snapshot(self, key: str) -> bytes | None:
+        """The bytes of snapshot ``key``; None when it is gone (a newer base replaced it)."""
+        try:
+            return bytes(self.store.get(key).bytes())
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise _store_error("read", key, exc) from exc
+
+    def compact(self) -> None:
+        """Write the records held since the newest snapshot as one (a delta, or a new base past
+        :data:`~pipeline.store.object_snapshots.DELTA_BYTES`), and remove the snapshots a new
+        base makes old, but the chain it replaces (a worker may be reading it). Blocking: call
+        it after a call's records, off the response's path. Raises
+        :class:`~pipeline.store.files.StoreError` when the snapshot cannot be written; a
+        removal that fails is logged and tried again with the next base."""
+        if not self._compacting.acquire(blocking=False):
+            return  # another thread is at it: the next call's compaction takes these records
+        try:
+            self._compact()
+        finally:
+            self._compacting.release()
+
+    def _compact(self) -> None:
+        with self._lock:
+            last = self._held_last
+            if last <= self._chain_last:
+                return
+            at = bisect.bisect_left(self._ends, self._chain_base)
+            on_base = at < len(self._ends) and self._ends[at] == self._chain_base
+            since = [data for _last, data, _key in self._held[at + 1 :]] if on_base else []
+            if on_base and sum(map(len, since)) <= self.delta_bytes:
+                first, data = self._chain_base + 1, b"".join(since)
+            else:
+                first, data = 0, b"".join(data for _last, data, _key in self._held)
+        key = f"{self._snapshots_dir}/{snapshot_name(first, last)}"
+        try:
+            self.store.put(key, data, mode="create")
+        except Exception as exc:
+            # taken: the same records, so the same bytes (another worker wrote this range)
+            if not is_create_conflict(exc):
+                raise _store_error("snapshot", key, exc) from exc
+        with self._lock:
+            self._snapshots.add(key)
+            self._chain_last = last
+            if first > 0:
+                self._chain = (self._chain[0], key)
+                return
+            at = bisect.bisect_left(self._ends, last)
+            if at < len(self._ends) and self._ends[at] == last:
+                # the records up to ``last`` are held as this one piece from now on
+                self._held[: at + 1] = [(last, data, key)]
+                self._ends[: at + 1] = [last]
+            old = sorted(self._snapshots.difference(self._chain, (key,)))
+            self._chain, self._chain_base = (key,), last
+        if old:
+            try:
+                self.store.delete(old)
+            except Exception as exc:  # left in the store; the next base tries again
+                self.logger.warning("records.snapshot_removal_failed", error=type(exc).__name__)
+                return
+            with self._lock:
+                self._snapshots.difference_update(old)
 
     def _read(self, key: str) -> bytes | None:
         """The bytes of ``key``; None when it stays not found (it listed: a store whose reads

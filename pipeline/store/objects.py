@@ -100,6 +100,11 @@ class ObjectStoreAPI(Protocol):
         objects directly under ``prefix``."""
         ...
 
+    def delete(self, paths: str | Sequence[str]) -> None:
+        """``obstore.delete``: the objects at ``paths`` (a batch where the store has one); a
+        path with nothing at it may raise ``FileNotFoundError``."""
+        ...
+
 
 def is_create_conflict(exc: BaseException) -> bool:
     """Whether a ``mode="create"`` put failed because something is already at the key (stores

@@ -134,6 +134,10 @@ class SessionStorage:
     """Writes to the store the results spooled while it was down (blocking; cheap when none
     wait; a store still down leaves them for the next time): set on an object store with a
     spool (:mod:`pipeline.store.spool`)."""
+    compact: Callable[[], None] | None = None
+    """Writes the records appended since the last snapshot as one, so a worker new to the
+    conversation reads a bounded number of objects (blocking; ``OSError`` when it cannot): set
+    on an object store (:mod:`pipeline.store.object_snapshots`)."""
 
 
 def in_turn_options(timeout: float = STORE_TIMEOUT, retries: int = STORE_RETRIES) -> dict[str, Any]:
@@ -528,6 +532,7 @@ def _on_objects(
         branch=branch,
         shared=True,
         drain=None if spool is None else results.drain,
+        compact=records.compact,
     )
 
 

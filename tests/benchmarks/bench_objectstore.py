@@ -16,8 +16,9 @@ backend's code and requests cost, not S3's latency (a few milliseconds per reque
 region, tens from another). ``--delay-ms D`` puts a relay between the process and moto that
 holds each request D ms before passing it on (S3's latency, as from another region at 20): the
 figures then show what a call pays the store on its path, and the store requests a call makes
-(counted at the relay; median and p99) -- for a call that persists a result, one that persists
-none ("kept"), and a new worker's first call.
+(counted at the relay; median and p99; the settle after the response included: the spool
+check and the records' snapshot) -- for a call that persists a result, one that persists none
+("kept"), and a new worker's first call.
 """
 
 from __future__ import annotations
@@ -99,13 +100,19 @@ async def open_session(states: SessionStates, root: Path) -> WireSession:
 
 
 async def one_call(session: WireSession, client: Client) -> None:
-    """A proxy's work on one call, the HTTP hops left out."""
+    """A proxy's work on one call, the HTTP hops left out (the settle after the response,
+    which the proxy runs after the response has gone, is the caller's)."""
     if session.storage is not None:
         await anyio.to_thread.run_sync(session.storage.changed_elsewhere)
     await session.prepare(client.params)
     usage = {"input_tokens": 100 + client.rounds, "output_tokens": 5}
     await session.observe_async(f"msg_{client.rounds:05d}", usage, "claude-bench")
     client.grow()
+
+
+async def call_and_settle(session: WireSession, client: Client) -> None:
+    await one_call(session, client)
+    await session.settle()
 
 
 async def timed(work: Callable[[], Awaitable[object]]) -> tuple[float, float]:
@@ -129,20 +136,25 @@ async def measure(
     client = Client()
     session = await open_session(states(), root / "host-a")
     for _ in range(size):
-        await one_call(session, client)
+        await call_and_settle(session, client)
     out: dict[str, list[float]] = {}
 
-    async def sample(kind: str, work: Callable[[], Awaitable[object]]) -> None:
+    async def sample(
+        kind: str, work: Callable[[], Awaitable[object]], after: WireSession | None = None
+    ) -> None:
+        """Time ``work``; count the store requests it and ``after``'s settle make."""
         before = requests()
         wall, cpu = await timed(work)
+        if after is not None:
+            await after.settle()
         for key, value in (("wall", wall), ("cpu", cpu), ("requests", requests() - before)):
             out.setdefault(f"{kind}{key}", []).append(value)
 
     for _ in range(calls):
-        await sample("", lambda: one_call(session, client))
+        await sample("", lambda: one_call(session, client), session)
     client.chars = CAP // 2
     for _ in range(calls):
-        await sample("kept_", lambda: one_call(session, client))
+        await sample("kept_", lambda: one_call(session, client), session)
     client.chars = RESULT_CHARS
     for k in range(takeovers):
         host = root / f"host-new-{size}-{k}"
