@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.wire import body_reader
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body, loads_body
 
@@ -164,3 +165,39 @@ def test_a_lone_surrogate_in_a_message_read_before_still_says_slow() -> None:
     assert reader.read(first + b"]}")[1] is False
     body, fast = reader.read(first + b', {"role": "user", "content": "b"}]}')
     assert fast is False and body == json.loads(first + b', {"role": "user", "content": "b"}]}')
+
+
+def test_among_many_conversations_sharing_an_opening_each_body_reuses_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sixty conversations that open alike (one system text, one long first message) take
+    turns; each body is read against the last one of its own conversation: its messages are
+    that body's objects, and a body that repeats one kept whole drops it (the kept list stays
+    one body per conversation). Finding it compares the new body with two kept ones, not
+    with every one that opens alike (sixty)."""
+    compared = []
+    real = body_reader._common_prefix
+    monkeypatch.setattr(
+        body_reader, "_common_prefix", lambda a, b: compared.append(1) or real(a, b)
+    )
+    reader = BodyReader()
+    opening = [{"role": "user", "content": "the same long task " * 200}]
+    talks: list[list[Any]] = [list(opening) for _ in range(60)]
+    last: dict[int, list[Any]] = {}
+    for turn in range(4):
+        for k, msgs in enumerate(talks):
+            msgs += [
+                {"role": "assistant", "content": f"{k}.{turn}"},
+                {"role": "user", "content": "go"},
+            ]
+            raw = json.dumps({"model": "m", "system": "s", "messages": msgs}).encode()
+            body, _fast = reader.read(raw)
+            if k in last:
+                assert all(a is b for a, b in zip(body["messages"], last[k], strict=False))
+                assert body["messages"][len(last[k])] is not None
+            last[k] = body["messages"]
+            assert len(compared) <= 2, len(compared)
+            compared.clear()
+        assert len(reader._kept) == 60
+        assert sorted(reader._order) == reader._order
+        assert {i for _text, i in reader._order} == set(reader._kept)

@@ -35,9 +35,8 @@ from pipeline.wire.encoding import has_lone_surrogate, loads_body
 __all__ = ["BodyReader"]
 
 _WS = re.compile(r"[ \t\n\r]*")
-_OPENING = 256
-"""A kept body is compared further only when its first this many characters (at most up to its
-messages) are the new one's."""
+_TIES = 8
+"""Bodies on each side of the best match looked at for one sharing as long a start."""
 _FIRST_STEP = 256
 _MAX_STEP = 65_536
 
@@ -78,6 +77,8 @@ class _Body:
     """The first message holding a lone surrogate (the fast codec refuses those), if any."""
     fields_lone: bool
     """Whether a field around the messages holds one."""
+    kept_at: int = 0
+    """When the reader kept it (a count): of bodies sharing as long a start, the latest wins."""
 
     def fast(self) -> bool:
         """Whether the fast codec reads all of it, as :func:`loads_body` would say."""
@@ -99,6 +100,10 @@ class BodyReader:
         self.max_bodies = max_bodies
         self.max_chars = max_chars
         self._kept: OrderedDict[int, _Body] = OrderedDict()
+        self._order: list[tuple[str, int]] = []
+        """The kept bodies' (text, id) in text order: the one sharing the longest start with
+        a new text is next to where the new text would go."""
+        self._count = 0
         self._chars = 0
         self.reused = 0
         """Messages taken from an earlier body so far (not parsed again)."""
@@ -126,29 +131,53 @@ class BodyReader:
         return _assembled(parsed), parsed.fast()
 
     def _closest(self, text: str) -> tuple[_Body | None, int]:
-        """The kept body that shares the longest start with ``text``, and how long it is."""
-        best, same = None, 0
-        for body in reversed(self._kept.values()):  # the most recent first
-            # of use only when the two agree past the messages' start: tried on its opening
-            m = min(_OPENING, body.array_open)
-            if body.text[:m] != text[:m]:
-                continue
-            n = _common_prefix(text, body.text)
-            if n > same:
-                best, same = body, n
+        """The kept body that shares the longest start with ``text``, and how long it is (the
+        latest kept of those that share as long a one): one of the two next to ``text`` in
+        text order, so two comparisons whatever the number of bodies kept."""
+        order = self._order
+        at = bisect.bisect_left(order, (text,))
+        near = [j for j in (at - 1, at) if 0 <= j < len(order)]
+        if not near:
+            return None, 0
+        shared = {j: _common_prefix(text, order[j][0]) for j in near}
+        same = max(shared.values())
+        if same == 0:
+            return None, 0
+        # those sharing as long a start sit next to each other around ``at``
+        lo, hi = (
+            min(j for j in near if shared[j] == same),
+            max(j for j in near if shared[j] == same),
+        )
+        head = text[:same]
+        while lo > 0 and at - lo < _TIES and order[lo - 1][0].startswith(head):
+            lo -= 1
+        while hi + 1 < len(order) and hi - at < _TIES and order[hi + 1][0].startswith(head):
+            hi += 1
+        best = max((self._kept[order[j][1]] for j in range(lo, hi + 1)), key=lambda b: b.kept_at)
         return best, same
 
     def _drop(self, body: _Body) -> None:
         if self._kept.pop(id(body), None) is not None:
+            self._unorder(body)
             self._chars -= len(body.text)
+
+    def _unorder(self, body: _Body) -> None:
+        entry = (body.text, id(body))
+        at = bisect.bisect_left(self._order, entry)
+        if at < len(self._order) and self._order[at] == entry:
+            del self._order[at]
 
     def _keep(self, body: _Body) -> None:
         if len(body.text) > self.max_chars or not self.max_bodies:
             return
+        self._count += 1
+        body.kept_at = self._count
         self._kept[id(body)] = body
+        bisect.insort(self._order, (body.text, id(body)))
         self._chars += len(body.text)
         while self._chars > self.max_chars or len(self._kept) > self.max_bodies:
             _, gone = self._kept.popitem(last=False)
+            self._unorder(gone)
             self._chars -= len(gone.text)
 
 
