@@ -8,6 +8,8 @@ real :class:`~pipeline.dropin.adapter.WireSession` (the proxy's per-call work wi
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -289,3 +291,144 @@ def test_foreign_names_in_the_snapshot_directory_are_left_alone() -> None:
     assert (chain.base_last, chain.last) == (9, 14)
     assert chain.delta == f"{directory}/{snapshot_name(10, 14)}"
     assert choose_chain([f"{directory}/{snapshot_name(3, 9)}"], directory) is None
+
+
+def stage_indexes(loaded: Transcript | None) -> list[Any]:
+    assert loaded is not None
+    return [r.data.get("index") for r in loaded.stage_records]
+
+
+def test_a_load_and_a_compaction_of_one_log_at_once_hold_each_record_once() -> None:
+    """The proxy compacts after a response (a worker thread) while the next request may load
+    the same log. Here a load starts while a compaction writes its base, and would read the
+    snapshots while the compaction rebuilds the pieces: it waits for the compaction instead,
+    and neither sees the other's pieces halfway (before: records 5-7 twice, then in a base
+    that every later worker loaded)."""
+    memory = obstore.store.MemoryStore()
+    a = log_on(memory, "a", delta_bytes=10**9)
+    _appends(a, 5, 0)
+    a.compact()  # a base: records 0-9
+    _appends(a, 3, 5)  # 10-15
+    results: list[Any] = []
+    reading, compacted = threading.Event(), threading.Event()
+    armed = {"on": False}
+
+    def during_put(path: str, *_args: Any, **_kwargs: Any) -> None:
+        if armed["on"] and "-snapshots/" in path:
+            armed["on"] = False
+            threading.Thread(target=lambda: results.append(r.load())).start()
+            reading.wait(0.5)  # the load reads the snapshots now, unless it waits for this
+
+    def at_delta(path: str, **_kwargs: Any) -> None:
+        if "-snapshots/000000000010-" in path:
+            reading.set()
+            compacted.wait(5)  # the load reads on once the compaction has returned
+
+    r = log_on(Wrapped(memory, before={"put": during_put, "get": at_delta}), "r", delta_bytes=0)
+    r.load()
+    _appends(a, 5, 8)  # 16-25
+    a.compact()  # a delta on a's base: 10-25
+    armed["on"] = True
+    r.compact()  # a base 0-15 from r; a load of r starts while it is written
+    compacted.set()
+    for _ in range(100):
+        if results:
+            break
+        time.sleep(0.05)
+    assert stage_indexes(results[0]) == list(range(13))
+    r.compact()
+    assert stage_indexes(log_on(memory, "j").load()) == list(range(13))
+
+
+def test_a_load_that_fails_after_reading_snapshots_leaves_the_conversation_changed() -> None:
+    memory = obstore.store.MemoryStore()
+    fault = Outage(down=False)
+
+    def records_listing(prefix: str | None = None, **_kwargs: Any) -> None:
+        if prefix is not None and prefix.endswith("/records"):
+            fault()
+
+    a = log_on(memory, "a", delta_bytes=10**9)
+    w = log_on(Wrapped(memory, before={"list": records_listing}), "w")
+    _appends(a, 5, 0)
+    w.load()
+    _appends(a, 5, 5)
+    a.load()
+    a.compact()  # a base holding 0-19
+    assert w.changed_elsewhere()
+    fault.down = True
+    with pytest.raises(OSError):
+        w.load()  # the snapshot is read, then the listing after it fails
+    fault.down = False
+    assert w.changed_elsewhere()  # still to be loaded: the worker loads again next call
+    assert stage_indexes(w.load()) == list(range(10))
+
+
+def test_a_log_taking_up_a_chain_keeps_the_records_past_it_it_holds() -> None:
+    """Its own append past the chain is not read again (a read that lags would lose it)."""
+    memory = obstore.store.MemoryStore()
+    a = log_on(memory, "a", delta_bytes=10**9)
+    _appends(a, 4, 0)  # 0-7
+    lagging = {f"{a.layout.records_dir}/000000000003.jsonl"}
+
+    def lag(path: str, **_kwargs: Any) -> None:
+        if path in lagging:
+            raise FileNotFoundError(path)
+
+    store = Wrapped(memory, before={"get": lag})
+    w = ObjectRecordLog(
+        store, prefix=PREFIX, session_id=SESSION, read_attempts=1, logger=QuietLogger(keep=False)
+    )
+    w.load()  # 3 unreadable: 0-2 held, 4-7 kept apart
+    a.compact()  # a base: 0-7
+    w.append_stage_record("response", {"index": 99, "id": "own"})  # record 8, w's own
+    lagging.clear()
+    lagging.add(f"{a.layout.records_dir}/000000000008.jsonl")
+    store.gets.clear()
+    assert stage_indexes(w.load()) == [0, 1, 2, 3, 99]
+    assert [k.rsplit("/", 1)[1] for k, _ in store.gets] == [snapshot_name(0, 7)]
+    assert not w.changed_elsewhere()
+
+
+def test_removal_leaves_foreign_names_and_survives_a_snapshot_already_gone() -> None:
+    """Names the snapshots never have stay; a store that fails a batch delete because one of
+    its keys is gone (Azure, local files) has removed the rest: they are not asked again."""
+    memory = obstore.store.MemoryStore()
+    a = log_on(memory, "a", delta_bytes=0)
+    directory = snapshots_dir(a.layout.records_dir)
+    memory.put(f"{directory}/notes.txt", b"x")
+    memory.put(f"{directory}/archive/{snapshot_name(0, 99)}", b"x")
+
+    def strict_delete(paths: Any) -> None:
+        if any(not keys_of(memory, p) for p in ([paths] if isinstance(paths, str) else paths)):
+            for p in [paths] if isinstance(paths, str) else paths:
+                memory.delete(p)
+            raise FileNotFoundError("one of them")
+
+    b = log_on(Wrapped(memory, before={"delete": strict_delete}), "b", delta_bytes=0)
+    for k in range(6):
+        log = a if k % 2 == 0 else b
+        log.load()
+        _appends(log, 1, k)
+        log.compact()
+    left = keys_of(memory, directory)
+    assert (
+        f"{directory}/notes.txt" in left and f"{directory}/archive/{snapshot_name(0, 99)}" in left
+    )
+    assert len([k for k in left if "/archive/" not in k and k.endswith(".jsonl")]) <= 3
+    assert len(b._snapshots) <= 3
+
+
+def test_a_joiner_lists_only_what_follows_the_chain() -> None:
+    memory = obstore.store.MemoryStore()
+    a = log_on(memory, "a", delta_bytes=10**9)
+    _appends(a, 40, 0)
+    a.compact()
+    store = Wrapped(memory)
+    listings: list[Any] = []
+    store.before["list"] = lambda prefix=None, offset=None: listings.append((prefix, offset))
+    j = log_on(store, "j")
+    j.load()
+    j.changed_elsewhere()
+    records = [offset for prefix, offset in listings if prefix == j.layout.records_dir]
+    assert records == [f"{j.layout.records_dir}/{79:012d}.jsonl"] * 2

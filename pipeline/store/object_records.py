@@ -50,7 +50,13 @@ from typing import Any
 
 from pipeline.logs import get_logger
 from pipeline.store.files import StoreError
-from pipeline.store.object_snapshots import DELTA_BYTES, choose_chain, snapshot_name, snapshots_dir
+from pipeline.store.object_snapshots import (
+    DELTA_BYTES,
+    Chain,
+    choose_chain,
+    snapshot_name,
+    snapshots_dir,
+)
 from pipeline.store.objects import RECORDS_SUBDIR, ObjectLayout, ObjectStoreAPI, is_create_conflict
 from pipeline.transcript.read import (
     JsonlRecordWriter,
@@ -74,6 +80,12 @@ _RECORD_NAME = re.compile(r"([0-9]{12})\.jsonl")
 _WRITER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_SEQUENCE = 10**12 - 1
 _SYSTEM_RANDOM = random.SystemRandom()
+
+
+def _sequence_of(key: str) -> int:
+    """The number of record ``key`` (-1 for a name records never have)."""
+    match = _RECORD_NAME.fullmatch(key.rsplit("/", 1)[-1])
+    return int(match[1]) if match is not None else -1
 
 
 def _line_ended(data: bytes) -> bytes:
@@ -160,7 +172,9 @@ class ObjectRecordLog(JsonlRecordWriter):
         self._chain_base = -1
         self._chain_last = -1
         self._lock = threading.Lock()
-        self._compacting = threading.Lock()
+        self._exclusive = threading.Lock()
+        """Held by a load and by a compaction: each takes the held pieces apart and puts them
+        together again, which the other must not see halfway."""
 
     # -- appending --------------------------------------------------------------------------
     def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
@@ -229,10 +243,7 @@ class ObjectRecordLog(JsonlRecordWriter):
 
     def _has(self, key: str) -> bool:
         """Whether this log holds the record at ``key`` (the lock held)."""
-        if key in self._known:
-            return True
-        match = _RECORD_NAME.fullmatch(key.rsplit("/", 1)[-1])
-        return match is not None and int(match[1]) <= self._held_last
+        return key in self._known or 0 <= _sequence_of(key) <= self._held_last
 
     def _advance(self) -> None:
         """Move the records that now follow the held ones without a gap into them."""
@@ -273,6 +284,10 @@ class ObjectRecordLog(JsonlRecordWriter):
 
         Raises :class:`~pipeline.store.files.StoreError` when the store cannot be listed or read
         (an object that lists but is not found yet is skipped after a few tries instead)."""
+        with self._exclusive:
+            return self._load()
+
+    def _load(self) -> Transcript | None:
         self._start_from_snapshots()
         with self._lock:
             after = self._key(self._held_last) if self._ends else None
@@ -340,44 +355,59 @@ class ObjectRecordLog(JsonlRecordWriter):
         return snapshots_dir(self.layout.records_dir)
 
     def _start_from_snapshots(self) -> None:
-        """Hold the newest chain of snapshots when it reaches more than two records past what
-        is held (two reads for every record it covers). A chain that cannot be read, or went
-        meanwhile, is left: the records are read instead."""
+        """Hold the chain of snapshots that reaches furthest when it goes more than two records
+        past what is held (two reads for every record it covers). Snapshots are a cache: a
+        chain that cannot be listed or read is left (the records are read instead), and one
+        removed meanwhile by a newer base is listed again, once."""
         directory = self._snapshots_dir
-        try:
-            listed = [meta["path"] for chunk in self.store.list(directory) for meta in chunk]
-        except Exception as exc:
-            raise _store_error("listing", directory, exc) from exc
-        chain = choose_chain(listed, directory)
-        if chain is None:
+        for _attempt in range(2):
+            try:
+                listed = [meta["path"] for chunk in self.store.list(directory) for meta in chunk]
+                chain = choose_chain(listed, directory)
+                if chain is None or not self._note_chain(chain):
+                    return
+                with self._lock:
+                    keep = bisect.bisect_left(self._ends, chain.base_last)
+                    kept_base = keep < len(self._ends) and self._ends[keep] == chain.base_last
+                wanted = ([] if kept_base else [chain.base]) + (
+                    [chain.delta] if chain.delta else []
+                )
+                found = [self._read_snapshot(key) for key in wanted]
+            except Exception as exc:  # a cache: the records are read instead
+                self.logger.warning("records.snapshots_unreadable", error=type(exc).__name__)
+                return
+            if all(data is not None for data in found):
+                break
+        else:
             return
         with self._lock:
-            self._snapshots.update(listed)
-            if chain.last > self._chain_last:
-                self._chain = (chain.base,) if chain.delta is None else (chain.base, chain.delta)
-                self._chain_base, self._chain_last = chain.base_last, chain.last
-            if chain.last <= self._held_last + 2:
-                return
-            keep = bisect.bisect_left(self._ends, chain.base_last)
-            kept_base = keep < len(self._ends) and self._ends[keep] == chain.base_last
-        wanted = ([] if kept_base else [chain.base]) + ([chain.delta] if chain.delta else [])
-        found = [self._read_snapshot(key) for key in wanted]
-        if any(data is None for data in found):
-            return
-        with self._lock:
-            if chain.last <= self._held_last:  # a concurrent load went as far
-                return
             pieces = self._held[: keep + 1] if kept_base else []
             for key, data in zip(wanted, found, strict=True):
                 assert data is not None
                 pieces.append((chain.base_last if key == chain.base else chain.last, data, key))
             self._held = pieces
             self._ends = [last for last, _data, _key in pieces]
-            for key in [k for k in self._known if self._has(k)]:
-                del self._known[key]
-            self._unloaded = {key for key in self._unloaded if not self._has(key)}
+            for key in [k for k in self._known if _sequence_of(k) <= chain.last]:
+                del self._known[key]  # held in the chain now (past it: kept, and ours)
+            # what was unloaded stays so until the load ends well: a load that fails after
+            # this still finds the conversation changed next time
             self._next = max(self._next, chain.last + 1)
+            head = self._key(chain.last)
+            if self._listed_after is None or head > self._listed_after:
+                self._listed_after = head  # a listing of what is new starts past the chain
             self._advance()
+
+    def _note_chain(self, chain: Chain) -> bool:
+        """Remember ``chain`` (the snapshots to remove later, the newest chain); whether it is
+        worth reading (it goes more than two records past what is held)."""
+        with self._lock:
+            self._snapshots.update((chain.base, *chain.others))
+            if chain.delta is not None:
+                self._snapshots.add(chain.delta)
+            if chain.last > self._chain_last:
+                self._chain = (chain.base,) if chain.delta is None else (chain.base, chain.delta)
+                self._chain_base, self._chain_last = chain.base_last, chain.last
+            return chain.last > self._held_last + 2
 
     def _read_snapshot(self, key: str) -> bytes | None:
         """The bytes of snapshot ``key``; None when it is gone (a newer base replaced it)."""
@@ -395,12 +425,12 @@ class ObjectRecordLog(JsonlRecordWriter):
         it after a call's records, off the response's path. Raises
         :class:`~pipeline.store.files.StoreError` when the snapshot cannot be written; a
         removal that fails is logged and tried again with the next base."""
-        if not self._compacting.acquire(blocking=False):
-            return  # another thread is at it: the next call's compaction takes these records
+        if not self._exclusive.acquire(blocking=False):
+            return  # a load or a compaction is under way: the next call's takes these records
         try:
             self._compact()
         finally:
-            self._compacting.release()
+            self._exclusive.release()
 
     def _compact(self) -> None:
         with self._lock:
@@ -423,6 +453,8 @@ class ObjectRecordLog(JsonlRecordWriter):
                 raise _store_error("snapshot", key, exc) from exc
         with self._lock:
             self._snapshots.add(key)
+            if last <= self._chain_last:
+                return  # a newer chain is known meanwhile: it stays the one to keep
             self._chain_last = last
             if first > 0:
                 self._chain = (self._chain[0], key)
@@ -437,6 +469,8 @@ class ObjectRecordLog(JsonlRecordWriter):
         if old:
             try:
                 self.store.delete(old)
+            except FileNotFoundError:
+                pass  # one was gone already (another worker's removal): the rest are removed
             except Exception as exc:  # left in the store; the next base tries again
                 self.logger.warning("records.snapshot_removal_failed", error=type(exc).__name__)
                 return

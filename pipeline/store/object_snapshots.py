@@ -54,7 +54,7 @@ def snapshot_name(first: int, last: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Chain:
-    """The newest base and its newest delta among a listing's snapshots."""
+    """A base and its delta (the one reaching furthest) among a listing's snapshots."""
 
     base: str
     base_last: int
@@ -62,12 +62,13 @@ class Chain:
     last: int
     """The last record the chain holds (the delta's, else the base's)."""
     others: tuple[str, ...]
-    """The listed snapshots outside the chain."""
+    """The listed snapshots outside the chain (only names this module gives)."""
 
 
 def choose_chain(keys: Iterable[str], directory: str) -> Chain | None:
-    """The chain to load from ``keys`` (a listing of ``directory``); None when no base was
-    listed. Names this module never gives are left out."""
+    """The chain to load from ``keys`` (a listing of ``directory``): the one reaching the
+    furthest record, with the newest base of those; None when no base was listed. Names this
+    module never gives are left out (and are never removed)."""
     head = directory + "/"
     ranges: dict[str, tuple[int, int]] = {}
     for key in keys:
@@ -77,8 +78,12 @@ def choose_chain(keys: Iterable[str], directory: str) -> Chain | None:
     bases = [(last, key) for key, (first, last) in ranges.items() if first == 0]
     if not bases:
         return None
-    base_last, base = max(bases)
-    deltas = [(last, key) for key, (first, last) in ranges.items() if first == base_last + 1]
-    delta_last, delta = max(deltas) if deltas else (base_last, None)
+    chains = []
+    for base_last, base in bases:
+        deltas = [(last, key) for key, (first, last) in ranges.items() if first == base_last + 1]
+        delta_last, delta = max(deltas) if deltas else (base_last, None)
+        chains.append((delta_last, base_last, base, delta))
+    # the chain that reaches furthest; of those, the one with the newest base (least to read)
+    last, base_last, base, delta = max(chains, key=lambda c: (c[0], c[1]))
     others = tuple(sorted(k for k in ranges if k not in (base, delta)))
-    return Chain(base, base_last, delta, delta_last, others)
+    return Chain(base, base_last, delta, last, others)

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord
 
-__all__ = ["RecordLog"]
+__all__ = ["RecordLog", "appends_block"]
 
 
 @runtime_checkable
@@ -39,3 +39,11 @@ class RecordLog(Protocol):
     def append_stage_record(self, stage: str, data: Mapping[str, Any]) -> None:
         """Append a ``stage-record``: a stage's decision a resumed session must repeat."""
         ...
+
+
+def appends_block(log: object) -> bool:
+    """Whether an append to ``log`` may wait long enough that an event loop must not make it
+    itself: True unless the log says otherwise with an ``append_blocks`` attribute (a local
+    file whose appends are made durable later, in one ``fsync`` off the loop, says False: an
+    append is then a write to the page cache, cheaper than a hand-off to a worker thread)."""
+    return bool(getattr(log, "append_blocks", True))

@@ -131,7 +131,7 @@ class CalibratedEstimator:
         sends exactly its messages. Re-measured on each first call after a compaction."""
         self._w = tuple(self.weights[f] for f in FEATURES)
         self._cache: OrderedDict[int, tuple[Message, ContentVector]] = OrderedDict()
-        self._last_split: tuple[Usage, tuple[Message, ...], _Split] | None = None
+        self._last_split: tuple[Usage | None, tuple[Message, ...], _Split] | None = None
         """The anchor usage, records from the anchor on and split of the latest estimate."""
         self._learned = 0
         """Counts :meth:`learn_from` calls: what an estimate depends on besides its split."""
@@ -170,17 +170,17 @@ class CalibratedEstimator:
         return total, count
 
     def _split(self, messages: Sequence[Message], anchor: tuple[int, Usage] | None) -> _Split:
-        if anchor is not None:
-            # every stage of a pass asks about lists that share the records from the anchor on
-            # (the part a split reads): compare them, object by object, with the last one
-            tail = tuple(messages[anchor[0] :])
-            last = self._last_split
-            if last is not None and last[0] is anchor[1] and last[1] == tail:
-                return last[2]
-            split = self._split_uncached(messages, anchor)
-            self._last_split = (anchor[1], tail, split)
-            return split
-        return self._split_uncached(messages, anchor)
+        # every stage of a pass asks about lists that share the records a split reads (from
+        # the anchor on, or all of them before a first response): compare them, object by
+        # object, with the last one's
+        usage = anchor[1] if anchor is not None else None
+        tail = tuple(messages[anchor[0] :] if anchor is not None else messages)
+        last = self._last_split
+        if last is not None and last[0] is usage and last[1] == tail:
+            return last[2]
+        split = self._split_uncached(messages, anchor)
+        self._last_split = (usage, tail, split)
+        return split
 
     def _split_uncached(
         self, messages: Sequence[Message], anchor: tuple[int, Usage] | None

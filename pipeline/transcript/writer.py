@@ -180,6 +180,12 @@ class TranscriptWriter(JsonlRecordWriter):
         self._unsynced = False
         self._last_uuid = _last_uuid(self.path)
 
+    @property
+    def append_blocks(self) -> bool:
+        """Whether an append waits on the disk (an ``fsync``): see
+        :func:`~pipeline.store.records.appends_block`."""
+        return self.fsync_each
+
     def sync(self) -> None:
         """Make every append so far durable on disk (one ``fsync``; nothing when each append
         already was, or none was made since the last sync). Blocking."""

@@ -21,6 +21,7 @@ import anyio.to_thread
 from pipeline.context import SessionContext
 from pipeline.gate import describe_error
 from pipeline.messages import live_start
+from pipeline.store.records import appends_block
 from pipeline.tokens.checks import bounded_repr
 from stages._shared.rounds import RoundView
 
@@ -175,11 +176,11 @@ async def record_decision(ctx: SessionContext, stage: str, data: Mapping[str, An
 
 
 async def write_off_loop(ctx: SessionContext, write: Callable[[], None], *, stage: str) -> None:
-    """Run a transcript append: in a worker thread when there is a transcript (an fsync'd
-    write must not block the event loop), else inline. An ``OSError`` is logged
-    (``stage_record.write_failed``), never raised."""
+    """Run a transcript append: in a worker thread when its appends may wait (an fsync'd
+    write must not block the event loop: :func:`~pipeline.store.records.appends_block`), else
+    inline. An ``OSError`` is logged (``stage_record.write_failed``), never raised."""
     try:
-        if ctx.transcript is None:
+        if ctx.transcript is None or not appends_block(ctx.transcript):
             write()
         else:
             await anyio.to_thread.run_sync(write)
