@@ -106,6 +106,9 @@ class Persisted:
     path: str
     chars: int
     replacement: str
+    spooled: bool = False
+    """Held in a local spool until the store answers again (an object store in an outage:
+    :mod:`pipeline.store.spool`); a store says so with an optional ``spooled(path)`` method."""
 
 
 async def persist_content(store: ToolResultStore, tool_use_id: str, content: Any) -> Persisted:
@@ -123,10 +126,12 @@ async def persist_content(store: ToolResultStore, tool_use_id: str, content: Any
         text, ext = json.dumps(content, indent=2, ensure_ascii=False), "json"
     path = await store.persist(tool_use_id, text, ext)
     preview, has_more = generate_preview(text)
+    spooled = getattr(store, "spooled", None)
     return Persisted(
         path=path,
         chars=len(text),
         replacement=build_replacement(path, len(text), preview, has_more),
+        spooled=bool(spooled(path)) if callable(spooled) else False,
     )
 
 

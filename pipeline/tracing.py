@@ -240,6 +240,9 @@ class ATTR:
     EXECUTED_IN_CALL = "sluicegate.executed_in_call"
     """The call whose response asked for this tool result (the agent's turn number)."""
     PATH = "sluicegate.path"
+    SPOOLED = "sluicegate.spooled"
+    """True on a persist whose result waits in the worker's local spool: the store did not
+    answer, and it is written there when it does (absent when the store took it)."""
     PERSISTED = "sluicegate.persisted"
     PERSIST_FAILED = "sluicegate.persist_failed"
     CHARS_OVER = "sluicegate.chars_over"

@@ -415,6 +415,8 @@ class ToolResultBudget:
                 attributes[ATTR.LIMIT_PER_TOOL] = per_tool
             if persisted is not None:
                 attributes[ATTR.PATH] = persisted.path
+                if persisted.spooled:
+                    attributes[ATTR.SPOOLED] = True
             if error is not None:
                 attributes[ATTR.ERROR] = error
             executed = ctx.tool_spans.get(c.tool_use_id)

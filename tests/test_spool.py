@@ -192,3 +192,34 @@ def test_a_spool_trusts_only_what_it_wrote(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="alone"):
         Spool(open_dir).put("p/s/tool-results/r.txt", b"x")
     assert not Spool(tmp_path / "s2").put("p/s/records/000000000001.jsonl", b"x")
+
+
+def test_a_persist_in_an_outage_says_so_on_its_span(tmp_path: Path) -> None:
+    """The budget's decision span of a result that went to the spool carries
+    ``sluicegate.spooled``; one the store took does not."""
+    from pipeline import Pipeline, SessionContext, ToolPolicies
+    from pipeline.testing import QuietLogger, SpanRecorder
+    from pipeline.tracing import ATTR
+    from stages import ToolResultBudget
+    from tests.builders import assistant, results, tool_result, tool_use, user_text
+
+    _memory, down, store, _spool = stores(tmp_path)
+    spans = SpanRecorder()
+    ctx = SessionContext(
+        "sess-spool",
+        store=store,
+        tracer=spans.tracer,
+        tool_policies=ToolPolicies(cap=1_000),
+        logger=QuietLogger(keep=False),
+    )
+    history = [user_text("go")]
+    for k, outage in enumerate((True, False)):
+        down.down = outage
+        history += [
+            assistant(f"m{k}", tool_use(f"toolu_{k}")),
+            results(tool_result(f"toolu_{k}", f"{k} " * 2_000)),
+        ]
+        anyio.run(Pipeline([ToolResultBudget()]).run, history, ctx)
+    spooled, stored = spans.decision_attributes("tool_result_budget")
+    assert spooled[ATTR.DECISION] == stored[ATTR.DECISION] == "persist"
+    assert spooled.get(ATTR.SPOOLED) is True and ATTR.SPOOLED not in stored

@@ -213,6 +213,12 @@ class ObjectToolResultStore:
         self.spool = spool
         """Where a result goes when the store cannot take it (:mod:`pipeline.store.spool`)."""
 
+    def spooled(self, uri: str) -> bool:
+        """Whether the result at ``uri`` waits in the spool (the store did not take it yet):
+        what a decision's span says of a persist in an outage."""
+        key = self.layout.result_key(uri)
+        return self.spool is not None and key is not None and self.spool.path_of(key) is not None
+
     def key_for(self, tool_use_id: str, ext: str) -> str:
         """The key of ``tool_use_id``'s result when nothing else is in the way."""
         if ext not in ("txt", "json"):
