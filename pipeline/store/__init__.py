@@ -6,7 +6,10 @@ reading results back.
 - :mod:`.records`: the :class:`RecordLog` protocol every record backend implements;
 - :mod:`.sessions`: a session's state from one location (a directory or an object store URL);
 - :mod:`.objects`, :mod:`.object_records`, :mod:`.object_reader`: the same on an object store
-  (the ``objectstore`` extra), behind :mod:`.breaker`'s circuit breaker;
+  (the ``objectstore`` extra), behind :mod:`.breaker`'s circuit breaker, with
+  :mod:`.held_records` (what a worker holds of a record log), :mod:`.object_snapshots`
+  (compacted records, so a joining worker reads a bounded number of objects) and
+  :mod:`.spool` (results waiting locally while the store is down);
 - :mod:`.readback`: the tool the model calls to read a persisted output back;
 - :mod:`.retention` (with :mod:`.retention_files`, :mod:`.retention_conversations`): pruning a
   long-lived store.

@@ -50,6 +50,7 @@ from typing import Any
 
 from pipeline.logs import get_logger
 from pipeline.store.files import StoreError
+from pipeline.store.held_records import RECORD_NAME, HeldRecords
 from pipeline.store.object_snapshots import (
     DELTA_BYTES,
     Chain,
@@ -76,22 +77,9 @@ turns instead of one starving (a writer that lost eight numbers in a row to a bu
 under CPU load, before the pause)."""
 READERS = 16
 """Record objects a load reads at once."""
-_RECORD_NAME = re.compile(r"([0-9]{12})\.jsonl")
 _WRITER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_SEQUENCE = 10**12 - 1
 _SYSTEM_RANDOM = random.SystemRandom()
-
-
-def _sequence_of(key: str) -> int:
-    """The number of record ``key`` (-1 for a name records never have)."""
-    match = _RECORD_NAME.fullmatch(key.rsplit("/", 1)[-1])
-    return int(match[1]) if match is not None else -1
-
-
-def _line_ended(data: bytes) -> bytes:
-    """A record object's bytes as a load reads them: a torn object must not swallow the next
-    one's first line."""
-    return data if not data or data.endswith(b"\n") else data + b"\n"
 
 
 def _store_error(action: str, key: str, exc: BaseException) -> StoreError:
@@ -156,13 +144,8 @@ class ObjectRecordLog(JsonlRecordWriter):
         """The number the next append tries first: one past the highest seen."""
         self._listed_after: str | None = None
         """The greatest key seen by a listing: the next listing asks only for what follows."""
-        self._held: list[tuple[int, bytes, str]] = []
-        """The records from number 0 on without a gap, in pieces: (the last record a piece
-        holds, its bytes as loaded, the object they came from: a record or a snapshot)."""
-        self._ends: list[int] = []
-        """Each held piece's last record, ascending."""
-        self._known: dict[str, bytes] = {}
-        """The bytes of the record objects read or written past the held ones, by key."""
+        self._held = HeldRecords(self.layout.records_dir)
+        """The bytes of the records this log has read or written."""
         self._unloaded: set[str] = set()
         """Keys of other writers' records listed since the last load and not loaded yet."""
         self._snapshots: set[str] = set()
@@ -188,7 +171,7 @@ class ObjectRecordLog(JsonlRecordWriter):
         # the number after the highest this log has seen is tried without a listing first (one
         # request, not two, on each append of a conversation one worker serves); a log that has
         # never listed, or whose number was taken, lists what was added first
-        listed = self._listed_after is not None or bool(self._ends or self._known)
+        listed = self._listed_after is not None or not self._held.empty
         for attempt in range(APPEND_ATTEMPTS):
             if not listed:
                 try:
@@ -208,15 +191,14 @@ class ObjectRecordLog(JsonlRecordWriter):
                     # taken by another writer (or our listing lagged): the next number, after
                     # a short random pause that lets a busy peer's run of appends end; the
                     # record there is another writer's, for the next load to read
-                    if not self._has(key):
+                    if key not in self._held:
                         self._unloaded.add(key)
                     self._next += 1
                     time.sleep(_SYSTEM_RANDOM.uniform(0, min(_BACKOFF_CAP, 0.001 * 2**attempt)))
                     continue
                 # our own create, whose reply was lost and which the client sent again
             self._next += 1
-            self._known[key] = payload
-            self._advance()
+            self._held.add(key, payload)
             return key
         raise StoreError(errno.EEXIST, f"no free record number in {APPEND_ATTEMPTS} attempts", key)
 
@@ -231,25 +213,8 @@ class ObjectRecordLog(JsonlRecordWriter):
     def _catch_up(self) -> None:
         for key, sequence in self._listing(after=self._listed_after):
             self._next = max(self._next, sequence + 1)
-            if not self._has(key):
+            if key not in self._held:
                 self._unloaded.add(key)  # another writer's: the next load must read it
-
-    def _key(self, sequence: int) -> str:
-        return f"{self.layout.records_dir}/{sequence:012d}.jsonl"
-
-    @property
-    def _held_last(self) -> int:
-        return self._ends[-1] if self._ends else -1
-
-    def _has(self, key: str) -> bool:
-        """Whether this log holds the record at ``key`` (the lock held)."""
-        return key in self._known or 0 <= _sequence_of(key) <= self._held_last
-
-    def _advance(self) -> None:
-        """Move the records that now follow the held ones without a gap into them."""
-        while (key := self._key(self._held_last + 1)) in self._known:
-            self._held.append((self._held_last + 1, _line_ended(self._known.pop(key)), key))
-            self._ends.append(self._held_last + 1)
 
     def changed_elsewhere(self) -> bool:
         """Whether another writer added records this log has not loaded (one listing of the
@@ -270,7 +235,7 @@ class ObjectRecordLog(JsonlRecordWriter):
                 key = meta["path"]
                 if self._listed_after is None or key > self._listed_after:
                     self._listed_after = key
-                match = _RECORD_NAME.fullmatch(key[len(head) :]) if key.startswith(head) else None
+                match = RECORD_NAME.fullmatch(key[len(head) :]) if key.startswith(head) else None
                 if match is not None:
                     yield key, int(match[1])
 
@@ -290,16 +255,17 @@ class ObjectRecordLog(JsonlRecordWriter):
     def _load(self) -> Transcript | None:
         self._start_from_snapshots()
         with self._lock:
-            after = self._key(self._held_last) if self._ends else None
+            held = self._held
+            after = held.key(held.last) if held.last >= 0 else None
             try:
                 entries = sorted(self._listing(after=after), key=lambda e: e[1])
             except Exception as exc:
                 raise _store_error("listing", self.layout.records_dir, exc) from exc
-            if not entries and not self._ends and not self._known:
+            if not entries and held.empty:
                 return None
             if entries:
                 self._next = max(self._next, entries[-1][1] + 1)
-            missing = [key for key, _sequence in entries if not self._has(key)]
+            missing = [key for key, _sequence in entries if key not in held]
         # every object is read before any is taken: a read that fails fails the load whole,
         # and then nothing counts as loaded; one skipped as unreadable stays unloaded (the
         # next check asks for a load again)
@@ -315,14 +281,11 @@ class ObjectRecordLog(JsonlRecordWriter):
                 fetched = dict(zip(missing, bodies, strict=True))
         with self._lock:
             for key, data in fetched.items():
-                if data is not None and not self._has(key):
-                    self._known[key] = data
-            self._advance()
+                if data is not None and key not in held:
+                    held.add(key, data)
             listed = {key for key, _sequence in entries}
-            self._unloaded = {key for key in self._unloaded | listed if not self._has(key)}
-            pieces = [(data, key) for _last, data, key in self._held]
-            beyond = sorted(self._known.items())  # past a gap: in number order, as before
-            pieces += [(_line_ended(data), key) for key, data in beyond]
+            self._unloaded = {key for key in self._unloaded | listed if key not in held}
+            pieces = held.texts()
         starts: list[int] = []
         names: list[str] = []
 
@@ -367,8 +330,7 @@ class ObjectRecordLog(JsonlRecordWriter):
                 if chain is None or not self._note_chain(chain):
                     return
                 with self._lock:
-                    keep = bisect.bisect_left(self._ends, chain.base_last)
-                    kept_base = keep < len(self._ends) and self._ends[keep] == chain.base_last
+                    kept_base = self._held.ends_at(chain.base_last)
                 wanted = ([] if kept_base else [chain.base]) + (
                     [chain.delta] if chain.delta else []
                 )
@@ -381,21 +343,17 @@ class ObjectRecordLog(JsonlRecordWriter):
         else:
             return
         with self._lock:
-            pieces = self._held[: keep + 1] if kept_base else []
+            pieces = []
             for key, data in zip(wanted, found, strict=True):
                 assert data is not None
                 pieces.append((chain.base_last if key == chain.base else chain.last, data, key))
-            self._held = pieces
-            self._ends = [last for last, _data, _key in pieces]
-            for key in [k for k in self._known if _sequence_of(k) <= chain.last]:
-                del self._known[key]  # held in the chain now (past it: kept, and ours)
+            self._held.take(chain.base_last if kept_base else -1, pieces)
             # what was unloaded stays so until the load ends well: a load that fails after
             # this still finds the conversation changed next time
             self._next = max(self._next, chain.last + 1)
-            head = self._key(chain.last)
+            head = self._held.key(chain.last)
             if self._listed_after is None or head > self._listed_after:
                 self._listed_after = head  # a listing of what is new starts past the chain
-            self._advance()
 
     def _note_chain(self, chain: Chain) -> bool:
         """Remember ``chain`` (the snapshots to remove later, the newest chain); whether it is
@@ -407,7 +365,7 @@ class ObjectRecordLog(JsonlRecordWriter):
             if chain.last > self._chain_last:
                 self._chain = (chain.base,) if chain.delta is None else (chain.base, chain.delta)
                 self._chain_base, self._chain_last = chain.base_last, chain.last
-            return chain.last > self._held_last + 2
+            return chain.last > self._held.last + 2
 
     def _read_snapshot(self, key: str) -> bytes | None:
         """The bytes of snapshot ``key``; None when it is gone (a newer base replaced it)."""
@@ -434,16 +392,14 @@ class ObjectRecordLog(JsonlRecordWriter):
 
     def _compact(self) -> None:
         with self._lock:
-            last = self._held_last
+            last = self._held.last
             if last <= self._chain_last:
                 return
-            at = bisect.bisect_left(self._ends, self._chain_base)
-            on_base = at < len(self._ends) and self._ends[at] == self._chain_base
-            since = [data for _last, data, _key in self._held[at + 1 :]] if on_base else []
-            if on_base and sum(map(len, since)) <= self.delta_bytes:
+            since = self._held.since(self._chain_base) if self._chain_base >= 0 else None
+            if since is not None and sum(map(len, since)) <= self.delta_bytes:
                 first, data = self._chain_base + 1, b"".join(since)
             else:
-                first, data = 0, b"".join(data for _last, data, _key in self._held)
+                first, data = 0, self._held.whole()
         key = f"{self._snapshots_dir}/{snapshot_name(first, last)}"
         try:
             self.store.put(key, data, mode="create")
@@ -459,11 +415,7 @@ class ObjectRecordLog(JsonlRecordWriter):
             if first > 0:
                 self._chain = (self._chain[0], key)
                 return
-            at = bisect.bisect_left(self._ends, last)
-            if at < len(self._ends) and self._ends[at] == last:
-                # the records up to ``last`` are held as this one piece from now on
-                self._held[: at + 1] = [(last, data, key)]
-                self._ends[: at + 1] = [last]
+            self._held.fold(last, data, key)
             old = sorted(self._snapshots.difference(self._chain, (key,)))
             self._chain, self._chain_base = (key,), last
         if old:
