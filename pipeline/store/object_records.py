@@ -181,26 +181,31 @@ class ObjectRecordLog(JsonlRecordWriter):
             listed = False
             if self._next > _MAX_SEQUENCE:
                 raise StoreError(errno.EOVERFLOW, "record numbers exhausted", key)
-            key = f"{self.layout.records_dir}/{self._next:012d}.jsonl"
-            try:
-                self.store.put(key, payload, mode="create")
-            except Exception as exc:
-                if not is_create_conflict(exc):
-                    raise _store_error("append", key, exc) from exc
-                if not self._holds(key, payload):
-                    # taken by another writer (or our listing lagged): the next number, after
-                    # a short random pause that lets a busy peer's run of appends end; the
-                    # record there is another writer's, for the next load to read
-                    if key not in self._held:
-                        self._unloaded.add(key)
-                    self._next += 1
-                    time.sleep(_SYSTEM_RANDOM.uniform(0, min(_BACKOFF_CAP, 0.001 * 2**attempt)))
-                    continue
-                # our own create, whose reply was lost and which the client sent again
+            key = self._held.key(self._next)
+            # taken and holding other bytes: another writer's (or our listing lagged); else
+            # our own create, whose reply was lost and which the client sent again
+            if not self._create(key, payload, "append") and not self._holds(key, payload):
+                # the next number, after a short random pause that lets a busy peer's run of
+                # appends end; the record there is another writer's, for the next load to read
+                if key not in self._held:
+                    self._unloaded.add(key)
+                self._next += 1
+                time.sleep(_SYSTEM_RANDOM.uniform(0, min(_BACKOFF_CAP, 0.001 * 2**attempt)))
+                continue
             self._next += 1
             self._held.add(key, payload)
             return key
         raise StoreError(errno.EEXIST, f"no free record number in {APPEND_ATTEMPTS} attempts", key)
+
+    def _create(self, key: str, data: bytes, action: str) -> bool:
+        """Create ``key`` holding ``data``; False when something is there already."""
+        try:
+            self.store.put(key, data, mode="create")
+        except Exception as exc:
+            if not is_create_conflict(exc):
+                raise _store_error(action, key, exc) from exc
+            return False
+        return True
 
     def _holds(self, key: str, payload: bytes) -> bool:
         """Whether ``key`` holds exactly ``payload`` (False when it cannot be read)."""
@@ -401,12 +406,8 @@ class ObjectRecordLog(JsonlRecordWriter):
             else:
                 first, data = 0, self._held.whole()
         key = f"{self._snapshots_dir}/{snapshot_name(first, last)}"
-        try:
-            self.store.put(key, data, mode="create")
-        except Exception as exc:
-            # taken: the same records, so the same bytes (another worker wrote this range)
-            if not is_create_conflict(exc):
-                raise _store_error("snapshot", key, exc) from exc
+        # taken: the same records, so the same bytes (another worker wrote this range)
+        self._create(key, data, "snapshot")
         with self._lock:
             self._snapshots.add(key)
             if last <= self._chain_last:
