@@ -372,6 +372,16 @@ def test_a_conversation_moving_between_workers_sends_what_one_worker_sends(
     assert served == [sum(1 for c in range(CALLS) if (c // 3) % 2 == k) for k in (0, 1)]
     records = keys_of(fleet_store.store(bucket), f"{where}/records")
     assert len(records) >= CALLS
+    # and their snapshots: a chain reaching the last record (written after each response)
+    from pipeline.store.object_snapshots import choose_chain
+
+    directory = f"{where}/records-snapshots"
+    for _ in range(100):  # the last call's is written after its response: give it a moment
+        chain = choose_chain(keys_of(fleet_store.store(bucket), directory), directory)
+        if chain is not None and chain.last == len(records) - 1:
+            break
+        time.sleep(0.05)
+    assert chain is not None and chain.last == len(records) - 1
 
 
 # ---------------------------------------------------------------------------------------------
