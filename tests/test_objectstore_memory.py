@@ -444,7 +444,7 @@ def test_a_create_whose_reply_was_lost_is_not_appended_twice() -> None:
 
 def test_a_log_tells_when_another_writer_recorded_and_reads_only_what_is_new() -> None:
     """A worker that keeps a session asks before each call whether others recorded since:
-    one listing, True until it loads again; its own appends never count; a load after a move
+    one HEAD, True until it loads again; its own appends never count; a load after a move
     reads only the objects it has not read or written before (objects are immutable)."""
     memory = MemoryStore()
     mine = Wrapped(memory)
@@ -470,7 +470,23 @@ def test_a_log_tells_when_another_writer_recorded_and_reads_only_what_is_new() -
     assert [key for key, _ in mine.gets[gets:]] == [f"{RECORDS}/000000000002.jsonl"]
 
 
-def test_a_log_that_cannot_list_says_so_and_keeps_what_it_knew() -> None:
+def test_the_check_for_news_is_one_head_of_the_next_number() -> None:
+    """No listing: a HEAD of the number after the highest seen, however many records there
+    are; it finds a record another writer added, and a worker that served the call before."""
+    memory = MemoryStore()
+    watched = Wrapped(memory)
+    mine = ObjectRecordLog(watched, **WHERE, writer_id="a")
+    other = ObjectRecordLog(memory, **WHERE, writer_id="b")
+    for n in range(5):
+        mine.append_stage_record("s", {"n": n})
+    watched.calls.clear()
+    assert mine.changed_elsewhere() is False
+    other.append_stage_record("s", {"n": 5})  # number 5: the one after the highest seen
+    assert mine.changed_elsewhere() is True
+    assert watched.calls == {"head": 2}
+
+
+def test_a_log_that_cannot_ask_the_store_says_so_and_keeps_what_it_knew() -> None:
     memory = MemoryStore()
     failing = Wrapped(memory)
     log = ObjectRecordLog(failing, **WHERE, writer_id="a", logger=QuietLogger())
@@ -479,11 +495,11 @@ def test_a_log_that_cannot_list_says_so_and_keeps_what_it_knew() -> None:
     def down(*_args: Any, **_kwargs: Any) -> None:
         raise GenericError("http://127.0.0.1:1/bucket?X-Amz-Credential=secret")
 
-    failing.before["list"] = down
+    failing.before["head"] = down
     with pytest.raises(StoreError) as caught:
         log.changed_elsewhere()
     assert "secret" not in str(caught.value) and "127.0.0.1" not in str(caught.value)
-    del failing.before["list"]
+    del failing.before["head"]
     assert log.changed_elsewhere() is True  # nothing was lost by the failed listing
 
 

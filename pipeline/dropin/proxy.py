@@ -16,11 +16,12 @@ same machine does).
 
 A fleet. With ``storage="s3://bucket/prefix"`` every proxy given that URL shares the sessions'
 results and decisions, and a conversation may move between them at any call. A proxy keeps
-each conversation in memory and, before each call, lists what other workers recorded since
-(one LIST): when another worker served it, the session is loaded again (only the new record
-objects are read). The response's record is written before the client sees the response end
-(an event stream's ``message_delta`` is held back until then; a JSON body is passed on whole
-once read), so the worker serving the next call finds it.
+each conversation in memory and, before each call, asks whether another worker recorded
+since (one HEAD of the next record number): when another worker served it, the session is
+loaded again (only the new record objects are read). The response's record is written
+before the client sees the response end (an event stream's ``message_delta`` is held back
+until then; a JSON body is passed on whole once read), so the worker serving the next call
+finds it.
 
 The store never fails a request, and its outage never changes what the model has seen. A
 result that cannot be persisted waits in the local spool (``<root>/spool``: see

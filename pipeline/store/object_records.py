@@ -23,8 +23,9 @@ a few times, then skipped with a warning; any other store error fails the load (
 rather than give a partial record set that would silently change decisions.
 
 A worker that keeps a session in memory while others may serve it asks
-:meth:`ObjectRecordLog.changed_elsewhere` before each call: one listing of the keys after the
-last one it has seen, True when another writer added records since this log last loaded. The
+:meth:`ObjectRecordLog.changed_elsewhere` before each call: one ``HEAD`` of the number after the
+highest it has seen (there are no gaps), True when another writer added records since this log
+last loaded. The
 bytes of every record object this log has read or written are kept (objects are immutable), so
 loading again after a move reads only the objects that are new.
 
@@ -222,14 +223,22 @@ class ObjectRecordLog(JsonlRecordWriter):
                 self._unloaded.add(key)  # another writer's: the next load must read it
 
     def changed_elsewhere(self) -> bool:
-        """Whether another writer added records this log has not loaded (one listing of the
-        keys after the last seen). Blocking; ``StoreError`` when the store cannot be listed."""
+        """Whether another writer added records this log has not loaded: one ``HEAD`` of the
+        number after the highest this log has seen (numbers have no gaps, so whatever was
+        added since holds that one; a ``HEAD`` is a read, a fraction of a listing's price).
+        Blocking; ``StoreError`` when the store cannot be asked."""
         with self._lock:
+            if self._unloaded:
+                return True
+            key = self._held.key(self._next)
             try:
-                self._catch_up()
+                self.store.head(key)
+            except FileNotFoundError:
+                return False
             except Exception as exc:
-                raise _store_error("listing", self.layout.records_dir, exc) from exc
-            return bool(self._unloaded)
+                raise _store_error("check", key, exc) from exc
+            self._unloaded.add(key)  # another writer's: the next load lists and reads it
+            return True
 
     def _listing(self, *, after: str | None = None) -> Iterator[tuple[str, int]]:
         """(key, sequence) of every record object listed, after ``after`` if given;

@@ -118,7 +118,7 @@ class SessionStorage:
     """The read-back tool for the results ``store`` persists."""
     changed_elsewhere: Callable[[], bool] = lambda: False
     """Whether another writer appended records that ``load`` has not returned yet (blocking:
-    one listing of what is new). The local backend has one writer, this process: always False.
+    one request of the store). The local backend has one writer, this process: always False.
     A worker that keeps a session in memory asks before each call and loads again when True."""
     branch: str | None = None
     """Which branch of the session's records this is: None for its first, ``f<16 hex>`` for
