@@ -16,9 +16,9 @@ and reads the records after them: one or none when the serving worker has settle
 call, so a join reads at most three objects whatever the conversation's length.
 
 The bytes written grow with the conversation: a delta up to ``DELTA_BYTES`` per call, and a
-new base -- every record so far -- each time the deltas reach it. With a call's records at
-~2.5 KB (a persisted result's preview), a 1,000-call conversation writes ~80 MB of snapshots
-over its life, ~80 KB a call on average: less than the request the client sends that call.
+new base -- every record so far -- each time the deltas reach it: over a 1,000-call
+conversation whose records come to 1.5 MB, ~51 MB of snapshots, 51 KB a call on average, a
+small part of the request the client sends that call (3 MB on average there).
 
 Snapshots are a cache, never the only copy: the records stay, a load that finds no usable
 chain (or loses a race with the removal of one) reads the records, and a worker that holds a
