@@ -40,7 +40,7 @@ from pipeline.transcript.read import (
 )
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text
-from tests.objectstore_support import Wrapped, keys_of
+from tests.objectstore_support import Outage, Wrapped, keys_of
 
 SESSION = "sess-mem"
 WHERE: dict[str, str] = {"prefix": "p", "session_id": SESSION, "uri_base": "memory://"}
@@ -528,3 +528,29 @@ def test_a_record_written_after_a_lagging_listing_is_still_seen_by_every_worker(
         ("b", 2),
         ("a", 0),
     ]
+
+
+def test_a_load_that_fails_midway_leaves_the_log_asking_for_another() -> None:
+    """A read that fails after the listing: the log has counted the listed records as seen (its
+    next number is past them) without holding them; until a load ends well, the check for
+    news says True, so the worker loads again rather than go on without them."""
+    memory = MemoryStore()
+    other = ObjectRecordLog(memory, **WHERE, writer_id="b")
+    for n in range(3):
+        other.append_stage_record("s", {"n": n})
+    fault = Outage(down=True)
+
+    def second_read(path: str, **_kwargs: Any) -> None:
+        if path.endswith("000000000001.jsonl"):
+            fault()
+
+    log = ObjectRecordLog(
+        Wrapped(memory, before={"get": second_read}), **WHERE, writer_id="a", logger=QuietLogger()
+    )
+    with pytest.raises(StoreError):
+        log.load()
+    assert log.changed_elsewhere() is True
+    fault.down = False
+    loaded = log.load()
+    assert loaded is not None and [r.data["n"] for r in loaded.stage_records] == [0, 1, 2]
+    assert log.changed_elsewhere() is False

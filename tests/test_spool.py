@@ -223,3 +223,20 @@ def test_a_persist_in_an_outage_says_so_on_its_span(tmp_path: Path) -> None:
     spooled, stored = spans.decision_attributes("tool_result_budget")
     assert spooled[ATTR.DECISION] == stored[ATTR.DECISION] == "persist"
     assert spooled.get(ATTR.SPOOLED) is True and ATTR.SPOOLED not in stored
+
+
+def test_a_result_is_spooled_only_while_its_last_write_left_it_there(tmp_path: Path) -> None:
+    """Persisted again once the store answers, a result that still waits in the spool from
+    the outage is not "spooled" (the store took it this time); drained, nothing is."""
+    _memory, down, store, _spool = stores(tmp_path)
+    uri = anyio.run(store.persist, "toolu_1", "text\n" * 50, "txt")
+    assert store.spooled(uri)
+    down.down = False
+    assert anyio.run(store.persist, "toolu_1", "text\n" * 50, "txt") == uri
+    assert not store.spooled(uri)
+    down.down = True
+    other = anyio.run(store.persist, "toolu_2", "more\n" * 50, "txt")
+    assert store.spooled(other)
+    down.down = False
+    store.drain(force=True)
+    assert not store.spooled(other)

@@ -149,6 +149,8 @@ class ObjectRecordLog(JsonlRecordWriter):
         """The bytes of the records this log has read or written."""
         self._unloaded: set[str] = set()
         """Keys of other writers' records listed since the last load and not loaded yet."""
+        self._incomplete = False
+        """A load began and did not end well: what it counted as seen may not be held."""
         self._snapshots: set[str] = set()
         """Snapshot keys known to exist (the older ones go when a new base is written)."""
         self._chain: tuple[str, ...] = ()
@@ -228,8 +230,8 @@ class ObjectRecordLog(JsonlRecordWriter):
         added since holds that one; a ``HEAD`` is a read, a fraction of a listing's price).
         Blocking; ``StoreError`` when the store cannot be asked."""
         with self._lock:
-            if self._unloaded:
-                return True
+            if self._unloaded or self._incomplete:
+                return True  # what a load must still read (or read again)
             key = self._held.key(self._next)
             try:
                 self.store.head(key)
@@ -267,6 +269,10 @@ class ObjectRecordLog(JsonlRecordWriter):
             return self._load()
 
     def _load(self) -> Transcript | None:
+        # until this load ends well, the log may count as seen (its next number past them)
+        # records it does not hold: a check for news says True meanwhile
+        with self._lock:
+            self._incomplete = True
         self._start_from_snapshots()
         with self._lock:
             held = self._held
@@ -276,6 +282,7 @@ class ObjectRecordLog(JsonlRecordWriter):
             except Exception as exc:
                 raise _store_error("listing", self.layout.records_dir, exc) from exc
             if not entries and held.empty:
+                self._incomplete = False
                 return None
             if entries:
                 self._next = max(self._next, entries[-1][1] + 1)
@@ -299,6 +306,7 @@ class ObjectRecordLog(JsonlRecordWriter):
                     held.add(key, data)
             listed = {key for key, _sequence in entries}
             self._unloaded = {key for key in self._unloaded | listed if key not in held}
+            self._incomplete = False
             pieces = held.texts()
         starts: list[int] = []
         names: list[str] = []

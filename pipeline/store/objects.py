@@ -212,12 +212,16 @@ class ObjectToolResultStore:
         self.content_named = content_named
         self.spool = spool
         """Where a result goes when the store cannot take it (:mod:`pipeline.store.spool`)."""
+        self._spooled: set[str] = set()
+        """Keys this store's last write of each put in the spool."""
 
     def spooled(self, uri: str) -> bool:
         """Whether the result at ``uri`` waits in the spool (the store did not take it yet):
         what a decision's span says of a persist in an outage."""
         key = self.layout.result_key(uri)
-        return self.spool is not None and key is not None and self.spool.path_of(key) is not None
+        if self.spool is None or key is None or key not in self._spooled:
+            return False
+        return self.spool.path_of(key) is not None  # not written to the store since
 
     def key_for(self, tool_use_id: str, ext: str) -> str:
         """The key of ``tool_use_id``'s result when nothing else is in the way."""
@@ -244,9 +248,11 @@ class ObjectToolResultStore:
         try:
             if not self.content_named:
                 if self._place(key, data):
+                    self._spooled.discard(key)
                     return key
                 plain_taken = True  # other bytes there: this result goes by its content's name
             if self._place(distinct, data):
+                self._spooled.discard(distinct)
                 return distinct
         except Exception:
             # the store is down or refused the write: spooled, the result gets the replacement
@@ -254,6 +260,7 @@ class ObjectToolResultStore:
             spooled = distinct if plain_taken else key
             if self.spool is not None and self.spool.put(spooled, data):
                 get_logger(session_id=self.session_id).warning("store.spooled", bytes=len(data))
+                self._spooled.add(spooled)
                 return spooled
             raise
         raise StoreError(
