@@ -89,7 +89,10 @@ class HeldRecords:
     def take(self, base_last: int, pieces: list[tuple[int, bytes, str]]) -> None:
         """Hold a snapshot chain: the pieces up to the one ending at ``base_last`` (-1: none)
         stay, ``pieces`` follow them (a base, a delta: see ``ends_at`` first). Records past
-        the chain that were held stay held."""
+        the chain that were held stay held; a chain that reaches no further than the pieces
+        held changes nothing."""
+        if not pieces or pieces[-1][0] <= self.last:
+            return
         kept = bisect.bisect_right(self._ends, base_last)
         self._pieces = self._pieces[:kept] + pieces
         self._ends = [last for last, _data, _key in self._pieces]
