@@ -99,14 +99,16 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         port = sock.getsockname()[1]
         where = f"http://{args.host}:{port}"
         log = get_logger()
-        if args.log_json:  # every line of a JSON log is JSON, the banner too
-            log.info(
-                "proxy.listening",
-                url=where,
-                upstream=args.upstream,
-                store=shared.location if shared is not None else str(root),
-            )
-        else:
+
+        def ready() -> None:
+            if args.log_json:  # every line of a JSON log is JSON, the banner too
+                log.info(
+                    "proxy.listening",
+                    url=where,
+                    upstream=args.upstream,
+                    store=shared.location if shared is not None else str(root),
+                )
+                return
             store = f"; store {terminal_safe(shared.location)}" if shared is not None else ""
             print(
                 f"sluicegate proxy on {where} -> {args.upstream} "
@@ -114,13 +116,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        server = uvicorn.Server(
+
+        server = _announcing(
             uvicorn.Config(
                 app,
                 log_level="warning",
                 http=head_timed(args.header_timeout),
                 limit_concurrency=connections,
-            )
+            ),
+            ready,
         )
         # at the descriptor limit asyncio logs each failed accept: one line in a while
         asyncio_log = logging.getLogger("asyncio")
@@ -134,6 +138,22 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             server.run(sockets=[sock])
         log.info("proxy.stopped", url=where)
     return EXIT_OK
+
+
+def _announcing(config: Any, ready: Callable[[], None]) -> Any:
+    """uvicorn's server for ``config``, announcing itself (``ready``) once it serves: its signal
+    handlers are in place only once it runs, so a Ctrl-C after the banner is always its
+    graceful stop (before them, Python's own handler raises wherever the start-up stands).
+    uvicorn is the proxy extra's: imported here, not with the module."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                ready()
+
+    return Server(config)
 
 
 def _listen(host: str, port: int) -> socket.socket:
