@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,13 @@ CORPUS = Path(
 settings.register_profile("fixed", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("SLUICEGATE_HYPOTHESIS", "fixed"))
+
+# A test run started in the background by a shell without job control (``./.ci/run &``)
+# inherits SIGINT ignored, and so would every command the tests start: Ctrl-C, the graceful
+# stop they send the proxy and the replay, would never arrive. The tests' own process takes
+# Python's handler back, so the commands they start get the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def corpus_sessions() -> list[Path]:

