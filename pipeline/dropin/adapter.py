@@ -43,7 +43,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
@@ -66,7 +66,7 @@ from pipeline.replacement import (
 )
 from pipeline.spans import content_safe_span
 from pipeline.store.files import validate_session_id
-from pipeline.store.records import appends_block
+from pipeline.store.records import append_where_it_belongs
 from pipeline.store.sessions import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
@@ -90,8 +90,6 @@ __all__ = [
     "WireSession",
     "beta_header",
 ]
-
-_R = TypeVar("_R")
 
 Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
 """How results were decided (their ledger keys): replacement records, keys sent whole."""
@@ -504,10 +502,14 @@ class WireSession:
             whole -= fresh
         state.seen_ids |= whole
         if adopted:
-            await self._off_loop(self._appended, REPLACEMENT_RECORD, adopted)
+            await append_where_it_belongs(
+                self.ctx.transcript, self._appended, REPLACEMENT_RECORD, adopted
+            )
         if whole:
             data = decided_record(sorted(whole))
-            await self._off_loop(self._appended, DECIDED_RECORD_STAGE, data)
+            await append_where_it_belongs(
+                self.ctx.transcript, self._appended, DECIDED_RECORD_STAGE, data
+            )
 
     def request_span(
         self, messages: int, *, context: Context | None = None
@@ -587,21 +589,13 @@ class WireSession:
         knows that another worker serving the next call will find it."""
         async with self._observing:  # one record at a time: each builds on the last one's chain
             parsed, data, chain = self._response(response_id, usage, call)
-            if await self._off_loop(self._append_response, data):
+            if await append_where_it_belongs(self.ctx.transcript, self._append_response, data):
                 self._written(data, chain)
         if parsed is not None:
             self._learn(parsed, model, compacted=usage_compacted(usage or {}))
             self._saves.learned()  # written by settle(), after the response, if local
             if self.storage.sync is None and (state := self._saves.due()):
                 await anyio.to_thread.run_sync(self._saves.write, state)
-
-    async def _off_loop(self, append: Callable[..., _R], *args: Any) -> _R:
-        """``append(*args)`` in a worker thread where the records' appends may wait, else
-        here (:func:`~pipeline.store.records.appends_block`: a hand-off costs more than a
-        write to the page cache)."""
-        if self.ctx.transcript is not None and appends_block(self.ctx.transcript):
-            return await anyio.to_thread.run_sync(append, *args)
-        return append(*args)
 
     async def save_calibration(self) -> None:
         """Write the token calibration now if it learned since its last write (a worker

@@ -277,6 +277,7 @@ class ObjectToolResultStore:
         -1: not asked now -- a drain runs elsewhere, ran less than a second ago unless
         ``force``, or the store's circuit breaker is open)."""
         if self.spool is None or not self.spool.waiting():
+            self._spooled.clear()  # nothing waits: what was spooled has reached the store
             return 0, 0
         if getattr(self.store, "open", None) is True:  # a circuit breaker that is open
             return 0, -1

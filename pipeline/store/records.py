@@ -9,13 +9,17 @@ A session appends three kinds of records as it goes -- the conversation's messag
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import anyio.to_thread
 
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord
 
-__all__ = ["RecordLog", "appends_block"]
+__all__ = ["RecordLog", "append_where_it_belongs", "appends_block"]
+
+_R = TypeVar("_R")
 
 
 @runtime_checkable
@@ -47,3 +51,12 @@ def appends_block(log: object) -> bool:
     file whose appends are made durable later, in one ``fsync`` off the loop, says False: an
     append is then a write to the page cache, cheaper than a hand-off to a worker thread)."""
     return bool(getattr(log, "append_blocks", True))
+
+
+async def append_where_it_belongs(log: object | None, append: Callable[..., _R], *args: Any) -> _R:
+    """``append(*args)``, an append to ``log``: in a worker thread where it may wait
+    (:func:`appends_block`), else here (no log, or one whose appends are a page-cache write:
+    a hand-off would cost more)."""
+    if log is not None and appends_block(log):
+        return await anyio.to_thread.run_sync(append, *args)
+    return append(*args)

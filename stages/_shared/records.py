@@ -16,12 +16,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-import anyio.to_thread
-
 from pipeline.context import SessionContext
 from pipeline.gate import describe_error
 from pipeline.messages import live_start
-from pipeline.store.records import appends_block
+from pipeline.store.records import append_where_it_belongs
 from pipeline.tokens.checks import bounded_repr
 from stages._shared.rounds import RoundView
 
@@ -180,10 +178,7 @@ async def write_off_loop(ctx: SessionContext, write: Callable[[], None], *, stag
     write must not block the event loop: :func:`~pipeline.store.records.appends_block`), else
     inline. An ``OSError`` is logged (``stage_record.write_failed``), never raised."""
     try:
-        if ctx.transcript is None or not appends_block(ctx.transcript):
-            write()
-        else:
-            await anyio.to_thread.run_sync(write)
+        await append_where_it_belongs(ctx.transcript, write)
     except OSError as exc:
         ctx.logger.error(
             "stage_record.write_failed",
