@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import logging
 import socket
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -134,7 +135,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         logging.getLogger("uvicorn.error").addFilter(OnceIn("Exceeded concurrency limit"))
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
         # raises the signal again: for a service that is the normal stop, exit 0
-        with contextlib.suppress(KeyboardInterrupt):
+        with contextlib.suppress(KeyboardInterrupt), server_collector():
             server.run(sockets=[sock])
         log.info("proxy.stopped", url=where)
     return EXIT_OK
@@ -154,6 +155,30 @@ def _announcing(config: Any, ready: Callable[[], None]) -> Any:
                 ready()
 
     return Server(config)
+
+
+SERVER_GC_THRESHOLDS = (20_000, 20, 20)
+"""The collector's thresholds while the proxy serves (Python's are 700, 10, 10)."""
+
+
+@contextlib.contextmanager
+def server_collector() -> Iterator[None]:
+    """The garbage collector set for a long-lived server while the block runs, then as it
+    was: what start-up made (modules, classes, the app) is frozen out of every collection,
+    and the young generation is collected every 20,000 allocations, not 700. The
+    conversations' parsed messages are long-lived containers: with Python's thresholds,
+    under 16 conversations at once the collector took ~0.3 ms a request and paused the loop
+    70-120 ms at each full collection. Garbage is still freed by reference counting at once;
+    only reference cycles wait longer."""
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*SERVER_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+        gc.unfreeze()
 
 
 def _listen(host: str, port: int) -> socket.socket:

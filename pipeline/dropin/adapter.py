@@ -202,7 +202,7 @@ class WireSession:
         self.sync_lock = threading.Lock()
         """Held by a synchronous caller around each call's pass and observation (threads of
         one client may share a conversation)."""
-        self._observing = anyio.Lock()
+        self._observing = anyio.Lock(fast_acquire=True)
         self._saves = CalibrationSaves(
             self._calibration, lambda: self.ctx.token_tracker.state_dict()
         )

@@ -136,8 +136,9 @@ class Branch:
     params: list[Any] = field(default_factory=list)
     """The messages of the last request routed here, as the client sent them (empty when not
     known: loaded from records, only the digests are)."""
-    call_lock: anyio.Lock = field(default_factory=anyio.Lock)
-    """What a caller that must not overlap two calls of a conversation takes (the proxy)."""
+    call_lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
+    """What a caller that must not overlap two calls of a conversation takes (the proxy;
+    uncontended, it is taken without a trip through the event loop)."""
 
     @property
     def conversation_id(self) -> str:

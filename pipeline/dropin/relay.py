@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 import httpx2
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
@@ -67,11 +68,14 @@ def relay(
                     await reader.events.aclose()  # a stream that ended without message_delta
                 else:
                     await reader.observe_json(b"".join(held))
+                    relayed.whole = True  # the client has all once it has this
                     yield b"".join(held)
         finally:
-            await upstream.aclose()
-            if end is not None:
-                end()
+            try:
+                await upstream.aclose()
+            finally:
+                if end is not None:
+                    end()
 
     relayed = _Relayed(
         body(),
@@ -87,14 +91,28 @@ class _Relayed(StreamingResponse):
     the client's is cut too (its connection closed without the body's end), not ended clean."""
 
     cut = False
+    whole = False
+    """Set by the body before it yields its last chunk, when it knows that one is the last: the
+    chunk then ends the response, and what the body does after it (the request's end: its
+    span, metrics and log line) is no longer between the client and its response."""
 
     async def stream_response(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
-        async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        if not self.cut:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        body = self.body_iterator
+        async for chunk in body:
+            more = not self.whole
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+            if not more:
+                break
+        else:
+            if not self.cut:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if isinstance(body, AsyncGenerator):
+            # its end, once the client has all of it; the server tells the response's end as
+            # a disconnect, which cancels this task: the end is shielded from that
+            with anyio.CancelScope(shield=True):
+                await body.aclose()
 
 
 async def _until_cut(

@@ -45,29 +45,36 @@ sys.path.insert(0, str(REPO))
 
 import httpx2 as httpx  # noqa: E402
 
-REPLY = {
-    "id": "msg_bench",
-    "type": "message",
-    "role": "assistant",
-    "model": "claude-bench",
-    "content": [{"type": "text", "text": "ok"}],
-    "stop_reason": "end_turn",
-    "stop_sequence": None,
-    "usage": {"input_tokens": 10, "output_tokens": 1},
-}
+
+def reply_to(n: int, body_bytes: int) -> dict[str, Any]:
+    """The upstream's answer to its ``n``-th request: a tool call of its own (ids unique to
+    it, as the API's are), usage about the size of the body, as an agent's loop gets."""
+    return {
+        "id": f"msg_bench{n:08d}",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-bench",
+        "content": [{"type": "tool_use", "id": f"toolu_bench{n:08d}", "name": "x", "input": {}}],
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": {"input_tokens": body_bytes // 4, "output_tokens": 12},
+    }
 
 
 def serve_upstream() -> None:
-    """The upstream: reads the body, answers the same reply (a process of its own)."""
+    """The upstream: reads the body, answers a tool call (a process of its own)."""
+    import itertools
+
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
 
-    reply = json.dumps(REPLY).encode()
+    counter = itertools.count()
 
     async def messages(request: Request) -> Response:
-        await request.body()
+        body = await request.body()
+        reply = json.dumps(reply_to(next(counter), len(body))).encode()
         return Response(reply, media_type="application/json")
 
     app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
@@ -112,7 +119,11 @@ def _serve(app: Any) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     print(f"listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", http="h11")
+    # connections kept open as long as a run lasts: a target left idle meanwhile finds its
+    # pooled connections open, not closed under it
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="off", http="h11", timeout_keep_alive=600
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -166,22 +177,31 @@ def round_of(tid: str, fill: str, size: int = 2_000) -> list[dict[str, Any]]:
 
 
 class Conversation:
-    """One target's conversation: a body per call, grown by a round, encoded before timing."""
+    """One target's conversation, as an agent's loop holds it: each answer (a tool call) goes
+    back in the next request with its result (~2K chars); bodies are encoded before timing."""
 
     def __init__(self, n: int, tag: str) -> None:
         self.messages = history(n, tag)
-        self.tag = tag
         self.k = 0
 
     def next_body(self) -> bytes:
         body = {"model": "m", "max_tokens": 10, "messages": self.messages}
-        raw = json.dumps(body).encode()
-        self.messages = self.messages + round_of(f"toolu_{self.tag}next{self.k}", "z")
+        return json.dumps(body).encode()
+
+    def answered(self, reply: dict[str, Any]) -> None:
+        """The answer to the last body and its tool's result, for the next call."""
+        (call,) = reply["content"]
+        result = {"type": "tool_result", "tool_use_id": call["id"], "content": "z" * 2_000}
+        self.messages = [
+            *self.messages,
+            {"role": "assistant", "content": reply["content"]},
+            {"role": "user", "content": [result]},
+        ]
         self.k += 1
-        return raw
 
 
-def send(client: httpx.Client, url: str, raw: bytes) -> float:
+def call(client: httpx.Client, url: str, conv: Conversation, raw: bytes) -> float:
+    """One timed call of ``conv`` (its body ``raw``); its answer goes into ``conv``."""
     start = time.perf_counter()
     response = client.post(
         url + "/v1/messages",
@@ -195,6 +215,7 @@ def send(client: httpx.Client, url: str, raw: bytes) -> float:
     elapsed = (time.perf_counter() - start) * 1000
     if response.status_code != 200:
         raise RuntimeError(f"{url}: {response.status_code} {response.text[:200]}")
+    conv.answered(response.json())
     return elapsed
 
 
@@ -220,11 +241,11 @@ def latency(targets: dict[str, str], sizes: list[int], calls: int) -> None:
         times: dict[str, list[float]] = {name: [] for name in targets}
         with httpx.Client(timeout=120) as client:
             for name, url in targets.items():  # warm: connection, first call of each conversation
-                send(client, url, convs[name].next_body())
+                call(client, url, convs[name], convs[name].next_body())
             for _ in range(per_call):
                 bodies = {name: convs[name].next_body() for name in targets}
                 for name, url in targets.items():
-                    times[name].append(send(client, url, bodies[name]))
+                    times[name].append(call(client, url, convs[name], bodies[name]))
         cells = [f"{statistics.median(times[t]):7.2f}/{p99(times[t]):7.2f}" for t in targets]
         added = [
             statistics.median(a - d for a, d in zip(times[t], times["direct"], strict=True))
@@ -260,10 +281,17 @@ def wrap_latency(upstream: str, sizes: list[int], calls: int) -> None:
             for k in range(per_call + 1):
                 for name, client in (("sdk", plain), ("wrap", wrapped)):
                     start = time.perf_counter()
-                    client.messages.create(model="m", max_tokens=10, messages=convs[name])  # type: ignore[arg-type]
+                    reply = client.messages.create(model="m", max_tokens=10, messages=convs[name])  # type: ignore[arg-type]
                     if k:
                         times[name].append((time.perf_counter() - start) * 1000)
-                    convs[name] = convs[name] + round_of(f"toolu_{name}n{k}", "z")
+                    (tool,) = reply.content
+                    convs[name] = [
+                        *convs[name],
+                        {"role": "assistant", "content": [tool.model_dump()]},
+                        {"role": "user", "content": [
+                            {"type": "tool_result", "tool_use_id": tool.id, "content": "z" * 2_000}
+                        ]},
+                    ]  # fmt: skip
         added = statistics.median(w - s for w, s in zip(times["wrap"], times["sdk"], strict=True))
         cells = " ".join(
             f"{name} {statistics.median(t):7.2f}/{p99(t):7.2f}" for name, t in times.items()
@@ -288,7 +316,7 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float) -> Non
                 while time.monotonic() < stop:
                     if len(conv.messages) > 140:  # stay near 100 messages: a new conversation
                         conv = Conversation(100, f"t{name}{i}r{conv.k}")
-                    mine.append(send(client, url, conv.next_body()))
+                    mine.append(call(client, url, conv, conv.next_body()))
             return mine
 
         began = time.monotonic()
