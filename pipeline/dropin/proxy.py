@@ -67,7 +67,7 @@ from pipeline.logs import get_logger
 from pipeline.store.sessions import SessionStates
 from pipeline.store.spool import SPOOL_DIR
 from pipeline.wire.body_reader import BodyReader
-from pipeline.wire.encoding import dumps_body
+from pipeline.wire.body_writer import BodyWriter
 from pipeline.wire.request_fields import merge_betas, merge_request_fields
 
 __all__ = [
@@ -153,6 +153,8 @@ def build_app(
     logger = context.get("logger") or get_logger()
     # request bodies parsed in the size of what is new in them (see pipeline.wire.body_reader)
     bodies = BodyReader(max_bodies=max_conversations or MAX_HELD)
+    # and written in the size of what is new in them (see pipeline.wire.body_writer)
+    sent = BodyWriter()
     if isinstance(storage, SessionStates):
         states = storage
     elif storage is not None and "://" in os.fspath(storage):
@@ -326,7 +328,9 @@ def build_app(
                         logged(started, 400, error="invalid_request_error")
                         refusal = _error(400, "invalid_request_error", str(exc)[:300])
                         return _settled(refusal, session)
-                    content = _upstream_body(session, prepared, fast=fast)
+                    merged = merge_request_fields(prepared, session.ctx.report.request_extras)
+                    key = (branch.family.tenant, branch.conversation_id)
+                    content = sent.write(key, merged, fast=fast)
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )
@@ -444,12 +448,6 @@ def _settled(response: Response, session: WireSession) -> Response:
     wrote before the call failed: :meth:`~pipeline.dropin.adapter.WireSession.settle`)."""
     response.background = BackgroundTask(session.settle)
     return response
-
-
-def _upstream_body(session: WireSession, prepared: dict[str, Any], *, fast: bool) -> bytes:
-    """The prepared request with what a stage asked of it (extras), as JSON."""
-    merged = merge_request_fields(prepared, session.ctx.report.request_extras)
-    return dumps_body(merged, fast=fast)
 
 
 async def _send(

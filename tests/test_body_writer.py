@@ -1,0 +1,130 @@
+"""The body writer writes what :func:`dumps_body` writes, for any sequence of bodies under any
+keys; it encodes only the messages that are not the last body's objects; what it keeps is
+bounded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.wire.body_writer import BodyWriter
+from pipeline.wire.encoding import dumps_body
+
+texts = st.text(alphabet=st.sampled_from('ab \n"\\é☃😀\ud800\x00'), max_size=12)
+values = st.one_of(
+    texts,
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_infinity=True, allow_nan=True),
+    st.none(),
+    st.booleans(),
+)
+blocks = st.one_of(
+    texts,
+    st.lists(
+        st.fixed_dictionaries({"type": st.just("text"), "text": texts}), min_size=1, max_size=3
+    ),
+    st.lists(st.dictionaries(texts, values, max_size=3), min_size=1, max_size=2),
+)
+messages = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]), "content": blocks}
+)
+fields = st.dictionaries(
+    st.sampled_from(["model", "system", "tools", "max_tokens", "metadata", "messages_x", ""]),
+    values,
+    max_size=4,
+)
+edits = st.sampled_from(
+    ["append", "append2", "replace", "equal_copy", "drop_last", "fields", "same", "fork", "empty"]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    start=st.lists(messages, max_size=6),
+    steps=st.lists(
+        st.tuples(
+            edits, messages, fields, st.booleans(), st.booleans(), st.sampled_from(["a", "b"])
+        ),
+        min_size=1,
+        max_size=14,
+    ),
+)
+def test_any_sequence_of_bodies_is_written_as_dumps_body_writes_it(
+    start: list[Any], steps: list[Any]
+) -> None:
+    writer = BodyWriter(max_bytes=400)  # small: bodies are let go and written whole too
+    msgs, extra = list(start), {"model": "m"}
+    seen: list[list[Any]] = [list(msgs)]
+    for edit, message, new_fields, before, fast, key in steps:
+        if edit == "append":
+            msgs = [*msgs, message]
+        elif edit == "append2":
+            msgs = [*msgs, message, message]
+        elif edit == "replace" and msgs:
+            msgs = list(msgs)
+            msgs[len(msgs) // 2] = message
+        elif edit == "equal_copy" and msgs:  # an equal message, another object
+            msgs = [*msgs[:-1], dict(msgs[-1])]
+        elif edit == "drop_last":
+            msgs = msgs[:-1]
+        elif edit == "fields":
+            extra = new_fields
+        elif edit == "fork":
+            msgs = [*seen[len(seen) // 2], message]
+        elif edit == "empty":
+            msgs = []
+        seen.append(list(msgs))
+        body = {**extra, "messages": msgs} if before else {"messages": msgs, **extra}
+        try:
+            expected: bytes | type[Exception] = dumps_body(body, fast=fast)
+        except Exception as exc:  # what dumps_body raises, the writer raises too
+            expected = type(exc)
+        try:
+            got: bytes | type[Exception] = writer.write(key, body, fast=fast)
+        except Exception as exc:
+            got = type(exc)
+        assert got == expected
+
+
+def _round(k: int) -> list[dict[str, Any]]:
+    use = {"type": "tool_use", "id": f"t{k}", "name": "x", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": f"t{k}", "content": "z" * 100}
+    return [{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+
+
+def test_a_growing_conversation_encodes_only_its_new_messages() -> None:
+    writer = BodyWriter()
+    msgs: list[Any] = [{"role": "user", "content": "go"}]
+    for k in range(30):
+        body = {"model": "m", "max_tokens": 5, "messages": msgs, "system": "s"}
+        assert writer.write("c", body) == dumps_body(body)
+        msgs = [*msgs, *_round(k)]
+    assert writer.reused == sum(1 + 2 * k for k in range(29))
+
+
+def test_conversations_under_other_keys_do_not_share_bytes() -> None:
+    writer = BodyWriter()
+    one: list[Any] = [{"role": "user", "content": "one"}]
+    two: list[Any] = [{"role": "user", "content": "two"}]
+    for k in range(5):
+        for key, msgs in (("1", one), ("2", two)):
+            body = {"model": "m", "messages": msgs}
+            assert writer.write(key, body) == dumps_body(body)
+        one, two = [*one, *_round(k)], [*two, *_round(k)]
+    assert writer.reused == 2 * sum(1 + 2 * k for k in range(4))
+
+
+def test_what_it_keeps_is_bounded() -> None:
+    writer = BodyWriter(max_bytes=5_000)
+    for k in range(50):
+        body = {"model": "m", "messages": [{"role": "user", "content": f"{k}" * 900}]}
+        writer.write(k, body)
+        assert writer._bytes <= 5_000
+    assert len(writer._kept) <= 5
+    writer.forget(49)
+    assert 49 not in writer._kept
+    huge = {"model": "m", "messages": [{"role": "user", "content": "x" * 10_000}]}
+    assert writer.write("huge", huge) == dumps_body(huge)
+    assert "huge" not in writer._kept  # larger than all it may keep: written, not kept
