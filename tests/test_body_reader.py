@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pipeline.wire import body_reader
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body, loads_body
+from tests.wire_support import edited
 
 
 def _same_as_a_full_parse(reader: BodyReader, raw: bytes) -> None:
@@ -103,19 +104,9 @@ def test_any_sequence_of_bodies_reads_as_a_full_parse(start: list[Any], steps: l
     msgs, extra = list(start), {"model": "m"}
     seen: list[list[Any]] = [list(msgs)]
     for edit, message, new_extra, before, writer, tail in steps:
-        if edit == "append":
-            msgs = [*msgs, message]
-        elif edit == "append2":
-            msgs = [*msgs, message, message]
-        elif edit == "edit" and msgs:
-            msgs = [*msgs[:-1], message, *msgs[-1:]][-len(msgs) :]
-            msgs[len(msgs) // 2] = message
-        elif edit == "drop_last":
-            msgs = msgs[:-1]
-        elif edit == "extras":
+        msgs = edited(msgs, edit, message, seen)
+        if edit == "extras":
             extra = new_extra
-        elif edit == "fork":
-            msgs = [*seen[len(seen) // 2], message]
         seen.append(list(msgs))
         _same_as_a_full_parse(reader, _spoiled(_body(msgs, extra, before, writer), tail))
 

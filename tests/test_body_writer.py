@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pipeline.wire.body_writer import BodyWriter
 from pipeline.wire.encoding import dumps_body
+from tests.wire_support import edited
 
 texts = st.text(alphabet=st.sampled_from('ab \n"\\é☃😀\ud800\x00'), max_size=12)
 values = st.one_of(
@@ -58,23 +59,9 @@ def test_any_sequence_of_bodies_is_written_as_dumps_body_writes_it(
     msgs, extra = list(start), {"model": "m"}
     seen: list[list[Any]] = [list(msgs)]
     for edit, message, new_fields, before, fast, key in steps:
-        if edit == "append":
-            msgs = [*msgs, message]
-        elif edit == "append2":
-            msgs = [*msgs, message, message]
-        elif edit == "replace" and msgs:
-            msgs = list(msgs)
-            msgs[len(msgs) // 2] = message
-        elif edit == "equal_copy" and msgs:  # an equal message, another object
-            msgs = [*msgs[:-1], dict(msgs[-1])]
-        elif edit == "drop_last":
-            msgs = msgs[:-1]
-        elif edit == "fields":
+        msgs = edited(msgs, edit, message, seen)
+        if edit == "fields":
             extra = new_fields
-        elif edit == "fork":
-            msgs = [*seen[len(seen) // 2], message]
-        elif edit == "empty":
-            msgs = []
         seen.append(list(msgs))
         body = {**extra, "messages": msgs} if before else {"messages": msgs, **extra}
         try:

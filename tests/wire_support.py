@@ -207,3 +207,32 @@ def proxy_process(
         proc.wait(timeout=60)
         reader.join(timeout=10)
         code.append(proc.returncode)
+
+
+def edited(msgs: list[Any], edit: str, message: Any, seen: list[list[Any]]) -> list[Any]:
+    """``msgs`` after one step of a client's conversation, for tests of the body reader and
+    writer: ``append`` (``append2``: twice) ``message``; ``edit`` (the middle one replaced,
+    the last kept), ``replace`` (the middle one), ``equal_copy`` (the last as another, equal
+    object); ``drop_last``; ``fork`` (an earlier request of ``seen``, then ``message``);
+    ``empty``; anything else leaves it as it is."""
+    if edit == "append":
+        return [*msgs, message]
+    if edit == "append2":
+        return [*msgs, message, message]
+    if edit == "edit" and msgs:
+        out = [*msgs[:-1], message, *msgs[-1:]][-len(msgs) :]
+        out[len(out) // 2] = message
+        return out
+    if edit == "replace" and msgs:
+        out = list(msgs)
+        out[len(out) // 2] = message
+        return out
+    if edit == "equal_copy" and msgs:
+        return [*msgs[:-1], dict(msgs[-1])]
+    if edit == "drop_last":
+        return msgs[:-1]
+    if edit == "fork":
+        return [*seen[len(seen) // 2], message]
+    if edit == "empty":
+        return []
+    return msgs
