@@ -635,3 +635,28 @@ def test_loading_a_conversation_and_rebuilding_its_ledger_leave_the_event_loop_f
         assert again[2]["content"][0]["content"].startswith(TAG)
 
     anyio.run(main)
+
+
+def test_whoever_keeps_something_of_a_conversation_is_told_when_it_is_let_go(
+    tmp_path: Path,
+) -> None:
+    let_go: list[str] = []
+    conversations = Conversations(
+        pipeline=lambda: Pipeline([ToolResultBudget()]),
+        root=tmp_path,
+        logger=QuietLogger(),
+        max_held=1,
+        on_let_go=lambda branch: let_go.append(branch.conversation_id),
+    )
+
+    async def route(opening: str) -> Branch:
+        body = {"model": "m", "messages": [{"role": "user", "content": opening}]}
+        return await conversations.route(body, {"x-api-key": "k"})
+
+    async def run() -> list[str]:
+        first = await route("the first conversation")
+        assert let_go == []
+        await route("another one")  # past max_held: the first family goes
+        return [first.conversation_id]
+
+    assert anyio.run(run) == let_go

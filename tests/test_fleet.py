@@ -366,10 +366,15 @@ def test_a_conversation_moving_between_workers_sends_what_one_worker_sends(
         assert re.search(shown_path + r"[0-9a-f]{12}\.txt\n", text), text[:200]
     # each worker served its calls (its log says so) and every call's response was recorded
     # in the fleet's records, whichever worker served it
-    served = [
-        sum("wire.request" in line and "status=200" in line for line in w.lines) for w in pair
-    ]
-    assert served == [sum(1 for c in range(CALLS) if (c // 3) % 2 == k) for k in (0, 1)]
+    expected = [sum(1 for c in range(CALLS) if (c // 3) % 2 == k) for k in (0, 1)]
+    for _ in range(100):  # a request's line comes once its client has the response
+        served = [
+            sum("wire.request" in line and "status=200" in line for line in w.lines) for w in pair
+        ]
+        if served == expected:
+            break
+        time.sleep(0.1)
+    assert served == expected
     records = keys_of(fleet_store.store(bucket), f"{where}/records")
     assert len(records) >= CALLS
     # and their snapshots: a chain reaching the last record (written after each response)

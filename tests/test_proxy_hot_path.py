@@ -1,9 +1,12 @@
 """What stands between a client and its response at the proxy: only what must. The request's
-end (its span, metrics and log line) comes after the client has the whole response; the
-server's garbage collector is set for a long-lived process, and set back when it stops."""
+end (its span, metrics and log line) comes after the client has the whole response, and at
+once when the client is gone; the server's garbage collector is set for a long-lived process,
+and set back when it stops."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import threading
 import time
@@ -15,6 +18,8 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline._cli.proxy_cmd import SERVER_GC_THRESHOLDS, server_collector
+from pipeline.dropin.proxy import _unless_left
+from pipeline.dropin.relay import relay
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.wire_support import proxy
@@ -73,11 +78,110 @@ def test_a_client_holds_its_whole_response_before_the_request_ends(
     assert logger.in_time == [True] * calls
 
 
+def test_a_client_gone_mid_response_ends_the_request_at_once() -> None:
+    """The client's side stalls (its socket full) and it leaves: the request's end and the
+    upstream's close happen as the response gives up, not when a collection finds them."""
+
+    async def run() -> tuple[list[str], bool]:
+        ended: list[str] = []
+
+        def answer(_request: httpx2.Request) -> httpx2.Response:
+            body = b'{"id": "msg_1", "pad": "' + b"x" * 20_000 + b'"}'
+            return httpx2.Response(200, content=body, headers={"content-type": "application/json"})
+
+        transport = httpx2.MockTransport(answer)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://upstream") as client:
+            upstream = await client.send(client.build_request("POST", "/v1/messages"), stream=True)
+            response = relay(upstream, end=lambda: ended.append("end"))
+            gone = asyncio.Event()
+            never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            async def send(message: Any) -> None:
+                if message["type"] == "http.response.body":
+                    gone.set()
+                    await never  # the write waits for room that never comes
+
+            async def receive() -> Any:
+                await gone.wait()
+                return {"type": "http.disconnect"}
+
+            await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+            await asyncio.sleep(0.05)
+            # as it is now, not once the loop closes (which finalizes what was left open)
+            return list(ended), upstream.is_closed
+
+    gc.disable()
+    try:
+        ended, closed = asyncio.run(run())
+    finally:
+        gc.enable()
+    assert ended == ["end"]
+    assert closed
+
+
 def test_the_server_collector_freezes_start_up_and_is_set_back() -> None:
     saved = gc.get_threshold()
-    frozen = gc.get_freeze_count()
+    gc.unfreeze()
     with server_collector():
         assert gc.get_threshold() == SERVER_GC_THRESHOLDS
-        assert gc.get_freeze_count() > frozen
+        assert gc.get_freeze_count() > 0
     assert gc.get_threshold() == saved
     assert gc.get_freeze_count() == 0
+
+
+def test_the_server_collector_leaves_an_earlier_freeze_alone() -> None:
+    gc.freeze()  # the embedding application's
+    try:
+        frozen = gc.get_freeze_count()
+        with server_collector():
+            pass
+        assert gc.get_freeze_count() >= frozen > 0
+    finally:
+        gc.unfreeze()
+
+
+class _Receives:
+    """A request whose ``receive`` says the client left after ``after`` seconds, or raises."""
+
+    def __init__(self, after: float, *, broken: bool = False) -> None:
+        self.after, self.broken = after, broken
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.sleep(self.after)
+        if self.broken:
+            raise RuntimeError("receive broke")
+        return {"type": "http.disconnect"}
+
+
+async def _answer_late() -> str:
+    await asyncio.sleep(10)
+    return "answer"
+
+
+def test_a_client_gone_while_its_call_is_upstream_cancels_the_call() -> None:
+    async def run() -> Any:
+        return await _unless_left(_Receives(0.01), _answer_late())  # type: ignore[arg-type]
+
+    started = time.monotonic()
+    assert asyncio.run(run()) is None
+    assert time.monotonic() - started < 5
+
+
+def test_a_receive_that_fails_is_raised_not_taken_for_a_client_gone() -> None:
+    async def run() -> Any:
+        return await _unless_left(_Receives(0.01, broken=True), _answer_late())  # type: ignore[arg-type]
+
+    with pytest.raises(RuntimeError, match="receive broke"):
+        asyncio.run(run())
+
+
+def test_a_cancel_swallowed_before_is_not_the_watchs_to_take_back() -> None:
+    async def run() -> Any:
+        me = asyncio.current_task()
+        assert me is not None
+        me.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # swallowed, never taken back
+            await asyncio.sleep(1)
+        return await _unless_left(_Receives(0.01), _answer_late())  # type: ignore[arg-type]
+
+    assert asyncio.run(run()) is None

@@ -169,8 +169,10 @@ def server_collector() -> Iterator[None]:
     conversations' parsed messages are long-lived containers: with Python's thresholds,
     under 16 conversations at once the collector took ~0.3 ms a request and paused the loop
     70-120 ms at each full collection. Garbage is still freed by reference counting at once;
-    only reference cycles wait longer."""
+    only reference cycles wait longer. What was frozen before stays frozen (a freeze cannot be
+    undone in part: then nothing is unfrozen)."""
     saved = gc.get_threshold()
+    frozen = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     gc.set_threshold(*SERVER_GC_THRESHOLDS)
@@ -178,7 +180,8 @@ def server_collector() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(*saved)
-        gc.unfreeze()
+        if not frozen:
+            gc.unfreeze()
 
 
 def _listen(host: str, port: int) -> socket.socket:

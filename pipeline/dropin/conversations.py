@@ -200,6 +200,7 @@ class Conversations:
     recently routed to are let go, all their conversations at once (one in a call, holding
     its call lock, stays); a request of one that was let go loads it from its records again,
     and it goes on with the same decisions, byte for byte, as a new process would.
+    ``on_let_go``: told of each conversation let go (what a caller keeps of it can go too).
     """
 
     def __init__(
@@ -210,6 +211,7 @@ class Conversations:
         storage: SessionStates | str | os.PathLike[str] | None = None,
         tenancy: Tenancy | None = None,
         max_held: int | None = MAX_HELD,
+        on_let_go: Callable[[Branch], None] | None = None,
         **context: Any,
     ) -> None:
         if max_held is not None and max_held < 1:
@@ -221,6 +223,8 @@ class Conversations:
         )
         self.pipeline = pipeline
         self.context = context
+        self.on_let_go = on_let_go
+        """Told of each conversation let go, where routing runs (the proxy: its event loop)."""
         self._tenancy = tenancy
         # least recently routed to first
         self._families: OrderedDict[tuple[str, str], Family] = OrderedDict()
@@ -350,6 +354,9 @@ class Conversations:
         for key in gone:
             family = self._families.pop(key)
             self._held -= len(family.branches)
+            if self.on_let_go is not None:
+                for branch in family.branches.values():
+                    self.on_let_go(branch)
         if gone:
             get_logger().debug("conversations.let_go", families=len(gone), held=self._held)
 

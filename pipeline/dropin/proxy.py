@@ -168,6 +168,8 @@ def build_app(
         storage=states,
         tenancy=tenancy,
         max_held=max_conversations,
+        # the body last written for a conversation goes with it
+        on_let_go=lambda branch: sent.forget(_written_as(branch)),
         **context,
     )
     if max_upstream_connections < 1:
@@ -329,8 +331,7 @@ def build_app(
                         refusal = _error(400, "invalid_request_error", str(exc)[:300])
                         return _settled(refusal, session)
                     merged = merge_request_fields(prepared, session.ctx.report.request_extras)
-                    key = (branch.family.tenant, branch.conversation_id)
-                    content = sent.write(key, merged, fast=fast)
+                    content = sent.write(_written_as(branch), merged, fast=fast)
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )
@@ -443,6 +444,11 @@ def _ended(request: WireRequest, metrics: WireMetrics, started: float, status: i
     metrics.request(status=status, seconds=time.monotonic() - started)
 
 
+def _written_as(branch: Branch) -> tuple[str, str]:
+    """The key of a conversation's last body in the proxy's :class:`BodyWriter`."""
+    return branch.family.tenant, branch.conversation_id
+
+
 def _settled(response: Response, session: WireSession) -> Response:
     """``response``, the session's records made durable once it has gone (what the pass
     wrote before the call failed: :meth:`~pipeline.dropin.adapter.WireSession.settle`)."""
@@ -481,12 +487,16 @@ async def _unless_left(
     if me is None:
         return await _unless_left_anyio(request, send)
     left = False
+    failed: Exception | None = None
+    cancels = me.cancelling()  # those from before are not the watch's to take back
 
     async def watch() -> None:
-        nonlocal left
-        with contextlib.suppress(Exception):  # a receive that fails: the client is gone too
+        nonlocal left, failed
+        try:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+        except Exception as exc:  # raised here, as the task group would
+            failed = exc
         left = True
         me.cancel()
 
@@ -496,13 +506,17 @@ async def _unless_left(
     try:
         answer = await send
     except asyncio.CancelledError:
-        if not left or me.uncancel() > 0:  # cancelled from elsewhere too: that goes on
+        if not left or me.uncancel() > cancels:  # cancelled from elsewhere too: that goes on
             raise
+        if failed is not None:
+            raise failed from None
         return None
     except Exception:
         if not left:
             raise
         me.uncancel()  # the call failed of its cancellation: the client is gone
+        if failed is not None:
+            raise failed from None
         return None
     finally:
         watcher.cancel()

@@ -100,19 +100,23 @@ class _Relayed(StreamingResponse):
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
         body = self.body_iterator
-        async for chunk in body:
-            more = not self.whole
-            await send({"type": "http.response.body", "body": chunk, "more_body": more})
-            if not more:
-                break
-        else:
-            if not self.cut:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if isinstance(body, AsyncGenerator):
-            # its end, once the client has all of it; the server tells the response's end as
-            # a disconnect, which cancels this task: the end is shielded from that
-            with anyio.CancelScope(shield=True):
-                await body.aclose()
+        try:
+            async for chunk in body:
+                more = not self.whole
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                if not more:
+                    break
+            else:
+                if not self.cut:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if isinstance(body, AsyncGenerator):
+                # its end (the upstream closed, the request's end told): once the client has
+                # all of it, or at once when sending to the client failed or was cancelled (a
+                # client gone); shielded, since the server tells the response's end as a
+                # disconnect, which cancels this task
+                with anyio.CancelScope(shield=True):
+                    await body.aclose()
 
 
 async def _until_cut(
