@@ -233,6 +233,7 @@ def latency(targets: dict[str, str], sizes: list[int], calls: int) -> None:
         ["messages"]
         + [f"{name} med/p99" for name in targets]
         + [f"{n} added" for n in targets if n != "direct"]
+        + ["proxy/forwarder"]
     )
     print("  ".join(h.rjust(16) for h in heads))
     for n in sizes:
@@ -252,11 +253,11 @@ def latency(targets: dict[str, str], sizes: list[int], calls: int) -> None:
             for t in targets
             if t != "direct"
         ]
-        print(
-            "  ".join(
-                [str(n).rjust(16), *(c.rjust(16) for c in cells), *(f"{a:+16.2f}" for a in added)]
-            )
-        )
+        by = dict(zip([t for t in targets if t != "direct"], added, strict=True))
+        ratio = by["proxy"] / by["forwarder"] if by["forwarder"] > 0 else math.nan
+        row = [str(n).rjust(16), *(c.rjust(16) for c in cells)]
+        row += [*(f"{a:+16.2f}" for a in added), f"{ratio:15.2f}x"]
+        print("  ".join(row))
         sys.stdout.flush()
 
 
@@ -306,6 +307,7 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float) -> Non
         f" {seconds:.0f} s each"
     )
     print(f"{'target':>12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
+    rates: dict[str, float] = {}
     for name, url in targets.items():
         stop = time.monotonic() + seconds
 
@@ -323,11 +325,14 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float) -> Non
         with ThreadPoolExecutor(concurrency) as pool:
             all_times = [t for mine in pool.map(worker, range(concurrency)) for t in mine]
         took = time.monotonic() - began
+        rates[name] = len(all_times) / took
         print(
-            f"{name:>12} {len(all_times) / took:9.1f}"
+            f"{name:>12} {rates[name]:9.1f}"
             f" {statistics.median(all_times):9.2f} {p99(all_times):9.2f}"
         )
         sys.stdout.flush()
+    if rates.get("forwarder"):
+        print(f"proxy/forwarder {rates['proxy'] / rates['forwarder']:.2f}x")
 
 
 def prepare_scaling(sizes: list[int], calls: int) -> None:
