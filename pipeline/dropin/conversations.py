@@ -196,7 +196,8 @@ class Conversations:
 
     ``max_held``: how many conversations are held in memory (default
     :data:`MAX_HELD`; None: no bound). Each holds its client's last request and what the
-    stages made of it, about 1.3 times the request's size. Past the bound, the families least
+    stages made of it (the proxy, its body caches included, grows by about five times the
+    requests' size: ``tests/benchmarks/bench_proxy_memory.py``). Past the bound, the families least
     recently routed to are let go, all their conversations at once (one in a call, holding
     its call lock, stays); a request of one that was let go loads it from its records again,
     and it goes on with the same decisions, byte for byte, as a new process would.

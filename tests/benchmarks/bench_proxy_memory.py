@@ -1,0 +1,90 @@
+"""What a conversation held by the proxy costs in memory: ``sluicegate proxy`` run as users run
+it (a process), fed conversations that grow as an agent's loop grows them, its resident size
+read from ``/proc`` (Linux).
+
+    python tests/benchmarks/bench_proxy_memory.py [--conversations 16] [--messages 1000]
+        [--calls 10]
+
+Each conversation opens with ``--messages`` messages (~2K-character tool results) and then
+makes ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's
+resident size before and after, what it grew by, and that against the size of the last request
+of every conversation (the conversation's wire text: what a client re-sends each call). The
+growth holds the conversations (their records, the stages' state, the wire form) and what the
+proxy keeps to read and write the next requests in the size of what is new in them (the last
+bodies read and written, both bounded: 16M characters, 32 MiB). Not a test: it prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_peers  # noqa: E402
+import httpx2 as httpx  # noqa: E402
+
+from tests.wire_support import proxy_process  # noqa: E402
+
+
+def resident(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of ``pid`` in bytes."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                fields[name] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--messages", type=int, default=1_000)
+    parser.add_argument("--calls", type=int, default=10)
+    args = parser.parse_args()
+    with contextlib.ExitStack() as stack:
+        upstream = stack.enter_context(bench_peers.process("--serve-upstream"))
+        store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        url, _lines, _code = stack.enter_context(proxy_process(upstream, store / "p"))
+        pid = int(
+            subprocess.check_output(["pgrep", "-n", "-f", "--", f"--store {store}/p"], text=True)
+        )
+        with httpx.Client(timeout=300) as client:
+            warm = bench_peers.Conversation(10, "warm")
+            bench_peers.call(client, url, warm, warm.next_body())
+            before, _ = resident(pid)
+            last = 0
+            for k in range(args.conversations):
+                conversation = bench_peers.Conversation(args.messages, f"c{k}")
+                for _ in range(args.calls + 1):
+                    raw = conversation.next_body()
+                    bench_peers.call(client, url, conversation, raw)
+                last += len(raw)
+            after, peak = resident(pid)
+    grown = after - before
+    print(
+        f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {args.conversations} "
+        f"conversations of {args.messages:,} messages and {args.calls} calls each"
+    )
+    print(
+        f"the proxy's resident size: {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB "
+        f"after (peak {peak / 2**20:.1f} MiB)"
+    )
+    print(
+        f"grown by {grown / 2**20:.1f} MiB for {last / 2**20:.1f} MiB of last requests: "
+        f"{grown / last:.2f}x a conversation's wire text"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
