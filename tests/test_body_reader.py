@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeline.wire import body_reader
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body, loads_body
-from tests.wire_support import edited
+from tests.wire_support import stepped
 
 
 def _same_as_a_full_parse(reader: BodyReader, raw: bytes) -> None:
@@ -101,13 +101,7 @@ def _spoiled(raw: bytes, how: str) -> bytes:
 )
 def test_any_sequence_of_bodies_reads_as_a_full_parse(start: list[Any], steps: list[Any]) -> None:
     reader = BodyReader()
-    msgs, extra = list(start), {"model": "m"}
-    seen: list[list[Any]] = [list(msgs)]
-    for edit, message, new_extra, before, writer, tail in steps:
-        msgs = edited(msgs, edit, message, seen)
-        if edit == "extras":
-            extra = new_extra
-        seen.append(list(msgs))
+    for msgs, extra, (before, writer, tail) in stepped(start, steps, "extras"):
         _same_as_a_full_parse(reader, _spoiled(_body(msgs, extra, before, writer), tail))
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipeline.wire.body_writer import BodyWriter
 from pipeline.wire.encoding import dumps_body
-from tests.wire_support import edited
+from tests.wire_support import stepped
 
 texts = st.text(alphabet=st.sampled_from('ab \n"\\é☃😀\ud800\x00'), max_size=12)
 values = st.one_of(
@@ -56,13 +56,7 @@ def test_any_sequence_of_bodies_is_written_as_dumps_body_writes_it(
     start: list[Any], steps: list[Any]
 ) -> None:
     writer = BodyWriter(max_bytes=400)  # small: bodies are let go and written whole too
-    msgs, extra = list(start), {"model": "m"}
-    seen: list[list[Any]] = [list(msgs)]
-    for edit, message, new_fields, before, fast, key in steps:
-        msgs = edited(msgs, edit, message, seen)
-        if edit == "fields":
-            extra = new_fields
-        seen.append(list(msgs))
+    for msgs, extra, (before, fast, key) in stepped(start, steps, "fields"):
         body = {**extra, "messages": msgs} if before else {"messages": msgs, **extra}
         try:
             expected: bytes | type[Exception] = dumps_body(body, fast=fast)

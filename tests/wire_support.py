@@ -236,3 +236,19 @@ def edited(msgs: list[Any], edit: str, message: Any, seen: list[list[Any]]) -> l
     if edit == "empty":
         return []
     return msgs
+
+
+def stepped(
+    start: list[Any], steps: list[Any], fields_edit: str
+) -> Iterator[tuple[list[Any], dict[str, Any], list[Any]]]:
+    """A client's conversation step by step: each step is (edit, message, new fields, *rest);
+    yields the messages after it (:func:`edited`), the body's other fields (``{"model": "m"}``
+    until a ``fields_edit`` step gives new ones) and the step's rest."""
+    msgs, extra = list(start), {"model": "m"}
+    seen: list[list[Any]] = [list(msgs)]
+    for edit, message, new_fields, *rest in steps:
+        msgs = edited(msgs, edit, message, seen)
+        if edit == fields_edit:
+            extra = new_fields
+        seen.append(list(msgs))
+        yield msgs, extra, rest
