@@ -4,8 +4,10 @@ bounded."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import anyio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,3 +111,51 @@ def test_what_it_keeps_is_bounded() -> None:
     huge = {"model": "m", "messages": [{"role": "user", "content": "x" * 10_000}]}
     assert writer.write("huge", huge) == dumps_body(huge)
     assert "huge" not in writer._kept  # larger than all it may keep: written, not kept
+
+
+def test_bodies_the_stages_rewrite_are_written_as_a_whole_encode_writes_them(
+    tmp_path: Path,
+) -> None:
+    """A conversation through the default stages with a small window, so that they act
+    (results persisted, then old rounds snipped: the request shrinks from 89 messages to 39):
+    every body the writer writes is what encoding it whole writes at that moment -- no message
+    it took bytes from was changed in place after it went."""
+    from pipeline import Pipeline
+    from pipeline.dropin.adapter import WireSession
+    from pipeline.store.sessions import SessionStates
+    from pipeline.wire.request_fields import merge_request_fields
+    from stages import default_stages
+
+    async def run() -> tuple[int, int]:
+        session = await WireSession.open(
+            "stages",
+            tmp_path,
+            Pipeline(default_stages(context_window=60_000)),
+            storage=SessionStates(tmp_path, fsync_each=False).open("stages"),
+        )
+        writer = BodyWriter()
+        msgs: list[Any] = [{"role": "user", "content": "go"}]
+        calls = 0
+        for k in range(60):
+            body = {"model": "m", "max_tokens": 5, "messages": msgs}
+            prepared, call = await session.prepare_call(body)
+            merged = merge_request_fields(prepared, session.ctx.report.request_extras)
+            assert writer.write("c", merged) == dumps_body(merged), f"call {k}"
+            calls += 1
+            size = len(dumps_body(merged))
+            await session.observe_async(
+                f"msg_{k}", {"input_tokens": size // 4, "output_tokens": 5}, "m", call=call
+            )
+            use = {"type": "tool_use", "id": f"toolu_{k}", "name": "Bash", "input": {}}
+            text = "y" * (60_000 if k % 7 == 3 else 3_000 + 100 * k)
+            result = {"type": "tool_result", "tool_use_id": f"toolu_{k}", "content": text}
+            msgs = [
+                *msgs,
+                {"role": "assistant", "content": [use]},
+                {"role": "user", "content": [result]},
+            ]
+        return calls, writer.reused
+
+    calls, reused = anyio.run(run)
+    assert calls == 60
+    assert reused > 0  # it did take bytes from earlier bodies
