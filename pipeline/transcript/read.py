@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pipeline.messages import (
     new_uuid,
 )
 from pipeline.replacement import ReplacementRecord
+from pipeline.shared_strings import shared, shared_keys
 from pipeline.tokens.checks import bounded_repr, bounded_text
 from pipeline.transcript.recorded import (
     API_REQUEST,
@@ -154,52 +154,32 @@ def _parse_blocks(content: Any, where: str) -> Content:
     for i, block in enumerate(content):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise ValueError(f"{where}[{i}] is not a content block with a string 'type'")
-        btype = block["type"] = _shared(block["type"])
+        btype = block["type"] = shared(block["type"])
         if btype == "tool_use":
             if not isinstance(block.get("id"), str):
                 raise ValueError(f"{where}[{i}]: tool_use without a string 'id'")
-            block["id"] = _shared(block["id"])
+            block["id"] = shared(block["id"])
             if isinstance(block.get("name"), str):
-                block["name"] = _shared(block["name"])
+                block["name"] = shared(block["name"])
             if isinstance(block.get("input"), dict):
-                block["input"] = _shared_keys(block["input"])
+                block["input"] = shared_keys(block["input"])
         if btype == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise ValueError(f"{where}[{i}]: tool_result without a string 'tool_use_id'")
-            block["tool_use_id"] = _shared(block["tool_use_id"])
+            block["tool_use_id"] = shared(block["tool_use_id"])
             inner = block.get("content")
             if inner is not None and not isinstance(inner, str | list):
                 raise ValueError(f"{where}[{i}]: tool_result content must be a string or a list")
             if isinstance(inner, list):
                 if not all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in inner):
                     raise ValueError(f"{where}[{i}]: tool_result content holds a non-block")
-                block["content"] = [_shared_keys(b) for b in inner]
-        blocks.append(_shared_keys(block))
+                block["content"] = [shared_keys(b) for b in inner]
+        blocks.append(shared_keys(block))
     return blocks
 
 
-_SHARED_MAX = 64
-"""Longest value :func:`_shared` interns: ids, names and types, never content."""
-
-
-def _shared(value: str) -> str:
-    """One string object for every equal short value (block types, tool names and ids, model
-    names): the JSON decoder makes a new string per occurrence, so a long session held
-    thousands of copies of ``"tool_use"`` and each tool id twice (a tenth of the loaded
-    transcript's overhead). Long values are left alone: interning them would cost a hash of
-    the content and keep nothing."""
-    return sys.intern(value) if len(value) <= _SHARED_MAX else value
-
-
 def _shared_opt(value: str | None) -> str | None:
-    return None if value is None else _shared(value)
-
-
-def _shared_keys(block: dict[str, Any]) -> dict[str, Any]:
-    """The block with its keys interned: the JSON decoder makes new key strings for every line,
-    so a long session held one copy of ``"tool_use_id"`` and friends per block (about a tenth
-    of the transcript's size in memory)."""
-    return {sys.intern(k): v for k, v in block.items()}
+    return None if value is None else shared(value)
 
 
 def _parse_message(raw: Mapping[str, Any]) -> Message:

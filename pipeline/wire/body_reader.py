@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.shared_strings import shared_message
 from pipeline.wire.encoding import has_lone_surrogate, loads_body
 
 __all__ = ["BodyReader"]
@@ -235,6 +236,7 @@ def _finish(
     pos = _next_message(text, pos) if messages else _skip(text, pos)
     while text[pos : pos + 1] != "]":
         value, pos = _DECODER.raw_decode(text, pos)
+        value = shared_message(value)  # held as long as its conversation: one "role" for all
         if first_lone is None and has_lone_surrogate(value):
             first_lone = len(messages)
         messages.append(value)
