@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeline.shared_strings import SHARED_MAX, shared, shared_message
+from pipeline.wire.shared_strings import SHARED_MAX, shared, shared_message
 
 
 def _parsed(k: int) -> Any:

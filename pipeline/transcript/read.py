@@ -27,7 +27,6 @@ from pipeline.messages import (
     new_uuid,
 )
 from pipeline.replacement import ReplacementRecord
-from pipeline.shared_strings import shared, shared_keys
 from pipeline.tokens.checks import bounded_repr, bounded_text
 from pipeline.transcript.recorded import (
     API_REQUEST,
@@ -51,6 +50,7 @@ from pipeline.transcript.writer import (
     encode_records,
     message_to_record,
 )
+from pipeline.wire.shared_strings import shared, shared_keys
 
 __all__ = [
     "JsonlRecordWriter",

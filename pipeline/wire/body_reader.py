@@ -30,8 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.shared_strings import shared_message
 from pipeline.wire.encoding import has_lone_surrogate, loads_body
+from pipeline.wire.shared_strings import shared_message
 
 __all__ = ["BodyReader"]
 
