@@ -185,3 +185,33 @@ def test_a_cancel_swallowed_before_is_not_the_watchs_to_take_back() -> None:
         return await _unless_left(_Receives(0.01), _answer_late())  # type: ignore[arg-type]
 
     assert asyncio.run(run()) is None
+
+
+def test_under_another_backend_the_watch_is_a_task_group() -> None:
+    """The proxy may be served on trio (another ASGI server): the same answers there."""
+    import anyio
+
+    class Leaves:
+        async def receive(self) -> dict[str, Any]:
+            await anyio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+    class Stays:
+        async def receive(self) -> dict[str, Any]:
+            await anyio.sleep(60)
+            return {"type": "http.disconnect"}
+
+    async def late() -> str:
+        await anyio.sleep(10)
+        return "answer"
+
+    async def soon() -> str:
+        await anyio.sleep(0)
+        return "answer"
+
+    async def run() -> tuple[Any, Any]:
+        gone = await _unless_left(Leaves(), late())  # type: ignore[arg-type]
+        answered = await _unless_left(Stays(), soon())  # type: ignore[arg-type]
+        return gone, answered
+
+    assert anyio.run(run, backend="trio") == (None, "answer")

@@ -16,6 +16,8 @@ Not a test: it prints figures.
    to back for a few seconds: requests a second and p50/p99 latency per target.
 3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
    1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
+4. **Bodies.** The body reader's first read of a body against parsing it whole, and the body
+   writer's write of a body that adds a round against encoding it whole (``--sizes`` from 1,000).
 
 The upstream is a tiny server in its own process answering every request with the same reply,
 so what is measured is the hop, not the upstream.
@@ -381,6 +383,42 @@ def prepare_scaling(sizes: list[int], calls: int) -> None:
         )
 
 
+def bodies(sizes: list[int]) -> None:
+    """The body reader and writer against parsing and encoding whole, per body."""
+    from pipeline.wire.body_reader import BodyReader
+    from pipeline.wire.body_writer import BodyWriter
+    from pipeline.wire.encoding import dumps_body, loads_body
+
+    print(
+        "\n4. Bodies (ms, best of 5): a first body read (shared strings included) against"
+        " a whole parse; a body that adds a round written against a whole encode"
+    )
+    for n in sizes:
+        conv = Conversation(n, f"b{n}")
+        raw = conv.next_body()
+        read_first = min(_timed(lambda raw=raw: BodyReader().read(raw)) for _ in range(5))
+        parse_whole = min(_timed(lambda raw=raw: loads_body(raw)) for _ in range(5))
+        writer, msgs = BodyWriter(max_bytes=2**31), list(conv.messages)
+        writer.write("c", {"model": "m", "messages": msgs})
+        written, encoded = [], []
+        for k in range(5):
+            msgs = msgs + round_of(f"toolu_b{k}", "z")
+            body = {"model": "m", "max_tokens": 10, "messages": msgs}
+            written.append(_timed(lambda body=body, w=writer: w.write("c", body)))
+            encoded.append(_timed(lambda body=body: dumps_body(body)))
+        print(
+            f"{n:>8} messages  read first {read_first:7.2f}  parse whole {parse_whole:7.2f}"
+            f"  write {min(written):7.2f}  encode whole {min(encoded):7.2f}"
+        )
+        sys.stdout.flush()
+
+
+def _timed(work: Any) -> float:
+    start = time.perf_counter()
+    work()
+    return (time.perf_counter() - start) * 1000
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-upstream":
         serve_upstream()
@@ -395,7 +433,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--prepare", default="1000,5000,10000,20000")
     parser.add_argument(
-        "--skip", default="", help="parts to leave out: latency,wrap,throughput,prepare"
+        "--skip", default="", help="parts to leave out: latency,wrap,throughput,prepare,bodies"
     )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -415,6 +453,8 @@ def main() -> int:
             throughput(targets, args.concurrency, args.seconds)
     if "prepare" not in skip:
         prepare_scaling([int(x) for x in args.prepare.split(",")], 12)
+    if "bodies" not in skip:
+        bodies([n for n in sizes if n >= 1000] or sizes)
     return 0
 
 
