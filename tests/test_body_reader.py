@@ -152,6 +152,25 @@ def test_a_lone_surrogate_in_a_message_read_before_still_says_slow() -> None:
     assert fast is False and body == json.loads(first + b', {"role": "user", "content": "b"}]}')
 
 
+@pytest.mark.parametrize("escape", [b"\\ud800", b"\\uD800", b"\\uDbFf"])
+def test_a_lone_surrogate_escape_in_any_case_says_slow(escape: bytes) -> None:
+    """Only an escape makes a surrogate in strict UTF-8 text: in a new message, in a field
+    before the messages, or in one after them that changes, in either case of its hex."""
+    reader = BodyReader()
+    plain = b'{"role": "user", "content": "a"}'
+    lone = b'{"role": "user", "content": "a' + escape + b'"}'
+    bodies = [
+        b'{"model": "m", "messages": [' + plain + b"]}",
+        b'{"model": "m", "messages": [' + plain + b", " + lone + b"]}",
+        b'{"model": "m' + escape + b'", "messages": [' + plain + b"]}",
+        b'{"model": "m", "messages": [' + plain + b'], "tools": ["' + escape + b'"]}',
+        b'{"model": "m", "messages": [' + plain + b"]}",
+    ]
+    for raw in bodies:
+        _same_as_a_full_parse(reader, raw)
+    assert [loads_body(raw)[1] for raw in bodies] == [True, False, False, False, True]
+
+
 def test_among_many_conversations_sharing_an_opening_each_body_reuses_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -22,6 +22,7 @@ from pipeline.tokens import (
     rough_tokens_for_block,
     rough_tokens_for_messages,
     rough_tokens_for_text,
+    text_stats,
 )
 from pipeline.tokens.text_stats import looks_like_json
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -440,3 +441,18 @@ def test_an_estimate_follows_every_change_to_a_kept_list(method: str) -> None:
     assert tracker.estimate(history) == fresh()
     if method == "calibrated":
         assert tracker.estimate(history) != before  # it learned: the estimate moved
+
+
+@settings(max_examples=300)
+@given(
+    run=st.text(alphabet=st.sampled_from("aZ09+/=_-" + "bcdXYZ12345"), min_size=64, max_size=400)
+)
+def test_a_base64_run_is_judged_by_its_share_of_capitals_digits_and_separators(run: str) -> None:
+    """The blob test counts capitals, digits and path separators of a run; counted by
+    deleting bytes, it agrees with counting each character."""
+    n = len(run)
+    upper = sum(c.isupper() for c in run)
+    digits = sum(c.isdigit() for c in run)
+    separators = sum(c in "/-_" for c in run)
+    expected = upper >= 0.15 * n and digits >= 0.05 * n and separators <= 0.05 * n
+    assert text_stats._random_looking(run) is expected

@@ -738,20 +738,20 @@ class WireSession:
         return out
 
     def _record(self, index: int, param: Any, link: bytes) -> Message:
-        try:
-            record = Message.from_param(param)
-        except ValueError as exc:
-            raise ValueError(f"messages[{index}]: {exc}") from None
         # named by the digest of it and everything before it: the same in a new process, never
         # the name of a record that follows other messages (stages name records by uuid)
         uid = str(uuid.UUID(bytes=link, version=5))
-        if record.type == "user":
-            return dataclasses.replace(record, uuid=uid)
-        # an answer this session did not observe: an id of its own place, so that two equal
-        # answers (a model repeating a call with the same id) stay two messages
-        unseen = f"msg_wire_{link.hex()[:24]}"
-        response_id, usage = self._responses.get(index, (unseen, None))
-        return dataclasses.replace(record, uuid=uid, message_id=response_id, usage=usage)
+        try:
+            if not (isinstance(param, Mapping) and param.get("role") == "assistant"):
+                return Message.from_param(param, uuid=uid)
+            # an answer this session did not observe: an id of its own place, so that two
+            # equal answers (a model repeating a call with the same id) stay two messages
+            response_id, usage = self._responses.get(index, (None, None))
+            if response_id is None:
+                response_id = f"msg_wire_{link.hex()[:24]}"
+            return Message.from_param(param, uuid=uid, message_id=response_id, usage=usage)
+        except ValueError as exc:
+            raise ValueError(f"messages[{index}]: {exc}") from None
 
 
 def _shared_start(a: Sequence[Any], b: Sequence[Any]) -> int:

@@ -233,11 +233,14 @@ def _finish(
     first_lone = None
     if old is not None and old.first_lone is not None and old.first_lone < len(messages):
         first_lone = old.first_lone
+    # text decoded strictly from UTF-8 holds no surrogate: only a \uD8xx-\uDFxx escape
+    # makes one, so a value whose text has no "\ud" (any case) needs no walk
     pos = _next_message(text, pos) if messages else _skip(text, pos)
     while text[pos : pos + 1] != "]":
+        start = pos
         value, pos = _DECODER.raw_decode(text, pos)
         value = shared_message(value)  # held as long as its conversation: one "role" for all
-        if first_lone is None and has_lone_surrogate(value):
+        if first_lone is None and _maybe_surrogate(text, start, pos) and has_lone_surrogate(value):
             first_lone = len(messages)
         messages.append(value)
         ends.append(pos)
@@ -247,8 +250,18 @@ def _finish(
     names = [n for n, _ in before] + ["messages"] + [n for n, _ in after]
     if len(set(names)) != len(names):
         raise _Unknown  # a key twice: the last one counts, as the full parse knows
-    fields_lone = has_lone_surrogate(dict([*before, *after]))
+    if old is not None and before is old.before and after is old.after:
+        fields_lone = old.fields_lone  # the same fields (the tools, the system prompt): known
+    else:
+        fields_lone = (
+            _maybe_surrogate(text, 0, array_open) or _maybe_surrogate(text, pos, len(text))
+        ) and has_lone_surrogate(dict([*before, *after]))
     return _Body(text, array_open, ends, messages, before, rest, after, first_lone, fields_lone)
+
+
+def _maybe_surrogate(text: str, start: int, end: int) -> bool:
+    """Whether ``text[start:end]`` may spell a surrogate: it holds ``\\ud`` or ``\\uD``."""
+    return text.find("\\ud", start, end) >= 0 or text.find("\\uD", start, end) >= 0
 
 
 def _next_message(text: str, pos: int) -> int:

@@ -28,12 +28,14 @@ def _hash(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
 
 
+# what json.dumps builds on every call with these options: built once
+_ENCODER = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
+
+
 def _canonical(value: Any) -> bytes:
     """Compact JSON with sorted keys; ``ValueError`` for content nested too deeply to write."""
     try:
-        text = json.dumps(
-            value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr
-        )
+        text = _ENCODER.encode(value)
     except RecursionError:
         raise ValueError("content nested too deeply") from None
     return text.encode("utf-8", "surrogatepass")
