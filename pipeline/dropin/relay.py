@@ -13,7 +13,7 @@ import anyio
 import httpx2
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from pipeline.dropin.adapter import Call, WireSession
 from pipeline.dropin.event_stream import EventStreamUsage
@@ -83,6 +83,7 @@ def relay(
         headers=headers,
         background=None if after is None else BackgroundTask(after),
     )
+    relayed.held = reader is not None and not streamed
     return relayed
 
 
@@ -95,6 +96,20 @@ class _Relayed(StreamingResponse):
     """Set by the body before it yields its last chunk, when it knows that one is the last: the
     chunk then ends the response, and what the body does after it (the request's end: its
     span, metrics and log line) is no longer between the client and its response."""
+    held = False
+    """Whether the body is read whole before any of it is sent (a JSON answer, recorded
+    first): nothing is left for a client's leaving to stop, so no task listens for it."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.held:
+            await super().__call__(scope, receive, send)
+            return
+        # Starlette streams in a task group with a second task listening for a disconnect (an
+        # ASGI server before spec 2.4): two tasks and a cancel scope a request, for a body
+        # that is sent in one piece once it is all here
+        await self.stream_response(send)
+        if self.background is not None:
+            await self.background()
 
     async def stream_response(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}
