@@ -7,6 +7,7 @@ chars/token, 2,000 per image or document), never by calling the code under test.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -456,3 +457,27 @@ def test_a_base64_run_is_judged_by_its_share_of_capitals_digits_and_separators(r
     separators = sum(c in "/-_" for c in run)
     expected = upper >= 0.15 * n and digits >= 0.05 * n and separators <= 0.05 * n
     assert text_stats._random_looking(run) is expected
+
+
+@settings(max_examples=300)
+@given(
+    letters=st.text(alphabet=st.sampled_from("aZQxb"), min_size=58, max_size=90),
+    digits=st.lists(st.tuples(st.integers(0, 200), st.sampled_from("0123456789")), max_size=8),
+    blank=st.sampled_from(["", " ", "\n"]),
+)
+def test_the_base64_share_counts_every_random_looking_run(
+    letters: str, digits: list[tuple[int, str]], blank: str
+) -> None:
+    """Runs of 64 or more base64 characters that look random make the share; a text with
+    too few digits for any run to qualify is passed over without looking at its runs, with
+    the same result."""
+    text = letters
+    for at, digit in digits:  # a few digits here and there: around the least a blob holds
+        text = text[:at] + digit + text[at:]
+    text = text[: len(text) // 2] + blank + text[len(text) // 2 :]
+    runs = re.findall(r"[A-Za-z0-9+/=_-]{64,}", text)
+    blanks = text.count(" ")
+    expected = 0.0
+    if len(text) >= 64 and blanks < 0.02 * len(text):
+        expected = sum(len(r) for r in runs if text_stats._random_looking(r)) / len(text)
+    assert text_stats.text_stats(text).base64_share == expected

@@ -3,6 +3,7 @@ and the content class they put it in. Nothing here copies or serialises more tha
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal, NamedTuple
 
@@ -82,7 +83,13 @@ def _masks_for(size: int) -> dict[int, int]:
 _CJK = re.compile(
     "[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]"
 )
-_B64_RUN = re.compile(r"[A-Za-z0-9+/=_-]{64,}")
+_RUN_MIN = 64
+"""The shortest base64-alphabet run that counts as a blob."""
+_RUN_DIGIT_SHARE = 0.05
+"""The least share of digits in a blob (random base64 has ~16 %)."""
+_B64_RUN = re.compile(rf"[A-Za-z0-9+/=_-]{{{_RUN_MIN},}}")
+_RUN_DIGITS = math.ceil(_RUN_DIGIT_SHARE * _RUN_MIN)
+"""Digits the shortest random-looking run holds (see :func:`_random_looking`)."""
 _UPPER_BYTES = bytes(range(ord("A"), ord("Z") + 1))
 _DIGIT_BYTES = b"0123456789"
 
@@ -137,7 +144,9 @@ def text_stats(text: str) -> TextStats:
     maybe_cjk = non_ascii and (x & m[_CJK_LEAD])
     cjk = float(len(_CJK.findall(sample))) * scale if maybe_cjk else 0.0
     b64 = 0.0
-    if n >= 64 and (spaces + newlines) < 0.02 * len(sample):  # blobs have no blanks
+    # blobs have no blanks; and the shortest blob holds _RUN_DIGITS digits, so a sample with
+    # fewer holds none
+    if n >= _RUN_MIN and digits >= _RUN_DIGITS and (spaces + newlines) < 0.02 * len(sample):
         b64 = sum(len(r) for r in _B64_RUN.findall(sample) if _random_looking(r)) / len(sample)
     features = (
         words * scale,
@@ -161,7 +170,7 @@ def _random_looking(run: str) -> bool:
     upper = n - len(raw.translate(None, _UPPER_BYTES))
     digits = n - len(raw.translate(None, _DIGIT_BYTES))
     separators = raw.count(b"/") + raw.count(b"-") + raw.count(b"_")
-    return upper >= 0.15 * n and digits >= 0.05 * n and separators <= 0.05 * n
+    return upper >= 0.15 * n and digits >= _RUN_DIGIT_SHARE * n and separators <= 0.05 * n
 
 
 TextKind = Literal["text", "thinking", "json", "error"]

@@ -12,8 +12,11 @@ Not a test: it prints figures.
    before the clock starts. Per size: median and p99 of each target's wall time per call, and what
    it adds over the direct call (median of the per-call differences, interleaved). ``wrap`` is
    the SDK wrapped against the SDK alone (the SDK's own cost cancels out).
+   1b. **First calls.** A new conversation's first call (the proxy meets all its messages at
+   once) against its second, at 100 and 1,000 messages.
 2. **Throughput.** ``--concurrency`` conversations at 100 messages at once, each sending calls back
-   to back for a few seconds: requests a second and p50/p99 latency per target.
+   to back for a few seconds: requests a second and p50/p99 latency per target; also the proxy
+   with its store on tmpfs (``/dev/shm``, where an fsync costs nothing), when there is one.
 3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
    1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
 4. **Bodies.** The body reader's first read of a body against parsing it whole, and the body
@@ -263,6 +266,29 @@ def latency(targets: dict[str, str], sizes: list[int], calls: int) -> None:
         sys.stdout.flush()
 
 
+def first_calls(targets: dict[str, str], sizes: list[int], conversations: int) -> None:
+    """A conversation's first call, where the proxy meets all of its messages at once (the
+    later calls meet only what is new): median over ``conversations`` new ones per size."""
+    print(
+        "\n1b. A new conversation's first call against its second (ms, median over"
+        f" {conversations} new conversations each; the proxy has never seen their messages)"
+    )
+    print(f"{'messages':>10} {'target':>10} {'first':>9} {'second':>9}")
+    for n in sizes:
+        for name in ("forwarder", "proxy"):
+            firsts, seconds = [], []
+            with httpx.Client(timeout=120) as client:
+                for k in range(conversations):
+                    conv = Conversation(n, f"first{name}{n}x{k}")
+                    firsts.append(call(client, targets[name], conv, conv.next_body()))
+                    seconds.append(call(client, targets[name], conv, conv.next_body()))
+            print(
+                f"{n:>10} {name:>10} {statistics.median(firsts):9.2f}"
+                f" {statistics.median(seconds):9.2f}"
+            )
+            sys.stdout.flush()
+
+
 def wrap_latency(upstream: str, sizes: list[int], calls: int) -> None:
     import anthropic
 
@@ -308,7 +334,7 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float) -> Non
         f"\n2. Throughput: {concurrency} conversations at 100 messages at once,"
         f" {seconds:.0f} s each"
     )
-    print(f"{'target':>12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
+    print(f"{'target':>20} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
     rates: dict[str, float] = {}
     for name, url in targets.items():
         stop = time.monotonic() + seconds
@@ -329,12 +355,13 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float) -> Non
         took = time.monotonic() - began
         rates[name] = len(all_times) / took
         print(
-            f"{name:>12} {rates[name]:9.1f}"
+            f"{name:>20} {rates[name]:9.1f}"
             f" {statistics.median(all_times):9.2f} {p99(all_times):9.2f}"
         )
         sys.stdout.flush()
     if rates.get("forwarder"):
-        print(f"proxy/forwarder {rates['proxy'] / rates['forwarder']:.2f}x")
+        for name in (n for n in rates if n.startswith("proxy")):
+            print(f"{name}/forwarder {rates[name] / rates['forwarder']:.2f}x")
 
 
 def prepare_scaling(sizes: list[int], calls: int) -> None:
@@ -433,7 +460,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--prepare", default="1000,5000,10000,20000")
     parser.add_argument(
-        "--skip", default="", help="parts to leave out: latency,wrap,throughput,prepare,bodies"
+        "--skip",
+        default="",
+        help="parts to leave out: latency,first,wrap,throughput,prepare,bodies",
     )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -447,10 +476,21 @@ def main() -> int:
         targets = {"direct": upstream, "forwarder": forwarder, "proxy": proxy}
         if "latency" not in skip:
             latency(targets, sizes, args.calls)
+        if "first" not in skip:
+            first_calls(targets, [n for n in (100, 1000) if n <= max(sizes)] or [10], 15)
         if "wrap" not in skip:
             wrap_latency(upstream, sizes, args.calls)
         if "throughput" not in skip:
-            throughput(targets, args.concurrency, args.seconds)
+            loads = dict(targets)
+            memory = Path("/dev/shm")
+            if memory.is_dir() and os.access(memory, os.W_OK):
+                # the same proxy with its store where an fsync costs nothing: what the disk's
+                # durability costs a request (records are made durable once per call)
+                shm = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=memory)))
+                loads["proxy (tmpfs store)"] = stack.enter_context(
+                    proxy_command(upstream, shm / "p")
+                )
+            throughput(loads, args.concurrency, args.seconds)
     if "prepare" not in skip:
         prepare_scaling([int(x) for x in args.prepare.split(",")], 12)
     if "bodies" not in skip:
