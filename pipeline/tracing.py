@@ -35,6 +35,7 @@ __all__ = [
     "SPAN_REPLAY_CALL",
     "SPAN_TOOL_EXECUTE",
     "SPAN_WIRE_REQUEST",
+    "SPAN_WIRE_UPSTREAM",
     "TRACER_NAME",
     "AttributeValue",
     "Decision",
@@ -78,6 +79,9 @@ SPAN_AGENT_TURN = "agent.turn"
 """One model call of the agent loop and the tool calls it asked for."""
 SPAN_WIRE_REQUEST = "wire.request"
 """One Messages request from a client (``wrap`` or the proxy): its ``pipeline.run`` is a child."""
+SPAN_WIRE_UPSTREAM = "wire.upstream"
+"""The upstream call of one Messages request, a child of its ``wire.request``: from sending the
+request to the end of its response (a streamed one included)."""
 SPAN_TOOL_EXECUTE = "execute_tool"
 """The GenAI operation name of a tool execution (see :func:`tool_span_name`)."""
 

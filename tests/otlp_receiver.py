@@ -81,6 +81,10 @@ class ReceivedSpan:
     scope: str
     links: tuple[str, ...] = ()
     """The span ids this span links to."""
+    start_ns: int = 0
+    end_ns: int = 0
+    status: str = "UNSET"
+    """``UNSET``, ``OK`` or ``ERROR``."""
 
 
 def _value(v: AnyValue) -> Any:
@@ -113,6 +117,9 @@ def decode(body: bytes) -> list[ReceivedSpan]:
                         resource=resource,
                         scope=ss.scope.name,
                         links=tuple(link.span_id.hex() for link in s.links),
+                        start_ns=s.start_time_unix_nano,
+                        end_ns=s.end_time_unix_nano,
+                        status=("UNSET", "OK", "ERROR")[s.status.code],
                     )
                 )
     return spans

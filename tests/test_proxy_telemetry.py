@@ -92,6 +92,17 @@ def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path:
             attributes["sluicegate.request.chars_out"] < attributes["sluicegate.request.chars_in"]
         )
     assert {s.attributes["gen_ai.request.stream"] for s in requests} == {False, True}
+    # the upstream call in the request's waterfall: after its pass, within the request
+    for span in requests:
+        (call,) = [
+            s for s in spans if s.name == "wire.upstream" and s.parent_span_id == span.span_id
+        ]
+        (passed,) = [
+            s for s in spans if s.name == "pipeline.run" and s.parent_span_id == span.span_id
+        ]
+        assert passed.end_ns <= call.start_ns <= call.end_ns <= span.end_ns
+        assert call.attributes["http.response.status_code"] == 200 and call.status == "UNSET"
+        assert not any("x" * 100 in str(v) for v in call.attributes.values())
     points = receiver.points
     answered = {"http.response.status_code": 200, "http.route": "/v1/messages"}
     assert total(points, "http.server.request.duration", **answered)[1] == 2
@@ -121,11 +132,24 @@ def test_an_unreachable_upstream_is_one_logged_failure_and_json_lines_stay_json(
     tmp_path: Path,
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with proxy_process(dead, tmp_path / "store", "--log-json") as (url, lines, code):
+    with (
+        OtlpReceiver() as receiver,
+        proxy_process(
+            dead,
+            tmp_path / "store",
+            "--log-json",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+            OTEL_BSP_SCHEDULE_DELAY="100",
+            OTEL_METRICS_EXPORTER="none",
+        ) as (url, lines, code),
+    ):
         client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
         with pytest.raises(anthropic.InternalServerError):
             client.messages.create(model="m", max_tokens=10, messages=build("small"))
         client.close()
+    (call,) = [s for s in receiver.spans if s.name == "wire.upstream"]
+    assert call.status == "ERROR" and call.attributes["error.type"] == "ConnectError"
+    assert "http.response.status_code" not in call.attributes  # it never answered
     records = [json.loads(line) for line in lines if line.strip()]  # every line is JSON
     assert records[0]["event"] == "proxy.listening" and records[0]["url"] == url
     (failed,) = [r for r in records if r.get("event") == "wire.request"]

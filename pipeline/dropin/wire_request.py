@@ -1,7 +1,8 @@
 """One client request at the wire (``wrap``, the proxy), seen through to its end: its span, its
 measures and its access-log line.
 
-:class:`WireRequest` starts the ``wire.request`` span (the pass becomes its child) and keeps it
+:class:`WireRequest` starts the ``wire.request`` span (the pass becomes its child, and so does
+the ``wire.upstream`` span of the call it sends, from sending to the response's end) and keeps it
 open until the response has gone by -- a streamed one included -- so the span can say what the
 call cost: the GenAI request model, the response's id and model, its token usage (input,
 output, cache read and write), how long the pipeline and the upstream took, and the
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from pipeline.tracing import ATTR, AttributeValue
+from pipeline.tracing import ATTR, SPAN_WIRE_UPSTREAM, AttributeValue
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -91,6 +92,12 @@ def applied_edits(context_management: Any) -> list[str]:
     return [str(e["type"])[:64] for e in edits if isinstance(e, Mapping) and "type" in e][:32]
 
 
+def _set_http_status(span: trace.Span, status: int) -> None:
+    span.set_attribute(ATTR.HTTP_STATUS, status)
+    if status >= 400:
+        span.set_status(Status(StatusCode.ERROR, f"upstream status {status}"))
+
+
 class WireRequest:
     """One client request of ``session`` (see the module docstring). ``messages``: how many
     the client sent; ``body``: its JSON (the model and stream flag are read from it);
@@ -132,6 +139,8 @@ class WireRequest:
         self.span.set_attributes(attributes)
         self.status: int | None = None
         self.sent_at: float | None = None
+        self.upstream_span: trace.Span | None = None
+        """The upstream call's span, from :meth:`prepared` (the request goes) to :meth:`end`."""
         self.tokens: Mapping[str, int] = {}
         self._ended = False
 
@@ -171,13 +180,20 @@ class WireRequest:
                 seconds=seconds, persisted=persisted, kept_off=report.chars_kept_off
             )
         self.sent_at = time.monotonic()
+        if self.upstream_span is None:
+            self.upstream_span = self.session.ctx.tracer.start_span(
+                SPAN_WIRE_UPSTREAM,
+                context=trace.set_span_in_context(self.span),
+                record_exception=False,
+                set_status_on_exception=False,
+            )
 
     def answered(self, status: int) -> None:
         """The upstream's status (its headers have come)."""
         self.status = status
-        self.span.set_attribute(ATTR.HTTP_STATUS, status)
-        if status >= 400:
-            self.span.set_status(Status(StatusCode.ERROR, f"upstream status {status}"))
+        spans = [self.span] if self.upstream_span is None else [self.span, self.upstream_span]
+        for span in spans:
+            _set_http_status(span, status)
 
     def observed(
         self,
@@ -212,8 +228,10 @@ class WireRequest:
             return
         self._ended = True
         now = time.monotonic()
-        if status is not None:
-            self.answered(status)
+        answered = self.status is not None
+        if status is not None:  # the client's answer (the upstream's, when it gave one)
+            self.status = status
+            _set_http_status(self.span, status)
         if error is not None:
             self.span.set_status(Status(StatusCode.ERROR, error))
             self.span.set_attribute(ATTR.ERROR_TYPE, error)
@@ -221,6 +239,11 @@ class WireRequest:
         upstream = None if self.sent_at is None else now - self.sent_at
         if upstream is not None:
             self.span.set_attribute(ATTR.UPSTREAM_MS, round(upstream * 1000, 3))
+        if self.upstream_span is not None:
+            if error is not None and not answered:  # it never answered
+                self.upstream_span.set_status(Status(StatusCode.ERROR, error))
+                self.upstream_span.set_attribute(ATTR.ERROR_TYPE, error)
+            self.upstream_span.end()
         self.span.end()
         self.fields.update(
             status=self.status,
