@@ -16,15 +16,12 @@ usage reach the session when the stream has gone by.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextvars
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anthropic
-import anyio
 import httpx2
 
 from pipeline.core import Pipeline
@@ -32,6 +29,7 @@ from pipeline.dropin.adapter import Call, WireSession
 from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
 from pipeline.dropin.event_stream import EventStreamUsage
 from pipeline.dropin.metrics import WireMetrics
+from pipeline.dropin.sync_passes import in_worker, run_pass
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.spans import beside_sdk_call
@@ -42,7 +40,6 @@ from pipeline.wire.request_fields import merge_betas, merge_request_fields
 __all__ = ["SluicegateMiddleware", "wrap"]
 
 C = TypeVar("C", anthropic.Anthropic, anthropic.AsyncAnthropic)
-T = TypeVar("T")
 
 
 def _is_messages_call(request: Any) -> bool:
@@ -148,19 +145,20 @@ class SluicegateMiddleware(anthropic.Middleware):
         return response
 
     def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
-        """The synchronous client's path: the same work, the pipeline run on a private event
-        loop in a worker thread (so a caller that has a running loop is not disturbed), one
-        thread at a time per conversation (:attr:`WireSession.sync_lock`)."""
+        """The synchronous client's path: the same work, the pipeline run on an event loop the
+        calling thread keeps for its passes (in a worker thread when the caller is inside a
+        running loop, which is not disturbed: :mod:`pipeline.dropin.sync_passes`), one thread
+        at a time per conversation (:attr:`WireSession.sync_lock`)."""
         if not _is_messages_call(request):
             return call_next(request)
         branch = self.conversations.route_sync(
-            request.json, self._headers(request), explicit=self.session_id, build=_in_worker
+            request.json, self._headers(request), explicit=self.session_id, build=in_worker
         )
         session, seen = branch.session, self._request_of(branch, request)
         with seen.active():
             passing = time.monotonic()
             with session.sync_lock:
-                body, call = _run_sync(lambda: session.prepare_call(request.json))
+                body, call = run_pass(lambda: session.prepare_call(request.json))
                 report = session.ctx.report
             seen.prepared(report, time.monotonic() - passing, None)
             response = call_next(_outgoing(session, request, body))
@@ -265,34 +263,6 @@ def _tap(session: WireSession, http: Any, call: Call | None, seen: WireRequest) 
         if isinstance(stream, httpx2.AsyncByteStream)
         else _SyncTap(stream, reader, seen)
     )
-
-
-_ASYNC_LIBRARY: contextvars.ContextVar[str | None] | None
-try:
-    from sniffio import current_async_library_cvar as _ASYNC_LIBRARY
-except ImportError:  # without sniffio, anyio asks asyncio, whose running loop is per thread
-    _ASYNC_LIBRARY = None
-
-
-def _in_worker(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread, in a copy of the caller's context (its span, its log
-    context: a thread starts with an empty one) less the mark by which anyio, through sniffio,
-    tells which event loop runs: none runs there, whatever loop the caller runs."""
-    context = contextvars.copy_context()
-    if _ASYNC_LIBRARY is not None:
-        context.run(_ASYNC_LIBRARY.set, None)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(context.run, fn, *args).result()
-
-
-def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:
-    async def main() -> T:
-        return await fn()
-
-    def run() -> T:
-        return anyio.run(main)
-
-    return _in_worker(run)
 
 
 def wrap(
