@@ -490,3 +490,63 @@ def test_wrap_never_deep_copies_the_history(tmp_path: Path) -> None:
         sent = up.requests[0]["messages"]
     assert _Counted.copies == 0
     assert len(sent) == len(history)
+
+
+def test_the_first_party_client_gets_its_bodies_written_in_the_size_of_whats_new(
+    tmp_path: Path,
+) -> None:
+    """The prepared body goes as bytes the middleware writes, each call encoding only what is
+    new since the conversation's last one; the upstream sees what the SDK's own JSON would
+    carry, as JSON; a request with ``extra_body`` goes as the SDK's JSON, merged."""
+    from pipeline.dropin.wrap import SluicegateMiddleware
+
+    with ScriptedMessagesServer(script) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        sent = []
+        for raw_bodies in (True, False):
+            middleware = SluicegateMiddleware(
+                root=tmp_path / str(raw_bodies),
+                pipeline=lambda: Pipeline([ToolResultBudget(limit=50_000)]),
+                raw_bodies=raw_bodies,
+            )
+            sync_client_loop(raw.with_middleware(middleware), "go", 4)
+            sent.append(server.requests[-4:])
+            if raw_bodies:
+                assert middleware.writer is not None and middleware.writer.reused > 0
+                assert all(h["content-type"] == "application/json" for h in server.request_headers)
+            else:
+                assert middleware.writer is None
+        texts = [
+            portable([json.dumps(b) for b in bodies], tmp_path / str(flag))
+            for bodies, flag in zip(sent, (True, False), strict=True)
+        ]
+        assert texts[0] == texts[1]  # the same requests, each store's own paths aside
+        client = raw.with_middleware(
+            SluicegateMiddleware(
+                root=tmp_path / "extra",
+                pipeline=lambda: Pipeline([ToolResultBudget(limit=50_000)]),
+                raw_bodies=True,
+            )
+        )
+        client.messages.create(
+            model="m",
+            max_tokens=10,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"metadata": {"user_id": "u1"}},
+        )
+        assert server.requests[-1]["metadata"] == {"user_id": "u1"}
+        raw.close()
+
+
+def test_only_a_client_that_sends_the_body_as_given_gets_raw_bodies() -> None:
+    from pipeline.dropin.wrap import _sends_body_as_given
+
+    class Rewriting(anthropic.Anthropic):
+        def _prepare_options(self, options: Any) -> Any:
+            return options
+
+    assert _sends_body_as_given(anthropic.Anthropic(api_key="k"))
+    assert _sends_body_as_given(anthropic.AsyncAnthropic(api_key="k"))
+    assert not _sends_body_as_given(Rewriting(api_key="k"))
+    vertex = anthropic.AnthropicVertex(region="us-east5", project_id="p", access_token="t")
+    assert not _sends_body_as_given(vertex)

@@ -16,6 +16,7 @@ usage reach the session when the stream has gone by.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ from pipeline.dropin.wire_request import WireRequest
 from pipeline.spans import beside_sdk_call
 from pipeline.store.files import validate_session_id
 from pipeline.store.sessions import SessionStates
+from pipeline.wire.body_writer import BodyWriter
 from pipeline.wire.request_fields import merge_betas, merge_request_fields
 
 __all__ = ["SluicegateMiddleware", "wrap"]
@@ -67,7 +69,12 @@ class SluicegateMiddleware(anthropic.Middleware):
     headers win. ``max_conversations``: how many conversations are held in memory (the least
     recently used are let go past it, and load from their records when they come back).
     ``context``: keyword arguments of each session (``cache_breakpoint``, tool policies, a
-    tracer, a logger).
+    tracer, a logger). ``raw_bodies``: send each prepared body as the bytes the middleware
+    writes, encoding only what is new in it since the conversation's last call
+    (:class:`~pipeline.wire.body_writer.BodyWriter`), rather than as JSON the SDK encodes whole;
+    only for a client that sends the body as it is given (:func:`wrap` tells: the first-party
+    client, not Bedrock's, Vertex's or Foundry's, which rewrite it). A request with
+    ``extra_body`` goes as JSON all the same.
     """
 
     def __init__(
@@ -80,9 +87,12 @@ class SluicegateMiddleware(anthropic.Middleware):
         client_headers: Mapping[str, str] | None = None,
         metrics: WireMetrics | None = None,
         max_conversations: int | None = MAX_HELD,
+        raw_bodies: bool = False,
         **context: Any,
     ) -> None:
         self.metrics = metrics or WireMetrics()
+        self.writer = BodyWriter() if raw_bodies else None
+        self._writing = threading.Lock()  # a sync client's threads share the writer
         self.client_headers = dict(client_headers or {})
         if session_id is not None:
             validate_session_id(session_id)
@@ -97,8 +107,46 @@ class SluicegateMiddleware(anthropic.Middleware):
             root=self.root,
             tenancy=tenancy,
             max_held=max_conversations,
+            on_let_go=self._let_go,
             **context,
         )
+
+    def _let_go(self, branch: Branch) -> None:
+        if self.writer is not None:
+            with self._writing:
+                self.writer.forget(_written_as(branch))
+
+    def _outgoing(self, branch: Branch, request: Any, body: dict[str, Any]) -> Any:
+        """The request to send: the prepared body, plus what a stage asked of the request
+        (e.g. server-side clearing's ``context_management`` and its beta header)."""
+        session = branch.session
+        report = session.ctx.report
+        body = merge_request_fields(body, report.request_extras)
+        headers: dict[str, Any] = {
+            k: v for k, v in (request.headers or {}).items() if k.lower() != SESSION_HEADER
+        }
+        headers[SESSION_HEADER] = anthropic.omit  # the conversation's name never leaves
+        if report.betas:
+            headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
+        options = request.options
+        raw = (
+            self.writer is not None
+            and options.extra_json is None
+            and options.files is None
+            and options.content is None
+        )
+        # the SDK's copy deep-copies the body it is about to replace (the whole history, every
+        # call): it copies none while it is away, and gets it back at once
+        history, options.json_data = options.json_data, None
+        try:
+            outgoing = request.copy(body=None if raw else body, headers=headers)
+        finally:
+            options.json_data = history
+        if raw:
+            assert self.writer is not None
+            with self._writing:
+                outgoing.options.content = self.writer.write(_written_as(branch), body)
+        return outgoing
 
     def _headers(self, request: Any) -> dict[str, str]:
         own = {k: v for k, v in (request.headers or {}).items() if isinstance(v, str)}
@@ -127,7 +175,7 @@ class SluicegateMiddleware(anthropic.Middleware):
             # the call: what the response answers, whatever is prepared meanwhile
             body, call = await session.prepare_call(request.json)
             seen.prepared(session.ctx.report, time.monotonic() - passing, None)
-            response = await call_next(_outgoing(session, request, body))
+            response = await call_next(self._outgoing(branch, request, body))
             seen.answered(response.status_code)
             if response.status_code == 200 and request.stream:
                 _tap(session, response.http_response, call, seen)  # it ends with the stream
@@ -161,7 +209,7 @@ class SluicegateMiddleware(anthropic.Middleware):
                 body, call = run_pass(lambda: session.prepare_call(request.json))
                 report = session.ctx.report
             seen.prepared(report, time.monotonic() - passing, None)
-            response = call_next(_outgoing(session, request, body))
+            response = call_next(self._outgoing(branch, request, body))
             seen.answered(response.status_code)
             if response.status_code == 200 and request.stream:
                 _tap(session, response.http_response, call, seen)  # it ends with the stream
@@ -173,27 +221,6 @@ class SluicegateMiddleware(anthropic.Middleware):
             session.settle_sync()  # the call's records durable: one fsync
         seen.end()
         return response
-
-
-def _outgoing(session: WireSession, request: Any, body: dict[str, Any]) -> Any:
-    """The request to send: the prepared body, plus what a stage asked of the request (e.g.
-    server-side clearing's ``context_management`` and its beta header)."""
-    report = session.ctx.report
-    body = merge_request_fields(body, report.request_extras)
-    headers: dict[str, Any] = {
-        k: v for k, v in (request.headers or {}).items() if k.lower() != SESSION_HEADER
-    }
-    headers[SESSION_HEADER] = anthropic.omit  # the conversation's name never leaves the process
-    if report.betas:
-        headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
-    # the SDK's copy deep-copies the body it is about to replace (the whole history, every
-    # call): it copies none while it is away, and gets it back at once
-    options = request.options
-    history, options.json_data = options.json_data, None
-    try:
-        return request.copy(body=body, headers=headers)
-    finally:
-        options.json_data = history
 
 
 def _observed(seen: WireRequest, message: Any) -> None:
@@ -296,6 +323,27 @@ def wrap(
         tenancy=tenancy,
         client_headers={k: v for k, v in client.default_headers.items() if isinstance(v, str)},
         max_conversations=max_conversations,
+        raw_bodies=_sends_body_as_given(client),
         **context,
     )
     return client.with_middleware(middleware)
+
+
+def _sends_body_as_given(client: Any) -> bool:
+    """Whether ``client`` sends a request's body as it is given: the first-party client's
+    hooks, which Bedrock's, Vertex's and Foundry's clients replace to rewrite the body."""
+    base = (
+        anthropic.AsyncAnthropic
+        if isinstance(client, anthropic.AsyncAnthropic)
+        else anthropic.Anthropic
+    )
+    kind = type(client)
+    return isinstance(client, base) and all(
+        getattr(kind, hook, None) is getattr(base, hook, None)
+        for hook in ("_prepare_options", "_build_request", "_prepare_request")
+    )
+
+
+def _written_as(branch: Branch) -> tuple[str, str]:
+    """The key of a conversation's last body in the middleware's :class:`BodyWriter`."""
+    return branch.family.tenant, branch.conversation_id
