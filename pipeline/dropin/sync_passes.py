@@ -69,10 +69,27 @@ class _Loop:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.pid = os.getpid()
-        weakref.finalize(self, self.loop.close)
+        self.closing = weakref.finalize(self, self.loop.close)
+        _loops.add(self)
 
 
 _local = threading.local()
+_loops: weakref.WeakSet[_Loop] = weakref.WeakSet()
+_inherited: list[asyncio.AbstractEventLoop] = []
+"""Loops a forked child inherited: never closed there, nor collected (closing one would take
+its wake-up pipe off the epoll instance the parent's loop still waits on)."""
+
+
+def _after_fork_in_child() -> None:
+    global _local
+    for held in list(_loops):
+        held.closing.detach()
+        _inherited.append(held.loop)
+    _loops.clear()
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _thread_loop() -> asyncio.AbstractEventLoop:
