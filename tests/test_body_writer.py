@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -159,3 +160,17 @@ def test_bodies_the_stages_rewrite_are_written_as_a_whole_encode_writes_them(
     calls, reused = anyio.run(run)
     assert calls == 60
     assert reused > 0  # it did take bytes from earlier bodies
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_finite_refuses_what_the_fast_encoder_would_write_as_null(bad: float) -> None:
+    writer = BodyWriter()
+    first = [{"role": "user", "content": [{"type": "text", "text": "a", "x": None}]}]
+    body = {"model": "m", "messages": first}
+    assert writer.write("k", body, finite=True) == dumps_body(body)  # a null of its own is fine
+    later = [*first, {"role": "assistant", "content": [{"type": "tool_use", "input": {"v": bad}}]}]
+    with pytest.raises(ValueError, match="float"):
+        writer.write("k", {"model": "m", "messages": later}, finite=True)
+    with pytest.raises(ValueError, match="float"):
+        writer.write("k2", {"model": "m", "top_k": bad, "messages": first}, finite=True)
+    assert writer.write("k3", {"messages": later}) == dumps_body({"messages": later})

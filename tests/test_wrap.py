@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -535,7 +536,31 @@ def test_the_first_party_client_gets_its_bodies_written_in_the_size_of_whats_new
             extra_body={"metadata": {"user_id": "u1"}},
         )
         assert server.requests[-1]["metadata"] == {"user_id": "u1"}
+        with pytest.raises(ValueError, match="float"):  # as the SDK's own JSON refuses it
+            client.messages.create(
+                model="m",
+                max_tokens=10,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body={"top_k": float("nan")},
+            )
         raw.close()
+
+
+def test_raw_bodies_are_asked_for() -> None:
+    """Off by default: a middleware added after wrap's sees the request's JSON."""
+    seen: list[Any] = []
+
+    class Looking(anthropic.Middleware):
+        def handle(self, request: Any, call_next: Any) -> Any:
+            seen.append(request.json)
+            return call_next(request)
+
+    with ScriptedMessagesServer(script) as server, tempfile.TemporaryDirectory() as root:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = wrap(raw, root=root).with_middleware(Looking())
+        sync_client_loop(client, "go", 2)
+        raw.close()
+    assert len(seen) == 2 and all(isinstance(j, dict) and j["messages"] for j in seen)
 
 
 def test_only_a_client_that_sends_the_body_as_given_gets_raw_bodies() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import httpx2
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -107,7 +108,10 @@ class _Relayed(StreamingResponse):
         # Starlette streams in a task group with a second task listening for a disconnect (an
         # ASGI server before spec 2.4): two tasks and a cancel scope a request, for a body
         # that is sent in one piece once it is all here
-        await self.stream_response(send)
+        try:
+            await self.stream_response(send)
+        except OSError:  # a server of ASGI spec 2.4 tells a client gone so: as Starlette does
+            raise ClientDisconnect() from None
         if self.background is not None:
             await self.background()
 

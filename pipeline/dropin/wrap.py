@@ -73,8 +73,9 @@ class SluicegateMiddleware(anthropic.Middleware):
     writes, encoding only what is new in it since the conversation's last call
     (:class:`~pipeline.wire.body_writer.BodyWriter`), rather than as JSON the SDK encodes whole;
     only for a client that sends the body as it is given (:func:`wrap` tells: the first-party
-    client, not Bedrock's, Vertex's or Foundry's, which rewrite it). A request with
-    ``extra_body`` goes as JSON all the same.
+    client, not Bedrock's, Vertex's or Foundry's, which rewrite it) and when this middleware is
+    the last (one added after it would see the request without its JSON). ``extra_body`` is in
+    the body by then (the SDK merges it first).
     """
 
     def __init__(
@@ -145,7 +146,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         if raw:
             assert self.writer is not None
             with self._writing:
-                outgoing.options.content = self.writer.write(_written_as(branch), body)
+                outgoing.options.content = self.writer.write(_written_as(branch), body, finite=True)
         return outgoing
 
     def _headers(self, request: Any) -> dict[str, str]:
@@ -174,8 +175,10 @@ class SluicegateMiddleware(anthropic.Middleware):
             passing = time.monotonic()
             # the call: what the response answers, whatever is prepared meanwhile
             body, call = await session.prepare_call(request.json)
-            seen.prepared(session.ctx.report, time.monotonic() - passing, None)
-            response = await call_next(self._outgoing(branch, request, body))
+            passed = time.monotonic() - passing
+            outgoing = self._outgoing(branch, request, body)
+            seen.prepared(session.ctx.report, passed, None)  # the upstream call begins
+            response = await call_next(outgoing)
             seen.answered(response.status_code)
             if response.status_code == 200 and request.stream:
                 _tap(session, response.http_response, call, seen)  # it ends with the stream
@@ -208,8 +211,10 @@ class SluicegateMiddleware(anthropic.Middleware):
             with session.sync_lock:
                 body, call = run_pass(lambda: session.prepare_call(request.json))
                 report = session.ctx.report
-            seen.prepared(report, time.monotonic() - passing, None)
-            response = call_next(self._outgoing(branch, request, body))
+            passed = time.monotonic() - passing
+            outgoing = self._outgoing(branch, request, body)
+            seen.prepared(report, passed, None)  # the upstream call begins
+            response = call_next(outgoing)
             seen.answered(response.status_code)
             if response.status_code == 200 and request.stream:
                 _tap(session, response.http_response, call, seen)  # it ends with the stream
@@ -300,6 +305,7 @@ def wrap(
     session_id: str | None = None,
     tenancy: Tenancy | None = None,
     max_conversations: int | None = MAX_HELD,
+    raw_bodies: bool = False,
     **context: Any,
 ) -> C:
     """``client`` with every Messages request going through the pipeline (a copy: the client
@@ -311,7 +317,14 @@ def wrap(
 
     The client's credentials and default headers are read here, once: a copy of the wrapped
     client made with other credentials (``with_options(api_key=...)``) keeps this one's
-    tenant, so wrap each key's client to keep its conversations apart."""
+    tenant, so wrap each key's client to keep its conversations apart.
+
+    ``raw_bodies=True``: send each prepared body as bytes written here, encoding only what is
+    new since the conversation's last call (a long history costs much less to send), for the
+    first-party client (others send JSON all the same). Only when no middleware is added after
+    this one (``.with_middleware(...)`` on the returned client): such a middleware would see
+    the request without its JSON. A non-finite number (NaN, infinity) is refused as the SDK
+    refuses it."""
     if pipeline is None:
         raise TypeError(
             "wrap() needs pipeline=: a factory such as lambda: Pipeline(default_stages())"
@@ -323,7 +336,7 @@ def wrap(
         tenancy=tenancy,
         client_headers={k: v for k, v in client.default_headers.items() if isinstance(v, str)},
         max_conversations=max_conversations,
-        raw_bodies=_sends_body_as_given(client),
+        raw_bodies=raw_bodies and _sends_body_as_given(client),
         **context,
     )
     return client.with_middleware(middleware)

@@ -19,6 +19,7 @@ must not be changed in place (nothing here does; the wire form's contract says t
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
@@ -56,18 +57,25 @@ class BodyWriter:
         self.reused = 0
         """Messages taken from an earlier body so far (not encoded again)."""
 
-    def write(self, key: Hashable, body: Mapping[str, Any], *, fast: bool = True) -> bytes:
-        """``dumps_body(body, fast=fast)``, reusing the last body written under ``key``."""
+    def write(
+        self, key: Hashable, body: Mapping[str, Any], *, fast: bool = True, finite: bool = False
+    ) -> bytes:
+        """``dumps_body(body, fast=fast)``, reusing the last body written under ``key``.
+        ``finite``: refuse a NaN or an infinity anywhere in what is written (``ValueError``, as
+        the anthropic SDK's JSON refuses one) rather than write it as the fast encoder does,
+        ``null``."""
         last = self._kept.pop(key, None)
         if last is not None:
             self._bytes -= len(last.raw)
         messages = body.get("messages")
         if not fast or type(messages) is not list or not isinstance(body, dict):
-            return dumps_body(body, fast=fast)
+            return _checked(dumps_body(body, fast=fast), body, finite)
         try:
-            written = self._spliced(body, messages, last)
+            written = self._spliced(body, messages, last, finite)
+        except _NotFinite:
+            raise ValueError("Out of range float values are not JSON compliant") from None
         except (TypeError, ValueError, OverflowError):  # what the fast encoder refuses
-            return dumps_body(body, fast=fast)
+            return _checked(dumps_body(body, fast=fast), body, finite)
         if len(written.raw) <= self.max_bytes:
             self._kept[key] = written
             self._bytes += len(written.raw)
@@ -83,8 +91,9 @@ class BodyWriter:
             self._bytes -= len(gone.raw)
 
     def _spliced(
-        self, body: dict[str, Any], messages: list[Any], last: _Written | None
+        self, body: dict[str, Any], messages: list[Any], last: _Written | None, finite: bool
     ) -> _Written:
+        encode = _finite_encode if finite else fast_encode
         before: list[bytes] = []
         after: list[bytes] = []
         side = before
@@ -94,13 +103,13 @@ class BodyWriter:
             if name == "messages":
                 side = after
                 continue
-            side.append(fast_encode(name) + b":" + fast_encode(value))
+            side.append(fast_encode(name) + b":" + encode(value))
         same = 0
         if last is not None:
             # the first message that is not the last body's object there (a C-level sweep)
             n = min(len(messages), len(last.messages))
             same = next(compress(count(), map(operator.is_not, messages, last.messages)), n)
-        new = [fast_encode(m) for m in messages[same:]]
+        new = [encode(m) for m in messages[same:]]
         head = b"{" + b"".join(p + b"," for p in before) + b'"messages":['
         tail = b"]" + b"".join(b"," + p for p in after) + b"}"
         ends = last.ends[:same] if last is not None else []
@@ -120,3 +129,38 @@ class BodyWriter:
         pieces.append(tail)
         self.reused += same
         return _Written(b"".join(pieces), len(head), ends, list(messages))
+
+
+class _NotFinite(Exception):
+    """A NaN or an infinity where ``finite`` asked for none."""
+
+
+def _finite_encode(value: Any) -> bytes:
+    """``fast_encode(value)``; :class:`_NotFinite` when ``value`` holds a NaN or an infinity
+    (which the fast encoder writes as ``null``: a piece without ``null`` holds none)."""
+    raw = fast_encode(value)
+    if b"null" in raw and _holds_non_finite(value):
+        raise _NotFinite
+    return raw
+
+
+def _checked(raw: bytes, body: Any, finite: bool) -> bytes:
+    """``raw``, the whole body written; ``ValueError`` when ``finite`` and it holds a NaN or an
+    infinity (the standard library writes them as ``NaN``, ``Infinity``)."""
+    if finite and _holds_non_finite(body):
+        raise ValueError("Out of range float values are not JSON compliant")
+    return raw
+
+
+def _holds_non_finite(value: Any) -> bool:
+    stack = [value]
+    while stack:  # no recursion: content may nest as deep as the interpreter allows
+        v = stack.pop()
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return False

@@ -295,8 +295,8 @@ def wrap_latency(upstream: str, sizes: list[int], calls: int) -> None:
     from stages import wrap
 
     print(
-        "\n   wrap: the SDK wrapped against the SDK alone (ms per call, median / p99;"
-        " added = median difference)"
+        "\n   wrap: the SDK wrapped (and with raw_bodies=True) against the SDK alone (ms per"
+        " call, median / p99; added = median difference)"
     )
     for n in sizes:
         per_call = min(calls, max(8, calls * 1000 // max(n, 1000)))
@@ -305,10 +305,15 @@ def wrap_latency(upstream: str, sizes: list[int], calls: int) -> None:
             wrapped = wrap(
                 anthropic.Anthropic(base_url=upstream, api_key="k", max_retries=0), root=Path(root)
             )
-            convs = {"sdk": history(n, "s"), "wrap": history(n, "w")}
-            times: dict[str, list[float]] = {"sdk": [], "wrap": []}
+            raw = wrap(
+                anthropic.Anthropic(base_url=upstream, api_key="k", max_retries=0),
+                root=Path(root) / "raw",
+                raw_bodies=True,
+            )
+            convs = {"sdk": history(n, "s"), "wrap": history(n, "w"), "raw": history(n, "r")}
+            times: dict[str, list[float]] = {"sdk": [], "wrap": [], "raw": []}
             for k in range(per_call + 1):
-                for name, client in (("sdk", plain), ("wrap", wrapped)):
+                for name, client in (("sdk", plain), ("wrap", wrapped), ("raw", raw)):
                     start = time.perf_counter()
                     reply = client.messages.create(model="m", max_tokens=10, messages=convs[name])  # type: ignore[arg-type]
                     if k:
@@ -321,11 +326,14 @@ def wrap_latency(upstream: str, sizes: list[int], calls: int) -> None:
                             {"type": "tool_result", "tool_use_id": tool.id, "content": "z" * 2_000}
                         ]},
                     ]  # fmt: skip
-        added = statistics.median(w - s for w, s in zip(times["wrap"], times["sdk"], strict=True))
+        added = [
+            statistics.median(w - s for w, s in zip(times[name], times["sdk"], strict=True))
+            for name in ("wrap", "raw")
+        ]
         cells = " ".join(
             f"{name} {statistics.median(t):7.2f}/{p99(t):7.2f}" for name, t in times.items()
         )
-        print(f"   {n:>8}  {cells}  added {added:+.2f}")
+        print(f"   {n:>8}  {cells}  added {added[0]:+.2f}, raw_bodies {added[1]:+.2f}")
         sys.stdout.flush()
 
 
