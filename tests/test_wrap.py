@@ -3,10 +3,8 @@ loop, one changed line."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,6 @@ import anyio
 import pytest
 
 from pipeline import Pipeline
-from pipeline.core import stage
 from pipeline.dropin.wrap import wrap as wrap_with
 from pipeline.testing import Reply, ScriptedMessagesServer
 from stages import ToolResultBudget, wrap
@@ -241,31 +238,6 @@ def test_the_sync_client_works_inside_a_running_event_loop(tmp_path: Path, backe
         anyio.run(blocking_call, backend=backend)
         raw.close()
         assert len(server.requests) == 2
-
-
-def test_the_sync_clients_passes_run_in_its_thread_on_one_loop_kept_for_it(tmp_path: Path) -> None:
-    """No thread started and no event loop made per call: each calling thread runs its passes
-    itself, on a loop of its own kept between calls; another thread gets another loop."""
-    seen: list[tuple[int, int]] = []
-
-    @stage("where")
-    async def where(messages: list[Any], ctx: Any) -> list[Any]:
-        seen.append((threading.get_ident(), id(asyncio.get_running_loop())))
-        return messages
-
-    with ScriptedMessagesServer(script) as server:
-        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
-        client = wrap_with(raw, root=tmp_path, pipeline=lambda: Pipeline([where]))
-        sync_client_loop(client, "here", 3)
-        other = threading.Thread(target=sync_client_loop, args=(client, "there", 2))
-        other.start()
-        other.join()
-        raw.close()
-    here, there = seen[:3], seen[3:]
-    assert len(there) == 2
-    assert {t for t, _ in here} == {threading.get_ident()} and len({lp for _, lp in here}) == 1
-    assert {t for t, _ in there} == {other.ident} and len({lp for _, lp in there}) == 1
-    assert here[0][1] != there[0][1]
 
 
 def test_the_pass_goes_beside_the_sdks_call_span_not_inside(tmp_path: Path) -> None:

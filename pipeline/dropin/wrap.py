@@ -196,10 +196,10 @@ class SluicegateMiddleware(anthropic.Middleware):
         return response
 
     def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
-        """The synchronous client's path: the same work, the pipeline run on an event loop the
-        calling thread keeps for its passes (in a worker thread when the caller is inside a
-        running loop, which is not disturbed: :mod:`pipeline.dropin.sync_passes`), one thread
-        at a time per conversation (:attr:`WireSession.sync_lock`)."""
+        """The synchronous client's path: the same work, the pipeline run on a private event
+        loop in a worker thread (so a caller that has a running loop is not disturbed:
+        :mod:`pipeline.dropin.sync_passes`), one thread at a time per conversation
+        (:attr:`WireSession.sync_lock`)."""
         if not _is_messages_call(request):
             return call_next(request)
         branch = self.conversations.route_sync(
