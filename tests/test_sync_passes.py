@@ -13,7 +13,7 @@ from pipeline.dropin.sync_passes import run_pass
 
 
 async def _where() -> tuple[int, int]:
-    await anyio.sleep(0)  # anyio works on the kept loop
+    await anyio.sleep(0)  # anyio works there
     return threading.get_ident(), id(asyncio.get_running_loop())
 
 
@@ -37,9 +37,10 @@ def test_an_interrupted_pass_leaves_the_next_one_alone() -> None:
 
 
 def test_inside_a_running_loop_the_pass_runs_in_a_worker() -> None:
-    async def caller() -> tuple[int, int]:
-        return run_pass(_where)  # a blocking call from async code
+    async def caller() -> tuple[int, int, int]:
+        thread, loop = run_pass(_where)  # a blocking call from async code
+        return thread, loop, id(asyncio.get_running_loop())  # both loops alive: ids differ
 
-    thread, loop = asyncio.run(caller())
+    thread, loop, mine = asyncio.run(caller())
     assert thread != threading.get_ident()
-    assert loop != run_pass(_where)[1]
+    assert loop != mine

@@ -145,6 +145,12 @@ class Branch:
         """The conversation's name: the family's, then ``.<branch>`` for a branch."""
         return _named(self.family.name, self.name)
 
+    @property
+    def key(self) -> tuple[str, str]:
+        """Its tenant and name: what tells it from every other conversation held (the body
+        writers of ``wrap`` and the proxy keep its last body under it)."""
+        return self.family.tenant, self.conversation_id
+
 
 @dataclass(eq=False)
 class Family:

@@ -169,7 +169,7 @@ def build_app(
         tenancy=tenancy,
         max_held=max_conversations,
         # the body last written for a conversation goes with it
-        on_let_go=lambda branch: sent.forget(_written_as(branch)),
+        on_let_go=lambda branch: sent.forget(branch.key),
         **context,
     )
     if max_upstream_connections < 1:
@@ -331,7 +331,7 @@ def build_app(
                         refusal = _error(400, "invalid_request_error", str(exc)[:300])
                         return _settled(refusal, session)
                     merged = merge_request_fields(prepared, session.ctx.report.request_extras)
-                    content = sent.write(_written_as(branch), merged, fast=fast)
+                    content = sent.write(branch.key, merged, fast=fast)
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )
@@ -442,11 +442,6 @@ async def _send_as_is(client: httpx2.AsyncClient, request: Request, raw: bytes) 
 def _ended(request: WireRequest, metrics: WireMetrics, started: float, status: int) -> None:
     request.end()
     metrics.request(status=status, seconds=time.monotonic() - started)
-
-
-def _written_as(branch: Branch) -> tuple[str, str]:
-    """The key of a conversation's last body in the proxy's :class:`BodyWriter`."""
-    return branch.family.tenant, branch.conversation_id
 
 
 def _settled(response: Response, session: WireSession) -> Response:

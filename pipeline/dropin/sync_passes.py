@@ -3,10 +3,8 @@ end for a caller that waits.
 
 Each pass runs in a worker thread, on an event loop made for the call: whatever loop the caller
 runs (a sync call made from async code, a pass that calls a wrapped client itself) is left
-alone. (A loop kept per calling thread saves ~1 ms a call, but one kept across calls hung when
-other loops ran in the same thread between them; not done.) The pass runs in a copy of the
-caller's context (its span, its log context) less the mark by which anyio, through sniffio,
-tells which event loop runs.
+alone. The pass runs in a copy of the caller's context (its span, its log context) less the
+mark by which anyio, through sniffio, tells which event loop runs.
 """
 
 from __future__ import annotations

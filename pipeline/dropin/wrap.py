@@ -115,7 +115,7 @@ class SluicegateMiddleware(anthropic.Middleware):
     def _let_go(self, branch: Branch) -> None:
         if self.writer is not None:
             with self._writing:
-                self.writer.forget(_written_as(branch))
+                self.writer.forget(branch.key)
 
     def _outgoing(self, branch: Branch, request: Any, body: dict[str, Any]) -> Any:
         """The request to send: the prepared body, plus what a stage asked of the request
@@ -146,7 +146,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         if raw:
             assert self.writer is not None
             with self._writing:
-                outgoing.options.content = self.writer.write(_written_as(branch), body, finite=True)
+                outgoing.options.content = self.writer.write(branch.key, body, finite=True)
         return outgoing
 
     def _headers(self, request: Any) -> dict[str, str]:
@@ -355,8 +355,3 @@ def _sends_body_as_given(client: Any) -> bool:
         getattr(kind, hook, None) is getattr(base, hook, None)
         for hook in ("_prepare_options", "_build_request", "_prepare_request")
     )
-
-
-def _written_as(branch: Branch) -> tuple[str, str]:
-    """The key of a conversation's last body in the middleware's :class:`BodyWriter`."""
-    return branch.family.tenant, branch.conversation_id
