@@ -3,7 +3,9 @@ the same bytes once written, the same refusals; and it parses only what is new."
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -122,17 +124,43 @@ def test_a_growing_conversation_parses_only_its_new_messages() -> None:
 
 
 def test_what_it_keeps_is_bounded() -> None:
-    reader = BodyReader(max_chars=10_000)
+    reader = BodyReader(max_bytes=10_000)
     for k in range(50):
         msgs = [{"role": "user", "content": f"{k} " + "x" * 1_000}]
         reader.read(json.dumps({"messages": msgs}).encode())
-    assert reader._chars <= 10_000
+    assert reader._bytes <= 10_000
     reader = BodyReader(max_bodies=3)
     for k in range(10):
         reader.read(json.dumps({"messages": [{"role": "user", "content": str(k)}]}).encode())
     assert len(reader._kept) == 3
-    with pytest.raises(ValueError, match="max_chars"):
-        BodyReader(max_chars=-1)
+    with pytest.raises(ValueError, match="max_bytes"):
+        BodyReader(max_bytes=-1)
+
+
+@pytest.mark.parametrize("system", ["plain", "Generated with Claude Code \U0001f916", "\u2192"])
+def test_a_kept_body_costs_its_bytes_whatever_its_characters(system: str) -> None:
+    """The reader keeps a body as the bytes it came in: decoded whole, one character past
+    U+FFFF in it (Claude Code's system prompt has one) would make the text four bytes a
+    character, one past U+00FF two. What it holds past the body's own bytes is the parsed
+    message (its text ASCII, one byte a character) and small change."""
+    content = "x" * 200_000
+    raw = json.dumps(
+        {"system": system, "messages": [{"role": "user", "content": content}]},
+        ensure_ascii=False,
+    ).encode()
+    reader = BodyReader()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        body, _fast = reader.read(raw)
+        assert body["messages"][0]["content"] == content
+        del body
+        gc.collect()
+        held, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(reader._kept) == 1
+    assert held < len(content) + 10_000, held
 
 
 @pytest.mark.parametrize("tail", [b",]", b", ]", b",\n]"])

@@ -62,16 +62,18 @@ class _Unknown(Exception):
 
 @dataclass(slots=True)
 class _Body:
-    text: str
+    raw: bytes
+    """The body as it came: kept as bytes, one byte a byte; decoded, a text with one emoji in it
+    (Claude Code's system prompt has one) takes four bytes a character."""
     array_open: int
-    """Where the messages array's content starts (after its ``[``)."""
+    """Where the messages array's content starts (after its ``[``), in bytes."""
     ends: list[int]
-    """Where each message's text ends."""
+    """Where each message's text ends, in bytes."""
     messages: list[Any]
     before: list[tuple[str, Any]]
     """The top-level fields before ``messages``, in order."""
-    rest: str
-    """The text after the array's ``]``."""
+    rest: bytes
+    """The bytes after the array's ``]``."""
     after: list[tuple[str, Any]]
     """The top-level fields after ``messages``, in order."""
     first_lone: int | None
@@ -89,58 +91,54 @@ class _Body:
 class BodyReader:
     """Parses request bodies, reusing what the last ones held (see the module docstring).
     ``max_bodies``: how many bodies it keeps (the least recently read go first);
-    ``max_chars``: how many characters of them at most. A kept body costs about six bytes a
-    character with its parsed messages (which a conversation held in memory shares: the
-    reader adds about one byte a character to those). Not thread-safe: one per event loop."""
+    ``max_bytes``: how many bytes of them at most. A kept body costs its bytes, and where its
+    messages end; its parsed messages are shared with the conversation that holds them. Not
+    thread-safe: one per event loop."""
 
-    def __init__(self, *, max_bodies: int = 256, max_chars: int = 16 * 2**20) -> None:
-        if max_bodies < 0 or max_chars < 0:
+    def __init__(self, *, max_bodies: int = 256, max_bytes: int = 16 * 2**20) -> None:
+        if max_bodies < 0 or max_bytes < 0:
             raise ValueError(
-                f"max_bodies and max_chars must be zero or more, got {max_bodies}, {max_chars}"
+                f"max_bodies and max_bytes must be zero or more, got {max_bodies}, {max_bytes}"
             )
         self.max_bodies = max_bodies
-        self.max_chars = max_chars
+        self.max_bytes = max_bytes
         self._kept: OrderedDict[int, _Body] = OrderedDict()
-        self._order: list[tuple[str, int]] = []
-        """The kept bodies' (text, id) in text order: the one sharing the longest start with
-        a new text is next to where the new text would go."""
+        self._order: list[tuple[bytes, int]] = []
+        """The kept bodies' (bytes, id) in byte order: the one sharing the longest start with
+        a new body is next to where the new body would go."""
         self._count = 0
-        self._chars = 0
+        self._bytes = 0
         self.reused = 0
         """Messages taken from an earlier body so far (not parsed again)."""
 
     def read(self, raw: bytes) -> tuple[Any, bool]:
         """The body parsed, and whether it may be written with the fast encoder: what
         :func:`~pipeline.wire.encoding.loads_body` returns for ``raw``, and raises."""
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return loads_body(raw)
-        best, same = self._closest(text)
+        best, same = self._closest(raw)
         try:
             if best is not None and same > best.array_open:
                 k = bisect.bisect_right(best.ends, same)
-                parsed = _continue(text, best, same, k)
+                parsed = _continue(raw, best, k)
                 self.reused += k
                 if k == len(best.ends):  # it repeats all of best's messages: best is done
                     self._drop(best)
             else:
-                parsed = _scan(text)
-        except (_Unknown, ValueError, RecursionError):
+                parsed = _scan(raw)
+        except (_Unknown, ValueError, RecursionError):  # not UTF-8 among the ValueErrors
             return loads_body(raw)
         self._keep(parsed)
         return _assembled(parsed), parsed.fast()
 
-    def _closest(self, text: str) -> tuple[_Body | None, int]:
-        """The kept body that shares the longest start with ``text``, and how long it is (the
-        latest kept of those that share as long a one): one of the two next to ``text`` in
-        text order, so two comparisons whatever the number of bodies kept."""
+    def _closest(self, raw: bytes) -> tuple[_Body | None, int]:
+        """The kept body that shares the longest start with ``raw``, and how long it is (the
+        latest kept of those that share as long a one): one of the two next to ``raw`` in
+        byte order, so two comparisons whatever the number of bodies kept."""
         order = self._order
-        at = bisect.bisect_left(order, (text,))
+        at = bisect.bisect_left(order, (raw,))
         near = [j for j in (at - 1, at) if 0 <= j < len(order)]
         if not near:
             return None, 0
-        shared = {j: _common_prefix(text, order[j][0]) for j in near}
+        shared = {j: _common_prefix(raw, order[j][0]) for j in near}
         same = max(shared.values())
         if same == 0:
             return None, 0
@@ -149,7 +147,7 @@ class BodyReader:
             min(j for j in near if shared[j] == same),
             max(j for j in near if shared[j] == same),
         )
-        head = text[:same]
+        head = raw[:same]
         while lo > 0 and at - lo < _TIES and order[lo - 1][0].startswith(head):
             lo -= 1
         while hi + 1 < len(order) and hi - at < _TIES and order[hi + 1][0].startswith(head):
@@ -160,26 +158,26 @@ class BodyReader:
     def _drop(self, body: _Body) -> None:
         if self._kept.pop(id(body), None) is not None:
             self._unorder(body)
-            self._chars -= len(body.text)
+            self._bytes -= len(body.raw)
 
     def _unorder(self, body: _Body) -> None:
-        entry = (body.text, id(body))
+        entry = (body.raw, id(body))
         at = bisect.bisect_left(self._order, entry)
         if at < len(self._order) and self._order[at] == entry:
             del self._order[at]
 
     def _keep(self, body: _Body) -> None:
-        if len(body.text) > self.max_chars or not self.max_bodies:
+        if len(body.raw) > self.max_bytes or not self.max_bodies:
             return
         self._count += 1
         body.kept_at = self._count
         self._kept[id(body)] = body
-        bisect.insort(self._order, (body.text, id(body)))
-        self._chars += len(body.text)
-        while self._chars > self.max_chars or len(self._kept) > self.max_bodies:
+        bisect.insort(self._order, (body.raw, id(body)))
+        self._bytes += len(body.raw)
+        while self._bytes > self.max_bytes or len(self._kept) > self.max_bodies:
             _, gone = self._kept.popitem(last=False)
             self._unorder(gone)
-            self._chars -= len(gone.text)
+            self._bytes -= len(gone.raw)
 
 
 def _assembled(body: _Body) -> dict[str, Any]:
@@ -189,8 +187,30 @@ def _assembled(body: _Body) -> dict[str, Any]:
     return out
 
 
-def _scan(text: str) -> _Body:
+class _Offsets:
+    """Byte offsets in ``raw`` of positions in ``text``, a decoding of ``raw`` that has
+    character ``char`` at byte ``byte``, asked for in increasing order. The bytes since the
+    last one, when ASCII, are the characters since it one for one; only text that is not
+    costs an encoding (Claude Code's bodies hold a few such characters, not in every message)."""
+
+    __slots__ = ("byte", "char", "raw", "text")
+
+    def __init__(self, raw: bytes, text: str, char: int, byte: int) -> None:
+        self.raw, self.text, self.char, self.byte = raw, text, char, byte
+
+    def at(self, char: int) -> int:
+        span = char - self.char
+        if self.raw[self.byte : self.byte + span].isascii():
+            self.byte += span
+        else:
+            self.byte += len(self.text[self.char : char].encode("utf-8"))
+        self.char = char
+        return self.byte
+
+
+def _scan(raw: bytes) -> _Body:
     """A body parsed from scratch, with where its messages end."""
+    text = raw.decode("utf-8")
     pos = _skip(text)
     if text[pos : pos + 1] != "{":
         raise _Unknown
@@ -208,34 +228,38 @@ def _scan(text: str) -> _Body:
     pos = _skip(text, pos)
     if text[pos : pos + 1] != "[":
         raise _Unknown
-    array_open = pos + 1
-    return _finish(text, array_open, array_open, [], [], before)
+    offsets = _Offsets(raw, text, 0, 0)
+    array_open = offsets.at(pos + 1)
+    return _finish(offsets, array_open, [], [], before)
 
 
-def _continue(text: str, old: _Body, same: int, k: int) -> _Body:
-    """``text`` read against ``old``, which it repeats for ``same`` characters (past the
-    messages array's start): old's first ``k`` messages (those that end within them), then the
-    rest parsed."""
+def _continue(raw: bytes, old: _Body, k: int) -> _Body:
+    """``raw`` read against ``old``, whose start it repeats past the messages array's start
+    and past old's first ``k`` message ends: those messages, then the rest decoded and parsed.
+    Where a message ends is an ASCII character, so the rest starts on a character."""
     pos = old.ends[k - 1] if k else old.array_open
-    return _finish(text, old.array_open, pos, old.ends[:k], old.messages[:k], old.before, old)
+    offsets = _Offsets(raw, raw[pos:].decode("utf-8"), 0, pos)
+    return _finish(offsets, old.array_open, old.ends[:k], old.messages[:k], old.before, old)
 
 
 def _finish(
-    text: str,
+    offsets: _Offsets,
     array_open: int,
-    pos: int,
     ends: list[int],
     messages: list[Any],
     before: list[tuple[str, Any]],
     old: _Body | None = None,
 ) -> _Body:
+    """The body with ``messages`` (ending at ``ends``) taken already, and its text still to
+    parse from ``offsets``' place on: more messages, the array's end, the fields after."""
+    raw, text = offsets.raw, offsets.text
     ends, messages = list(ends), list(messages)
     first_lone = None
     if old is not None and old.first_lone is not None and old.first_lone < len(messages):
         first_lone = old.first_lone
     # text decoded strictly from UTF-8 holds no surrogate: only a \uD8xx-\uDFxx escape
     # makes one, so a value whose text has no "\ud" (any case) needs no walk
-    pos = _next_message(text, pos) if messages else _skip(text, pos)
+    pos = _next_message(text, offsets.char) if messages else _skip(text, offsets.char)
     while text[pos : pos + 1] != "]":
         start = pos
         value, pos = _DECODER.raw_decode(text, pos)
@@ -243,10 +267,10 @@ def _finish(
         if first_lone is None and _maybe_surrogate(text, start, pos) and has_lone_surrogate(value):
             first_lone = len(messages)
         messages.append(value)
-        ends.append(pos)
+        ends.append(offsets.at(pos))
         pos = _next_message(text, pos)
-    rest = text[pos + 1 :]
-    after = old.after if old is not None and rest == old.rest else _fields_after(rest)
+    rest = raw[offsets.at(pos) + 1 :]
+    after = old.after if old is not None and rest == old.rest else _fields_after(text[pos + 1 :])
     names = [n for n, _ in before] + ["messages"] + [n for n, _ in after]
     if len(set(names)) != len(names):
         raise _Unknown  # a key twice: the last one counts, as the full parse knows
@@ -254,9 +278,14 @@ def _finish(
         fields_lone = old.fields_lone  # the same fields (the tools, the system prompt): known
     else:
         fields_lone = (
-            _maybe_surrogate(text, 0, array_open) or _maybe_surrogate(text, pos, len(text))
+            _maybe_surrogate_bytes(raw, 0, array_open) or _maybe_surrogate(text, pos, len(text))
         ) and has_lone_surrogate(dict([*before, *after]))
-    return _Body(text, array_open, ends, messages, before, rest, after, first_lone, fields_lone)
+    return _Body(raw, array_open, ends, messages, before, rest, after, first_lone, fields_lone)
+
+
+def _maybe_surrogate_bytes(raw: bytes, start: int, end: int) -> bool:
+    """:func:`_maybe_surrogate` of the bytes ``raw[start:end]`` (the escape is ASCII)."""
+    return raw.find(b"\\ud", start, end) >= 0 or raw.find(b"\\uD", start, end) >= 0
 
 
 def _maybe_surrogate(text: str, start: int, end: int) -> bool:
@@ -316,8 +345,8 @@ def _after_value(text: str, pos: int) -> int:
     return _skip(text, pos + 1)
 
 
-def _common_prefix(a: str, b: str) -> int:
-    """How many leading characters ``a`` and ``b`` share: compared a chunk at a time, the
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """How many leading bytes ``a`` and ``b`` share: compared a chunk at a time, the
     chunks growing while they match (most kept bodies part from a new one early) and shrinking
     to find where they part."""
     n = min(len(a), len(b))

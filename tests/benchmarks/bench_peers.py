@@ -19,8 +19,10 @@ Not a test: it prints figures.
    with its store on tmpfs (``/dev/shm``, where an fsync costs nothing), when there is one.
 3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
    1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
-4. **Bodies.** The body reader's first read of a body against parsing it whole, and the body
-   writer's write of a body that adds a round against encoding it whole (``--sizes`` from 1,000).
+4. **Bodies.** The body reader's first read of a body and its read of the next one against
+   parsing it whole, and the body writer's write of a body that adds a round against encoding
+   it whole (``--sizes`` from 1,000); also with bodies as Claude Code sends them (raw UTF-8,
+   one character past U+FFFF).
 
 The upstream is a tiny server in its own process answering every request with the same reply,
 so what is measured is the hop, not the upstream.
@@ -181,17 +183,25 @@ def round_of(tid: str, fill: str, size: int = 2_000) -> list[dict[str, Any]]:
     ]
 
 
+CLAUDE_CODE_SYSTEM = "You are an agent. Sign commits: Generated with Claude Code \U0001f916"
+
+
 class Conversation:
     """One target's conversation, as an agent's loop holds it: each answer (a tool call) goes
     back in the next request with its result (~2K chars); bodies are encoded before timing."""
 
-    def __init__(self, n: int, tag: str) -> None:
+    def __init__(self, n: int, tag: str, *, claude_code_text: bool = False) -> None:
         self.messages = history(n, tag)
         self.k = 0
+        self.claude_code_text = claude_code_text
+        """Bodies as Claude Code sends them: raw UTF-8 (not ``\\u`` escapes) and a system
+        prompt holding a character past U+FFFF (its "Generated with Claude Code" line)."""
 
     def next_body(self) -> bytes:
-        body = {"model": "m", "max_tokens": 10, "messages": self.messages}
-        return json.dumps(body).encode()
+        body: dict[str, Any] = {"model": "m", "max_tokens": 10, "messages": self.messages}
+        if self.claude_code_text:
+            body["system"] = CLAUDE_CODE_SYSTEM
+        return json.dumps(body, ensure_ascii=not self.claude_code_text).encode()
 
     def answered(self, reply: dict[str, Any]) -> None:
         """The answer to the last body and its tool's result, for the next call."""
@@ -425,27 +435,36 @@ def bodies(sizes: list[int]) -> None:
     from pipeline.wire.encoding import dumps_body, loads_body
 
     print(
-        "\n4. Bodies (ms, best of 5): a first body read (shared strings included) against"
-        " a whole parse; a body that adds a round written against a whole encode"
+        "\n4. Bodies (ms, best of 5): a first body read (shared strings included), the next"
+        " body (a round more) read, against a whole parse; a body that adds a round written"
+        " against a whole encode. 'cc': bodies as Claude Code sends them (raw UTF-8, a"
+        " character past U+FFFF in the system prompt)"
     )
     for n in sizes:
-        conv = Conversation(n, f"b{n}")
-        raw = conv.next_body()
-        read_first = min(_timed(lambda raw=raw: BodyReader().read(raw)) for _ in range(5))
-        parse_whole = min(_timed(lambda raw=raw: loads_body(raw)) for _ in range(5))
-        writer, msgs = BodyWriter(max_bytes=2**31), list(conv.messages)
-        writer.write("c", {"model": "m", "messages": msgs})
-        written, encoded = [], []
-        for k in range(5):
-            msgs = msgs + round_of(f"toolu_b{k}", "z")
-            body = {"model": "m", "max_tokens": 10, "messages": msgs}
-            written.append(_timed(lambda body=body, w=writer: w.write("c", body)))
-            encoded.append(_timed(lambda body=body: dumps_body(body)))
-        print(
-            f"{n:>8} messages  read first {read_first:7.2f}  parse whole {parse_whole:7.2f}"
-            f"  write {min(written):7.2f}  encode whole {min(encoded):7.2f}"
-        )
-        sys.stdout.flush()
+        for cc in (False, True):
+            conv = Conversation(n, f"b{n}", claude_code_text=cc)
+            raw = conv.next_body()
+            read_first = min(_timed(lambda raw=raw: BodyReader().read(raw)) for _ in range(5))
+            parse_whole = min(_timed(lambda raw=raw: loads_body(raw)) for _ in range(5))
+            reader = BodyReader(max_bytes=2**31)
+            reader.read(raw)
+            writer, msgs = BodyWriter(max_bytes=2**31), list(conv.messages)
+            writer.write("c", {"model": "m", "messages": msgs})
+            read_next, written, encoded = [], [], []
+            for k in range(5):
+                conv.messages = conv.messages + round_of(f"toolu_b{k}", "z")
+                raw = conv.next_body()
+                read_next.append(_timed(lambda raw=raw, r=reader: r.read(raw)))
+                msgs = msgs + round_of(f"toolu_b{k}", "z")
+                body = {"model": "m", "max_tokens": 10, "messages": msgs}
+                written.append(_timed(lambda body=body, w=writer: w.write("c", body)))
+                encoded.append(_timed(lambda body=body: dumps_body(body)))
+            print(
+                f"{n:>8} messages{' cc' if cc else '   '}  read first {read_first:7.2f}"
+                f"  read next {min(read_next):6.2f}  parse whole {parse_whole:7.2f}"
+                f"  write {min(written):7.2f}  encode whole {min(encoded):7.2f}"
+            )
+            sys.stdout.flush()
 
 
 def _timed(work: Any) -> float:

@@ -3,7 +3,7 @@ it (a process), fed conversations that grow as an agent's loop grows them, its r
 read from ``/proc`` (Linux).
 
     python tests/benchmarks/bench_proxy_memory.py [--conversations 16] [--messages 1000]
-        [--calls 10]
+        [--calls 10] [--claude-code-text]
 
 Each conversation opens with ``--messages`` messages (~2K-character tool results) and then
 makes ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's
@@ -11,7 +11,9 @@ resident size before and after, what it grew by, and that against the size of th
 of every conversation (the conversation's wire text: what a client re-sends each call). The
 growth holds the conversations (their records, the stages' state, the wire form) and what the
 proxy keeps to read and write the next requests in the size of what is new in them (the last
-bodies read and written, both bounded: 16M characters, 32 MiB). Not a test: it prints figures.
+bodies read and written, both bounded: 16 MiB, 32 MiB). ``--claude-code-text``: bodies as Claude
+Code sends them (raw UTF-8, a system prompt with a character past U+FFFF). Not a test: it
+prints figures.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--messages", type=int, default=1_000)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--claude-code-text", action="store_true")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         upstream = stack.enter_context(bench_peers.process("--serve-upstream"))
@@ -64,7 +67,9 @@ def main() -> int:
             before, _ = resident(pid)
             last = 0
             for k in range(args.conversations):
-                conversation = bench_peers.Conversation(args.messages, f"c{k}")
+                conversation = bench_peers.Conversation(
+                    args.messages, f"c{k}", claude_code_text=args.claude_code_text
+                )
                 for _ in range(args.calls + 1):
                     raw = conversation.next_body()
                     bench_peers.call(client, url, conversation, raw)
@@ -74,6 +79,7 @@ def main() -> int:
     print(
         f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {args.conversations} "
         f"conversations of {args.messages:,} messages and {args.calls} calls each"
+        + (", bodies as Claude Code sends them" if args.claude_code_text else "")
     )
     print(
         f"the proxy's resident size: {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB "
