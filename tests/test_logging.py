@@ -347,3 +347,27 @@ def test_main_twice_in_process_leaves_no_handler_and_restores_structlog(
     if app_structlog:
         assert structlog.get_config()["processors"] == [captured]
         assert captured.entries == []  # the command's events went to its own stderr
+
+
+def test_json_lines_take_the_servers_own_lines_and_give_its_loggers_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Under ``--log-json`` every line is JSON: uvicorn's and the event loop's lines go through
+    the same handler (the proxy gives uvicorn no logging configuration then); afterwards their
+    loggers are as they were."""
+    from pipeline._cli.logging_setup import FOREIGN_JSON_LOGGERS, configure_logging
+
+    loggers = [logging.getLogger(name) for name in FOREIGN_JSON_LOGGERS]
+    before = [(list(lg.handlers), lg.propagate) for lg in loggers]
+    restore = configure_logging(0, json_lines=True)
+    try:
+        logging.getLogger("uvicorn.error").error("ASGI callable returned without completing")
+        logging.getLogger("asyncio").warning("socket.accept() out of system resource")
+    finally:
+        restore()
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(x["event"], x["level"]) for x in lines] == [
+        ("ASGI callable returned without completing", "error"),
+        ("socket.accept() out of system resource", "warning"),
+    ]
+    assert [(list(lg.handlers), lg.propagate) for lg in loggers] == before

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.cli_support import clean_env
 from tests.sdk_support import sdk_client
-from tests.wire_support import TAG, proxy
+from tests.wire_support import TAG, CutUpstream, proxy
 
 LIMIT = 200_000
 
@@ -197,33 +196,10 @@ def test_a_client_gone_during_its_upload_is_logged_in_one_line(tmp_path: Path) -
     assert (told["status"], told["error"]) == (499, "client_disconnected")
 
 
-class _CutUpstream:
-    """An upstream that starts an event stream and closes in the middle of a chunk."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(1 << 20)
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    b"transfer-encoding: chunked\r\n\r\n"
-                    b'40\r\nevent: message_start\r\ndata: {"type": "mess'  # 64 promised
-                )
-
-
 def test_an_upstream_stream_cut_mid_chunk_is_cut_for_the_client_and_logged_once(
     tmp_path: Path,
 ) -> None:
-    upstream = _CutUpstream()
+    upstream = CutUpstream()
     logger, told = QuietLogger(), _Lines()
     logging.getLogger("uvicorn.error").addHandler(told)
     try:
@@ -252,7 +228,7 @@ class _Lines(logging.Handler):
 def test_a_double_encoded_dot_segment_reaches_the_upstream_still_encoded(tmp_path: Path) -> None:
     seen: list[str] = []
 
-    class Upstream(_CutUpstream):
+    class Upstream(CutUpstream):
         def _serve(self) -> None:
             conn, _ = self.sock.accept()
             with conn:

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx2
 import pytest
 
 from pipeline.testing import Reply, ScriptedMessagesServer
 from tests.builders import tool_result, tool_use
 from tests.otlp_receiver import OtlpReceiver, ReceivedPoint
-from tests.wire_support import free_port, proxy_process
+from tests.wire_support import CutUpstream, free_port, proxy_process
 
 pytest.importorskip("uvicorn", reason="the proxy extra is not installed")
 
@@ -214,3 +215,42 @@ def test_a_request_with_a_traceparent_joins_its_clients_trace(tmp_path: Path) ->
     joined, own = [s for s in receiver.spans if s.name == "wire.request"]
     assert (joined.trace_id, joined.parent_span_id) == (trace_id, parent)
     assert own.trace_id != trace_id and not own.parent_span_id
+
+
+@pytest.mark.parametrize("json_body", [False, True], ids=["event-stream", "json"])
+def test_a_body_the_upstream_cuts_after_its_status_fails_the_upstream_span(
+    tmp_path: Path, json_body: bool
+) -> None:
+    """The upstream answers 200 and breaks off in its body: its span and the request's say
+    so (the error's type), and the request's log line is a warning, not a 200 that went
+    well."""
+    upstream = CutUpstream(json=json_body)
+    try:
+        with (
+            OtlpReceiver() as receiver,
+            proxy_process(
+                upstream.url,
+                tmp_path / "store",
+                "--log-json",
+                OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+                OTEL_BSP_SCHEDULE_DELAY="100",
+                OTEL_METRICS_EXPORTER="none",
+            ) as (url, lines, _code),
+        ):
+            body = {"model": "m", "max_tokens": 10, "messages": build("small")}
+            with (
+                pytest.raises(httpx2.RemoteProtocolError),  # as without the proxy
+                httpx2.stream("POST", f"{url}/v1/messages", json=body) as answer,
+            ):
+                answer.read()
+    finally:
+        upstream.sock.close()
+    (call,) = [s for s in receiver.spans if s.name == "wire.upstream"]
+    assert call.attributes["http.response.status_code"] == 200
+    assert call.status == "ERROR" and call.attributes["error.type"] == "RemoteProtocolError"
+    (request,) = [s for s in receiver.spans if s.name == "wire.request"]
+    assert request.status == "ERROR" and request.attributes["error.type"] == "RemoteProtocolError"
+    records = [json.loads(line) for line in lines if line.strip()]
+    (told,) = [r for r in records if r.get("event") == "wire.request"]
+    assert told["level"] == "warning" and told["error"] == "RemoteProtocolError"
+    assert told["status"] == 200

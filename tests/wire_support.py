@@ -252,3 +252,34 @@ def stepped(
             extra = new_fields
         seen.append(list(msgs))
         yield msgs, extra, rest
+
+
+class CutUpstream:
+    """An upstream that answers 200, starts its body and closes in the middle of it: an
+    event stream cut in a chunk, or (``json=True``) a JSON body short of its length."""
+
+    def __init__(self, *, json: bool = False) -> None:
+        self.json = json
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 20)
+                if self.json:
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b'content-length: 100\r\n\r\n{"id": "msg_cut", "ty'  # 100 promised
+                    )
+                    continue
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                    b'40\r\nevent: message_start\r\ndata: {"type": "mess'  # 64 promised
+                )

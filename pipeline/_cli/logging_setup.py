@@ -21,7 +21,16 @@ from structlog.typing import Processor
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.logs import LOGGER_NAME
 
-__all__ = ["configure_logging", "escape_controls", "level_for", "log_formatter"]
+__all__ = [
+    "FOREIGN_JSON_LOGGERS",
+    "configure_logging",
+    "escape_controls",
+    "level_for",
+    "log_formatter",
+]
+
+FOREIGN_JSON_LOGGERS = ("uvicorn", "asyncio")
+"""Loggers of others whose lines go out as JSON too under ``--log-json``."""
 
 
 def escape_controls(
@@ -95,9 +104,19 @@ def configure_logging(verbosity: int, json_lines: bool) -> Callable[[], None]:
     # the lines are printed here: a handler the embedding process put on the root logger
     # (pytest's, a notebook's) must not print them a second time
     logger.propagate = False
+    # every line of a JSON log is JSON: the server's and the event loop's lines too (the
+    # proxy then gives uvicorn no logging configuration of its own)
+    foreign = [logging.getLogger(name) for name in FOREIGN_JSON_LOGGERS] if json_lines else []
+    saved_foreign = [(f, f.propagate) for f in foreign]
+    for f in foreign:
+        f.addHandler(handler)
+        f.propagate = False
 
     def restore() -> None:
         logger.removeHandler(handler)
+        for f, propagate in saved_foreign:
+            f.removeHandler(handler)
+            f.propagate = propagate
         handler.close()
         logger.setLevel(saved_level)
         logger.propagate = saved_propagate

@@ -121,6 +121,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         server = _announcing(
             uvicorn.Config(
                 app,
+                # under --log-json its lines go through the JSON handler (logging_setup)
+                log_config=None if args.log_json else uvicorn.config.LOGGING_CONFIG,
                 log_level="warning",
                 http=head_timed(args.header_timeout),
                 limit_concurrency=connections,

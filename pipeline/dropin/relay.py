@@ -54,7 +54,8 @@ def relay(
     async def body() -> AsyncIterator[bytes]:
         try:
             held: list[bytes] = []
-            async for chunk in _until_cut(upstream, relayed, logger or get_logger()):
+            cuts = _until_cut(upstream, relayed, call_request, logger or get_logger())
+            async for chunk in cuts:
                 if reader is None:
                     yield chunk
                 elif streamed:
@@ -139,16 +140,18 @@ class _Relayed(StreamingResponse):
 
 
 async def _until_cut(
-    upstream: httpx2.Response, relayed: _Relayed, logger: Any
+    upstream: httpx2.Response, relayed: _Relayed, request: WireRequest | None, logger: Any
 ) -> AsyncIterator[bytes]:
     """The upstream's body; a body cut on the way (the network, the upstream) ends it with one
-    warning, and marks the client's response cut."""
+    warning, marks the client's response cut and the request failed."""
     try:
         async for chunk in upstream.aiter_bytes():
             yield chunk
     except httpx2.TransportError as exc:
         logger.warning("wire.upstream_cut", error=type(exc).__name__)
         relayed.cut = True
+        if request is not None:
+            request.cut_off(type(exc).__name__)
 
 
 class _UsageReader:

@@ -142,6 +142,8 @@ class WireRequest:
         self.upstream_span: trace.Span | None = None
         """The upstream call's span, from :meth:`prepared` (the request goes) to :meth:`end`."""
         self.tokens: Mapping[str, int] = {}
+        self.cut: str | None = None
+        """The error that cut the upstream's body after its status (:meth:`cut_off`)."""
         self._ended = False
 
     @contextmanager
@@ -195,6 +197,11 @@ class WireRequest:
         for span in spans:
             _set_http_status(span, status)
 
+    def cut_off(self, error: str) -> None:
+        """The upstream's body broke off after its status came (``error``: the exception's
+        type): the request ends failed, and the upstream's span with it."""
+        self.cut = error
+
     def observed(
         self,
         *,
@@ -229,6 +236,7 @@ class WireRequest:
         self._ended = True
         now = time.monotonic()
         answered = self.status is not None
+        error = error or self.cut
         if status is not None:  # the client's answer (the upstream's, when it gave one)
             self.status = status
             _set_http_status(self.span, status)
@@ -240,7 +248,7 @@ class WireRequest:
         if upstream is not None:
             self.span.set_attribute(ATTR.UPSTREAM_MS, round(upstream * 1000, 3))
         if self.upstream_span is not None:
-            if error is not None and not answered:  # it never answered
+            if error is not None and (not answered or self.cut is not None):  # its failure
                 self.upstream_span.set_status(Status(StatusCode.ERROR, error))
                 self.upstream_span.set_attribute(ATTR.ERROR_TYPE, error)
             self.upstream_span.end()
