@@ -11,7 +11,12 @@ if TYPE_CHECKING:
     from pipeline.dropin.adapter import Call, WireSession
     from pipeline.dropin.wire_request import WireRequest
 
-__all__ = ["EventStreamUsage"]
+__all__ = ["MAX_EVENT_LINE", "EventStreamUsage"]
+
+MAX_EVENT_LINE = 1 << 20
+"""The longest line of a stream read for usage (bytes): a longer one passes on unread, so a
+stream without line ends holds no more than this (the lines read, ``message_start`` and
+``message_delta``, are a few hundred bytes)."""
 
 
 class EventStreamUsage:
@@ -29,7 +34,10 @@ class EventStreamUsage:
         self.session = session
         self.call = call
         self.request = request
-        self.pending = b""
+        self._parts: list[bytes] = []
+        """The current line's bytes so far (a line may come in many chunks)."""
+        self._held = 0
+        self._overlong = False
         self.message: dict[str, Any] = {}
         self.usage: dict[str, Any] = {}
         self.context_management: Any = None
@@ -38,11 +46,32 @@ class EventStreamUsage:
 
     def feed(self, chunk: bytes) -> None:
         """The next bytes of the stream."""
-        lines = (self.pending + chunk).split(b"\n")
-        self.pending = lines.pop()
+        if b"\n" not in chunk:
+            self._hold(chunk)
+            return
+        lines = chunk.split(b"\n")
+        if self._parts or self._overlong:  # the line the last chunks began
+            lines[0] = b"" if self._overlong else b"".join([*self._parts, lines[0]])
+            self._parts, self._held, self._overlong = [], 0, False
+        rest = lines.pop()
         for line in lines:
-            if line.startswith(b"data:"):
+            # only these two events say anything of the response: the deltas of its content
+            # (most of a stream) are not parsed
+            if line.startswith(b"data:") and (
+                b'"message_delta"' in line or b'"message_start"' in line
+            ):
                 self._event(line[5:].strip())
+        self._hold(rest)
+
+    def _hold(self, piece: bytes) -> None:
+        """Keep the start of a line that has not ended, up to :data:`MAX_EVENT_LINE`."""
+        if self._overlong or not piece:
+            return
+        self._held += len(piece)
+        if self._held > MAX_EVENT_LINE:
+            self._parts, self._held, self._overlong = [], 0, True
+        else:
+            self._parts.append(piece)
 
     def _event(self, data: bytes) -> None:
         try:
