@@ -265,7 +265,8 @@ def edit_history(
     gen: Gen, history: list[Message], last_out: list[Message], op: str
 ) -> list[Message] | None:
     """Apply one caller edit ``op`` (a turn, replace, insert, delete, truncate, swap,
-    feed_back, new_list); the history to go on with, or None for an op not handled here."""
+    mark_moved, feed_back, new_list); the history to go on with, or None for an op not
+    handled here."""
     n = len(history)
     if op == "turn" or n < 2:
         history.extend(gen.turn())
@@ -281,6 +282,10 @@ def edit_history(
     elif op == "swap":
         i, j = gen.below(n), gen.below(n)
         history[i], history[j] = history[j], history[i]
+    elif op == "mark_moved":  # Claude Code: the last message changes (its cache_control
+        # mark moves on to the new last one), then a turn
+        history[-1] = gen.edited(history[-1])
+        history.extend(gen.turn())
     elif op == "feed_back":  # the caller keeps the projected messages as its history
         return type(history)(last_out)  # a kept list stays one (see ``start_history``)
     elif op == "new_list":  # same messages, another list object

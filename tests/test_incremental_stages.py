@@ -163,7 +163,11 @@ async def run_session(tape: bytes) -> None:
     last_out: list[Message] = history
     returned: list[tuple[list[Message], list[Message]]] = []  # (what run returned, a copy)
     for _ in range(4 + gen.below(24)):
-        op = gen.pick(("turn",) * 10 + ("replace", "insert", "delete", "truncate", "swap"))
+        op = gen.pick(
+            ("turn",) * 10
+            + ("mark_moved",) * 4
+            + ("replace", "insert", "delete", "truncate", "swap")
+        )
         if gen.one_in(8):
             op = gen.pick(("feed_back", "new_list"))
         history = edit_history(gen, history, last_out, op) or history
@@ -239,6 +243,53 @@ async def test_a_steady_pass_reads_only_the_new_records(name: str) -> None:
         assert reads.records <= len(history) - old + 2, (t, reads.records)
     assert ctx.stage_records  # the decision of the first pass, and no other
     assert len(ctx.stage_records) == 1
+    fresh = _ctx(MemoryStore(frozenset()), stage_records=ctx.stage_records)
+    assert_same_messages(await Pipeline([STEADY[name]()]).run(history, fresh), out)
+
+
+def _unmarked(m: Message) -> Message:
+    """``m`` as the next request sends it once its ``cache_control`` mark has moved on: a new
+    object (with a new uuid, as the wire names a changed message)."""
+    content = [{k: v for k, v in b.items() if k != "cache_control"} for b in m.blocks]
+    return dataclasses.replace(m, content=content, uuid=f"{m.uuid}-moved")
+
+
+def _marked(turn: list[Message]) -> list[Message]:
+    last = turn[-1]
+    blocks = [*last.blocks[:-1], {**last.blocks[-1], "cache_control": {"type": "ephemeral"}}]
+    return [*turn[:-1], dataclasses.replace(last, content=blocks)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", sorted(STEADY))
+async def test_a_moving_cache_mark_costs_a_pass_the_records_it_touched(name: str) -> None:
+    """Claude Code marks its last message with ``cache_control``: each call, the message that
+    held the mark comes again without it (another object), then the new turn. After a stage
+    acted, a pass reads the changed message, the new turn and the few records its pairs
+    reach, not the history; and its output is a fresh pass's."""
+    reads = RecordReads()
+    ctx = _ctx(MemoryStore(frozenset()))
+    pipe = Pipeline([STEADY[name]()])
+    history: list[Message] = [user_text("start")]
+    for t in range(40):
+        history += _marked(_turn(t, usage=1_000 + 450 * t)) if t == 39 else _turn(t)
+        if t < 39:
+            history[-2] = dataclasses.replace(history[-2], usage=Usage(1_000 + 450 * t, 5))
+    history = reads.watch(history)
+    out = await pipe.run(history, ctx)
+    assert len(out) != len(history) or any(a is not b for a, b in zip(out, history, strict=True))
+    for t in range(40, 50):
+        reads.reset()
+        old = len(history)
+        history = [
+            *history[:-1],
+            *reads.watch([_unmarked(history[-1])]),
+            *reads.watch(_marked(_turn(t, size=10, usage=ctx.report.estimated_tokens + 20))),
+        ]
+        out = await pipe.run(history, ctx)
+        assert out is not history
+        # the changed message, the new turn, and at most the two records before it
+        assert reads.records <= len(history) - old + 1 + 2, (t, reads.records)
     fresh = _ctx(MemoryStore(frozenset()), stage_records=ctx.stage_records)
     assert_same_messages(await Pipeline([STEADY[name]()]).run(history, fresh), out)
 

@@ -53,6 +53,7 @@ from pipeline.dropin.calibration import CalibrationSaves
 from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
 from pipeline.dropin.inheritance import FORK_RECORD, Inherited
 from pipeline.gate import describe_error
+from pipeline.incremental import first_unequal
 from pipeline.logs import get_logger
 from pipeline.messages import Message, Usage, usage_compacted
 from pipeline.replacement import (
@@ -756,16 +757,11 @@ class WireSession:
 
 def _shared_start(a: Sequence[Any], b: Sequence[Any]) -> int:
     """How many leading items ``a`` and ``b`` share (equal by value). A request mostly repeats
-    all of the last one: that is one comparison of the lists in C (the same objects compare by
-    identity), not a step of Python per message."""
-    n = min(len(a), len(b))
-    same_kind = type(a) is type(b)
-    if (a[:n] == b[:n]) if same_kind else (list(a[:n]) == list(b[:n])):  # a tuple != a list
-        return n
-    same = 0
-    while same < n and a[same] == b[same]:
-        same += 1
-    return same
+    the last one's very objects, which compare in C by identity; where they part (a client
+    moving its ``cache_control`` mark changes the message that held it) a binary search of
+    slice comparisons finds it (:func:`~pipeline.incremental.first_unequal`)."""
+    same = first_unequal(a, b)
+    return min(len(a), len(b)) if same is None else same
 
 
 def _rebuild(records: Sequence[Message], restored: Transcript) -> tuple[ReplacementState, set[str]]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from pipeline.incremental import AppendWatch
 from pipeline.messages import Message
 
 __all__ = ["Projection"]
@@ -63,3 +64,38 @@ class Projection:
         out = self.out
         out += messages[grown:]
         return out, self.applied
+
+    def extend_edited(
+        self, messages: list[Message], watch: AppendWatch, decisions: int
+    ) -> tuple[list[Message], int] | None:
+        """This output with its tail replaced, for an input that changed from some position on
+        without starting over (``watch.edit``: a client moving its ``cache_control`` mark
+        changes its last message on every call), or ``None`` when it must be computed afresh.
+
+        It holds when no record a decision names lies at or after the lowest record that
+        shares a response id or tool_use_id with the changed tail (old or new,
+        :meth:`AppendWatch.reach`): every cut and span a decision was applied at is then judged
+        on records and pairs the edit left alone, so a fresh projection makes the same ones
+        and passes the rest through as it came -- the old tail went out as it came in, and the
+        new one does. The kept list is changed in place from the edit on."""
+        edit = watch.edit
+        if edit is None or decisions != self.decisions:
+            return None
+        first, replaced = edit
+        reach = watch.reach(messages, first, replaced)
+        if not self.members.isdisjoint(m.uuid for m in messages[reach:]) or not (
+            self.members.isdisjoint(m.uuid for m in replaced)
+        ):
+            return None
+        if self.applied == 0:
+            return messages, 0
+        out = self.out
+        cut = len(out) - len(replaced)
+        if cut < 0 or not _same_objects(out[cut:], replaced):
+            return None  # not as it came in: a fresh projection says what it is
+        out[cut:] = messages[first:]
+        return out, self.applied
+
+
+def _same_objects(a: Sequence[Message], b: Sequence[Message]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))

@@ -142,6 +142,10 @@ def _reapply(
     grown = state.watch.advance(messages, reuse=reuse)
     if not decisions:
         return messages, 0, last
-    extended = last.extend(messages, grown, decisions) if last else None
+    extended = None
+    if last is not None:
+        extended = last.extend(messages, grown, decisions)
+        if extended is None and grown is None:
+            extended = last.extend_edited(messages, state.watch, decisions)
     out, applied = extended or project()
     return out, applied, last

@@ -3,9 +3,10 @@ direct call and against a bare Python forwarder (Starlette + httpx, the same sta
 is built on), all in one run, interleaved call by call so the machine's noise falls on all.
 
     python tests/benchmarks/bench_peers.py [--sizes 10,100,1000,10000] [--calls 40]
-        [--concurrency 16] [--prepare 1000,5000,10000,20000]
+        [--concurrency 16] [--prepare 1000,5000,10000,20000] [--claude-code-text]
 
-Not a test: it prints figures.
+Not a test: it prints figures. ``--claude-code-text``: every conversation's bodies as Claude
+Code sends them (raw UTF-8, its system prompt with a character past U+FFFF), not ASCII JSON.
 
 1. **Added latency.** Each target serves one conversation that grows by a round (a tool call and
    its ~2K-char result) per call, as a client loop does; a plain HTTP client sends bodies encoded
@@ -19,6 +20,8 @@ Not a test: it prints figures.
    with its store on tmpfs (``/dev/shm``, where an fsync costs nothing), when there is one.
 3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
    1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
+   3b: the same once the history snip has acted, with a ``cache_control`` mark on the last
+   message that moves each call (as Claude Code's does) against one that stays.
 4. **Bodies.** The body reader's first read of a body and its read of the next one against
    parsing it whole, and the body writer's write of a body that adds a round against encoding
    it whole (``--sizes`` from 1,000); also with bodies as Claude Code sends them (raw UTF-8,
@@ -184,16 +187,20 @@ def round_of(tid: str, fill: str, size: int = 2_000) -> list[dict[str, Any]]:
 
 
 CLAUDE_CODE_SYSTEM = "You are an agent. Sign commits: Generated with Claude Code \U0001f916"
+BODIES_AS_CLAUDE_CODE = False
+"""Every conversation's bodies as Claude Code sends them (``--claude-code-text``)."""
 
 
 class Conversation:
     """One target's conversation, as an agent's loop holds it: each answer (a tool call) goes
     back in the next request with its result (~2K chars); bodies are encoded before timing."""
 
-    def __init__(self, n: int, tag: str, *, claude_code_text: bool = False) -> None:
+    def __init__(self, n: int, tag: str, *, claude_code_text: bool | None = None) -> None:
         self.messages = history(n, tag)
         self.k = 0
-        self.claude_code_text = claude_code_text
+        self.claude_code_text = (
+            BODIES_AS_CLAUDE_CODE if claude_code_text is None else claude_code_text
+        )
         """Bodies as Claude Code sends them: raw UTF-8 (not ``\\u`` escapes) and a system
         prompt holding a character past U+FFFF (its "Generated with Claude Code" line)."""
 
@@ -428,6 +435,59 @@ def prepare_scaling(sizes: list[int], calls: int) -> None:
         )
 
 
+def _moved_mark(messages: list[Any]) -> list[Any]:
+    """``messages`` as Claude Code sends them: its last block marked with ``cache_control``
+    (the message that held the mark the call before comes without it: another object)."""
+    last = dict(messages[-1])
+    content = last["content"]
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    last["content"] = [*content[:-1], {**content[-1], "cache_control": {"type": "ephemeral"}}]
+    return [*messages[:-1], last]
+
+
+def marked_prepare(sizes: list[int], calls: int) -> None:
+    """``WireSession.prepare`` once the history snip has acted: without a cache mark, and
+    with one moved each call as Claude Code moves it."""
+    from pipeline import Pipeline
+    from pipeline.dropin.adapter import WireSession
+    from stages import default_stages
+
+    print(
+        "\n3b. WireSession.prepare and observe_async per call once the history snip has acted"
+        " (ms, median; the default 200K window, usage the size of the request): the messages"
+        " as sent before, and with a cache_control mark on the last message, moved each call"
+        " as Claude Code moves it"
+    )
+
+    async def run(n: int, root: Path, mark: bool) -> float:
+        session = await WireSession.open(f"mark{n}", root, Pipeline(default_stages()))
+        conv = Conversation(n, "m")
+        times = []
+        for k in range(calls + 1):
+            messages = _moved_mark(conv.messages) if mark else list(conv.messages)
+            start = time.perf_counter()
+            sent = await session.prepare(messages)
+            prepared = time.perf_counter() - start
+            # usage the size of what was sent: past the snip's trigger on the first call
+            # (~2K-char results), then what the snip left, growing a round a call
+            reply = reply_to(k, len(json.dumps(sent)))
+            start = time.perf_counter()
+            await session.observe_async(reply["id"], reply["usage"], "m")
+            if k:
+                times.append((prepared + time.perf_counter() - start) * 1000)
+            conv.answered(reply)
+        return statistics.median(times)
+
+    for n in sizes:
+        got = []
+        for mark in (False, True):
+            with tempfile.TemporaryDirectory() as root:
+                got.append(asyncio.run(run(n, Path(root), mark)))
+        print(f"{n:>8} messages  no mark {got[0]:8.3f}  moved mark {got[1]:8.3f}")
+        sys.stdout.flush()
+
+
 def bodies(sizes: list[int]) -> None:
     """The body reader and writer against parsing and encoding whole, per body."""
     from pipeline.wire.body_reader import BodyReader
@@ -489,9 +549,16 @@ def main() -> int:
     parser.add_argument(
         "--skip",
         default="",
-        help="parts to leave out: latency,first,wrap,throughput,prepare,bodies",
+        help="parts to leave out: latency,first,wrap,throughput,prepare,marked,bodies",
+    )
+    parser.add_argument(
+        "--claude-code-text",
+        action="store_true",
+        help="bodies as Claude Code sends them: raw UTF-8, a character past U+FFFF",
     )
     args = parser.parse_args()
+    global BODIES_AS_CLAUDE_CODE
+    BODIES_AS_CLAUDE_CODE = args.claude_code_text
     skip = set(filter(None, args.skip.split(",")))
     sizes = [int(x) for x in args.sizes.split(",")]
     print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
@@ -520,6 +587,8 @@ def main() -> int:
             throughput(loads, args.concurrency, args.seconds)
     if "prepare" not in skip:
         prepare_scaling([int(x) for x in args.prepare.split(",")], 12)
+    if "marked" not in skip:
+        marked_prepare([n for n in (1_000, 10_000) if n <= max(sizes)] or [max(sizes)], 12)
     if "bodies" not in skip:
         bodies([n for n in sizes if n >= 1000] or sizes)
     return 0
