@@ -48,9 +48,10 @@ class _EndsAfterTheClient(QuietLogger):
         super().info(event, **kw)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "event-stream"])
 @pytest.mark.parametrize("calls", [1, 3])
 def test_a_client_holds_its_whole_response_before_the_request_ends(
-    tmp_path: Path, calls: int
+    tmp_path: Path, calls: int, stream: bool
 ) -> None:
     logger = _EndsAfterTheClient()
     messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
@@ -61,18 +62,22 @@ def test_a_client_holds_its_whole_response_before_the_request_ends(
     ):
         for k in range(calls):  # one kept-alive connection: the next request follows at once
             logger.client_has_it.clear()
-            body = {"model": "m", "max_tokens": 5, "messages": messages}
-            answer = client.post(f"{url}/v1/messages", json=body)
+            body = {"model": "m", "max_tokens": 5, "messages": messages, "stream": stream}
+            answer = client.post(f"{url}/v1/messages", json=body)  # read to its end
             logger.client_has_it.set()
             assert answer.status_code == 200
-            assert answer.json()["content"] == [{"type": "text", "text": "ok"}]
+            content = [{"type": "text", "text": "ok"}]
+            if stream:
+                assert b"message_stop" in answer.content
+            else:
+                assert answer.json()["content"] == content
             deadline = time.monotonic() + 10
             while len(logger.in_time) <= k:
                 assert time.monotonic() < deadline, "the request never ended"
                 time.sleep(0.01)
             messages = [
                 *messages,
-                {"role": "assistant", "content": answer.json()["content"]},
+                {"role": "assistant", "content": content},
                 {"role": "user", "content": f"again {k}"},
             ]
     assert logger.in_time == [True] * calls

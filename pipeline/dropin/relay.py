@@ -72,6 +72,11 @@ def relay(
                     await reader.observe_json(b"".join(held))
                     relayed.whole = True  # the client has all once it has this
                     yield b"".join(held)
+            if not relayed.cut:
+                # all of it has gone: the response ends here, before the request's end (its
+                # span, metrics and log line) rather than after it
+                relayed.whole = True
+                yield b""
         finally:
             try:
                 await upstream.aclose()
