@@ -349,25 +349,59 @@ def test_main_twice_in_process_leaves_no_handler_and_restores_structlog(
         assert captured.entries == []  # the command's events went to its own stderr
 
 
-def test_json_lines_take_the_servers_own_lines_and_give_its_loggers_back(
+def test_json_lines_take_every_line_on_stderr_and_give_the_loggers_back(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Under ``--log-json`` every line is JSON: uvicorn's and the event loop's lines go through
-    the same handler (the proxy gives uvicorn no logging configuration then); afterwards their
-    loggers are as they were."""
-    from pipeline._cli.logging_setup import FOREIGN_JSON_LOGGERS, configure_logging
+    """Under ``--log-json`` every stderr line is JSON: uvicorn's and the event loop's lines
+    (and uvicorn's own handler, left by a readable run earlier in the process, is set aside),
+    other libraries' records, Python's warnings and the command's own notices; afterwards
+    the loggers and the warnings hook are as they were."""
+    import warnings
 
-    loggers = [logging.getLogger(name) for name in FOREIGN_JSON_LOGGERS]
+    from pipeline._cli.logging_setup import SERVER_LOGGERS, configure_logging, say
+
+    uvicorn_log = logging.getLogger("uvicorn")
+    earlier = logging.StreamHandler(sys.stderr)  # what uvicorn's own configuration leaves
+    propagated = uvicorn_log.propagate
+    uvicorn_log.addHandler(earlier)
+    uvicorn_log.propagate = False
+    loggers = [logging.getLogger(name) for name in (*SERVER_LOGGERS, "")]
     before = [(list(lg.handlers), lg.propagate) for lg in loggers]
-    restore = configure_logging(0, json_lines=True)
+    hook = warnings.showwarning
     try:
-        logging.getLogger("uvicorn.error").error("ASGI callable returned without completing")
-        logging.getLogger("asyncio").warning("socket.accept() out of system resource")
+        restore = configure_logging(0, json_lines=True)
+        try:
+            logging.getLogger("uvicorn.error").error("ASGI callable returned without completing")
+            logging.getLogger("asyncio").warning("socket.accept() out of system resource")
+            logging.getLogger("urllib3.connectionpool").warning("Connection pool is full")
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.warn("a coroutine was never awaited", RuntimeWarning, stacklevel=1)
+            say("sluicegate: warning: 3 of 3 spans could not be exported", "telemetry.failed")
+        finally:
+            restore()
+        assert [(list(lg.handlers), lg.propagate) for lg in loggers] == before
+        assert warnings.showwarning is hook
     finally:
-        restore()
-    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
-    assert [(x["event"], x["level"]) for x in lines] == [
+        uvicorn_log.removeHandler(earlier)
+        uvicorn_log.propagate = propagated
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]  # all JSON
+    assert [(x["event"], x["level"]) for x in lines[:3]] == [
         ("ASGI callable returned without completing", "error"),
         ("socket.accept() out of system resource", "warning"),
+        ("Connection pool is full", "warning"),
     ]
-    assert [(list(lg.handlers), lg.propagate) for lg in loggers] == before
+    assert "a coroutine was never awaited" in lines[3]["event"]
+    assert lines[4]["event"] == "telemetry.failed" and "3 of 3 spans" in lines[4]["detail"]
+    assert len(lines) == 5
+
+
+def test_a_failed_command_under_json_lines_says_so_in_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's last line (an error here) is JSON too under ``--log-json``."""
+    code = main(["replay", str(tmp_path / "missing.jsonl"), "--log-json"])
+    assert code != 0
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert lines[-1]["event"] == "cli.failed" and lines[-1]["level"] == "error"
+    assert "missing.jsonl" in lines[-1]["detail"]

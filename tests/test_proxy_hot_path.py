@@ -97,7 +97,7 @@ def test_a_client_gone_mid_response_ends_the_request_at_once() -> None:
         transport = httpx2.MockTransport(answer)
         async with httpx2.AsyncClient(transport=transport, base_url="http://upstream") as client:
             upstream = await client.send(client.build_request("POST", "/v1/messages"), stream=True)
-            response = relay(upstream, end=lambda: ended.append("end"))
+            response = relay(upstream, end=lambda _cut: ended.append("end"))
             gone = asyncio.Event()
             never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 

@@ -217,6 +217,26 @@ def test_a_request_with_a_traceparent_joins_its_clients_trace(tmp_path: Path) ->
     assert own.trace_id != trace_id and not own.parent_span_id
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/messages/count_tokens"])
+def test_a_relayed_body_the_upstream_cuts_is_logged_as_a_failure(tmp_path: Path, path: str) -> None:
+    """A request relayed as it is (another path) whose body the upstream cuts after its 200
+    is a warning with the error's type, not a request that went well."""
+    upstream = CutUpstream(json=True)
+    try:
+        with (
+            proxy_process(upstream.url, tmp_path / "store", "--log-json") as (url, lines, _),
+            pytest.raises(httpx2.RemoteProtocolError),
+            httpx2.stream("POST", f"{url}{path}", json={"model": "m"}) as answer,
+        ):
+            answer.read()
+    finally:
+        upstream.sock.close()
+    records = [json.loads(line) for line in lines if line.strip()]
+    (told,) = [r for r in records if r.get("event") == "wire.request"]
+    assert told["level"] == "warning" and told["error"] == "RemoteProtocolError"
+    assert told["status"] == 200 and told["path"] == path
+
+
 @pytest.mark.parametrize("json_body", [False, True], ids=["event-stream", "json"])
 def test_a_body_the_upstream_cuts_after_its_status_fails_the_upstream_span(
     tmp_path: Path, json_body: bool

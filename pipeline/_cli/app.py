@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from types import FrameType
 from typing import IO
 
@@ -88,7 +90,7 @@ def _run(args: argparse.Namespace, termination: _Termination) -> int:
         # started with stderr closed: print(file=None) would write diagnostics to stdout
         sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
     if stdout is None:  # started with stdout closed (``>&-``): nowhere to write the output
-        print("sluicegate: error: standard output is closed", file=sys.stderr)
+        _tell(args, "sluicegate: error: standard output is closed", "cli.failed")
         _restore_stderr(stderr)
         return EXIT_FAILED
     sys.stdout = GuardedStdout(stdout)
@@ -99,23 +101,35 @@ def _run(args: argparse.Namespace, termination: _Termination) -> int:
     except OutputError as exc:
         _discard_stdout(stdout)
         if not exc.broken_pipe:  # the reader went away (``| head``): stop quietly
-            print(f"sluicegate: error: {exc}", file=sys.stderr)
+            _tell(args, f"sluicegate: error: {exc}", "cli.failed")
         return exc.code
     except CliError as exc:
-        print(f"sluicegate: error: {terminal_safe(str(exc), limit=2_000)}", file=sys.stderr)
+        _tell(args, f"sluicegate: error: {terminal_safe(str(exc), limit=2_000)}", "cli.failed")
         return exc.code
     except BrokenPipeError:
         _discard_stdout(stdout)
         return EXIT_FAILED
     except KeyboardInterrupt:
         if termination.received:
-            print("sluicegate: terminated", file=sys.stderr)
+            _tell(args, "sluicegate: terminated", "cli.terminated")
             return 143
-        print("sluicegate: interrupted", file=sys.stderr)
+        _tell(args, "sluicegate: interrupted", "cli.interrupted")
         return 130
     finally:
         sys.stdout = stdout
         _restore_stderr(stderr)
+
+
+def _tell(args: argparse.Namespace, text: str, event: str) -> None:
+    """The command's last line on stderr: ``text``, or under ``--log-json`` (every line of a
+    JSON log is JSON) the ``event`` with the text as its ``detail``."""
+    if getattr(args, "log_json", False) is True:
+        stamp = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+        level = "error" if text.startswith("sluicegate: error") else "warning"
+        line = json.dumps({"event": event, "detail": text, "level": level, "timestamp": stamp})
+        print(line, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr)
 
 
 def _restore_stderr(stderr: IO[str] | None) -> None:

@@ -5,7 +5,10 @@ the command line, being the application, decides where they go. For one command 
 handler on that logger, whose :class:`structlog.stdlib.ProcessorFormatter` rebuilds each event
 from the record's attributes, and takes everything back afterwards: ``main()`` may run many
 times in one process (tests, notebooks). The loggers of the SDK and of OpenTelemetry are left
-as the interpreter has them.
+as the interpreter has them -- except under ``--log-json``, where every stderr line must be
+JSON: then the root logger gets the same handler for the command's run (what other libraries
+log, Python's warnings, uvicorn's and the event loop's lines), and :func:`say` writes the
+command's own notices as events.
 """
 
 from __future__ import annotations
@@ -19,18 +22,34 @@ import structlog
 from structlog.typing import Processor
 
 from pipeline._cli.safe_text import terminal_safe
-from pipeline.logs import LOGGER_NAME
+from pipeline.logs import LOGGER_NAME, get_logger
 
 __all__ = [
-    "FOREIGN_JSON_LOGGERS",
+    "SERVER_LOGGERS",
     "configure_logging",
     "escape_controls",
     "level_for",
     "log_formatter",
+    "say",
 ]
 
-FOREIGN_JSON_LOGGERS = ("uvicorn", "asyncio")
-"""Loggers of others whose lines go out as JSON too under ``--log-json``."""
+SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "asyncio")
+"""Loggers whose own handlers (uvicorn's logging configuration from an earlier run in the
+process) are set aside under ``--log-json``: their lines reach the root logger's JSON handler."""
+
+_JSON_RUNS: list[bool] = []
+"""Whether each configuration in force (innermost last) writes JSON lines."""
+
+
+def say(text: str, event: str, *, error: bool = False) -> None:
+    """A notice of the command's own on stderr: ``text`` as it is, or, while JSON lines are
+    configured (``--log-json``), the ``event`` at warning (``error``: error) level with the
+    text as its ``detail``."""
+    if _JSON_RUNS and _JSON_RUNS[-1]:
+        log = get_logger()
+        (log.error if error else log.warning)(event, detail=text)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 def escape_controls(
@@ -104,19 +123,15 @@ def configure_logging(verbosity: int, json_lines: bool) -> Callable[[], None]:
     # the lines are printed here: a handler the embedding process put on the root logger
     # (pytest's, a notebook's) must not print them a second time
     logger.propagate = False
-    # every line of a JSON log is JSON: the server's and the event loop's lines too (the
-    # proxy then gives uvicorn no logging configuration of its own)
-    foreign = [logging.getLogger(name) for name in FOREIGN_JSON_LOGGERS] if json_lines else []
-    saved_foreign = [(f, f.propagate) for f in foreign]
-    for f in foreign:
-        f.addHandler(handler)
-        f.propagate = False
+    undo_json = _json_everywhere(handler) if json_lines else None
+    _JSON_RUNS.append(json_lines)
 
     def restore() -> None:
+        if _JSON_RUNS:
+            _JSON_RUNS.pop()
         logger.removeHandler(handler)
-        for f, propagate in saved_foreign:
-            f.removeHandler(handler)
-            f.propagate = propagate
+        if undo_json is not None:
+            undo_json()
         handler.close()
         logger.setLevel(saved_level)
         logger.propagate = saved_propagate
@@ -126,3 +141,32 @@ def configure_logging(verbosity: int, json_lines: bool) -> Callable[[], None]:
             structlog.reset_defaults()
 
     return restore
+
+
+def _json_everywhere(handler: logging.Handler) -> Callable[[], None]:
+    """Every line of a JSON log is JSON: ``handler`` on the root logger (other libraries'
+    records, Python's warnings), the server's loggers without handlers of their own (the proxy
+    gives uvicorn no logging configuration then). Returns what undoes it."""
+    root = logging.getLogger()
+    root.addHandler(handler)
+    servers = [logging.getLogger(name) for name in SERVER_LOGGERS]
+    saved = [(lg, list(lg.handlers), lg.propagate) for lg in servers]
+    for lg in servers:
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        lg.propagate = True
+    # (whether something captures them already: logging keeps the original hook while it does)
+    captured = getattr(logging, "_warnings_showwarning", None) is not None
+    if not captured:
+        logging.captureWarnings(True)
+
+    def undo() -> None:
+        root.removeHandler(handler)
+        for lg, handlers, propagate in saved:
+            for h in handlers:
+                lg.addHandler(h)
+            lg.propagate = propagate
+        if not captured:
+            logging.captureWarnings(False)
+
+    return undo

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
+from pipeline._cli.logging_setup import say
 from pipeline._cli.safe_text import terminal_safe
 
 if TYPE_CHECKING:
@@ -272,7 +273,7 @@ class ExportWatch(logging.Handler):
         except Exception as exc:  # a warning that cannot be built must not fail the command
             line = f"sluicegate: warning: spans could not be exported ({type(exc).__name__})"
         if line is not None:
-            print(line, file=sys.stderr)
+            say(line, "telemetry.export_failed")
 
     def warning(self) -> str | None:
         """The ``sluicegate: warning:`` line for the spans that were lost, or None."""

@@ -14,9 +14,11 @@ if TYPE_CHECKING:
 __all__ = ["MAX_EVENT_LINE", "EventStreamUsage"]
 
 MAX_EVENT_LINE = 1 << 20
-"""The longest line of a stream read for usage (bytes): a longer one passes on unread, so a
-stream without line ends holds no more than this (the lines read, ``message_start`` and
-``message_delta``, are a few hundred bytes)."""
+"""How much of a line that has not ended is held for the next chunk (bytes): a line whose held
+start passes this is not read, so a stream without line ends holds no more than this and the
+current chunk (a line that comes whole within one chunk is read whatever its length; the lines
+read, ``message_start`` and ``message_delta``, are a few hundred bytes). Lines end at ``\n``
+(``\r\n`` too), as the Messages API's do."""
 
 
 class EventStreamUsage:

@@ -233,8 +233,15 @@ def build_app(
         metrics.request(status=status, seconds=seconds, method=method, route=route)
         if route != "/v1/messages":  # a request relayed as it is: which one
             fields["method"] = method
-        log = logger.warning if status >= 500 else logger.info
+        # a failure, or an error under a status that says otherwise (a body cut after a 200)
+        failed = status >= 500 or (error is not None and status < 400)
+        log = logger.warning if failed else logger.info
         log("wire.request", status=status, ms=round(seconds * 1000, 3), **fields)
+
+    def relayed_end(started: float, status: int, cut: str | None, **fields: Any) -> None:
+        """A relayed response has gone by: logged, a warning with the error when the
+        upstream cut its body."""
+        logged(started, status, error=cut, **fields)
 
     async def body_of(request: Request, started: float, **where: Any) -> bytes | Response:
         """The request's body, or the response that refuses it (too large, compressed)."""
@@ -296,12 +303,9 @@ def build_app(
                     logged(started, 499, error="client_disconnected", chars_in=len(raw))
                     return Response(status_code=499)
                 end = functools.partial(
-                    logged,
-                    started,
-                    upstream_response.status_code,
-                    forwarded_as_is=True,
-                    chars_in=len(raw),
-                )
+                    relayed_end, started, upstream_response.status_code,
+                    forwarded_as_is=True, chars_in=len(raw),
+                )  # fmt: skip
                 return _relay(upstream_response, end=end, logger=logger)
             # one pass of a conversation at a time (with the check that no other worker moved
             # it on); its upstream call runs outside: a slow or abandoned one holds up nobody
@@ -388,7 +392,7 @@ def build_app(
         except httpx2.HTTPError as exc:
             logged(started, 502, error=type(exc).__name__, **where)
             return _unreachable(exc)
-        end = functools.partial(logged, started, answer.status_code, **where)
+        end = functools.partial(relayed_end, started, answer.status_code, **where)
         return _relay(answer, end=end, logger=logger)
 
     async def drain_spool() -> None:
@@ -439,8 +443,10 @@ async def _send_as_is(client: httpx2.AsyncClient, request: Request, raw: bytes) 
     return await client.send(upstream_request, stream=True)
 
 
-def _ended(request: WireRequest, metrics: WireMetrics, started: float, status: int) -> None:
-    request.end()
+def _ended(
+    request: WireRequest, metrics: WireMetrics, started: float, status: int, _cut: str | None
+) -> None:
+    request.end()  # a cut body: the request knows (WireRequest.cut_off)
     metrics.request(status=status, seconds=time.monotonic() - started)
 
 

@@ -33,7 +33,7 @@ def relay(
     call: Call | None = None,
     call_request: WireRequest | None = None,
     *,
-    end: Callable[[], None] | None = None,
+    end: Callable[[str | None], None] | None = None,
     after: Callable[[], Awaitable[None]] | None = None,
     logger: Any = None,
 ) -> Response:
@@ -41,7 +41,8 @@ def relay(
     on the way, and the session's record of it written before the client can see the end: an
     event stream passes chunk by chunk as it arrives, the chunk that completes the usage
     (``message_delta``) once the record is written; a JSON body is passed on whole once read
-    and recorded. ``end``: called once the body has gone by (or the client left); ``after``:
+    and recorded. ``end``: called once the body has gone by (or the client left), with the
+    type of the error that cut the upstream's body (None: it was not cut); ``after``:
     awaited after that, once the client has the whole response (the session's
     :meth:`~pipeline.dropin.adapter.WireSession.settle`); ``logger``: where a body the upstream cut
     is
@@ -82,7 +83,7 @@ def relay(
                 await upstream.aclose()
             finally:
                 if end is not None:
-                    end()
+                    end(relayed.cut_by)
 
     relayed = _Relayed(
         body(),
@@ -99,6 +100,8 @@ class _Relayed(StreamingResponse):
     the client's is cut too (its connection closed without the body's end), not ended clean."""
 
     cut = False
+    cut_by: str | None = None
+    """The type of the error that cut the upstream's body."""
     whole = False
     """Set by the body before it yields its last chunk, when it knows that one is the last: the
     chunk then ends the response, and what the body does after it (the request's end: its
@@ -154,7 +157,7 @@ async def _until_cut(
             yield chunk
     except httpx2.TransportError as exc:
         logger.warning("wire.upstream_cut", error=type(exc).__name__)
-        relayed.cut = True
+        relayed.cut, relayed.cut_by = True, type(exc).__name__
         if request is not None:
             request.cut_off(type(exc).__name__)
 
