@@ -11,8 +11,12 @@ the same as starting over. Two pieces serve them (and ``stages._shared.projectio
   record shares a uuid, a response id or a tool_use_id with an older one (so no earlier cut,
   pair or decision changes meaning) and none is a compact boundary (so the part the API sees
   starts where it did). Then whatever a stage computed for the old records still holds, and it
-  returns the old length; otherwise it rebuilds its view of the history and returns ``None``,
-  and the stage computes from scratch.
+  returns the old length; otherwise it rebuilds its view of the history (or follows the edit
+  at the cost of what changed) and returns ``None``, and the stage computes from scratch --
+  unless, after an edit it followed (Claude Code moves its ``cache_control`` mark on every
+  call, so the message that held it changes), :attr:`AppendWatch.edit` and
+  :meth:`AppendWatch.reach` show that the stage's decisions and cuts lie before anything the
+  edit touched or pairs with: it then goes on from there.
 
 The contract: messages are immutable (replace a message, never mutate its content in place).
 A message replaced by another object counts as changed, even if equal (an equal copy may
