@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -18,11 +20,12 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline._cli.proxy_cmd import SERVER_GC_THRESHOLDS, server_collector
+from pipeline.core import FunctionStage
 from pipeline.dropin.proxy import _unless_left
 from pipeline.dropin.relay import relay
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
-from tests.wire_support import proxy
+from tests.wire_support import TAG, proxy
 
 
 def _reply(_body: dict[str, Any]) -> Reply:
@@ -220,3 +223,54 @@ def test_under_another_backend_the_watch_is_a_task_group() -> None:
         return gone, answered
 
     assert anyio.run(run, backend="trio") == (None, "answer")
+
+
+def _history(n: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    for k in range((n - 1) // 2):
+        tid = f"toolu_{k:04d}"
+        use = {"type": "tool_use", "id": tid, "name": "Read", "input": {"path": f"f{k}"}}
+        text = f"{k} " + "x" * (60_000 if k == (n - 1) // 2 - 1 else 500)  # the last: fresh
+        result = {"type": "tool_result", "tool_use_id": tid, "content": text}
+        out += [{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    return out
+
+
+def _two_calls(root: Path, long_pass: int | None) -> tuple[list[int], list[str]]:
+    """Two calls of one conversation (121 messages, then two more) through a proxy with
+    ``long_pass``: the thread each pass ran in, and what the upstream received."""
+    threads: list[int] = []
+
+    async def mark(messages: list[Any], ctx: Any) -> list[Any]:
+        threads.append(threading.get_ident())
+        return messages
+
+    def pipeline() -> Pipeline:
+        return Pipeline([ToolResultBudget(), FunctionStage("mark", mark)])
+
+    history = _history(121)
+    later = [*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "on"}]
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, root, pipeline, long_pass=long_pass) as url,
+        httpx2.Client(timeout=30) as client,
+    ):
+        for messages in (history, later):
+            body = {"model": "m", "max_tokens": 5, "messages": messages}
+            assert client.post(f"{url}/v1/messages", json=body).status_code == 200
+        sent = [json.dumps(r, sort_keys=True) for r in upstream.requests]
+    # the paths of persisted results: under the store's root and its secret's tenant digest
+    return threads, [re.sub(r"t-[0-9a-f]{20}", "t-*", t.replace(str(root), "<root>")) for t in sent]
+
+
+def test_a_long_pass_runs_off_the_servers_loop_and_sends_the_same(tmp_path: Path) -> None:
+    """With ``long_pass``, a pass over that many new messages (a conversation met first) runs
+    on a loop of its own in a worker thread, and a pass over a few new ones on the server's
+    loop; the upstream receives the same requests as with every pass on the server's loop
+    (a 60K result persisted, then re-applied)."""
+    on_loop, sent = _two_calls(tmp_path / "a", None)
+    off_loop, sent_too = _two_calls(tmp_path / "b", 50)
+    assert on_loop[0] == on_loop[1]  # the server's loop, both times
+    assert off_loop[0] != off_loop[1]  # the first pass off it, the second on it
+    assert TAG in sent[0] and TAG in sent[1]
+    assert sent_too == sent

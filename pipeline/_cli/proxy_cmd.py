@@ -53,7 +53,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             head_timed,
             raise_open_files,
         )
-        from pipeline.dropin.proxy import build_app
+        from pipeline.dropin.proxy import LONG_PASS, build_app
     except ImportError:
         raise CliError("the proxy needs its extra: pip install 'sluicegate[proxy]'") from None
     parts = urlsplit(args.upstream)
@@ -94,6 +94,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             max_conversations=args.max_conversations,
             max_upstream_connections=connections,
             fsync_each=args.fsync_each,
+            long_pass=LONG_PASS,  # its stages have no summarizer: their work is bound to no loop
             **context,
         )
         sock = _listen(args.host, args.port)

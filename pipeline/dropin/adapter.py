@@ -540,6 +540,12 @@ class WireSession:
             set_status_on_exception=False,
         )
 
+    def new_messages(self, body: Mapping[str, Any]) -> int:
+        """About how many of ``body``'s messages a pass would take as new: more than the last
+        request held (all of them for a conversation met first), without comparing them."""
+        messages = body.get("messages")
+        return len(messages) - len(self._params) if isinstance(messages, list) else 0
+
     async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """``body`` with its ``messages`` prepared (everything else as it was); its system
         prompt and tools are counted by the token tracker. Its :class:`Call` is

@@ -1,5 +1,6 @@
-"""The synchronous client's passes (``wrap`` of ``anthropic.Anthropic``): async code run to its
-end for a caller that waits.
+"""Passes run off the caller's event loop: the synchronous client's (``wrap`` of
+``anthropic.Anthropic``), async code run to its end for a caller that waits, and the proxy's
+long ones (:func:`in_worker_loop`), awaited while its loop serves other requests.
 
 Each pass runs in a worker thread, on an event loop made for the call: whatever loop the caller
 runs (a sync call made from async code, a pass that calls a wrapped client itself) is left
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["in_worker", "run_pass"]
+__all__ = ["in_worker", "in_worker_loop", "run_pass"]
 
 T = TypeVar("T")
 
@@ -50,3 +51,17 @@ def run_pass(fn: Callable[[], Awaitable[T]]) -> T:
     """``await fn()`` run to its end for a synchronous caller, on an event loop made for the
     call in a worker thread: its result, or its exception."""
     return in_worker(lambda: anyio.run(_main, fn))
+
+
+async def in_worker_loop(fn: Callable[[], Awaitable[T]]) -> T:
+    """``await fn()`` on an event loop made for it in a worker thread, awaited from this one:
+    this loop goes on serving while a long pass of CPU work runs there (in a copy of this
+    context, as :func:`run_pass`). Cancelling the caller waits for the pass to end: a pass is
+    never left half done. Only for async work bound to no loop (nothing it awaits was made
+    on this one)."""
+    context = _context()
+
+    def on_its_loop() -> T:
+        return context.run(lambda: anyio.run(_main, fn))
+
+    return await anyio.to_thread.run_sync(on_its_loop)

@@ -15,6 +15,8 @@ Code sends them (raw UTF-8, its system prompt with a character past U+FFFF), not
    the SDK wrapped against the SDK alone (the SDK's own cost cancels out).
    1b. **First calls.** A new conversation's first call (the proxy meets all its messages at
    once) against its second, at 100 and 1,000 messages.
+   1c. **A busy neighbour.** A conversation of 10 messages calling back to back while new
+   conversations of 1,000 messages arrive beside it: its latency (p50, p99, max).
 2. **Throughput.** ``--concurrency`` conversations at 100 messages at once, each sending calls back
    to back for a few seconds: requests a second and p50/p99 latency per target; also the proxy
    with its store on tmpfs (``/dev/shm``, where an fsync costs nothing), when there is one.
@@ -306,6 +308,53 @@ def first_calls(targets: dict[str, str], sizes: list[int], conversations: int) -
             sys.stdout.flush()
 
 
+def _long_ones(url: str, tag: str, stop: Any, firsts: list[float]) -> None:
+    """New conversations of 1,000 messages, one after another, until ``stop`` is set: the
+    time of each one's first call into ``firsts``."""
+    with httpx.Client(timeout=300) as client:
+        k = 0
+        while not stop.is_set():
+            conv = Conversation(1_000, f"{tag}long{k}")
+            firsts.append(call(client, url, conv, conv.next_body()))
+            k += 1
+
+
+def busy_neighbour(targets: dict[str, str], seconds: float) -> None:
+    """A conversation of 10 messages calling back to back while, beside it, new conversations
+    of 1,000 messages arrive one after another (each one's first call: every message new)."""
+    import threading
+
+    print(
+        "\n1c. A small conversation beside new long ones (ms): 10 messages calling back to"
+        " back, while conversations of 1,000 messages new to the target arrive one after"
+        " another"
+    )
+    header = ("target", "small p50", "p99", "max", "calls", "long first p50")
+    print(f"{header[0]:>20} {header[1]:>10} {header[2]:>8} {header[3]:>8} {header[4]:>6}"
+          f" {header[5]:>15}")  # fmt: skip
+    for name, url in targets.items():
+        if name == "direct":
+            continue
+        stop, firsts = threading.Event(), []
+        beside = threading.Thread(target=_long_ones, args=(url, name, stop, firsts))
+        beside.start()
+        small, times = Conversation(10, f"{name}small"), []
+        with httpx.Client(timeout=60) as client:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                times.append(call(client, url, small, small.next_body()))
+                if len(small.messages) > 60:
+                    small = Conversation(10, f"{name}small{len(times)}")
+        stop.set()
+        beside.join()
+        times.sort()
+        print(
+            f"{name:>20} {statistics.median(times):10.1f} {times[int(len(times) * 0.99)]:8.1f}"
+            f" {times[-1]:8.1f} {len(times):6d} {statistics.median(firsts):15.1f}"
+        )
+        sys.stdout.flush()
+
+
 def wrap_latency(upstream: str, sizes: list[int], calls: int) -> None:
     import anthropic
 
@@ -549,7 +598,7 @@ def main() -> int:
     parser.add_argument(
         "--skip",
         default="",
-        help="parts to leave out: latency,first,wrap,throughput,prepare,marked,bodies",
+        help="parts to leave out: latency,first,busy,wrap,throughput,prepare,marked,bodies",
     )
     parser.add_argument(
         "--claude-code-text",
@@ -572,6 +621,8 @@ def main() -> int:
             latency(targets, sizes, args.calls)
         if "first" not in skip:
             first_calls(targets, [n for n in (100, 1000) if n <= max(sizes)] or [10], 15)
+        if "busy" not in skip:
+            busy_neighbour(targets, args.seconds)
         if "wrap" not in skip:
             wrap_latency(upstream, sizes, args.calls)
         if "throughput" not in skip:
