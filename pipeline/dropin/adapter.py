@@ -540,11 +540,13 @@ class WireSession:
             set_status_on_exception=False,
         )
 
-    def new_messages(self, body: Mapping[str, Any]) -> int:
-        """About how many of ``body``'s messages a pass would take as new: more than the last
-        request held (all of them for a conversation met first), without comparing them."""
+    def first_pass(self, body: Mapping[str, Any]) -> int:
+        """How many messages this session's first pass in this process would take for ``body``
+        (a conversation met first, or resumed after a restart: all of them); 0 once it has
+        prepared a request -- then an observation of its last response may still be under way,
+        which a pass run on another thread must not overlap."""
         messages = body.get("messages")
-        return len(messages) - len(self._params) if isinstance(messages, list) else 0
+        return len(messages) if isinstance(messages, list) and not self._params else 0
 
     async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """``body`` with its ``messages`` prepared (everything else as it was); its system

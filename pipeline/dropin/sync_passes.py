@@ -53,15 +53,19 @@ def run_pass(fn: Callable[[], Awaitable[T]]) -> T:
     return in_worker(lambda: anyio.run(_main, fn))
 
 
-async def in_worker_loop(fn: Callable[[], Awaitable[T]]) -> T:
-    """``await fn()`` on an event loop made for it in a worker thread, awaited from this one:
-    this loop goes on serving while a long pass of CPU work runs there (in a copy of this
-    context, as :func:`run_pass`). Cancelling the caller waits for the pass to end: a pass is
-    never left half done. Only for async work bound to no loop (nothing it awaits was made
-    on this one)."""
+async def in_worker_loop(
+    fn: Callable[[], Awaitable[T]], *, limiter: anyio.CapacityLimiter | None = None
+) -> T:
+    """``await fn()`` on an event loop made for it in a worker thread (one of ``limiter``'s,
+    default anyio's), awaited from this one: this loop goes on serving while a long pass of
+    CPU work runs there (in a copy of this context, as :func:`run_pass`). A cancellation
+    through anyio's scopes waits for the pass to end, so a pass is never left half done; an
+    asyncio task cancelled directly (a server's forced stop) returns at once, and its process
+    exits once the thread has. Only for async work bound to no loop (nothing it awaits was
+    made on this one)."""
     context = _context()
 
     def on_its_loop() -> T:
         return context.run(lambda: anyio.run(_main, fn))
 
-    return await anyio.to_thread.run_sync(on_its_loop)
+    return await anyio.to_thread.run_sync(on_its_loop, limiter=limiter)
