@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.gate import empty_result_text, is_persistable
-from pipeline.incremental import InputLog
+from pipeline.input_log import InputLog
 from pipeline.kept_list import KeptList
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementState, ResultSlot, candidate_size, read_results

@@ -94,6 +94,27 @@ class ClearState:
                     state.bad_records += 1
         return state
 
+    def edited_from(
+        self, last: LastPass | None, messages: list[Message], turn_start: int
+    ) -> int | None:
+        """For an input that changed from some position on without starting over (a client
+        moving its ``cache_control`` mark changes its last message on every call): the lowest
+        record sharing a tool_use_id or response id with what changed
+        (:meth:`~pipeline.incremental.AppendWatch.reach`), when that lies in the last pass's
+        newest turn or after (what it held cleared lies before), the newest turn
+        (``turn_start``) starts no earlier than the last pass's (an edit can take a response
+        away: a growth cannot) and the index folded in nothing from there on. The pass then
+        goes on as for a history that grew from there; None otherwise."""
+        watch = self.watch
+        if watch.edit is None or last is None:
+            return None
+        first, replaced = watch.edit
+        reach = watch.reach(messages, first, replaced)
+        index = self.index
+        if last.turn_start <= min(reach, turn_start) and index.valid and reach >= index.settled:
+            return reach
+        return None
+
 
 @dataclass(slots=True)
 class ClearPass(HistoryAt):

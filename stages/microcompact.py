@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 from pipeline import Message, SessionContext
-from pipeline.incremental import first_difference
+from pipeline.input_log import first_difference
 from pipeline.kept_list import KeptList
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._clear_state import ClearPass, ClearState, LastPass, Reapplied
@@ -184,7 +184,7 @@ class Microcompact:
         response = last_response(messages, start)
         turn_start = response[0] if response is not None else start - 1
         if grown is None:
-            grown = self._edited_from(state, last, messages, turn_start)
+            grown = state.edited_from(last, messages, turn_start)
         if grown is None:
             state.index.valid = False  # anything but growth: fold the history in afresh
         names = state.watch.tool_names
@@ -345,28 +345,6 @@ class Microcompact:
             cache_rewrite_tokens=facts[ATTR.CACHE_REWRITE_TOKENS],
         )
         return out, changed
-
-    @staticmethod
-    def _edited_from(
-        state: ClearState, last: LastPass | None, messages: list[Message], turn_start: int
-    ) -> int | None:
-        """For an input that changed from some position on without starting over (a client
-        moving its ``cache_control`` mark changes its last message on every call): the lowest
-        record sharing a tool_use_id or response id with what changed
-        (:meth:`~pipeline.incremental.AppendWatch.reach`), when that lies in the last pass's
-        newest turn or after (what it held cleared lies before), the newest turn
-        (``turn_start``) starts no earlier than the last pass's (an edit can take a response
-        away: a growth cannot) and the index folded in nothing from there on. The pass then
-        goes on as for a history that grew from there; None otherwise."""
-        watch = state.watch
-        if watch.edit is None or last is None:
-            return None
-        first, replaced = watch.edit
-        reach = watch.reach(messages, first, replaced)
-        index = state.index
-        if last.turn_start <= min(reach, turn_start) and index.valid and reach >= index.settled:
-            return reach
-        return None
 
     def _reapply(
         self, p: ClearPass, state: ClearState, last: LastPass | None, grown: int | None

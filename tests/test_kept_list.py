@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.incremental import InputLog, first_difference
+from pipeline.input_log import InputLog, first_difference
 from pipeline.kept_list import KeptList
 
 OPS = (

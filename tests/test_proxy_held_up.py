@@ -8,7 +8,6 @@ from __future__ import annotations
 import gzip
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx2
 import pytest
 
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
-from tests.wire_support import TAG, proxy_process
+from tests.wire_support import TAG, RawUpstream, proxy_process
 
 pytest.importorskip("uvicorn", reason="the proxy extra is not installed")
 
@@ -114,38 +113,29 @@ def test_what_the_http_layer_refuses_it_refuses_cleanly(served: Any, data: bytes
     _still_serving(url, lines)
 
 
-class _Upstream:
+class _Upstream(RawUpstream):
     """An upstream that answers its first request with ``first`` (raw bytes, then it closes
     the connection; b"": it closes without a word), and every later one as the API would."""
 
     def __init__(self, first: bytes) -> None:
-        self.first = first
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.first: bytes | None = first
+        super().__init__()
 
-    def _serve(self) -> None:
-        first = True
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                _read_request(conn)
-                if first:
-                    first = False
-                    conn.sendall(self.first)
-                    continue
-                body = json.dumps(
-                    {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
-                     "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
-                     "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 1}}
-                ).encode()  # fmt: skip
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-                )
+    def answer(self, conn: socket.socket) -> None:
+        _read_request(conn)
+        if self.first is not None:
+            conn.sendall(self.first)
+            self.first = None
+            return
+        body = json.dumps(
+            {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+             "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+             "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 1}}
+        ).encode()  # fmt: skip
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
 
 
 def _read_request(conn: socket.socket) -> None:

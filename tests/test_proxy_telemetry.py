@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -129,20 +130,28 @@ def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path:
         assert f"trace_id={span.trace_id}" in line and f"span_id={span.span_id}" in line, line
 
 
+def _spans_only(
+    upstream: str, tmp_path: Path, receiver: OtlpReceiver
+) -> AbstractContextManager[tuple[str, list[str], list[int]]]:
+    """The proxy process logging JSON lines and exporting its spans (no metrics) to
+    ``receiver`` within a tenth of a second."""
+    return proxy_process(
+        upstream,
+        tmp_path / "store",
+        "--log-json",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        OTEL_METRICS_EXPORTER="none",
+    )
+
+
 def test_an_unreachable_upstream_is_one_logged_failure_and_json_lines_stay_json(
     tmp_path: Path,
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with (
         OtlpReceiver() as receiver,
-        proxy_process(
-            dead,
-            tmp_path / "store",
-            "--log-json",
-            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
-            OTEL_BSP_SCHEDULE_DELAY="100",
-            OTEL_METRICS_EXPORTER="none",
-        ) as (url, lines, code),
+        _spans_only(dead, tmp_path, receiver) as (url, lines, code),
     ):
         client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
         with pytest.raises(anthropic.InternalServerError):
@@ -248,14 +257,7 @@ def test_a_body_the_upstream_cuts_after_its_status_fails_the_upstream_span(
     try:
         with (
             OtlpReceiver() as receiver,
-            proxy_process(
-                upstream.url,
-                tmp_path / "store",
-                "--log-json",
-                OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
-                OTEL_BSP_SCHEDULE_DELAY="100",
-                OTEL_METRICS_EXPORTER="none",
-            ) as (url, lines, _code),
+            _spans_only(upstream.url, tmp_path, receiver) as (url, lines, _code),
         ):
             body = {"model": "m", "max_tokens": 10, "messages": build("small")}
             with (
@@ -274,3 +276,5 @@ def test_a_body_the_upstream_cuts_after_its_status_fails_the_upstream_span(
     (told,) = [r for r in records if r.get("event") == "wire.request"]
     assert told["level"] == "warning" and told["error"] == "RemoteProtocolError"
     assert told["status"] == 200
+    (cut,) = [r for r in records if r.get("event") == "wire.upstream_cut"]
+    assert cut["trace_id"] == told["trace_id"] == request.trace_id  # one trace to look at

@@ -254,12 +254,11 @@ def stepped(
         yield msgs, extra, rest
 
 
-class CutUpstream:
-    """An upstream that answers 200, starts its body and closes in the middle of it: an
-    event stream cut in a chunk, or (``json=True``) a JSON body short of its length."""
+class RawUpstream:
+    """An upstream on a plain socket of 127.0.0.1 that answers each connection with
+    :meth:`answer` (raw bytes, whatever HTTP they make or break); close ``sock`` to stop it."""
 
-    def __init__(self, *, json: bool = False) -> None:
-        self.json = json
+    def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -271,15 +270,31 @@ class CutUpstream:
             except OSError:
                 return
             with conn:
-                conn.recv(1 << 20)
-                if self.json:
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                        b'content-length: 100\r\n\r\n{"id": "msg_cut", "ty'  # 100 promised
-                    )
-                    continue
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    b"transfer-encoding: chunked\r\n\r\n"
-                    b'40\r\nevent: message_start\r\ndata: {"type": "mess'  # 64 promised
-                )
+                self.answer(conn)
+
+    def answer(self, conn: socket.socket) -> None:
+        """Read the request and answer it on ``conn`` (closed afterwards)."""
+        raise NotImplementedError
+
+
+class CutUpstream(RawUpstream):
+    """An upstream that answers 200, starts its body and closes in the middle of it: an
+    event stream cut in a chunk, or (``json=True``) a JSON body short of its length."""
+
+    def __init__(self, *, json: bool = False) -> None:
+        self.json = json
+        super().__init__()
+
+    def answer(self, conn: socket.socket) -> None:
+        conn.recv(1 << 20)
+        if self.json:
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b'content-length: 100\r\n\r\n{"id": "msg_cut", "ty'  # 100 promised
+            )
+            return
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+            b'40\r\nevent: message_start\r\ndata: {"type": "mess'  # 64 promised
+        )

@@ -111,21 +111,20 @@ def _run(args: argparse.Namespace, termination: _Termination) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         if termination.received:
-            _tell(args, "sluicegate: terminated", "cli.terminated")
+            _tell(args, "sluicegate: terminated", "cli.terminated", "warning")
             return 143
-        _tell(args, "sluicegate: interrupted", "cli.interrupted")
+        _tell(args, "sluicegate: interrupted", "cli.interrupted", "warning")
         return 130
     finally:
         sys.stdout = stdout
         _restore_stderr(stderr)
 
 
-def _tell(args: argparse.Namespace, text: str, event: str) -> None:
+def _tell(args: argparse.Namespace, text: str, event: str, level: str = "error") -> None:
     """The command's last line on stderr: ``text``, or under ``--log-json`` (every line of a
-    JSON log is JSON) the ``event`` with the text as its ``detail``."""
+    JSON log is JSON) the ``event`` at ``level`` with the text as its ``detail``."""
     if getattr(args, "log_json", False) is True:
         stamp = datetime.now(UTC).isoformat().replace("+00:00", "Z")
-        level = "error" if text.startswith("sluicegate: error") else "warning"
         line = json.dumps({"event": event, "detail": text, "level": level, "timestamp": stamp})
         print(line, file=sys.stderr)
     else:

@@ -61,7 +61,7 @@ from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conv
 from pipeline.dropin.limits import MAX_BODY_BYTES, MAX_UPSTREAM_CONNECTIONS, UPSTREAM_TIMEOUT
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.relay import relay as _relay
-from pipeline.dropin.sync_passes import in_worker_loop
+from pipeline.dropin.sync_passes import LongPasses
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.logs import get_logger
@@ -74,7 +74,6 @@ from pipeline.wire.request_fields import merge_betas, merge_request_fields
 __all__ = [
     "DEFAULT_UPSTREAM",
     "LONG_PASS",
-    "LONG_PASSES_AT_ONCE",
     "MAX_BODY_BYTES",
     "MAX_UPSTREAM_CONNECTIONS",
     "UPSTREAM_TIMEOUT",
@@ -105,22 +104,6 @@ _KEPT_ALIVE = 100
 LONG_PASS = 200
 """The command line's ``long_pass`` (:func:`build_app`): a first pass over this many messages
 costs ~20 ms of CPU, what running it on a loop of its own adds (~1 ms) is small beside it."""
-
-LONG_PASSES_AT_ONCE = 2
-"""Long passes run off the server's loop at once (:func:`build_app`); more wait their turn."""
-
-
-class _Limiter:
-    """An ``anyio.CapacityLimiter`` made on first use, in the server's event loop."""
-
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
-        self._limiter: anyio.CapacityLimiter | None = None
-
-    def get(self) -> anyio.CapacityLimiter:
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self.tokens)
-        return self._limiter
 
 
 def build_app(
@@ -172,7 +155,7 @@ def build_app(
     written before the response ends. ``long_pass``: a conversation's first pass in this
     process (one the proxy meets first, a session resumed after a restart: ~0.1 s of CPU at
     1,000 messages) over at least this many messages runs on an event loop of its own in a
-    worker thread, :data:`LONG_PASSES_AT_ONCE` at most at a time, so that the server's loop
+    worker thread (:class:`~pipeline.dropin.sync_passes.LongPasses`), so that the server's loop
     goes on serving other requests meanwhile; None (default): every pass on the server's loop.
     Only for stages and a store whose async work is bound to no loop: a local store, and no
     summarizer or stage holding a client made on the server's loop (the command line's)."""
@@ -197,9 +180,7 @@ def build_app(
         states = SessionStates(storage or root, fsync_each=fsync_each)
     if states.shared:  # the object store's client is bound to the server's loop
         long_pass = None
-    # a burst of them (every session resumed after a restart) shares one interpreter lock:
-    # a few threads at a time leave the server's loop its share
-    long_passes = _Limiter(LONG_PASSES_AT_ONCE)
+    long_passes = LongPasses()
     conversations = Conversations(
         pipeline=pipeline,
         root=root,
@@ -367,9 +348,8 @@ def build_app(
                     passing = time.monotonic()
                     try:
                         if long_pass is not None and session.first_pass(body) >= long_pass:
-                            prepared, call = await in_worker_loop(
-                                functools.partial(session.prepare_call, body),
-                                limiter=long_passes.get(),
+                            prepared, call = await long_passes.run(
+                                functools.partial(session.prepare_call, body)
                             )
                         else:
                             prepared, call = await session.prepare_call(body)

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import httpx2
+from opentelemetry import trace
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
@@ -156,10 +157,14 @@ async def _until_cut(
         async for chunk in upstream.aiter_bytes():
             yield chunk
     except httpx2.TransportError as exc:
-        logger.warning("wire.upstream_cut", error=type(exc).__name__)
         relayed.cut, relayed.cut_by = True, type(exc).__name__
-        if request is not None:
-            request.cut_off(type(exc).__name__)
+        if request is None:
+            logger.warning("wire.upstream_cut", error=relayed.cut_by)
+            return
+        request.cut_off(relayed.cut_by)
+        # the line names the request's trace, as its wire.request line does
+        with trace.use_span(request.span, end_on_exit=False):
+            logger.warning("wire.upstream_cut", error=relayed.cut_by)
 
 
 class _UsageReader:

@@ -17,7 +17,10 @@ from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["in_worker", "in_worker_loop", "run_pass"]
+__all__ = ["LONG_PASSES_AT_ONCE", "LongPasses", "in_worker", "in_worker_loop", "run_pass"]
+
+LONG_PASSES_AT_ONCE = 2
+"""Long passes a :class:`LongPasses` runs at once; more wait their turn."""
 
 T = TypeVar("T")
 
@@ -69,3 +72,20 @@ async def in_worker_loop(
         return context.run(lambda: anyio.run(_main, fn))
 
     return await anyio.to_thread.run_sync(on_its_loop, limiter=limiter)
+
+
+class LongPasses:
+    """The proxy's long passes, each by :func:`in_worker_loop`, :data:`LONG_PASSES_AT_ONCE` at
+    most at a time: a burst of them (every session resumed after a restart) shares one
+    interpreter lock, and a few threads at once leave the server's loop its share. Its limiter
+    is made on first use, in the server's loop."""
+
+    def __init__(self, at_once: int = LONG_PASSES_AT_ONCE) -> None:
+        self.at_once = at_once
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    async def run(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """``await fn()`` off this loop (:func:`in_worker_loop`), when a turn is free."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.at_once)
+        return await in_worker_loop(fn, limiter=self._limiter)
