@@ -32,8 +32,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from itertools import compress, count
 
-from pipeline.input_log import InputLog, first_difference, first_unequal
-from pipeline.kept_list import KeptList
+from pipeline.kept_list import InputLog, KeptList, first_difference, first_unequal
 from pipeline.messages import Message, holds_compaction, live_start, thread_start
 
 __all__ = [

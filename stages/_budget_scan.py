@@ -44,8 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.gate import empty_result_text, is_persistable
-from pipeline.input_log import InputLog
-from pipeline.kept_list import KeptList
+from pipeline.kept_list import InputLog, KeptList
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementState, ResultSlot, candidate_size, read_results
 from stages._shared import patch_message

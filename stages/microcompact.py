@@ -37,8 +37,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 from pipeline import Message, SessionContext
-from pipeline.input_log import first_difference
-from pipeline.kept_list import KeptList
+from pipeline.kept_list import KeptList, first_difference
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._clear_state import ClearPass, ClearState, LastPass, Reapplied
 from stages._clearable import (

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.input_log import InputLog, first_difference
-from pipeline.kept_list import KeptList
+from pipeline.kept_list import InputLog, KeptList, first_difference
 
 OPS = (
     "append",

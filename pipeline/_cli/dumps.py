@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.input_log import first_difference
+from pipeline.kept_list import first_difference
 
 __all__ = ["DumpFormat", "RequestDumper", "existing_dumps", "is_dump_name", "parse_calls"]
 

@@ -53,7 +53,7 @@ from pipeline.dropin.calibration import CalibrationSaves
 from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
 from pipeline.dropin.inheritance import FORK_RECORD, Inherited
 from pipeline.gate import describe_error
-from pipeline.input_log import first_unequal
+from pipeline.kept_list import first_unequal
 from pipeline.logs import get_logger
 from pipeline.messages import Message, Usage, usage_compacted
 from pipeline.replacement import (
@@ -767,7 +767,7 @@ def _shared_start(a: Sequence[Any], b: Sequence[Any]) -> int:
     """How many leading items ``a`` and ``b`` share (equal by value). A request mostly repeats
     the last one's very objects, which compare in C by identity; where they part (a client
     moving its ``cache_control`` mark changes the message that held it) a binary search of
-    slice comparisons finds it (:func:`~pipeline.input_log.first_unequal`)."""
+    slice comparisons finds it (:func:`~pipeline.kept_list.first_unequal`)."""
     same = first_unequal(a, b)
     return min(len(a), len(b)) if same is None else same
 

@@ -12,7 +12,7 @@ from collections.abc import Set as AbstractSet
 from itertools import compress, count
 from typing import TYPE_CHECKING, Any, cast
 
-from pipeline.input_log import InputLog
+from pipeline.kept_list import InputLog
 from pipeline.messages import Block, Message, thread_start
 from pipeline.wire.caching import param_breakpoints
 from pipeline.wire.encoding import encodable
