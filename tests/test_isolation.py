@@ -28,7 +28,7 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline.dropin.wrap import wrap
-from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError
 from stages import default_stages
 from tests.cli_support import clean_env
 from tests.wire_support import TAG, proxy
@@ -384,6 +384,32 @@ def test_the_proxy_command_keeps_keys_apart_unless_told(tmp_path: Path, single: 
     else:
         assert len(tenants) == 2 and all(re.fullmatch(r"t-[0-9a-f]{20}", t) for t in tenants)
         assert len(list(store.rglob("tool-results/*"))) == 2
+
+
+def test_a_cookie_the_upstream_sets_never_goes_with_another_clients_request(
+    tmp_path: Path,
+) -> None:
+    """The proxy's one upstream client keeps no cookies: a ``Set-Cookie`` answered to one key
+    (a load balancer's, say) goes back to that client, never out with another's requests."""
+    answered: list[int] = []
+
+    def script(body: dict[str, Any]) -> Reply | ScriptError:
+        answered.append(1)
+        if len(answered) == 1:
+            return ScriptError(429, "rate_limit_error", "slow down", {"set-cookie": "lb=A; Path=/"})
+        return text_reply(body)
+
+    with ScriptedMessagesServer(script) as server, proxy(
+        server.base_url, tmp_path, lambda: Pipeline(default_stages())
+    ) as url:
+        for key in ("sk-ant-A", "sk-ant-B"):
+            raw = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
+            with contextlib.suppress(anthropic.RateLimitError):
+                create(raw, build("log"))
+            raw.messages.count_tokens(model="m", messages=build("log"))  # passed through
+            raw.close()
+        sent = server.request_headers
+    assert len(sent) == 2 and all("cookie" not in h for h in sent)
 
 
 # hostile nesting -------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.relay import relay as _relay
 from pipeline.dropin.sync_passes import LongPasses
 from pipeline.dropin.tenancy import Tenancy
+from pipeline.dropin.upstream import Upstream
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.logs import get_logger
 from pipeline.store.sessions import SessionStates
@@ -195,13 +196,12 @@ def build_app(
         raise ValueError(
             f"max_upstream_connections must be at least 1, got {max_upstream_connections}"
         )
-    client = httpx2.AsyncClient(
-        base_url=upstream.rstrip("/"),
-        timeout=httpx2.Timeout(upstream_timeout, connect=min(upstream_timeout, _CONNECT_TIMEOUT)),
-        limits=httpx2.Limits(
-            max_connections=max_upstream_connections,
-            max_keepalive_connections=min(max_upstream_connections, _KEPT_ALIVE),
-        ),
+    client = Upstream(
+        upstream,
+        timeout=upstream_timeout,
+        connect=min(upstream_timeout, _CONNECT_TIMEOUT),
+        max_connections=max_upstream_connections,
+        kept_alive=min(max_upstream_connections, _KEPT_ALIVE),
         transport=transport,
     )
 
@@ -407,12 +407,12 @@ def build_app(
             return content
         # the path as the client wrote it: decoded, %252e would become a dot segment upstream
         raw_path = request.scope.get("raw_path") or request.url.path.encode()
-        upstream_request = client.build_request(
-            request.method, raw_path.decode("latin-1"), params=request.query_params,
-            headers=_forwarded(request), content=content,
+        upstream_request = client.request(
+            request.method, raw_path.decode("latin-1"), request.scope.get("query_string", b""),
+            _forwarded(request), content,
         )  # fmt: skip
         try:
-            answer = await client.send(upstream_request, stream=True)
+            answer = await client.send(upstream_request)
         except httpx2.HTTPError as exc:
             logged(started, 502, error=type(exc).__name__, **where)
             return _unreachable(exc)
@@ -459,12 +459,10 @@ async def _drained(states: SessionStates, *, force: bool = False) -> None:
         get_logger().error("store.spool_failed", error=type(exc).__name__)
 
 
-async def _send_as_is(client: httpx2.AsyncClient, request: Request, raw: bytes) -> httpx2.Response:
+async def _send_as_is(client: Upstream, request: Request, raw: bytes) -> httpx2.Response:
     """The client's request upstream unchanged (its conversation's state cannot be read)."""
-    upstream_request = client.build_request(
-        "POST", _MESSAGES, params=request.query_params, headers=_forwarded(request), content=raw
-    )
-    return await client.send(upstream_request, stream=True)
+    query = request.scope.get("query_string", b"")
+    return await client.send(client.request("POST", _MESSAGES, query, _forwarded(request), raw))
 
 
 def _ended(
@@ -482,17 +480,15 @@ def _settled(response: Response, session: WireSession) -> Response:
 
 
 async def _send(
-    client: httpx2.AsyncClient, request: Request, session: WireSession, content: bytes
+    client: Upstream, request: Request, session: WireSession, content: bytes
 ) -> httpx2.Response:
     """The prepared request upstream, with the beta header a stage asked for."""
     report = session.ctx.report
     headers = _forwarded(request)
     if report.betas:
         headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
-    upstream_request = client.build_request(
-        "POST", _MESSAGES, params=request.query_params, headers=headers, content=content
-    )
-    return await client.send(upstream_request, stream=True)
+    query = request.scope.get("query_string", b"")
+    return await client.send(client.request("POST", _MESSAGES, query, headers, content))
 
 
 def _forwarded(request: Request) -> dict[str, str]:
