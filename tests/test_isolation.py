@@ -399,9 +399,10 @@ def test_a_cookie_the_upstream_sets_never_goes_with_another_clients_request(
             return ScriptError(429, "rate_limit_error", "slow down", {"set-cookie": "lb=A; Path=/"})
         return text_reply(body)
 
-    with ScriptedMessagesServer(script) as server, proxy(
-        server.base_url, tmp_path, lambda: Pipeline(default_stages())
-    ) as url:
+    with (
+        ScriptedMessagesServer(script) as server,
+        proxy(server.base_url, tmp_path, lambda: Pipeline(default_stages())) as url,
+    ):
         for key in ("sk-ant-A", "sk-ant-B"):
             raw = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
             with contextlib.suppress(anthropic.RateLimitError):

@@ -1,6 +1,7 @@
 """The proxy's request path does only what a request needs: records written before it goes on,
-made durable once per call after the response has gone by; request bodies read and written
-by the fast JSON codec, with the standard library's behaviour wherever the two would differ."""
+made durable after the response has gone by (the calls that end together in one group);
+request bodies read and written by the fast JSON codec, with the standard library's behaviour
+wherever the two would differ."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline.dropin.adapter import RESPONSE_RECORD
+from pipeline.dropin.conversations import SESSION_HEADER as SESSION
 from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.transcript.read import load_transcript
 from pipeline.transcript.writer import TranscriptPathError, TranscriptWriter
@@ -207,6 +209,52 @@ def test_a_call_that_fails_upstream_still_makes_its_records_durable(
         while "decisions.jsonl" not in synced and time.monotonic() < deadline:
             time.sleep(0.02)
     assert "decisions.jsonl" in synced  # the persist's record, made durable after the 502
+
+
+def test_calls_that_end_together_are_made_durable_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two conversations call back to back: their records are synced in groups (each file once
+    per group, fewer syncs than calls), and what the last group left is synced by the
+    shutdown -- each file's last sync covers all it holds."""
+    synced: list[tuple[str, int]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith("decisions.jsonl"):
+            synced.append((path, os.fstat(fd).st_size))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    calls = 0
+    with (
+        ScriptedMessagesServer(_ok) as up,
+        proxy(up.base_url, tmp_path, lambda: Pipeline(default_stages())) as url,
+    ):
+        clients = [
+            anthropic.Anthropic(
+                base_url=url, api_key="k", max_retries=0, default_headers={SESSION: name}
+            )
+            for name in ("a", "b")
+        ]
+        history = _conversation(100)
+        for _ in range(15):
+            history = [
+                *history,
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "on"},
+            ]
+            for client in clients:
+                client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+                calls += 1
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    files = {path for path, _ in synced}
+    assert len(files) == 2
+    assert len(synced) < calls  # grouped: per call, it was one each
+    for path in files:
+        last = max(size for p, size in synced if p == path)
+        assert last == os.path.getsize(path)  # the shutdown synced what the last group left
 
 
 def free_port_url() -> str:

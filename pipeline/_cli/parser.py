@@ -232,8 +232,9 @@ def _add_proxy_parser(sub: Any) -> None:
         "--fsync-each",
         action="store_true",
         help="make each record of a local --store durable (fsync) before going on; by "
-        "default records are written at once and made durable once per call, after its "
-        "response (a power loss in that moment may lose the last call's)",
+        "default records are written at once and made durable within 0.1 s of the call's "
+        "response, the calls that end together at once (a power loss in that moment may "
+        "lose those calls' records)",
     )
     retention = proxy_p.add_argument_group(
         "retention",

@@ -51,6 +51,7 @@ from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.dropin.calibration import CalibrationSaves
 from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
+from pipeline.dropin.group_sync import GroupSync
 from pipeline.dropin.inheritance import FORK_RECORD, Inherited
 from pipeline.gate import describe_error
 from pipeline.kept_list import first_unequal
@@ -614,17 +615,23 @@ class WireSession:
         if state is not None:
             await anyio.to_thread.run_sync(self._saves.write, state)
 
-    async def settle(self) -> None:
+    async def settle(self, group: GroupSync | None = None) -> None:
         """Make what this session wrote so far durable, off the response's path: its records
         (a local store opened with ``fsync_each=False``: one ``fsync`` for the call's appends)
         and the token calibration (:mod:`pipeline.dropin.calibration`); and, on an object
         store, write what its spool holds (results persisted while it was down) and the
         call's records as a snapshot (:mod:`pipeline.store.object_snapshots`). Nothing to do
         on a local store whose appends were each durable. A failure is logged, never raised
-        (the response has gone)."""
+        (the response has gone). ``group``: when the records' ``fsync`` is all there is to
+        do, it joins that group's (:mod:`pipeline.dropin.group_sync`) and this returns."""
         if not self._settles:
             return
-        state = self._saves.due() if self.storage.sync is not None else None
+        storage = self.storage
+        state = self._saves.due() if storage.sync is not None else None
+        only_sync = state is None and storage.drain is None and storage.compact is None
+        if group is not None and only_sync:
+            group.add(self._sync_records)
+            return
         await anyio.to_thread.run_sync(self._settled, state)
 
     def settle_sync(self) -> None:
@@ -639,8 +646,9 @@ class WireSession:
         storage = self.storage
         return not (storage.sync is None and storage.drain is None and storage.compact is None)
 
-    def _settled(self, calibration: Mapping[str, Any] | None) -> None:
-        sync, drain = self.storage.sync, self.storage.drain
+    def _sync_records(self) -> None:
+        """Make the records appended so far durable (blocking); a failure is logged."""
+        sync = self.storage.sync
         if sync is not None:
             try:
                 sync()
@@ -648,6 +656,10 @@ class WireSession:
                 self.ctx.logger.error(
                     "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
                 )
+
+    def _settled(self, calibration: Mapping[str, Any] | None) -> None:
+        drain = self.storage.drain
+        self._sync_records()
         if calibration is not None:  # an estimate, not a decision: no fsync
             self._saves.write(calibration, durable=False)
         if drain is not None:

@@ -58,6 +58,7 @@ from starlette.routing import Route
 from pipeline.core import Pipeline
 from pipeline.dropin.adapter import WireSession
 from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
+from pipeline.dropin.group_sync import GroupSync
 from pipeline.dropin.limits import MAX_BODY_BYTES, MAX_UPSTREAM_CONNECTIONS, UPSTREAM_TIMEOUT
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.relay import relay as _relay
@@ -150,9 +151,10 @@ def build_app(
     ``max_held``). ``max_upstream_connections``: how many upstream calls run at once (one
     more waits for one to end, within ``upstream_timeout``). ``fsync_each``: how a local
     store's records are made durable -- False (default): each is written before the proxy goes
-    on (a crash of the process loses none) and the call's are synced once, after its response
-    has gone by (off the request's path; a machine that loses power in that moment may lose
-    the last call's); True: each before the proxy goes on. An object store's are always
+    on (a crash of the process loses none) and the call's are synced after its response has
+    gone by, with those of the calls that end within 0.1 s (off the request's path:
+    :mod:`pipeline.dropin.group_sync`; a machine that loses power in that moment may lose those
+    calls' records); True: each before the proxy goes on. An object store's are always
     written before the response ends. ``long_pass``: a conversation's first pass in this
     process (one the proxy meets first, a session resumed after a restart: ~0.1 s of CPU at
     1,000 messages) over at least this many messages runs on an event loop of its own in a
@@ -182,6 +184,8 @@ def build_app(
     if states.shared:  # the object store's client is bound to the server's loop
         long_pass = None
     long_passes = LongPasses()
+    # a local store's records made durable for many calls at once (pipeline.dropin.group_sync)
+    synced = GroupSync()
     conversations = Conversations(
         pipeline=pipeline,
         root=root,
@@ -357,7 +361,7 @@ def build_app(
                         call_request.end(status=400, error="invalid_request_error")
                         logged(started, 400, error="invalid_request_error")
                         refusal = _error(400, "invalid_request_error", str(exc)[:300])
-                        return _settled(refusal, session)
+                        return _settled(refusal, session, synced)
                     merged = merge_request_fields(prepared, session.ctx.report.request_extras)
                     content = sent.write(branch.key, merged, fast=fast)
                     call_request.prepared(
@@ -372,11 +376,11 @@ def build_app(
                     failed = _unreachable(exc)
                     call_request.end(status=failed.status_code, error=type(exc).__name__)
                     metrics.request(status=failed.status_code, seconds=time.monotonic() - started)
-                    return _settled(failed, session)
+                    return _settled(failed, session, synced)
                 if upstream_response is None:  # the call was cancelled with it
                     call_request.end(status=499, error="client_disconnected")
                     metrics.request(status=499, seconds=time.monotonic() - started)
-                    return _settled(Response(status_code=499), session)
+                    return _settled(Response(status_code=499), session, synced)
                 call_request.answered(upstream_response.status_code)
             done = functools.partial(
                 _ended, call_request, metrics, started, upstream_response.status_code
@@ -387,7 +391,7 @@ def build_app(
                 call,
                 call_request,
                 end=done,
-                after=session.settle,
+                after=functools.partial(session.settle, synced),
                 logger=logger,
             )
         raise AssertionError("unreachable: the last attempt always sends")
@@ -432,8 +436,10 @@ def build_app(
                 tasks.start_soon(task)
             if states.spool is not None:
                 tasks.start_soon(drain_spool)
+            tasks.start_soon(synced.run)
             yield
             tasks.cancel_scope.cancel()
+        await synced.flush()  # the last calls' records
         await client.aclose()  # graceful shutdown: the server has drained its requests
         for branch in conversations.branches():  # what they learned since their last save
             await branch.session.save_calibration()
@@ -472,10 +478,10 @@ def _ended(
     metrics.request(status=status, seconds=time.monotonic() - started)
 
 
-def _settled(response: Response, session: WireSession) -> Response:
+def _settled(response: Response, session: WireSession, group: GroupSync) -> Response:
     """``response``, the session's records made durable once it has gone (what the pass
     wrote before the call failed: :meth:`~pipeline.dropin.adapter.WireSession.settle`)."""
-    response.background = BackgroundTask(session.settle)
+    response.background = BackgroundTask(session.settle, group)
     return response
 
 

@@ -630,7 +630,7 @@ def main() -> int:
             memory = Path("/dev/shm")
             if memory.is_dir() and os.access(memory, os.W_OK):
                 # the same proxy with its store where an fsync costs nothing: what the disk's
-                # durability costs a request (records are made durable once per call)
+                # durability costs a request (records are made durable in groups, after the calls)
                 shm = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=memory)))
                 loads["proxy (tmpfs store)"] = stack.enter_context(
                     proxy_command(upstream, shm / "p")
