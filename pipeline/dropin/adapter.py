@@ -35,11 +35,10 @@ which conversation a request belongs to is :mod:`pipeline.dropin.conversations`'
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import threading
 import uuid
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,18 +52,24 @@ from pipeline.dropin.calibration import CalibrationSaves
 from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
 from pipeline.dropin.group_sync import GroupSync
 from pipeline.dropin.inheritance import FORK_RECORD, Inherited
-from pipeline.gate import describe_error
+from pipeline.dropin.session_log import (
+    RESPONSE_RECORD,
+    carried_records,
+    decisions,
+    expand,
+    holds_fork,
+    rebuild,
+    response_record,
+    responses_in,
+)
+from pipeline.dropin.session_writes import SessionWrites
 from pipeline.kept_list import first_unequal
-from pipeline.logs import get_logger
 from pipeline.messages import Message, Usage, usage_compacted
 from pipeline.replacement import (
     DECIDED_RECORD_STAGE,
     ReplacementRecord,
-    ReplacementState,
     answered_results,
-    decided_in,
     decided_record,
-    tool_use_id_of,
 )
 from pipeline.spans import content_safe_span
 from pipeline.store.files import validate_session_id
@@ -72,7 +77,7 @@ from pipeline.store.records import append_where_it_belongs
 from pipeline.store.sessions import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
-from pipeline.transcript.read import StageRecord, Transcript
+from pipeline.transcript.read import Transcript
 from pipeline.wire.cache import WireCache
 from pipeline.wire.caching import add_cache_breakpoint
 from pipeline.wire.digests import chain_of, opening_digest
@@ -98,10 +103,6 @@ Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
 
 REPLACEMENT_RECORD = "content-replacement"
 """What a failure to append replacement records is logged as (the transcript's own type)."""
-
-RESPONSE_RECORD = "wire_session.response"
-"""The stage record of an observed response: where its answer stands, its id and usage, and
-the digests of the request's messages from where they changed (``chain_from``, ``chain``)."""
 
 
 class _Load(enum.Enum):
@@ -181,7 +182,9 @@ class WireSession:
             )
             self.chain = list(inherited.chain)
         elif loaded is not None:
-            loaded = self._expand(loaded)
+            expanded = expand(loaded, self.session_id)
+            loaded, self.chain, self._served = expanded.transcript, expanded.chain, expanded.served
+            self._disk_chain = list(self.chain)
         else:
             # a conversation new to the store: its first request may hold results the model
             # answered after (a client's history from before this layer): rebuilt by where
@@ -205,14 +208,11 @@ class WireSession:
         """Held by a synchronous caller around each call's pass and observation (threads of
         one client may share a conversation)."""
         self._observing = anyio.Lock(fast_acquire=True)
-        self._saves = CalibrationSaves(
-            self._calibration, lambda: self.ctx.token_tracker.state_dict()
-        )
-        """When the token calibration is written (:mod:`pipeline.dropin.calibration`)."""
+        saves = CalibrationSaves(self._calibration, lambda: self.ctx.token_tracker.state_dict())
+        self.writes = SessionWrites(self.storage, saves, self.ctx)
+        """What it writes and makes durable (:mod:`pipeline.dropin.session_writes`)."""
         self._restored: Transcript | None = loaded
-        self._responses: dict[int, tuple[str, Usage | None]] = {}
-        if loaded is not None:
-            self._restore_responses(loaded.stage_records)
+        self._responses = responses_in(loaded.stage_records) if loaded is not None else {}
         self._params: list[Any] = []
         self._records: list[Message] = []
         self._first_new = 0
@@ -275,76 +275,11 @@ class WireSession:
         return storage
 
     # -- records ------------------------------------------------------------------------------
-    def _expand(self, loaded: Transcript) -> Transcript:
-        """``loaded`` with what a fork record in it inherited put first, and the chain of the
-        messages it recorded sending (the fork record's, then its own calls')."""
-        records = loaded.stage_records
-        fork = next((r.data for r in records if r.stage == FORK_RECORD), None)
-        if fork is None:  # its own record could not be written: a response record carries it
-            fork = next(
-                (
-                    r.data["fork"]
-                    for r in records
-                    if r.stage == RESPONSE_RECORD and isinstance(r.data.get("fork"), Mapping)
-                ),
-                None,
-            )
-        own = [r for r in records if r.stage != FORK_RECORD]
-        self._served = any(r.stage == RESPONSE_RECORD for r in own)
-        if fork is not None:
-            got, problems = Inherited.from_record(fork)
-            if problems:
-                get_logger(session_id=self.session_id).warning(
-                    "wire_session.record_unreadable", record=FORK_RECORD, parts=problems[:20]
-                )
-            loaded = dataclasses.replace(
-                loaded,
-                replacement_records=[*got.replacement_records, *loaded.replacement_records],
-                stage_records=[*got.stage_records, *own],
-            )
-            self.chain = list(got.chain)
-        else:
-            loaded = dataclasses.replace(loaded, stage_records=own)
-        for record in own:
-            if record.stage == RESPONSE_RECORD:
-                self._restore_chain(record.data)
-        self._disk_chain = list(self.chain)
-        return loaded
-
-    def _restore_chain(self, data: Mapping[str, Any]) -> None:
-        start, digests = data.get("chain_from"), data.get("chain")
-        if not isinstance(start, int) or isinstance(start, bool) or not isinstance(digests, list):
-            return
-        if not 0 <= start <= len(self.chain):
-            return
-        parsed = []
-        for text in digests:
-            try:
-                parsed.append(bytes.fromhex(text))
-            except (ValueError, TypeError):
-                break  # what follows a bad link cannot be placed
-        self.chain[start:] = parsed
-
     def routed(self, messages: Sequence[Any], chain: list[bytes]) -> None:
         """The digests of ``messages`` as the router computed them
         (:mod:`pipeline.dropin.conversations`):
         when those very messages are prepared next, they are not digested again."""
         self._routed = (messages, chain)
-
-    def _restore_responses(self, records: Iterable[StageRecord]) -> None:
-        for record in records:
-            if record.stage == RESPONSE_RECORD:
-                self._restore_response(record.data)
-
-    def _restore_response(self, data: Mapping[str, Any]) -> None:
-        index, rid, usage = data.get("index"), data.get("id"), data.get("usage")
-        if not isinstance(index, int) or not isinstance(rid, str):
-            return
-        try:
-            parsed = Usage.from_mapping(usage) if isinstance(usage, Mapping) else None
-        except ValueError:
-            parsed = None
-        self._responses[index] = (rid, parsed)
 
     # -- a conversation that goes another way ------------------------------------------------
     def inherit(self, at: int, results: Collection[str] | None = None) -> Inherited:
@@ -361,19 +296,7 @@ class WireSession:
         stage_records, responses = list(self.ctx.stage_records), dict(self._responses)
         tracker = self.ctx.token_tracker.state_dict()
         records, seen = self.decisions_on(results)
-        kept = [
-            r
-            for r in stage_records
-            if r.stage not in (FORK_RECORD, RESPONSE_RECORD, DECIDED_RECORD_STAGE)
-        ]
-        if seen:
-            kept.append(StageRecord(DECIDED_RECORD_STAGE, decided_record(seen)))
-        for index in sorted(i for i in responses if i < at):
-            rid, usage = responses[index]
-            data: dict[str, Any] = {"index": index, "id": rid}
-            if usage is not None:
-                data["usage"] = usage.to_mapping()
-            kept.append(StageRecord(RESPONSE_RECORD, data))
+        kept = carried_records(stage_records, responses, seen, at)
         return Inherited(self.session_id, at, records, kept, self.chain[:at], tracker)
 
     def decisions_on(
@@ -383,31 +306,7 @@ class WireSession:
         all): their replacement records, and the keys of those it sent whole. Each lookup is
         one step, whatever another thread does; with ``results``, only those are looked up
         (never a copy of the whole ledger)."""
-        restored = self._restored
-        if restored is not None:  # loaded, not yet rebuilt: its records are the ledger
-            records = list(restored.replacement_records)
-            seen = decided_in(restored.stage_records)
-        else:
-            state = self.ctx.replacement_state
-            if results is None:
-                replacements, seen = dict(state.replacements), set(state.seen_ids)
-            else:
-                ids = {tool_use_id_of(k) for k in results}
-                # a ledger rebuilt from records without digests holds bare ids
-                asked = {*results, *ids, *(f"{i}#" for i in ids)}
-                replacements = {k: t for k in asked if (t := state.replacements.get(k)) is not None}
-                seen = {k for k in results if k in state.seen_ids}
-            records = [
-                ReplacementRecord(tid, text, digest=key[len(tid) + 1 :] or None)
-                for key, text in replacements.items()
-                for tid in (tool_use_id_of(key),)
-            ]
-        if results is not None:
-            keep = set(results)
-            ids = {tool_use_id_of(k) for k in keep}
-            records = [r for r in records if (r.key in keep if r.digest else r.tool_use_id in ids)]
-            seen &= keep
-        return records, seen
+        return decisions(self._restored, self.ctx.replacement_state, results)
 
     def _write_pending(self) -> None:
         """Make this session's log whole on its own before anything else goes into it: the
@@ -422,16 +321,15 @@ class WireSession:
             found = self.storage.load()
         except OSError:
             found = None
-        if found is not None and _holds_fork(found):  # another worker made it: its records win
-            current = self.chain
-            self._restored = self._expand(found)
+        if found is not None and holds_fork(found):  # another worker made it: its records win
+            expanded = expand(found, self.session_id)
+            self._restored, self._disk_chain = expanded.transcript, expanded.chain
+            self._served = expanded.served
             self.ctx.stage_records = list(self._restored.stage_records)
-            self._responses.clear()
-            self._restore_responses(self._restored.stage_records)
-            self.chain = current
+            self._responses = responses_in(self._restored.stage_records)
             self._pending = None
             return
-        if not self._appended(FORK_RECORD, pending.to_record()):
+        if not self.writes.appended(FORK_RECORD, pending.to_record()):
             return
         self._pending = None
         self._disk_chain = list(pending.chain)
@@ -454,7 +352,7 @@ class WireSession:
                 restored = self._restored
                 if restored is not None:
                     # off the event loop: a long conversation's records are many
-                    state, placed = await anyio.to_thread.run_sync(_rebuild, records, restored)
+                    state, placed = await anyio.to_thread.run_sync(rebuild, records, restored)
                     self.ctx.replacement_state = state
                     self._restored = None
                     if placed:
@@ -505,12 +403,12 @@ class WireSession:
         state.seen_ids |= whole
         if adopted:
             await append_where_it_belongs(
-                self.ctx.transcript, self._appended, REPLACEMENT_RECORD, adopted
+                self.ctx.transcript, self.writes.appended, REPLACEMENT_RECORD, adopted
             )
         if whole:
             data = decided_record(sorted(whole))
             await append_where_it_belongs(
-                self.ctx.transcript, self._appended, DECIDED_RECORD_STAGE, data
+                self.ctx.transcript, self.writes.appended, DECIDED_RECORD_STAGE, data
             )
 
     def request_span(
@@ -582,9 +480,8 @@ class WireSession:
                 self._written(data, chain)
             if parsed is not None:
                 self._learn(parsed, model, compacted=usage_compacted(usage or {}))
-                self._saves.learned()
-                if self.storage.sync is None and (state := self._saves.due()):
-                    self._saves.write(state)  # a new process starts warm
+                if state := self.writes.learned():
+                    self.writes.saves.write(state)  # a new process starts warm
 
     async def observe_async(
         self,
@@ -603,17 +500,14 @@ class WireSession:
                 self._written(data, chain)
         if parsed is not None:
             self._learn(parsed, model, compacted=usage_compacted(usage or {}))
-            self._saves.learned()  # written by settle(), after the response, if local
-            if self.storage.sync is None and (state := self._saves.due()):
-                await anyio.to_thread.run_sync(self._saves.write, state)
+            if state := self.writes.learned():  # else written by settle(), if local
+                await anyio.to_thread.run_sync(self.writes.saves.write, state)
 
     async def save_calibration(self) -> None:
         """Write the token calibration now if it learned since its last write (a worker
         thread writes it). For a server shutting down or a conversation loaded again: writes
         are spaced :data:`~pipeline.dropin.calibration.CALIBRATION_EVERY` apart otherwise."""
-        state = self._saves.due(now=True)
-        if state is not None:
-            await anyio.to_thread.run_sync(self._saves.write, state)
+        await self.writes.save_calibration()
 
     async def settle(self, group: GroupSync | None = None) -> None:
         """Make what this session wrote so far durable, off the response's path: its records
@@ -624,54 +518,11 @@ class WireSession:
         on a local store whose appends were each durable. A failure is logged, never raised
         (the response has gone). ``group``: when the records' ``fsync`` is all there is to
         do, it joins that group's (:mod:`pipeline.dropin.group_sync`) and this returns."""
-        if not self._settles:
-            return
-        storage = self.storage
-        state = self._saves.due() if storage.sync is not None else None
-        only_sync = state is None and storage.drain is None and storage.compact is None
-        if group is not None and only_sync:
-            group.add(self._sync_records)
-            return
-        await anyio.to_thread.run_sync(self._settled, state)
+        await self.writes.settle(group)
 
     def settle_sync(self) -> None:
         """:meth:`settle`, blocking (the synchronous client's path)."""
-        if not self._settles:
-            return
-        state = self._saves.due() if self.storage.sync is not None else None
-        self._settled(state)
-
-    @property
-    def _settles(self) -> bool:
-        storage = self.storage
-        return not (storage.sync is None and storage.drain is None and storage.compact is None)
-
-    def _sync_records(self) -> None:
-        """Make the records appended so far durable (blocking); a failure is logged."""
-        sync = self.storage.sync
-        if sync is not None:
-            try:
-                sync()
-            except OSError as exc:
-                self.ctx.logger.error(
-                    "stage_record.sync_failed", error=type(exc).__name__, detail=describe_error(exc)
-                )
-
-    def _settled(self, calibration: Mapping[str, Any] | None) -> None:
-        drain = self.storage.drain
-        self._sync_records()
-        if calibration is not None:  # an estimate, not a decision: no fsync
-            self._saves.write(calibration, durable=False)
-        if drain is not None:
-            try:
-                drain()
-            except OSError as exc:  # the local spool itself failed: its results wait on
-                self.ctx.logger.error("store.spool_failed", error=type(exc).__name__)
-        if self.storage.compact is not None:
-            try:
-                self.storage.compact()
-            except OSError as exc:  # a cache: a worker new to the conversation reads records
-                self.ctx.logger.warning("records.snapshot_failed", error=type(exc).__name__)
+        self.writes.settle_sync()
 
     def _response(
         self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None
@@ -681,19 +532,13 @@ class WireSession:
         parsed = Usage.from_mapping(usage) if usage is not None else None
         call = call or self.last_call or Call(len(self._params), tuple(self.chain))
         self._responses[call.index] = (response_id, parsed)
-        data: dict[str, Any] = {"index": call.index, "id": response_id}
-        if usage is not None:
-            data["usage"] = dict(usage)
-        if self._pending is not None:
-            # the fork record could not be written: this record carries what it holds
-            data["fork"] = self._pending.to_record()
         chain, disk = list(call.chain), self._disk_chain
-        start = _shared_start(chain, disk)
-        if start < len(chain) or start < len(disk):
-            # the messages this conversation sent, from where the records differ: for a new
-            # process or another worker to place its requests (see pipeline.dropin.conversations)
-            data["chain_from"] = start
-            data["chain"] = [c.hex() for c in chain[start:]]
+        start: int | None = _shared_start(chain, disk)
+        if start == len(chain) == len(disk):
+            start = None  # the records hold this very chain
+        # the fork record could not be written: this record carries what it holds
+        fork = self._pending.to_record() if self._pending is not None else None
+        data = response_record(call.index, response_id, usage, chain, start, fork)
         return parsed, data, chain
 
     def _written(self, data: Mapping[str, Any], chain: list[bytes]) -> None:
@@ -704,29 +549,7 @@ class WireSession:
     def _append_response(self, data: dict[str, Any]) -> bool:
         """Whether the record was written (a failure is logged: the response was delivered;
         only another worker or a new process would miss its id and usage)."""
-        return self._appended(RESPONSE_RECORD, data)
-
-    def _appended(self, stage: str, data: Mapping[str, Any] | Sequence[ReplacementRecord]) -> bool:
-        """Append a stage record, or (``stage`` :data:`REPLACEMENT_RECORD`) replacement
-        records (blocking); whether it was written. A failure is logged
-        (``stage_record.write_failed``, which one without content), never raised."""
-        transcript = self.ctx.transcript
-        if transcript is None:
-            return False
-        try:
-            if isinstance(data, Mapping):
-                transcript.append_stage_record(stage, data)
-            else:
-                transcript.append_replacements(data)
-        except OSError as exc:
-            self.ctx.logger.error(
-                "stage_record.write_failed",
-                stage=stage,
-                error=type(exc).__name__,
-                detail=describe_error(exc),
-            )
-            return False
-        return True
+        return self.writes.appended(RESPONSE_RECORD, data)
 
     def _learn(self, usage: Usage, model: str, *, compacted: bool) -> None:
         self.ctx.token_tracker.observe(
@@ -782,31 +605,3 @@ def _shared_start(a: Sequence[Any], b: Sequence[Any]) -> int:
     slice comparisons finds it (:func:`~pipeline.kept_list.first_unequal`)."""
     same = first_unequal(a, b)
     return min(len(a), len(b)) if same is None else same
-
-
-def _rebuild(records: Sequence[Message], restored: Transcript) -> tuple[ReplacementState, set[str]]:
-    """A new process's ledger, or a conversation's that went another way: from the recorded
-    decisions and this request's history -- all of them, also on results it does not hold (a
-    retry of an earlier one): each applies only to its own output. And the results it counts
-    as sent whole only by where they stand (the model answered after them), to be recorded as
-    decided: a later request that holds one last (a retry of an earlier one, after another
-    restart) must not decide it again."""
-    decided = decided_in(restored.stage_records)
-    state = ReplacementState.reconstruct(
-        records, restored.replacement_records, decided=decided, keep_absent=True
-    )
-    return state, state.seen_ids - decided - state.replacements.keys()
-
-
-def _holds_fork(loaded: Transcript) -> bool:
-    """Whether a log holds what a branch inherited (its fork record, or a response record that
-    carries it)."""
-    return any(
-        r.stage == FORK_RECORD or (r.stage == RESPONSE_RECORD and "fork" in r.data)
-        for r in loaded.stage_records
-    )
-
-
-def _index_of(data: Mapping[str, Any]) -> int:
-    index = data.get("index")
-    return index if isinstance(index, int) and not isinstance(index, bool) else -1
