@@ -21,8 +21,8 @@ import pytest
 from pipeline import Pipeline
 from pipeline._cli.proxy_cmd import SERVER_GC_THRESHOLDS, server_collector
 from pipeline.core import FunctionStage
-from pipeline.dropin.proxy import _unless_left
 from pipeline.dropin.relay import relay
+from pipeline.dropin.upstream import unless_left
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.wire_support import TAG, proxy
@@ -168,7 +168,7 @@ async def _answer_late() -> str:
 
 def test_a_client_gone_while_its_call_is_upstream_cancels_the_call() -> None:
     async def run() -> Any:
-        return await _unless_left(_Receives(0.01), _answer_late())  # type: ignore[arg-type]
+        return await unless_left(_Receives(0.01).receive, _answer_late())  # type: ignore[arg-type]
 
     started = time.monotonic()
     assert asyncio.run(run()) is None
@@ -177,7 +177,7 @@ def test_a_client_gone_while_its_call_is_upstream_cancels_the_call() -> None:
 
 def test_a_receive_that_fails_is_raised_not_taken_for_a_client_gone() -> None:
     async def run() -> Any:
-        return await _unless_left(_Receives(0.01, broken=True), _answer_late())  # type: ignore[arg-type]
+        return await unless_left(_Receives(0.01, broken=True).receive, _answer_late())  # type: ignore[arg-type]
 
     with pytest.raises(RuntimeError, match="receive broke"):
         asyncio.run(run())
@@ -190,7 +190,7 @@ def test_a_cancel_swallowed_before_is_not_the_watchs_to_take_back() -> None:
         me.cancel()
         with contextlib.suppress(asyncio.CancelledError):  # swallowed, never taken back
             await asyncio.sleep(1)
-        return await _unless_left(_Receives(0.01), _answer_late())  # type: ignore[arg-type]
+        return await unless_left(_Receives(0.01).receive, _answer_late())  # type: ignore[arg-type]
 
     assert asyncio.run(run()) is None
 
@@ -218,8 +218,8 @@ def test_under_another_backend_the_watch_is_a_task_group() -> None:
         return "answer"
 
     async def run() -> tuple[Any, Any]:
-        gone = await _unless_left(Leaves(), late())  # type: ignore[arg-type]
-        answered = await _unless_left(Stays(), soon())  # type: ignore[arg-type]
+        gone = await unless_left(Leaves().receive, late())  # type: ignore[arg-type]
+        answered = await unless_left(Stays().receive, soon())  # type: ignore[arg-type]
         return gone, answered
 
     assert anyio.run(run, backend="trio") == (None, "answer")

@@ -36,7 +36,6 @@ upstream as the client sent it (``wire_session.load_failed``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import os
@@ -64,7 +63,7 @@ from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.relay import relay as _relay
 from pipeline.dropin.sync_passes import LongPasses
 from pipeline.dropin.tenancy import Tenancy
-from pipeline.dropin.upstream import Upstream
+from pipeline.dropin.upstream import Upstream, unless_left
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.logs import get_logger
 from pipeline.store.sessions import SessionStates
@@ -315,8 +314,8 @@ def build_app(
             except OSError as exc:  # its state cannot be read: the request goes as it came
                 logger.warning("wire_session.load_failed", error=type(exc).__name__)
                 try:
-                    upstream_response = await _unless_left(
-                        request, _send_as_is(client, request, raw)
+                    upstream_response = await unless_left(
+                        request.receive, _send_as_is(client, request, raw)
                     )
                 except httpx2.HTTPError as exc:
                     failed = _unreachable(exc)
@@ -369,8 +368,8 @@ def build_app(
                     )
             with call_request.active():
                 try:
-                    upstream_response = await _unless_left(
-                        request, _send(client, request, session, content)
+                    upstream_response = await unless_left(
+                        request.receive, _send(client, request, session, content)
                     )
                 except httpx2.HTTPError as exc:
                     failed = _unreachable(exc)
@@ -499,81 +498,6 @@ async def _send(
 
 def _forwarded(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
-
-
-async def _unless_left(
-    request: Request, send: Coroutine[Any, Any, httpx2.Response]
-) -> httpx2.Response | None:
-    """The upstream's answer to ``send``, or None when the client went away first (the call
-    is then cancelled: its connection closed, nothing left running for nobody). The body was
-    read: what the client's side says next can only be that it left."""
-    try:
-        me = asyncio.current_task()
-    except RuntimeError:  # not asyncio (uvicorn serves on asyncio; an ASGI test may not)
-        me = None
-    if me is None:
-        return await _unless_left_anyio(request, send)
-    left = False
-    failed: Exception | None = None
-    cancels = me.cancelling()  # those from before are not the watch's to take back
-
-    async def watch() -> None:
-        nonlocal left, failed
-        try:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-        except Exception as exc:  # raised here, as the task group would
-            failed = exc
-        left = True
-        me.cancel()
-
-    # a bare task cancelling this one, as asyncio.timeout does: a task group and its cancel
-    # scope cost ~0.1 ms a request (anyio formats the task's repr on every cancel)
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        answer = await send
-    except asyncio.CancelledError:
-        if not left or me.uncancel() > cancels:  # cancelled from elsewhere too: that goes on
-            raise
-        if failed is not None:
-            raise failed from None
-        return None
-    except Exception:
-        if not left:
-            raise
-        me.uncancel()  # the call failed of its cancellation: the client is gone
-        if failed is not None:
-            raise failed from None
-        return None
-    finally:
-        watcher.cancel()
-    if left:  # the call swallowed the cancellation: take it back
-        me.uncancel()
-    return answer
-
-
-async def _unless_left_anyio(
-    request: Request, send: Coroutine[Any, Any, httpx2.Response]
-) -> httpx2.Response | None:
-    """:func:`_unless_left` on any backend anyio runs on."""
-    answer: httpx2.Response | None = None
-    failed: Exception | None = None
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        tasks.cancel_scope.cancel()
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(watch)
-        try:
-            answer = await send
-        except Exception as exc:  # raised as it is, not in the task group's exception group
-            failed = exc
-        tasks.cancel_scope.cancel()
-    if failed is not None:
-        raise failed
-    return answer
 
 
 def _unreachable(exc: httpx2.HTTPError) -> Response:

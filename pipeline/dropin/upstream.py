@@ -11,12 +11,18 @@ and its certificate settings (``SSL_CERT_FILE``) are honoured as ``httpx2`` hono
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Coroutine, Mapping
 from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import TYPE_CHECKING, Any
 
+import anyio
 import httpx2
 
-__all__ = ["Upstream"]
+if TYPE_CHECKING:
+    from starlette.types import Receive
+
+__all__ = ["Upstream", "unless_left"]
 
 ACCEPT_ENCODING = "gzip, deflate"
 """What the proxy accepts from the upstream (a client's own ``accept-encoding`` is the hop's:
@@ -76,3 +82,78 @@ class Upstream:
     async def aclose(self) -> None:
         """Close every connection (the server has drained its requests)."""
         await self._client.aclose()
+
+
+async def unless_left(
+    receive: Receive, send: Coroutine[Any, Any, httpx2.Response]
+) -> httpx2.Response | None:
+    """The upstream's answer to ``send``, or None when the client went away first (the call
+    is then cancelled: its connection closed, nothing left running for nobody). The body was
+    read: what the client's side says next can only be that it left."""
+    try:
+        me = asyncio.current_task()
+    except RuntimeError:  # not asyncio (uvicorn serves on asyncio; an ASGI test may not)
+        me = None
+    if me is None:
+        return await _unless_left_anyio(receive, send)
+    left = False
+    failed: Exception | None = None
+    cancels = me.cancelling()  # those from before are not the watch's to take back
+
+    async def watch() -> None:
+        nonlocal left, failed
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception as exc:  # raised here, as the task group would
+            failed = exc
+        left = True
+        me.cancel()
+
+    # a bare task cancelling this one, as asyncio.timeout does: a task group and its cancel
+    # scope cost ~0.1 ms a request (anyio formats the task's repr on every cancel)
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        answer = await send
+    except asyncio.CancelledError:
+        if not left or me.uncancel() > cancels:  # cancelled from elsewhere too: that goes on
+            raise
+        if failed is not None:
+            raise failed from None
+        return None
+    except Exception:
+        if not left:
+            raise
+        me.uncancel()  # the call failed of its cancellation: the client is gone
+        if failed is not None:
+            raise failed from None
+        return None
+    finally:
+        watcher.cancel()
+    if left:  # the call swallowed the cancellation: take it back
+        me.uncancel()
+    return answer
+
+
+async def _unless_left_anyio(
+    receive: Receive, send: Coroutine[Any, Any, httpx2.Response]
+) -> httpx2.Response | None:
+    """:func:`unless_left` on any backend anyio runs on."""
+    answer: httpx2.Response | None = None
+    failed: Exception | None = None
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        tasks.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(watch)
+        try:
+            answer = await send
+        except Exception as exc:  # raised as it is, not in the task group's exception group
+            failed = exc
+        tasks.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    return answer
