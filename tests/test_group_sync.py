@@ -7,6 +7,7 @@ import threading
 
 import anyio
 import pytest
+import structlog.testing
 
 from pipeline.dropin.group_sync import GroupSync
 
@@ -63,6 +64,28 @@ async def test_what_waits_when_the_server_stops_is_synced_by_flush() -> None:
     assert log.runs == [] and group.waiting == 1
     await group.flush()
     assert [n for n, _ in log.runs] == ["a"] and group.waiting == 0
+
+
+@pytest.mark.asyncio
+async def test_a_sync_that_raises_is_logged_and_the_others_go_on() -> None:
+    log, group = Synced(), GroupSync(window=0.01)
+
+    def broken() -> None:
+        raise RuntimeError("a broken sync")
+
+    with structlog.testing.capture_logs() as lines:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(group.run)
+            await anyio.sleep(0.01)
+            assert group.running
+            group.add(broken)
+            group.add(log.of("a"))
+            await anyio.sleep(0.1)
+            group.add(log.of("b"))  # the next group: the runner lives on
+            await anyio.sleep(0.1)
+            tasks.cancel_scope.cancel()
+    assert [n for n, _ in log.runs] == ["a", "b"] and not group.running
+    assert [(x["event"], x["error"]) for x in lines] == [("group_sync.failed", "RuntimeError")]
 
 
 def test_a_window_must_be_a_number_of_seconds() -> None:

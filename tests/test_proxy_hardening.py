@@ -225,7 +225,18 @@ class _Lines(logging.Handler):
         self.records.append(record)
 
 
-def test_a_double_encoded_dot_segment_reaches_the_upstream_still_encoded(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("target", "sent"),
+    [
+        ("/v1/%252e%252e/%252e%252e/admin", "/v1/%252e%252e/%252e%252e/admin"),  # never %2e
+        ("/v1/models?a=1&a=2&flag&q=%20x;y", "/v1/models?a=1&a=2&flag&q=%20x;y"),
+        ("/v1/models?a=1#frag", "/v1/models?a=1%23frag"),  # not a fragment cut off
+        ("/v1/files/f#1", "/v1/files/f%231"),
+    ],
+)
+def test_a_path_and_query_reach_the_upstream_as_the_client_wrote_them(
+    tmp_path: Path, target: str, sent: str
+) -> None:
     seen: list[str] = []
 
     class Upstream(CutUpstream):
@@ -238,10 +249,10 @@ def test_a_double_encoded_dot_segment_reaches_the_upstream_still_encoded(tmp_pat
     upstream = Upstream()
     try:
         with proxy(upstream.url, tmp_path, _budget) as url:
-            assert _raw_get(url, "/v1/%252e%252e/%252e%252e/admin") == 404
+            assert _raw_get(url, target) == 404
     finally:
         upstream.sock.close()
-    assert seen == ["/v1/%252e%252e/%252e%252e/admin"]  # never /v1/%2e%2e/%2e%2e/admin
+    assert seen == [sent]
 
 
 def test_only_a_path_whose_last_segments_are_v1_messages_is_a_messages_request(door: Any) -> None:

@@ -257,6 +257,44 @@ def test_calls_that_end_together_are_made_durable_together(
         assert last == os.path.getsize(path)  # the shutdown synced what the last group left
 
 
+def test_an_app_served_without_its_lifespan_syncs_each_call_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mounted in another app (whose lifespan does not run the proxy's), nothing groups the
+    syncs: each call's records are synced after it, as they were before groups."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("decisions.jsonl"):
+            synced.append("decisions")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with (
+        ScriptedMessagesServer(_ok) as up,
+        proxy(
+            up.base_url,
+            tmp_path,
+            lambda: Pipeline(default_stages()),
+            around=lambda app: Starlette(routes=[Mount("/", app)]),
+        ) as url,
+    ):
+        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+        history = _conversation(100)
+        for call in range(4):
+            history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "on"}]
+            client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 5
+            while len(synced) <= call and time.monotonic() < deadline:
+                time.sleep(0.01)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert len(synced) == 4
+
+
 def free_port_url() -> str:
     """An upstream nobody listens on."""
     with socket.socket() as s:

@@ -232,9 +232,9 @@ def _add_proxy_parser(sub: Any) -> None:
         "--fsync-each",
         action="store_true",
         help="make each record of a local --store durable (fsync) before going on; by "
-        "default records are written at once and made durable within 0.1 s of the call's "
-        "response, the calls that end together at once (a power loss in that moment may "
-        "lose those calls' records)",
+        "default records are written at once and made durable after the call's response, "
+        "with those of the calls that end within 0.1 s of it (a power loss in that moment "
+        "may lose those calls' records)",
     )
     retention = proxy_p.add_argument_group(
         "retention",

@@ -517,7 +517,8 @@ class WireSession:
         call's records as a snapshot (:mod:`pipeline.store.object_snapshots`). Nothing to do
         on a local store whose appends were each durable. A failure is logged, never raised
         (the response has gone). ``group``: when the records' ``fsync`` is all there is to
-        do, it joins that group's (:mod:`pipeline.dropin.group_sync`) and this returns."""
+        do and the group runs, it joins the group's (:mod:`pipeline.dropin.group_sync`) and
+        this returns."""
         await self.writes.settle(group)
 
     def settle_sync(self) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import anyio
 import anyio.to_thread
 
+from pipeline.logs import get_logger
+
 __all__ = ["GROUP_WINDOW", "GroupSync"]
 
 GROUP_WINDOW = 0.1
@@ -25,9 +27,11 @@ GROUP_WINDOW = 0.1
 
 class GroupSync:
     """Syncs run together, each once per group, at most ``window`` seconds after the first
-    was added. :meth:`run` is the task that does it, for the server's lifetime (one per
-    event loop); :meth:`flush` syncs what waits at once. A sync logs its own failure: one that
-    raises is the process's error."""
+    was added, one after another in one worker thread. :meth:`run` is the task that does it,
+    for the server's lifetime (one per event loop): while it does not run (an app served
+    without its lifespan), :attr:`running` is False and callers sync on their own.
+    :meth:`flush` syncs what waits at once. A sync that raises is logged
+    (``group_sync.failed``) and the others of its group run all the same."""
 
     def __init__(self, window: float = GROUP_WINDOW) -> None:
         if not window >= 0:  # NaN too
@@ -38,6 +42,8 @@ class GroupSync:
         equal to itself however often it is taken)."""
         self._wake: anyio.Event | None = None
         """Set when a sync is added: made by :meth:`run` (an event belongs to a loop)."""
+        self.running = False
+        """Whether :meth:`run` is running: what is added will be synced."""
         self.groups = 0
         """Groups synced so far."""
 
@@ -54,12 +60,16 @@ class GroupSync:
 
     async def run(self) -> None:
         """Sync the groups as they come, until cancelled."""
-        while True:
-            if not self._waiting:
-                self._wake = anyio.Event()
-                await self._wake.wait()
-            await anyio.sleep(self.window)
-            await self.flush()
+        self.running = True
+        try:
+            while True:
+                if not self._waiting:
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                await anyio.sleep(self.window)
+                await self.flush()
+        finally:
+            self.running = False
 
     async def flush(self) -> None:
         """Sync what waits now, in a worker thread (a cancellation waits for it to end)."""
@@ -71,4 +81,7 @@ class GroupSync:
 
 def _each(group: list[Callable[[], None]]) -> None:
     for sync in group:
-        sync()
+        try:
+            sync()
+        except Exception as exc:  # the group's other files, and the groups after, go on
+            get_logger().error("group_sync.failed", error=type(exc).__name__)

@@ -71,7 +71,7 @@ class SessionWrites:
         storage = self.storage
         state = self.saves.due() if storage.sync is not None else None
         only_sync = state is None and storage.drain is None and storage.compact is None
-        if group is not None and only_sync:
+        if group is not None and group.running and only_sync:
             group.add(self.sync_records)
             return
         await anyio.to_thread.run_sync(self._settled, state)

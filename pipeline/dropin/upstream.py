@@ -1,8 +1,9 @@
 """The proxy's way upstream (:class:`Upstream`): one HTTP client for every conversation and
 every API key, which therefore keeps no state of its own between requests.
 
-A request goes out with the client's headers (less the hop's own), its path under the
-upstream's base path and its query string byte for byte. The client keeps no cookies: a
+A request goes out with the client's headers (less the hop's own; none added but
+``accept-encoding``), its path under the upstream's base path and its query string as the
+client wrote them (what a URL may not hold raw percent-escaped). The client keeps no cookies: a
 ``Set-Cookie`` the upstream answers (a load balancer's, say) is relayed to the client it was
 meant for and never sent again, so it cannot reach another API key's requests. Redirects are
 relayed, not followed. Proxies named by the environment (``HTTPS_PROXY``, ``NO_PROXY``, ...)
@@ -66,10 +67,13 @@ class Upstream:
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], content: bytes
     ) -> httpx2.Request:
         """``method`` of ``path`` (the raw path, percent-escapes kept) with ``query`` (the raw
-        query string, without ``?``), ``headers`` and the body ``content``."""
-        url = self._origin + self._prefix + "/" + path.lstrip("/")
+        query string, without ``?``), ``headers`` and the body ``content``. Both go as the
+        client wrote them, but for what a URL may not hold raw (``#``, ``"``, ``<``...),
+        percent-escaped."""
+        # a "#" would start a fragment, never sent: the client's is part of its path or query
+        url = self._origin + self._prefix + "/" + path.lstrip("/").replace("#", "%23")
         if query:
-            url += "?" + query.decode("latin-1")
+            url += "?" + query.decode("latin-1").replace("#", "%23")
         sent = {**headers, "accept-encoding": ACCEPT_ENCODING}
         return httpx2.Request(
             method, url, headers=sent, content=content, extensions={"timeout": self._timeout}
