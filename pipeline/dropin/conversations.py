@@ -35,9 +35,6 @@ way: every worker names the same branch alike.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -49,11 +46,11 @@ import anyio
 import anyio.to_thread
 
 from pipeline.dropin.adapter import WireSession
+from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord, read_results
-from pipeline.store.files import validate_session_id
 from pipeline.store.sessions import SessionStates, SessionStorage
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.wire.digests import chain_of, opening_digest
@@ -68,59 +65,7 @@ __all__ = ["MAX_HELD", "SESSION_HEADER", "Branch", "Conversations", "conversatio
 MAX_HELD = 256
 """How many conversations :class:`Conversations` holds in memory by default."""
 
-SESSION_HEADER = "x-sluicegate-session"
-"""The request header a client names its conversation with (a hint: see the module)."""
-
 T = TypeVar("T")
-_CLAUDE_CODE_SESSION = re.compile(r"_session_([0-9a-fA-F-]{36})$")
-_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_LABEL_CHARS = 48
-
-
-def conversation_hint(
-    body: Mapping[str, Any],
-    *,
-    explicit: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> str:
-    """The hint a request carries of its conversation: ``explicit`` (the caller's argument),
-    else the ``x-sluicegate-session`` header, else ``cc-<uuid>`` for Claude Code's session
-    (``metadata.user_id``: a JSON object with ``session_id`` in 2.x, ``..._session_<uuid>``
-    before), else ``""``. ``ValueError`` when an explicit id or the header is not a safe
-    session id (``[A-Za-z0-9_.-]{1,128}``)."""
-    chosen = explicit
-    if chosen is None and headers is not None:
-        chosen = next((v for k, v in headers.items() if k.lower() == SESSION_HEADER), None)
-    if chosen is not None:
-        return validate_session_id(chosen)
-    claude_code = _claude_code_session(body.get("metadata"))
-    return "" if claude_code is None else f"cc-{claude_code}"
-
-
-def _claude_code_session(metadata: Any) -> str | None:
-    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-    if not isinstance(user_id, str):
-        return None
-    try:
-        parsed = json.loads(user_id)
-    except (ValueError, RecursionError):  # not Claude Code's: no hint
-        parsed = None
-    session = parsed.get("session_id") if isinstance(parsed, dict) else None
-    if session is None:
-        found = _CLAUDE_CODE_SESSION.search(user_id)
-        session = found.group(1) if found else None
-    if isinstance(session, str) and _UUID.fullmatch(session):
-        return session.lower()
-    return None
-
-
-def _family_name(hint: str, opening: bytes) -> str:
-    """``<hint label>-<24 hex>`` (``fp-...`` without a hint): a directory name that shows the
-    hint, bounded in length whatever the hint."""
-    label = hint or "fp"
-    if len(label) > _LABEL_CHARS:
-        label = f"{label[:32]}_{hashlib.sha256(label.encode()).hexdigest()[:15]}"
-    return f"{label}-{opening.hex()[:24]}"
 
 
 @dataclass(eq=False)
@@ -388,7 +333,7 @@ class Conversations:
         hint = conversation_hint(body, explicit=explicit, headers=headers)
         tenant = tenancy.tenant_of(headers)
         opening = opening_digest(body.get("system"), hint, messages[0] if messages else None)
-        return tenant, _family_name(hint, opening), messages, opening
+        return tenant, family_name(hint, opening), messages, opening
 
     def _load_family(self, tenant: str, name: str, opening: bytes) -> Family:
         """A family as its records leave it (blocking: a listing and every branch's records)."""
