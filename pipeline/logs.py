@@ -91,14 +91,34 @@ def _to_log_kwargs(
     kwargs: dict[str, Any] = {k: event_dict.pop(k) for k in _LOG_KWARGS if k in event_dict}
     event = str(event_dict.pop("event", ""))
     extra: dict[str, Any] = {"event": event}
-    parts = [event]
     for key, value in event_dict.items():
         extra[f"{key}_" if key in _RESERVED else key] = value
-        if key not in _NOT_IN_MESSAGE:
-            parts.append(f"{key}={_text(value)}")
-    kwargs["msg"] = " ".join(parts)
+    kwargs["msg"] = _Message(event, event_dict)
     kwargs["extra"] = extra
     return kwargs
+
+
+class _Message:
+    """A record's message: the event name and its pairs, written when a formatter asks for it
+    (``record.getMessage()``), once; one that reads the record's attributes never does."""
+
+    __slots__ = ("_event", "_fields", "_text")
+
+    def __init__(self, event: str, fields: Mapping[str, Any]) -> None:
+        self._event, self._fields = event, fields
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            parts = [self._event]
+            parts += [
+                f"{k}={_text(v)}" for k, v in self._fields.items() if k not in _NOT_IN_MESSAGE
+            ]
+            self._text = " ".join(parts)
+        return self._text
+
+    def __repr__(self) -> str:
+        return repr(str(self))
 
 
 _STDLIB_PROCESSORS: list[Processor] = [

@@ -405,3 +405,54 @@ def test_a_failed_command_under_json_lines_says_so_in_json(
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert lines[-1]["event"] == "cli.failed" and lines[-1]["level"] == "error"
     assert "missing.jsonl" in lines[-1]["detail"]
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) the library's records written straight into the lines structlog's formatter writes
+# ---------------------------------------------------------------------------------------------
+
+_VALUES: list[Any] = [
+    0, -3, 2.5, float("nan"), True, None, "", "plain", "two words", "k=v", 'say "hi"', "it's",
+    "tab\there", "line\nbreak", "bell\x07", "esc\x1b[31m", "café ☕", "𝄞", "\ud800", [1, "a"],
+    {"k": [None]}, ("t",), b"raw", Path("/x y"),
+]  # fmt: skip
+
+
+@pytest.mark.usefixtures("structlog_unconfigured")
+@pytest.mark.parametrize("json_lines", [False, True], ids=["readable", "json"])
+def test_library_lines_are_written_as_structlogs_formatter_writes_them(json_lines: bool) -> None:
+    from pipeline._cli.logging_setup import log_formatter
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    library = logging.getLogger(LOGGER_NAME)
+    keep, level, propagate = Keep(), library.level, library.propagate
+    library.addHandler(keep)
+    library.setLevel(logging.DEBUG)
+    library.propagate = False  # as the command line has it: its handler formats them alone
+    try:
+        log = get_logger(session_id="s-1")
+        for i, value in enumerate(_VALUES):
+            log.info("wire.request", value=value, n=i, status=200)
+            log.warning(f"event.{i}", **{f"k{i}": value, "another": value})
+        log.info("an event name longer than thirty characters", value=1)
+        log.error("reserved", name="a field named as a record's", msg="and another")
+    finally:
+        library.removeHandler(keep)
+        library.setLevel(level)
+        library.propagate = propagate
+    formatter = log_formatter(json_lines)
+    assert len(records) == 2 * len(_VALUES) + 2
+    for record in records:
+        fast, general = formatter.format(record), formatter.general.format(record)  # type: ignore[attr-defined]
+        if json_lines:
+            a, b = json.loads(fast), json.loads(general)
+            assert list(a) == list(b) and a.pop("timestamp") and b.pop("timestamp")
+            assert a == b or json.dumps(a) == json.dumps(b)  # NaN is not equal to itself
+        else:
+            assert fast.split(" ", 1)[1] == general.split(" ", 1)[1]
+            assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z \[", fast)

@@ -21,6 +21,7 @@ from typing import IO, Any
 import structlog
 from structlog.typing import Processor
 
+from pipeline._cli.log_lines import LogLines
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.logs import LOGGER_NAME, get_logger
 
@@ -79,7 +80,7 @@ def log_formatter(json_lines: bool, *, colors: bool = False) -> logging.Formatte
         if json_lines
         else structlog.dev.ConsoleRenderer(colors=colors)
     )
-    return structlog.stdlib.ProcessorFormatter(
+    general = structlog.stdlib.ProcessorFormatter(
         # a library record is "foreign" to structlog (a plain LogRecord): its fields, the event
         # name among them, are record attributes, which ExtraAdder copies back into the event
         foreign_pre_chain=[
@@ -93,6 +94,8 @@ def log_formatter(json_lines: bool, *, colors: bool = False) -> logging.Formatte
             renderer,
         ],
     )
+    # the library's own records written straight into the same lines (pipeline._cli.log_lines)
+    return LogLines(general, json_lines=json_lines, readable=not colors)
 
 
 def _is_terminal(stream: IO[str]) -> bool:
