@@ -9,6 +9,7 @@ in-process tests reset and restore it around themselves.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import re
@@ -411,10 +412,25 @@ def test_a_failed_command_under_json_lines_says_so_in_json(
 # (g) the library's records written straight into the lines structlog's formatter writes
 # ---------------------------------------------------------------------------------------------
 
+
+class _Mixed(str, enum.Enum):  # noqa: UP042 (a mix-in formats unlike its value)
+    A = "alpha"
+
+
+class _Formats(str):
+    def __format__(self, spec: str) -> str:
+        return "FORMATTED"
+
+
+class _Structlogged:
+    def __structlog__(self) -> dict[str, int]:
+        return {"custom": 1}
+
+
 _VALUES: list[Any] = [
     0, -3, 2.5, float("nan"), True, None, "", "plain", "two words", "k=v", 'say "hi"', "it's",
     "tab\there", "line\nbreak", "bell\x07", "esc\x1b[31m", "café ☕", "𝄞", "\ud800", [1, "a"],
-    {"k": [None]}, ("t",), b"raw", Path("/x y"),
+    {"k": [None]}, ("t",), b"raw", Path("/x y"), _Mixed.A, _Formats("abc"), _Structlogged(),
 ]  # fmt: skip
 
 
@@ -440,13 +456,14 @@ def test_library_lines_are_written_as_structlogs_formatter_writes_them(json_line
             log.info("wire.request", value=value, n=i, status=200)
             log.warning(f"event.{i}", **{f"k{i}": value, "another": value})
         log.info("an event name longer than thirty characters", value=1)
+        log.info("columns", exception="boom", stack="frames", logger="l", logger_name="n")
         log.error("reserved", name="a field named as a record's", msg="and another")
     finally:
         library.removeHandler(keep)
         library.setLevel(level)
         library.propagate = propagate
     formatter = log_formatter(json_lines)
-    assert len(records) == 2 * len(_VALUES) + 2
+    assert len(records) == 2 * len(_VALUES) + 3
     for record in records:
         fast, general = formatter.format(record), formatter.general.format(record)  # type: ignore[attr-defined]
         if json_lines:

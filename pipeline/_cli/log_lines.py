@@ -29,7 +29,10 @@ _LEVEL_WIDTH = len("exception")
 _EVENT_WIDTH = 30
 _QUOTED = frozenset(" \t=\r\n\"'")
 """A string value holding one of these is shown as its ``repr``, as the console renderer does."""
-_COLUMNS = frozenset({"timestamp", "level", "event", "logger", "logger_name"})
+_COLUMNS = frozenset({"timestamp", "level", "event", "logger", "logger_name", "exception", "stack"})
+"""Fields the console renderer lays out on their own (a column, the lines after the event)."""
+_LEVELS = {"warn": "warning", "exception": "error"}
+"""Level names as structlog's ``add_log_level`` writes them."""
 
 
 class LogLines(logging.Formatter):
@@ -57,13 +60,22 @@ class LogLines(logging.Formatter):
         for key, value in fields.items():
             if key not in _RECORD_FIELDS:
                 data[key] = value
-        data["level"] = record.levelname.lower()
+        level = record.levelname.lower()
+        data["level"] = _LEVELS.get(level, level)
         data["timestamp"] = _timestamp()
         if self.json_lines:
-            return json.dumps(data, default=repr)
+            return json.dumps(data, default=_json_default)
         if not _COLUMNS.isdisjoint(data.keys() - {"event", "level", "timestamp"}):
             return self.general.format(record)  # a field the renderer lays out as a column
         return _readable(data)
+
+
+def _json_default(value: Any) -> Any:
+    # as structlog's JSONRenderer falls back: the value's own __structlog__, else its repr
+    try:
+        return value.__structlog__()
+    except AttributeError:
+        return repr(value)
 
 
 def _timestamp() -> str:
@@ -82,5 +94,5 @@ def _readable(data: dict[str, Any]) -> str:
             shown = repr(value) if not _QUOTED.isdisjoint(value) else value
         else:
             shown = repr(value)
-        parts.append(f"{key}={shown}")
+        parts.append(key + "=" + shown)  # a str subclass as its characters, not its __format__
     return " ".join(p for p in parts if p).rstrip(" ")
