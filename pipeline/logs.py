@@ -120,6 +120,9 @@ class _Message:
     def __repr__(self) -> str:
         return repr(str(self))
 
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        return (str, (str(self),))  # a record sent elsewhere carries the text, by any protocol
+
 
 _STDLIB_PROCESSORS: list[Processor] = [
     structlog.contextvars.merge_contextvars,

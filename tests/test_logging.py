@@ -473,3 +473,30 @@ def test_library_lines_are_written_as_structlogs_formatter_writes_them(json_line
         else:
             assert fast.split(" ", 1)[1] == general.split(" ", 1)[1]
             assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z \[", fast)
+
+
+@pytest.mark.usefixtures("structlog_unconfigured")
+def test_a_record_of_the_library_pickles_with_its_message_by_any_protocol() -> None:
+    import pickle
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    library = logging.getLogger(LOGGER_NAME)
+    keep, level, propagate = Keep(), library.level, library.propagate
+    library.addHandler(keep)
+    library.setLevel(logging.INFO)
+    library.propagate = False
+    try:
+        get_logger(session_id="s").info("ev.sent", ids=["a"])
+    finally:
+        library.removeHandler(keep)
+        library.setLevel(level)
+        library.propagate = propagate
+    (record,) = records
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        again = pickle.loads(pickle.dumps(record, protocol))
+        assert again.getMessage() == "ev.sent session_id=s ids=['a']"
