@@ -9,6 +9,7 @@ in-process tests reset and restore it around themselves.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -108,6 +109,24 @@ def root_collector() -> Iterator[tuple[Collect, Collect]]:
         root.removeHandler(everything)
         root.removeHandler(warnings)
         root.setLevel(saved_level)
+
+
+@contextlib.contextmanager
+def library_records() -> Iterator[Collect]:
+    """The library logger's records at DEBUG, kept by one handler alone (not propagated: as the
+    command line has it, whose handler formats them alone). Entered in the test itself: pytest
+    puts its capturing handlers on a logger that does not propagate when the test starts."""
+    library = logging.getLogger(LOGGER_NAME)
+    keep, level, propagate = Collect(), library.level, library.propagate
+    library.addHandler(keep)
+    library.setLevel(logging.DEBUG)
+    library.propagate = False
+    try:
+        yield keep
+    finally:
+        library.removeHandler(keep)
+        library.setLevel(level)
+        library.propagate = propagate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,18 +458,7 @@ _VALUES: list[Any] = [
 def test_library_lines_are_written_as_structlogs_formatter_writes_them(json_lines: bool) -> None:
     from pipeline._cli.logging_setup import log_formatter
 
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    library = logging.getLogger(LOGGER_NAME)
-    keep, level, propagate = Keep(), library.level, library.propagate
-    library.addHandler(keep)
-    library.setLevel(logging.DEBUG)
-    library.propagate = False  # as the command line has it: its handler formats them alone
-    try:
+    with library_records() as kept:
         log = get_logger(session_id="s-1")
         for i, value in enumerate(_VALUES):
             log.info("wire.request", value=value, n=i, status=200)
@@ -458,10 +466,7 @@ def test_library_lines_are_written_as_structlogs_formatter_writes_them(json_line
         log.info("an event name longer than thirty characters", value=1)
         log.info("columns", exception="boom", stack="frames", logger="l", logger_name="n")
         log.error("reserved", name="a field named as a record's", msg="and another")
-    finally:
-        library.removeHandler(keep)
-        library.setLevel(level)
-        library.propagate = propagate
+    records = kept.records
     formatter = log_formatter(json_lines)
     assert len(records) == 2 * len(_VALUES) + 3
     for record in records:
@@ -479,23 +484,9 @@ def test_library_lines_are_written_as_structlogs_formatter_writes_them(json_line
 def test_a_record_of_the_library_pickles_with_its_message_by_any_protocol() -> None:
     import pickle
 
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    library = logging.getLogger(LOGGER_NAME)
-    keep, level, propagate = Keep(), library.level, library.propagate
-    library.addHandler(keep)
-    library.setLevel(logging.INFO)
-    library.propagate = False
-    try:
+    with library_records() as kept:
         get_logger(session_id="s").info("ev.sent", ids=["a"])
-    finally:
-        library.removeHandler(keep)
-        library.setLevel(level)
-        library.propagate = propagate
+    records = kept.records
     (record,) = records
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
         again = pickle.loads(pickle.dumps(record, protocol))
