@@ -233,3 +233,31 @@ def test_among_many_conversations_sharing_an_opening_each_body_reuses_its_own(
         assert len(reader._kept) == 60
         assert sorted(reader._order) == reader._order
         assert {i for _text, i in reader._order} == set(reader._kept)
+
+
+def _shared_start(a: bytes, b: bytes) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    length=st.integers(0, 3_000_000),
+    parts=st.integers(-1, 3_000_000),
+    cut=st.integers(0, 3_000_000),
+)
+def test_the_start_two_bodies_share_is_found_to_the_byte(length: int, parts: int, cut: int) -> None:
+    """Bodies of up to 3 MB that part anywhere (or not at all, or one a start of the other):
+    the chunked comparison, its chunks growing past a megabyte, finds the very byte."""
+    a = bytes(range(256)) * (length // 256 + 1)
+    a = a[:length]
+    b = bytearray(a[: min(cut, length)] if cut < length else a)
+    if 0 <= parts < len(b):
+        b[parts] ^= 0xFF
+    expected = min(parts, len(b), len(a)) if 0 <= parts < len(b) else min(len(a), len(b))
+    found = body_reader._common_prefix(a, bytes(b))
+    assert found == expected
+    if length <= 3_000:  # against the byte-by-byte count where that is cheap
+        assert found == _shared_start(a, bytes(b))
