@@ -2,16 +2,22 @@
 ``anthropic.Anthropic``), async code run to its end for a caller that waits, and the proxy's
 long ones (:func:`in_worker_loop`), awaited while its loop serves other requests.
 
-Each pass runs in a worker thread, on an event loop made for the call: whatever loop the caller
-runs (a sync call made from async code, a pass that calls a wrapped client itself) is left
-alone. The pass runs in a copy of the caller's context (its span, its log context) less the
-mark by which anyio, through sniffio, tells which event loop runs.
+Each pass runs in a worker thread, on an event loop of its own: whatever loop the caller runs
+(a sync call made from async code) is left alone. The synchronous client's passes share one
+such loop, in a daemon thread started on first use (:func:`run_pass`): a thread and a loop made
+for each call cost about half a millisecond, more than a short pass itself. A pass that calls a
+wrapped client itself gets a thread and a loop made for it (its own loop is busy with it). The
+pass runs in a copy of the caller's context (its span, its log context) less the mark by which
+anyio, through sniffio, tells which event loop runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextvars
+import os
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -50,10 +56,77 @@ async def _main(fn: Callable[[], Awaitable[T]]) -> T:
     return await fn()
 
 
+class _PassLoop:
+    """The event loop the synchronous client's passes share, in a daemon thread of its own
+    (started on first use; again after a fork, whose child has no such thread)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._guard:
+            if self._loop is None or self.thread is None or not self.thread.is_alive():
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(
+                    target=self._serve, args=(loop,), name="sluicegate-passes", daemon=True
+                )
+                thread.start()
+                self._loop, self.thread = loop, thread
+            return self._loop
+
+    @staticmethod
+    def _serve(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+
+    def forget(self) -> None:
+        """After a fork: the thread is the parent's; the child starts its own on first use."""
+        self._guard = threading.Lock()
+        self._loop, self.thread = None, None
+
+
+_PASSES = _PassLoop()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_PASSES.forget)
+
+
+_RUNNING: set[asyncio.Task[None]] = set()
+"""The passes running on the shared loop (a loop keeps only weak references to its tasks)."""
+
+
+async def _into(fn: Callable[[], Awaitable[T]], done: concurrent.futures.Future[T]) -> None:
+    try:
+        result = await fn()
+    except BaseException as exc:  # a KeyboardInterrupt raised in the pass too: the caller's
+        done.set_exception(exc)  # (the shared loop goes on)
+    else:
+        done.set_result(result)
+
+
 def run_pass(fn: Callable[[], Awaitable[T]]) -> T:
-    """``await fn()`` run to its end for a synchronous caller, on an event loop made for the
-    call in a worker thread: its result, or its exception."""
-    return in_worker(lambda: anyio.run(_main, fn))
+    """``await fn()`` run to its end for a synchronous caller, on the passes' shared event loop
+    in a worker thread (see the module): its result, or its exception."""
+    if threading.current_thread() is _PASSES.thread:  # a pass's own call: its loop is busy
+        return in_worker(lambda: anyio.run(_main, fn))
+    loop = _PASSES.loop()
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    context = _context()
+
+    def start() -> None:  # on the loop, in ``context``: the task runs in a copy of it
+        task = loop.create_task(_into(fn, done))
+        _RUNNING.add(task)
+        task.add_done_callback(_RUNNING.discard)
+
+    loop.call_soon_threadsafe(start, context=context)
+    try:
+        return done.result()
+    except BaseException:
+        # interrupted while waiting (a KeyboardInterrupt here): the pass still ends before the
+        # caller goes on, as it did in a thread of its own
+        concurrent.futures.wait([done])
+        raise
 
 
 async def in_worker_loop(
