@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -53,27 +55,126 @@ async def _loop() -> asyncio.AbstractEventLoop:
     return asyncio.get_running_loop()
 
 
-def test_the_passes_share_one_loop_in_one_thread() -> None:
-    """A thread and a loop made for each call cost more than a short pass: the passes of any
-    caller thread run on one loop, kept between calls."""
-    first = run_pass(_loop)
-    seen: list[asyncio.AbstractEventLoop] = []
-    callers = [threading.Thread(target=lambda: seen.append(run_pass(_loop))) for _ in range(4)]
-    for t in callers:
-        t.start()
-    for t in callers:
-        t.join()
-    assert run_pass(_loop) is first
-    assert seen == [first] * 4
+def _ends(target: Callable[[], object], within: float = 20.0) -> list[object]:
+    """What ``target`` returned or raised, run in a thread that must end ``within`` seconds (a
+    deadlock fails the test instead of hanging it)."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(target())
+        except BaseException as exc:  # the test looks at what was raised
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within)
+    assert not thread.is_alive(), "deadlocked"
+    return out
 
 
-def test_a_pass_that_runs_a_pass_itself_gets_a_loop_of_its_own() -> None:
-    async def outer() -> tuple[asyncio.AbstractEventLoop, asyncio.AbstractEventLoop]:
-        return asyncio.get_running_loop(), run_pass(_loop)  # a wrapped client's call inside
+def test_each_caller_thread_keeps_its_loop_between_calls() -> None:
+    """A thread and a loop made for each call cost more than a short pass: a caller thread's
+    passes run on one loop, kept between its calls; another caller has its own."""
+    mine = run_pass(_loop)
+    assert run_pass(_loop) is mine
+    (theirs,) = _ends(lambda: (run_pass(_loop), run_pass(_loop)))
+    assert isinstance(theirs, tuple)
+    assert theirs[0] is theirs[1]
+    assert theirs[0] is not mine
 
-    mine, inner = run_pass(outer)
-    assert mine is run_pass(_loop)
-    assert inner is not mine
+
+def test_a_callers_loop_ends_with_the_caller_thread() -> None:
+    async def thread() -> threading.Thread:
+        return threading.current_thread()
+
+    (served,) = _ends(lambda: run_pass(thread))
+    assert isinstance(served, threading.Thread)
+    gc.collect()  # the caller's thread-local storage is gone with it
+    served.join(10)
+    assert not served.is_alive()
+
+
+def test_passes_inside_passes_end() -> None:
+    """A pass that calls a wrapped client, whose pass calls one again: each call is a caller
+    of its own, on a loop of its own."""
+
+    async def inner() -> str:
+        return "inner"
+
+    async def middle() -> str:
+        return run_pass(inner)
+
+    async def outer() -> tuple[str, asyncio.AbstractEventLoop, asyncio.AbstractEventLoop]:
+        return run_pass(middle), asyncio.get_running_loop(), run_pass(_loop)
+
+    ((said, mine, nested),) = _ends(lambda: run_pass(outer))  # type: ignore[misc]
+    assert said == "inner"
+    assert nested is not mine
+
+
+def test_one_callers_blocking_pass_holds_up_no_other_caller() -> None:
+    """A pass that blocks its thread (a stage's synchronous call, a lock a caller holds) waits
+    on another caller's pass: callers never share a loop, so that one runs."""
+    other_done = threading.Event()
+    conversation = threading.Lock()  # a conversation's sync_lock
+
+    async def blocked() -> bool:
+        with conversation:  # held by the other caller until its own pass has run
+            return other_done.is_set()
+
+    async def quick() -> str:
+        return "quick"
+
+    def other() -> None:
+        with conversation:
+            started.set()
+            run_pass(quick)
+            other_done.set()
+
+    started = threading.Event()
+    caller = threading.Thread(target=other, daemon=True)
+    caller.start()
+    started.wait(10)
+    assert _ends(lambda: run_pass(blocked)) == [True]
+    caller.join(10)
+
+
+def test_what_escapes_a_task_of_a_pass_reaches_its_caller_once_the_pass_has_cleaned_up() -> None:
+    """A SystemExit raised in a task group's child escapes the loop itself: what was left runs
+    its cleanup (a lock the pass held is released, as a conversation's lock must be), then the
+    caller gets the SystemExit (and its next pass a loop of its own) rather than waiting for
+    ever."""
+    lock = anyio.Lock()
+    cleaned: list[bool] = []
+
+    async def child() -> None:
+        raise SystemExit(3)
+
+    async def escapes() -> None:
+        async with lock:
+            try:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(child)
+                    await anyio.sleep(5)
+            finally:
+                cleaned.append(True)
+
+    async def takes_the_lock() -> bool:
+        with anyio.fail_after(5):
+            async with lock:
+                return threading.current_thread() is not threading.main_thread()
+
+    def twice() -> tuple[object, object]:
+        try:
+            run_pass(escapes)
+        except SystemExit as exc:
+            first: object = (exc.code, cleaned == [True])
+        else:
+            first = None
+        return first, run_pass(takes_the_lock)
+
+    assert _ends(twice) == [((3, True), True)]
 
 
 _TRACE: contextvars.ContextVar[str] = contextvars.ContextVar("trace", default="none")

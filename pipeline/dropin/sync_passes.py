@@ -2,12 +2,14 @@
 ``anthropic.Anthropic``), async code run to its end for a caller that waits, and the proxy's
 long ones (:func:`in_worker_loop`), awaited while its loop serves other requests.
 
-Each pass runs in a worker thread, on an event loop of its own: whatever loop the caller runs
-(a sync call made from async code) is left alone. The synchronous client's passes share one
-such loop, in a daemon thread started on first use (:func:`run_pass`): a thread and a loop made
-for each call cost about half a millisecond, more than a short pass itself. A pass that calls a
-wrapped client itself gets a thread and a loop made for it (its own loop is busy with it). The
-pass runs in a copy of the caller's context (its span, its log context) less the mark by which
+Each pass runs in a worker thread, on an event loop other than the caller's: whatever loop the
+caller runs (a sync call made from async code) is left alone. Each thread that calls the synchronous
+client keeps one such loop, in a daemon thread started on its first call and stopped once the
+caller thread has ended (:func:`run_pass`): a thread and a loop made for each call cost about
+half a millisecond, more than a short pass itself. Callers never share a loop, so one caller's
+long pass never holds up another's, and a pass that calls a wrapped client itself (from the
+loop's thread, or a worker thread of it) is a caller of its own, on a loop of its own. The pass
+runs in a copy of the caller's context (its span, its log context) less the mark by which
 anyio, through sniffio, tells which event loop runs.
 """
 
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
-import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -56,70 +59,125 @@ async def _main(fn: Callable[[], Awaitable[T]]) -> T:
     return await fn()
 
 
-class _PassLoop:
-    """The event loop the synchronous client's passes share, in a daemon thread of its own
-    (started on first use; again after a fork, whose child has no such thread)."""
+class _Passes:
+    """One event loop's passes: what its thread and the callers that send it passes share."""
 
     def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.thread: threading.Thread | None = None
+        self.loop = asyncio.new_event_loop()
+        self.guard = threading.Lock()
+        """Held to send a pass, and by the loop's thread to stop taking them."""
+        self.stopped = False
+        self.pending: set[concurrent.futures.Future[Any]] = set()
+        """The passes sent to the loop and not yet ended."""
+        self.tasks: set[asyncio.Task[None]] = set()
+        """Their tasks (a loop keeps only weak references to its tasks)."""
+        self.escaped: BaseException | None = None
+        """What escaped the loop and stopped it, for the passes it cut short."""
 
-    def loop(self) -> asyncio.AbstractEventLoop:
-        with self._guard:
-            if self._loop is None or self.thread is None or not self.thread.is_alive():
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(
-                    target=self._serve, args=(loop,), name="sluicegate-passes", daemon=True
-                )
-                thread.start()
-                self._loop, self.thread = loop, thread
-            return self._loop
 
-    @staticmethod
-    def _serve(loop: asyncio.AbstractEventLoop) -> None:
-        asyncio.set_event_loop(loop)
+class _PassLoop:
+    """A caller thread's event loop for its passes, running in a daemon thread of its own for
+    as long as the caller thread lives: the caller's thread-local storage holds this object
+    (and only it: the loop's thread holds the :class:`_Passes`), so once the caller thread is
+    gone the loop stops and its thread ends."""
+
+    def __init__(self) -> None:
+        self.passes = _Passes()
+        self.thread = threading.Thread(target=_serve, args=(self.passes,), name="sluicegate-passes")
+        self.thread.daemon = True
+        # not at exit: a daemon thread that is mid-pass then would hear of a stopped loop
+        weakref.finalize(self, _stop, self.passes.loop).atexit = False
+        self.thread.start()
+
+    def taking(self) -> bool:
+        """Whether its loop still runs passes (a forked child's copy has no thread)."""
+        return not self.passes.stopped and self.thread.is_alive()
+
+
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    with contextlib.suppress(RuntimeError):  # closed already: its thread ended on its own
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def _serve(passes: _Passes) -> None:
+    loop = passes.loop
+    asyncio.set_event_loop(loop)
+    try:
         loop.run_forever()
+    except BaseException as exc:  # what escaped a task (a SystemExit raised in a task group)
+        passes.escaped = exc
+    finally:
+        with passes.guard:
+            passes.stopped = True  # no pass is sent here from now on
+        try:
+            # what is left ends as anyio.run would end it: cancelled, its cleanup run (a lock
+            # a cut pass holds is released before its caller hears of it and goes on)
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+            for done in list(passes.pending):  # whoever still waits hears of it, never waits on
+                _fail(done, passes)
 
-    def forget(self) -> None:
-        """After a fork: the thread is the parent's; the child starts its own on first use."""
-        self._guard = threading.Lock()
-        self._loop, self.thread = None, None
+
+def _fail(done: concurrent.futures.Future[Any], passes: _Passes) -> None:
+    if not done.done():
+        done.set_exception(passes.escaped or RuntimeError("the passes' event loop stopped"))
 
 
-_PASSES = _PassLoop()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_PASSES.forget)
+_MINE = threading.local()
+"""Each caller thread's :class:`_PassLoop` (its ``passes``)."""
 
 
-_RUNNING: set[asyncio.Task[None]] = set()
-"""The passes running on the shared loop (a loop keeps only weak references to its tasks)."""
+def _passes() -> _PassLoop:
+    mine: _PassLoop | None = getattr(_MINE, "passes", None)
+    if mine is None or not mine.taking():  # first use; or its loop stopped, or forked
+        mine = _MINE.passes = _PassLoop()
+    return mine
 
 
-async def _into(fn: Callable[[], Awaitable[T]], done: concurrent.futures.Future[T]) -> None:
+async def _into(
+    fn: Callable[[], Awaitable[T]], done: concurrent.futures.Future[T], passes: _Passes
+) -> None:
     try:
         result = await fn()
     except BaseException as exc:  # a KeyboardInterrupt raised in the pass too: the caller's
-        done.set_exception(exc)  # (the shared loop goes on)
+        if passes.escaped is not None:  # cancelled as the loop stopped: why it stopped
+            _fail(done, passes)
+        elif not done.done():
+            done.set_exception(exc)  # (the loop goes on)
     else:
         done.set_result(result)
 
 
 def run_pass(fn: Callable[[], Awaitable[T]]) -> T:
-    """``await fn()`` run to its end for a synchronous caller, on the passes' shared event loop
-    in a worker thread (see the module): its result, or its exception."""
-    if threading.current_thread() is _PASSES.thread:  # a pass's own call: its loop is busy
-        return in_worker(lambda: anyio.run(_main, fn))
-    loop = _PASSES.loop()
+    """``await fn()`` run to its end for a synchronous caller, on its thread's passes' event
+    loop in a worker thread (see the module): its result, or its exception."""
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
     context = _context()
+    while True:
+        passes = _passes().passes
+        loop = passes.loop
 
-    def start() -> None:  # on the loop, in ``context``: the task runs in a copy of it
-        task = loop.create_task(_into(fn, done))
-        _RUNNING.add(task)
-        task.add_done_callback(_RUNNING.discard)
+        def start(passes: _Passes = passes, loop: asyncio.AbstractEventLoop = loop) -> None:
+            # on the loop, in ``context``: the task runs in a copy of it
+            if passes.stopped:  # sent as the loop stopped: its caller hears why
+                _fail(done, passes)
+                return
+            task = loop.create_task(_into(fn, done, passes))
+            passes.tasks.add(task)
+            task.add_done_callback(passes.tasks.discard)
 
-    loop.call_soon_threadsafe(start, context=context)
+        with passes.guard:
+            if passes.stopped:  # it stopped since: another
+                continue
+            passes.pending.add(done)
+            done.add_done_callback(passes.pending.discard)
+            loop.call_soon_threadsafe(start, context=context)
+        break
     try:
         return done.result()
     except BaseException:
