@@ -22,7 +22,7 @@ from pipeline import Pipeline
 from pipeline._cli.proxy_cmd import SERVER_GC_THRESHOLDS, server_collector
 from pipeline.core import FunctionStage
 from pipeline.dropin.relay import relay
-from pipeline.dropin.upstream import unless_left
+from pipeline.dropin.upstream import Upstream, unless_left
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.wire_support import TAG, proxy
@@ -274,3 +274,21 @@ def test_a_long_pass_runs_off_the_servers_loop_and_sends_the_same(tmp_path: Path
     assert off_loop[0] != off_loop[1]  # the first pass off it, the second on it
     assert TAG in sent[0] and TAG in sent[1]
     assert sent_too == sent
+
+
+def test_the_upstream_keeps_a_bounded_few_urls_parsed() -> None:
+    """A URL is parsed once for the path and query every call asks for; any number of others
+    keeps a bounded few, and each request gets the URL a fresh parse gives."""
+    upstream = Upstream(
+        "http://127.0.0.1:9/base", timeout=5, connect=1, max_connections=1, kept_alive=1
+    )
+    first = upstream.request("POST", "/v1/messages", b"beta=true", {}, b"{}")
+    again = upstream.request("POST", "/v1/messages", b"beta=true", {}, b"{}")
+    assert again.url == first.url == "http://127.0.0.1:9/base/v1/messages?beta=true"
+    for k in range(1_000):  # a client asking for a new path each time
+        asked = upstream.request("GET", f"/v1/p{k}#x", f"q={k}".encode(), {}, b"")
+        assert asked.url == f"http://127.0.0.1:9/base/v1/p{k}%23x?q={k}"
+    assert len(upstream._urls) <= 64
+    assert (
+        upstream.request("GET", "/v1/p3#x", b"q=3", {}, b"").url.raw_path == b"/base/v1/p3%23x?q=3"
+    )

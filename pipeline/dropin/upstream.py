@@ -30,6 +30,10 @@ ACCEPT_ENCODING = "gzip, deflate"
 the proxy reads the answer, then relays it uncompressed)."""
 
 
+_URLS_KEPT = 64
+"""Upstream URLs an :class:`Upstream` keeps parsed."""
+
+
 class Upstream:
     """Requests to the upstream at ``base_url`` (its path, if any, comes before each request's),
     each allowed ``timeout`` seconds to answer (``connect`` to connect), at most
@@ -62,6 +66,9 @@ class Upstream:
         self._origin = str(base.copy_with(raw_path=b"/")).rstrip("/")
         self._prefix = base.raw_path.decode("ascii").rstrip("/")
         self._timeout = httpx2.Timeout(timeout, connect=connect).as_dict()
+        self._urls: dict[tuple[str, bytes], httpx2.URL] = {}
+        """The URLs of the last paths and queries asked for (a client asks for one or two,
+        every call): parsing one costs more than the rest of a request's building."""
 
     def request(
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], content: bytes
@@ -70,14 +77,24 @@ class Upstream:
         query string, without ``?``), ``headers`` and the body ``content``. Both go as the
         client wrote them, but for what a URL may not hold raw (``#``, ``"``, ``<``...),
         percent-escaped."""
-        # a "#" would start a fragment, never sent: the client's is part of its path or query
-        url = self._origin + self._prefix + "/" + path.lstrip("/").replace("#", "%23")
-        if query:
-            url += "?" + query.decode("latin-1").replace("#", "%23")
+        url = self._urls.get((path, query))
+        if url is None:
+            url = self._url(path, query)
         sent = {**headers, "accept-encoding": ACCEPT_ENCODING}
         return httpx2.Request(
             method, url, headers=sent, content=content, extensions={"timeout": self._timeout}
         )
+
+    def _url(self, path: str, query: bytes) -> httpx2.URL:
+        # a "#" would start a fragment, never sent: the client's is part of its path or query
+        text = self._origin + self._prefix + "/" + path.lstrip("/").replace("#", "%23")
+        if query:
+            text += "?" + query.decode("latin-1").replace("#", "%23")
+        url = httpx2.URL(text)
+        if len(self._urls) >= _URLS_KEPT:  # a client may ask for any number: the oldest goes
+            del self._urls[next(iter(self._urls))]
+        self._urls[(path, query)] = url
+        return url
 
     async def send(self, request: httpx2.Request) -> httpx2.Response:
         """``request``'s answer, its body still to read (``aiter_bytes``, then ``aclose``)."""
