@@ -38,7 +38,6 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -46,6 +45,8 @@ import anyio
 import anyio.to_thread
 
 from pipeline.dropin.adapter import WireSession
+from pipeline.dropin.families import Branch, Family, NewBranch, family_key, named
+from pipeline.dropin.families import plan as place
 from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
@@ -53,7 +54,7 @@ from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord, read_results
 from pipeline.store.sessions import SessionStates, SessionStorage
 from pipeline.tokens import TokenTracker, calibration_path_for
-from pipeline.wire.digests import chain_of, opening_digest
+from pipeline.wire.digests import opening_digest
 
 if TYPE_CHECKING:
     import os
@@ -66,71 +67,6 @@ MAX_HELD = 256
 """How many conversations :class:`Conversations` holds in memory by default."""
 
 T = TypeVar("T")
-
-
-@dataclass(eq=False)
-class Branch:
-    """One conversation of a family: its session and how it was last routed."""
-
-    family: Family
-    name: str | None
-    """None for the family's first conversation, ``f<16 hex>`` for a branch."""
-    session: WireSession
-    chain: list[bytes] = field(default_factory=list)
-    """The digests of the messages of the last request routed here."""
-    params: list[Any] = field(default_factory=list)
-    """The messages of the last request routed here, as the client sent them (empty when not
-    known: loaded from records, only the digests are)."""
-    call_lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
-    """What a caller that must not overlap two calls of a conversation takes (the proxy;
-    uncontended, it is taken without a trip through the event loop)."""
-
-    @property
-    def conversation_id(self) -> str:
-        """The conversation's name: the family's, then ``.<branch>`` for a branch."""
-        return _named(self.family.name, self.name)
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """Its tenant and name: what tells it from every other conversation held (the body
-        writers of ``wrap`` and the proxy keep its last body under it)."""
-        return self.family.tenant, self.conversation_id
-
-
-@dataclass(eq=False)
-class Family:
-    """The conversations of one tenant that open alike, and the index of what they sent."""
-
-    tenant: str
-    name: str
-    opening: bytes
-    """The first link of every chain of the family (system prompt, hint, first message)."""
-    states: SessionStates
-    """The tenant's sessions."""
-    calibration_root: Path
-    branches: dict[str | None, Branch] = field(default_factory=dict)
-    owner: dict[bytes, Branch] = field(default_factory=dict)
-    """A chain digest -> the first conversation that sent that prefix."""
-    ends: dict[bytes, Branch] = field(default_factory=dict)
-    """The chain digest of a conversation's last request -> that conversation."""
-    recent: list[Branch] = field(default_factory=list)
-    """Most recently routed first."""
-    unsure: bool = False
-    """Its records could not be read (the store was down): its conversations re-derive."""
-
-    def register(self, branch: Branch, chain: list[bytes], start: int = 0) -> None:
-        """``branch`` now ends with ``chain`` (new from ``start``), the most recent."""
-        old = branch.chain
-        if old and self.ends.get(old[-1]) is branch:
-            del self.ends[old[-1]]
-        for c in chain[start:]:
-            self.owner.setdefault(c, branch)
-        if chain:
-            self.ends[chain[-1]] = branch
-        branch.chain = chain
-        if branch in self.recent:
-            self.recent.remove(branch)
-        self.recent.insert(0, branch)
 
 
 class Conversations:
@@ -357,7 +293,7 @@ class Conversations:
         self, family: Family, name: str | None, storage: SessionStorage, **options: Any
     ) -> WireSession:
         session = WireSession(
-            _named(family.name, name),
+            named(family.name, name),
             family.calibration_root,
             self.pipeline(),
             storage=storage,
@@ -398,7 +334,7 @@ class Conversations:
         sync: bool = False,
     ) -> Branch:
         with self._lock:
-            plan = self._plan(family, messages, opening)
+            plan = place(family, messages, opening)
             if isinstance(plan, tuple):
                 branch, chain, start = plan
                 self._set(family, branch, messages, chain, start)
@@ -411,74 +347,6 @@ class Conversations:
                 self._held += 1
             self._set(family, branch, messages, plan.chain, plan.start)
             return branch
-
-    def _plan(
-        self, family: Family, messages: list[Any], opening: bytes
-    ) -> tuple[Branch, list[bytes], int] | _NewBranch:
-        """Where a request goes (under the index's lock): an existing conversation, with the
-        request's chain and where it is new; or a conversation to make."""
-        found = self._extends(family, messages)
-        if found is not None:
-            branch, start = found
-            chain = chain_of(messages, start, branch.chain, opening=opening)
-            known = start
-            while known < len(chain) and chain[known] in family.owner:
-                known += 1
-            if known == start or family.owner[chain[known - 1]] is branch:
-                return branch, chain, start
-            # what follows its last request another conversation sent (a fork of that one
-            # that repeats its messages): placed by that one's, below, to send what it sent
-        shared, chain = self._shared_prefix(family, messages, opening)
-        known = 0
-        while known < len(chain) and chain[known] in family.owner:
-            known += 1
-        start = min(shared, known)
-        if not family.branches:
-            return _NewBranch(None, None, chain, 0, start)
-        if not chain or known == 0:
-            # no message known (a request without any, or conversations recorded before any
-            # response): the most recent, whose decisions apply only to what they were made on
-            return family.recent[0], chain, start
-        if known == len(chain):
-            end = chain[-1]  # all of it sent before: a retry, or a twin
-            return family.ends.get(end) or family.owner[end], chain, start
-        if chain[known - 1] in family.ends:
-            return family.ends[chain[known - 1]], chain, start
-        name = f"f{chain[known].hex()[:16]}"
-        existing = family.branches.get(name)
-        if existing is not None:
-            return existing, chain, start
-        return _NewBranch(name, family.owner[chain[known - 1]], chain, known, start)
-
-    def _extends(self, family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
-        """The conversation whose last request this one extends furthest, compared by value
-        (one message compared first to rule most out; of equal ones, the most recent): a retry
-        of an earlier request of one conversation must not take another's that repeats it."""
-        n = len(messages)
-        best: tuple[Branch, int] | None = None
-        for branch in family.recent:
-            params = branch.params
-            m = len(params)
-            if not m or m > n or m != len(branch.chain) or (best is not None and m <= best[1]):
-                continue
-            if messages[m - 1] == params[m - 1] and messages[:m] == params:
-                best = (branch, m)
-        return best
-
-    def _shared_prefix(
-        self, family: Family, messages: list[Any], opening: bytes
-    ) -> tuple[int, list[bytes]]:
-        """The request's chain, the part it shares by value with the most recent conversation
-        taken from that one's (not digested again)."""
-        shared, base = 0, []
-        if family.recent:
-            recent = family.recent[0]
-            params, chain = recent.params, recent.chain
-            limit = min(len(params), len(chain), len(messages))
-            while shared < limit and messages[shared] == params[shared]:
-                shared += 1
-            base = chain[:shared]
-        return shared, chain_of(messages, shared, base, opening=opening)
 
     def _set(
         self,
@@ -499,7 +367,7 @@ class Conversations:
     def _new_branch(
         self,
         family: Family,
-        plan: _NewBranch,
+        plan: NewBranch,
         messages: list[Any],
         build: Callable[[Callable[[], Any]], Any],
         sync: bool,
@@ -523,7 +391,7 @@ class Conversations:
             if missing:
                 inherited.adopt(*self._decided_elsewhere(family, parent.name, missing))
             inherited.chain = list(plan.chain)  # its first request, as this one sent it
-            get_logger(session_id=_named(family.name, plan.name)).info(
+            get_logger(session_id=named(family.name, plan.name)).info(
                 "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at
             )
 
@@ -534,18 +402,6 @@ class Conversations:
             return session
 
         return Branch(family, plan.name, build(make))
-
-
-@dataclass(frozen=True)
-class _NewBranch:
-    """A conversation to make: its name, the one it goes another way from (None for a new
-    family's first), the request's chain, how many messages they share, where it is new."""
-
-    name: str | None
-    parent: Branch | None
-    chain: list[bytes]
-    at: int
-    start: int
 
 
 def _result_keys(messages: Sequence[Any]) -> set[str]:
@@ -561,15 +417,6 @@ def _result_keys(messages: Sequence[Any]) -> set[str]:
         except ValueError:  # a message the pass will refuse: it inherits nothing
             continue
     return keys
-
-
-def family_key(family: Family) -> tuple[str, str]:
-    """Where :class:`Conversations` holds ``family``: its tenant and name."""
-    return family.tenant, family.name
-
-
-def _named(family: str, branch: str | None) -> str:
-    return family if branch is None else f"{family}.{branch}"
 
 
 def _call(fn: Callable[[], T]) -> T:

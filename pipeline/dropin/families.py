@@ -1,0 +1,176 @@
+"""A family of conversations -- those of one tenant that open alike -- and where a request goes
+among them (:func:`plan`): the conversation whose last request it extends, one that sent all
+of it before, or a new branch from where it went its own way. The index that holds the families
+(:class:`~pipeline.dropin.conversations.Conversations`) decides under its lock; nothing here
+takes one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from pipeline.dropin.adapter import WireSession
+from pipeline.store.sessions import SessionStates
+from pipeline.wire.digests import chain_of
+
+__all__ = ["Branch", "Family", "NewBranch", "family_key", "named", "plan"]
+
+
+@dataclass(eq=False)
+class Branch:
+    """One conversation of a family: its session and how it was last routed."""
+
+    family: Family
+    name: str | None
+    """None for the family's first conversation, ``f<16 hex>`` for a branch."""
+    session: WireSession
+    chain: list[bytes] = field(default_factory=list)
+    """The digests of the messages of the last request routed here."""
+    params: list[Any] = field(default_factory=list)
+    """The messages of the last request routed here, as the client sent them (empty when not
+    known: loaded from records, only the digests are)."""
+    call_lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
+    """What a caller that must not overlap two calls of a conversation takes (the proxy;
+    uncontended, it is taken without a trip through the event loop)."""
+
+    @property
+    def conversation_id(self) -> str:
+        """The conversation's name: the family's, then ``.<branch>`` for a branch."""
+        return named(self.family.name, self.name)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Its tenant and name: what tells it from every other conversation held (the body
+        writers of ``wrap`` and the proxy keep its last body under it)."""
+        return self.family.tenant, self.conversation_id
+
+
+@dataclass(eq=False)
+class Family:
+    """The conversations of one tenant that open alike, and the index of what they sent."""
+
+    tenant: str
+    name: str
+    opening: bytes
+    """The first link of every chain of the family (system prompt, hint, first message)."""
+    states: SessionStates
+    """The tenant's sessions."""
+    calibration_root: Path
+    branches: dict[str | None, Branch] = field(default_factory=dict)
+    owner: dict[bytes, Branch] = field(default_factory=dict)
+    """A chain digest -> the first conversation that sent that prefix."""
+    ends: dict[bytes, Branch] = field(default_factory=dict)
+    """The chain digest of a conversation's last request -> that conversation."""
+    recent: list[Branch] = field(default_factory=list)
+    """Most recently routed first."""
+    unsure: bool = False
+    """Its records could not be read (the store was down): its conversations re-derive."""
+
+    def register(self, branch: Branch, chain: list[bytes], start: int = 0) -> None:
+        """``branch`` now ends with ``chain`` (new from ``start``), the most recent."""
+        old = branch.chain
+        if old and self.ends.get(old[-1]) is branch:
+            del self.ends[old[-1]]
+        for c in chain[start:]:
+            self.owner.setdefault(c, branch)
+        if chain:
+            self.ends[chain[-1]] = branch
+        branch.chain = chain
+        if branch in self.recent:
+            self.recent.remove(branch)
+        self.recent.insert(0, branch)
+
+
+def plan(
+    family: Family, messages: list[Any], opening: bytes
+) -> tuple[Branch, list[bytes], int] | NewBranch:
+    """Where a request goes in ``family`` (under the lock of the index that holds it): an
+    existing conversation, with the request's chain and where it is new; or a conversation to
+    make."""
+    found = _extends(family, messages)
+    if found is not None:
+        branch, start = found
+        chain = chain_of(messages, start, branch.chain, opening=opening)
+        known = start
+        while known < len(chain) and chain[known] in family.owner:
+            known += 1
+        if known == start or family.owner[chain[known - 1]] is branch:
+            return branch, chain, start
+        # what follows its last request another conversation sent (a fork of that one
+        # that repeats its messages): placed by that one's, below, to send what it sent
+    shared, chain = _shared_prefix(family, messages, opening)
+    known = 0
+    while known < len(chain) and chain[known] in family.owner:
+        known += 1
+    start = min(shared, known)
+    if not family.branches:
+        return NewBranch(None, None, chain, 0, start)
+    if not chain or known == 0:
+        # no message known (a request without any, or conversations recorded before any
+        # response): the most recent, whose decisions apply only to what they were made on
+        return family.recent[0], chain, start
+    if known == len(chain):
+        end = chain[-1]  # all of it sent before: a retry, or a twin
+        return family.ends.get(end) or family.owner[end], chain, start
+    if chain[known - 1] in family.ends:
+        return family.ends[chain[known - 1]], chain, start
+    name = f"f{chain[known].hex()[:16]}"
+    existing = family.branches.get(name)
+    if existing is not None:
+        return existing, chain, start
+    return NewBranch(name, family.owner[chain[known - 1]], chain, known, start)
+
+
+def _extends(family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
+    """The conversation whose last request this one extends furthest, compared by value
+    (one message compared first to rule most out; of equal ones, the most recent): a retry
+    of an earlier request of one conversation must not take another's that repeats it."""
+    n = len(messages)
+    best: tuple[Branch, int] | None = None
+    for branch in family.recent:
+        params = branch.params
+        m = len(params)
+        if not m or m > n or m != len(branch.chain) or (best is not None and m <= best[1]):
+            continue
+        if messages[m - 1] == params[m - 1] and messages[:m] == params:
+            best = (branch, m)
+    return best
+
+
+def _shared_prefix(family: Family, messages: list[Any], opening: bytes) -> tuple[int, list[bytes]]:
+    """The request's chain, the part it shares by value with the most recent conversation
+    taken from that one's (not digested again)."""
+    shared, base = 0, []
+    if family.recent:
+        recent = family.recent[0]
+        params, chain = recent.params, recent.chain
+        limit = min(len(params), len(chain), len(messages))
+        while shared < limit and messages[shared] == params[shared]:
+            shared += 1
+        base = chain[:shared]
+    return shared, chain_of(messages, shared, base, opening=opening)
+
+
+@dataclass(frozen=True)
+class NewBranch:
+    """A conversation to make: its name, the one it goes another way from (None for a new
+    family's first), the request's chain, how many messages they share, where it is new."""
+
+    name: str | None
+    parent: Branch | None
+    chain: list[bytes]
+    at: int
+    start: int
+
+
+def family_key(family: Family) -> tuple[str, str]:
+    """Where :class:`~pipeline.dropin.conversations.Conversations` holds ``family``: its tenant
+    and name."""
+    return family.tenant, family.name
+
+
+def named(family: str, branch: str | None) -> str:
+    return family if branch is None else f"{family}.{branch}"
