@@ -19,6 +19,7 @@ from obstore.store import MemoryStore
 from pipeline import FileToolResultStore, Pipeline, ToolPolicies, TranscriptWriter
 from pipeline.dropin.adapter import WireSession
 from pipeline.store.files import StoreError
+from pipeline.store.object_locations import _with_in_turn_defaults
 from pipeline.store.object_reader import ObjectOutputReader
 from pipeline.store.object_records import ObjectRecordLog
 from pipeline.store.objects import ObjectToolResultStore
@@ -29,7 +30,6 @@ from pipeline.store.sessions import (
     STORE_RETRIES,
     SessionStates,
     SessionStorage,
-    _with_in_turn_defaults,
     in_turn_options,
     open_session_state,
 )

@@ -25,12 +25,10 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from pipeline.store.files import (
     STORE_COOL_DOWN,
@@ -38,6 +36,14 @@ from pipeline.store.files import (
     StoreError,
     ToolResultStore,
     validate_session_id,
+)
+from pipeline.store.object_locations import (
+    STORE_RETRIES,
+    STORE_TIMEOUT,
+    build_store,
+    in_turn_options,
+    parse_url,
+    shown,
 )
 from pipeline.store.readback import PagedReader, PersistedOutputReader
 from pipeline.store.records import RecordLog
@@ -66,39 +72,6 @@ SECRET_NAME = "tenant-secret"
 _BRANCH = re.compile(r"f[0-9a-f]{16}")
 """The name of a branch of a conversation other than its first (see :meth:`SessionStates.open`)."""
 _SECRET_BYTES = 32
-
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-"""S3's bucket naming rules (the part that matters here: no slash, no case, no space)."""
-_CONTAINER = re.compile(r"(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]")
-"""Azure Blob Storage's container naming rules."""
-
-STORE_TIMEOUT = 3.0
-"""Seconds one object-store request may take (connecting: at most 1 s of it) by default."""
-STORE_RETRIES = 2
-"""Retries of a failed object-store request by default (connection errors, 5xx, timeouts)."""
-
-_CLIENT_KEYS = (
-    "allow_http",
-    "allow_invalid_certificates",
-    "connect_timeout",
-    "default_content_type",
-    "http1_only",
-    "http2_keep_alive_interval",
-    "http2_keep_alive_timeout",
-    "http2_keep_alive_while_idle",
-    "http2_only",
-    "pool_idle_timeout",
-    "pool_max_idle_per_host",
-    "proxy_url",
-    "proxy_ca_certificate",
-    "proxy_excludes",
-    "randomize_addresses",
-    "read_timeout",
-    "timeout",
-    "user_agent",
-)
-"""obstore's HTTP client options that it also reads from ``AWS_<KEY>`` (S3) or ``AZURE_<KEY>``
-(Azure) variables."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,35 +111,6 @@ class SessionStorage:
     """Writes the records appended since the last snapshot as one, so a worker new to the
     conversation reads a bounded number of objects (blocking; ``OSError`` when it cannot): set
     on an object store (:mod:`pipeline.store.object_snapshots`)."""
-
-
-def in_turn_options(timeout: float = STORE_TIMEOUT, retries: int = STORE_RETRIES) -> dict[str, Any]:
-    """obstore options for requests a client waits on: each request at most ``timeout``
-    seconds (connecting at most 1 s of it), ``retries`` retries after a short backoff, no retry
-    started after ``timeout * (retries + 1)`` seconds. ``ValueError`` for a timeout that is not
-    a positive number of seconds up to 600, or retries outside 0-10."""
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not (0 < timeout <= 600)
-    ):
-        raise ValueError(f"a store timeout must be from 0 (exclusive) to 600 s, got {timeout!r}")
-    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 10:
-        raise ValueError(f"store retries must be a whole number from 0 to 10, got {retries!r}")
-    return {
-        "client_options": {
-            "timeout": timedelta(seconds=timeout),
-            "connect_timeout": timedelta(seconds=min(timeout, 1.0)),
-        },
-        "retry_config": {
-            "max_retries": retries,
-            "backoff": {
-                "init_backoff": timedelta(milliseconds=50),
-                "max_backoff": timedelta(milliseconds=500),
-            },
-            "retry_timeout": timedelta(seconds=timeout * (retries + 1)),
-        },
-    }
 
 
 def open_session_state(
@@ -249,18 +193,18 @@ class SessionStates:
             self._root = Path(text)
             self.location = str(self._root)
             return
-        kind, uri_base, path = _parse_url(text)
+        kind, uri_base, path = parse_url(text)
         # imported here: the local default must not need the objectstore extra
         from pipeline.store.objects import normalize_prefix
 
         try:
             self._prefix = normalize_prefix(path)
         except ValueError as exc:
-            raise ValueError(f"store URL {_shown(text)}: {exc}") from None
+            raise ValueError(f"store URL {shown(text)}: {exc}") from None
         self._uri_base = uri_base
         from pipeline.store.breaker import StoreBreaker
 
-        store = object_store if object_store is not None else _build_store(kind, uri_base, options)
+        store = object_store if object_store is not None else build_store(kind, uri_base, options)
         # a store that failed is not asked again for a while: one that hangs would cost every
         # call of every conversation its timeout and retries
         self._store = store if cool_down is None else StoreBreaker(store, cool_down=cool_down)
@@ -425,45 +369,6 @@ def _local_secret(path: Path) -> bytes:
     return data
 
 
-def _parse_url(text: str) -> tuple[str, str, str]:
-    """(kind, URI base, key prefix path) of a store URL; ``ValueError`` for a bad one."""
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"malformed store URL {_shown(text)}") from None
-    scheme = parts.scheme.lower()
-    if parts.username is not None or parts.password is not None:
-        # credentials belong in the environment or the options, never in a URL that is logged
-        raise ValueError(f"store URL {_shown(text)}: credentials in the URL are not accepted")
-    if parts.query or parts.fragment or port is not None:
-        raise ValueError(f"store URL {_shown(text)}: no port, query or fragment expected")
-    if scheme == "s3":
-        if not _BUCKET.fullmatch(parts.hostname or "") or parts.netloc != parts.hostname:
-            raise ValueError(f"store URL {_shown(text)}: not a valid S3 bucket name")
-        return "s3", f"s3://{parts.netloc}", parts.path
-    if scheme == "az":
-        if not _CONTAINER.fullmatch(parts.hostname or "") or parts.netloc != parts.hostname:
-            raise ValueError(f"store URL {_shown(text)}: not a valid Azure container name")
-        return "azure", f"az://{parts.netloc}", parts.path
-    if scheme == "memory":
-        if parts.netloc:
-            raise ValueError(f"store URL {_shown(text)}: a memory URL has no host (memory:///x)")
-        return "memory", "memory://", parts.path
-    raise ValueError(
-        f"unsupported store URL scheme {scheme[:20]!r} in {_shown(text)}: give a local "
-        "directory, s3://bucket/prefix, az://container/prefix or memory:///prefix"
-    )
-
-
-def _shown(url: str) -> str:
-    """A URL as safe to put in an error: scheme and host only (a userinfo part or a query may
-    hold a secret), bounded."""
-    scheme, sep, rest = url.partition("://")
-    host = rest.split("/", 1)[0].rsplit("@", 1)[-1]
-    return repr(f"{scheme[:20]}{sep}{host[:100]}/...")
-
-
 def _local(
     root: Path,
     sid: str,
@@ -534,47 +439,6 @@ def _on_objects(
         drain=None if spool is None else results.drain,
         compact=records.compact,
     )
-
-
-def _build_store(kind: str, uri_base: str, options: dict[str, Any]) -> ObjectStoreAPI:
-    from obstore.exceptions import BaseError
-    from obstore.store import AzureStore, MemoryStore, S3Store
-
-    if kind == "memory":
-        if options:
-            raise ValueError("a memory store takes no options")
-        return MemoryStore()
-    env = "AZURE" if kind == "azure" else "AWS"
-    options = _with_in_turn_defaults(options, env)
-    try:
-        # the bucket (container) only: the key prefix is ours to apply (in every key and URI)
-        if kind == "azure":
-            return AzureStore.from_url(uri_base, **options)
-        return S3Store.from_url(uri_base, **options)
-    except (BaseError, TypeError) as exc:
-        what = "Azure" if kind == "azure" else "S3"
-        raise ValueError(
-            f"cannot configure the {what} store {_shown(uri_base)}: {str(exc)[:300]}"
-        ) from None
-
-
-def _with_in_turn_defaults(options: dict[str, Any], env: str = "AWS") -> dict[str, Any]:
-    """``options`` over :func:`in_turn_options`. Client options given in code win over
-    ``<env>_<KEY>`` variables (``AWS_``, ``AZURE_``), which win over the defaults: obstore
-    drops the environment's client options (``AWS_ALLOW_HTTP`` among them) once any are
-    passed, so they are read here."""
-    defaults = in_turn_options()
-    given = options.get("client_options")
-    if given is not None and not isinstance(given, Mapping):
-        raise ValueError("client_options must be a mapping of obstore client options")
-    from_env = {
-        key: value
-        for key in _CLIENT_KEYS
-        if (value := os.environ.get(f"{env}_{key.upper()}")) is not None
-    }
-    merged = {**defaults, **options}
-    merged["client_options"] = {**defaults["client_options"], **from_env, **(given or {})}
-    return merged
 
 
 def readback_for(store: object) -> PagedReader | None:
