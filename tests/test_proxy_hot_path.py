@@ -285,10 +285,14 @@ def test_the_upstream_keeps_a_bounded_few_urls_parsed() -> None:
     first = upstream.request("POST", "/v1/messages", b"beta=true", {}, b"{}")
     again = upstream.request("POST", "/v1/messages", b"beta=true", {}, b"{}")
     assert again.url == first.url == "http://127.0.0.1:9/base/v1/messages?beta=true"
-    for k in range(1_000):  # a client asking for a new path each time
+    usual = upstream._urls[("/v1/messages", b"beta=true")]
+    for k in range(1_000):  # a client asking for a new path each time, and the usual one
         asked = upstream.request("GET", f"/v1/p{k}#x", f"q={k}".encode(), {}, b"")
         assert asked.url == f"http://127.0.0.1:9/base/v1/p{k}%23x?q={k}"
+        upstream.request("POST", "/v1/messages", b"beta=true", {}, b"{}")
     assert len(upstream._urls) <= 64
+    # the one asked for all along was parsed once: the least recently asked for go first
+    assert upstream._urls[("/v1/messages", b"beta=true")] is usual
     assert (
         upstream.request("GET", "/v1/p3#x", b"q=3", {}, b"").url.raw_path == b"/base/v1/p3%23x?q=3"
     )

@@ -77,9 +77,11 @@ class Upstream:
         query string, without ``?``), ``headers`` and the body ``content``. Both go as the
         client wrote them, but for what a URL may not hold raw (``#``, ``"``, ``<``...),
         percent-escaped."""
-        url = self._urls.get((path, query))
+        key = (path, query)
+        url = self._urls.pop(key, None)  # back in as the latest: the oldest asked for goes first
         if url is None:
             url = self._url(path, query)
+        self._urls[key] = url
         sent = {**headers, "accept-encoding": ACCEPT_ENCODING}
         return httpx2.Request(
             method, url, headers=sent, content=content, extensions={"timeout": self._timeout}
@@ -90,11 +92,9 @@ class Upstream:
         text = self._origin + self._prefix + "/" + path.lstrip("/").replace("#", "%23")
         if query:
             text += "?" + query.decode("latin-1").replace("#", "%23")
-        url = httpx2.URL(text)
         if len(self._urls) >= _URLS_KEPT:  # a client may ask for any number: the oldest goes
             del self._urls[next(iter(self._urls))]
-        self._urls[(path, query)] = url
-        return url
+        return httpx2.URL(text)
 
     async def send(self, request: httpx2.Request) -> httpx2.Response:
         """``request``'s answer, its body still to read (``aiter_bytes``, then ``aclose``)."""
