@@ -1,5 +1,6 @@
 """The proxy's way upstream (:class:`Upstream`): one HTTP client for every conversation and
-every API key, which therefore keeps no state of its own between requests.
+every API key, which therefore keeps nothing of a request's between requests (only the URLs of
+the paths asked for, parsed).
 
 A request goes out with the client's headers (less the hop's own; none added but
 ``accept-encoding``), its path under the upstream's base path and its query string as the
@@ -56,8 +57,9 @@ class Upstream:
         limits = httpx2.Limits(
             max_connections=max_connections, max_keepalive_connections=kept_alive
         )
+        timeouts = httpx2.Timeout(timeout, connect=connect)
         self._client = httpx2.AsyncClient(
-            timeout=httpx2.Timeout(timeout, connect=connect),
+            timeout=timeouts,
             limits=limits,
             transport=transport,
             # a jar that takes no cookie: one tenant's would go out with the next's requests
@@ -65,7 +67,7 @@ class Upstream:
         )
         self._origin = str(base.copy_with(raw_path=b"/")).rstrip("/")
         self._prefix = base.raw_path.decode("ascii").rstrip("/")
-        self._timeout = httpx2.Timeout(timeout, connect=connect).as_dict()
+        self._timeout = timeouts.as_dict()
         self._urls: dict[tuple[str, bytes], httpx2.URL] = {}
         """The URLs of the last paths and queries asked for (a client asks for one or two,
         every call): parsing one costs more than the rest of a request's building."""
@@ -81,6 +83,8 @@ class Upstream:
         url = self._urls.pop(key, None)  # back in as the latest: the oldest asked for goes first
         if url is None:
             url = self._url(path, query)
+            if len(self._urls) >= _URLS_KEPT:  # a client may ask for any number: the oldest goes
+                del self._urls[next(iter(self._urls))]
         self._urls[key] = url
         sent = {**headers, "accept-encoding": ACCEPT_ENCODING}
         return httpx2.Request(
@@ -92,8 +96,6 @@ class Upstream:
         text = self._origin + self._prefix + "/" + path.lstrip("/").replace("#", "%23")
         if query:
             text += "?" + query.decode("latin-1").replace("#", "%23")
-        if len(self._urls) >= _URLS_KEPT:  # a client may ask for any number: the oldest goes
-            del self._urls[next(iter(self._urls))]
         return httpx2.URL(text)
 
     async def send(self, request: httpx2.Request) -> httpx2.Response:
