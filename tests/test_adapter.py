@@ -195,3 +195,38 @@ def test_converters_between_sdk_params_responses_and_records() -> None:
     ]
     with pytest.raises(ValueError, match="role"):
         Message.from_param({"role": "system", "content": "x"})
+
+
+@pytest.mark.parametrize("when", ["settle", "next pass"])
+def test_usage_learned_after_the_response_leaves_the_tracker_as_learning_at_once(
+    tmp_path: Path, when: str
+) -> None:
+    """``observe_async(learn=False)`` leaves the token tracker as it was; it learns in
+    ``settle()`` or first thing in the next pass, and ends as one that learned at once."""
+
+    async def run(root: Path, learn: bool) -> dict[str, Any]:
+        session = await WireSession.open("s", root, Pipeline(default_stages()))
+        tracker = session.ctx.token_tracker
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "start " * 50}]
+        for k in range(5):
+            _, call = await session.prepare_call({"model": "m", "messages": messages})
+            usage = {"input_tokens": 120 + 700 * k + 13 * k * k, "output_tokens": 9}
+            before = tracker.state_dict()
+            await session.observe_async(f"msg_{k}", usage, "m", call=call, learn=learn)
+            if not learn:
+                assert tracker.state_dict() == before  # not yet
+                if when == "settle":
+                    await session.settle()
+                    assert tracker.state_dict() != before
+            messages = [
+                *messages,
+                {"role": "assistant", "content": [{"type": "text", "text": f"step {k}"}]},
+                {"role": "user", "content": "output line\n" * (60 * k + 40)},
+            ]
+        await session.prepare_call({"model": "m", "messages": messages})
+        return tracker.state_dict()
+
+    at_once = anyio.run(run, tmp_path / "a", True)
+    later = anyio.run(run, tmp_path / "b", False)
+    assert later == at_once
+    assert at_once["errors"]  # it did learn: each anchored call's error is kept

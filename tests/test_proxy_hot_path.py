@@ -24,6 +24,8 @@ from pipeline.core import FunctionStage
 from pipeline.dropin.relay import relay
 from pipeline.dropin.upstream import Upstream, unless_left
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
+from pipeline.wire import digests
+from pipeline.wire.digests import OpeningMemo, opening_digest
 from stages import ToolResultBudget
 from tests.wire_support import TAG, proxy
 
@@ -296,3 +298,53 @@ def test_the_upstream_keeps_a_bounded_few_urls_parsed() -> None:
     assert (
         upstream.request("GET", "/v1/p3#x", b"q=3", {}, b"").url.raw_path == b"/base/v1/p3%23x?q=3"
     )
+
+
+def test_an_opening_is_digested_again_only_for_other_objects() -> None:
+    """The memo answers what ``opening_digest`` answers: by identity for the objects it holds
+    (a system prompt and first message an earlier request shares), digested again for any
+    other -- equal or not, old ids reused by new objects -- and it keeps a bounded few."""
+    memo = OpeningMemo(size=8)
+    system = [{"type": "text", "text": "You are an agent. " * 500}]
+    first = {"role": "user", "content": "go"}
+    digest = memo.digest(system, "", first)
+    assert digest == opening_digest(system, "", first)
+    assert memo.digest(system, "", first) is digest  # the same objects: kept
+    assert memo.digest(system, "hint", first) == opening_digest(system, "hint", first) != digest
+    equal = json.loads(json.dumps(first))
+    assert memo.digest(system, "", equal) == digest  # equal objects: digested again, alike
+    for k in range(300):  # objects made and dropped: their ids come back for others
+        other = {"role": "user", "content": f"go {k % 7}"}
+        assert memo.digest(None, "", other) == opening_digest(None, "", other)
+    assert len(memo._kept) <= 8
+
+
+def test_a_repeated_system_prompt_is_digested_once_in_a_conversation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the proxy, a conversation's system prompt (re-sent on every call) is digested
+    on its first call only: the body reader hands on the same parsed objects."""
+    digested: list[int] = []
+    real = digests._system_digest
+
+    def counted(system: Any) -> bytes:
+        digested.append(len(json.dumps(system)))
+        return real(system)
+
+    monkeypatch.setattr(digests, "_system_digest", counted)
+    system = [{"type": "text", "text": "You are an agent. " * 2_000}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, _budget) as url,
+        httpx2.Client(timeout=30) as client,
+    ):
+        for k in range(5):
+            body = {"model": "m", "max_tokens": 5, "system": system, "messages": messages}
+            assert client.post(f"{url}/v1/messages", json=body).status_code == 200
+            messages = [
+                *messages,
+                {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+                {"role": "user", "content": f"again {k}"},
+            ]
+    assert len([n for n in digested if n > 30_000]) == 1

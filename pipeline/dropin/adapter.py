@@ -219,6 +219,8 @@ class WireSession:
         """Where the last request prepared stopped repeating the one before."""
         self._wire = WireCache()
         self._projected: list[Message] = []
+        self._unlearned: tuple[Usage, str, bool] | None = None
+        """A response's usage observed with ``learn=False``, not yet learned from."""
         self._calls = 0
         self.last_call: Call | None = None
         """The request :meth:`prepare` prepared last (what :meth:`observe` records by
@@ -340,6 +342,8 @@ class WireSession:
         return (await self._prepare(messages))[0]
 
     async def _prepare(self, messages: Sequence[MessageParam]) -> tuple[list[MessageParam], Call]:
+        if self._unlearned is not None:  # from the request the last pass prepared, first
+            await self.learn_observed()
         if self._pending is not None:
             async with self.ctx.lock:  # before any other record of this session
                 if self._pending is not None:
@@ -475,11 +479,14 @@ class WireSession:
         event loop, use :meth:`observe_async`. Takes :attr:`sync_lock` (another thread may be
         preparing a call of the same conversation)."""
         with self.sync_lock:
+            pending = self._take_unlearned()
+            if pending is not None:
+                self._learn(*pending)
             parsed, data, chain = self._response(response_id, usage, call)
             if self._append_response(data):
                 self._written(data, chain)
             if parsed is not None:
-                self._learn(parsed, model, compacted=usage_compacted(usage or {}))
+                self._learn(parsed, model, usage_compacted(usage or {}))
                 if state := self.writes.learned():
                     self.writes.saves.write(state)  # a new process starts warm
 
@@ -490,23 +497,49 @@ class WireSession:
         model: str,
         *,
         call: Call | None = None,
+        learn: bool = True,
     ) -> None:
         """:meth:`observe` with the writes in a worker thread. It returns once the record is
         written (or has failed, logged): a caller that holds the response back until then
-        knows that another worker serving the next call will find it."""
+        knows that another worker serving the next call will find it. ``learn`` False: the
+        token tracker learns from the usage later, in :meth:`learn_observed` (which
+        :meth:`settle` and the session's next pass call first), not before this returns --
+        for a caller that holds the response back meanwhile (the proxy)."""
+        if self._unlearned is not None:  # an earlier response's, in the order they came
+            await self.learn_observed()
         async with self._observing:  # one record at a time: each builds on the last one's chain
             parsed, data, chain = self._response(response_id, usage, call)
             if await append_where_it_belongs(self.ctx.transcript, self._append_response, data):
                 self._written(data, chain)
         if parsed is not None:
-            self._learn(parsed, model, compacted=usage_compacted(usage or {}))
-            if state := self.writes.learned():  # else written by settle(), if local
-                await anyio.to_thread.run_sync(self.writes.saves.write, state)
+            self._unlearned = (parsed, model, usage_compacted(usage or {}))
+            if learn:
+                await self.learn_observed()
+
+    async def learn_observed(self) -> None:
+        """Let the token tracker learn from the usage of the response observed last with
+        ``learn=False``, unless it has (the calibration written in a worker thread when no
+        :meth:`settle` writes it). What the tracker refuses to learn from (``ValueError``:
+        content nested past what it can measure) leaves it as it was."""
+        pending = self._take_unlearned()
+        if pending is None:
+            return
+        try:
+            self._learn(*pending)
+        except ValueError:
+            return
+        if state := self.writes.learned():  # else written by settle(), if local
+            await anyio.to_thread.run_sync(self.writes.saves.write, state)
+
+    def _take_unlearned(self) -> tuple[Usage, str, bool] | None:
+        pending, self._unlearned = self._unlearned, None
+        return pending
 
     async def save_calibration(self) -> None:
         """Write the token calibration now if it learned since its last write (a worker
         thread writes it). For a server shutting down or a conversation loaded again: writes
         are spaced :data:`~pipeline.dropin.calibration.CALIBRATION_EVERY` apart otherwise."""
+        await self.learn_observed()
         await self.writes.save_calibration()
 
     async def settle(self, group: GroupSync | None = None) -> None:
@@ -518,7 +551,8 @@ class WireSession:
         on a local store whose appends were each durable. A failure is logged, never raised
         (the response has gone). ``group``: when the records' ``fsync`` is all there is to
         do and the group runs, it joins the group's (:mod:`pipeline.dropin.group_sync`) and
-        this returns."""
+        this returns. Learns from the last response first (:meth:`learn_observed`)."""
+        await self.learn_observed()
         await self.writes.settle(group)
 
     def settle_sync(self) -> None:
@@ -552,7 +586,7 @@ class WireSession:
         only another worker or a new process would miss its id and usage)."""
         return self.writes.appended(RESPONSE_RECORD, data)
 
-    def _learn(self, usage: Usage, model: str, *, compacted: bool) -> None:
+    def _learn(self, usage: Usage, model: str, compacted: bool) -> None:
         self.ctx.token_tracker.observe(
             self._projected,
             usage,

@@ -54,7 +54,7 @@ from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord, read_results
 from pipeline.store.sessions import SessionStates, SessionStorage
 from pipeline.tokens import TokenTracker, calibration_path_for
-from pipeline.wire.digests import opening_digest
+from pipeline.wire.digests import OpeningMemo, opening_digest
 
 if TYPE_CHECKING:
     import os
@@ -118,6 +118,7 @@ class Conversations:
         self._families: OrderedDict[tuple[str, str], Family] = OrderedDict()
         self._held = 0
         """Conversations held (the branches of every family in :attr:`_families`)."""
+        self._openings = OpeningMemo()
         self._lock = threading.Lock()
 
     # -- the way in --------------------------------------------------------------------------
@@ -127,15 +128,21 @@ class Conversations:
         headers: Mapping[str, str],
         *,
         explicit: str | None = None,
+        unchanging: bool = False,
     ) -> Branch:
         """The conversation of a request (``body``: its JSON; ``headers``: its HTTP headers),
         a new one made if it continues none. Loads from the store in a worker thread.
+        ``unchanging``: the body's values are never changed in place (a
+        :class:`~pipeline.wire.body_reader.BodyReader`'s parse), so a system prompt and first
+        message that are an earlier request's very objects need no new digest.
         ``ValueError`` for a bad hint or a request without a ``messages`` list; ``OSError``
         when the store cannot be read."""
         tenancy = self._tenancy
         if tenancy is None:
             tenancy = await anyio.to_thread.run_sync(self._make_tenancy)
-        tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
+        tenant, name, messages, opening = self._key(
+            tenancy, body, headers, explicit, unchanging=unchanging
+        )
         family = self._families.get((tenant, name))
         if family is None:
             try:
@@ -262,13 +269,16 @@ class Conversations:
         body: Mapping[str, Any],
         headers: Mapping[str, str],
         explicit: str | None,
+        *,
+        unchanging: bool = False,
     ) -> tuple[str, str, list[Any], bytes]:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise ValueError("a Messages request needs a 'messages' list")
         hint = conversation_hint(body, explicit=explicit, headers=headers)
         tenant = tenancy.tenant_of(headers)
-        opening = opening_digest(body.get("system"), hint, messages[0] if messages else None)
+        digest = self._openings.digest if unchanging else opening_digest
+        opening = digest(body.get("system"), hint, messages[0] if messages else None)
         return tenant, family_name(hint, opening), messages, opening
 
     def _load_family(self, tenant: str, name: str, opening: bytes) -> Family:

@@ -31,9 +31,16 @@ class EventStreamUsage:
     :class:`~pipeline.dropin.wire_request.WireRequest` to tell what the response said of itself."""
 
     def __init__(
-        self, session: WireSession, call: Call | None = None, request: WireRequest | None = None
+        self,
+        session: WireSession,
+        call: Call | None = None,
+        request: WireRequest | None = None,
+        *,
+        learn: bool = True,
     ) -> None:
         self.session = session
+        self.learn = learn
+        """Passed to :meth:`~pipeline.dropin.adapter.WireSession.observe_async`."""
         self.call = call
         self.request = request
         self._parts: list[bytes] = []
@@ -126,4 +133,4 @@ class EventStreamUsage:
         taken = self._take()
         if taken is not None:
             with contextlib.suppress(ValueError):
-                await self.session.observe_async(*taken, call=self.call)
+                await self.session.observe_async(*taken, call=self.call, learn=self.learn)

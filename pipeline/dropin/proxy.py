@@ -308,7 +308,7 @@ def build_app(
             return refused(started, 400, "invalid_request_error", str(exc)[:300])
         for attempt in range(_PLACE_ATTEMPTS):
             try:
-                branch = await conversations.route(body, headers)
+                branch = await conversations.route(body, headers, unchanging=True)
             except ValueError as exc:
                 return refused(started, 400, "invalid_request_error", str(exc)[:300])
             except OSError as exc:  # its state cannot be read: the request goes as it came

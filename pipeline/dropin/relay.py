@@ -173,7 +173,8 @@ class _UsageReader:
     def __init__(
         self, session: WireSession, call: Call | None, request: WireRequest | None
     ) -> None:
-        self.events = EventStreamUsage(session, call, request)
+        # the session learns from the usage once the client has the response (its settle)
+        self.events = EventStreamUsage(session, call, request, learn=False)
         self.session, self.call, self.request = session, call, request
 
     async def observe_json(self, body: bytes) -> None:
@@ -196,4 +197,6 @@ class _UsageReader:
         if isinstance(usage, dict) and isinstance(rid, str):
             with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
                 model = str(message.get("model"))
-                await self.session.observe_async(rid, usage, model=model, call=self.call)
+                await self.session.observe_async(
+                    rid, usage, model=model, call=self.call, learn=False
+                )

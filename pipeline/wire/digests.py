@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["DIGEST_BYTES", "chain_of", "chain_step", "message_digest", "opening_digest"]
+__all__ = [
+    "DIGEST_BYTES",
+    "OpeningMemo",
+    "chain_of",
+    "chain_step",
+    "message_digest",
+    "opening_digest",
+]
 
 DIGEST_BYTES = 16
 _ROOT = b"\x00" * DIGEST_BYTES
@@ -99,6 +108,36 @@ def opening_digest(system: Any, hint: str, first: Any) -> bytes:
     hint and the first message (None for a request without messages)."""
     seed = _hash(_system_digest(system) + hint.encode("utf-8", "surrogatepass"))
     return chain_step(seed, message_digest(first) if first is not None else _ROOT)
+
+
+class OpeningMemo:
+    """:func:`opening_digest` for requests whose values are never changed in place (a body
+    reader's parse, which hands on the very objects of an earlier body for text that repeats):
+    a system prompt and first message that are the same objects as a recent request's give
+    that request's digest without being digested again (the system prompt alone is often
+    tens of kilobytes, read on every call). Keeps the last ``size``; safe from many threads."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._kept: OrderedDict[tuple[int, int, str], tuple[Any, Any, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def digest(self, system: Any, hint: str, first: Any) -> bytes:
+        """``opening_digest(system, hint, first)``."""
+        key = (id(system), id(first), hint)
+        with self._lock:
+            kept = self._kept.get(key)
+            # the objects are held while kept: an id is not another's until they are let go
+            if kept is not None and kept[0] is system and kept[1] is first:
+                self._kept.move_to_end(key)
+                return kept[2]
+        digest = opening_digest(system, hint, first)
+        with self._lock:
+            self._kept[key] = (system, first, digest)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self._size:
+                self._kept.popitem(last=False)
+        return digest
 
 
 def chain_of(
