@@ -4,6 +4,7 @@ decisions on every call, and the same decisions in a new process."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from pipeline import Message, Pipeline, ToolPolicies, to_api
 from pipeline.dropin.adapter import DECISIONS_FILE, WireSession
 from pipeline.dropin.conversations import conversation_hint
+from pipeline.store.sessions import SessionStates
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget, default_stages
 
@@ -201,32 +203,54 @@ def test_converters_between_sdk_params_responses_and_records() -> None:
 def test_usage_learned_after_the_response_leaves_the_tracker_as_learning_at_once(
     tmp_path: Path, when: str
 ) -> None:
-    """``observe_async(learn=False)`` leaves the token tracker as it was; it learns in
-    ``settle()`` or first thing in the next pass, and ends as one that learned at once."""
+    """``observe_async(defer=True)`` leaves the token tracker and the records as they were;
+    both catch up in ``settle()`` or first thing in the next pass, and end as they would have
+    at once: the same calibration, the same records in the same order."""
 
-    async def run(root: Path, learn: bool) -> dict[str, Any]:
-        session = await WireSession.open("s", root, Pipeline(default_stages()))
+    async def run(root: Path, defer: bool) -> dict[str, Any]:
+        # as the proxy opens it: appends written at once, made durable by settle()
+        storage = SessionStates(root, fsync_each=False).open("s")
+        session = await WireSession.open("s", root, Pipeline(default_stages()), storage=storage)
         tracker = session.ctx.token_tracker
         messages: list[dict[str, Any]] = [{"role": "user", "content": "start " * 50}]
         for k in range(5):
             _, call = await session.prepare_call({"model": "m", "messages": messages})
             usage = {"input_tokens": 120 + 700 * k + 13 * k * k, "output_tokens": 9}
-            before = tracker.state_dict()
-            await session.observe_async(f"msg_{k}", usage, "m", call=call, learn=learn)
-            if not learn:
-                assert tracker.state_dict() == before  # not yet
+            before, written = tracker.state_dict(), _records_of(root)
+            await session.observe_async(f"msg_{k}", usage, "m", call=call, defer=defer)
+            if defer:
+                assert (tracker.state_dict(), _records_of(root)) == (before, written)  # not yet
                 if when == "settle":
                     await session.settle()
                     assert tracker.state_dict() != before
+                    assert len(_records_of(root)) > len(written)
+            tool = f"toolu_{k:02d}"  # a result the budget decides on (and records) next pass
             messages = [
                 *messages,
-                {"role": "assistant", "content": [{"type": "text", "text": f"step {k}"}]},
-                {"role": "user", "content": "output line\n" * (60 * k + 40)},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": tool, "name": "run", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": tool, "content": "line\n" * 60 * k}
+                    ],
+                },
             ]
         await session.prepare_call({"model": "m", "messages": messages})
-        return tracker.state_dict()
+        return {"tracker": tracker.state_dict(), "records": _records_of(root)}
 
-    at_once = anyio.run(run, tmp_path / "a", True)
-    later = anyio.run(run, tmp_path / "b", False)
+    at_once = anyio.run(run, tmp_path / "a", False)
+    later = anyio.run(run, tmp_path / "b", True)
     assert later == at_once
-    assert at_once["errors"]  # it did learn: each anchored call's error is kept
+    assert at_once["tracker"]["errors"]  # it did learn: each anchored call's error is kept
+    kinds = [json.loads(r).get("stage") for r in at_once["records"]]
+    assert kinds.count("wire_session.response") == 5
+    assert kinds.count("tool_result_budget") >= 3  # the budget's, in among them
+
+
+def _records_of(root: Path) -> list[str]:
+    """Every record line under ``root``, without the parts a process makes its own (times)."""
+    lines = [line for f in sorted(root.rglob("*.jsonl")) for line in f.read_text().splitlines()]
+    return [re.sub(r'"timestamp":"[^"]*"', "", line) for line in lines]

@@ -73,7 +73,7 @@ from pipeline.replacement import (
 )
 from pipeline.spans import content_safe_span
 from pipeline.store.files import validate_session_id
-from pipeline.store.records import append_where_it_belongs
+from pipeline.store.records import append_where_it_belongs, appends_block
 from pipeline.store.sessions import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
@@ -219,8 +219,11 @@ class WireSession:
         """Where the last request prepared stopped repeating the one before."""
         self._wire = WireCache()
         self._projected: list[Message] = []
+        self._unwritten: tuple[dict[str, Any], list[bytes]] | None = None
+        """A response's record (and the chain it leaves) held back by ``observe_async(...,
+        defer=True)``: see :meth:`catch_up`."""
         self._unlearned: tuple[Usage, str, bool] | None = None
-        """A response's usage observed with ``learn=False``, not yet learned from."""
+        """A response's usage observed with ``defer``, not yet learned from."""
         self._calls = 0
         self.last_call: Call | None = None
         """The request :meth:`prepare` prepared last (what :meth:`observe` records by
@@ -342,8 +345,7 @@ class WireSession:
         return (await self._prepare(messages))[0]
 
     async def _prepare(self, messages: Sequence[MessageParam]) -> tuple[list[MessageParam], Call]:
-        if self._unlearned is not None:  # from the request the last pass prepared, first
-            await self.learn_observed()
+        await self.catch_up()  # what the last response left for later, first
         if self._pending is not None:
             async with self.ctx.lock:  # before any other record of this session
                 if self._pending is not None:
@@ -479,9 +481,7 @@ class WireSession:
         event loop, use :meth:`observe_async`. Takes :attr:`sync_lock` (another thread may be
         preparing a call of the same conversation)."""
         with self.sync_lock:
-            pending = self._take_unlearned()
-            if pending is not None:
-                self._learn(*pending)
+            self._catch_up_inline()
             parsed, data, chain = self._response(response_id, usage, call)
             if self._append_response(data):
                 self._written(data, chain)
@@ -497,49 +497,60 @@ class WireSession:
         model: str,
         *,
         call: Call | None = None,
-        learn: bool = True,
+        defer: bool = False,
     ) -> None:
         """:meth:`observe` with the writes in a worker thread. It returns once the record is
         written (or has failed, logged): a caller that holds the response back until then
-        knows that another worker serving the next call will find it. ``learn`` False: the
-        token tracker learns from the usage later, in :meth:`learn_observed` (which
-        :meth:`settle` and the session's next pass call first), not before this returns --
-        for a caller that holds the response back meanwhile (the proxy)."""
-        if self._unlearned is not None:  # an earlier response's, in the order they came
-            await self.learn_observed()
+        knows that another worker serving the next call will find it.
+
+        ``defer``: for a caller that holds the response back until this returns and calls
+        :meth:`settle` once the client has it (the proxy). What need not come first waits for
+        :meth:`catch_up` (which :meth:`settle`, the session's next pass and its next
+        observation call first): the token tracker's learning, and, on a store no other
+        worker writes to whose appends are page-cache writes (made durable by :meth:`settle`
+        anyway), the response's record -- kept in order before any later record."""
+        await self.catch_up()  # an earlier response's, in the order they came
         async with self._observing:  # one record at a time: each builds on the last one's chain
             parsed, data, chain = self._response(response_id, usage, call)
-            if await append_where_it_belongs(self.ctx.transcript, self._append_response, data):
+            if defer and not self.storage.shared and not appends_block(self.ctx.transcript):
+                self._unwritten = (data, chain)
+            elif await append_where_it_belongs(self.ctx.transcript, self._append_response, data):
                 self._written(data, chain)
         if parsed is not None:
             self._unlearned = (parsed, model, usage_compacted(usage or {}))
-            if learn:
-                await self.learn_observed()
+            if not defer:
+                await self.catch_up()
 
-    async def learn_observed(self) -> None:
-        """Let the token tracker learn from the usage of the response observed last with
-        ``learn=False``, unless it has (the calibration written in a worker thread when no
-        :meth:`settle` writes it). What the tracker refuses to learn from (``ValueError``:
-        content nested past what it can measure) leaves it as it was."""
-        pending = self._take_unlearned()
-        if pending is None:
+    async def catch_up(self) -> None:
+        """Do what :meth:`observe_async` with ``defer`` left for later, unless done: write the
+        response's record, then let the token tracker learn from its usage (the calibration
+        written in a worker thread when no :meth:`settle` writes it)."""
+        if self._unwritten is None and self._unlearned is None:
             return
+        if self._catch_up_inline() and (state := self.writes.learned()):
+            await anyio.to_thread.run_sync(self.writes.saves.write, state)  # else by settle()
+
+    def _catch_up_inline(self) -> bool:
+        """:meth:`catch_up`'s record and learning, here; whether the tracker learned. What it
+        refuses to learn from (``ValueError``: content nested past what it can measure)
+        leaves it as it was."""
+        unwritten, self._unwritten = self._unwritten, None
+        if unwritten is not None and self._append_response(unwritten[0]):
+            self._written(*unwritten)
+        unlearned, self._unlearned = self._unlearned, None
+        if unlearned is None:
+            return False
         try:
-            self._learn(*pending)
+            self._learn(*unlearned)
         except ValueError:
-            return
-        if state := self.writes.learned():  # else written by settle(), if local
-            await anyio.to_thread.run_sync(self.writes.saves.write, state)
-
-    def _take_unlearned(self) -> tuple[Usage, str, bool] | None:
-        pending, self._unlearned = self._unlearned, None
-        return pending
+            return False
+        return True
 
     async def save_calibration(self) -> None:
         """Write the token calibration now if it learned since its last write (a worker
         thread writes it). For a server shutting down or a conversation loaded again: writes
         are spaced :data:`~pipeline.dropin.calibration.CALIBRATION_EVERY` apart otherwise."""
-        await self.learn_observed()
+        await self.catch_up()
         await self.writes.save_calibration()
 
     async def settle(self, group: GroupSync | None = None) -> None:
@@ -551,8 +562,9 @@ class WireSession:
         on a local store whose appends were each durable. A failure is logged, never raised
         (the response has gone). ``group``: when the records' ``fsync`` is all there is to
         do and the group runs, it joins the group's (:mod:`pipeline.dropin.group_sync`) and
-        this returns. Learns from the last response first (:meth:`learn_observed`)."""
-        await self.learn_observed()
+        this returns. What the last response left for later is done first
+        (:meth:`catch_up`)."""
+        await self.catch_up()
         await self.writes.settle(group)
 
     def settle_sync(self) -> None:

@@ -36,10 +36,10 @@ class EventStreamUsage:
         call: Call | None = None,
         request: WireRequest | None = None,
         *,
-        learn: bool = True,
+        defer: bool = False,
     ) -> None:
         self.session = session
-        self.learn = learn
+        self.defer = defer
         """Passed to :meth:`~pipeline.dropin.adapter.WireSession.observe_async`."""
         self.call = call
         self.request = request
@@ -133,4 +133,4 @@ class EventStreamUsage:
         taken = self._take()
         if taken is not None:
             with contextlib.suppress(ValueError):
-                await self.session.observe_async(*taken, call=self.call, learn=self.learn)
+                await self.session.observe_async(*taken, call=self.call, defer=self.defer)

@@ -39,11 +39,13 @@ def relay(
     logger: Any = None,
 ) -> Response:
     """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
-    on the way, and the session's record of it written before the client can see the end: an
-    event stream passes chunk by chunk as it arrives, the chunk that completes the usage
-    (``message_delta``) once the record is written; a JSON body is passed on whole once read
-    and recorded. ``end``: called once the body has gone by (or the client left), with the
-    type of the error that cut the upstream's body (None: it was not cut); ``after``:
+    on the way, and observed by the session before the client can see the end (its record
+    written then where other workers read it; on a store of this process alone, written with
+    the token tracker's learning once the client has the response: ``observe_async(...,
+    defer=True)``): an event stream passes chunk by chunk as it arrives, the chunk that
+    completes the usage (``message_delta``) once observed; a JSON body is passed on whole
+    once read and observed. ``end``: called once the body has gone by (or the client left),
+    with the type of the error that cut the upstream's body (None: it was not cut); ``after``:
     awaited after that, once the client has the whole response (the session's
     :meth:`~pipeline.dropin.adapter.WireSession.settle`); ``logger``: where a body the upstream cut
     is
@@ -82,6 +84,9 @@ def relay(
         finally:
             try:
                 await upstream.aclose()
+                if reader is not None:
+                    # the client has the response (or has left): what waited for that, now
+                    await reader.session.catch_up()
             finally:
                 if end is not None:
                     end(relayed.cut_by)
@@ -173,8 +178,8 @@ class _UsageReader:
     def __init__(
         self, session: WireSession, call: Call | None, request: WireRequest | None
     ) -> None:
-        # the session learns from the usage once the client has the response (its settle)
-        self.events = EventStreamUsage(session, call, request, learn=False)
+        # what can wait until the client has the response waits for the session's settle
+        self.events = EventStreamUsage(session, call, request, defer=True)
         self.session, self.call, self.request = session, call, request
 
     async def observe_json(self, body: bytes) -> None:
@@ -198,5 +203,5 @@ class _UsageReader:
             with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
                 model = str(message.get("model"))
                 await self.session.observe_async(
-                    rid, usage, model=model, call=self.call, learn=False
+                    rid, usage, model=model, call=self.call, defer=True
                 )
