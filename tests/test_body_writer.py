@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.wire import body_writer
 from pipeline.wire.body_writer import BodyWriter
 from pipeline.wire.encoding import dumps_body
 from tests.wire_support import stepped
@@ -54,9 +55,10 @@ edits = st.sampled_from(
         min_size=1,
         max_size=14,
     ),
+    unchanging=st.booleans(),
 )
 def test_any_sequence_of_bodies_is_written_as_dumps_body_writes_it(
-    start: list[Any], steps: list[Any]
+    start: list[Any], steps: list[Any], unchanging: bool
 ) -> None:
     writer = BodyWriter(max_bytes=400)  # small: bodies are let go and written whole too
     for msgs, extra, (before, fast, key) in stepped(start, steps, "fields"):
@@ -66,7 +68,8 @@ def test_any_sequence_of_bodies_is_written_as_dumps_body_writes_it(
         except Exception as exc:  # what dumps_body raises, the writer raises too
             expected = type(exc)
         try:
-            got: bytes | type[Exception] = writer.write(key, body, fast=fast)
+            kept = extra.keys() if unchanging else ()  # the fields' values are never changed
+            got: bytes | type[Exception] = writer.write(key, body, fast=fast, unchanging=kept)
         except Exception as exc:
             got = type(exc)
         assert got == expected
@@ -86,6 +89,35 @@ def test_a_growing_conversation_encodes_only_its_new_messages() -> None:
         assert writer.write("c", body) == dumps_body(body)
         msgs = [*msgs, *_round(k)]
     assert writer.reused == sum(1 + 2 * k for k in range(29))
+
+
+def test_fields_sent_again_as_the_same_objects_are_encoded_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A field named unchanging whose value is the last body's object is not encoded again; a
+    new object is, and a field not named is encoded every time (its value may have been
+    changed in place)."""
+    encoded: list[Any] = []
+    real = body_writer.fast_encode
+
+    def counted(value: Any) -> bytes:
+        encoded.append(value)
+        return real(value)
+
+    monkeypatch.setattr(body_writer, "fast_encode", counted)
+    writer = BodyWriter()
+    system = [{"type": "text", "text": "You are an agent."}]
+    tools = [{"name": "Read", "input_schema": {"type": "object"}}]
+    msgs: list[Any] = [{"role": "user", "content": "go"}]
+    for k in range(4):
+        if k == 2:
+            system = [dict(system[0])]  # an equal new object: encoded again
+        tools[0]["name"] = f"Read{k}"  # changed in place: not named, so written as it is now
+        body = {"model": "m", "system": system, "tools": tools, "messages": msgs}
+        assert writer.write("c", body, unchanging={"model", "system"}) == dumps_body(body)
+        msgs = [*msgs, *_round(k)]
+    assert sum(v is system or v == system for v in encoded) == 2  # the first call, and k == 2
+    assert sum(v is tools for v in encoded) == 4
 
 
 def test_conversations_under_other_keys_do_not_share_bytes() -> None:

@@ -361,8 +361,11 @@ def build_app(
                         logged(started, 400, error="invalid_request_error")
                         refusal = _error(400, "invalid_request_error", str(exc)[:300])
                         return _settled(refusal, session, synced)
-                    merged = merge_request_fields(prepared, session.ctx.report.request_extras)
-                    content = sent.write(branch.key, merged, fast=fast)
+                    extras = session.ctx.report.request_extras
+                    merged = merge_request_fields(prepared, extras)
+                    # the client's fields are parsed objects, never changed; a stage's may be
+                    kept = body.keys() - extras.keys()
+                    content = sent.write(branch.key, merged, fast=fast, unchanging=kept)
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )

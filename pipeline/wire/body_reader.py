@@ -147,7 +147,7 @@ class BodyReader:
             min(j for j in near if shared[j] == same),
             max(j for j in near if shared[j] == same),
         )
-        head = raw[:same]
+        head = memoryview(raw)[:same]  # a view: the start a long body shares is not copied
         while lo > 0 and at - lo < _TIES and order[lo - 1][0].startswith(head):
             lo -= 1
         while hi + 1 < len(order) and hi - at < _TIES and order[hi + 1][0].startswith(head):
