@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +206,8 @@ def test_usage_learned_after_the_response_leaves_the_tracker_as_learning_at_once
 ) -> None:
     """``observe_async(defer=True)`` leaves the token tracker and the records as they were;
     both catch up in ``settle()`` or first thing in the next pass, and end as they would have
-    at once: the same calibration, the same records in the same order."""
+    at once: the same calibration, the same records in the same order -- also when the next
+    request's system prompt is another (the last response is learned from under its own)."""
 
     async def run(root: Path, defer: bool) -> dict[str, Any]:
         # as the proxy opens it: appends written at once, made durable by settle()
@@ -214,8 +216,13 @@ def test_usage_learned_after_the_response_leaves_the_tracker_as_learning_at_once
         tracker = session.ctx.token_tracker
         messages: list[dict[str, Any]] = [{"role": "user", "content": "start " * 50}]
         for k in range(5):
-            _, call = await session.prepare_call({"model": "m", "messages": messages})
-            usage = {"input_tokens": 120 + 700 * k + 13 * k * k, "output_tokens": 9}
+            system = "You are terse. " * (1 if k < 3 else 400)
+            body = {"model": "m", "system": system, "messages": messages}
+            _, call = await session.prepare_call(body)
+            usage = {
+                "input_tokens": 120 + 700 * k + 13 * k * k + 1500 * (k >= 3),
+                "output_tokens": 9,
+            }
             before, written = tracker.state_dict(), _records_of(root)
             await session.observe_async(f"msg_{k}", usage, "m", call=call, defer=defer)
             if defer:
@@ -238,7 +245,7 @@ def test_usage_learned_after_the_response_leaves_the_tracker_as_learning_at_once
                     ],
                 },
             ]
-        await session.prepare_call({"model": "m", "messages": messages})
+        await session.prepare_call({"model": "m", "system": system, "messages": messages})
         return {"tracker": tracker.state_dict(), "records": _records_of(root)}
 
     at_once = anyio.run(run, tmp_path / "a", False)
@@ -248,6 +255,29 @@ def test_usage_learned_after_the_response_leaves_the_tracker_as_learning_at_once
     kinds = [json.loads(r).get("stage") for r in at_once["records"]]
     assert kinds.count("wire_session.response") == 5
     assert kinds.count("tool_result_budget") >= 3  # the budget's, in among them
+
+
+def test_responses_observed_at_once_and_deferred_are_each_learned_from(tmp_path: Path) -> None:
+    """Two responses of one conversation observed at the same time with ``defer`` on a store
+    whose appends wait (each made durable: written in a worker thread) are both learned from,
+    in order, as observing each at once learns."""
+
+    async def run(root: Path, defer: bool) -> dict[str, Any]:
+        storage = SessionStates(root, fsync_each=True).open("s")
+        session = await WireSession.open("s", root, Pipeline(default_stages()), storage=storage)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "start " * 50}]
+        _, one = await session.prepare_call({"model": "m", "messages": messages})
+        _, two = await session.prepare_call({"model": "m", "messages": messages})  # a retry
+        async with anyio.create_task_group() as tg:
+            for call, tokens in ((one, 111), (two, 222)):
+                usage = {"input_tokens": tokens, "output_tokens": 1}
+                observe = partial(session.observe_async, call=call, defer=defer)
+                tg.start_soon(observe, f"msg_{tokens}", usage, "m")
+        await session.settle()
+        return session.ctx.token_tracker.state_dict()
+
+    at_once = anyio.run(run, tmp_path / "a", False)
+    assert anyio.run(run, tmp_path / "b", True) == at_once
 
 
 def _records_of(root: Path) -> list[str]:

@@ -14,6 +14,7 @@ import pytest
 from pipeline import Pipeline
 from pipeline.dropin.conversations import Branch, Conversations, conversation_hint
 from pipeline.dropin.tenancy import Tenancy
+from pipeline.store.sessions import SessionStates
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
 from tests.wire_support import TAG
@@ -660,3 +661,33 @@ def test_whoever_keeps_something_of_a_conversation_is_told_when_it_is_let_go(
         return [first.conversation_id]
 
     assert anyio.run(run) == let_go
+
+
+def test_a_conversation_let_go_with_a_response_held_back_loads_again_with_it(
+    tmp_path: Path,
+) -> None:
+    """A response observed with ``defer`` (its record held back until its client has it) of a
+    conversation let go meanwhile is written then: a request that loads the conversation
+    again knows that response, as one whose record was written at once would."""
+
+    async def run() -> bool:
+        conversations = Conversations(
+            pipeline=lambda: Pipeline([ToolResultBudget()]),
+            root=tmp_path,
+            storage=SessionStates(tmp_path, fsync_each=False),  # appends held back: the proxy's
+            max_held=1,
+        )
+        first = [{"role": "user", "content": "conversation A " * 30}]
+        held = (await conversations.route({"messages": first}, {}, unchanging=True)).session
+        _, call = await held.prepare_call({"model": "m", "messages": first})
+        usage = {"input_tokens": 100, "output_tokens": 5}
+        await held.observe_async("msg_A1", usage, "m", call=call, defer=True)
+        other = [{"role": "user", "content": "another " * 30}]
+        await conversations.route({"messages": other}, {})  # A is let go
+        then = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+        again = (await conversations.route({"messages": then}, {}, unchanging=True)).session
+        assert again is not held  # loaded from its records
+        await again.prepare_call({"model": "m", "messages": then})
+        return any(seen[0] == "msg_A1" for seen in again._responses.values())
+
+    assert anyio.run(run)

@@ -12,17 +12,21 @@ import json
 import re
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx2
 import pytest
 
 from pipeline import Pipeline
 from pipeline._cli.proxy_cmd import SERVER_GC_THRESHOLDS, server_collector
 from pipeline.core import FunctionStage
+from pipeline.dropin.adapter import WireSession
 from pipeline.dropin.relay import relay
 from pipeline.dropin.upstream import Upstream, unless_left
+from pipeline.store.sessions import SessionStates
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from pipeline.wire import digests
 from pipeline.wire.digests import OpeningMemo, opening_digest
@@ -348,3 +352,55 @@ def test_a_repeated_system_prompt_is_digested_once_in_a_conversation(
                 {"role": "user", "content": f"again {k}"},
             ]
     assert len([n for n in digested if n > 30_000]) == 1
+
+
+class _CloseFails(httpx2.AsyncByteStream):
+    """An event stream whose close raises (the upstream's connection broken under it)."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        start = {"id": "msg_1", "model": "m", "usage": {"input_tokens": 10, "output_tokens": 1}}
+        for event in (
+            {"type": "message_start", "message": start},
+            {"type": "message_delta", "delta": {}, "usage": {"output_tokens": 5}},
+            {"type": "message_stop"},
+        ):
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+
+    async def aclose(self) -> None:
+        raise RuntimeError("close failed")
+
+
+def test_a_held_back_record_is_written_when_the_upstreams_close_fails(tmp_path: Path) -> None:
+    """The client leaves after ``message_delta`` and closing the upstream then raises: the
+    response's record, held back until the client had the response, is written all the same,
+    and the request ends."""
+
+    async def run() -> tuple[list[str | None], str]:
+        storage = SessionStates(tmp_path, fsync_each=False).open("s")  # records held back
+        session = await WireSession.open("s", tmp_path, _budget(), storage=storage)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        _, call = await session.prepare_call(body)
+        transport = httpx2.MockTransport(
+            lambda _r: httpx2.Response(
+                200, stream=_CloseFails(), headers={"content-type": "text/event-stream"}
+            )
+        )
+        ended: list[str | None] = []
+        async with httpx2.AsyncClient(transport=transport, base_url="http://u") as client:
+            upstream = await client.send(client.build_request("POST", "/v1/messages"), stream=True)
+            response = relay(upstream, session, call, end=ended.append)
+
+            async def send(message: Any) -> None:
+                if b"message_delta" in message.get("body", b""):
+                    raise OSError("client gone")
+
+            async def receive() -> Any:
+                await anyio.sleep_forever()
+
+            with contextlib.suppress(Exception):
+                await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return ended, "".join(f.read_text() for f in tmp_path.rglob("*.jsonl"))
+
+    ended, records = anyio.run(run)
+    assert ended == [None]
+    assert '"wire_session.response"' in records

@@ -222,8 +222,8 @@ class WireSession:
         self._unwritten: tuple[dict[str, Any], list[bytes]] | None = None
         """A response's record (and the chain it leaves) held back by ``observe_async(...,
         defer=True)``: see :meth:`catch_up`."""
-        self._unlearned: tuple[Usage, str, bool] | None = None
-        """A response's usage observed with ``defer``, not yet learned from."""
+        self._unlearned: list[tuple[Usage, str, bool]] = []
+        """Responses' usage observed with ``defer``, not yet learned from, in their order."""
         self._calls = 0
         self.last_call: Call | None = None
         """The request :meth:`prepare` prepared last (what :meth:`observe` records by
@@ -463,6 +463,7 @@ class WireSession:
         """:meth:`prepare_request`, and the :class:`Call` its response is to be observed with
         (``observe(..., call=...)``), whatever other request of this session is prepared
         meanwhile."""
+        await self.catch_up()  # the last response learned from under its own request
         self.ctx.token_tracker.set_request(system=body.get("system"), tools=body.get("tools"))
         messages, call = await self._prepare(body.get("messages") or [])
         return {**body, "messages": messages}, call
@@ -517,7 +518,8 @@ class WireSession:
             elif await append_where_it_belongs(self.ctx.transcript, self._append_response, data):
                 self._written(data, chain)
         if parsed is not None:
-            self._unlearned = (parsed, model, usage_compacted(usage or {}))
+            # after any other's observed meanwhile (its record written in a worker thread)
+            self._unlearned.append((parsed, model, usage_compacted(usage or {})))
             if not defer:
                 await self.catch_up()
 
@@ -525,10 +527,16 @@ class WireSession:
         """Do what :meth:`observe_async` with ``defer`` left for later, unless done: write the
         response's record, then let the token tracker learn from its usage (the calibration
         written in a worker thread when no :meth:`settle` writes it)."""
-        if self._unwritten is None and self._unlearned is None:
+        if self._unwritten is None and not self._unlearned:
             return
         if self._catch_up_inline() and (state := self.writes.learned()):
             await anyio.to_thread.run_sync(self.writes.saves.write, state)  # else by settle()
+
+    def catch_up_sync(self) -> None:
+        """:meth:`catch_up`, blocking (an append to a local file: nothing is held back for any
+        other store), the calibration left for a later :meth:`settle` or save: for a
+        conversation let go from memory, whose next request loads it from its records."""
+        self._catch_up_inline()
 
     def _catch_up_inline(self) -> bool:
         """:meth:`catch_up`'s record and learning, here; whether the tracker learned. What it
@@ -537,14 +545,15 @@ class WireSession:
         unwritten, self._unwritten = self._unwritten, None
         if unwritten is not None and self._append_response(unwritten[0]):
             self._written(*unwritten)
-        unlearned, self._unlearned = self._unlearned, None
-        if unlearned is None:
-            return False
-        try:
-            self._learn(*unlearned)
-        except ValueError:
-            return False
-        return True
+        unlearned, self._unlearned = self._unlearned, []
+        learned = False
+        for usage, model, compacted in unlearned:
+            try:
+                self._learn(usage, model, compacted)
+            except ValueError:
+                continue
+            learned = True
+        return learned
 
     async def save_calibration(self) -> None:
         """Write the token calibration now if it learned since its last write (a worker

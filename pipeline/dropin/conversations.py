@@ -249,8 +249,11 @@ class Conversations:
         for key in gone:
             family = self._families.pop(key)
             self._held -= len(family.branches)
-            if self.on_let_go is not None:
-                for branch in family.branches.values():
+            for branch in family.branches.values():
+                # a response's record held back until its client had it: on disk before a
+                # request of the conversation can load it again
+                branch.session.catch_up_sync()
+                if self.on_let_go is not None:
                     self.on_let_go(branch)
         if gone:
             get_logger().debug("conversations.let_go", families=len(gone), held=self._held)

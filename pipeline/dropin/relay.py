@@ -84,12 +84,14 @@ def relay(
         finally:
             try:
                 await upstream.aclose()
-                if reader is not None:
-                    # the client has the response (or has left): what waited for that, now
-                    await reader.session.catch_up()
             finally:
-                if end is not None:
-                    end(relayed.cut_by)
+                try:
+                    if reader is not None:
+                        # the client has the response (or has left): what waited for it, now
+                        await reader.session.catch_up()
+                finally:
+                    if end is not None:
+                        end(relayed.cut_by)
 
     relayed = _Relayed(
         body(),
