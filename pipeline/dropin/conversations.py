@@ -119,6 +119,8 @@ class Conversations:
         self._held = 0
         """Conversations held (the branches of every family in :attr:`_families`)."""
         self._openings = OpeningMemo()
+        self._released: list[Branch] = []
+        """Conversations let go whose held-back writes are still to make."""
         self._lock = threading.Lock()
 
     # -- the way in --------------------------------------------------------------------------
@@ -250,9 +252,7 @@ class Conversations:
             family = self._families.pop(key)
             self._held -= len(family.branches)
             for branch in family.branches.values():
-                # a response's record held back until its client had it: on disk before a
-                # request of the conversation can load it again
-                branch.session.catch_up_sync()
+                self._released.append(branch)  # what it held back: written after the lock
                 if self.on_let_go is not None:
                     self.on_let_go(branch)
         if gone:
@@ -345,6 +345,30 @@ class Conversations:
         *,
         build: Callable[[Callable[[], Any]], Any],
         sync: bool = False,
+    ) -> Branch:
+        try:
+            return self._placed(family, messages, opening, build=build, sync=sync)
+        finally:
+            self._write_released()
+
+    def _write_released(self) -> None:
+        """Write what the conversations let go held back (a response's record kept until its
+        client had it): on disk before a request of theirs loads them again. Out of the
+        index's lock, which is never held across I/O; at once after it, with no other task of
+        the event loop in between."""
+        with self._lock:
+            released, self._released = self._released, []
+        for branch in released:
+            branch.session.catch_up_sync()
+
+    def _placed(
+        self,
+        family: Family,
+        messages: list[Any],
+        opening: bytes,
+        *,
+        build: Callable[[Callable[[], Any]], Any],
+        sync: bool,
     ) -> Branch:
         with self._lock:
             plan = place(family, messages, opening)
