@@ -5,6 +5,7 @@ included."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -184,8 +185,14 @@ def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
         client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
         client.messages.create(model="claude-test", max_tokens=10, messages=build("x" * 60_000))
         client.close()
-        with urllib.request.urlopen(f"http://localhost:{scrape}/metrics", timeout=10) as got:
-            page = got.read().decode()
+        deadline = time.monotonic() + 10
+        while True:  # the request's end (its metrics) comes after the client has the response
+            with urllib.request.urlopen(f"http://localhost:{scrape}/metrics", timeout=10) as got:
+                page = got.read().decode()
+            if "http_server_request_duration_seconds_count" in page:
+                break
+            assert time.monotonic() < deadline, "the request's metrics never came"
+            time.sleep(0.05)
     assert code == [0]
     samples = {
         line.split("{")[0].split(" ")[0]: line

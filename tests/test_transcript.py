@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import stat
 from collections import Counter
 from pathlib import Path
@@ -450,3 +451,15 @@ def _raw_lines_lenient(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
+
+
+def test_a_sync_after_the_log_was_removed_makes_nothing_durable_and_does_not_fail(
+    tmp_path: Path,
+) -> None:
+    """Records made durable after the call (a wrapped client's, in the process's sync thread)
+    whose directory is gone by then (a temporary one): nothing is left to sync, and no error."""
+    writer = TranscriptWriter(tmp_path / "s" / "decisions.jsonl", "s", fsync_each=False)
+    writer.append_stage_record("stage", {"k": 1})
+    shutil.rmtree(tmp_path / "s")
+    writer.sync()
+    assert not (tmp_path / "s").exists()

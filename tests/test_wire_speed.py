@@ -306,10 +306,12 @@ def free_port_url() -> str:
 def test_wrap_makes_a_calls_records_durable_with_one_fsync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """Each record is written as the call goes and synced once at its end; the calibration is
-    saved without an fsync (before: one per record, and one for the calibration)."""
+    """Each record is written as the call goes and synced once after it (in the process's
+    sync thread: ``SYNCS.flush()`` runs what waits); the calibration is saved without an
+    fsync (before: one per record, and one for the calibration)."""
     import anyio
 
+    from pipeline.dropin.wrap import SYNCS
     from stages import wrap
 
     synced: list[str] = []
@@ -324,9 +326,11 @@ def test_wrap_makes_a_calls_records_durable_with_one_fsync(
         if kind == "sync":
             client = wrap(anthropic.Anthropic(base_url=up.base_url, api_key="k"), root=tmp_path)
             client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+            SYNCS.flush()
             monkeypatch.setattr(os, "fsync", fsync)
             history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
             client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+            SYNCS.flush()
         else:
 
             async def main() -> None:
@@ -334,17 +338,66 @@ def test_wrap_makes_a_calls_records_durable_with_one_fsync(
                 base = anthropic.AsyncAnthropic(base_url=up.base_url, api_key="k")
                 async with wrap(base, root=tmp_path) as client:
                     await client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+                    SYNCS.flush()
                     monkeypatch.setattr(os, "fsync", fsync)
                     history += [
                         {"role": "assistant", "content": "ok"},
                         {"role": "user", "content": "more"},
                     ]
                     await client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+                    SYNCS.flush()
 
             anyio.run(main)
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert [name for name in synced if "calibration" in name] == []
     assert [name for name in synced if "decisions" in name] == ["decisions.jsonl"]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_wrapped_call_returns_before_its_records_are_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The call's records are written before it returns and made durable after it: an fsync
+    held up does not hold up the call, and the records are synced once it is let go."""
+    import anyio
+
+    from pipeline.dropin.wrap import SYNCS
+    from stages import wrap
+
+    go = threading.Event()
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if "decisions" in name:
+            go.wait(10)  # a slow disk
+            synced.append(name)
+        real_fsync(fd)
+
+    history = _conversation(60_000)
+    with ScriptedMessagesServer(_ok) as up:
+        monkeypatch.setattr(os, "fsync", fsync)
+        started = time.monotonic()
+        if kind == "sync":
+            client = wrap(anthropic.Anthropic(base_url=up.base_url, api_key="k"), root=tmp_path)
+            client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+        else:
+
+            async def main() -> None:
+                base = anthropic.AsyncAnthropic(base_url=up.base_url, api_key="k")
+                async with wrap(base, root=tmp_path) as client:
+                    await client.messages.create(model="m", max_tokens=5, messages=history)  # type: ignore[arg-type]
+
+            anyio.run(main)
+        took = time.monotonic() - started
+        written = sum(len(p.read_bytes()) for p in tmp_path.rglob("decisions.jsonl"))
+        go.set()
+        SYNCS.flush()
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert took < 5  # the call did not wait for the held-up fsync
+    assert written  # its records were written before it returned
+    assert synced == ["decisions.jsonl"]
 
 
 def test_the_token_calibration_is_saved_at_most_every_two_seconds_and_at_shutdown(

@@ -63,6 +63,7 @@ from pipeline.dropin.session_log import (
     responses_in,
 )
 from pipeline.dropin.session_writes import SessionWrites
+from pipeline.dropin.thread_sync import ThreadSync
 from pipeline.kept_list import first_unequal
 from pipeline.messages import Message, Usage, usage_compacted
 from pipeline.replacement import (
@@ -579,6 +580,13 @@ class WireSession:
     def settle_sync(self) -> None:
         """:meth:`settle`, blocking (the synchronous client's path)."""
         self.writes.settle_sync()
+
+    def settle_in(self, syncer: ThreadSync) -> bool:
+        """:meth:`settle` handed to ``syncer``'s thread, for a caller that returns the response
+        at once (``wrap``): True when it took all of it (a local store: the records' ``fsync``
+        and the calibration), False when the caller must still settle (an object store)."""
+        self._catch_up_inline()
+        return self.writes.settle_in(syncer)
 
     def _response(
         self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None

@@ -19,7 +19,7 @@ import anyio.to_thread
 
 from pipeline.logs import get_logger
 
-__all__ = ["GROUP_WINDOW", "GroupSync"]
+__all__ = ["GROUP_WINDOW", "GroupSync", "sync_each"]
 
 GROUP_WINDOW = 0.1
 """Seconds from the first call of a group that ends to the group's ``fsync``."""
@@ -76,10 +76,12 @@ class GroupSync:
         group, self._waiting = list(self._waiting), {}
         if group:
             self.groups += 1
-            await anyio.to_thread.run_sync(_each, group)
+            await anyio.to_thread.run_sync(sync_each, group)
 
 
-def _each(group: list[Callable[[], None]]) -> None:
+def sync_each(group: list[Callable[[], None]]) -> None:
+    """Run each of ``group``'s syncs (blocking); one that raises is logged
+    (``group_sync.failed``, its type alone) and the others run all the same."""
     for sync in group:
         try:
             sync()

@@ -86,12 +86,12 @@ def relay(
                 await upstream.aclose()
             finally:
                 try:
+                    if end is not None:
+                        end(relayed.cut_by)
+                finally:
                     if reader is not None:
                         # the client has the response (or has left): what waited for it, now
                         await reader.session.catch_up()
-                finally:
-                    if end is not None:
-                        end(relayed.cut_by)
 
     relayed = _Relayed(
         body(),

@@ -4,6 +4,7 @@ an object store the spool's results and the call's snapshot."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ import anyio.to_thread
 from pipeline.context import SessionContext
 from pipeline.dropin.calibration import CalibrationSaves
 from pipeline.dropin.group_sync import GroupSync
+from pipeline.dropin.thread_sync import ThreadSync
 from pipeline.gate import describe_error
 from pipeline.replacement import ReplacementRecord
 from pipeline.store.sessions import SessionStorage
@@ -75,6 +77,20 @@ class SessionWrites:
             group.add(self.sync_records)
             return
         await anyio.to_thread.run_sync(self._settled, state)
+
+    def settle_in(self, syncer: ThreadSync) -> bool:
+        """:meth:`settle_sync`'s work handed to ``syncer``'s thread when it is all the
+        records' ``fsync`` and the calibration (a local store whose appends were written at
+        once); False, handing nothing, when there is more (an object store's spool and
+        snapshot): the caller settles itself."""
+        storage = self.storage
+        if storage.sync is None or storage.drain is not None or storage.compact is not None:
+            return False
+        state = self.saves.due()  # taken here: the tracker may learn on meanwhile
+        syncer.add(self.sync_records)
+        if state is not None:  # an estimate, not a decision: no fsync
+            syncer.add(functools.partial(self.saves.write, state, durable=False))
+        return True
 
     def settle_sync(self) -> None:
         """:meth:`settle`, blocking (the synchronous client's path)."""

@@ -32,6 +32,7 @@ from pipeline.dropin.event_stream import EventStreamUsage
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.sync_passes import in_worker, run_pass
 from pipeline.dropin.tenancy import Tenancy
+from pipeline.dropin.thread_sync import ThreadSync
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.spans import beside_sdk_call
 from pipeline.store.files import validate_session_id
@@ -39,7 +40,11 @@ from pipeline.store.sessions import SessionStates
 from pipeline.wire.body_writer import BodyWriter
 from pipeline.wire.request_fields import merge_betas, merge_request_fields
 
-__all__ = ["SluicegateMiddleware", "wrap"]
+__all__ = ["SYNCS", "SluicegateMiddleware", "wrap"]
+
+SYNCS = ThreadSync()
+"""Where every wrapped client's local records are made durable after its calls, in groups
+(:mod:`pipeline.dropin.thread_sync`); ``SYNCS.flush()`` makes what waits durable now."""
 
 C = TypeVar("C", anthropic.Anthropic, anthropic.AsyncAnthropic)
 
@@ -191,7 +196,8 @@ class SluicegateMiddleware(anthropic.Middleware):
                     await session.observe_async(
                         rid, usage.model_dump(), model=str(message.model), call=call
                     )
-            await session.settle()  # the call's records durable: one fsync
+            if not session.settle_in(SYNCS):  # the call's records made durable after it
+                await session.settle()
         seen.end()
         return response
 
@@ -223,7 +229,8 @@ class SluicegateMiddleware(anthropic.Middleware):
                 message = response.parse()
                 _observed(seen, message)
                 _observe(session, message, call)
-            session.settle_sync()  # the call's records durable: one fsync
+            if not session.settle_in(SYNCS):  # the call's records made durable after it
+                session.settle_sync()
         seen.end()
         return response
 

@@ -188,12 +188,15 @@ class TranscriptWriter(JsonlRecordWriter):
 
     def sync(self) -> None:
         """Make every append so far durable on disk (one ``fsync``; nothing when each append
-        already was, or none was made since the last sync). Blocking."""
+        already was, none was made since the last sync, or the file is gone: removed with
+        its directory, a temporary one, before a sync that runs after the call). Blocking."""
         if not self._unsynced:
             return
         self._unsynced = False  # an append from now on marks it again
         try:
             fd = _open_transcript(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return  # nothing left to make durable
         except BaseException:
             self._unsynced = True
             raise
