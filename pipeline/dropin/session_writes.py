@@ -4,7 +4,6 @@ an object store the spool's results and the call's snapshot."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,17 +78,19 @@ class SessionWrites:
         await anyio.to_thread.run_sync(self._settled, state)
 
     def settle_in(self, syncer: ThreadSync) -> bool:
-        """:meth:`settle_sync`'s work handed to ``syncer``'s thread when it is all the
-        records' ``fsync`` and the calibration (a local store whose appends were written at
-        once); False, handing nothing, when there is more (an object store's spool and
-        snapshot): the caller settles itself."""
+        """:meth:`settle_sync` with the records' ``fsync`` handed to ``syncer``'s thread, when
+        that and the calibration are all there is (a local store whose appends were written
+        at once); the calibration, when due, is written here (every few seconds at most: a
+        process that ends at once, or loads the conversation again, finds it). False, doing
+        nothing, when there is more (an object store's spool and snapshot): the caller
+        settles itself."""
         storage = self.storage
         if storage.sync is None or storage.drain is not None or storage.compact is not None:
             return False
-        state = self.saves.due()  # taken here: the tracker may learn on meanwhile
         syncer.add(self.sync_records)
+        state = self.saves.due()
         if state is not None:  # an estimate, not a decision: no fsync
-            syncer.add(functools.partial(self.saves.write, state, durable=False))
+            self.saves.write(state, durable=False)
         return True
 
     def settle_sync(self) -> None:
