@@ -691,3 +691,19 @@ def test_a_conversation_let_go_with_a_response_held_back_loads_again_with_it(
         return any(seen[0] == "msg_A1" for seen in again._responses.values())
 
     assert anyio.run(run)
+
+
+def test_the_openings_remembered_are_no_more_than_the_conversations_held(tmp_path: Path) -> None:
+    """The memo of openings holds its requests' system prompts and first messages (up to a
+    body's size each): never for more requests than conversations are held."""
+
+    async def run() -> int:
+        conversations = Conversations(
+            pipeline=lambda: Pipeline([ToolResultBudget()]), root=tmp_path, max_held=2
+        )
+        for k in range(6):
+            body = {"system": f"prompt {k} " * 100, "messages": [{"role": "user", "content": k}]}
+            await conversations.route(body, {}, unchanging=True)
+        return len(conversations._openings._kept)
+
+    assert anyio.run(run) <= 2

@@ -483,7 +483,7 @@ class WireSession:
         event loop, use :meth:`observe_async`. Takes :attr:`sync_lock` (another thread may be
         preparing a call of the same conversation)."""
         with self.sync_lock:
-            self._catch_up_inline()
+            self.catch_up_sync()
             parsed, data, chain = self._response(response_id, usage, call)
             if self._append_response(data):
                 self._written(data, chain)
@@ -530,19 +530,15 @@ class WireSession:
         written in a worker thread when no :meth:`settle` writes it)."""
         if self._unwritten is None and not self._unlearned:
             return
-        if self._catch_up_inline() and (state := self.writes.learned()):
+        if self.catch_up_sync() and (state := self.writes.learned()):
             await anyio.to_thread.run_sync(self.writes.saves.write, state)  # else by settle()
 
-    def catch_up_sync(self) -> None:
-        """:meth:`catch_up`, blocking (an append to a local file: nothing is held back for any
-        other store), the calibration left for a later :meth:`settle` or save: for a
-        conversation let go from memory, whose next request loads it from its records."""
-        self._catch_up_inline()
-
-    def _catch_up_inline(self) -> bool:
-        """:meth:`catch_up`'s record and learning, here; whether the tracker learned. What it
-        refuses to learn from (``ValueError``: content nested past what it can measure)
-        leaves it as it was."""
+    def catch_up_sync(self) -> bool:
+        """:meth:`catch_up`'s record and learning, blocking (an append to a local file: nothing
+        is held back for any other store), the calibration left to the caller; whether the
+        tracker learned. What it refuses to learn from (``ValueError``: content nested past
+        what it can measure) leaves it as it was. For a conversation let go from memory too,
+        whose next request loads it from its records."""
         unwritten, self._unwritten = self._unwritten, None
         if unwritten is not None and self._append_response(unwritten[0]):
             self._written(*unwritten)
@@ -582,10 +578,11 @@ class WireSession:
         self.writes.settle_sync()
 
     def settle_in(self, syncer: ThreadSync) -> bool:
-        """:meth:`settle` handed to ``syncer``'s thread, for a caller that returns the response
-        at once (``wrap``): True when it took all of it (a local store: the records' ``fsync``
-        and the calibration), False when the caller must still settle (an object store)."""
-        self._catch_up_inline()
+        """:meth:`settle` for a caller that returns the response at once (``wrap``), the
+        records' ``fsync`` handed to ``syncer``'s thread: True when that was all there was to
+        wait for (a local store; the calibration, when due, is written here), False when the
+        caller must still settle (an object store)."""
+        self.catch_up_sync()
         return self.writes.settle_in(syncer)
 
     def _response(

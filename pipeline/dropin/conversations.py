@@ -68,6 +68,9 @@ MAX_HELD = 256
 
 T = TypeVar("T")
 
+_OPENINGS_KEPT = 64
+"""Recent requests whose system prompt and first message are remembered with their digest."""
+
 
 class Conversations:
     """Every conversation a drop-in serves, found by tenant and prefix (see the module).
@@ -118,7 +121,8 @@ class Conversations:
         self._families: OrderedDict[tuple[str, str], Family] = OrderedDict()
         self._held = 0
         """Conversations held (the branches of every family in :attr:`_families`)."""
-        self._openings = OpeningMemo()
+        # the objects it holds for as many conversations at most as are held
+        self._openings = OpeningMemo(min(_OPENINGS_KEPT, max_held or _OPENINGS_KEPT))
         self._released: list[Branch] = []
         """Conversations let go whose held-back writes are still to make."""
         self._lock = threading.Lock()

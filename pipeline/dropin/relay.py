@@ -180,7 +180,7 @@ class _UsageReader:
     def __init__(
         self, session: WireSession, call: Call | None, request: WireRequest | None
     ) -> None:
-        # what can wait until the client has the response waits for the session's settle
+        # what can wait until the client has the response waits for the relayed body's end
         self.events = EventStreamUsage(session, call, request, defer=True)
         self.session, self.call, self.request = session, call, request
 
