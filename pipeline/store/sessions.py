@@ -378,7 +378,7 @@ def _local(
 ) -> SessionStorage:
     store = FileToolResultStore(root, sid, content_named=content_named)
     path = root / sid / (DECISIONS_FILE if branch is None else f"decisions.{branch}.jsonl")
-    records = TranscriptWriter(path, sid, fsync_each=fsync_each)
+    records = TranscriptWriter(path, sid, fsync_each=fsync_each, hold_open=True)
 
     def load() -> Transcript | None:
         return load_transcript(path, strict=False) if path.exists() else None

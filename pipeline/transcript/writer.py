@@ -10,12 +10,15 @@ import errno
 import json
 import os
 import stat
+import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.messages import REMINDER, Message, now_timestamp
 from pipeline.replacement import ReplacementRecord
+from pipeline.transcript.open_files import OPEN_FILES, OpenFiles
 
 __all__ = [
     "BOM",
@@ -163,6 +166,14 @@ class TranscriptWriter(JsonlRecordWriter):
     private). A transcript or session directory that is a symbolic link, or not a regular file
     or a real directory, is refused with :class:`TranscriptPathError`, here when it is already
     so and on every append (it may be planted later).
+
+    ``hold_open=True`` keeps the file's descriptor between appends (an append is then three
+    system calls instead of about a dozen: opening the file safely is most of them). A file
+    removed or replaced since (a link planted in its place included: the file held is no
+    longer linked) is opened again as above; a file moved elsewhere whole, with its name, is
+    appended to where it went. ``open_files`` bounds the descriptors held in the process
+    (:mod:`pipeline.transcript.open_files`); :meth:`close` lets one go at once, and so does
+    the writer's garbage collection.
     """
 
     def __init__(
@@ -172,12 +183,21 @@ class TranscriptWriter(JsonlRecordWriter):
         *,
         agent_id: str | None = None,
         fsync_each: bool = True,
+        hold_open: bool = False,
+        open_files: OpenFiles = OPEN_FILES,
     ) -> None:
         self.path = Path(path)
         self.session_id = session_id
         self.agent_id = agent_id
         self.fsync_each = fsync_each
+        self.hold_open = hold_open
+        self._open_files = open_files
         self._unsynced = False
+        self._lock = threading.Lock()
+        """Held while the descriptor is used or closed (appends may run in worker threads)."""
+        self._held: int | None = None
+        """The descriptor held open."""
+        self._closer: weakref.finalize[Any, Any] | None = None
         self._last_uuid = _last_uuid(self.path)
 
     @property
@@ -212,20 +232,88 @@ class TranscriptWriter(JsonlRecordWriter):
         payload = encode_records(records)
         if not payload:
             return
+        if not self.hold_open:
+            fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+            try:
+                self._append(fd, os.fstat(fd).st_size, payload)
+            finally:
+                os.close(fd)
+            return
+        with self._lock:
+            fd, size = self._descriptor()
+            try:
+                self._append(fd, size, payload)
+            except BaseException:
+                self._close_held()  # what state it is in is unknown: the next opens afresh
+                raise
+        self._open_files.used(self)
+
+    def _append(self, fd: int, size: int, payload: bytes) -> None:
+        # After a crash the file may end in a torn line: start on a fresh line, or the first
+        # record appended now would be glued to it and lost with it.
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            payload = b"\n" + payload
+        os.write(fd, payload)
+        if self.fsync_each:
+            os.fsync(fd)
+        else:
+            self._unsynced = True
+
+    def _descriptor(self) -> tuple[int, int]:
+        """The held descriptor while its file is still linked, else the file opened (safely)
+        again; and the file's size. Under ``_lock``."""
+        held = self._held
+        if held is not None:
+            now = os.fstat(held)
+            if now.st_nlink:
+                return held, now.st_size
+            self._close_held()  # removed, or replaced (a link planted in its place): open again
         fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        self._held = fd
+        self._closer = weakref.finalize(self, os.close, fd)
+        return fd, os.fstat(fd).st_size
+
+    def _close_held(self) -> None:
+        held, closer = self._held, self._closer
+        self._held = self._closer = None
+        if held is None:
+            return
+        self._open_files.dropped(self)
+        if closer is not None and closer.alive:
+            with contextlib.suppress(OSError):
+                closer()  # closes it, once
+
+    def release(self) -> bool:
+        """Close the held descriptor unless an append is using it (then False): what
+        :class:`~pipeline.transcript.open_files.OpenFiles` asks of the least recently used."""
+        if not self._lock.acquire(blocking=False):
+            return False
         try:
-            # After a crash the file may end in a torn line: start on a fresh line, or the
-            # first record appended now would be glued to it and lost with it.
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                payload = b"\n" + payload
-            os.write(fd, payload)
-            if self.fsync_each:
-                os.fsync(fd)
-            else:
-                self._unsynced = True
+            held, closer = self._held, self._closer
+            self._held = self._closer = None
+            if held is not None and closer is not None and closer.alive:
+                with contextlib.suppress(OSError):
+                    closer()
+            return True
         finally:
-            os.close(fd)
+            self._lock.release()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's descriptor and lock are the parent's; the next append
+        opens the file again."""
+        self._lock = threading.Lock()
+        held, closer = self._held, self._closer
+        self._held = self._closer = None
+        if closer is not None:
+            closer.detach()
+        if held is not None:
+            with contextlib.suppress(OSError):
+                os.close(held)  # the child's copy; the parent's stays open
+
+    def close(self) -> None:
+        """Let the held descriptor go (appends after it open the file again). Idempotent."""
+        with self._lock:
+            self._close_held()
 
 
 def _make_private_dirs(directory: Path) -> None:

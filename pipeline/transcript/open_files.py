@@ -1,0 +1,92 @@
+"""The descriptors that transcript writers keep open between appends, bounded per process.
+
+Opening a transcript safely (its directory without following a link, then the file relative to
+it, then checking what was opened) takes about ten system calls; a conversation appends one or
+two records a call. A writer made with ``hold_open=True`` keeps its descriptor and, on each
+append, only checks that the path still names the file it holds. :class:`OpenFiles` bounds how
+many are held at once: past :data:`MAX_OPEN`, the writer that appended least recently closes
+its descriptor (it opens the file again on its next append).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Protocol
+
+__all__ = ["MAX_OPEN", "OPEN_FILES", "Holder", "OpenFiles"]
+
+MAX_OPEN = 64
+"""Descriptors held open at once by the writers of one process (the default)."""
+
+
+class Holder(Protocol):
+    """A writer holding a descriptor: :meth:`release` closes it unless the writer is using it
+    (then it returns False)."""
+
+    def release(self) -> bool: ...  # pragma: no cover - a protocol
+
+    def forget_after_fork(self) -> None: ...  # pragma: no cover - a protocol
+
+
+class OpenFiles:
+    """The writers holding a descriptor, least recently used first, at most ``limit`` of them
+    (a writer in the middle of an append is passed over and closed later). Thread-safe."""
+
+    def __init__(self, limit: int = MAX_OPEN) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held: OrderedDict[int, weakref.ref[Holder]] = OrderedDict()
+        # a forked child may find the lock held by a thread it does not have, and holds the
+        # parent's descriptors: each writer opens its file again there
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(1 for ref in self._held.values() if ref() is not None)
+
+    def used(self, holder: Holder) -> None:
+        """``holder`` holds a descriptor and just used it: the most recent; past the limit,
+        the least recently used others release theirs."""
+        key = id(holder)
+        with self._lock:
+            held = self._held
+            ref = held.get(key)
+            if ref is not None and ref() is holder:
+                held.move_to_end(key)
+            else:
+                held[key] = weakref.ref(holder)
+            busy: list[tuple[int, weakref.ref[Holder]]] = []
+            while len(held) > self.limit:
+                old_key, old_ref = held.popitem(last=False)
+                old = old_ref()
+                if old is None:
+                    continue  # gone: its descriptor was closed with it
+                if old is holder or not old.release():
+                    busy.append((old_key, old_ref))  # appending now: it goes another time
+            for old_key, old_ref in reversed(busy):
+                held[old_key] = old_ref
+                held.move_to_end(old_key, last=False)
+
+    def dropped(self, holder: Holder) -> None:
+        """``holder`` no longer holds a descriptor."""
+        with self._lock:
+            ref = self._held.get(id(holder))
+            if ref is not None and ref() is holder:
+                del self._held[id(holder)]
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        held, self._held = self._held, OrderedDict()
+        for ref in held.values():
+            holder = ref()
+            if holder is not None:
+                holder.forget_after_fork()
+
+
+OPEN_FILES = OpenFiles()
+"""The process's bound on the descriptors transcript writers hold."""
