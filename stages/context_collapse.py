@@ -198,6 +198,7 @@ class ContextCollapse:
             self._restore,
             _project,
             reuse=self.incremental,
+            acts=lambda tokens: self.summarizer is not None and tokens >= self.commit_tokens,
         )
         view, state, before, freed = run.view, run.state, run.before, run.refreed
         facts: dict[str, AttributeValue] = {ATTR.STRATEGY: self.strategy}

@@ -193,7 +193,14 @@ class HistorySnip:
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         run = ProjectionPass.open(
-            self.name, messages, ctx, _SnipState, self._restore, _project, reuse=self.incremental
+            self.name,
+            messages,
+            ctx,
+            _SnipState,
+            self._restore,
+            _project,
+            reuse=self.incremental,
+            acts=lambda tokens: tokens >= self.trigger_tokens,
         )
         view, state, reapplied, before = run.view, run.state, run.applied, run.before
         decision = Decision.REAPPLY if reapplied else Decision.SKIP

@@ -177,6 +177,8 @@ class Microcompact:
 
     async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
         state = self._state(ctx)
+        if not state.cleared and self._quiet(messages, ctx, state):
+            return messages
         state.last, last = None, state.last  # a pass that fails midway leaves nothing to reuse
         grown = state.watch.advance(messages, reuse=self.incremental)
         start = state.watch.start
@@ -197,7 +199,7 @@ class Microcompact:
         self._free_again(ctx, p, state, anchor_id)
         tokens_before = ctx.size_of(held.out)
 
-        gap = self._idle_gap(p)
+        gap = self._idle_gap(p.messages, p.response)
         idle_fired = self.idle_minutes > 0 and gap is not None and gap >= self.idle_minutes
         size_fired = self.trigger_tokens > 0 and tokens_before >= self.trigger_tokens
         facts: dict[str, AttributeValue] = {ATTR.STRATEGY: self.strategy, ATTR.REAPPLIED: held.held}
@@ -253,14 +255,52 @@ class Microcompact:
                 r.tokens_before_anchor for t in again if (r := known.get(t)) is not None
             )
 
-    def _idle_gap(self, p: ClearPass) -> float | None:
+    def _quiet(self, messages: list[Message], ctx: SessionContext, state: ClearState) -> bool:
+        """A pass of a session that has cleared nothing yet, when no trigger fires: told as
+        the full pass tells it, the input sent as it came, and no view of the history kept for
+        it (a pass that clears later catches up from where its view was, or builds it afresh:
+        the same output as if it had followed every pass). False when a trigger may fire."""
+        tokens = ctx.size_of(messages)
+        if self.trigger_tokens > 0 and tokens >= self.trigger_tokens:
+            return False
+        response = last_response(messages)
+        if response is not None and any(m.restarts_thread for m in messages[response[1] :]):
+            return False  # the live thread starts after it: the full pass reads where
+        gap = self._idle_gap(messages, response)
+        if self.idle_minutes > 0 and gap is not None and gap >= self.idle_minutes:
+            return False
+        state.last = None  # nothing to extend: the view it was made on is left behind
+        facts: dict[str, AttributeValue] = {
+            ATTR.STRATEGY: self.strategy,
+            ATTR.REAPPLIED: 0,
+            ATTR.TRIGGER: "none",
+            ATTR.CLEARED: 0,
+            ATTR.TOKENS_FREED: 0,
+            ATTR.CACHE_REWRITE_TOKENS: 0,
+        }
+        if gap is not None:
+            facts[ATTR.IDLE_GAP_MINUTES] = round(gap, 3)
+        reason = Reason.BELOW_TRIGGER if self.trigger_tokens > 0 else Reason.CACHE_WARM
+        ctx.decide(
+            self.name,
+            Decision.SKIP,
+            reason,
+            tokens_before=tokens,
+            tokens_after=ctx.size_of(messages),
+            facts=facts,
+        )
+        return True
+
+    def _idle_gap(
+        self, messages: Sequence[Message], response: tuple[int, int] | None
+    ) -> float | None:
         """Minutes since the last response, or None when that response has no timestamp.
 
         "Now" is the newest timestamp recorded after that response (a replay then sees the gap
         the session really had), else the wall clock. A response without a timestamp counts as
         warm: never break a cache on a guess.
         """
-        last_time, now = response_times(p.messages, p.response)
+        last_time, now = response_times(messages, response)
         if last_time is None:
             return None
         return max(0.0, ((now or self.clock()) - last_time).total_seconds() / 60)

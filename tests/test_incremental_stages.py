@@ -216,6 +216,60 @@ STEADY = {
 }
 
 
+IDLE = {
+    "history_snip": (
+        lambda: HistorySnip(context_window=40_000, keep_recent_rounds=2),
+        Decision.SNIP,
+    ),
+    "context_collapse": (
+        lambda: ContextCollapse(TinySummarizer(), context_window=40_000, keep_recent_rounds=2),
+        Decision.COLLAPSE,
+    ),
+    "microcompact": (
+        lambda: Microcompact(keep=2, idle_minutes=0, trigger_tokens=20_000, min_reclaim_tokens=60),
+        Decision.CLEAR,
+    ),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", sorted(IDLE))
+async def test_an_idle_stage_keeps_no_view_and_acts_later_as_a_fresh_pass(name: str) -> None:
+    """A later stage that has decided nothing and is below its trigger sends its input as it
+    came without following the history (its watch never takes a record in); the pass
+    that first acts -- after old messages were edited while it idled -- gives what a fresh
+    stage gives."""
+    make, acted = IDLE[name]
+    ctx = _ctx(MemoryStore(frozenset()))
+    stage = make()
+    pipe = Pipeline([stage])
+    history: list[Message] = [user_text("start")]
+    t = 0
+    while True:
+        history += _turn(t, usage=1_000 + 1_100 * t)
+        t += 1
+        if t == 12:  # an edit of old records while the stage idles: a new object, a removal
+            history[3] = dataclasses.replace(history[3], uuid="edited")
+            del history[5:7]
+        out = await pipe.run(history, ctx)
+        decision = ctx.report.decisions[name].decision
+        if decision != Decision.SKIP:
+            break
+        assert out is history
+        assert ctx.stage_state[name].watch.tool_names == {}  # nothing taken in
+        assert t < 60, "the stage never acted"
+    assert decision == acted and t > 12
+    fresh = _ctx(MemoryStore(frozenset()))
+    assert_same_messages(await Pipeline([make()]).run(history, fresh), out)
+    assert ctx.report.decisions[name] == fresh.report.decisions[name]
+    # and from then on it follows the history: the next pass extends this one
+    history += _turn(t, size=10, usage=ctx.report.estimated_tokens + 20)
+    again = await pipe.run(history, ctx)
+    assert ctx.stage_state[name].watch.tool_names
+    fresh = _ctx(MemoryStore(frozenset()), stage_records=ctx.stage_records)
+    assert_same_messages(await Pipeline([make()]).run(history, fresh), again)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("name", sorted(STEADY))
 async def test_a_steady_pass_reads_only_the_new_records(name: str) -> None:

@@ -77,12 +77,24 @@ class ProjectionPass(Generic[S]):
         project: Callable[[list[Message], Any, list[bool]], tuple[list[Message], int]],
         *,
         reuse: bool,
+        acts: Callable[[int], bool] | None = None,
     ) -> ProjectionPass[S]:
         """The pass of stage ``name`` over ``messages``: its state (``restore`` builds it from
         the stage's records on a session's first pass); ``project(messages, decisions, ok)``:
-        the decisions applied; ``reuse``: extend the last pass's output where it can."""
+        the decisions applied; ``reuse``: extend the last pass's output where it can.
+
+        ``acts(tokens)``: whether the stage may decide anything at that size. A stage that has
+        decided nothing yet and may decide nothing now sends its input as it came, and keeps
+        no view of the history for it: a pass that does decide later catches up from where
+        its view was (or builds it afresh) -- the same output as if it had followed every
+        pass, at the cost of what an idle pass no longer pays."""
         view = RoundView(messages, ctx.token_tracker.tokens_for_messages)
         state = session_state(ctx, name, kind, lambda records: restore(ctx, view, records))
+        if acts is not None and not state.decided_count():
+            before = ctx.size_of(messages)
+            if not acts(before):
+                state.last = None  # nothing to extend: the view it was made on is left behind
+                return cls(name, view, state, messages, 0, None, messages, 0, before)
         out, applied, last = _reapply(
             messages,
             state,
