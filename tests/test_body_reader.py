@@ -208,10 +208,8 @@ def test_among_many_conversations_sharing_an_opening_each_body_reuses_its_own(
     one body per conversation). Finding it compares the new body with two kept ones, not
     with every one that opens alike (sixty)."""
     compared = []
-    real = body_reader._common_prefix
-    monkeypatch.setattr(
-        body_reader, "_common_prefix", lambda a, b: compared.append(1) or real(a, b)
-    )
+    real = body_reader._shared_with
+    monkeypatch.setattr(body_reader, "_shared_with", lambda a, b: compared.append(1) or real(a, b))
     reader = BodyReader()
     opening = [{"role": "user", "content": "the same long task " * 200}]
     talks: list[list[Any]] = [list(opening) for _ in range(60)]
@@ -247,10 +245,14 @@ def _shared_start(a: bytes, b: bytes) -> int:
     length=st.integers(0, 3_000_000),
     parts=st.integers(-1, 3_000_000),
     cut=st.integers(0, 3_000_000),
+    known=st.integers(0, 3_000_000),
 )
-def test_the_start_two_bodies_share_is_found_to_the_byte(length: int, parts: int, cut: int) -> None:
+def test_the_start_two_bodies_share_is_found_to_the_byte(
+    length: int, parts: int, cut: int, known: int
+) -> None:
     """Bodies of up to 3 MB that part anywhere (or not at all, or one a start of the other):
-    the chunked comparison, its chunks growing past a megabyte, finds the very byte."""
+    the chunked comparison, its chunks growing past a megabyte, finds the very byte -- also
+    when told how much they share at least."""
     a = bytes(range(256)) * (length // 256 + 1)
     a = a[:length]
     b = bytearray(a[: min(cut, length)] if cut < length else a)
@@ -259,5 +261,30 @@ def test_the_start_two_bodies_share_is_found_to_the_byte(length: int, parts: int
     expected = min(parts, len(b), len(a)) if 0 <= parts < len(b) else min(len(a), len(b))
     found = body_reader._common_prefix(a, bytes(b))
     assert found == expected
+    assert body_reader._common_prefix(a, bytes(b), min(known, expected)) == expected
     if length <= 3_000:  # against the byte-by-byte count where that is cheap
         assert found == _shared_start(a, bytes(b))
+
+
+def test_the_start_a_body_shares_with_a_kept_one_is_found_whichever_way_it_parts() -> None:
+    """Against a kept body, the shared start is tried first right after its last message
+    (where a conversation's next call parts from it): found to the byte for a next call, a
+    retry of the same body, a body that edits an early message, one with fewer messages and
+    one whose fields after the messages differ."""
+    msgs = [{"role": "user", "content": f"m{i} " * 50} for i in range(6)]
+    last = json.dumps({"model": "m", "messages": msgs, "system": "s" * 900}).encode()
+    reader = BodyReader()
+    reader.read(last)
+    [kept] = reader._kept.values()
+    edited = [dict(msgs[0], content="other"), *msgs[1:]]
+    others = [
+        json.dumps({"model": "m", "messages": [*msgs, msgs[0]], "system": "s" * 900}),
+        json.dumps({"model": "m", "messages": msgs, "system": "s" * 900}),
+        json.dumps({"model": "m", "messages": edited, "system": "s" * 900}),
+        json.dumps({"model": "m", "messages": msgs[:3], "system": "s" * 900}),
+        json.dumps({"model": "m", "messages": msgs, "system": "s" * 899 + "t"}),
+        json.dumps({"model": "m", "messages": msgs}),
+    ]
+    for text in others:
+        raw = text.encode()
+        assert body_reader._shared_with(raw, kept) == _shared_start(raw, last), text[-60:]

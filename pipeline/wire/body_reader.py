@@ -138,7 +138,7 @@ class BodyReader:
         near = [j for j in (at - 1, at) if 0 <= j < len(order)]
         if not near:
             return None, 0
-        shared = {j: _common_prefix(raw, order[j][0]) for j in near}
+        shared = {j: _shared_with(raw, self._kept[order[j][1]]) for j in near}
         same = max(shared.values())
         if same == 0:
             return None, 0
@@ -345,15 +345,27 @@ def _after_value(text: str, pos: int) -> int:
     return _skip(text, pos + 1)
 
 
-def _common_prefix(a: bytes, b: bytes) -> int:
-    """How many leading bytes ``a`` and ``b`` share: compared a chunk at a time, the
-    chunks growing while they match (most kept bodies part from a new one early) and shrinking
-    to find where they part. ``b``'s chunks are views, not copies: a chunk costs a ``memcmp``
-    of its length and nothing more (slicing both copied each chunk twice: 1 MB shared took
-    ~100 us instead of ~40)."""
+def _shared_with(raw: bytes, body: _Body) -> int:
+    """``_common_prefix(raw, body.raw)``, first trying where a conversation's next call parts
+    from its last: right after the last message (one comparison of that much, where the
+    search compares about one and a half times as much in growing and shrinking chunks)."""
+    guess = body.ends[-1] if body.ends else body.array_open
+    if 0 < guess <= len(raw) and raw.startswith(memoryview(body.raw)[:guess]):
+        if raw[guess : guess + 1] != body.raw[guess : guess + 1]:
+            return guess  # the array goes on (or ends) where the last one's ended
+        return _common_prefix(raw, body.raw, guess)
+    return _common_prefix(raw, body.raw)
+
+
+def _common_prefix(a: bytes, b: bytes, start: int = 0) -> int:
+    """How many leading bytes ``a`` and ``b`` share, given that they share ``start``: compared
+    a chunk at a time, the chunks growing while they match (most kept bodies part from a new
+    one early) and shrinking to find where they part. ``b``'s chunks are views, not copies: a
+    chunk costs a ``memcmp`` of its length and nothing more (slicing both copied each chunk
+    twice: 1 MB shared took ~100 us instead of ~40)."""
     n = min(len(a), len(b))
     view = memoryview(b)
-    lo, step = 0, _FIRST_STEP
+    lo, step = start, _FIRST_STEP
     while lo + step <= n and a.startswith(view[lo : lo + step], lo):
         lo += step
         step = min(step * 2, _MAX_STEP)
