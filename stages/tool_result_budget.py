@@ -33,6 +33,7 @@ from pipeline.replacement import (
     ReplacementRecord,
     decided_record,
 )
+from pipeline.store.records import hold_back
 from pipeline.tracing import (
     ATTR,
     SPAN_BUDGET_GROUP,
@@ -168,8 +169,12 @@ class ToolResultBudget:
                 await write_off_loop(ctx, append, stage=self.name)
             if whole:
                 data = decided_record(whole)
-                append = partial(ctx.transcript.append_stage_record, DECIDED_RECORD_STAGE, data)
-                await write_off_loop(ctx, append, stage=self.name)
+                # a crash may lose this one: a new process places a result the model answered
+                # after as sent whole, and decides one it never answered again (alike, under
+                # the same limits)
+                if not hold_back(ctx.transcript, DECIDED_RECORD_STAGE, data):
+                    append = partial(ctx.transcript.append_stage_record, DECIDED_RECORD_STAGE, data)
+                    await write_off_loop(ctx, append, stage=self.name)
         stage_span.set_attribute(ATTR.PERSISTED, len(new_records))
         kept_off = scan.kept_off(state.replacements)
         ctx.report.chars_kept_off += kept_off

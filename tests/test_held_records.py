@@ -1,57 +1,130 @@
-"""What a worker holds of a record log: pieces from record 0 without a gap, records past a gap
-apart, snapshot chains taken up and folded in."""
+"""A decision a crash may lose without harm -- the budget's record of results sent whole -- is
+held back on a local store whose appends are made durable later, and written with the next
+record (the call's response) rather than before the call goes upstream. A new process that
+never got it finds the same decision again: a result the model answered after is placed as
+sent whole, and a retried request decides it alike."""
 
 from __future__ import annotations
 
-from pipeline.store.held_records import HeldRecords, line_ended, record_number
+import json
+from pathlib import Path
+from typing import Any
 
-D = "p/s/records"
+import anyio
 
-
-def key(n: int) -> str:
-    return f"{D}/{n:012d}.jsonl"
-
-
-def test_records_join_the_pieces_once_the_gap_before_them_is_filled() -> None:
-    held = HeldRecords(D)
-    assert held.empty and held.last == -1 and key(0) not in held
-    held.add(key(0), b"a\n")
-    held.add(key(2), b"c")  # past a gap: held apart, its line end added when read
-    assert held.last == 0 and key(2) in held and key(1) not in held
-    assert held.texts() == [(b"a\n", key(0)), (b"c\n", key(2))]
-    held.add(key(1), b"b\n")
-    assert held.last == 2
-    assert held.whole() == b"a\nb\nc\n"
-    assert held.since(0) == [b"b\n", b"c\n"] and held.since(-1) == [b"a\n", b"b\n", b"c\n"]
+from pipeline import Message, Pipeline, TranscriptWriter
+from pipeline.dropin.adapter import WireSession
+from pipeline.replacement import DECIDED_RECORD_STAGE
+from pipeline.store.sessions import SessionStates
+from stages import ToolResultBudget, default_stages
 
 
-def test_a_chain_taken_up_keeps_the_records_past_it() -> None:
-    held = HeldRecords(D)
-    for n in (0, 1, 5, 6):
-        held.add(key(n), f"{n}\n".encode())
-    assert held.last == 1
-    held.take(-1, [(3, b"0\n1\n2\n3\n", "snap-0-3")])  # a base reaching 3
-    assert held.last == 3 and key(5) in held and key(4) not in held
-    held.take(3, [(5, b"4\n5\n", "snap-4-5")])  # a delta on the base held
-    assert [k for _data, k in held.texts()] == ["snap-0-3", "snap-4-5", key(6)]
-    assert held.last == 6 and held.whole() == b"0\n1\n2\n3\n4\n5\n6\n"
-    held.take(3, [(6, b"4\n5\n6\n", "snap-4-6")])  # no further than what is held: kept as is
-    assert [k for _data, k in held.texts()] == ["snap-0-3", "snap-4-5", key(6)]
+def _kinds(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [json.loads(line).get("stage", "message") for line in path.read_text().splitlines()]
 
 
-def test_a_base_just_written_folds_the_pieces_it_holds() -> None:
-    held = HeldRecords(D)
-    for n in range(4):
-        held.add(key(n), f"{n}\n".encode())
-    held.fold(2, b"0\n1\n2\n", "base-0-2")
-    assert [k for _data, k in held.texts()] == ["base-0-2", key(3)]
-    assert held.ends_at(2) and not held.ends_at(1)
-    assert held.since(1) is None
-    held.fold(1, b"0\n1\n", "base-0-1")  # no piece ends there any more: left as it is
-    assert [k for _data, k in held.texts()] == ["base-0-2", key(3)]
+def test_a_held_record_goes_with_the_next_append_before_it(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    writer = TranscriptWriter(path, "s", fsync_each=False, hold_open=True)
+    assert writer.append_stage_record_later("a", {"k": 1})
+    assert writer.append_stage_record_later("b", {"k": 2})
+    assert _kinds(path) == []  # nothing written yet
+    writer.append_stage_record("c", {"k": 3})
+    assert _kinds(path) == ["a", "b", "c"]
+    writer.append_stage_record_later("d", {})
+    writer.flush()
+    assert _kinds(path)[-1] == "d"
+    writer.append_stage_record_later("e", {})
+    writer.sync()  # written, then made durable
+    writer.append_stage_record_later("f", {})
+    writer.close()
+    assert _kinds(path) == ["a", "b", "c", "d", "e", "f"]
 
 
-def test_names_and_line_ends() -> None:
-    assert record_number(key(42)) == 42
-    assert record_number(f"{D}/notes.txt") == -1 and record_number("000000000001.json") == -1
-    assert line_ended(b"") == b"" and line_ended(b"x") == b"x\n" and line_ended(b"x\n") == b"x\n"
+def test_a_writer_that_makes_each_record_durable_holds_nothing_back(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    writer = TranscriptWriter(path, "s")  # fsync_each
+    assert not writer.append_stage_record_later("a", {})
+    writer.append_messages([Message.user("hi")])
+    assert _kinds(path) == ["message"]
+
+
+def _body(k: int, answered: bool) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
+    for i in range(k):
+        tool = f"toolu_{i}"
+        messages += [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": tool, "name": "x"}]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": tool, "content": f"r{i} " * 40}],
+            },
+        ]
+    if answered:
+        messages.append({"role": "assistant", "content": "done"})
+        messages.append({"role": "user", "content": "go on"})
+    return {"model": "m", "max_tokens": 10, "messages": messages}
+
+
+async def _session(root: Path, pipeline: Pipeline | None = None) -> WireSession:
+    storage = SessionStates(root, fsync_each=False).open("s")
+    pipeline = pipeline or Pipeline(default_stages())
+    return await WireSession.open("s", root, pipeline, storage=storage)
+
+
+def test_the_budgets_whole_record_waits_for_the_response_and_goes_before_it(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        session = await _session(tmp_path)
+        log = session.storage.records.path  # type: ignore[attr-defined]
+        _, call = await session.prepare_call(_body(1, answered=False))
+        await session.prepare_call(_body(1, answered=False))  # a retry: nothing new
+        before = _kinds(log)
+        assert DECIDED_RECORD_STAGE not in before  # not written before the call went
+        await session.observe_async(
+            "msg_1", {"input_tokens": 50, "output_tokens": 3}, "m", call=call
+        )
+        after = _kinds(log)
+        assert after[len(before) :] == [DECIDED_RECORD_STAGE, "wire_session.response"]
+
+    anyio.run(run)
+
+
+def test_a_held_record_a_crash_lost_is_found_again_by_a_new_process(tmp_path: Path) -> None:
+    """The process ends after the call went upstream, before anything was written after it.
+    When the client's next request carries the model's answer, the next process sends the
+    results whole, as they went -- even under a budget that would now persist them -- and
+    records that; a retry of the lost call decides them whole again, alike."""
+
+    async def lost(root: Path) -> None:
+        session = await _session(root)
+        await session.prepare_call(_body(2, answered=False))
+        # no response, no settle, no flush: the held record dies with the process
+
+    async def next_process(
+        root: Path, body: dict[str, Any], pipeline: Pipeline
+    ) -> tuple[list[Any], list[str]]:
+        session = await _session(root, pipeline)
+        prepared, _call = await session.prepare_call(body)
+        await session.settle()
+        log = session.storage.records.path  # type: ignore[attr-defined]
+        return prepared["messages"], _kinds(log)
+
+    for answered in (True, False):
+        root = tmp_path / f"answered-{answered}"
+        anyio.run(lost, root)
+        # answered: a budget far below the results (they went whole: they stay so)
+        pipeline = Pipeline([ToolResultBudget(50)]) if answered else Pipeline(default_stages())
+        sent, kinds = anyio.run(next_process, root, _body(2, answered=answered), pipeline)
+        results = [
+            b["content"]
+            for m in sent
+            if isinstance(m["content"], list)
+            for b in m["content"]
+            if b.get("type") == "tool_result"
+        ]
+        assert results == ["r0 " * 40, "r1 " * 40]  # whole, as they went
+        assert DECIDED_RECORD_STAGE in kinds  # found again, and recorded this time

@@ -542,6 +542,8 @@ class WireSession:
         unwritten, self._unwritten = self._unwritten, None
         if unwritten is not None and self._append_response(unwritten[0]):
             self._written(*unwritten)
+        else:
+            self.writes.flush_held()  # what the pass held back goes with the next write anyway
         unlearned, self._unlearned = self._unlearned, []
         learned = False
         for usage, model, compacted in unlearned:
@@ -557,6 +559,7 @@ class WireSession:
         thread writes it). For a server shutting down or a conversation loaded again: writes
         are spaced :data:`~pipeline.dropin.calibration.CALIBRATION_EVERY` apart otherwise."""
         await self.catch_up()
+        self.writes.flush_held()  # what a pass held back, when no response came to go with it
         await self.writes.save_calibration()
 
     async def settle(self, group: GroupSync | None = None) -> None:

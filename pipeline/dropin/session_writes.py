@@ -15,6 +15,7 @@ from pipeline.dropin.group_sync import GroupSync
 from pipeline.dropin.thread_sync import ThreadSync
 from pipeline.gate import describe_error
 from pipeline.replacement import ReplacementRecord
+from pipeline.store.records import flush_held
 from pipeline.store.sessions import SessionStorage
 
 __all__ = ["SessionWrites"]
@@ -45,6 +46,22 @@ class SessionWrites:
             self.ctx.logger.error(
                 "stage_record.write_failed",
                 stage=stage,
+                error=type(exc).__name__,
+                detail=describe_error(exc),
+            )
+            return False
+        return True
+
+    def flush_held(self) -> bool:
+        """Write the records the session's log holds back (a stage's decision that a crash
+        may lose without harm) now (blocking): whether nothing failed. A failure is logged,
+        never raised."""
+        try:
+            flush_held(self.ctx.transcript)
+        except OSError as exc:
+            self.ctx.logger.error(
+                "stage_record.write_failed",
+                stage="held",
                 error=type(exc).__name__,
                 detail=describe_error(exc),
             )

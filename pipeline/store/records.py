@@ -17,7 +17,7 @@ import anyio.to_thread
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord
 
-__all__ = ["RecordLog", "append_where_it_belongs", "appends_block"]
+__all__ = ["RecordLog", "append_where_it_belongs", "appends_block", "flush_held", "hold_back"]
 
 _R = TypeVar("_R")
 
@@ -51,6 +51,22 @@ def appends_block(log: object) -> bool:
     file whose appends are made durable later, in one ``fsync`` off the loop, says False: an
     append is then a write to the page cache, cheaper than a hand-off to a worker thread)."""
     return bool(getattr(log, "append_blocks", True))
+
+
+def hold_back(log: object | None, stage: str, data: Mapping[str, Any]) -> bool:
+    """Leave a ``stage-record`` that a crash may lose without harm (a new process finds the
+    decision again) to ``log``'s next write, where the log can hold one back: a local file whose
+    appends are made durable later has an ``append_stage_record_later`` that says whether it
+    took it. False: the caller appends it as any other."""
+    later = getattr(log, "append_stage_record_later", None)
+    return bool(later is not None and later(stage, data))
+
+
+def flush_held(log: object | None) -> None:
+    """Write what ``log`` holds back (:func:`hold_back`) now, where it holds anything."""
+    flush = getattr(log, "flush", None)
+    if flush is not None:
+        flush()
 
 
 async def append_where_it_belongs(log: object | None, append: Callable[..., _R], *args: Any) -> _R:

@@ -145,12 +145,15 @@ class JsonlRecordWriter:
 
     def append_stage_record(self, stage: str, data: Mapping[str, Any]) -> None:
         """Append a ``stage-record``: a stage's decision a resumed session must repeat."""
+        self._write_lines([self._stage_entry(stage, data)])
+
+    def _stage_entry(self, stage: str, data: Mapping[str, Any]) -> dict[str, Any]:
         entry: dict[str, Any] = {"type": STAGE_RECORD, "sessionId": self.session_id}
         if self.agent_id is not None:
             entry["agentId"] = self.agent_id
         entry["stage"] = stage
         entry["data"] = dict(data)
-        self._write_lines([entry])
+        return entry
 
 
 class TranscriptWriter(JsonlRecordWriter):
@@ -198,6 +201,8 @@ class TranscriptWriter(JsonlRecordWriter):
         self._held: int | None = None
         """The descriptor held open."""
         self._closer: weakref.finalize[Any, Any] | None = None
+        self._waiting: list[bytes] = []
+        """Lines held back (:meth:`append_stage_record_later`), written before the next ones."""
         self._last_uuid = _last_uuid(self.path)
 
     @property
@@ -206,10 +211,30 @@ class TranscriptWriter(JsonlRecordWriter):
         :func:`~pipeline.store.records.appends_block`."""
         return self.fsync_each
 
+    def append_stage_record_later(self, stage: str, data: Mapping[str, Any]) -> bool:
+        """Hold a ``stage-record`` back, to be written with the next append (before it), at
+        :meth:`flush`, :meth:`sync` or :meth:`close`: for a decision that a crash may lose
+        without harm, because a new process finds it again (a result sent whole, placed so
+        once the model's answer to it comes back). False when each record is to be durable
+        at once (``fsync_each``): nothing is held, the caller appends it."""
+        if self.fsync_each:
+            return False
+        line = encode_records([self._stage_entry(stage, data)])
+        with self._lock:
+            self._waiting.append(line)
+        return True
+
+    def flush(self) -> None:
+        """Write the records held back (:meth:`append_stage_record_later`) now."""
+        if self._waiting:
+            self._write_lines(())
+
     def sync(self) -> None:
         """Make every append so far durable on disk (one ``fsync``; nothing when each append
         already was, none was made since the last sync, or the file is gone: removed with
-        its directory, a temporary one, before a sync that runs after the call). Blocking."""
+        its directory, a temporary one, before a sync that runs after the call); records held
+        back are written first. Blocking."""
+        self.flush()
         if not self._unsynced:
             return
         self._unsynced = False  # an append from now on marks it again
@@ -230,22 +255,26 @@ class TranscriptWriter(JsonlRecordWriter):
 
     def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
         payload = encode_records(records)
-        if not payload:
-            return
-        if not self.hold_open:
-            fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
-            try:
-                self._append(fd, os.fstat(fd).st_size, payload)
-            finally:
-                os.close(fd)
-            return
         with self._lock:
+            if self._waiting:
+                payload = b"".join(self._waiting) + payload
+            if not payload:
+                return
+            if not self.hold_open:
+                fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+                try:
+                    self._append(fd, os.fstat(fd).st_size, payload)
+                finally:
+                    os.close(fd)
+                self._waiting.clear()
+                return
             fd, size = self._descriptor()
             try:
                 self._append(fd, size, payload)
             except BaseException:
                 self._close_held()  # what state it is in is unknown: the next opens afresh
                 raise
+            self._waiting.clear()
         self._open_files.used(self)
 
     def _append(self, fd: int, size: int, payload: bytes) -> None:
@@ -311,9 +340,13 @@ class TranscriptWriter(JsonlRecordWriter):
                 os.close(held)  # the child's copy; the parent's stays open
 
     def close(self) -> None:
-        """Let the held descriptor go (appends after it open the file again). Idempotent."""
-        with self._lock:
-            self._close_held()
+        """Write the records held back, and let the held descriptor go (appends after it open
+        the file again). Idempotent."""
+        try:
+            self.flush()
+        finally:
+            with self._lock:
+                self._close_held()
 
 
 def _make_private_dirs(directory: Path) -> None:
