@@ -284,3 +284,34 @@ def _records_of(root: Path) -> list[str]:
     """Every record line under ``root``, without the parts a process makes its own (times)."""
     lines = [line for f in sorted(root.rglob("*.jsonl")) for line in f.read_text().splitlines()]
     return [re.sub(r'"timestamp":"[^"]*"', "", line) for line in lines]
+
+
+def test_a_pass_waits_for_an_answer_its_client_already_has(tmp_path: Path) -> None:
+    """The proxy reads a JSON answer once its client has it (``answer_out``): the client's
+    next request may come first. Its pass waits until the answer is observed
+    (``answer_read``), and then knows the answer's id and usage."""
+
+    async def run() -> None:
+        storage = SessionStates(tmp_path, fsync_each=False).open("s")
+        session = await WireSession.open("s", tmp_path, Pipeline(default_stages()), storage=storage)
+        first: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
+        _, call = await session.prepare_call({"model": "m", "messages": first})
+        session.answer_out()
+        after = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+        passed = anyio.Event()
+
+        async def next_request() -> None:
+            await session.prepare_call({"model": "m", "messages": after})
+            passed.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(next_request)
+            await anyio.sleep(0.05)
+            assert not passed.is_set()  # it waits for the answer
+            usage = {"input_tokens": 40, "output_tokens": 2}
+            await session.observe_async("msg_answer", usage, "m", call=call, defer=True)
+            session.answer_read()
+        [answer] = [m for m in session._records if m.type == "assistant"]
+        assert answer.message_id == "msg_answer" and answer.usage is not None
+
+    anyio.run(run)

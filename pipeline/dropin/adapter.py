@@ -225,6 +225,10 @@ class WireSession:
         defer=True)``: see :meth:`catch_up`."""
         self._unlearned: list[tuple[Usage, str, bool]] = []
         """Responses' usage observed with ``defer``, not yet learned from, in their order."""
+        self._unread = 0
+        self._read: anyio.Event | None = None
+        """Responses gone to their client before they were observed (:meth:`answer_out`), and
+        what the next pass waits on while there are any."""
         self._calls = 0
         self.last_call: Call | None = None
         """The request :meth:`prepare` prepared last (what :meth:`observe` records by
@@ -346,6 +350,7 @@ class WireSession:
         return (await self._prepare(messages))[0]
 
     async def _prepare(self, messages: Sequence[MessageParam]) -> tuple[list[MessageParam], Call]:
+        await self._answers_in()
         await self.catch_up()  # what the last response left for later, first
         if self._pending is not None:
             async with self.ctx.lock:  # before any other record of this session
@@ -460,11 +465,32 @@ class WireSession:
         :attr:`last_call` once prepared."""
         return (await self.prepare_call(body))[0]
 
+    def answer_out(self) -> None:
+        """A response of this session goes to its client before it is observed (the proxy
+        reads a JSON answer once its client has it): the session's next pass waits until
+        :meth:`answer_read` says it was, so that it knows the answer and writes its records
+        after the answer's. On the session's event loop."""
+        self._unread += 1
+        if self._read is None:
+            self._read = anyio.Event()
+
+    def answer_read(self) -> None:
+        """The response :meth:`answer_out` told of was observed (or will not be)."""
+        self._unread -= 1
+        if not self._unread and self._read is not None:
+            self._read.set()
+            self._read = None
+
+    async def _answers_in(self) -> None:
+        while (read := self._read) is not None:
+            await read.wait()
+
     async def prepare_call(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], Call]:
         """:meth:`prepare_request`, and the :class:`Call` its response is to be observed with
         (``observe(..., call=...)``), whatever other request of this session is prepared
         meanwhile."""
-        await self.catch_up()  # the last response learned from under its own request
+        await self._answers_in()  # the last response read, then learned from under its request
+        await self.catch_up()
         self.ctx.token_tracker.set_request(system=body.get("system"), tools=body.get("tools"))
         messages, call = await self._prepare(body.get("messages") or [])
         return {**body, "messages": messages}, call

@@ -39,12 +39,13 @@ def relay(
     logger: Any = None,
 ) -> Response:
     """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
-    on the way, and observed by the session before the client can see the end (its record
-    written then where other workers read it; on a store of this process alone, written with
-    the token tracker's learning once the client has the response: ``observe_async(...,
+    on the way, and observed by the session (its record written where other workers read it
+    before the client can see the end; on a store of this process alone, written with the
+    token tracker's learning once the client has the response: ``observe_async(...,
     defer=True)``): an event stream passes chunk by chunk as it arrives, the chunk that
     completes the usage (``message_delta``) once observed; a JSON body is passed on whole
-    once read and observed. ``end``: called once the body has gone by (or the client left),
+    once read, and observed before that on an object store, after it on a store of this
+    process alone (the session's next pass waits for it: ``WireSession.answer_out``). ``end``: called once the body has gone by (or the client left),
     with the type of the error that cut the upstream's body (None: it was not cut); ``after``:
     awaited after that, once the client has the whole response (the session's
     :meth:`~pipeline.dropin.adapter.WireSession.settle`); ``logger``: where a body the upstream cut
@@ -56,6 +57,7 @@ def relay(
     streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def body() -> AsyncIterator[bytes]:
+        unread: bytes | None = None  # a JSON answer the client has, to observe now
         try:
             held: list[bytes] = []
             cuts = _until_cut(upstream, relayed, call_request, logger or get_logger())
@@ -73,9 +75,15 @@ def relay(
                 if streamed:
                     await reader.events.aclose()  # a stream that ended without message_delta
                 else:
-                    await reader.observe_json(b"".join(held))
+                    whole = b"".join(held)
+                    if reader.session.storage.shared:
+                        # another worker serving the next call must find its record: first
+                        await reader.observe_json(whole)
+                    else:
+                        unread = whole  # read once the client has it; the next pass waits
+                        reader.session.answer_out()
                     relayed.whole = True  # the client has all once it has this
-                    yield b"".join(held)
+                    yield whole
             if not relayed.cut:
                 # all of it has gone: the response ends here, before the request's end (its
                 # span, metrics and log line) rather than after it
@@ -83,15 +91,22 @@ def relay(
                 yield b""
         finally:
             try:
-                await upstream.aclose()
+                if unread is not None and reader is not None:
+                    try:
+                        await reader.observe_json(unread)
+                    finally:
+                        reader.session.answer_read()
             finally:
                 try:
-                    if end is not None:
-                        end(relayed.cut_by)
+                    await upstream.aclose()
                 finally:
-                    if reader is not None:
-                        # the client has the response (or has left): what waited for it, now
-                        await reader.session.catch_up()
+                    try:
+                        if end is not None:
+                            end(relayed.cut_by)
+                    finally:
+                        if reader is not None:
+                            # the client has the response (or has left): what waited, now
+                            await reader.session.catch_up()
 
     relayed = _Relayed(
         body(),
