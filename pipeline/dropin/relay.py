@@ -45,12 +45,12 @@ def relay(
     defer=True)``): an event stream passes chunk by chunk as it arrives, the chunk that
     completes the usage (``message_delta``) once observed; a JSON body is passed on whole
     once read, and observed before that on an object store, after it on a store of this
-    process alone (the session's next pass waits for it: ``WireSession.answer_out``). ``end``: called once the body has gone by (or the client left),
-    with the type of the error that cut the upstream's body (None: it was not cut); ``after``:
-    awaited after that, once the client has the whole response (the session's
-    :meth:`~pipeline.dropin.adapter.WireSession.settle`); ``logger``: where a body the upstream cut
-    is
-    told (default: the library's)."""
+    process alone (the session's next pass waits for it: ``WireSession.answer_out``).
+    ``end``: called once the body has gone by (or the client left), with the type of the
+    error that cut the upstream's body (None: it was not cut); ``after``: awaited after that,
+    once the client has the whole response (the session's
+    :meth:`~pipeline.dropin.adapter.WireSession.settle`); ``logger``: where a body the
+    upstream cut is told (default: the library's)."""
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
     answered = session is not None and upstream.status_code == 200
     reader = _UsageReader(session, call, call_request) if session is not None and answered else None
