@@ -37,6 +37,7 @@ __all__ = [
     "stable_uuid",
     "thread_start",
     "usage_compacted",
+    "uuid5_text",
 ]
 
 MessageType = Literal["user", "assistant", "progress", "attachment", "system"]
@@ -161,7 +162,20 @@ def stable_uuid(namespace: _uuid.UUID, name: str) -> str:
     """``uuid5(namespace, name)``, also for a name holding lone surrogates (text read from
     invalid UTF-8), which ``uuid.uuid5`` refuses to encode."""
     digest = hashlib.sha1(namespace.bytes + name.encode("utf-8", "surrogatepass")).digest()
-    return str(_uuid.UUID(bytes=digest[:16], version=5))
+    return uuid5_text(digest[:16])
+
+
+_UUID5_KEEP = ((1 << 128) - 1) & ~(0xC000 << 48) & ~(0xF000 << 64)
+_UUID5_MARK = 0x8000 << 48 | 5 << 76
+
+
+def uuid5_text(raw: bytes) -> str:
+    """``str(uuid.UUID(bytes=raw, version=5))`` (16 bytes, the variant and version bits set),
+    without building the object: record names are made for every new message of a call."""
+    if len(raw) != 16:
+        raise ValueError("bytes is not a 16-char string")
+    h = f"{int.from_bytes(raw, 'big') & _UUID5_KEEP | _UUID5_MARK:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 @dataclass(frozen=True, slots=True, eq=False)

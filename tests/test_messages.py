@@ -5,15 +5,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import uuid
 from typing import Any, get_args, get_type_hints
 
 import pytest
 import typing_extensions
 from anthropic.types.assistant_message_param import AssistantMessageParam
 from anthropic.types.user_message_param import UserMessageParam
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from pipeline import Message, Usage, to_api
+from pipeline.messages import uuid5_text
 from pipeline.testing import assert_same_messages
 from pipeline.wire.pairing import PairingError, PairingProblem, check_pairing, ensure_paired
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -661,3 +665,14 @@ def test_with_content_keeps_every_other_field() -> None:
     assert {n: getattr(changed, n) for n in values if n != "content"} == {
         n: v for n, v in values.items() if n != "content"
     }
+
+
+@given(raw=st.binary(min_size=16, max_size=16))
+def test_a_version_5_uuid_text_is_the_uuid_modules(raw: bytes) -> None:
+    assert uuid5_text(raw) == str(uuid.UUID(bytes=raw, version=5))
+
+
+@pytest.mark.parametrize("size", [0, 15, 17])
+def test_a_version_5_uuid_needs_16_bytes(size: int) -> None:
+    with pytest.raises(ValueError, match="16"):
+        uuid5_text(bytes(size))

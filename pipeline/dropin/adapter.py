@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import enum
 import threading
-import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -65,7 +64,7 @@ from pipeline.dropin.session_log import (
 from pipeline.dropin.session_writes import SessionWrites
 from pipeline.dropin.thread_sync import ThreadSync
 from pipeline.kept_list import first_unequal
-from pipeline.messages import Message, Usage, usage_compacted
+from pipeline.messages import Message, Usage, usage_compacted, uuid5_text
 from pipeline.replacement import (
     DECIDED_RECORD_STAGE,
     ReplacementRecord,
@@ -674,7 +673,7 @@ class WireSession:
     def _record(self, index: int, param: Any, link: bytes) -> Message:
         # named by the digest of it and everything before it: the same in a new process, never
         # the name of a record that follows other messages (stages name records by uuid)
-        uid = str(uuid.UUID(bytes=link, version=5))
+        uid = uuid5_text(link)
         try:
             if not (isinstance(param, Mapping) and param.get("role") == "assistant"):
                 return Message.from_param(param, uuid=uid)
