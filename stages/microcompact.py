@@ -215,9 +215,7 @@ class Microcompact:
         else:
             if self.incremental:  # the pass that clears then finds the history folded in
                 state.index.fold(p, state.cleared, state.gains, afresh=False)
-            facts[ATTR.TRIGGER] = "none"
-            reason = Reason.BELOW_TRIGGER if self.trigger_tokens > 0 else Reason.CACHE_WARM
-            facts.update({ATTR.CLEARED: 0, ATTR.TOKENS_FREED: 0, ATTR.CACHE_REWRITE_TOKENS: 0})
+            reason = self._not_now(facts)
         first_patch = held.first_patch
         if cleared:
             first_patch = min(first_patch, changed)
@@ -230,9 +228,28 @@ class Microcompact:
             held=held.held + cleared,
             tools=self._tools,
         )
+        decision = Decision.CLEAR if cleared else Decision.REAPPLY if held.held else Decision.SKIP
+        self._tell(ctx, decision, reason, tokens_before, out, gap, facts)
+        return out
+
+    def _not_now(self, facts: dict[str, AttributeValue]) -> Reason:
+        """No trigger fired: the facts of a pass that clears nothing now, and why not."""
+        facts[ATTR.TRIGGER] = "none"
+        facts.update({ATTR.CLEARED: 0, ATTR.TOKENS_FREED: 0, ATTR.CACHE_REWRITE_TOKENS: 0})
+        return Reason.BELOW_TRIGGER if self.trigger_tokens > 0 else Reason.CACHE_WARM
+
+    def _tell(
+        self,
+        ctx: SessionContext,
+        decision: Decision,
+        reason: Reason,
+        tokens_before: int,
+        out: list[Message],
+        gap: float | None,
+        facts: dict[str, AttributeValue],
+    ) -> None:
         if gap is not None:
             facts[ATTR.IDLE_GAP_MINUTES] = round(gap, 3)
-        decision = Decision.CLEAR if cleared else Decision.REAPPLY if held.held else Decision.SKIP
         ctx.decide(
             self.name,
             decision,
@@ -241,7 +258,6 @@ class Microcompact:
             tokens_after=ctx.size_of(out),
             facts=facts,
         )
-        return out
 
     def _free_again(
         self, ctx: SessionContext, p: ClearPass, state: ClearState, anchor_id: str | None
@@ -270,25 +286,9 @@ class Microcompact:
         if self.idle_minutes > 0 and gap is not None and gap >= self.idle_minutes:
             return False
         state.last = None  # nothing to extend: the view it was made on is left behind
-        facts: dict[str, AttributeValue] = {
-            ATTR.STRATEGY: self.strategy,
-            ATTR.REAPPLIED: 0,
-            ATTR.TRIGGER: "none",
-            ATTR.CLEARED: 0,
-            ATTR.TOKENS_FREED: 0,
-            ATTR.CACHE_REWRITE_TOKENS: 0,
-        }
-        if gap is not None:
-            facts[ATTR.IDLE_GAP_MINUTES] = round(gap, 3)
-        reason = Reason.BELOW_TRIGGER if self.trigger_tokens > 0 else Reason.CACHE_WARM
-        ctx.decide(
-            self.name,
-            Decision.SKIP,
-            reason,
-            tokens_before=tokens,
-            tokens_after=ctx.size_of(messages),
-            facts=facts,
-        )
+        facts: dict[str, AttributeValue] = {ATTR.STRATEGY: self.strategy, ATTR.REAPPLIED: 0}
+        reason = self._not_now(facts)
+        self._tell(ctx, Decision.SKIP, reason, tokens, messages, gap, facts)
         return True
 
     def _idle_gap(

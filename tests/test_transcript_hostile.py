@@ -135,9 +135,13 @@ def test_a_symlink_planted_at_the_transcript_is_refused(tmp_path: Path, victim: 
     assert victim.read_text() == "precious\n"
 
 
-def test_a_symlink_planted_after_the_writer_opened_is_refused(tmp_path: Path, victim: Path) -> None:
+@pytest.mark.parametrize("hold_open", [False, True], ids=["opened-each-time", "held-open"])
+def test_a_symlink_planted_after_the_writer_opened_is_refused(
+    tmp_path: Path, victim: Path, hold_open: bool
+) -> None:
+    """Also by a writer that keeps its descriptor: the file it holds is no longer linked."""
     path = tmp_path / "s" / "transcript.jsonl"
-    writer = TranscriptWriter(path, "s")
+    writer = TranscriptWriter(path, "s", hold_open=hold_open)
     writer.append_messages([Message.user("first")])
     path.unlink()
     path.symlink_to(victim)
