@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from pipeline import Message, Pipeline, ToolPolicies, to_api
+from pipeline.dropin import adapter as adapter_module
 from pipeline.dropin.adapter import DECISIONS_FILE, WireSession
 from pipeline.dropin.conversations import conversation_hint
 from pipeline.store.sessions import SessionStates
@@ -315,3 +316,25 @@ def test_a_pass_waits_for_an_answer_its_client_already_has(tmp_path: Path) -> No
         assert answer.message_id == "msg_answer" and answer.usage is not None
 
     anyio.run(run)
+
+
+def test_a_pass_waits_for_an_answer_no_longer_than_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer told of and never read (nothing in the proxy leaves one so: the bound is a
+    guard) holds the next pass up for ``ANSWER_WAIT`` at most: it then goes on without it."""
+    monkeypatch.setattr(adapter_module, "ANSWER_WAIT", 0.2)
+
+    async def run() -> float:
+        storage = SessionStates(tmp_path, fsync_each=False).open("s")
+        session = await WireSession.open("s", tmp_path, Pipeline(default_stages()), storage=storage)
+        first: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
+        await session.prepare_call({"model": "m", "messages": first})
+        session.answer_out()
+        after = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+        started = anyio.current_time()
+        with anyio.fail_after(5):
+            await session.prepare_call({"model": "m", "messages": after})
+        return anyio.current_time() - started
+
+    assert 0.2 <= anyio.run(run) < 2

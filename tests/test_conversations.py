@@ -707,3 +707,38 @@ def test_the_openings_remembered_are_no_more_than_the_conversations_held(tmp_pat
         return len(conversations._openings._kept)
 
     assert anyio.run(run) <= 2
+
+
+def test_a_conversation_whose_answer_is_still_to_be_read_is_not_let_go(tmp_path: Path) -> None:
+    """The proxy reads a JSON answer once its client has it: until then the conversation is
+    not let go from memory (its client's next request must find the session that reads it),
+    and that request's pass waits for the answer and knows it; once read, it may go."""
+
+    async def run() -> tuple[bool, bool, int]:
+        conversations = Conversations(
+            pipeline=lambda: Pipeline([ToolResultBudget()]),
+            root=tmp_path,
+            storage=SessionStates(tmp_path, fsync_each=False),
+            max_held=1,
+        )
+        first = [{"role": "user", "content": "conversation A " * 30}]
+        held = (await conversations.route({"messages": first}, {}, unchanging=True)).session
+        _, call = await held.prepare_call({"model": "m", "messages": first})
+        held.answer_out()  # its bytes went to the client, not yet read
+        other = [{"role": "user", "content": "another " * 30}]
+        await conversations.route({"messages": other}, {})  # would let A go
+        then = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+        again = (await conversations.route({"messages": then}, {}, unchanging=True)).session
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(again.prepare_call, {"model": "m", "messages": then})
+            await anyio.sleep(0.05)
+            usage = {"input_tokens": 100, "output_tokens": 5}
+            await held.observe_async("msg_A1", usage, "m", call=call, defer=True)
+            held.answer_read()
+        known = any(seen[0] == "msg_A1" for seen in again._responses.values())
+        await conversations.route({"messages": other}, {})  # now A may go
+        return again is held, known, conversations.held
+
+    same, known, left = anyio.run(run)
+    assert same and known
+    assert left == 1

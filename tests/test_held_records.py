@@ -34,7 +34,7 @@ def test_a_held_record_goes_with_the_next_append_before_it(tmp_path: Path) -> No
     writer.append_stage_record("c", {"k": 3})
     assert _kinds(path) == ["a", "b", "c"]
     writer.append_stage_record_later("d", {})
-    writer.flush()
+    writer.write_held()
     assert _kinds(path)[-1] == "d"
     writer.append_stage_record_later("e", {})
     writer.sync()  # written, then made durable

@@ -8,6 +8,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -91,14 +94,14 @@ def test_a_file_replaced_by_another_is_appended_to_at_its_path(tmp_path: Path) -
     assert _texts(path) == ["theirs", "mine"]
 
 
-def test_a_file_moved_away_whole_is_appended_to_where_it_went(tmp_path: Path) -> None:
+def test_a_file_moved_away_is_opened_again_at_its_path(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     writer = _writer(path)
     writer.append_messages([Message.user("one")])
     moved = tmp_path / "moved.jsonl"
     os.rename(path, moved)
     writer.append_messages([Message.user("two")])
-    assert _texts(moved) == ["one", "two"] and not path.exists()
+    assert _texts(moved) == ["one"] and _texts(path) == ["two"]
 
 
 def test_a_line_torn_by_another_writer_is_not_glued_to(tmp_path: Path) -> None:
@@ -169,3 +172,78 @@ def test_a_forked_child_opens_the_file_again_and_both_append_whole_lines(tmp_pat
     writer.append_messages([Message.user("parent 2", uuid="p2")])
     kinds = [json.loads(line).get("stage", "msg") for line in path.read_text().splitlines()]
     assert kinds == ["msg", "child", "msg"]
+
+
+_AT_EXIT = """
+import sys
+from pathlib import Path
+from pipeline.dropin.thread_sync import ThreadSync
+from pipeline.transcript.writer import TranscriptWriter
+
+syncs = ThreadSync(window=60)  # registered for the exit before any writer holds a descriptor
+root = Path(sys.argv[1])
+a, b, c = (
+    TranscriptWriter(root / n / "d.jsonl", n, fsync_each=False, hold_open=True) for n in "abc"
+)
+a.append_stage_record("first", {})
+b.append_stage_record("first", {})
+for w in (c, b, a):
+    w.append_stage_record_later("later", {})
+    syncs.add(w.sync)  # left for the exit
+"""
+
+
+def test_what_runs_at_the_exit_still_writes_through_the_held_descriptors(tmp_path: Path) -> None:
+    """A sync left for the interpreter's exit (``wrap``'s sync thread flushes then) writes each
+    writer's held-back record into its own file: the descriptors are not closed before it."""
+    script = tmp_path / "at_exit.py"
+    script.write_text(_AT_EXIT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    for name in "abc":
+        lines = [
+            json.loads(line) for line in (tmp_path / name / "d.jsonl").read_text().splitlines()
+        ]
+        assert {line["sessionId"] for line in lines} == {name}, lines
+        assert [line["stage"] for line in lines] == (
+            ["later"] if name == "c" else ["first", "later"]
+        )
+    assert "failed" not in done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("hold_open", [False, True])
+def test_a_fork_while_another_thread_appends_leaves_the_child_free_to_append(
+    tmp_path: Path, hold_open: bool
+) -> None:
+    """The writer's lock is copied into a forked child as the fork found it: held by a thread
+    the child does not have. The child's writers start with locks of their own (and without
+    the parent's held-back records, which the parent writes)."""
+    writer = TranscriptWriter(tmp_path / "d.jsonl", "s", fsync_each=False, hold_open=hold_open)
+    writer.append_stage_record_later("parents", {})
+    with writer._lock:  # as another thread in the middle of an append holds it
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                done = threading.Event()
+
+                def append() -> None:
+                    writer.append_stage_record("child", {})
+                    done.set()
+
+                threading.Thread(target=append, daemon=True).start()
+                code = 0 if done.wait(10) else 3
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # 3: the child's append hung
+    writer.append_stage_record("parent", {})
+    kinds = [json.loads(line)["stage"] for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert kinds == ["child", "parents", "parent"]

@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 __all__ = [
+    "ANSWER_WAIT",
     "DECISIONS_FILE",
     "FORK_RECORD",
     "Call",
@@ -103,6 +104,10 @@ Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
 
 REPLACEMENT_RECORD = "content-replacement"
 """What a failure to append replacement records is logged as (the transcript's own type)."""
+
+ANSWER_WAIT = 30.0
+"""Seconds a conversation's next pass waits at most for an answer its client already has to
+be read (:meth:`WireSession.answer_out`); then it goes on without it (logged)."""
 
 
 class _Load(enum.Enum):
@@ -456,7 +461,9 @@ class WireSession:
         prepared a request -- then an observation of its last response may still be under way,
         which a pass run on another thread must not overlap."""
         messages = body.get("messages")
-        return len(messages) if isinstance(messages, list) and not self._params else 0
+        if not isinstance(messages, list) or self._params or self._unread:
+            return 0  # (an answer to read: the pass waits for it on this loop)
+        return len(messages)
 
     async def prepare_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """``body`` with its ``messages`` prepared (everything else as it was); its system
@@ -473,6 +480,12 @@ class WireSession:
         if self._read is None:
             self._read = anyio.Event()
 
+    @property
+    def answers_out(self) -> bool:
+        """Whether a response :meth:`answer_out` told of is still to be read (the
+        conversation is then not let go from memory: its next request must find it here)."""
+        return self._unread > 0
+
     def answer_read(self) -> None:
         """The response :meth:`answer_out` told of was observed (or will not be)."""
         self._unread -= 1
@@ -481,8 +494,14 @@ class WireSession:
             self._read = None
 
     async def _answers_in(self) -> None:
-        while (read := self._read) is not None:
-            await read.wait()
+        # bounded: an answer is read once its bytes are handed to the server, which does not
+        # wait for the client to take them; past the bound the pass goes on without it, as
+        # for an answer the conversation never saw
+        with anyio.move_on_after(ANSWER_WAIT) as waited:
+            while (read := self._read) is not None:
+                await read.wait()
+        if waited.cancelled_caught:
+            self.ctx.logger.warning("wire_session.answer_not_read", seconds=ANSWER_WAIT)
 
     async def prepare_call(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], Call]:
         """:meth:`prepare_request`, and the :class:`Call` its response is to be observed with

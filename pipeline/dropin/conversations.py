@@ -248,7 +248,11 @@ class Conversations:
         for key, family in self._families.items():
             if excess <= 0:
                 break
-            if family is keep or any(b.call_lock.locked() for b in family.branches.values()):
+            if family is keep or any(
+                # in a call, or its answer still to be read (the next pass waits for that)
+                b.call_lock.locked() or b.session.answers_out
+                for b in family.branches.values()
+            ):
                 continue
             gone.append(key)
             excess -= len(family.branches)

@@ -63,10 +63,11 @@ def hold_back(log: object | None, stage: str, data: Mapping[str, Any]) -> bool:
 
 
 def flush_held(log: object | None) -> None:
-    """Write what ``log`` holds back (:func:`hold_back`) now, where it holds anything."""
-    flush = getattr(log, "flush", None)
-    if flush is not None:
-        flush()
+    """Write what ``log`` holds back (:func:`hold_back`) now, where it holds anything (a log
+    that can hold records back has a ``write_held``)."""
+    write_held = getattr(log, "write_held", None)
+    if write_held is not None:
+        write_held()
 
 
 async def append_where_it_belongs(log: object | None, append: Callable[..., _R], *args: Any) -> _R:

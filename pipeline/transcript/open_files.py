@@ -23,12 +23,10 @@ MAX_OPEN = 64
 
 
 class Holder(Protocol):
-    """A writer holding a descriptor: :meth:`release` closes it unless the writer is using it
+    """A writer holding a descriptor: ``release()`` closes it unless the writer is using it
     (then it returns False)."""
 
     def release(self) -> bool: ...  # pragma: no cover - a protocol
-
-    def forget_after_fork(self) -> None: ...  # pragma: no cover - a protocol
 
 
 class OpenFiles:
@@ -41,8 +39,8 @@ class OpenFiles:
         self.limit = limit
         self._lock = threading.Lock()
         self._held: OrderedDict[int, weakref.ref[Holder]] = OrderedDict()
-        # a forked child may find the lock held by a thread it does not have, and holds the
-        # parent's descriptors: each writer opens its file again there
+        # a forked child may find the lock held by a thread it does not have; its writers
+        # let the parent's descriptors go themselves (pipeline.transcript.writer)
         os.register_at_fork(after_in_child=self._after_fork)
 
     def __len__(self) -> int:
@@ -81,11 +79,7 @@ class OpenFiles:
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
-        held, self._held = self._held, OrderedDict()
-        for ref in held.values():
-            holder = ref()
-            if holder is not None:
-                holder.forget_after_fork()
+        self._held = OrderedDict()
 
 
 OPEN_FILES = OpenFiles()

@@ -156,6 +156,19 @@ class JsonlRecordWriter:
         return entry
 
 
+_WRITERS: weakref.WeakSet[TranscriptWriter] = weakref.WeakSet()
+"""Every writer of the process: a forked child has only the thread that forked, so a lock
+another thread held at the fork would stay held in it."""
+
+
+def _after_fork() -> None:
+    for writer in list(_WRITERS):
+        writer.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 class TranscriptWriter(JsonlRecordWriter):
     """Appends messages and ``content-replacement`` records to a session JSONL file.
 
@@ -170,11 +183,11 @@ class TranscriptWriter(JsonlRecordWriter):
     or a real directory, is refused with :class:`TranscriptPathError`, here when it is already
     so and on every append (it may be planted later).
 
-    ``hold_open=True`` keeps the file's descriptor between appends (an append is then three
-    system calls instead of about a dozen: opening the file safely is most of them). A file
-    removed or replaced since (a link planted in its place included: the file held is no
-    longer linked) is opened again as above; a file moved elsewhere whole, with its name, is
-    appended to where it went. ``open_files`` bounds the descriptors held in the process
+    ``hold_open=True`` keeps the file's descriptor between appends (an append is then four
+    system calls instead of about a dozen: opening the file safely is most of them): each
+    first checks that the path still names the file held, and one removed, replaced (a link
+    planted there included) or moved away is opened again at its path as above. ``open_files``
+    bounds the descriptors held in the process
     (:mod:`pipeline.transcript.open_files`); :meth:`close` lets one go at once, and so does
     the writer's garbage collection.
     """
@@ -203,6 +216,7 @@ class TranscriptWriter(JsonlRecordWriter):
         self._closer: weakref.finalize[Any, Any] | None = None
         self._waiting: list[bytes] = []
         """Lines held back (:meth:`append_stage_record_later`), written before the next ones."""
+        _WRITERS.add(self)  # a forked child resets its lock (held, maybe, by another thread)
         self._last_uuid = _last_uuid(self.path)
 
     @property
@@ -213,7 +227,7 @@ class TranscriptWriter(JsonlRecordWriter):
 
     def append_stage_record_later(self, stage: str, data: Mapping[str, Any]) -> bool:
         """Hold a ``stage-record`` back, to be written with the next append (before it), at
-        :meth:`flush`, :meth:`sync` or :meth:`close`: for a decision that a crash may lose
+        :meth:`write_held`, :meth:`sync` or :meth:`close`: for a decision that a crash may lose
         without harm, because a new process finds it again (a result sent whole, placed so
         once the model's answer to it comes back). False when each record is to be durable
         at once (``fsync_each``): nothing is held, the caller appends it."""
@@ -224,7 +238,7 @@ class TranscriptWriter(JsonlRecordWriter):
             self._waiting.append(line)
         return True
 
-    def flush(self) -> None:
+    def write_held(self) -> None:
         """Write the records held back (:meth:`append_stage_record_later`) now."""
         if self._waiting:
             self._write_lines(())
@@ -233,8 +247,13 @@ class TranscriptWriter(JsonlRecordWriter):
         """Make every append so far durable on disk (one ``fsync``; nothing when each append
         already was, none was made since the last sync, or the file is gone: removed with
         its directory, a temporary one, before a sync that runs after the call); records held
-        back are written first. Blocking."""
-        self.flush()
+        back are written first (a failure to, raised after the sync). Blocking."""
+        try:
+            self.write_held()
+        finally:
+            self._sync_written()
+
+    def _sync_written(self) -> None:
         if not self._unsynced:
             return
         self._unsynced = False  # an append from now on marks it again
@@ -289,17 +308,28 @@ class TranscriptWriter(JsonlRecordWriter):
             self._unsynced = True
 
     def _descriptor(self) -> tuple[int, int]:
-        """The held descriptor while its file is still linked, else the file opened (safely)
-        again; and the file's size. Under ``_lock``."""
+        """The held descriptor while the path still names its file, else the file opened
+        (safely) again; and the file's size. Under ``_lock``."""
         held = self._held
         if held is not None:
             now = os.fstat(held)
-            if now.st_nlink:
+            try:
+                named = os.lstat(self.path)
+            except OSError:  # gone, its directory too, or unreadable: opened again below
+                named = None
+            if (
+                named is not None
+                and now.st_nlink
+                and (named.st_dev, named.st_ino) == (now.st_dev, now.st_ino)
+            ):
                 return held, now.st_size
-            self._close_held()  # removed, or replaced (a link planted in its place): open again
+            self._close_held()  # removed, replaced (a link planted there) or moved away
         fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         self._held = fd
         self._closer = weakref.finalize(self, os.close, fd)
+        # closed with its writer when that is collected, never at the interpreter's exit:
+        # what runs at exit (a sync thread's last group) may still append through it
+        self._closer.atexit = False
         return fd, os.fstat(fd).st_size
 
     def _close_held(self) -> None:
@@ -328,9 +358,10 @@ class TranscriptWriter(JsonlRecordWriter):
             self._lock.release()
 
     def forget_after_fork(self) -> None:
-        """In a forked child: the parent's descriptor and lock are the parent's; the next append
-        opens the file again."""
+        """In a forked child: the parent's descriptor, lock and held-back records are the
+        parent's (it writes those); the next append opens the file again."""
         self._lock = threading.Lock()
+        self._waiting = []
         held, closer = self._held, self._closer
         self._held = self._closer = None
         if closer is not None:
@@ -343,7 +374,7 @@ class TranscriptWriter(JsonlRecordWriter):
         """Write the records held back, and let the held descriptor go (appends after it open
         the file again). Idempotent."""
         try:
-            self.flush()
+            self.write_held()
         finally:
             with self._lock:
                 self._close_held()
