@@ -724,7 +724,7 @@ def test_a_conversation_whose_answer_is_still_to_be_read_is_not_let_go(tmp_path:
         first = [{"role": "user", "content": "conversation A " * 30}]
         held = (await conversations.route({"messages": first}, {}, unchanging=True)).session
         _, call = await held.prepare_call({"model": "m", "messages": first})
-        held.answer_out()  # its bytes went to the client, not yet read
+        token = held.answer_out()  # its bytes went to the client, not yet read
         other = [{"role": "user", "content": "another " * 30}]
         await conversations.route({"messages": other}, {})  # would let A go
         then = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
@@ -734,7 +734,7 @@ def test_a_conversation_whose_answer_is_still_to_be_read_is_not_let_go(tmp_path:
             await anyio.sleep(0.05)
             usage = {"input_tokens": 100, "output_tokens": 5}
             await held.observe_async("msg_A1", usage, "m", call=call, defer=True)
-            held.answer_read()
+            held.answer_read(token)
         known = any(seen[0] == "msg_A1" for seen in again._responses.values())
         await conversations.route({"messages": other}, {})  # now A may go
         return again is held, known, conversations.held

@@ -229,7 +229,7 @@ class WireSession:
         defer=True)``: see :meth:`catch_up`."""
         self._unlearned: list[tuple[Usage, str, bool]] = []
         """Responses' usage observed with ``defer``, not yet learned from, in their order."""
-        self._unread = 0
+        self._unread: dict[object, None] = {}
         self._read: anyio.Event | None = None
         """Responses gone to their client before they were observed (:meth:`answer_out`), and
         what the next pass waits on while there are any."""
@@ -471,37 +471,50 @@ class WireSession:
         :attr:`last_call` once prepared."""
         return (await self.prepare_call(body))[0]
 
-    def answer_out(self) -> None:
+    def answer_out(self) -> object:
         """A response of this session goes to its client before it is observed (the proxy
         reads a JSON answer once its client has it): the session's next pass waits until
-        :meth:`answer_read` says it was, so that it knows the answer and writes its records
-        after the answer's. On the session's event loop."""
-        self._unread += 1
+        :meth:`answer_read` is given the token returned here, so that it knows the answer and
+        writes its records after the answer's. On the session's event loop."""
+        token = object()
+        self._unread[token] = None
         if self._read is None:
             self._read = anyio.Event()
+        return token
 
     @property
     def answers_out(self) -> bool:
         """Whether a response :meth:`answer_out` told of is still to be read (the
         conversation is then not let go from memory: its next request must find it here)."""
-        return self._unread > 0
+        return bool(self._unread)
 
-    def answer_read(self) -> None:
-        """The response :meth:`answer_out` told of was observed (or will not be)."""
-        self._unread -= 1
-        if not self._unread and self._read is not None:
-            self._read.set()
-            self._read = None
+    def answer_read(self, token: object) -> None:
+        """The response :meth:`answer_out` gave ``token`` for was observed (or will not be);
+        one given up on already (:data:`ANSWER_WAIT`) is nothing more."""
+        self._unread.pop(token, None)
+        if not self._unread:
+            self._answers_all_in()
+
+    def _answers_all_in(self) -> None:
+        read, self._read = self._read, None
+        if read is not None:
+            read.set()
 
     async def _answers_in(self) -> None:
+        if self._read is None:
+            return
         # bounded: an answer is read once its bytes are handed to the server, which does not
-        # wait for the client to take them; past the bound the pass goes on without it, as
-        # for an answer the conversation never saw
+        # wait for the client to take them; past the bound the pass goes on without those
+        # answers, as for answers the conversation never saw, and no later pass waits for them
         with anyio.move_on_after(ANSWER_WAIT) as waited:
             while (read := self._read) is not None:
                 await read.wait()
         if waited.cancelled_caught:
-            self.ctx.logger.warning("wire_session.answer_not_read", seconds=ANSWER_WAIT)
+            self.ctx.logger.warning(
+                "wire_session.answer_not_read", answers=len(self._unread), seconds=ANSWER_WAIT
+            )
+            self._unread.clear()
+            self._answers_all_in()
 
     async def prepare_call(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], Call]:
         """:meth:`prepare_request`, and the :class:`Call` its response is to be observed with

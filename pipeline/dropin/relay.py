@@ -57,7 +57,7 @@ def relay(
     streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def body() -> AsyncIterator[bytes]:
-        unread: bytes | None = None  # a JSON answer the client has, to observe now
+        unread: tuple[bytes, object] | None = None  # a JSON answer the client has, to read
         try:
             held: list[bytes] = []
             cuts = _until_cut(upstream, relayed, call_request, logger or get_logger())
@@ -79,9 +79,8 @@ def relay(
                     if reader.session.storage.shared:
                         # another worker serving the next call must find its record: first
                         await reader.observe_json(whole)
-                    else:
-                        unread = whole  # read once the client has it; the next pass waits
-                        reader.session.answer_out()
+                    else:  # read once the client has it; the next pass waits for that
+                        unread = (whole, reader.session.answer_out())
                     relayed.whole = True  # the client has all once it has this
                     yield whole
             if not relayed.cut:
@@ -93,9 +92,9 @@ def relay(
             try:
                 if unread is not None and reader is not None:
                     try:
-                        await reader.observe_json(unread)
+                        await reader.observe_json(unread[0])
                     finally:
-                        reader.session.answer_read()
+                        reader.session.answer_read(unread[1])
             finally:
                 try:
                     await upstream.aclose()

@@ -186,8 +186,10 @@ class TranscriptWriter(JsonlRecordWriter):
     ``hold_open=True`` keeps the file's descriptor between appends (an append is then four
     system calls instead of about a dozen: opening the file safely is most of them): each
     first checks that the path still names the file held, and one removed, replaced (a link
-    planted there included) or moved away is opened again at its path as above. ``open_files``
-    bounds the descriptors held in the process
+    planted there included) or moved away is opened again at its path as above -- so the
+    checks for links are made when the file is opened, and a directory moved away and
+    replaced by a link to where it went still names the file held, which is appended to (no
+    other file is ever written). ``open_files`` bounds the descriptors held in the process
     (:mod:`pipeline.transcript.open_files`); :meth:`close` lets one go at once, and so does
     the writer's garbage collection.
     """
