@@ -350,3 +350,19 @@ def test_a_pass_waits_for_an_answer_no_longer_than_its_bound(
     first, second, still_out = anyio.run(run)
     assert 0.3 <= first < 0.55  # one wait, not one per step of the pass
     assert second < 0.2 and not still_out
+
+
+@pytest.mark.parametrize(("fsync_each", "waits"), [(False, True), (True, False)])
+def test_a_response_record_waits_for_the_client_only_where_appends_are_made_durable_later(
+    tmp_path: Path, fsync_each: bool, waits: bool
+) -> None:
+    """``records_wait``: the proxy writes a response's record (and reads a JSON answer) once
+    its client has the response only on a local store whose appends are made durable later;
+    with ``fsync_each`` every record is durable before the proxy goes on, the answer's too."""
+
+    async def run() -> bool:
+        storage = SessionStates(tmp_path, fsync_each=fsync_each).open("s")
+        session = await WireSession.open("s", tmp_path, Pipeline(default_stages()), storage=storage)
+        return session.records_wait
+
+    assert anyio.run(run) is waits

@@ -483,6 +483,14 @@ class WireSession:
         return token
 
     @property
+    def records_wait(self) -> bool:
+        """Whether a response's record may be written after its client has the response: on
+        a store no other worker reads whose appends are page-cache writes (made durable
+        later); not on an object store (another worker must find it first) nor where each
+        record is to be durable before the proxy goes on (``fsync_each``)."""
+        return not self.storage.shared and not appends_block(self.ctx.transcript)
+
+    @property
     def answers_out(self) -> bool:
         """Whether a response :meth:`answer_out` told of is still to be read (the
         conversation is then not let go from memory: its next request must find it here)."""
@@ -571,7 +579,7 @@ class WireSession:
         await self.catch_up()  # an earlier response's, in the order they came
         async with self._observing:  # one record at a time: each builds on the last one's chain
             parsed, data, chain = self._response(response_id, usage, call)
-            if defer and not self.storage.shared and not appends_block(self.ctx.transcript):
+            if defer and self.records_wait:
                 self._unwritten = (data, chain)
             elif await append_where_it_belongs(self.ctx.transcript, self._append_response, data):
                 self._written(data, chain)

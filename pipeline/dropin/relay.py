@@ -44,8 +44,9 @@ def relay(
     token tracker's learning once the client has the response: ``observe_async(...,
     defer=True)``): an event stream passes chunk by chunk as it arrives, the chunk that
     completes the usage (``message_delta``) once observed; a JSON body is passed on whole
-    once read, and observed before that on an object store, after it on a store of this
-    process alone (the session's next pass waits for it: ``WireSession.answer_out``).
+    once read, and observed after it where the session's records may wait for the client
+    (``WireSession.records_wait``; the session's next pass waits for it:
+    ``WireSession.answer_out``), before it elsewhere.
     ``end``: called once the body has gone by (or the client left), with the type of the
     error that cut the upstream's body (None: it was not cut); ``after``: awaited after that,
     once the client has the whole response (the session's
@@ -76,8 +77,9 @@ def relay(
                     await reader.events.aclose()  # a stream that ended without message_delta
                 else:
                     whole = b"".join(held)
-                    if reader.session.storage.shared:
-                        # another worker serving the next call must find its record: first
+                    if not reader.session.records_wait:
+                        # its record first: another worker serving the next call must find
+                        # it, or each record is durable before the proxy goes on
                         await reader.observe_json(whole)
                     else:  # read once the client has it; the next pass waits for that
                         unread = (whole, reader.session.answer_out())
