@@ -16,6 +16,7 @@ from pipeline import Message, Pipeline, TranscriptWriter
 from pipeline.dropin.adapter import WireSession
 from pipeline.replacement import DECIDED_RECORD_STAGE
 from pipeline.store.sessions import SessionStates
+from pipeline.transcript.writer import MAX_HELD_BACK
 from stages import ToolResultBudget, default_stages
 
 
@@ -128,3 +129,15 @@ def test_a_held_record_a_crash_lost_is_found_again_by_a_new_process(tmp_path: Pa
         ]
         assert results == ["r0 " * 40, "r1 " * 40]  # whole, as they went
         assert DECIDED_RECORD_STAGE in kinds  # found again, and recorded this time
+
+
+def test_records_held_back_are_bounded(tmp_path: Path) -> None:
+    """Calls that never get a response (a client whose upstream always fails, in a process
+    that never settles) cannot make a writer hold more than ``MAX_HELD_BACK`` records."""
+    path = tmp_path / "t.jsonl"
+    writer = TranscriptWriter(path, "s", fsync_each=False, hold_open=True)
+    for k in range(MAX_HELD_BACK * 3 + 1):
+        writer.append_stage_record_later("probe", {"k": k})
+        assert len(_kinds(path)) > k - MAX_HELD_BACK
+    writer.close()
+    assert len(_kinds(path)) == MAX_HELD_BACK * 3 + 1

@@ -162,9 +162,10 @@ def test_a_forked_child_opens_the_file_again_and_both_append_whole_lines(tmp_pat
     if pid == 0:  # the child: its copy of the descriptor is closed, the file opened again
         code = 1
         try:
-            held_before = writer._held
+            assert writer._file is not None
+            held_before = writer._file.fd
             writer.append_stage_record("child", {"ok": True})
-            code = 0 if held_before is None and writer._held is not None else 2
+            code = 0 if held_before is None and writer._file.fd is not None else 2
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)

@@ -91,23 +91,17 @@ def relay(
                 relayed.whole = True
                 yield b""
         finally:
-            try:
+            # each runs, whatever the one before it raised; the last pushed runs first
+            async with contextlib.AsyncExitStack() as ends:
+                if reader is not None:
+                    # the client has the response (or has left): what waited for it, now
+                    ends.push_async_callback(reader.session.catch_up)
+                if end is not None:
+                    ends.callback(end, relayed.cut_by)
+                ends.push_async_callback(upstream.aclose)
                 if unread is not None and reader is not None:
-                    try:
-                        await reader.observe_json(unread[0])
-                    finally:
-                        reader.session.answer_read(unread[1])
-            finally:
-                try:
-                    await upstream.aclose()
-                finally:
-                    try:
-                        if end is not None:
-                            end(relayed.cut_by)
-                    finally:
-                        if reader is not None:
-                            # the client has the response (or has left): what waited, now
-                            await reader.session.catch_up()
+                    ends.callback(reader.session.answer_read, unread[1])
+                    ends.push_async_callback(reader.observe_json, unread[0])
 
     relayed = _Relayed(
         body(),

@@ -4,7 +4,7 @@ an object store the spool's results and the call's snapshot."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio.to_thread
@@ -37,31 +37,24 @@ class SessionWrites:
         transcript = self.ctx.transcript
         if transcript is None:
             return False
-        try:
-            if isinstance(data, Mapping):
-                transcript.append_stage_record(stage, data)
-            else:
-                transcript.append_replacements(data)
-        except OSError as exc:
-            self.ctx.logger.error(
-                "stage_record.write_failed",
-                stage=stage,
-                error=type(exc).__name__,
-                detail=describe_error(exc),
-            )
-            return False
-        return True
+        if isinstance(data, Mapping):
+            return self._logged(stage, transcript.append_stage_record, stage, data)
+        return self._logged(stage, transcript.append_replacements, data)
 
     def flush_held(self) -> bool:
         """Write the records the session's log holds back (a stage's decision that a crash
         may lose without harm) now (blocking): whether nothing failed. A failure is logged,
         never raised."""
+        return self._logged("held", flush_held, self.ctx.transcript)
+
+    def _logged(self, stage: str, write: Callable[..., object], *args: Any) -> bool:
+        """``write(*args)``; False, logged (which failure, without content), when it fails."""
         try:
-            flush_held(self.ctx.transcript)
+            write(*args)
         except OSError as exc:
             self.ctx.logger.error(
                 "stage_record.write_failed",
-                stage="held",
+                stage=stage,
                 error=type(exc).__name__,
                 detail=describe_error(exc),
             )

@@ -10,13 +10,16 @@ its descriptor (it opens the file again on its next append).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Protocol
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
 
-__all__ = ["MAX_OPEN", "OPEN_FILES", "Holder", "OpenFiles"]
+__all__ = ["MAX_OPEN", "OPEN_FILES", "HeldFile", "Holder", "OpenFiles"]
 
 MAX_OPEN = 64
 """Descriptors held open at once by the writers of one process (the default)."""
@@ -84,3 +87,86 @@ class OpenFiles:
 
 OPEN_FILES = OpenFiles()
 """The process's bound on the descriptors transcript writers hold."""
+
+
+class HeldFile:
+    """One writer's file, kept open between appends: :meth:`descriptor` hands the descriptor
+    while ``path`` still names the file it is (linked, the same device and inode), else
+    ``opener(path)``'s (safely) again. ``lock``: the writer's, held around every use of the
+    descriptor (:meth:`release`, which ``open_files`` calls from any thread, only tries it).
+    The descriptor is closed when this is collected, never at the interpreter's exit (what
+    runs then, a sync thread's last group, may still append through it)."""
+
+    def __init__(
+        self,
+        path: Path,
+        opener: Callable[[Path], int],
+        lock: threading.Lock,
+        open_files: OpenFiles = OPEN_FILES,
+    ) -> None:
+        self.path, self.lock = path, lock
+        self._opener, self._open_files = opener, open_files
+        self.fd: int | None = None
+        self._closer: weakref.finalize[Any, Any] | None = None
+
+    def descriptor(self) -> tuple[int, int]:
+        """The descriptor and the file's size (under ``lock``)."""
+        fd = self.fd
+        if fd is not None:
+            now = os.fstat(fd)
+            try:
+                named = os.lstat(self.path)
+            except OSError:  # gone, its directory too, or unreadable: opened again below
+                named = None
+            if (
+                named is not None
+                and now.st_nlink
+                and (named.st_dev, named.st_ino) == (now.st_dev, now.st_ino)
+            ):
+                return fd, now.st_size
+            self.close()  # removed, replaced (a link planted there) or moved away
+        fd = self.fd = self._opener(self.path)
+        self._closer = weakref.finalize(self, os.close, fd)
+        self._closer.atexit = False
+        return fd, os.fstat(fd).st_size
+
+    def used(self) -> None:
+        """An append went through it (outside ``lock``): counted as the most recent."""
+        self._open_files.used(self)
+
+    def close(self) -> None:
+        """Close the descriptor, if one is held (under ``lock``)."""
+        if self._close():
+            self._open_files.dropped(self)
+
+    def release(self) -> bool:
+        """Close the descriptor unless an append is using it (then False)."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self._close()
+            return True
+        finally:
+            self.lock.release()
+
+    def forget_after_fork(self, lock: threading.Lock) -> None:
+        """In a forked child: the parent's descriptor is the parent's; ``lock`` is the writer's
+        new one. The next append opens the file again."""
+        self.lock = lock
+        fd, closer = self.fd, self._closer
+        self.fd = self._closer = None
+        if closer is not None:
+            closer.detach()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the child's copy; the parent's stays open
+
+    def _close(self) -> bool:
+        fd, closer = self.fd, self._closer
+        self.fd = self._closer = None
+        if fd is None:
+            return False
+        if closer is not None and closer.alive:
+            with contextlib.suppress(OSError):
+                closer()  # closes it, once
+        return True

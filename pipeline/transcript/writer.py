@@ -18,7 +18,7 @@ from typing import Any
 
 from pipeline.messages import REMINDER, Message, now_timestamp
 from pipeline.replacement import ReplacementRecord
-from pipeline.transcript.open_files import OPEN_FILES, OpenFiles
+from pipeline.transcript.open_files import OPEN_FILES, HeldFile, OpenFiles
 
 __all__ = [
     "BOM",
@@ -156,6 +156,10 @@ class JsonlRecordWriter:
         return entry
 
 
+MAX_HELD_BACK = 16
+"""Records a writer holds back at most (:meth:`TranscriptWriter.append_stage_record_later`):
+then they are written, with no response record to go with."""
+
 _WRITERS: weakref.WeakSet[TranscriptWriter] = weakref.WeakSet()
 """Every writer of the process: a forked child has only the thread that forked, so a lock
 another thread held at the fork would stay held in it."""
@@ -212,10 +216,11 @@ class TranscriptWriter(JsonlRecordWriter):
         self._open_files = open_files
         self._unsynced = False
         self._lock = threading.Lock()
-        """Held while the descriptor is used or closed (appends may run in worker threads)."""
-        self._held: int | None = None
-        """The descriptor held open."""
-        self._closer: weakref.finalize[Any, Any] | None = None
+        """Held while the file is written, or its descriptor closed (appends may run in worker
+        threads)."""
+        self._file = (
+            HeldFile(self.path, _open_to_append, self._lock, open_files) if hold_open else None
+        )
         self._waiting: list[bytes] = []
         """Lines held back (:meth:`append_stage_record_later`), written before the next ones."""
         _WRITERS.add(self)  # a forked child resets its lock (held, maybe, by another thread)
@@ -238,6 +243,9 @@ class TranscriptWriter(JsonlRecordWriter):
         line = encode_records([self._stage_entry(stage, data)])
         with self._lock:
             self._waiting.append(line)
+            waiting = len(self._waiting)
+        if waiting >= MAX_HELD_BACK:  # calls that never got a response write them, bounded
+            self.write_held()
         return True
 
     def write_held(self) -> None:
@@ -276,27 +284,28 @@ class TranscriptWriter(JsonlRecordWriter):
 
     def _write_lines(self, records: Sequence[Mapping[str, Any]]) -> None:
         payload = encode_records(records)
+        held = self._file
         with self._lock:
             if self._waiting:
                 payload = b"".join(self._waiting) + payload
             if not payload:
                 return
-            if not self.hold_open:
-                fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+            if held is None:
+                fd = _open_to_append(self.path)
                 try:
                     self._append(fd, os.fstat(fd).st_size, payload)
                 finally:
                     os.close(fd)
-                self._waiting.clear()
-                return
-            fd, size = self._descriptor()
-            try:
-                self._append(fd, size, payload)
-            except BaseException:
-                self._close_held()  # what state it is in is unknown: the next opens afresh
-                raise
+            else:
+                fd, size = held.descriptor()
+                try:
+                    self._append(fd, size, payload)
+                except BaseException:
+                    held.close()  # what state it is in is unknown: the next opens afresh
+                    raise
             self._waiting.clear()
-        self._open_files.used(self)
+        if held is not None:
+            held.used()
 
     def _append(self, fd: int, size: int, payload: bytes) -> None:
         # After a crash the file may end in a torn line: start on a fresh line, or the first
@@ -309,68 +318,13 @@ class TranscriptWriter(JsonlRecordWriter):
         else:
             self._unsynced = True
 
-    def _descriptor(self) -> tuple[int, int]:
-        """The held descriptor while the path still names its file, else the file opened
-        (safely) again; and the file's size. Under ``_lock``."""
-        held = self._held
-        if held is not None:
-            now = os.fstat(held)
-            try:
-                named = os.lstat(self.path)
-            except OSError:  # gone, its directory too, or unreadable: opened again below
-                named = None
-            if (
-                named is not None
-                and now.st_nlink
-                and (named.st_dev, named.st_ino) == (now.st_dev, now.st_ino)
-            ):
-                return held, now.st_size
-            self._close_held()  # removed, replaced (a link planted there) or moved away
-        fd = _open_transcript(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
-        self._held = fd
-        self._closer = weakref.finalize(self, os.close, fd)
-        # closed with its writer when that is collected, never at the interpreter's exit:
-        # what runs at exit (a sync thread's last group) may still append through it
-        self._closer.atexit = False
-        return fd, os.fstat(fd).st_size
-
-    def _close_held(self) -> None:
-        held, closer = self._held, self._closer
-        self._held = self._closer = None
-        if held is None:
-            return
-        self._open_files.dropped(self)
-        if closer is not None and closer.alive:
-            with contextlib.suppress(OSError):
-                closer()  # closes it, once
-
-    def release(self) -> bool:
-        """Close the held descriptor unless an append is using it (then False): what
-        :class:`~pipeline.transcript.open_files.OpenFiles` asks of the least recently used."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            held, closer = self._held, self._closer
-            self._held = self._closer = None
-            if held is not None and closer is not None and closer.alive:
-                with contextlib.suppress(OSError):
-                    closer()
-            return True
-        finally:
-            self._lock.release()
-
     def forget_after_fork(self) -> None:
         """In a forked child: the parent's descriptor, lock and held-back records are the
         parent's (it writes those); the next append opens the file again."""
         self._lock = threading.Lock()
         self._waiting = []
-        held, closer = self._held, self._closer
-        self._held = self._closer = None
-        if closer is not None:
-            closer.detach()
-        if held is not None:
-            with contextlib.suppress(OSError):
-                os.close(held)  # the child's copy; the parent's stays open
+        if self._file is not None:
+            self._file.forget_after_fork(self._lock)
 
     def close(self) -> None:
         """Write the records held back, and let the held descriptor go (appends after it open
@@ -378,8 +332,13 @@ class TranscriptWriter(JsonlRecordWriter):
         try:
             self.write_held()
         finally:
-            with self._lock:
-                self._close_held()
+            if self._file is not None:
+                with self._lock:
+                    self._file.close()
+
+
+def _open_to_append(path: Path) -> int:
+    return _open_transcript(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
 
 
 def _make_private_dirs(directory: Path) -> None:
