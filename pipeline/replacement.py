@@ -333,11 +333,17 @@ def _last_response_start(messages: Sequence[Message]) -> int:
     return start
 
 
-def answered_results(messages: Sequence[Message], first: int = 0) -> set[str]:
+def answered_results(
+    messages: Sequence[Message], first: int = 0, *, rebuilt: bool = False
+) -> set[str]:
     """The ledger keys of the results in ``messages[first:]`` that stand before the last real
     response: the model answered after them, so they were sent (by position, as
-    :meth:`ReplacementState.reconstruct` counts them). Reads from ``first`` on only."""
+    :meth:`ReplacementState.reconstruct` counts them). Reads from ``first`` on only.
+    ``rebuilt``: the caller's ledger was just reconstructed from ``messages``, so it holds every
+    such key from the thread's start on: only those before it are read."""
     last = _last_response_start(messages)
+    if rebuilt:
+        last = min(last, thread_start(messages))
     keys: set[str] = set()
     for i in range(first, last):
         keys.update(slot.key for slot in read_results(messages[i]) if slot.key is not None)

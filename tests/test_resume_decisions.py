@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline import (
     Message,
@@ -23,11 +25,12 @@ from pipeline import (
     load_transcript,
     to_api,
 )
-from pipeline.replacement import ReplacementRecord, content_digest, decided_in
+from pipeline.replacement import ReplacementRecord, answered_results, content_digest, decided_in
 from pipeline.testing import QuietLogger
 from pipeline.transcript.read import StageRecord
 from stages import ToolResultBudget
 from tests.builders import assistant, key, results, tool_result, tool_use, user_text
+from tests.edit_support import records as histories
 
 SID = "resume-decisions"
 LIMIT = 200_000
@@ -259,3 +262,16 @@ def test_an_id_that_spells_another_results_key_is_not_taken_for_a_legacy_record(
     assert state.classify(f"a#{content_digest(first)}") == "frozen"
     # the later result stands after the last response: undecided, so fresh
     assert rebuilt.classify(f"{spelled}#{content_digest('B' * 10_000)}") == "fresh"
+
+
+@settings(max_examples=400, deadline=None)
+@given(histories(), st.integers(0, 45))
+def test_after_a_rebuild_only_results_before_the_thread_are_read(
+    history: list[Message], first: int
+) -> None:
+    """A ledger just rebuilt from a history holds every answered result from the thread's
+    start on: reading from there again finds nothing new (what a first pass after a restart
+    skips), and what lies before the thread's start is still read."""
+    state = ReplacementState.reconstruct(history, [], keep_absent=True)
+    every = answered_results(history, first) - state.seen_ids
+    assert answered_results(history, first, rebuilt=True) - state.seen_ids == every

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from pipeline.tokens import (
     rough_tokens_for_text,
     text_stats,
 )
+from pipeline.tokens.features import ContentVector
 from pipeline.tokens.text_stats import looks_like_json
 from tests.builders import assistant, results, tool_result, tool_use, user_text
 
@@ -481,3 +483,28 @@ def test_the_base64_share_counts_every_random_looking_run(
     if len(text) >= 64 and blanks < 0.02 * len(text):
         expected = sum(len(r) for r in runs if text_stats._random_looking(r)) / len(text)
     assert text_stats.text_stats(text).base64_share == expected
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(
+        st.lists(
+            st.floats(allow_nan=False, allow_infinity=False, width=64),
+            min_size=len(ContentVector().data),
+            max_size=len(ContentVector().data),
+        ),
+        max_size=40,
+    )
+)
+def test_sum_of_adds_as_add_does(columns: list[list[float]]) -> None:
+    """Summed a column at a time (many vectors) or one by one (a few): the same bits as
+    adding each in turn."""
+    vectors = []
+    for values in columns:
+        v = ContentVector()
+        v.data = array("d", values)
+        vectors.append(v)
+    one_by_one = ContentVector()
+    for v in vectors:
+        one_by_one.add(v)
+    assert ContentVector.sum_of(vectors).data.tobytes() == one_by_one.data.tobytes()

@@ -363,6 +363,7 @@ class WireSession:
         records = self._sync(messages)
         call = self.last_call
         assert call is not None
+        rebuilt = False
         if self._restored is not None:
             async with self.ctx.lock:  # one rebuild, whatever other call of it runs
                 restored = self._restored
@@ -371,6 +372,7 @@ class WireSession:
                     state, placed = await anyio.to_thread.run_sync(rebuild, records, restored)
                     self.ctx.replacement_state = state
                     self._restored = None
+                    rebuilt = True
                     if placed:
                         await self._place_answered(placed)
         # a result new to this conversation that stands before the model's last answer was
@@ -378,7 +380,7 @@ class WireSession:
         # this layer): as a new process would, it goes whole -- a fresh decision here would
         # send what the model never saw in that form
         state = self.ctx.replacement_state
-        placed = answered_results(records, self._first_new) - state.seen_ids
+        placed = answered_results(records, self._first_new, rebuilt=rebuilt) - state.seen_ids
         placed -= state.replacements.keys()
         if placed:
             await self._place_answered(placed)

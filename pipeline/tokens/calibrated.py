@@ -161,13 +161,8 @@ class CalibratedEstimator:
         return vec
 
     def _visible_sum(self, messages: Sequence[Message]) -> tuple[ContentVector, int]:
-        total = ContentVector()
-        count = 0
-        for m in messages:
-            if is_wire_visible(m):
-                total.add(self.vector(m))
-                count += 1
-        return total, count
+        vectors = [self.vector(m) for m in messages if is_wire_visible(m)]
+        return ContentVector.sum_of(vectors), len(vectors)
 
     def _split(self, messages: Sequence[Message], anchor: tuple[int, Usage] | None) -> _Split:
         # every stage of a pass asks about lists that share the records a split reads (from
@@ -197,16 +192,17 @@ class CalibratedEstimator:
         if restart is not None:  # the request was rebuilt: price from the restart, no anchor
             new, count = self._visible_sum(messages[restart:])
             return _Split(None, first.model, ContentVector(), new, count, crossed=True)
-        response, new, count = ContentVector(), ContentVector(), 0
+        answer: list[ContentVector] = []
+        after: list[ContentVector] = []
         aid = first.message_id
         for j in range(i, len(messages)):
             m = messages[j]
             if m is first or (aid is not None and m.type == "assistant" and m.message_id == aid):
-                response.add(self.vector(m))
+                answer.append(self.vector(m))
             elif is_wire_visible(m):
-                new.add(self.vector(m))
-                count += 1
-        return _Split(usage, first.model, response, new, count, crossed=False)
+                after.append(self.vector(m))
+        response, new = ContentVector.sum_of(answer), ContentVector.sum_of(after)
+        return _Split(usage, first.model, response, new, len(after), crossed=False)
 
     # -- estimating ---------------------------------------------------------------------------
     def _margin(self, state: FamilyModel | None) -> float:

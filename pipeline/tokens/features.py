@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
+from functools import reduce
 from operator import add, mul
 from typing import Any, Literal, NamedTuple
 
@@ -117,6 +118,8 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
 
 
 _NC, _NF = len(CLASSES), len(FEATURES)
+_ONE_BY_ONE = 8
+"""Fewer vectors than this are summed with :meth:`ContentVector.add` (faster for a few)."""
 _ZERO = bytes(8 * (2 * _NC + _NF))
 
 
@@ -153,6 +156,20 @@ class ContentVector:
         """Accumulate ``other`` into this vector."""
         mine = self.data
         mine[:] = array("d", map(add, mine, other.data))
+
+    @classmethod
+    def sum_of(cls, vectors: Sequence[ContentVector]) -> ContentVector:
+        """A new vector: ``vectors`` added in their order, as :meth:`add` adds them one after
+        another (the same sums, bit for bit). Many are added a column at a time: a first
+        estimate of 1,000 messages spent ~3 ms building an array per message."""
+        out = cls()
+        if len(vectors) < _ONE_BY_ONE:
+            for v in vectors:
+                out.add(v)
+        else:
+            columns = zip(*(v.data for v in vectors), strict=True)
+            out.data = array("d", [reduce(add, column, 0.0) for column in columns])
+        return out
 
 
 def _add_text(vec: ContentVector, text: str, kind: TextKind, weights: Sequence[float]) -> None:

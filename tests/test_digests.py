@@ -1,0 +1,130 @@
+"""Message digests: the fast writer gives the standard library's bytes, so every digest (and
+every chain a store names records by) is what it always was."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import hashlib
+import json
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.wire import digests
+from pipeline.wire.digests import _canonical, message_digest
+
+
+def _reference(value: Any) -> bytes:
+    """The canonical form as the standard library alone writes it."""
+    text = json.dumps(
+        value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr
+    )
+    return text.encode("utf-8", "surrogatepass")
+
+
+class _Colour(enum.Enum):
+    RED = 1
+
+
+class _Level(enum.IntEnum):
+    LOW = 1
+
+
+class _Text(str):
+    pass
+
+
+_LEAVES = st.one_of(
+    st.text(),
+    st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)),
+    st.integers(),
+    st.integers(min_value=-(2**200), max_value=2**200),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(
+        [
+            _Colour.RED,
+            _Level.LOW,
+            _Text("sub"),
+            b"bytes",
+            datetime.date(2026, 12, 5),
+            uuid.UUID(int=7),
+            frozenset({1}),
+        ]
+    ),
+)
+_KEYS = st.one_of(st.text(), st.integers(), st.booleans(), st.builds(_Text, st.text()))
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.tuples(inner, inner),
+        st.dictionaries(st.text(), inner, max_size=4),
+        st.dictionaries(_KEYS, inner, max_size=3),
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=600)
+@given(_VALUES)
+def test_canonical_is_the_standard_librarys(value: Any) -> None:
+    try:
+        expected = _reference(value)
+    except (TypeError, ValueError):  # keys it cannot sort or write: the same error, here too
+        with pytest.raises((TypeError, ValueError)):
+            _canonical(value)
+        return
+    assert _canonical(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        1e16,  # msgspec writes 1e16, the standard library 1e+16
+        [{"x": 1e-7}],
+        float("nan"),  # null against NaN
+        _Colour.RED,  # 1 against its repr
+        {"when": datetime.date(2026, 12, 5)},
+        {"a\ud800": "lone \udfff"},  # msgspec refuses a lone surrogate
+        {2: "a", 1: "b"},  # and keys that are not strings, with sorted keys
+    ],
+)
+def test_what_msgspec_writes_otherwise_is_written_the_old_way(value: Any) -> None:
+    assert _canonical(value) == _reference(value)
+
+
+def test_message_digest_is_unchanged() -> None:
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "é\n\x00 \u2028 😀"},
+            {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}},
+        ],
+    }
+    plain = {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "é\n\x00 \u2028 😀"},
+            {"type": "text", "text": "hi"},
+        ],
+    }
+    expected = hashlib.blake2b(_reference(plain), digest_size=16).digest()
+    assert message_digest(message) == expected
+
+
+def test_nesting_too_deep_is_still_a_value_error() -> None:
+    deep: list[Any] = []
+    cur = deep
+    for _ in range(100_000):
+        nxt: list[Any] = []
+        cur.append(nxt)
+        cur = nxt
+    assert digests._written_alike(deep)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        _canonical(deep)
