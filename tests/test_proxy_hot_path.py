@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +22,12 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
-from pipeline._cli.proxy_cmd import SERVER_GC_THRESHOLDS, server_collector
+from pipeline._cli.proxy_cmd import (
+    SERVER_GC_THRESHOLDS,
+    SERVER_SWITCH_INTERVAL,
+    server_collector,
+    server_switching,
+)
 from pipeline.core import FunctionStage
 from pipeline.dropin.adapter import WireSession
 from pipeline.dropin.relay import relay
@@ -141,6 +147,14 @@ def test_the_server_collector_freezes_start_up_and_is_set_back() -> None:
         assert gc.get_freeze_count() > 0
     assert gc.get_threshold() == saved
     assert gc.get_freeze_count() == 0
+
+
+def test_the_server_hands_the_interpreter_on_sooner_and_is_set_back() -> None:
+    saved = sys.getswitchinterval()
+    with server_switching():
+        assert sys.getswitchinterval() == pytest.approx(SERVER_SWITCH_INTERVAL)
+        assert saved > SERVER_SWITCH_INTERVAL
+    assert sys.getswitchinterval() == saved
 
 
 def test_the_server_collector_leaves_an_earlier_freeze_alone() -> None:

