@@ -7,6 +7,7 @@ import datetime
 import enum
 import hashlib
 import json
+import threading
 import uuid
 from typing import Any
 
@@ -118,13 +119,68 @@ def test_message_digest_is_unchanged() -> None:
     assert message_digest(message) == expected
 
 
-def test_nesting_too_deep_is_still_a_value_error() -> None:
-    deep: list[Any] = []
-    cur = deep
-    for _ in range(100_000):
-        nxt: list[Any] = []
-        cur.append(nxt)
-        cur = nxt
-    assert digests._written_alike(deep)
-    with pytest.raises(ValueError, match="nested too deeply"):
-        _canonical(deep)
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = ["x"]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def _outcome(write: Any, value: Any) -> bytes | str:
+    try:
+        return bytes(write(value))
+    except (ValueError, RecursionError) as exc:
+        return type(exc).__name__
+
+
+@pytest.mark.parametrize("depth", [255, 256, 257, 990, 993, 994, 995, 996, 1000, 100_000])
+def test_nesting_is_written_or_refused_as_before(depth: int) -> None:
+    value = _nested(depth)
+    old = _outcome(_reference, value)
+    new = _outcome(_canonical, value)
+    assert new == (old if isinstance(old, bytes) else "ValueError")
+
+
+def _within(seconds: float, work: Any) -> Any:
+    """``work()``'s result or exception, failing the test if it does not end in time."""
+    done: list[Any] = []
+
+    def run() -> None:
+        try:
+            done.append(work())
+        except Exception as exc:
+            done.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert done, "did not end"
+    return done[0]
+
+
+def test_a_value_that_holds_itself_is_refused_at_once() -> None:
+    alone: list[Any] = []
+    alone.append(alone)
+    spread: list[Any] = []
+    spread += [spread, spread]
+    inner: dict[str, Any] = {}
+    inner["k"] = inner
+    for value in (alone, spread, inner):
+        found = _within(10, lambda value=value: _canonical(value))
+        assert isinstance(found, ValueError) and "Circular" in str(found)
+
+
+class _Backwards(str):
+    def __lt__(self, other: object) -> bool:
+        return str(self) > str(other)
+
+
+def test_keys_sorted_by_their_own_rules_are_sorted_so() -> None:
+    value = {_Backwards("a"): 1, _Backwards("b"): 2}
+    assert _canonical(value) == _reference(value) == b'{"b":2,"a":1}'
+
+
+def test_many_values_are_written_the_old_way_alike() -> None:
+    value = {"input": {"rows": list(range(100_000)), "name": "n"}}
+    assert not digests._written_alike(value)
+    assert _canonical(value) == _reference(value)

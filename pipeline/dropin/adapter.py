@@ -380,6 +380,9 @@ class WireSession:
         # this layer): as a new process would, it goes whole -- a fresh decision here would
         # send what the model never saw in that form
         state = self.ctx.replacement_state
+        # just rebuilt, the ledger holds what the thread answered -- unless a re-derivation
+        # left some fresh, to be looked up again
+        rebuilt = rebuilt and not self.rederive
         placed = answered_results(records, self._first_new, rebuilt=rebuilt) - state.seen_ids
         placed -= state.replacements.keys()
         if placed:

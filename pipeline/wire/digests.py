@@ -46,6 +46,11 @@ _ALIKE = frozenset({str, int, bool, type(None)})
 """The leaf types msgspec writes as the standard library does, byte for byte (a float is
 written differently by each in some cases; an enum, a date, bytes... by msgspec as a value and
 by the standard library as its ``repr``)."""
+_DEEPEST = 256
+"""Levels of nesting the fast writer is used for: far above any message, far below where
+either writer gives up (the standard library's limit depends on the caller's stack)."""
+_MOST_ITEMS = 1 << 16
+"""Values looked at, at most, before leaving a value to the standard library."""
 
 
 def _canonical(value: Any) -> bytes:
@@ -66,20 +71,32 @@ def _canonical(value: Any) -> bytes:
 
 
 def _written_alike(value: Any) -> bool:
-    """Whether ``value`` holds only dicts, lists, tuples and leaves of :data:`_ALIKE`'s exact
-    types (dict keys aside: msgspec refuses what the standard library would write otherwise)."""
-    stack = [value]
-    pop, push = stack.pop, stack.extend
-    while stack:
-        v = pop()
-        kind = type(v)
-        if kind is dict:
-            push(v.values())
-        elif kind is list or kind is tuple:
-            push(v)
-        elif kind not in _ALIKE:
+    """Whether ``value`` holds only dicts with keys of the exact type ``str``, lists, tuples
+    and leaves of :data:`_ALIKE`'s exact types, at most :data:`_DEEPEST` levels deep (the two
+    writers give up on nesting at different depths) and :data:`_MOST_ITEMS` values in all (a
+    value that holds itself would never end: the standard library says so)."""
+    level, items = [value], 0
+    for _ in range(_DEEPEST):
+        items += len(level)
+        if items > _MOST_ITEMS:
             return False
-    return True
+        below: list[Any] = []
+        push = below.extend
+        for v in level:
+            kind = type(v)
+            if kind is dict:
+                for key in v:
+                    if type(key) is not str:  # a subclass may sort by its own rules
+                        return False
+                push(v.values())
+            elif kind is list or kind is tuple:
+                push(v)
+            elif kind not in _ALIKE:
+                return False
+        if not below:
+            return True
+        level = below
+    return False
 
 
 def _plain_blocks(content: Any) -> Any:
