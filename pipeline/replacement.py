@@ -14,7 +14,6 @@ its own, never sent another result's replacement.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -23,6 +22,7 @@ from typing import Any, Protocol, Self
 
 from pipeline.messages import Block, Message, thread_start
 from pipeline.tokens.checks import bounded_repr
+from pipeline.wire.canonical import canonical_json
 from pipeline.wire.harness import last_result_index, split_tail
 
 __all__ = [
@@ -88,13 +88,7 @@ def content_digest(content: Any) -> str:
         plain = (
             [_without_cache_control(b) for b in content] if isinstance(content, list) else content
         )
-        try:
-            text = json.dumps(
-                plain, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr
-            )
-        except RecursionError:
-            raise ValueError("tool result content nested too deeply") from None
-        data = b"j" + text.encode("utf-8", "surrogatepass")
+        data = b"j" + canonical_json(plain, what="tool result content")
     return hashlib.sha256(data).hexdigest()[:32]
 
 

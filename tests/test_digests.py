@@ -15,8 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.wire import digests
-from pipeline.wire.digests import _canonical, message_digest
+from pipeline.replacement import content_digest
+from pipeline.wire import canonical
+from pipeline.wire.canonical import canonical_json as _canonical
+from pipeline.wire.digests import message_digest
 
 
 def _reference(value: Any) -> bytes:
@@ -182,5 +184,17 @@ def test_keys_sorted_by_their_own_rules_are_sorted_so() -> None:
 
 def test_many_values_are_written_the_old_way_alike() -> None:
     value = {"input": {"rows": list(range(100_000)), "name": "n"}}
-    assert not digests._written_alike(value)
+    assert not canonical._written_alike(value)
     assert _canonical(value) == _reference(value)
+
+
+def test_a_result_digest_is_unchanged() -> None:
+    blocks = [
+        {"type": "text", "text": "é 😀", "cache_control": {"type": "ephemeral"}},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}},
+    ]
+    plain = [{k: v for k, v in b.items() if k != "cache_control"} for b in blocks]
+    expected = hashlib.sha256(b"j" + _reference(plain)).hexdigest()[:32]
+    assert content_digest(blocks) == expected
+    with pytest.raises(ValueError, match="tool result content nested too deeply"):
+        content_digest([_nested(100_000)])

@@ -13,13 +13,12 @@ record never applies to a record that follows other messages.
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgspec
+from pipeline.wire.canonical import canonical_json
 
 __all__ = [
     "DIGEST_BYTES",
@@ -37,66 +36,6 @@ _BILLING_HEADER = "x-anthropic-billing-header:"
 
 def _hash(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
-
-
-# what json.dumps builds on every call with these options: built once
-_ENCODER = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
-_FAST = msgspec.json.Encoder(order="sorted")
-_ALIKE = frozenset({str, int, bool, type(None)})
-"""The leaf types msgspec writes as the standard library does, byte for byte (a float is
-written differently by each in some cases; an enum, a date, bytes... by msgspec as a value and
-by the standard library as its ``repr``)."""
-_DEEPEST = 256
-"""Levels of nesting the fast writer is used for: far above any message, far below where
-either writer gives up (the standard library's limit depends on the caller's stack)."""
-_MOST_ITEMS = 1 << 16
-"""Values looked at, at most, before leaving a value to the standard library."""
-
-
-def _canonical(value: Any) -> bytes:
-    """Compact JSON with sorted keys, as the standard library writes it (``ensure_ascii=False``,
-    a lone surrogate passed through, anything else by its ``repr``); ``ValueError`` for content
-    nested too deeply to write. What msgspec writes alike (:func:`_written_alike`), it writes:
-    ~7 times as fast, and digests are a new conversation's first cost (one per message)."""
-    if _written_alike(value):
-        try:
-            return _FAST.encode(value)
-        except (TypeError, ValueError, RecursionError):
-            pass  # a lone surrogate, a key that is not a string: the standard library's way
-    try:
-        text = _ENCODER.encode(value)
-    except RecursionError:
-        raise ValueError("content nested too deeply") from None
-    return text.encode("utf-8", "surrogatepass")
-
-
-def _written_alike(value: Any) -> bool:
-    """Whether ``value`` holds only dicts with keys of the exact type ``str``, lists, tuples
-    and leaves of :data:`_ALIKE`'s exact types, at most :data:`_DEEPEST` levels deep (the two
-    writers give up on nesting at different depths) and :data:`_MOST_ITEMS` values in all (a
-    value that holds itself would never end: the standard library says so)."""
-    level, items = [value], 0
-    for _ in range(_DEEPEST):
-        items += len(level)
-        if items > _MOST_ITEMS:
-            return False
-        below: list[Any] = []
-        push = below.extend
-        for v in level:
-            kind = type(v)
-            if kind is dict:
-                for key in v:
-                    if type(key) is not str:  # a subclass may sort by its own rules
-                        return False
-                push(v.values())
-            elif kind is list or kind is tuple:
-                push(v)
-            elif kind not in _ALIKE:
-                return False
-        if not below:
-            return True
-        level = below
-    return False
 
 
 def _plain_blocks(content: Any) -> Any:
@@ -123,7 +62,7 @@ def message_digest(param: Any) -> bytes:
         value: Any = {"role": param.get("role"), "content": _plain_blocks(param.get("content"))}
     else:
         value = param
-    return _hash(_canonical(value))
+    return _hash(canonical_json(value))
 
 
 def chain_step(previous: bytes, message: bytes) -> bytes:
@@ -149,7 +88,7 @@ def _system_digest(system: Any) -> bytes:
         ]
     else:
         kept = system
-    return _hash(_canonical(kept))
+    return _hash(canonical_json(kept))
 
 
 def opening_digest(system: Any, hint: str, first: Any) -> bytes:
