@@ -403,39 +403,57 @@ def wrap_latency(upstream: str, sizes: list[int], calls: int) -> None:
         sys.stdout.flush()
 
 
-def throughput(targets: dict[str, str], concurrency: int, seconds: float) -> None:
+def throughput(targets: dict[str, str], concurrency: int, seconds: float, rounds: int) -> None:
+    """Requests a second at ``concurrency`` conversations of ~100 messages, each target for
+    ``seconds`` in each of ``rounds`` rounds, the targets taking turns: one run of a few
+    seconds each varies by a third on a small machine, and a ratio of runs made apart varies
+    more. Each ratio is the median of the rounds' own ratios, its range beside it."""
     print(
         f"\n2. Throughput: {concurrency} conversations at 100 messages at once,"
-        f" {seconds:.0f} s each"
+        f" {seconds:.0f} s each, {rounds} rounds taking turns"
     )
-    print(f"{'target':>20} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
-    rates: dict[str, float] = {}
-    for name, url in targets.items():
-        stop = time.monotonic() + seconds
-
-        def worker(i: int, url: str = url, name: str = name, stop: float = stop) -> list[float]:
-            conv = Conversation(100, f"t{name}{i}")
-            mine = []
-            with httpx.Client(timeout=120) as client:
-                while time.monotonic() < stop:
-                    if len(conv.messages) > 140:  # stay near 100 messages: a new conversation
-                        conv = Conversation(100, f"t{name}{i}r{conv.k}")
-                    mine.append(call(client, url, conv, conv.next_body()))
-            return mine
-
-        began = time.monotonic()
-        with ThreadPoolExecutor(concurrency) as pool:
-            all_times = [t for mine in pool.map(worker, range(concurrency)) for t in mine]
-        took = time.monotonic() - began
-        rates[name] = len(all_times) / took
+    print(f"{'target':>20} {'req/s':>9} {'rounds':>23} {'p50 ms':>9} {'p99 ms':>9}")
+    rates: dict[str, list[float]] = {name: [] for name in targets}
+    times: dict[str, list[float]] = {name: [] for name in targets}
+    for _ in range(rounds):
+        for name, url in targets.items():
+            rate, took = _load(url, name, concurrency, seconds)
+            rates[name].append(rate)
+            times[name] += took
+    for name in targets:
+        shown = " ".join(f"{r:.0f}" for r in rates[name])
         print(
-            f"{name:>20} {rates[name]:9.1f}"
-            f" {statistics.median(all_times):9.2f} {p99(all_times):9.2f}"
+            f"{name:>20} {statistics.median(rates[name]):9.1f} {shown:>23}"
+            f" {statistics.median(times[name]):9.2f} {p99(times[name]):9.2f}"
         )
-        sys.stdout.flush()
     if rates.get("forwarder"):
         for name in (n for n in rates if n.startswith("proxy")):
-            print(f"{name}/forwarder {rates[name] / rates['forwarder']:.2f}x")
+            each = [p / f for p, f in zip(rates[name], rates["forwarder"], strict=True)]
+            print(
+                f"{name}/forwarder {statistics.median(each):.2f}x"
+                f" (rounds {min(each):.2f}-{max(each):.2f})"
+            )
+    sys.stdout.flush()
+
+
+def _load(url: str, name: str, concurrency: int, seconds: float) -> tuple[float, list[float]]:
+    """One run against ``url``: requests a second, and each call's time (ms)."""
+    stop = time.monotonic() + seconds
+
+    def worker(i: int) -> list[float]:
+        conv = Conversation(100, f"t{name}{i}{stop}")
+        mine = []
+        with httpx.Client(timeout=120) as client:
+            while time.monotonic() < stop:
+                if len(conv.messages) > 140:  # stay near 100 messages: a new conversation
+                    conv = Conversation(100, f"t{name}{i}{stop}r{conv.k}")
+                mine.append(call(client, url, conv, conv.next_body()))
+        return mine
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        took = [t for mine in pool.map(worker, range(concurrency)) for t in mine]
+    return len(took) / (time.monotonic() - began), took
 
 
 def prepare_scaling(sizes: list[int], calls: int) -> None:
@@ -594,6 +612,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds")
     parser.add_argument("--prepare", default="1000,5000,10000,20000")
     parser.add_argument(
         "--skip",
@@ -635,7 +654,7 @@ def main() -> int:
                 loads["proxy (tmpfs store)"] = stack.enter_context(
                     proxy_command(upstream, shm / "p")
                 )
-            throughput(loads, args.concurrency, args.seconds)
+            throughput(loads, args.concurrency, args.seconds, args.rounds)
     if "prepare" not in skip:
         prepare_scaling([int(x) for x in args.prepare.split(",")], 12)
     if "marked" not in skip:
