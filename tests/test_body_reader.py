@@ -107,6 +107,50 @@ def test_any_sequence_of_bodies_reads_as_a_full_parse(start: list[Any], steps: l
         _same_as_a_full_parse(reader, _spoiled(_body(msgs, extra, before, writer), tail))
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.lists(messages, max_size=6),
+    steps=st.lists(
+        st.tuples(edits, messages, extras, st.booleans(), writers, tails), min_size=1, max_size=12
+    ),
+)
+def test_bodies_split_by_msgspec_read_as_a_full_parse(start: list[Any], steps: list[Any]) -> None:
+    """The same, with every body's new messages split and parsed by msgspec (in use from 64 KB
+    of new messages that are a quarter of the body)."""
+    saved = body_reader._BULK_BYTES, body_reader._BULK_SHARE
+    body_reader._BULK_BYTES, body_reader._BULK_SHARE = 0, 10**9
+    try:
+        reader = BodyReader()
+        for msgs, extra, (before, writer, tail) in stepped(start, steps, "extras"):
+            _same_as_a_full_parse(reader, _spoiled(_body(msgs, extra, before, writer), tail))
+    finally:
+        body_reader._BULK_BYTES, body_reader._BULK_SHARE = saved
+
+
+@pytest.mark.parametrize("writer", [{}, {"separators": (",", ":")}, {"indent": 2}])
+def test_a_long_first_body_is_split_by_msgspec(writer: dict[str, Any]) -> None:
+    msgs = [{"role": "user", "content": f"m{k} " + "é" * 300} for k in range(400)]
+    raw = json.dumps({"model": "m", "messages": msgs, "max_tokens": 5}, **writer).encode()
+    array_open = raw.index(b"[") + 1
+    found: list[Any] = []
+    ends: list[int] = []
+    close = body_reader._bulk(raw, array_open, ends, found, array_open)
+    assert close is not None and raw[close : close + 1] == b"]"
+    assert found == msgs and len(ends) == len(msgs)
+    starts = [array_open, *ends[:-1]]
+    pieces = [raw[a:b].decode().lstrip(" \n,") for a, b in zip(starts, ends, strict=True)]
+    assert [json.loads(p) for p in pieces] == msgs
+    _same_as_a_full_parse(BodyReader(), raw)
+    spoiled = raw.replace(b"m7 ", b"m7 \\ud800", 1)  # msgspec refuses: the standard library reads
+    assert body_reader._bulk(spoiled, array_open, [], [], array_open) is None
+    _same_as_a_full_parse(BodyReader(), spoiled)
+    # a key twice: msgspec keeps the last array, which is not the one at array_open
+    twice = raw[:-1] + b', "messages": ' + raw[array_open - 1 : raw.rindex(b"]") + 1] + b"}"
+    twice = twice.replace(b"m3 ", b"m4 ", 1)
+    assert body_reader._bulk(twice, array_open, [], [], array_open) is None
+    _same_as_a_full_parse(BodyReader(), twice)
+
+
 def test_a_growing_conversation_parses_only_its_new_messages() -> None:
     reader = BodyReader()
     msgs: list[Any] = [{"role": "user", "content": "go"}]
