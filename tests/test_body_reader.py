@@ -94,6 +94,7 @@ def _spoiled(raw: bytes, how: str) -> bytes:
     return raw
 
 
+@pytest.mark.parametrize("bulk", [False, True], ids=["one_at_a_time", "split_by_msgspec"])
 @settings(max_examples=300, deadline=None)
 @given(
     start=st.lists(messages, max_size=6),
@@ -101,24 +102,14 @@ def _spoiled(raw: bytes, how: str) -> bytes:
         st.tuples(edits, messages, extras, st.booleans(), writers, tails), min_size=1, max_size=12
     ),
 )
-def test_any_sequence_of_bodies_reads_as_a_full_parse(start: list[Any], steps: list[Any]) -> None:
-    reader = BodyReader()
-    for msgs, extra, (before, writer, tail) in stepped(start, steps, "extras"):
-        _same_as_a_full_parse(reader, _spoiled(_body(msgs, extra, before, writer), tail))
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    start=st.lists(messages, max_size=6),
-    steps=st.lists(
-        st.tuples(edits, messages, extras, st.booleans(), writers, tails), min_size=1, max_size=12
-    ),
-)
-def test_bodies_split_by_msgspec_read_as_a_full_parse(start: list[Any], steps: list[Any]) -> None:
-    """The same, with every body's new messages split and parsed by msgspec (in use from 64 KB
-    of new messages that are a quarter of the body)."""
+def test_any_sequence_of_bodies_reads_as_a_full_parse(
+    bulk: bool, start: list[Any], steps: list[Any]
+) -> None:
+    """``bulk``: every body's new messages split and parsed by msgspec (at its thresholds, from
+    64 KB of new messages that are a quarter of the body)."""
     saved = body_reader._BULK_BYTES, body_reader._BULK_SHARE
-    body_reader._BULK_BYTES, body_reader._BULK_SHARE = 0, 10**9
+    if bulk:
+        body_reader._BULK_BYTES, body_reader._BULK_SHARE = 0, 10**9
     try:
         reader = BodyReader()
         for msgs, extra, (before, writer, tail) in stepped(start, steps, "extras"):
