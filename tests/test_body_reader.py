@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.wire import body_reader
+from pipeline.wire import body_reader, body_split
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body, loads_body
 from tests.wire_support import stepped
@@ -107,15 +107,15 @@ def test_any_sequence_of_bodies_reads_as_a_full_parse(
 ) -> None:
     """``bulk``: every body's new messages split and parsed by msgspec (at its thresholds, from
     64 KB of new messages that are a quarter of the body)."""
-    saved = body_reader._BULK_BYTES, body_reader._BULK_SHARE
+    saved = body_split.SPLIT_BYTES, body_split.SPLIT_SHARE
     if bulk:
-        body_reader._BULK_BYTES, body_reader._BULK_SHARE = 0, 10**9
+        body_split.SPLIT_BYTES, body_split.SPLIT_SHARE = 0, 10**9
     try:
         reader = BodyReader()
         for msgs, extra, (before, writer, tail) in stepped(start, steps, "extras"):
             _same_as_a_full_parse(reader, _spoiled(_body(msgs, extra, before, writer), tail))
     finally:
-        body_reader._BULK_BYTES, body_reader._BULK_SHARE = saved
+        body_split.SPLIT_BYTES, body_split.SPLIT_SHARE = saved
 
 
 @pytest.mark.parametrize("writer", [{}, {"separators": (",", ":")}, {"indent": 2}])
@@ -125,7 +125,7 @@ def test_a_long_first_body_is_split_by_msgspec(writer: dict[str, Any]) -> None:
     array_open = raw.index(b"[") + 1
     found: list[Any] = []
     ends: list[int] = []
-    close = body_reader._bulk(raw, array_open, ends, found, array_open)
+    close = body_split.split_new(raw, array_open, ends, found, array_open)
     assert close is not None and raw[close : close + 1] == b"]"
     assert found == msgs and len(ends) == len(msgs)
     starts = [array_open, *ends[:-1]]
@@ -133,12 +133,12 @@ def test_a_long_first_body_is_split_by_msgspec(writer: dict[str, Any]) -> None:
     assert [json.loads(p) for p in pieces] == msgs
     _same_as_a_full_parse(BodyReader(), raw)
     spoiled = raw.replace(b"m7 ", b"m7 \\ud800", 1)  # msgspec refuses: the standard library reads
-    assert body_reader._bulk(spoiled, array_open, [], [], array_open) is None
+    assert body_split.split_new(spoiled, array_open, [], [], array_open) is None
     _same_as_a_full_parse(BodyReader(), spoiled)
     # a key twice: msgspec keeps the last array, which is not the one at array_open
     twice = raw[:-1] + b', "messages": ' + raw[array_open - 1 : raw.rindex(b"]") + 1] + b"}"
     twice = twice.replace(b"m3 ", b"m4 ", 1)
-    assert body_reader._bulk(twice, array_open, [], [], array_open) is None
+    assert body_split.split_new(twice, array_open, [], [], array_open) is None
     _same_as_a_full_parse(BodyReader(), twice)
 
 

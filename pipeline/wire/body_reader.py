@@ -30,8 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
+from pipeline.wire.body_split import split_new, worth_splitting
 from pipeline.wire.encoding import has_lone_surrogate, loads_body
 from pipeline.wire.shared_strings import shared_message
 
@@ -41,15 +40,6 @@ _WS = re.compile(r"[ \t\n\r]*")
 _TIES = 8
 """Bodies on each side of the best match looked at for one sharing as long a start."""
 _FIRST_STEP = 256
-_BULK_BYTES = 1 << 16
-"""New bytes from which a body's new messages are split and parsed by msgspec (two C scans of
-the whole body, then one parse a message), when they are also a quarter of it or more
-(:data:`_BULK_SHARE`): a few new messages of a long body are read one at a time."""
-_BULK_SHARE = 4
-_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
-_ANY = msgspec.json.Decoder()
-_WS_BYTES = re.compile(rb"[ \t\n\r]*")
 _MAX_STEP = 1 << 20
 
 
@@ -250,7 +240,7 @@ def _continue(raw: bytes, old: _Body, k: int) -> _Body:
     Where a message ends is an ASCII character, so the rest starts on a character."""
     pos = old.ends[k - 1] if k else old.array_open
     # decoded only when it is read a message at a time (msgspec reads the bytes)
-    text = "" if _bulk_worth(raw, pos) else raw[pos:].decode("utf-8")
+    text = "" if worth_splitting(raw, pos) else raw[pos:].decode("utf-8")
     offsets = _Offsets(raw, text, 0, pos)
     return _finish(offsets, old.array_open, old.ends[:k], old.messages[:k], old.before, old)
 
@@ -272,7 +262,7 @@ def _finish(
         first_lone = old.first_lone
     # text decoded strictly from UTF-8 holds no surrogate: only a \uD8xx-\uDFxx escape
     # makes one, so a value whose text has no "\ud" (any case) needs no walk
-    close = _bulk(raw, array_open, ends, messages, offsets.byte)
+    close = split_new(raw, array_open, ends, messages, offsets.byte)
     if close is not None:  # the array's end, its new messages read by msgspec
         rest = raw[close + 1 :]
         tail_lone = _maybe_surrogate_bytes(raw, close, len(raw))
@@ -307,58 +297,6 @@ def _finish(
             _maybe_surrogate_bytes(raw, 0, array_open) or tail_lone
         ) and has_lone_surrogate(dict([*before, *after]))
     return _Body(raw, array_open, ends, messages, before, rest, after, first_lone, fields_lone)
-
-
-def _bulk_worth(raw: bytes, start: int) -> bool:
-    """Whether the bytes from ``start`` on are many enough for :func:`_bulk`."""
-    new = len(raw) - start
-    return new >= _BULK_BYTES and _BULK_SHARE * new >= len(raw)
-
-
-def _bulk(
-    raw: bytes, array_open: int, ends: list[int], messages: list[Any], start: int
-) -> int | None:
-    """Many new messages (from byte ``start`` on, after ``messages``, which end at ``ends``)
-    split and parsed by msgspec, appended to ``messages`` and ``ends``; where the array's
-    ``]`` is. None, with nothing appended, when the new part is small (two scans of the whole
-    body would cost more than reading it one message at a time), when msgspec refuses any of
-    the body (what it refuses the standard library reads: a lone surrogate's escape, a
-    number out of a float's range) or when the body is not laid out as the reader took it.
-    The values are msgspec's: :func:`~pipeline.wire.encoding.loads_body`'s own."""
-    if not _bulk_worth(raw, start):
-        return None
-    try:
-        array = _FIELDS.decode(raw)["messages"]
-        items = _ITEMS.decode(array)
-    except (msgspec.DecodeError, KeyError):
-        return None
-    close = array_open + len(array) - 2
-    # the messages array msgspec took is the one at array_open (a later "messages" key would
-    # be a key twice, which the fields after the array show)
-    if not raw.startswith(array, array_open - 1):
-        return None
-    k, pos = len(ends), start
-    found: list[Any] = []
-    at: list[int] = []
-    for j, item in enumerate(items[k:], start=k):
-        if j:
-            pos = _skip_bytes(raw, pos)
-            if raw[pos : pos + 1] != b",":
-                return None
-            pos += 1
-        pos = _skip_bytes(raw, pos)
-        try:
-            value = _ANY.decode(item)
-        except msgspec.DecodeError:
-            return None
-        found.append(shared_message(value))
-        pos += len(item)
-        at.append(pos)
-    if len(items) < k or _skip_bytes(raw, pos) != close:
-        return None
-    messages += found
-    ends += at
-    return close
 
 
 def _maybe_surrogate_bytes(raw: bytes, start: int, end: int) -> bool:
@@ -400,13 +338,6 @@ def _fields_after(rest: str) -> list[tuple[str, Any]]:
 def _skip(text: str, pos: int = 0) -> int:
     """Past the whitespace at ``pos``."""
     found = _WS.match(text, pos)
-    assert found is not None  # it matches nothing too
-    return found.end()
-
-
-def _skip_bytes(raw: bytes, pos: int) -> int:
-    """:func:`_skip` in bytes."""
-    found = _WS_BYTES.match(raw, pos)
     assert found is not None  # it matches nothing too
     return found.end()
 
