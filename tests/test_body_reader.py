@@ -323,3 +323,25 @@ def test_the_start_a_body_shares_with_a_kept_one_is_found_whichever_way_it_parts
     for text in others:
         raw = text.encode()
         assert body_reader._shared_with(raw, kept) == _shared_start(raw, last), text[-60:]
+
+
+def test_fields_after_the_messages_sent_again_are_not_new(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claude Code sends its system prompt and tools (~80 KB) after the messages, the same each
+    call: a call that adds two messages is read a message at a time, not split (two scans of
+    the whole body for two messages)."""
+    split: list[int | None] = []
+
+    def recorded(*args: Any) -> int | None:
+        split.append(found := body_split.split_new(*args))
+        return found
+
+    monkeypatch.setattr(body_reader, "split_new", recorded)
+    tools = [{"name": f"t{k}", "description": "d" * 800, "input_schema": {}} for k in range(100)]
+    msgs: list[Any] = [{"role": "user", "content": "go"}]
+    reader = BodyReader()
+    for k in range(3):
+        raw = json.dumps({"model": "m", "messages": msgs, "system": "s", "tools": tools}).encode()
+        _same_as_a_full_parse(reader, raw)
+        msgs = [*msgs, {"role": "assistant", "content": f"a{k}"}, {"role": "user", "content": "u"}]
+    assert split[0] is not None  # the first body: all of it new
+    assert split[1:] == [None, None]

@@ -240,9 +240,10 @@ def _continue(raw: bytes, old: _Body, k: int) -> _Body:
     Where a message ends is an ASCII character, so the rest starts on a character."""
     pos = old.ends[k - 1] if k else old.array_open
     # decoded only when it is read a message at a time (msgspec reads the bytes)
-    text = "" if worth_splitting(raw, pos) else raw[pos:].decode("utf-8")
+    tail = _kept_tail(raw, old)
+    text = "" if worth_splitting(raw, pos, tail) else raw[pos:].decode("utf-8")
     offsets = _Offsets(raw, text, 0, pos)
-    return _finish(offsets, old.array_open, old.ends[:k], old.messages[:k], old.before, old)
+    return _finish(offsets, old.array_open, old.ends[:k], old.messages[:k], old.before, old, tail)
 
 
 def _finish(
@@ -252,20 +253,20 @@ def _finish(
     messages: list[Any],
     before: list[tuple[str, Any]],
     old: _Body | None = None,
+    kept_tail: int = 0,
 ) -> _Body:
     """The body with ``messages`` (ending at ``ends``) taken already, and its text still to
-    parse from ``offsets``' place on: more messages, the array's end, the fields after."""
+    parse from ``offsets``' place on: more messages, the array's end, the fields after (its
+    last ``kept_tail`` bytes ``old``'s, not new)."""
     raw, text = offsets.raw, offsets.text
     ends, messages = list(ends), list(messages)
     first_lone = None
     if old is not None and old.first_lone is not None and old.first_lone < len(messages):
         first_lone = old.first_lone
-    # text decoded strictly from UTF-8 holds no surrogate: only a \uD8xx-\uDFxx escape
-    # makes one, so a value whose text has no "\ud" (any case) needs no walk
-    close = split_new(raw, array_open, ends, messages, offsets.byte)
+    close = split_new(raw, array_open, ends, messages, offsets.byte, kept_tail)
     if close is not None:  # the array's end, its new messages read by msgspec
         rest = raw[close + 1 :]
-        tail_lone = _maybe_surrogate_bytes(raw, close, len(raw))
+        after_at = close
     else:
         if not text:  # left undecoded for msgspec, which did not read it
             text = raw[offsets.byte :].decode("utf-8")
@@ -275,6 +276,8 @@ def _finish(
             start = pos
             value, pos = _DECODER.raw_decode(text, pos)
             value = shared_message(value)  # held as long as its conversation: one "role"
+            # text decoded strictly from UTF-8 holds no surrogate: only a \uD8xx-\uDFxx
+            # escape makes one, so a value whose text has no "\ud" (any case) needs no walk
             if (
                 first_lone is None
                 and _maybe_surrogate(text, start, pos)
@@ -284,8 +287,8 @@ def _finish(
             messages.append(value)
             ends.append(offsets.at(pos))
             pos = _next_message(text, pos)
-        rest = raw[offsets.at(pos) + 1 :]
-        tail_lone = _maybe_surrogate(text, pos, len(text))
+        after_at = offsets.at(pos)
+        rest = raw[after_at + 1 :]
     after = old.after if old is not None and rest == old.rest else _fields_after(rest.decode())
     names = [n for n, _ in before] + ["messages"] + [n for n, _ in after]
     if len(set(names)) != len(names):
@@ -294,9 +297,15 @@ def _finish(
         fields_lone = old.fields_lone  # the same fields (the tools, the system prompt): known
     else:
         fields_lone = (
-            _maybe_surrogate_bytes(raw, 0, array_open) or tail_lone
+            _maybe_surrogate_bytes(raw, 0, array_open)
+            or _maybe_surrogate_bytes(raw, after_at, len(raw))
         ) and has_lone_surrogate(dict([*before, *after]))
     return _Body(raw, array_open, ends, messages, before, rest, after, first_lone, fields_lone)
+
+
+def _kept_tail(raw: bytes, old: _Body | None) -> int:
+    """How many of ``raw``'s last bytes are the fields after ``old``'s messages, as they were."""
+    return len(old.rest) if old is not None and raw.endswith(old.rest) else 0
 
 
 def _maybe_surrogate_bytes(raw: bytes, start: int, end: int) -> bool:

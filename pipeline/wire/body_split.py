@@ -28,14 +28,21 @@ _ANY = msgspec.json.Decoder()
 _WS_BYTES = re.compile(rb"[ \t\n\r]*")
 
 
-def worth_splitting(raw: bytes, start: int) -> bool:
-    """Whether the bytes from ``start`` on are many enough for :func:`split_new`."""
-    new = len(raw) - start
+def worth_splitting(raw: bytes, start: int, kept_tail: int = 0) -> bool:
+    """Whether the bytes from ``start`` on, less the last ``kept_tail`` (fields after the
+    messages that an earlier body ended with too: Claude Code's system prompt and tools, ~80 KB
+    a call, none of it new), are many enough for :func:`split_new`."""
+    new = len(raw) - start - kept_tail
     return new >= SPLIT_BYTES and SPLIT_SHARE * new >= len(raw)
 
 
 def split_new(
-    raw: bytes, array_open: int, ends: list[int], messages: list[Any], start: int
+    raw: bytes,
+    array_open: int,
+    ends: list[int],
+    messages: list[Any],
+    start: int,
+    kept_tail: int = 0,
 ) -> int | None:
     """Many new messages (from byte ``start`` on, after ``messages``, which end at ``ends``)
     split and parsed by msgspec, appended to ``messages`` and ``ends``; where the array's
@@ -44,7 +51,7 @@ def split_new(
     the body (what it refuses the standard library reads: a lone surrogate's escape, a
     number out of a float's range) or when the body is not laid out as the reader took it.
     The values are msgspec's: :func:`~pipeline.wire.encoding.loads_body`'s own."""
-    if not worth_splitting(raw, start):
+    if not worth_splitting(raw, start, kept_tail):
         return None
     try:
         array = _FIELDS.decode(raw)["messages"]
