@@ -64,6 +64,8 @@ def split_new(
     if not raw.startswith(array, array_open - 1):
         return None
     k, pos = len(ends), start
+    if len(items) < k:
+        return None
     found: list[Any] = []
     at: list[int] = []
     for j, item in enumerate(items[k:], start=k):
@@ -80,7 +82,7 @@ def split_new(
         found.append(shared_message(value))
         pos += len(item)
         at.append(pos)
-    if len(items) < k or _skip_bytes(raw, pos) != close:
+    if _skip_bytes(raw, pos) != close:
         return None
     messages += found
     ends += at
@@ -88,7 +90,7 @@ def split_new(
 
 
 def _skip_bytes(raw: bytes, pos: int) -> int:
-    """:func:`_skip` in bytes."""
+    """Past the whitespace at byte ``pos``."""
     found = _WS_BYTES.match(raw, pos)
     assert found is not None  # it matches nothing too
     return found.end()

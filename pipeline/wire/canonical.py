@@ -27,9 +27,10 @@ _MOST_ITEMS = 1 << 16
 def canonical_json(value: Any, *, what: str = "content") -> bytes:
     """``value`` as compact JSON with sorted keys, as the standard library writes it
     (``ensure_ascii=False``, a lone surrogate passed through, anything else by its ``repr``),
-    in UTF-8; ``ValueError`` naming ``what`` for a value nested too deeply to write (or that
-    holds itself). What msgspec writes alike (:func:`_written_alike`), it writes: ~3-7 times
-    as fast, and digests are a new conversation's first cost (one per message)."""
+    in UTF-8; ``ValueError`` naming ``what`` for a value nested too deeply to write, the
+    standard library's for one that holds itself. What msgspec writes alike
+    (:func:`_written_alike`), it writes: ~3-7 times as fast, and digests are a new
+    conversation's first cost (one per message)."""
     if _written_alike(value):
         try:
             return _FAST.encode(value)
