@@ -339,9 +339,12 @@ def test_fields_after_the_messages_sent_again_are_not_new(monkeypatch: pytest.Mo
     tools = [{"name": f"t{k}", "description": "d" * 800, "input_schema": {}} for k in range(100)]
     msgs: list[Any] = [{"role": "user", "content": "go"}]
     reader = BodyReader()
+    read: list[Any] = []
     for k in range(3):
         raw = json.dumps({"model": "m", "messages": msgs, "system": "s", "tools": tools}).encode()
         _same_as_a_full_parse(reader, raw)
+        read.append(reader.read(raw)[0]["tools"])
         msgs = [*msgs, {"role": "assistant", "content": f"a{k}"}, {"role": "user", "content": "u"}]
     assert split[0] is not None  # the first body: all of it new
-    assert split[1:] == [None, None]
+    assert split[1:] == [None, None, None, None, None]  # each body read twice here
+    assert read[1] is read[0] and read[2] is read[0]  # the fields after: parsed once

@@ -289,7 +289,10 @@ def _finish(
             pos = _next_message(text, pos)
         after_at = offsets.at(pos)
         rest = raw[after_at + 1 :]
-    after = old.after if old is not None and rest == old.rest else _fields_after(rest.decode())
+    # raw ends with old's fields (kept_tail): they are the fields after this array when it ends
+    # where they start
+    same = old is not None and 0 < kept_tail == len(rest)
+    after = old.after if old is not None and same else _fields_after(rest.decode())
     names = [n for n, _ in before] + ["messages"] + [n for n, _ in after]
     if len(set(names)) != len(names):
         raise _Unknown  # a key twice: the last one counts, as the full parse knows
