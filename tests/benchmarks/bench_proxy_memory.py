@@ -3,7 +3,7 @@ it (a process), fed conversations that grow as an agent's loop grows them, its r
 read from ``/proc`` (Linux).
 
     python tests/benchmarks/bench_proxy_memory.py [--conversations 16] [--messages 1000]
-        [--calls 10] [--claude-code-text]
+        [--calls 10] [--claude-code-text] [--traced]
 
 Each conversation opens with ``--messages`` messages (~2K-character tool results) and then
 makes ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's
@@ -12,18 +12,26 @@ of every conversation (the conversation's wire text: what a client re-sends each
 growth holds the conversations (their records, the stages' state, the wire form) and what the
 proxy keeps to read and write the next requests in the size of what is new in them (the last
 bodies read and written, both bounded: 16 MiB, 32 MiB). ``--claude-code-text``: bodies as Claude
-Code sends them (raw UTF-8, a system prompt with a character past U+FFFF). Not a test: it
-prints figures.
+Code sends them (raw UTF-8, a system prompt with a character past U+FFFF). ``--traced``: the
+proxy served in this process instead (the same app, on a thread), its allocations traced while
+the conversations grow, and what they left charged to the module that made each one: where a
+conversation's memory goes (charged where it was made, not to what holds it: the request bodies
+the body reader keeps are joined in ``pipeline/dropin/proxy.py``). Not a test: it prints
+figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import subprocess
 import sys
 import tempfile
+import tracemalloc
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_peers  # noqa: E402
 import httpx2 as httpx  # noqa: E402
 
-from tests.wire_support import proxy_process  # noqa: E402
+from tests.wire_support import proxy, proxy_process  # noqa: E402
+
+_TOP = 14
+"""Modules printed by ``--traced`` (the rest are summed)."""
 
 
 def resident(pid: int) -> tuple[int, int]:
@@ -53,7 +64,10 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=1_000)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--claude-code-text", action="store_true")
+    parser.add_argument("--traced", action="store_true")
     args = parser.parse_args()
+    if args.traced:
+        return traced(args)
     with contextlib.ExitStack() as stack:
         upstream = stack.enter_context(bench_peers.process("--serve-upstream"))
         store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -65,22 +79,10 @@ def main() -> int:
             warm = bench_peers.Conversation(10, "warm")
             bench_peers.call(client, url, warm, warm.next_body())
             before, _ = resident(pid)
-            last = 0
-            for k in range(args.conversations):
-                conversation = bench_peers.Conversation(
-                    args.messages, f"c{k}", claude_code_text=args.claude_code_text
-                )
-                for _ in range(args.calls + 1):
-                    raw = conversation.next_body()
-                    bench_peers.call(client, url, conversation, raw)
-                last += len(raw)
+            last = sum(conversations(client, url, args))
             after, peak = resident(pid)
     grown = after - before
-    print(
-        f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {args.conversations} "
-        f"conversations of {args.messages:,} messages and {args.calls} calls each"
-        + (", bodies as Claude Code sends them" if args.claude_code_text else "")
-    )
+    print(heading(args))
     print(
         f"the proxy's resident size: {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB "
         f"after (peak {peak / 2**20:.1f} MiB)"
@@ -90,6 +92,80 @@ def main() -> int:
         f"{grown / last:.2f}x a conversation's wire text"
     )
     return 0
+
+
+def heading(args: argparse.Namespace) -> str:
+    return (
+        f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {args.conversations} "
+        f"conversations of {args.messages:,} messages and {args.calls} calls each"
+        + (", bodies as Claude Code sends them" if args.claude_code_text else "")
+    )
+
+
+def conversations(client: httpx.Client, url: str, args: argparse.Namespace) -> Iterator[int]:
+    """Each conversation grown through the proxy at ``url``; yields its last request's size."""
+    for k in range(args.conversations):
+        conversation = bench_peers.Conversation(
+            args.messages, f"c{k}", claude_code_text=args.claude_code_text
+        )
+        for _ in range(args.calls + 1):
+            raw = conversation.next_body()
+            bench_peers.call(client, url, conversation, raw)
+        yield len(raw)
+
+
+def traced(args: argparse.Namespace) -> int:
+    """``--traced``: the growth by the module that allocated it (the proxy on a thread here)."""
+    from pipeline import Pipeline
+    from stages import default_stages
+
+    def stages() -> Pipeline:
+        return Pipeline(default_stages())
+
+    with contextlib.ExitStack() as stack:
+        upstream = stack.enter_context(bench_peers.process("--serve-upstream"))
+        store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        url = stack.enter_context(proxy(upstream, store / "p", stages))
+        with httpx.Client(timeout=300) as client:
+            warm = bench_peers.Conversation(10, "warm")
+            bench_peers.call(client, url, warm, warm.next_body())
+            gc.collect()
+            tracemalloc.start()
+            before = tracemalloc.take_snapshot()
+            last = 0
+            for size in conversations(client, url, args):
+                last += size
+            gc.collect()
+            after = tracemalloc.take_snapshot()
+            tracemalloc.stop()
+    grown = Counter[str]()
+    for stat in after.compare_to(before, "filename"):
+        grown[_module(stat.traceback[0].filename)] += stat.size_diff
+    client_side = grown.pop("(this benchmark: its client)", 0)
+    total = sum(grown.values())
+    print(heading(args) + ", the proxy in this process, its allocations traced")
+    print(
+        f"left allocated by the proxy: {total / 2**20:.1f} MiB for {last / 2**20:.1f} MiB of "
+        f"last requests: {total / last:.2f}x (the benchmark's own client: "
+        f"{client_side / 2**20:.1f} MiB, not counted)"
+    )
+    ranked = grown.most_common()
+    for name, size in ranked[:_TOP]:
+        print(f"  {size / last:6.3f}x  {size / 2**20:7.2f} MiB  {name}")
+    rest = sum(size for _name, size in ranked[_TOP:])
+    print(f"  {rest / last:6.3f}x  {rest / 2**20:7.2f} MiB  ({len(ranked) - _TOP} more)")
+    return 0
+
+
+def _module(filename: str) -> str:
+    """The project's module a file is (``pipeline/wire/body_split.py``), the benchmark's own
+    client, or another package's file name."""
+    path = Path(filename)
+    if path.is_relative_to(REPO / "tests"):
+        return "(this benchmark: its client)"
+    if path.is_relative_to(REPO):
+        return path.relative_to(REPO).as_posix()
+    return path.name
 
 
 if __name__ == "__main__":
