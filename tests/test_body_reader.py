@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import tracemalloc
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipeline.wire import body_reader, body_split
@@ -173,17 +174,18 @@ def test_what_it_keeps_is_bounded() -> None:
 
 
 @pytest.mark.parametrize("system", ["plain", "Generated with Claude Code \U0001f916", "\u2192"])
-def test_a_kept_body_costs_its_bytes_whatever_its_characters(system: str) -> None:
-    """The reader keeps a body as the bytes it came in: decoded whole, one character past
-    U+FFFF in it (Claude Code's system prompt has one) would make the text four bytes a
-    character, one past U+00FF two. What it holds past the body's own bytes is the parsed
-    message (its text ASCII, one byte a character) and small change."""
+def test_a_kept_body_holds_what_was_parsed_of_it_not_its_bytes(system: str) -> None:
+    """The reader keeps neither the body's bytes nor a decoding of them (one character past
+    U+FFFF in it -- Claude Code's system prompt has one -- would make a text four bytes a
+    character): what it holds past the parsed message (its text ASCII, one byte a character)
+    is its digests and offsets."""
     content = "x" * 200_000
     raw = json.dumps(
         {"system": system, "messages": [{"role": "user", "content": content}]},
         ensure_ascii=False,
     ).encode()
     reader = BodyReader()
+    references = sys.getrefcount(raw)
     gc.collect()
     tracemalloc.start()
     try:
@@ -195,7 +197,25 @@ def test_a_kept_body_costs_its_bytes_whatever_its_characters(system: str) -> Non
     finally:
         tracemalloc.stop()
     assert len(reader._kept) == 1
+    assert sys.getrefcount(raw) == references  # the body itself is not kept
     assert held < len(content) + 10_000, held
+
+
+def test_a_body_is_read_against_bodies_sent_with_its_credential_only() -> None:
+    """The same bytes sent with two credentials parse to objects of their own: a body never
+    takes a message parsed from another key's body (nor a digest of one)."""
+    reader = BodyReader()
+    msgs = [{"role": "user", "content": "the same opening " * 40}]
+    raw = json.dumps({"model": "m", "messages": msgs}).encode()
+    first = reader.read(raw, scope=b"x-api-key:one")[0]["messages"]
+    other = reader.read(raw, scope=b"x-api-key:two")[0]["messages"]
+    assert other == first and other[0] is not first[0]
+    again = reader.read(raw, scope=b"x-api-key:one")[0]["messages"]
+    assert again[0] is first[0]
+    alone = reader.read(raw)[0]["messages"][0]  # no credential
+    assert alone is not first[0] and alone is not other[0]
+    assert len(reader._scoped) == 3
+    assert all(b"one" not in key and b"two" not in key for key in reader._scoped)
 
 
 @pytest.mark.parametrize("tail", [b",]", b", ]", b",\n]"])
@@ -234,17 +254,13 @@ def test_a_lone_surrogate_escape_in_any_case_says_slow(escape: bytes) -> None:
     assert [loads_body(raw)[1] for raw in bodies] == [True, False, False, False, True]
 
 
-def test_among_many_conversations_sharing_an_opening_each_body_reuses_its_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_among_many_conversations_sharing_an_opening_each_body_reuses_its_own() -> None:
     """Sixty conversations that open alike (one system text, one long first message) take
     turns; each body is read against the last one of its own conversation: its messages are
     that body's objects, and a body that repeats one kept whole drops it (the kept list stays
-    one body per conversation). Finding it compares the new body with two kept ones, not
-    with every one that opens alike (sixty)."""
-    compared = []
-    real = body_reader._shared_with
-    monkeypatch.setattr(body_reader, "_shared_with", lambda a, b: compared.append(1) or real(a, b))
+    one body per conversation). Finding it takes a digest where the kept bodies part (their
+    opening, then their first different message), then a few along its own: not one for every
+    conversation that opens alike (sixty)."""
     reader = BodyReader()
     opening = [{"role": "user", "content": "the same long task " * 200}]
     talks: list[list[Any]] = [list(opening) for _ in range(60)]
@@ -256,73 +272,106 @@ def test_among_many_conversations_sharing_an_opening_each_body_reuses_its_own(
                 {"role": "user", "content": "go"},
             ]
             raw = json.dumps({"model": "m", "system": "s", "messages": msgs}).encode()
+            digested = reader.digested
             body, _fast = reader.read(raw)
             if k in last:
                 assert all(a is b for a, b in zip(body["messages"], last[k], strict=False))
                 assert body["messages"][len(last[k])] is not None
             last[k] = body["messages"]
-            assert len(compared) <= 2, len(compared)
-            compared.clear()
+            assert reader.digested - digested <= 16, reader.digested - digested
         assert len(reader._kept) == 60
-        assert sorted(reader._order) == reader._order
-        assert {i for _text, i in reader._order} == set(reader._kept)
-
-
-def _shared_start(a: bytes, b: bytes) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+        assert set(reader._scoped[b""]) == set(reader._kept)
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    length=st.integers(0, 3_000_000),
-    parts=st.integers(-1, 3_000_000),
-    cut=st.integers(0, 3_000_000),
-    known=st.integers(0, 3_000_000),
+    kept=st.lists(messages, max_size=40),
+    edit=st.sampled_from(["append", "change", "truncate", "same", "fields"]),
+    at=st.integers(0, 40),
+    writer=writers,
 )
-def test_the_start_two_bodies_share_is_found_to_the_byte(
-    length: int, parts: int, cut: int, known: int
+def test_the_messages_a_body_repeats_of_a_kept_one_are_found_exactly(
+    kept: list[Any], edit: str, at: int, writer: dict[str, Any]
 ) -> None:
-    """Bodies of up to 3 MB that part anywhere (or not at all, or one a start of the other):
-    the chunked comparison, its chunks growing past a megabyte, finds the very byte -- also
-    when told how much they share at least."""
-    a = bytes(range(256)) * (length // 256 + 1)
-    a = a[:length]
-    b = bytearray(a[: min(cut, length)] if cut < length else a)
-    if 0 <= parts < len(b):
-        b[parts] ^= 0xFF
-    expected = min(parts, len(b), len(a)) if 0 <= parts < len(b) else min(len(a), len(b))
-    found = body_reader._common_prefix(a, bytes(b))
-    assert found == expected
-    assert body_reader._common_prefix(a, bytes(b), min(known, expected)) == expected
-    if length <= 3_000:  # against the byte-by-byte count where that is cheap
-        assert found == _shared_start(a, bytes(b))
-
-
-def test_the_start_a_body_shares_with_a_kept_one_is_found_whichever_way_it_parts() -> None:
-    """Against a kept body, the shared start is tried first right after its last message
-    (where a conversation's next call parts from it): found to the byte for a next call, a
-    retry of the same body, a body that edits an early message, one with fewer messages and
-    one whose fields after the messages differ."""
-    msgs = [{"role": "user", "content": f"m{i} " * 50} for i in range(6)]
-    last = json.dumps({"model": "m", "messages": msgs, "system": "s" * 900}).encode()
+    """Against a kept body of up to 40 messages, a new body that changes any one message, ends
+    anywhere, goes on, or changes only the fields after the messages: the messages it repeats
+    are counted exactly (growing steps, each of the last messages, then each between the last
+    step that matched and the first that did not)."""
+    new = list(kept)
+    if edit == "append":
+        new += [{"role": "user", "content": "next"}]
+    elif edit == "change" and kept:
+        at %= len(kept)
+        new[at] = {"role": "user", "content": [{"type": "text", "text": "changed" * 3}]}
+    elif edit == "truncate":
+        new = new[: at % (len(kept) + 1)]
+    tools = "t2" if edit == "fields" else "t1"
+    old_raw = _body(kept, {"tools": "t1"}, False, writer)
+    new_raw = _body(new, {"tools": tools}, False, writer)
     reader = BodyReader()
-    reader.read(last)
-    [kept] = reader._kept.values()
+    _same_as_a_full_parse(reader, old_raw)
+    assume(len(reader._kept) == 1)  # not one the full parse reads (a lone surrogate as UTF-8)
+    [body] = reader._kept.values()
+    found, k = reader._continued(new_raw, [body])
+    expected = 0
+    while expected < min(len(kept), len(new)) and kept[expected] == new[expected]:
+        expected += 1
+    assert found is body and k == expected
+    _same_as_a_full_parse(reader, new_raw)
+
+
+def test_a_moving_cache_mark_and_forks_of_a_long_history_cost_a_few_digests() -> None:
+    """A client that moves its cache mark onto its last message each call (Claude Code) parts
+    from its last body one message before that body's end: the new body takes its place (one
+    kept body per conversation, not one per call). Conversations forked from one 300-message
+    history, read in turns: a read costs digests in the log of what they share, not one per
+    shared message."""
+    reader = BodyReader()
+    talk: list[Any] = [{"role": "user", "content": f"step {i} " * 20} for i in range(300)]
+    for call in range(12):
+        marked = [*talk[:-1], {"role": "user", "content": [{"type": "text", "text": "t",
+                  "cache_control": {"type": "ephemeral"}}]}]  # fmt: skip
+        digested = reader.digested
+        _same_as_a_full_parse(reader, json.dumps({"model": "m", "messages": marked}).encode())
+        assert len(reader._kept) == 1
+        assert reader.digested - digested <= 16, reader.digested - digested
+        talk += [{"role": "assistant", "content": f"a{call}"}, {"role": "user", "content": "u"}]
+    forks = [[*talk, {"role": "assistant", "content": f"fork {k}"}] for k in range(6)]
+    for turn in range(3):
+        for k, fork in enumerate(forks):
+            fork += [{"role": "user", "content": f"{k}.{turn}"}]
+            raw = json.dumps({"model": "m", "messages": fork}).encode()
+            digested, reused = reader.digested, reader.reused
+            _same_as_a_full_parse(reader, raw)
+            assert reader.digested - digested <= 40, reader.digested - digested
+            assert reader.reused - reused >= len(talk) - 3  # the shared history
+            fork += [{"role": "assistant", "content": f"{k}.{turn}"}]
+
+
+def test_the_messages_a_body_repeats_are_counted_whichever_way_it_parts() -> None:
+    """A next call, a retry of the same body, a body that edits an early message, one with
+    fewer messages, one whose fields after the messages differ, and one of another
+    conversation that opens alike: each against the right kept body, its repeated messages
+    counted to the one."""
+    msgs = [{"role": "user", "content": f"m{i} " * 50} for i in range(6)]
+    reader = BodyReader()
+    reader.read(json.dumps({"model": "m", "messages": msgs, "system": "s" * 900}).encode())
+    other = [*msgs[:2], {"role": "user", "content": "elsewhere"}]
+    reader.read(json.dumps({"model": "m", "messages": other}).encode())
+    mine, theirs = reader._kept.values()
     edited = [dict(msgs[0], content="other"), *msgs[1:]]
-    others = [
-        json.dumps({"model": "m", "messages": [*msgs, msgs[0]], "system": "s" * 900}),
-        json.dumps({"model": "m", "messages": msgs, "system": "s" * 900}),
-        json.dumps({"model": "m", "messages": edited, "system": "s" * 900}),
-        json.dumps({"model": "m", "messages": msgs[:3], "system": "s" * 900}),
-        json.dumps({"model": "m", "messages": msgs, "system": "s" * 899 + "t"}),
-        json.dumps({"model": "m", "messages": msgs}),
+    cases = [
+        ({"model": "m", "messages": [*msgs, msgs[0]], "system": "s" * 900}, mine, 6),
+        ({"model": "m", "messages": msgs, "system": "s" * 900}, mine, 6),
+        ({"model": "m", "messages": edited, "system": "s" * 900}, theirs, 0),  # a tie: the latest
+        ({"model": "m", "messages": msgs[:3], "system": "s" * 900}, mine, 3),
+        ({"model": "m", "messages": msgs, "system": "s" * 899 + "t"}, mine, 6),
+        ({"model": "m", "messages": [*other, msgs[0]]}, theirs, 3),
+        ({"model": "n", "messages": msgs}, None, 0),
     ]
-    for text in others:
-        raw = text.encode()
-        assert body_reader._shared_with(raw, kept) == _shared_start(raw, last), text[-60:]
+    for body, expected, count in cases:
+        raw = json.dumps(body).encode()
+        assert reader._continued(raw, [mine, theirs]) == (expected, count), body
 
 
 def test_fields_after_the_messages_sent_again_are_not_new(monkeypatch: pytest.MonkeyPatch) -> None:

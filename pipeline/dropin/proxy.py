@@ -62,7 +62,7 @@ from pipeline.dropin.limits import MAX_BODY_BYTES, MAX_UPSTREAM_CONNECTIONS, UPS
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.relay import relay as _relay
 from pipeline.dropin.sync_passes import LongPasses
-from pipeline.dropin.tenancy import Tenancy
+from pipeline.dropin.tenancy import Tenancy, credential_of
 from pipeline.dropin.upstream import Upstream, unless_left
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.logs import get_logger
@@ -299,7 +299,7 @@ def build_app(
             return raw
         headers = dict(request.headers)
         try:
-            body, fast = bodies.read(raw)
+            body, fast = bodies.read(raw, scope=credential_of(headers))
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
         except RecursionError:

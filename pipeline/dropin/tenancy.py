@@ -20,7 +20,7 @@ import hmac
 import re
 from collections.abc import Mapping
 
-__all__ = ["SHARED_TENANT", "TENANT_PATTERN", "Tenancy"]
+__all__ = ["SHARED_TENANT", "TENANT_PATTERN", "Tenancy", "credential_of"]
 
 SHARED_TENANT = "shared"
 """The tenant of every request under ``Tenancy(single=True)``."""
@@ -52,7 +52,14 @@ class Tenancy:
         without any is a tenant of its own (the one of no credential)."""
         if self.single:
             return SHARED_TENANT
-        found = {k.lower(): v for k, v in headers.items() if k.lower() in _CREDENTIAL_HEADERS}
-        material = "\n".join(f"{name}:{found.get(name, '')}" for name in _CREDENTIAL_HEADERS)
-        mac = hmac.new(self._secret, material.encode("utf-8", "surrogatepass"), hashlib.sha256)
+        mac = hmac.new(self._secret, credential_of(headers), hashlib.sha256)
         return "t-" + mac.hexdigest()[:20]
+
+
+def credential_of(headers: Mapping[str, str]) -> bytes:
+    """The credential a request carries, as one byte string (its ``x-api-key`` and
+    ``Authorization`` headers, names matched without case; empty values where it has none):
+    what a tenant is a digest of. Secret: digest it before keeping it."""
+    found = {k.lower(): v for k, v in headers.items() if k.lower() in _CREDENTIAL_HEADERS}
+    material = "\n".join(f"{name}:{found.get(name, '')}" for name in _CREDENTIAL_HEADERS)
+    return material.encode("utf-8", "surrogatepass")

@@ -5,12 +5,23 @@ A client re-sends its whole conversation on every call, and each call's body beg
 bytes of the last one: the same fields, the same messages, then a few new ones. Parsing all of
 it again costs time in the size of the history (about 1.5 ms a megabyte with a fast parser,
 3 with the standard library's), and so does every later comparison of the parsed messages with
-the last request's. The reader keeps the last few bodies it parsed, with where each message
-ends in them. A new body that repeats one of them up to some point takes that body's parsed
+the last request's. The reader keeps what it parsed of the last bodies -- their messages, where
+each message ends, and a digest of each body's bytes up to every message's end -- but not the
+bodies themselves (those were as large again as everything parsed from them). A new body whose
+bytes up to some message's end have a kept body's digest there takes that body's parsed
 messages up to there -- the very same objects: the same text parses to the same value -- and
-parses only the rest; the fields around the messages are taken again when their text is the
+parses only the rest; the fields around the messages are taken again when their digest is the
 same. Placing the request in its conversation and finding what changed since its last call
 then compare those messages by identity, not by value.
+
+The digests are XXH3-128 under a seed drawn at random for each process: checking one costs
+about what comparing the bytes did (~0.02 ms a megabyte), and two texts that differ share
+one by chance once in 2**128. A body is only ever read against bodies sent with the same
+credential (``scope``): one made to collide with another key's message could at most stand
+for a text of its own key's. Finding the kept body a new one continues costs one digest per
+message end where the kept bodies part (the conversations that share an opening part at their
+first different message), then a few along the one left (growing steps, then each of its last
+messages, where a conversation's next call parts from it: a client moves its cache mark).
 
 Nothing depends on which earlier body a new one is read against: a message is reused only
 where its whole text is the same, so the parsed request is always the one a full parse gives.
@@ -22,13 +33,17 @@ and errors. The parsed values are shared between requests: they must not be chan
 
 from __future__ import annotations
 
-import bisect
+import hashlib
 import json
 import math
+import os
 import re
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from pipeline.wire.body_split import split_new, worth_splitting
 from pipeline.wire.encoding import has_lone_surrogate, loads_body
@@ -37,10 +52,14 @@ from pipeline.wire.shared_strings import shared_message
 __all__ = ["BodyReader"]
 
 _WS = re.compile(r"[ \t\n\r]*")
-_TIES = 8
-"""Bodies on each side of the best match looked at for one sharing as long a start."""
-_FIRST_STEP = 256
-_MAX_STEP = 1 << 20
+_SEED = int.from_bytes(os.urandom(8), "little")
+"""The digests' seed: this process's own, never written anywhere."""
+_SCOPE_KEY = os.urandom(16)
+"""What a credential is digested under before the reader keeps it (never the credential)."""
+_DIGEST = 16
+"""Bytes of one digest."""
+_TAIL = 4
+"""A kept body's last messages checked one by one (a next call parts from it among them)."""
 
 
 def _reject(name: str) -> Any:
@@ -63,40 +82,77 @@ class _Unknown(Exception):
 
 @dataclass(slots=True)
 class _Body:
-    raw: bytes
-    """The body as it came: kept as bytes, one byte a byte; decoded, a text with one emoji in it
-    (Claude Code's system prompt has one) takes four bytes a character."""
+    size: int
+    """The body's length in bytes (what it counts against the reader's ``max_bytes``)."""
     array_open: int
     """Where the messages array's content starts (after its ``[``), in bytes."""
     ends: list[int]
     """Where each message's text ends, in bytes."""
+    digests: bytes
+    """The digest of the body's bytes up to ``array_open``, then up to each message's end."""
     messages: list[Any]
     before: list[tuple[str, Any]]
     """The top-level fields before ``messages``, in order."""
-    rest: bytes
-    """The bytes after the array's ``]``."""
+    rest_size: int
+    """How many bytes follow the array's ``]``."""
+    rest_digest: bytes
+    """Their digest."""
     after: list[tuple[str, Any]]
     """The top-level fields after ``messages``, in order."""
     first_lone: int | None
     """The first message holding a lone surrogate (the fast codec refuses those), if any."""
     fields_lone: bool
     """Whether a field around the messages holds one."""
+    scope: bytes = b""
+    """The digest of the credential it was sent with."""
     kept_at: int = 0
-    """When the reader kept it (a count): of bodies sharing as long a start, the latest wins."""
+    """When the reader kept it (a count): of bodies a new one continues as far, the latest wins."""
 
     def fast(self) -> bool:
         """Whether the fast codec reads all of it, as :func:`loads_body` would say."""
         return self.first_lone is None and not self.fields_lone
 
+    def bound(self, j: int) -> int:
+        """Where its ``j``-th message ends (0: where the messages array's content starts)."""
+        return self.ends[j - 1] if j else self.array_open
+
+    def digest(self, j: int) -> bytes:
+        """The digest of its bytes up to :meth:`bound` ``(j)``."""
+        return self.digests[j * _DIGEST : (j + 1) * _DIGEST]
+
+
+def _same_at(a: _Body, b: _Body, j: int) -> bool:
+    """Whether ``a``'s and ``b``'s bytes are alike up to their bound ``j``."""
+    return (
+        j <= min(len(a.ends), len(b.ends))
+        and a.bound(j) == b.bound(j)
+        and a.digest(j) == b.digest(j)
+    )
+
+
+def _alike(a: _Body, b: _Body, j: int) -> int:
+    """The last bound from ``j`` on up to which ``a``'s and ``b``'s bytes are alike (their
+    digests there the same; ``j - 1`` when they are not at ``j``): a digest of a start is the
+    same up to where two starts part, so a halving search finds it."""
+    lo, hi = j - 1, min(len(a.ends), len(b.ends))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _same_at(a, b, mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
 
 class BodyReader:
     """Parses request bodies, reusing what the last ones held (see the module docstring).
-    ``max_bodies``: how many bodies it keeps (the least recently read go first);
-    ``max_bytes``: how many bytes of them at most. A kept body costs its bytes, and where its
-    messages end; its parsed messages are shared with the conversation that holds them. Not
+    ``max_bodies``: how many bodies it keeps what it parsed of (the least recently read go
+    first); ``max_bytes``: how large those bodies may be together, counted at their length.
+    A kept body costs a digest and an offset a message (~50 bytes), and keeps its parsed
+    messages alive -- the ones the conversation that sent it holds while it is held. Not
     thread-safe: one per event loop."""
 
-    def __init__(self, *, max_bodies: int = 256, max_bytes: int = 16 * 2**20) -> None:
+    def __init__(self, *, max_bodies: int = 256, max_bytes: int = 256 * 2**20) -> None:
         if max_bodies < 0 or max_bytes < 0:
             raise ValueError(
                 f"max_bodies and max_bytes must be zero or more, got {max_bodies}, {max_bytes}"
@@ -104,81 +160,158 @@ class BodyReader:
         self.max_bodies = max_bodies
         self.max_bytes = max_bytes
         self._kept: OrderedDict[int, _Body] = OrderedDict()
-        self._order: list[tuple[bytes, int]] = []
-        """The kept bodies' (bytes, id) in byte order: the one sharing the longest start with
-        a new body is next to where the new body would go."""
+        self._scoped: dict[bytes, dict[int, _Body]] = {}
+        """The kept bodies by the credential they were sent with."""
         self._count = 0
         self._bytes = 0
         self.reused = 0
         """Messages taken from an earlier body so far (not parsed again)."""
+        self.digested = 0
+        """Digests taken of new bodies' starts to find the kept bodies they continue, so far."""
 
-    def read(self, raw: bytes) -> tuple[Any, bool]:
+    def read(self, raw: bytes, *, scope: bytes = b"") -> tuple[Any, bool]:
         """The body parsed, and whether it may be written with the fast encoder: what
-        :func:`~pipeline.wire.encoding.loads_body` returns for ``raw``, and raises."""
-        best, same = self._closest(raw)
+        :func:`~pipeline.wire.encoding.loads_body` returns for ``raw``, and raises. ``scope``:
+        the credential it was sent with (see :func:`~pipeline.dropin.tenancy.credential_of`):
+        a body is read against kept bodies of the same one only."""
+        key = hashlib.blake2b(scope, key=_SCOPE_KEY, digest_size=16).digest() if scope else b""
+        best, k = self._continued(raw, self._scoped.get(key, {}).values())
         try:
-            if best is not None and same > best.array_open:
-                k = bisect.bisect_right(best.ends, same)
+            if best is not None:
                 parsed = _continue(raw, best, k)
                 self.reused += k
-                if k == len(best.ends):  # it repeats all of best's messages: best is done
+                if k >= len(best.ends) - _TAIL and 2 * k >= len(best.ends):
+                    # it repeats best but for its last few messages, most of them (a client
+                    # moves its cache mark there): this body is that conversation's now
                     self._drop(best)
             else:
                 parsed = _scan(raw)
         except (_Unknown, ValueError, RecursionError):  # not UTF-8 among the ValueErrors
             return loads_body(raw)
+        parsed.scope = key
         self._keep(parsed)
         return _assembled(parsed), parsed.fast()
 
-    def _closest(self, raw: bytes) -> tuple[_Body | None, int]:
-        """The kept body that shares the longest start with ``raw``, and how long it is (the
-        latest kept of those that share as long a one): one of the two next to ``raw`` in
-        byte order, so two comparisons whatever the number of bodies kept."""
-        order = self._order
-        at = bisect.bisect_left(order, (raw,))
-        near = [j for j in (at - 1, at) if 0 <= j < len(order)]
-        if not near:
+    def _continued(self, raw: bytes, bodies: Iterable[_Body]) -> tuple[_Body | None, int]:
+        """The kept body among ``bodies`` whose bytes ``raw`` repeats through the most of its
+        messages (the latest kept of those that tie), and how many; ``None`` when ``raw``
+        repeats none's start up to its messages. While several are left: where their bytes
+        are alike (their digests say so), one digest of ``raw`` at the last such bound; where
+        they part, one for those that end a message at the same place. Then the last one's
+        bounds in growing steps, and its last messages one by one."""
+        view, size = memoryview(raw), len(raw)
+        found: list[tuple[int, int, _Body]] = []  # (messages repeated, kept_at, body)
+        left, state, at, j = list(bodies), xxhash.xxh3_128(seed=_SEED), 0, 0
+        while len(left) > 1:
+            first = left[0]
+            # their bytes alike past bound j too (a history they share): how far, by halving
+            deep = all(_same_at(first, other, j + 1) for other in left[1:])
+            alike = min(_alike(first, other, j) for other in left[1:]) if deep else j
+            if alike > j:  # their bytes are alike through bound alike: one digest for all
+                step = self._step(view, first, alike, state, at)
+                if step is None:  # raw parts from them all at the same bound: a tie
+                    k = self._along(view, first, state, at, j, alike)
+                    found += [(k, body.kept_at, body) for body in left]
+                    left = []
+                    break
+                state, at, j = step, first.bound(alike), alike + 1
+                continue
+            ending: dict[int, list[_Body]] = {}
+            for body in left:
+                if j > len(body.ends):  # repeated whole
+                    found.append((len(body.ends), body.kept_at, body))
+                elif body.bound(j) <= size:
+                    ending.setdefault(body.bound(j), []).append(body)
+                elif j:
+                    found.append((j - 1, body.kept_at, body))
+            left = []
+            for end, group in ending.items():
+                step = state.copy()
+                step.update(view[at:end])
+                digest = step.digest()
+                self.digested += 1
+                same = [b for b in group if b.digest(j) == digest]
+                if j:
+                    found += [(j - 1, b.kept_at, b) for b in group if b.digest(j) != digest]
+                # only one place can end a whole message that starts where they all part
+                if same and not left:
+                    left, next_state, next_at = same, step, end
+            if left:
+                state, at = next_state, next_at
+                j += 1
+        if left:
+            body = left[0]
+            k = self._along(view, body, state, at, j, len(body.ends))
+            found.append((k, body.kept_at, body))
+        found = [f for f in found if f[0] >= 0]
+        if not found:
             return None, 0
-        shared = {j: _shared_with(raw, self._kept[order[j][1]]) for j in near}
-        same = max(shared.values())
-        if same == 0:
-            return None, 0
-        # those sharing as long a start sit next to each other around ``at``
-        lo, hi = (
-            min(j for j in near if shared[j] == same),
-            max(j for j in near if shared[j] == same),
-        )
-        head = memoryview(raw)[:same]  # a view: the start a long body shares is not copied
-        while lo > 0 and at - lo < _TIES and order[lo - 1][0].startswith(head):
-            lo -= 1
-        while hi + 1 < len(order) and hi - at < _TIES and order[hi + 1][0].startswith(head):
-            hi += 1
-        best = max((self._kept[order[j][1]] for j in range(lo, hi + 1)), key=lambda b: b.kept_at)
-        return best, same
+        k, _at, best = max(found, key=lambda f: (f[0], f[1]))
+        return best, k
+
+    def _along(self, view: memoryview, body: _Body, state: Any, at: int, j: int, last: int) -> int:
+        """Up to which of ``body``'s bounds ``j`` to ``last`` ``view`` repeats its bytes, known
+        to repeat them up to bound ``j - 1`` (at ``at``; ``state``: their digest's): a few
+        before ``last`` first, then each of the last few (where a next call parts); where that
+        first one differs, halving the bounds between (each digest from the last that matched
+        on, so the bytes hashed add up to about twice the span)."""
+        if j > last:
+            return last
+        good, near = j - 1, max(j, last - _TAIL)
+        step = self._step(view, body, near, state, at)
+        if step is None:
+            bad = near
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                step = self._step(view, body, mid, state, at)
+                if step is None:
+                    bad = mid
+                else:
+                    good, state, at = mid, step, body.bound(mid)
+            return good
+        good, state, at = near, step, body.bound(near)
+        for bound in range(near + 1, last + 1):
+            step = self._step(view, body, bound, state, at)
+            if step is None:
+                break
+            good, state, at = bound, step, body.bound(bound)
+        return good
+
+    def _step(self, view: memoryview, body: _Body, j: int, state: Any, at: int) -> Any:
+        """The digest state of ``view`` up to ``body``'s bound ``j``, from ``state`` (at
+        ``at``), when its digest there is ``body``'s; else None."""
+        end = body.bound(j)
+        if end > len(view):
+            return None
+        step = state.copy()
+        step.update(view[at:end])
+        self.digested += 1
+        return step if step.digest() == body.digest(j) else None
 
     def _drop(self, body: _Body) -> None:
         if self._kept.pop(id(body), None) is not None:
-            self._unorder(body)
-            self._bytes -= len(body.raw)
+            self._unscope(body)
+            self._bytes -= body.size
 
-    def _unorder(self, body: _Body) -> None:
-        entry = (body.raw, id(body))
-        at = bisect.bisect_left(self._order, entry)
-        if at < len(self._order) and self._order[at] == entry:
-            del self._order[at]
+    def _unscope(self, body: _Body) -> None:
+        scoped = self._scoped.get(body.scope)
+        if scoped is not None:
+            scoped.pop(id(body), None)
+            if not scoped:
+                del self._scoped[body.scope]
 
     def _keep(self, body: _Body) -> None:
-        if len(body.raw) > self.max_bytes or not self.max_bodies:
+        if body.size > self.max_bytes or not self.max_bodies:
             return
         self._count += 1
         body.kept_at = self._count
         self._kept[id(body)] = body
-        bisect.insort(self._order, (body.raw, id(body)))
-        self._bytes += len(body.raw)
+        self._scoped.setdefault(body.scope, {})[id(body)] = body
+        self._bytes += body.size
         while self._bytes > self.max_bytes or len(self._kept) > self.max_bodies:
             _, gone = self._kept.popitem(last=False)
-            self._unorder(gone)
-            self._bytes -= len(gone.raw)
+            self._unscope(gone)
+            self._bytes -= gone.size
 
 
 def _assembled(body: _Body) -> dict[str, Any]:
@@ -259,13 +392,13 @@ def _finish(
     parse from ``offsets``' place on: more messages, the array's end, the fields after (its
     last ``kept_tail`` bytes ``old``'s, not new)."""
     raw, text = offsets.raw, offsets.text
+    reused = len(ends)
     ends, messages = list(ends), list(messages)
     first_lone = None
     if old is not None and old.first_lone is not None and old.first_lone < len(messages):
         first_lone = old.first_lone
     close = split_new(raw, array_open, ends, messages, offsets.byte, kept_tail)
     if close is not None:  # the array's end, its new messages read by msgspec
-        rest = raw[close + 1 :]
         after_at = close
     else:
         if not text:  # left undecoded for msgspec, which did not read it
@@ -288,11 +421,15 @@ def _finish(
             ends.append(offsets.at(pos))
             pos = _next_message(text, pos)
         after_at = offsets.at(pos)
-        rest = raw[after_at + 1 :]
+    rest_size = len(raw) - after_at - 1
     # raw ends with old's fields (kept_tail): they are the fields after this array when it ends
     # where they start
-    same = old is not None and 0 < kept_tail == len(rest)
-    after = old.after if old is not None and same else _fields_after(rest.decode())
+    same = old is not None and 0 < kept_tail == rest_size
+    if old is not None and same:
+        after, rest_digest = old.after, old.rest_digest
+    else:
+        after = _fields_after(raw[after_at + 1 :].decode())
+        rest_digest = _digest(memoryview(raw)[after_at + 1 :])
     names = [n for n, _ in before] + ["messages"] + [n for n, _ in after]
     if len(set(names)) != len(names):
         raise _Unknown  # a key twice: the last one counts, as the full parse knows
@@ -303,12 +440,37 @@ def _finish(
             _maybe_surrogate_bytes(raw, 0, array_open)
             or _maybe_surrogate_bytes(raw, after_at, len(raw))
         ) and has_lone_surrogate(dict([*before, *after]))
-    return _Body(raw, array_open, ends, messages, before, rest, after, first_lone, fields_lone)
+    digests = _digests(raw, array_open, ends, reused, old)
+    return _Body(
+        len(raw), array_open, ends, digests, messages, before, rest_size, rest_digest, after,
+        first_lone, fields_lone,
+    )  # fmt: skip
+
+
+def _digests(raw: bytes, array_open: int, ends: list[int], reused: int, old: _Body | None) -> bytes:
+    """The digests of ``raw`` up to ``array_open`` and up to each of ``ends``: ``old``'s for
+    the first ``reused`` messages (the bytes it repeats of it), taken anew after them."""
+    view = memoryview(raw)
+    at = ends[reused - 1] if reused else array_open
+    state = xxhash.xxh3_128(view[:at], seed=_SEED)
+    parts = [old.digests[: (reused + 1) * _DIGEST] if old is not None else state.digest()]
+    for end in ends[reused:]:
+        state.update(view[at:end])
+        parts.append(state.digest())
+        at = end
+    return b"".join(parts)
+
+
+def _digest(data: memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(data, seed=_SEED)
 
 
 def _kept_tail(raw: bytes, old: _Body | None) -> int:
     """How many of ``raw``'s last bytes are the fields after ``old``'s messages, as they were."""
-    return len(old.rest) if old is not None and raw.endswith(old.rest) else 0
+    if old is None or not 0 < old.rest_size <= len(raw):
+        return 0
+    tail = memoryview(raw)[len(raw) - old.rest_size :]
+    return old.rest_size if _digest(tail) == old.rest_digest else 0
 
 
 def _maybe_surrogate_bytes(raw: bytes, start: int, end: int) -> bool:
@@ -371,36 +533,3 @@ def _after_value(text: str, pos: int) -> int:
     if text[pos : pos + 1] != ",":
         raise _Unknown
     return _skip(text, pos + 1)
-
-
-def _shared_with(raw: bytes, body: _Body) -> int:
-    """``_common_prefix(raw, body.raw)``, first trying where a conversation's next call parts
-    from its last: right after the last message (one comparison of that much, where the
-    search compares about one and a half times as much in growing and shrinking chunks)."""
-    guess = body.ends[-1] if body.ends else body.array_open
-    if 0 < guess <= len(raw) and raw.startswith(memoryview(body.raw)[:guess]):
-        if raw[guess : guess + 1] != body.raw[guess : guess + 1]:
-            return guess  # the array goes on (or ends) where the last one's ended
-        return _common_prefix(raw, body.raw, guess)
-    return _common_prefix(raw, body.raw)
-
-
-def _common_prefix(a: bytes, b: bytes, start: int = 0) -> int:
-    """How many leading bytes ``a`` and ``b`` share, given that they share ``start``: compared
-    a chunk at a time, the chunks growing while they match (most kept bodies part from a new
-    one early) and shrinking to find where they part. ``b``'s chunks are views, not copies: a
-    chunk costs a ``memcmp`` of its length and nothing more (slicing both copied each chunk
-    twice: 1 MB shared took ~100 us instead of ~40)."""
-    n = min(len(a), len(b))
-    view = memoryview(b)
-    lo, step = start, _FIRST_STEP
-    while lo + step <= n and a.startswith(view[lo : lo + step], lo):
-        lo += step
-        step = min(step * 2, _MAX_STEP)
-    while step > 1:
-        step //= 2
-        while lo + step <= n and a.startswith(view[lo : lo + step], lo):
-            lo += step
-    while lo < n and a[lo] == b[lo]:
-        lo += 1
-    return lo
