@@ -563,7 +563,9 @@ def bodies(sizes: list[int]) -> None:
 
     print(
         "\n4. Bodies (ms, best of 5): a first body read (shared strings included), the next"
-        " body (a round more) read, against a whole parse; a body that adds a round written"
+        " body (a round more) read, and with the cache mark moved onto its last message (as"
+        " Claude Code does; and the median of 16 conversations' next bodies read in turn by one"
+        " reader, up to 1,000 messages), against a whole parse; a body that adds a round written"
         " against a whole encode. 'cc': bodies as Claude Code sends them (raw UTF-8, a"
         " character past U+FFFF in the system prompt)"
     )
@@ -575,23 +577,56 @@ def bodies(sizes: list[int]) -> None:
             parse_whole = min(_timed(lambda raw=raw: loads_body(raw)) for _ in range(5))
             reader = BodyReader(max_bytes=2**31)
             reader.read(raw)
+            marking = BodyReader(max_bytes=2**31)
+            marking.read(_cache_marked(conv))
             writer, msgs = BodyWriter(max_bytes=2**31), list(conv.messages)
             writer.write("c", {"model": "m", "messages": msgs})
-            read_next, written, encoded = [], [], []
+            read_next, marked, written, encoded = [], [], [], []
             for k in range(5):
                 conv.messages = conv.messages + round_of(f"toolu_b{k}", "z")
                 raw = conv.next_body()
                 read_next.append(_timed(lambda raw=raw, r=reader: r.read(raw)))
+                raw = _cache_marked(conv)
+                marked.append(_timed(lambda raw=raw, r=marking: r.read(raw)))
                 msgs = msgs + round_of(f"toolu_b{k}", "z")
                 body = {"model": "m", "max_tokens": 10, "messages": msgs}
                 written.append(_timed(lambda body=body, w=writer: w.write("c", body)))
                 encoded.append(_timed(lambda body=body: dumps_body(body)))
+            in_turn = _read_in_turn(n, cc) if n <= 1_000 else float("nan")
             print(
                 f"{n:>8} messages{' cc' if cc else '   '}  read first {read_first:7.2f}"
-                f"  read next {min(read_next):6.2f}  parse whole {parse_whole:7.2f}"
+                f"  read next {min(read_next):6.2f} (mark moved {min(marked):6.2f},"
+                f" 16 in turn {in_turn:6.2f})"
+                f"  parse whole {parse_whole:7.2f}"
                 f"  write {min(written):7.2f}  encode whole {min(encoded):7.2f}"
             )
             sys.stdout.flush()
+
+
+def _read_in_turn(n: int, cc: bool, conversations: int = 16, rounds: int = 8) -> float:
+    """The median time (ms) of a next body's read when ``conversations`` take turns."""
+    from pipeline.wire.body_reader import BodyReader
+
+    reader = BodyReader(max_bytes=2**31)
+    talks = [Conversation(n, f"t{n}.{c}", claude_code_text=cc) for c in range(conversations)]
+    times = []
+    for k in range(rounds):
+        for talk in talks:
+            talk.messages = talk.messages + round_of(f"toolu_t{k}", "z")
+            raw = talk.next_body()
+            spent = _timed(lambda raw=raw: reader.read(raw))
+            if k:
+                times.append(spent)
+    return statistics.median(times)
+
+
+def _cache_marked(conv: Conversation) -> bytes:
+    """``conv``'s next body with a ``cache_control`` mark on its last message only."""
+    *earlier, last = conv.messages
+    marked = [{**block, "cache_control": {"type": "ephemeral"}} for block in last["content"]]
+    body = json.loads(conv.next_body())
+    body["messages"] = [*earlier, {**last, "content": marked}]
+    return json.dumps(body, ensure_ascii=not conv.claude_code_text).encode()
 
 
 def _timed(work: Any) -> float:
