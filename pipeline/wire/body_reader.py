@@ -148,7 +148,7 @@ class BodyReader:
     """Parses request bodies, reusing what the last ones held (see the module docstring).
     ``max_bodies``: how many bodies it keeps what it parsed of (the least recently read go
     first); ``max_bytes``: how large those bodies may be together, counted at their length.
-    A kept body costs a digest and an offset a message (~50 bytes), and keeps its parsed
+    A kept body costs a digest and an offset a message (~60 bytes), and keeps its parsed
     messages alive -- the ones the conversation that sent it holds while it is held. Not
     thread-safe: one per event loop."""
 
