@@ -60,6 +60,13 @@ _DIGEST = 16
 """Bytes of one digest."""
 _TAIL = 4
 """A kept body's last messages checked one by one (a next call parts from it among them)."""
+_CROWD = 8
+"""Kept bodies still alike past this many of a read's steps: only the latest this many go on
+(bodies that share a long history and part late, one after another, would otherwise cost a
+read steps in the square of their number)."""
+_OWN = 64
+"""Bytes a kept body costs the reader a message (its digest, its end, the list slots), counted
+against ``max_bytes`` with the body's own length."""
 
 
 def _reject(name: str) -> Any:
@@ -83,7 +90,8 @@ class _Unknown(Exception):
 @dataclass(slots=True)
 class _Body:
     size: int
-    """The body's length in bytes (what it counts against the reader's ``max_bytes``)."""
+    """The body's length in bytes and :data:`_OWN` a message: what it counts against the
+    reader's ``max_bytes``."""
     array_open: int
     """Where the messages array's content starts (after its ``[``), in bytes."""
     ends: list[int]
@@ -130,25 +138,12 @@ def _same_at(a: _Body, b: _Body, j: int) -> bool:
     )
 
 
-def _alike(a: _Body, b: _Body, j: int) -> int:
-    """The last bound from ``j`` on up to which ``a``'s and ``b``'s bytes are alike (their
-    digests there the same; ``j - 1`` when they are not at ``j``): a digest of a start is the
-    same up to where two starts part, so a halving search finds it."""
-    lo, hi = j - 1, min(len(a.ends), len(b.ends))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _same_at(a, b, mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class BodyReader:
     """Parses request bodies, reusing what the last ones held (see the module docstring).
     ``max_bodies``: how many bodies it keeps what it parsed of (the least recently read go
-    first); ``max_bytes``: how large those bodies may be together, counted at their length.
-    A kept body costs a digest and an offset a message (~60 bytes), and keeps its parsed
+    first); ``max_bytes``: how large those bodies may be together, counted at their length
+    and 64 bytes a message. A kept body costs a digest and an offset a message (~60 bytes), and
+    keeps its parsed
     messages alive -- the ones the conversation that sent it holds while it is held. Not
     thread-safe: one per event loop."""
 
@@ -195,27 +190,22 @@ class BodyReader:
     def _continued(self, raw: bytes, bodies: Iterable[_Body]) -> tuple[_Body | None, int]:
         """The kept body among ``bodies`` whose bytes ``raw`` repeats through the most of its
         messages (the latest kept of those that tie), and how many; ``None`` when ``raw``
-        repeats none's start up to its messages. While several are left: where their bytes
-        are alike (their digests say so), one digest of ``raw`` at the last such bound; where
-        they part, one for those that end a message at the same place. Then the last one's
-        bounds in growing steps, and its last messages one by one."""
+        repeats none's start up to its messages.
+
+        While several are left, each step: one digest of ``raw`` for those that end their
+        next message at the same place (those whose digest there is not ``raw``'s repeat less
+        than the rest); then how far ``raw`` repeats the latest kept of the rest (along it,
+        see :meth:`_along`), and which of the others are alike with it that far (their own
+        digests say so: the others repeat less than it). Past :data:`_CROWD` steps, the
+        latest :data:`_CROWD` only go on."""
         view, size = memoryview(raw), len(raw)
         found: list[tuple[int, int, _Body]] = []  # (messages repeated, kept_at, body)
         left, state, at, j = list(bodies), xxhash.xxh3_128(seed=_SEED), 0, 0
+        steps = 0
         while len(left) > 1:
-            first = left[0]
-            # their bytes alike past bound j too (a history they share): how far, by halving
-            deep = all(_same_at(first, other, j + 1) for other in left[1:])
-            alike = min(_alike(first, other, j) for other in left[1:]) if deep else j
-            if alike > j:  # their bytes are alike through bound alike: one digest for all
-                step = self._step(view, first, alike, state, at)
-                if step is None:  # raw parts from them all at the same bound: a tie
-                    k = self._along(view, first, state, at, j, alike)
-                    found += [(k, body.kept_at, body) for body in left]
-                    left = []
-                    break
-                state, at, j = step, first.bound(alike), alike + 1
-                continue
+            steps += 1
+            if steps > _CROWD and len(left) > _CROWD:
+                left = sorted(left, key=lambda body: body.kept_at)[-_CROWD:]
             ending: dict[int, list[_Body]] = {}
             for body in left:
                 if j > len(body.ends):  # repeated whole
@@ -233,15 +223,23 @@ class BodyReader:
                 same = [b for b in group if b.digest(j) == digest]
                 if j:
                     found += [(j - 1, b.kept_at, b) for b in group if b.digest(j) != digest]
-                # only one place can end a whole message that starts where they all part
+                # only one place can end a whole message (an object) that starts where they
+                # all part (a bare number could end early: then the parse after it refuses)
                 if same and not left:
                     left, next_state, next_at = same, step, end
-            if left:
-                state, at = next_state, next_at
-                j += 1
+            if len(left) <= 1:
+                if left:
+                    state, at, j = next_state, next_at, j + 1
+                break
+            state, at = next_state, next_at
+            pivot = max(left, key=lambda body: body.kept_at)
+            k, state, at = self._along(view, pivot, state, at, j + 1, len(pivot.ends))
+            found.append((k, pivot.kept_at, pivot))
+            left = [b for b in left if b is not pivot and _same_at(pivot, b, k)]
+            j = k + 1
         if left:
             body = left[0]
-            k = self._along(view, body, state, at, j, len(body.ends))
+            k, _state, _at = self._along(view, body, state, at, j, len(body.ends))
             found.append((k, body.kept_at, body))
         found = [f for f in found if f[0] >= 0]
         if not found:
@@ -249,14 +247,17 @@ class BodyReader:
         k, _at, best = max(found, key=lambda f: (f[0], f[1]))
         return best, k
 
-    def _along(self, view: memoryview, body: _Body, state: Any, at: int, j: int, last: int) -> int:
+    def _along(
+        self, view: memoryview, body: _Body, state: Any, at: int, j: int, last: int
+    ) -> tuple[int, Any, int]:
         """Up to which of ``body``'s bounds ``j`` to ``last`` ``view`` repeats its bytes, known
-        to repeat them up to bound ``j - 1`` (at ``at``; ``state``: their digest's): a few
-        before ``last`` first, then each of the last few (where a next call parts); where that
-        first one differs, halving the bounds between (each digest from the last that matched
-        on, so the bytes hashed add up to about twice the span)."""
+        to repeat them up to bound ``j - 1`` (at ``at``; ``state``: their digest's), with the
+        digest state and the offset there: a few before ``last`` first, then each of the last
+        few (where a next call parts); where that first one differs, halving the bounds
+        between (each digest from the last that matched on, so the bytes hashed add up to
+        about twice the span)."""
         if j > last:
-            return last
+            return last, state, at
         good, near = j - 1, max(j, last - _TAIL)
         step = self._step(view, body, near, state, at)
         if step is None:
@@ -268,14 +269,14 @@ class BodyReader:
                     bad = mid
                 else:
                     good, state, at = mid, step, body.bound(mid)
-            return good
+            return good, state, at
         good, state, at = near, step, body.bound(near)
         for bound in range(near + 1, last + 1):
             step = self._step(view, body, bound, state, at)
             if step is None:
                 break
             good, state, at = bound, step, body.bound(bound)
-        return good
+        return good, state, at
 
     def _step(self, view: memoryview, body: _Body, j: int, state: Any, at: int) -> Any:
         """The digest state of ``view`` up to ``body``'s bound ``j``, from ``state`` (at
@@ -441,8 +442,9 @@ def _finish(
             or _maybe_surrogate_bytes(raw, after_at, len(raw))
         ) and has_lone_surrogate(dict([*before, *after]))
     digests = _digests(raw, array_open, ends, reused, old)
+    size = len(raw) + _OWN * len(ends)
     return _Body(
-        len(raw), array_open, ends, digests, messages, before, rest_size, rest_digest, after,
+        size, array_open, ends, digests, messages, before, rest_size, rest_digest, after,
         first_lone, fields_lone,
     )  # fmt: skip
 
@@ -453,12 +455,12 @@ def _digests(raw: bytes, array_open: int, ends: list[int], reused: int, old: _Bo
     view = memoryview(raw)
     at = ends[reused - 1] if reused else array_open
     state = xxhash.xxh3_128(view[:at], seed=_SEED)
-    parts = [old.digests[: (reused + 1) * _DIGEST] if old is not None else state.digest()]
+    out = bytearray(old.digests[: (reused + 1) * _DIGEST] if old is not None else state.digest())
     for end in ends[reused:]:
         state.update(view[at:end])
-        parts.append(state.digest())
+        out += state.digest()  # one buffer: a small bytes object a message would peak at 3x
         at = end
-    return b"".join(parts)
+    return bytes(out)
 
 
 def _digest(data: memoryview) -> bytes:
