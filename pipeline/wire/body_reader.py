@@ -18,10 +18,12 @@ The digests are XXH3-128 under a seed drawn at random for each process: checking
 about what comparing the bytes did (~0.02 ms a megabyte), and two texts that differ share
 one by chance once in 2**128. A body is only ever read against bodies sent with the same
 credential (``scope``): one made to collide with another key's message could at most stand
-for a text of its own key's. Finding the kept body a new one continues costs one digest per
-message end where the kept bodies part (the conversations that share an opening part at their
-first different message), then a few along the one left (growing steps, then each of its last
-messages, where a conversation's next call parts from it: a client moves its cache mark).
+for a text of its own key's. Finding the kept body a new one continues costs one digest where
+the kept bodies part (the conversations that share an opening part at their first different
+message), and a few along the latest kept of those alike further: one four messages before its
+end, each of its last four (where a conversation's next call parts from it: a client moves its
+cache mark), and where the first differs, halving. Which of the others are alike with it that
+far their own digests say, without a digest of the new body.
 
 Nothing depends on which earlier body a new one is read against: a message is reused only
 where its whole text is the same, so the parsed request is always the one a full parse gives.
