@@ -177,11 +177,12 @@ def test_what_it_keeps_is_bounded() -> None:
 def test_a_kept_body_holds_what_was_parsed_of_it_not_its_bytes(system: str) -> None:
     """The reader keeps neither the body's bytes nor a decoding of them (one character past
     U+FFFF in it -- Claude Code's system prompt has one -- would make a text four bytes a
-    character): what it holds past the parsed message (its text ASCII, one byte a character)
-    is its digests and offsets."""
+    character): what it holds past the parsed messages (their text ASCII, one byte a
+    character) is its digests and offsets, and the bytes up to its first message's end."""
     content = "x" * 200_000
+    opening = {"role": "user", "content": "go"}
     raw = json.dumps(
-        {"system": system, "messages": [{"role": "user", "content": content}]},
+        {"system": system, "messages": [opening, {"role": "user", "content": content}]},
         ensure_ascii=False,
     ).encode()
     reader = BodyReader()
@@ -190,7 +191,7 @@ def test_a_kept_body_holds_what_was_parsed_of_it_not_its_bytes(system: str) -> N
     tracemalloc.start()
     try:
         body, _fast = reader.read(raw)
-        assert body["messages"][0]["content"] == content
+        assert body["messages"][1]["content"] == content
         del body
         gc.collect()
         held, _peak = tracemalloc.get_traced_memory()
@@ -280,7 +281,8 @@ def test_among_many_conversations_sharing_an_opening_each_body_reuses_its_own() 
             last[k] = body["messages"]
             assert reader.digested - digested <= 16, reader.digested - digested
         assert len(reader._kept) == 60
-        assert set(reader._scoped[b""]) == set(reader._kept)
+        order = reader._scoped[b""]
+        assert sorted(order) == order and {i for _opening, i in order} == set(reader._kept)
 
 
 @settings(max_examples=300, deadline=None)
@@ -371,6 +373,29 @@ def test_forks_that_part_late_one_after_another_cost_a_read_steps_in_their_numbe
     assert len(compared) <= 8 * 64, len(compared)
     assert reader.digested - digested <= 64, reader.digested - digested
     assert reader.reused - reused == 1 + 63 * 30  # against the fork changed latest
+
+
+def test_a_body_is_read_against_the_kept_bodies_that_open_like_it_only() -> None:
+    """Two hundred conversations of one credential: a next body is read against its own
+    conversation's only, found in the order of their openings (the bytes up to the first
+    message's end) -- not against every kept body. Openings past 64 KB are kept cut short: two
+    first messages alike for 70 KB sit together and are told apart by their digests."""
+    reader = BodyReader()
+    talks = [[{"role": "user", "content": f"task {k} " * (k % 7 + 1)}] for k in range(200)]
+    long = "x" * 70_000
+    talks += [[{"role": "user", "content": long + tail}] for tail in ("a", "bb")]
+    for k, msgs in enumerate(talks):
+        msgs.append({"role": "assistant", "content": f"a{k}"})
+        reader.read(json.dumps({"model": "m", "messages": msgs}).encode())
+    assert all(len(b.opening) <= b.array_open + 64 * 1024 for b in reader._kept.values())
+    for k in (7, 123, 200, 201):
+        msgs = [*talks[k], {"role": "user", "content": "next"}]
+        raw = json.dumps({"model": "m", "messages": msgs}).encode()
+        alike = reader._opening_alike(raw, b"")
+        assert len(alike) == (2 if k >= 200 else 1)
+        reused = reader.reused
+        _same_as_a_full_parse(reader, raw)
+        assert reader.reused - reused == 2
 
 
 def test_the_messages_a_body_repeats_are_counted_whichever_way_it_parts() -> None:

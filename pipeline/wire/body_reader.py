@@ -35,6 +35,7 @@ and errors. The parsed values are shared between requests: they must not be chan
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -66,6 +67,10 @@ _CROWD = 8
 """Kept bodies still alike past this many of a read's steps: only the latest this many go on
 (bodies that share a long history and part late, one after another, would otherwise cost a
 read steps in the square of their number)."""
+_GROUP = 64
+"""Kept bodies that open alike read against at most (the latest this many)."""
+_OPENING = 64 * 1024
+"""The most bytes of a kept body's first message kept as its opening."""
 _OWN = 64
 """Bytes a kept body costs the reader a message (its digest, its end, the list slots), counted
 against ``max_bytes`` with the body's own length."""
@@ -113,6 +118,10 @@ class _Body:
     """The first message holding a lone surrogate (the fast codec refuses those), if any."""
     fields_lone: bool
     """Whether a field around the messages holds one."""
+    opening: bytes = b""
+    """Its bytes up to its first message's end (up to ``array_open`` without messages; at most
+    :data:`_OPENING` of that message): kept in byte order, the bodies a new one opens like are
+    next to where it would go."""
     scope: bytes = b""
     """The digest of the credential it was sent with."""
     kept_at: int = 0
@@ -157,8 +166,8 @@ class BodyReader:
         self.max_bodies = max_bodies
         self.max_bytes = max_bytes
         self._kept: OrderedDict[int, _Body] = OrderedDict()
-        self._scoped: dict[bytes, dict[int, _Body]] = {}
-        """The kept bodies by the credential they were sent with."""
+        self._scoped: dict[bytes, list[tuple[bytes, int]]] = {}
+        """By the credential they were sent with, the kept bodies' (opening, id) in order."""
         self._count = 0
         self._bytes = 0
         self.reused = 0
@@ -172,7 +181,7 @@ class BodyReader:
         the credential it was sent with (see :func:`~pipeline.dropin.tenancy.credential_of`):
         a body is read against kept bodies of the same one only."""
         key = hashlib.blake2b(scope, key=_SCOPE_KEY, digest_size=16).digest() if scope else b""
-        best, k = self._continued(raw, self._scoped.get(key, {}).values())
+        best, k = self._continued(raw, self._opening_alike(raw, key))
         try:
             if best is not None:
                 parsed = _continue(raw, best, k)
@@ -188,6 +197,25 @@ class BodyReader:
         parsed.scope = key
         self._keep(parsed)
         return _assembled(parsed), parsed.fast()
+
+    def _opening_alike(self, raw: bytes, key: bytes) -> list[_Body]:
+        """The kept bodies of ``key`` whose opening ``raw`` starts with (the latest
+        :data:`_GROUP`): only one opening can be the start of ``raw`` (where a first message
+        ends is one place; an opening cut short is as long as any other cut at that place),
+        and it sorts right before ``raw``, its equals before it."""
+        order = self._scoped.get(key)
+        if not order:
+            return []
+        at = bisect.bisect_left(order, (raw,))
+        if not at or not raw.startswith(opening := order[at - 1][0]):
+            return []
+        alike = []
+        while at and order[at - 1][0] == opening:
+            alike.append(self._kept[order[at - 1][1]])
+            at -= 1
+        if len(alike) > _GROUP:
+            alike = sorted(alike, key=lambda body: body.kept_at)[-_GROUP:]
+        return alike
 
     def _continued(self, raw: bytes, bodies: Iterable[_Body]) -> tuple[_Body | None, int]:
         """The kept body among ``bodies`` whose bytes ``raw`` repeats through the most of its
@@ -297,11 +325,15 @@ class BodyReader:
             self._bytes -= body.size
 
     def _unscope(self, body: _Body) -> None:
-        scoped = self._scoped.get(body.scope)
-        if scoped is not None:
-            scoped.pop(id(body), None)
-            if not scoped:
-                del self._scoped[body.scope]
+        order = self._scoped.get(body.scope)
+        if order is None:
+            return
+        entry = (body.opening, id(body))
+        at = bisect.bisect_left(order, entry)
+        if at < len(order) and order[at] == entry:
+            del order[at]
+        if not order:
+            del self._scoped[body.scope]
 
     def _keep(self, body: _Body) -> None:
         if body.size > self.max_bytes or not self.max_bodies:
@@ -309,7 +341,7 @@ class BodyReader:
         self._count += 1
         body.kept_at = self._count
         self._kept[id(body)] = body
-        self._scoped.setdefault(body.scope, {})[id(body)] = body
+        bisect.insort(self._scoped.setdefault(body.scope, []), (body.opening, id(body)))
         self._bytes += body.size
         while self._bytes > self.max_bytes or len(self._kept) > self.max_bodies:
             _, gone = self._kept.popitem(last=False)
@@ -444,10 +476,13 @@ def _finish(
             or _maybe_surrogate_bytes(raw, after_at, len(raw))
         ) and has_lone_surrogate(dict([*before, *after]))
     digests = _digests(raw, array_open, ends, reused, old)
-    size = len(raw) + _OWN * len(ends)
+    # where it repeats old's first message, old's opening: the same bytes, one object
+    end = min(ends[0], array_open + _OPENING) if ends else array_open
+    opening = old.opening if old is not None and reused else raw[:end]
+    size = len(raw) + len(opening) + _OWN * len(ends)
     return _Body(
         size, array_open, ends, digests, messages, before, rest_size, rest_digest, after,
-        first_lone, fields_lone,
+        first_lone, fields_lone, opening,
     )  # fmt: skip
 
 
