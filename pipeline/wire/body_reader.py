@@ -6,8 +6,9 @@ bytes of the last one: the same fields, the same messages, then a few new ones. 
 it again costs time in the size of the history (about 1.5 ms a megabyte with a fast parser,
 3 with the standard library's), and so does every later comparison of the parsed messages with
 the last request's. The reader keeps what it parsed of the last bodies -- their messages, where
-each message ends, and a digest of each body's bytes up to every message's end -- but not the
-bodies themselves (those were as large again as everything parsed from them). A new body whose
+each message ends, a digest of each body's bytes up to every message's end, and its opening
+(the bytes up to its first message's end, at most 64 KB of that message) -- but not the bodies
+themselves (those were as large again as everything parsed from them). A new body whose
 bytes up to some message's end have a kept body's digest there takes that body's parsed
 messages up to there -- the very same objects: the same text parses to the same value -- and
 parses only the rest; the fields around the messages are taken again when their digest is the
@@ -18,9 +19,11 @@ The digests are XXH3-128 under a seed drawn at random for each process: checking
 about what comparing the bytes did (~0.02 ms a megabyte), and two texts that differ share
 one by chance once in 2**128. A body is only ever read against bodies sent with the same
 credential (``scope``): one made to collide with another key's message could at most stand
-for a text of its own key's. Finding the kept body a new one continues costs one digest where
-the kept bodies part (the conversations that share an opening part at their first different
-message), and a few along the latest kept of those alike further: one four messages before its
+for a text of its own key's. The bodies a new one may continue are those that open like it:
+kept in the order of their openings, they sit right before where it would go (a search, then
+one comparison). Among them, finding the one it continues costs one digest where they part
+(conversations that share an opening part at their first different message), and a few
+along the latest kept of those alike further: one four messages before its
 end, each of its last four (where a conversation's next call parts from it: a client moves its
 cache mark), and where the first differs, halving. Which of the others are alike with it that
 far their own digests say, without a digest of the new body.
@@ -282,14 +285,17 @@ class BodyReader:
     ) -> tuple[int, Any, int]:
         """Up to which of ``body``'s bounds ``j`` to ``last`` ``view`` repeats its bytes, known
         to repeat them up to bound ``j - 1`` (at ``at``; ``state``: their digest's), with the
-        digest state and the offset there: a few before ``last`` first, then each of the last
-        few (where a next call parts); where that first one differs, halving the bounds
-        between (each digest from the last that matched on, so the bytes hashed add up to
-        about twice the span)."""
+        digest state and the offset there: ``last`` first (a conversation that only grew),
+        then a few before it, then each of the last few (where a next call parts); where that
+        one differs, halving the bounds between (each digest from the last that matched on,
+        so the bytes hashed add up to about twice the span)."""
         if j > last:
             return last, state, at
+        step = self._step(view, body, last, state, at)
+        if step is not None:  # all of them (a conversation that only grew)
+            return last, step, body.bound(last)
         good, near = j - 1, max(j, last - _TAIL)
-        step = self._step(view, body, near, state, at)
+        step = self._step(view, body, near, state, at) if near < last else None
         if step is None:
             bad = near
             while bad - good > 1:
