@@ -7,7 +7,7 @@ it again costs time in the size of the history (about 1.5 ms a megabyte with a f
 3 with the standard library's), and so does every later comparison of the parsed messages with
 the last request's. The reader keeps what it parsed of the last bodies -- their messages, where
 each message ends, a digest of each body's bytes up to every message's end, and its opening
-(the bytes up to its first message's end, at most 64 KB of that message) -- but not the bodies
+(the bytes up to its first message's end, at most 256 KB of that message) -- but not the bodies
 themselves (those were as large again as everything parsed from them). A new body whose
 bytes up to some message's end have a kept body's digest there takes that body's parsed
 messages up to there -- the very same objects: the same text parses to the same value -- and
@@ -47,6 +47,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import xxhash
@@ -72,7 +73,7 @@ _CROWD = 8
 read steps in the square of their number)."""
 _GROUP = 64
 """Kept bodies that open alike read against at most (the latest this many)."""
-_OPENING = 64 * 1024
+_OPENING = 256 * 1024
 """The most bytes of a kept body's first message kept as its opening."""
 _OWN = 64
 """Bytes a kept body costs the reader a message (its digest, its end, the list slots), counted
@@ -169,8 +170,12 @@ class BodyReader:
         self.max_bodies = max_bodies
         self.max_bytes = max_bytes
         self._kept: OrderedDict[int, _Body] = OrderedDict()
-        self._scoped: dict[bytes, list[tuple[bytes, int]]] = {}
-        """By the credential they were sent with, the kept bodies' (opening, id) in order."""
+        self._scoped: dict[bytes, list[bytes]] = {}
+        """By the credential they were sent with, the kept bodies' openings, each once, in
+        order."""
+        self._alike: dict[tuple[bytes, bytes], dict[int, _Body]] = {}
+        """By credential and opening, the kept bodies that open so, the latest kept last
+        (they share one opening object)."""
         self._count = 0
         self._bytes = 0
         self.reused = 0
@@ -205,20 +210,14 @@ class BodyReader:
         """The kept bodies of ``key`` whose opening ``raw`` starts with (the latest
         :data:`_GROUP`): only one opening can be the start of ``raw`` (where a first message
         ends is one place; an opening cut short is as long as any other cut at that place),
-        and it sorts right before ``raw``, its equals before it."""
+        and it sorts right before ``raw``."""
         order = self._scoped.get(key)
         if not order:
             return []
-        at = bisect.bisect_left(order, (raw,))
-        if not at or not raw.startswith(opening := order[at - 1][0]):
+        at = bisect.bisect_left(order, raw)
+        if not at or not raw.startswith(opening := order[at - 1]):
             return []
-        alike = []
-        while at and order[at - 1][0] == opening:
-            alike.append(self._kept[order[at - 1][1]])
-            at -= 1
-        if len(alike) > _GROUP:
-            alike = sorted(alike, key=lambda body: body.kept_at)[-_GROUP:]
-        return alike
+        return list(islice(reversed(self._alike[key, opening].values()), _GROUP))
 
     def _continued(self, raw: bytes, bodies: Iterable[_Body]) -> tuple[_Body | None, int]:
         """The kept body among ``bodies`` whose bytes ``raw`` repeats through the most of its
@@ -331,13 +330,12 @@ class BodyReader:
             self._bytes -= body.size
 
     def _unscope(self, body: _Body) -> None:
-        order = self._scoped.get(body.scope)
-        if order is None:
+        group = self._alike.get((body.scope, body.opening))
+        if group is None or group.pop(id(body), None) is None or group:
             return
-        entry = (body.opening, id(body))
-        at = bisect.bisect_left(order, entry)
-        if at < len(order) and order[at] == entry:
-            del order[at]
+        del self._alike[body.scope, body.opening]
+        order = self._scoped[body.scope]
+        del order[bisect.bisect_left(order, body.opening)]
         if not order:
             del self._scoped[body.scope]
 
@@ -347,7 +345,13 @@ class BodyReader:
         self._count += 1
         body.kept_at = self._count
         self._kept[id(body)] = body
-        bisect.insort(self._scoped.setdefault(body.scope, []), (body.opening, id(body)))
+        order = self._scoped.setdefault(body.scope, [])
+        at = bisect.bisect_left(order, body.opening)
+        if at < len(order) and order[at] == body.opening:
+            body.opening = order[at]  # one object for the bodies that open alike
+        else:
+            order.insert(at, body.opening)
+        self._alike.setdefault((body.scope, body.opening), {})[id(body)] = body
         self._bytes += body.size
         while self._bytes > self.max_bytes or len(self._kept) > self.max_bodies:
             _, gone = self._kept.popitem(last=False)
