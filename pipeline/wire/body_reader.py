@@ -156,9 +156,9 @@ def _same_at(a: _Body, b: _Body, j: int) -> bool:
 class BodyReader:
     """Parses request bodies, reusing what the last ones held (see the module docstring).
     ``max_bodies``: how many bodies it keeps what it parsed of (the least recently read go
-    first); ``max_bytes``: how large those bodies may be together, counted at their length
-    and 64 bytes a message. A kept body costs a digest and an offset a message (~60 bytes), and
-    keeps its parsed
+    first); ``max_bytes``: how large those bodies may be together, counted at their length, their
+    opening and 64 bytes a message. A kept body costs a digest and an offset a message (~60
+    bytes) and its opening (shared by the bodies that open alike), and keeps its parsed
     messages alive -- the ones the conversation that sent it holds while it is held. Not
     thread-safe: one per event loop."""
 
