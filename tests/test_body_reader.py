@@ -13,7 +13,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.wire import body_reader, body_split
+from pipeline.wire import body_reader, body_split, kept_bodies
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body, loads_body
 from tests.wire_support import stepped
@@ -359,8 +359,8 @@ def test_forks_that_part_late_one_after_another_cost_a_read_steps_in_their_numbe
     one it repeats furthest with a few digests and a comparison of kept digests per body and
     step -- not one per body and body (a review measured 317 ms a read at 256 such bodies)."""
     compared: list[int] = []
-    real = body_reader._same_at
-    monkeypatch.setattr(body_reader, "_same_at", lambda *a: compared.append(1) or real(*a))
+    real = kept_bodies._same_at
+    monkeypatch.setattr(kept_bodies, "_same_at", lambda *a: compared.append(1) or real(*a))
     history = [{"role": "user", "content": f"m{i}"} for i in range(2_000)]
     reader = BodyReader()
     for i in range(64):
