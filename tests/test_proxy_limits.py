@@ -4,6 +4,7 @@ memory."""
 
 from __future__ import annotations
 
+import json
 import resource
 import socket
 import threading
@@ -15,6 +16,7 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
+from pipeline.dropin.limits import MAX_HEAD_BYTES
 from pipeline.dropin.proxy import build_app
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
@@ -155,10 +157,19 @@ def _closed_by_the_server(conn: socket.socket) -> bool:
         return True
 
 
-def test_a_connection_whose_request_head_never_ends_is_closed(tmp_path: Path) -> None:
+PARSERS = ["httptools", "h11"]
+"""The proxy's two HTTP/1.1 parsers (``--http``): every bound holds on both."""
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_connection_whose_request_head_never_ends_is_closed(tmp_path: Path, parser: str) -> None:
     with (
         ScriptedMessagesServer(_reply) as upstream,
-        proxy_process(upstream.base_url, tmp_path, "--header-timeout", "1") as (url, _, _),
+        proxy_process(upstream.base_url, tmp_path, "--header-timeout", "1", "--http", parser) as (
+            url,
+            _,
+            _,
+        ),
     ):
         held = _half_open(url, 20)
         try:
@@ -171,6 +182,113 @@ def test_a_connection_whose_request_head_never_ends_is_closed(tmp_path: Path) ->
         finally:
             for conn in held:
                 conn.close()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _refused(url: str, pieces: list[bytes]) -> bytes:
+    """What the proxy answers a connection that sends ``pieces`` (then nothing more) before
+    it closes the connection: a 400, or nothing if the close came first (a reset)."""
+    conn = _connect(url)
+    try:
+        for piece in pieces:
+            try:
+                conn.sendall(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.001)
+        answer = b""
+        try:
+            while chunk := conn.recv(65_536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+        return answer
+    finally:
+        conn.close()
+
+
+class _Reader:
+    """Reads HTTP/1.1 responses off a socket, one after another."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn, self.buffer = conn, b""
+
+    def _until(self, mark: bytes) -> bytes:
+        while mark not in self.buffer:
+            chunk = self.conn.recv(65_536)
+            assert chunk, "the connection closed before every answer came"
+            self.buffer += chunk
+        got, _, self.buffer = self.buffer.partition(mark)
+        return got
+
+    def _take(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            chunk = self.conn.recv(65_536)
+            assert chunk, "the connection closed inside an answer"
+            self.buffer += chunk
+        got, self.buffer = self.buffer[:size], self.buffer[size:]
+        return got
+
+    def response(self) -> tuple[int, bytes]:
+        """The next response's status and body (by its length, or its chunks)."""
+        lines = self._until(b"\r\n\r\n").decode("latin-1").split("\r\n")
+        fields = dict(line.lower().split(": ", 1) for line in lines[1:])
+        status = int(lines[0].split()[1])
+        if "content-length" in fields:
+            return status, self._take(int(fields["content-length"]))
+        assert fields.get("transfer-encoding") == "chunked", fields
+        body = b""
+        while size := int(self._until(b"\r\n").split(b";")[0], 16):
+            body += self._take(size)
+            self._take(2)
+        self._until(b"\r\n")  # no trailers: the empty line that ends the body
+        return status, body
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_request_head_past_its_bound_is_refused_and_pipelined_requests_are_answered(
+    tmp_path: Path, parser: str
+) -> None:
+    """A head of more than MAX_HEAD_BYTES -- one header that never ends, sent in pieces (llhttp
+    gathers a value whole before handing it over); on httptools also a URL past the bound
+    and many small headers, each head whole in one write (h11 bounds only a head not yet
+    ended: one read of a whole head passes) -- is answered 400 (or the connection reset)
+    and never reaches the upstream; a head under the bound and two requests in one write
+    are served."""
+    request = json.dumps(_turns("hi")).encode()
+
+    def head(target: str = "/v1/messages", extra: str = "") -> bytes:
+        return (
+            f"POST {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(request)}\r\n{extra}\r\n"
+        ).encode()
+
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy_process(upstream.base_url, tmp_path, "--http", parser) as (url, _, _),
+    ):
+        endless = [b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-pad: "] + [b"a" * 4096] * 64
+        long_url = [head("/v1/messages?q=" + "a" * (MAX_HEAD_BYTES + 1)) + request]
+        many = [head(extra="x-a: b\r\n" * (MAX_HEAD_BYTES // 8 + 1)) + request]
+        for pieces in (endless, long_url, many) if parser == "httptools" else (endless,):
+            answer = _refused(url, pieces)
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
+        assert upstream.requests == []
+        conn = _connect(url)
+        try:
+            conn.sendall(head(extra=f"x-pad: {'a' * (MAX_HEAD_BYTES - 1_000)}\r\n") + request)
+            conn.sendall((head() + request) * 2)  # a second request before the first's answer
+            reader = _Reader(conn)
+            answers = [reader.response() for _ in range(3)]
+        finally:
+            conn.close()
+        assert [status for status, _ in answers] == [200, 200, 200]
+        assert all(json.loads(body)["content"][0]["text"] == "ok" for _, body in answers)
+        assert len(upstream.requests) == 3
 
 
 def _few_files() -> None:

@@ -20,6 +20,7 @@ import anthropic
 import uvicorn
 
 from pipeline import Pipeline
+from pipeline._cli.serving import head_timed
 from pipeline.dropin.proxy import build_app
 from pipeline.testing import Reply
 from tests.cli_support import clean_env
@@ -126,7 +127,9 @@ def proxy(
     app = build_app(pipeline=pipeline, root=root, upstream=upstream, **options)
     if around is not None:
         app = around(app)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    # on the protocol the command serves on (its parser, its bounds on a request head)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", http=head_timed())
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -32,7 +32,7 @@ from pipeline._cli.options import (
 from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
 from pipeline.dropin.conversations import MAX_HELD
-from pipeline.dropin.limits import HEADER_TIMEOUT, UPSTREAM_TIMEOUT
+from pipeline.dropin.limits import HEADER_TIMEOUT, HTTP_PARSERS, UPSTREAM_TIMEOUT
 from stages import registry as stage_registry
 
 
@@ -203,6 +203,13 @@ def _add_proxy_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="how long an upstream call may take to answer, then 504 timeout_error "
         "(default %(default)s; a non-streamed answer takes the whole generation)",
+    )
+    limits.add_argument(
+        "--http",
+        choices=HTTP_PARSERS,
+        default="auto",
+        help="the HTTP/1.1 parser requests are read with: httptools (C, the faster) or h11 "
+        "(pure Python); auto is httptools where it is installed (default %(default)s)",
     )
     limits.add_argument(
         "--max-connections",

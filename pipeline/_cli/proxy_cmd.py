@@ -25,6 +25,7 @@ from pipeline._cli.common import (
 )
 from pipeline._cli.safe_text import terminal_safe
 from pipeline._cli.store_cmd import describe, warn_errors
+from pipeline.dropin.limits import MAX_HEAD_BYTES
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
@@ -51,6 +52,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             OnceIn,
             connection_cap,
             head_timed,
+            http_parser,
             raise_open_files,
         )
         from pipeline.dropin.proxy import LONG_PASS, build_app
@@ -75,6 +77,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         background = retention(args, root) if shared is None else []
         if shared is not None:
             _check_store(shared, args.log_json)
+        try:
+            parser = http_parser(args.http)
+        except ImportError:
+            raise CliError("--http httptools: httptools is not installed") from None
         connections = args.max_connections or connection_cap(raise_open_files())
         context: dict[str, Any] = {}
         if set_up.tracer is not None:
@@ -125,7 +131,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 # under --log-json its lines go through the JSON handler (logging_setup)
                 log_config=None if args.log_json else uvicorn.config.LOGGING_CONFIG,
                 log_level="warning",
-                http=head_timed(args.header_timeout),
+                http=head_timed(args.header_timeout, parser),
+                h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                 limit_concurrency=connections,
             ),
             ready,

@@ -3,7 +3,14 @@
 
 from __future__ import annotations
 
-__all__ = ["HEADER_TIMEOUT", "MAX_BODY_BYTES", "MAX_UPSTREAM_CONNECTIONS", "UPSTREAM_TIMEOUT"]
+__all__ = [
+    "HEADER_TIMEOUT",
+    "HTTP_PARSERS",
+    "MAX_BODY_BYTES",
+    "MAX_HEAD_BYTES",
+    "MAX_UPSTREAM_CONNECTIONS",
+    "UPSTREAM_TIMEOUT",
+]
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """The largest request body the proxy reads (the API's own limit); a larger one is a 413."""
@@ -15,6 +22,15 @@ whole generation) before the client is answered 504 ``timeout_error``."""
 MAX_UPSTREAM_CONNECTIONS = 1_000
 """How many upstream calls the proxy runs at once by default."""
 
+MAX_HEAD_BYTES = 16 * 1024
+"""The largest request head (request line and headers) the proxy reads; a larger one is
+answered 400 and its connection closed (``python -m pipeline proxy``; on ``--http h11``
+uvicorn's own bound, on a head not yet ended)."""
+
 HEADER_TIMEOUT = 30.0
 """Seconds a client has to send a request head, from its connection's start or the end of
 the last response on it (``python -m pipeline proxy``)."""
+
+HTTP_PARSERS = ("auto", "httptools", "h11")
+"""The HTTP/1.1 parsers the proxy serves on (``--http``): ``auto`` is ``httptools`` where it
+can be imported, else ``h11``."""

@@ -1,6 +1,9 @@
 """What a hop costs: the proxy (run as users run it, ``sluicegate proxy``) and ``wrap`` against a
 direct call and against a bare Python forwarder (Starlette + httpx, the same stack the proxy
 is built on), all in one run, interleaved call by call so the machine's noise falls on all.
+The forwarder runs on uvicorn's h11 parser (what ``pip install uvicorn`` brings) and, where
+``httptools`` is installed, on it too (``forwarder-ht``): the proxy serves on httptools when it
+can, so each ratio is printed against both.
 
     python tests/benchmarks/bench_peers.py [--sizes 10,100,1000,10000] [--calls 40]
         [--concurrency 16] [--prepare 1000,5000,10000,20000] [--claude-code-text]
@@ -93,8 +96,10 @@ def serve_upstream() -> None:
     _serve(app)
 
 
-def serve_forwarder(upstream: str) -> None:
-    """The bare forwarder: what anyone would write in twenty lines to relay the Messages API."""
+def serve_forwarder(upstream: str, http: str = "h11") -> None:
+    """The bare forwarder: what anyone would write in twenty lines to relay the Messages API,
+    served by uvicorn on ``http`` (its parser: ``h11``, what ``pip install uvicorn`` brings,
+    or ``httptools``, what the proxy serves on when it is installed)."""
     import uvicorn  # noqa: F401
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
@@ -119,10 +124,10 @@ def serve_forwarder(upstream: str) -> None:
         )
 
     app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
-    _serve(app)
+    _serve(app, http)
 
 
-def _serve(app: Any) -> None:
+def _serve(app: Any, http: str = "h11") -> None:
     import socket
 
     import uvicorn
@@ -134,7 +139,7 @@ def _serve(app: Any) -> None:
     # connections kept open as long as a run lasts: a target left idle meanwhile finds its
     # pooled connections open, not closed under it
     config = uvicorn.Config(
-        app, log_level="warning", lifespan="off", http="h11", timeout_keep_alive=600
+        app, log_level="warning", lifespan="off", http=http, timeout_keep_alive=600
     )
     uvicorn.Server(config).run(sockets=[sock])
 
@@ -186,6 +191,16 @@ def round_of(tid: str, fill: str, size: int = 2_000) -> list[dict[str, Any]]:
             "content": [{"type": "tool_result", "tool_use_id": tid, "content": fill * size}],
         },
     ]
+
+
+try:
+    import httptools  # noqa: F401
+
+    HTTPTOOLS = True
+except ImportError:  # the proxy serves on h11 too: only the h11 forwarder is run
+    HTTPTOOLS = False
+FAST = "forwarder-ht"
+"""The forwarder served on httptools, as the proxy is."""
 
 
 CLAUDE_CODE_SYSTEM = "You are an agent. Sign commits: Generated with Claude Code \U0001f916"
@@ -257,7 +272,7 @@ def latency(targets: dict[str, str], sizes: list[int], calls: int) -> None:
         ["messages"]
         + [f"{name} med/p99" for name in targets]
         + [f"{n} added" for n in targets if n != "direct"]
-        + ["proxy/forwarder"]
+        + [f"proxy/{n}" for n in targets if n.startswith("forwarder")]
     )
     print("  ".join(h.rjust(16) for h in heads))
     for n in sizes:
@@ -278,9 +293,11 @@ def latency(targets: dict[str, str], sizes: list[int], calls: int) -> None:
             if t != "direct"
         ]
         by = dict(zip([t for t in targets if t != "direct"], added, strict=True))
-        ratio = by["proxy"] / by["forwarder"] if by["forwarder"] > 0 else math.nan
+        ratios = [
+            by["proxy"] / by[f] if by[f] > 0 else math.nan for f in by if f.startswith("forwarder")
+        ]
         row = [str(n).rjust(16), *(c.rjust(16) for c in cells)]
-        row += [*(f"{a:+16.2f}" for a in added), f"{ratio:15.2f}x"]
+        row += [*(f"{a:+16.2f}" for a in added), *(f"{r:15.2f}x" for r in ratios)]
         print("  ".join(row))
         sys.stdout.flush()
 
@@ -426,11 +443,11 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float, rounds
             f"{name:>20} {statistics.median(rates[name]):9.1f} {shown:>23}"
             f" {statistics.median(times[name]):9.2f} {p99(times[name]):9.2f}"
         )
-    if rates.get("forwarder"):
+    for forwarder in (n for n in rates if n.startswith("forwarder")):
         for name in (n for n in rates if n.startswith("proxy")):
-            each = [p / f for p, f in zip(rates[name], rates["forwarder"], strict=True)]
+            each = [p / f for p, f in zip(rates[name], rates[forwarder], strict=True)]
             print(
-                f"{name}/forwarder {statistics.median(each):.2f}x"
+                f"{name}/{forwarder} {statistics.median(each):.2f}x"
                 f" (rounds {min(each):.2f}-{max(each):.2f})"
             )
     sys.stdout.flush()
@@ -640,7 +657,7 @@ def main() -> int:
         serve_upstream()
         return 0
     if len(sys.argv) > 2 and sys.argv[1] == "--serve-forwarder":
-        serve_forwarder(sys.argv[2])
+        serve_forwarder(*sys.argv[2:4])
         return 0
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes", default="10,100,1000,10000")
@@ -671,6 +688,9 @@ def main() -> int:
         store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         proxy = stack.enter_context(proxy_command(upstream, store / "p"))
         targets = {"direct": upstream, "forwarder": forwarder, "proxy": proxy}
+        if HTTPTOOLS:  # the forwarder on the parser the proxy serves on: the same hop for both
+            fast = stack.enter_context(process("--serve-forwarder", upstream, "httptools"))
+            targets = {"direct": upstream, "forwarder": forwarder, FAST: fast, "proxy": proxy}
         if "latency" not in skip:
             latency(targets, sizes, args.calls)
         if "first" not in skip:
