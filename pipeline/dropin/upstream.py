@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx2
 
+from pipeline.dropin.upstream_sockets import known_sockets
+
 if TYPE_CHECKING:
     from starlette.types import Receive
 
@@ -61,7 +63,9 @@ class Upstream:
         self._client = httpx2.AsyncClient(
             timeout=timeouts,
             limits=limits,
-            transport=transport,
+            # httpx2's own, its connections' sockets found once (proxies from the environment
+            # still get transports of their own)
+            transport=known_sockets(limits) if transport is None else transport,
             # a jar that takes no cookie: one tenant's would go out with the next's requests
             cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
         )

@@ -1,0 +1,131 @@
+"""The proxy's upstream connections find their sockets once, and still see a server that
+closed them while idle: over plain TCP and over TLS, against servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pipeline.dropin.upstream import Upstream
+from pipeline.dropin.upstream_sockets import KnownSockets, readable
+from tests.wire_support import read_request
+
+_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+def test_readable_says_what_a_read_would_meet() -> None:
+    mine, theirs = socket.socketpair()
+    try:
+        assert not readable(mine)
+        theirs.sendall(b"x")
+        assert readable(mine)
+        assert mine.recv(1) == b"x"
+        assert not readable(mine)
+        theirs.close()
+        assert readable(mine)  # the end a closed peer leaves
+    finally:
+        mine.close()
+    assert readable(mine)  # no descriptor: as closed
+    assert readable(None)
+
+
+class _Server:
+    """HTTP/1.1 on 127.0.0.1 (over TLS with ``wrap``): answers each request ``{}``, keeping
+    the connection, or (``close_after``) closing it once answered -- without saying so."""
+
+    def __init__(
+        self, *, close_after: bool, wrap: Callable[[socket.socket], socket.socket] | None = None
+    ) -> None:
+        self.close_after, self.wrap = close_after, wrap
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.connections = 0
+        self.answered = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
+            if self.wrap is not None:
+                conn = self.wrap(conn)
+            with conn:
+                while read_request(conn):
+                    conn.sendall(_ANSWER)
+                    self.answered += 1
+                    if self.close_after:
+                        return
+        except (OSError, ssl.SSLError):
+            return
+
+
+async def _calls(base_url: str, count: int) -> list[int]:
+    upstream = Upstream(base_url, timeout=10, connect=10, max_connections=4, kept_alive=4)
+    statuses = []
+    try:
+        for _ in range(count):
+            request = upstream.request("POST", "/v1/messages", b"", {"x": "y"}, b"{}")
+            response = await upstream.send(request)
+            async for _chunk in response.aiter_bytes():
+                pass
+            await response.aclose()
+            statuses.append(response.status_code)
+            await asyncio.sleep(0.05)  # the server's close reaches this end
+    finally:
+        await upstream.aclose()
+    return statuses
+
+
+def test_the_proxys_upstream_pool_finds_each_socket_once() -> None:
+    upstream = Upstream("http://127.0.0.1:1", timeout=1, connect=1, max_connections=1, kept_alive=1)
+    pool = upstream._client._transport._pool  # type: ignore[attr-defined]
+    assert isinstance(pool._network_backend, KnownSockets)
+
+
+@pytest.mark.parametrize("close_after", [True, False], ids=["closed-when-idle", "kept"])
+def test_a_connection_the_server_closed_while_idle_is_not_used_again(close_after: bool) -> None:
+    server = _Server(close_after=close_after)
+    try:
+        statuses = asyncio.run(_calls(f"http://127.0.0.1:{server.port}", 4))
+    finally:
+        server.sock.close()
+    assert statuses == [200] * 4
+    # each call on a new connection where the server closed the last; else all on one
+    assert server.connections == (4 if close_after else 1)
+
+
+@pytest.mark.parametrize("close_after", [True, False], ids=["closed-when-idle", "kept"])
+def test_over_tls_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_after: bool) -> None:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ca.issue_cert("127.0.0.1").configure_cert(served)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))  # the client trusts the test's CA
+
+    server = _Server(
+        close_after=close_after, wrap=lambda conn: served.wrap_socket(conn, server_side=True)
+    )
+    try:
+        statuses = asyncio.run(_calls(f"https://127.0.0.1:{server.port}", 4))
+    finally:
+        server.sock.close()
+    assert statuses == [200] * 4
+    assert server.connections == (4 if close_after else 1)
