@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.dropin.upstream import Upstream
-from pipeline.dropin.upstream_sockets import KnownSockets, readable
+from pipeline.dropin.upstream_sockets import KnownSockets, _Watch, readable
 from tests.wire_support import read_request
 
 _ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
@@ -33,6 +33,21 @@ def test_readable_says_what_a_read_would_meet() -> None:
         mine.close()
     assert readable(mine)  # no descriptor: as closed
     assert readable(None)
+
+
+def test_a_watched_socket_closed_is_read_as_closed_though_its_number_is_taken_again() -> None:
+    mine, theirs = socket.socketpair()
+    watch = _Watch(mine)
+    assert not watch.readable()
+    number = mine.fileno()
+    mine.close()
+    again, other = socket.socketpair()  # the lowest free descriptor: most likely the same
+    try:
+        assert number in (again.fileno(), other.fileno())  # the case this is about
+        assert watch.readable()  # not the newcomer's state: the watched one is gone
+    finally:
+        for sock in (theirs, again, other):
+            sock.close()
 
 
 class _Server:

@@ -6,7 +6,8 @@ means the server closed it. Its anyio stream answers that by building a dict of 
 stream's attributes (and asking the kernel for the peer's address) to find the socket, then
 polling it: ~6 % of the proxy's event loop under 16 conversations at once, and more the more
 connections are kept. :class:`KnownSockets` wraps the pool's own network backend so that each
-stream finds its socket once, when it connects; everything else goes to the stream it wraps.
+stream finds its socket once, when it connects, and asks the kernel with a poll object
+registered once; everything else goes to the stream it wraps.
 """
 
 from __future__ import annotations
@@ -25,15 +26,29 @@ __all__ = ["KnownSockets", "known_sockets", "readable"]
 def readable(sock: Any) -> bool:
     """Whether ``sock`` would answer a read at once (data, or the end a closed peer leaves);
     a socket that is gone, or has no descriptor, counts as readable (as closed)."""
-    fd = -1 if sock is None else sock.fileno()
-    if fd < 0:
-        return True
-    if sys.platform == "win32" or not hasattr(select, "poll"):
-        ready, _, _ = select.select([fd], [], [], 0)
-        return bool(ready)
-    poll = select.poll()
-    poll.register(fd, select.POLLIN)
-    return bool(poll.poll(0))
+    return _Watch(sock).readable()
+
+
+class _Watch:
+    """One socket's readability, asked again and again: a poll object registered once, so
+    each ask is one system call (``select.select`` where there is no ``poll``)."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._fd = -1 if sock is None else sock.fileno()
+        self._poll: Any = None
+        if self._fd >= 0 and sys.platform != "win32" and hasattr(select, "poll"):
+            self._poll = select.poll()
+            self._poll.register(self._fd, select.POLLIN)
+
+    def readable(self) -> bool:
+        # a socket closed since (its descriptor -1, or another's now) is as good as read
+        if self._fd < 0 or self._sock.fileno() != self._fd:
+            return True
+        if self._poll is None:
+            ready, _, _ = select.select([self._fd], [], [], 0)
+            return bool(ready)
+        return bool(self._poll.poll(0))
 
 
 class _Stream(httpcore2.AsyncNetworkStream):
@@ -41,7 +56,7 @@ class _Stream(httpcore2.AsyncNetworkStream):
 
     def __init__(self, inner: httpcore2.AsyncNetworkStream) -> None:
         self._inner = inner
-        self._socket = inner.get_extra_info("socket")
+        self._watch = _Watch(inner.get_extra_info("socket"))
         # the wrapped stream's own methods, bound: a read or a write costs no frame more
         self.read = inner.read  # type: ignore[method-assign]
         self.write = inner.write  # type: ignore[method-assign]
@@ -57,7 +72,7 @@ class _Stream(httpcore2.AsyncNetworkStream):
 
     def get_extra_info(self, info: str) -> Any:
         if info == "is_readable":
-            return readable(self._socket)
+            return self._watch.readable()
         return self._inner.get_extra_info(info)
 
 
