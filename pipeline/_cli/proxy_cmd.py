@@ -133,6 +133,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 log_level="warning",
                 http=head_timed(args.header_timeout, parser),
                 h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                # a relayed answer carries the upstream's own: one of each, not two
+                server_header=False,
+                date_header=False,
                 limit_concurrency=connections,
             ),
             ready,
