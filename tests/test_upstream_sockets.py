@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from pipeline.dropin.upstream import Upstream
 from pipeline.dropin.upstream_sockets import KnownSockets, _Watch, readable
-from tests.wire_support import read_request
+from tests.wire_support import RawUpstream, read_request
 
 _ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
@@ -50,7 +49,7 @@ def test_a_watched_socket_closed_is_read_as_closed_though_its_number_is_taken_ag
             sock.close()
 
 
-class _Server:
+class _Server(RawUpstream):
     """HTTP/1.1 on 127.0.0.1 (over TLS with ``wrap``): answers each request ``{}``, keeping
     the connection, or (``close_after``) closing it once answered -- without saying so."""
 
@@ -58,34 +57,18 @@ class _Server:
         self, *, close_after: bool, wrap: Callable[[socket.socket], socket.socket] | None = None
     ) -> None:
         self.close_after, self.wrap = close_after, wrap
-        self.sock = socket.create_server(("127.0.0.1", 0))
         self.connections = 0
-        self.answered = 0
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    @property
-    def port(self) -> int:
-        return int(self.sock.getsockname()[1])
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
+    def answer(self, conn: socket.socket) -> None:
+        self.connections += 1
         try:
             if self.wrap is not None:
                 conn = self.wrap(conn)
-            with conn:
-                while read_request(conn):
-                    conn.sendall(_ANSWER)
-                    self.answered += 1
-                    if self.close_after:
-                        return
+            while read_request(conn):
+                conn.sendall(_ANSWER)
+                if self.close_after:
+                    return
         except (OSError, ssl.SSLError):
             return
 
@@ -113,34 +96,33 @@ def test_the_proxys_upstream_pool_finds_each_socket_once() -> None:
     assert isinstance(pool._network_backend, KnownSockets)
 
 
-@pytest.mark.parametrize("close_after", [True, False], ids=["closed-when-idle", "kept"])
-def test_a_connection_the_server_closed_while_idle_is_not_used_again(close_after: bool) -> None:
-    server = _Server(close_after=close_after)
-    try:
-        statuses = asyncio.run(_calls(f"http://127.0.0.1:{server.port}", 4))
-    finally:
-        server.sock.close()
-    assert statuses == [200] * 4
-    # each call on a new connection where the server closed the last; else all on one
-    assert server.connections == (4 if close_after else 1)
-
-
-@pytest.mark.parametrize("close_after", [True, False], ids=["closed-when-idle", "kept"])
-def test_over_tls_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_after: bool) -> None:
+def _tls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[socket.socket], socket.socket]:
+    """A server side of TLS under a certificate authority of the test's, which the client
+    trusts (``SSL_CERT_FILE``, read when the proxy's client is made)."""
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
     served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ca.issue_cert("127.0.0.1").configure_cert(served)
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
-    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))  # the client trusts the test's CA
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+    return lambda conn: served.wrap_socket(conn, server_side=True)
 
-    server = _Server(
-        close_after=close_after, wrap=lambda conn: served.wrap_socket(conn, server_side=True)
-    )
+
+@pytest.mark.parametrize("close_after", [True, False], ids=["closed-when-idle", "kept"])
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_a_connection_the_server_closed_while_idle_is_not_used_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_after: bool, tls: bool
+) -> None:
+    wrap = _tls(tmp_path, monkeypatch) if tls else None
+    server = _Server(close_after=close_after, wrap=wrap)
+    port = server.sock.getsockname()[1]
     try:
-        statuses = asyncio.run(_calls(f"https://127.0.0.1:{server.port}", 4))
+        statuses = asyncio.run(_calls(f"{'https' if tls else 'http'}://127.0.0.1:{port}", 4))
     finally:
         server.sock.close()
     assert statuses == [200] * 4
+    # each call on a new connection where the server closed the last; else all on one
     assert server.connections == (4 if close_after else 1)

@@ -53,21 +53,28 @@ _MOST_OPEN_FILES = 1_048_576
 """Where the soft limit is raised to when the hard one is unlimited."""
 
 
-class _HeadTimedH11(H11Protocol):
+class _HeadDeadline:
+    """What both protocols add: from a connection's start and from the end of each response,
+    a timer; when it fires with no request under way and no head ended (:meth:`_idle`), the
+    connection is closed. Mixed in before uvicorn's protocol class."""
+
     head_timeout: float = HEADER_TIMEOUT
     _head_timer: Any = None
+    transport: Any
+    loop: Any
+    cycle: Any
 
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm(self) -> None:
         self._disarm()
@@ -79,11 +86,20 @@ class _HeadTimedH11(H11Protocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _idle(self) -> bool:
+        """No request head has ended since the timer was armed (the parser's own state)."""
+        return True
+
     def _head_late(self) -> None:
         self._head_timer = None
         in_request = self.cycle is not None and not self.cycle.response_complete
-        if self.conn.their_state is h11.IDLE and not in_request and not self.transport.is_closing():
+        if self._idle() and not in_request and not self.transport.is_closing():
             self.transport.close()  # no request head in time: nothing is answered
+
+
+class _HeadTimedH11(_HeadDeadline, H11Protocol):
+    def _idle(self) -> bool:
+        return self.conn.their_state is h11.IDLE
 
 
 class _HeadTooLarge(Exception):
@@ -93,9 +109,7 @@ class _HeadTooLarge(Exception):
 def _tools_protocol() -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class _HeadTimedTools(HttpToolsProtocol):
-        head_timeout: float = HEADER_TIMEOUT
-        _head_timer: Any = None
+    class _HeadTimedTools(_HeadDeadline, HttpToolsProtocol):
         _awaiting_head = True
         _head_sent = 0
         """Bytes received since the last head ended (or the connection began): llhttp keeps
@@ -103,18 +117,6 @@ def _tools_protocol() -> type[Any]:
         _head_parsed = 0
         """What the parser has handed over of this head: the URL, each header and its
         separators; exact where :attr:`_head_sent` may count a body's first bytes too."""
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._awaiting_head:
@@ -159,22 +161,6 @@ def _tools_protocol() -> type[Any]:
             self._head_parsed += size
             if self._head_parsed > MAX_HEAD_BYTES:
                 raise _HeadTooLarge
-
-        def _arm(self) -> None:
-            self._disarm()
-            if not self.transport.is_closing():
-                self._head_timer = self.loop.call_later(self.head_timeout, self._head_late)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_late(self) -> None:
-            self._head_timer = None
-            in_request = self.cycle is not None and not self.cycle.response_complete
-            if not in_request and not self.transport.is_closing():
-                self.transport.close()  # no request head in time: nothing is answered
 
     return _HeadTimedTools
 
