@@ -126,3 +126,25 @@ def test_a_connection_the_server_closed_while_idle_is_not_used_again(
     assert statuses == [200] * 4
     # each call on a new connection where the server closed the last; else all on one
     assert server.connections == (4 if close_after else 1)
+
+
+def test_a_proxy_from_the_environment_still_carries_the_upstream_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[bytes] = []
+
+    class Proxy(RawUpstream):
+        def answer(self, conn: socket.socket) -> None:
+            seen.append(read_request(conn).split(b"\r\n")[0])
+            conn.sendall(_ANSWER)
+
+    proxy = Proxy()
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    try:
+        statuses = asyncio.run(_calls("http://api.upstream.invalid", 1))
+    finally:
+        proxy.sock.close()
+    assert statuses == [200]
+    assert seen == [b"POST http://api.upstream.invalid/v1/messages HTTP/1.1"]

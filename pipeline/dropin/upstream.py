@@ -63,12 +63,15 @@ class Upstream:
         self._client = httpx2.AsyncClient(
             timeout=timeouts,
             limits=limits,
-            # httpx2's own, its connections' sockets found once (proxies from the environment
-            # still get transports of their own)
-            transport=known_sockets(limits) if transport is None else transport,
+            transport=transport,
             # a jar that takes no cookie: one tenant's would go out with the next's requests
             cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
         )
+        if transport is None:
+            # httpx2's own transport (the environment's proxies, if any, have theirs beside
+            # it: a transport passed in would turn them off), its connections' sockets found
+            # once
+            known_sockets(self._client)
         self._origin = str(base.copy_with(raw_path=b"/")).rstrip("/")
         self._prefix = base.raw_path.decode("ascii").rstrip("/")
         self._timeout = timeouts.as_dict()

@@ -116,15 +116,17 @@ class KnownSockets(httpcore2.AsyncNetworkBackend):
         await self.inner.sleep(seconds)
 
 
-def known_sockets(limits: httpx2.Limits) -> httpx2.AsyncHTTPTransport:
-    """The transport ``httpx2.AsyncClient(limits=limits)`` would make, its pool's network
-    backend wrapped in :class:`KnownSockets`. Where the pool is not as this expects (another
-    httpx2), the transport as made: each connection then found its socket on each ask."""
-    transport = httpx2.AsyncHTTPTransport(limits=limits)
+def known_sockets(client: httpx2.AsyncClient) -> bool:
+    """Wrap the network backend of ``client``'s own transport's pool (the one it made, for
+    URLs no proxy takes) in :class:`KnownSockets`; whether it could. Where the client or its
+    pool is not as this expects (another httpx2), it is left as it is: each connection then
+    finds its socket on each ask, as before."""
+    transport = getattr(client, "_transport", None)
     pool = getattr(transport, "_pool", None)
     backend = getattr(pool, "_network_backend", None)
-    if isinstance(pool, httpcore2.AsyncConnectionPool) and isinstance(
-        backend, httpcore2.AsyncNetworkBackend
-    ):
-        pool._network_backend = KnownSockets(backend)
-    return transport
+    if not isinstance(pool, httpcore2.AsyncConnectionPool) or isinstance(backend, KnownSockets):
+        return isinstance(backend, KnownSockets)
+    if not isinstance(backend, httpcore2.AsyncNetworkBackend):
+        return False
+    pool._network_backend = KnownSockets(backend)
+    return True
