@@ -235,6 +235,29 @@ class _Reader:
         got, self.buffer = self.buffer[:size], self.buffer[size:]
         return got
 
+    reset = False
+    """The connection was reset (the peer closed it with bytes unread)."""
+
+    def _more(self) -> bytes:
+        try:
+            return self.conn.recv(65_536)
+        except ConnectionResetError:
+            self.reset = True
+            return b""
+
+    def rest(self) -> bytes:
+        """Everything left until the connection ends."""
+        while chunk := self._more():
+            self.buffer += chunk
+        rest, self.buffer = self.buffer, b""
+        return rest
+
+    def ended(self) -> bool:
+        """The connection ended with no byte of another response."""
+        if not self.buffer:
+            self.buffer = self._more()
+        return not self.buffer
+
     def response(self) -> tuple[int, bytes]:
         """The next response's status and body (by its length, or its chunks)."""
         lines = self._until(b"\r\n\r\n").decode("latin-1").split("\r\n")
@@ -271,8 +294,13 @@ def test_a_request_head_past_its_bound_is_refused_and_pipelined_requests_are_ans
             f"content-length: {len(request)}\r\n{extra}\r\n"
         ).encode()
 
+    def reply(body: dict[str, Any]) -> Reply:
+        if body["messages"][-1]["content"] in ("slow", [{"type": "text", "text": "slow"}]):
+            time.sleep(1)
+        return _reply(body)
+
     with (
-        ScriptedMessagesServer(_reply) as upstream,
+        ScriptedMessagesServer(reply) as upstream,
         proxy_process(upstream.base_url, tmp_path, "--http", parser) as (url, _, _),
     ):
         endless = [b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-pad: "] + [b"a" * 4096] * 64
@@ -297,6 +325,63 @@ def test_a_request_head_past_its_bound_is_refused_and_pipelined_requests_are_ans
         assert [status for status, _ in answers] == [200, 200, 200]
         assert all(json.loads(body)["content"][0]["text"] == "ok" for _, body in answers)
         assert len(upstream.requests) == 3
+        # a request the upstream takes a second to answer, then a head that goes on past the
+        # bound meanwhile: the answer first, then the refusal (not in the answer's place)
+        conn = _connect(url)
+        try:
+            slow = json.dumps(_turns("slow")).encode()
+            conn.sendall(head().replace(str(len(request)).encode(), str(len(slow)).encode()))
+            conn.sendall(slow + endless[0])
+            time.sleep(0.2)
+            conn.sendall(b"a" * 2 * MAX_HEAD_BYTES)
+            reader = _Reader(conn)
+            assert reader.response()[0] == 200
+            rest = reader.rest()  # or the connection's end, where one read held all of it
+            assert rest == b"" or rest.startswith(b"HTTP/1.1 400"), rest[:200]
+        finally:
+            conn.close()
+
+
+def test_what_httptools_reads_ahead_is_bounded(tmp_path: Path) -> None:
+    """llhttp parses whatever a read holds at once, and keeps a header's value to itself
+    until its line ends: a trailer that never ends is refused (never reaching the upstream);
+    of 200 requests written at once, at most 17 are taken (one answered, 16 waiting), then
+    400 and the connection's end; a request that asks to upgrade is refused (what follows
+    its head would be read as another protocol's bytes: its body lost)."""
+    request = json.dumps(_turns("hi")).encode()
+    head = (
+        "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(request)}\r\n"
+    ).encode()
+    chunked = (
+        b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+        + f"{len(request):x}\r\n".encode()
+        + request
+        + b"\r\n0\r\nx-trailer: "
+    )
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy_process(upstream.base_url, tmp_path, "--http", "httptools") as (url, _, _),
+    ):
+        answer = _refused(url, [chunked] + [b"a" * 4096] * 64)
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
+        upgrade = head + b"connection: upgrade\r\nupgrade: foo\r\n\r\n" + request
+        assert _refused(url, [upgrade]).startswith(b"HTTP/1.1 400")
+        assert upstream.requests == []
+        conn = _connect(url)
+        try:
+            conn.sendall((head + b"\r\n" + request) * 200)
+            reader = _Reader(conn)
+            statuses = []
+            while not reader.ended():
+                statuses.append(reader.response()[0])
+        finally:
+            conn.close()
+        assert 1 <= statuses.count(200) <= 17, statuses
+        assert set(statuses) <= {200, 400}
+        assert statuses[-1] == 400 or reader.reset
+        assert len(upstream.requests) == statuses.count(200)
 
 
 def _few_files() -> None:

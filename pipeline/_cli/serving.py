@@ -12,9 +12,15 @@
 - **The faster parser when it is installed.** uvicorn's protocol on ``httptools`` (llhttp,
   in C) costs a request ~0.6 ms less CPU than the one on ``h11`` (pure Python) under 16
   conversations at once; ``h11`` serves where ``httptools`` cannot be imported, or when asked
-  for (``--http h11``). uvicorn's ``httptools`` protocol bounds neither a request head nor
-  its URL (llhttp gathers a header's value whole before handing it over): the subclass here
-  counts what a head has sent.
+  for (``--http h11``). uvicorn's ``httptools`` protocol bounds less than its ``h11`` one, so
+  the subclass here adds: bytes received with no progress (no head ended, no body byte, no
+  chunk begun) are bounded like a head -- llhttp keeps a header's value, a trailer's too, to
+  itself until its line ends; at most 16 requests wait behind the one being answered (llhttp
+  parses a whole read: 256 KiB of small requests were ~14,000 held at once); a request that
+  asks to upgrade is refused (what follows its head would be read as another protocol's
+  bytes, its body lost); the target is split as ``h11`` splits it (llhttp cuts a fragment
+  off, and an absolute-form target's scheme and host); and a 400 for a later request waits
+  for the answers under way (it would take their place on the connection).
 - **Connections below the descriptor limit.** The soft limit on open files is raised to the
   hard one at start (:func:`raise_open_files`); :func:`connection_cap` is how many client
   connections to serve at once so that each, with its upstream connection, fits under it.
@@ -102,32 +108,53 @@ class _HeadTimedH11(_HeadDeadline, H11Protocol):
         return self.conn.their_state is h11.IDLE
 
 
-class _HeadTooLarge(Exception):
+class _Refused(Exception):
     """Raised in a parser callback: ``httptools`` turns it into its parse error (a 400)."""
+
+
+_MOST_PIPELINED = 16
+"""Requests a connection may send ahead of the answer it waits for (``httptools`` parses a
+whole read at once: 256 KiB of small requests were ~14,000 held at once)."""
 
 
 def _tools_protocol() -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class _HeadTimedTools(_HeadDeadline, HttpToolsProtocol):
-        _awaiting_head = True
-        _head_sent = 0
-        """Bytes received since the last head ended (or the connection began): llhttp keeps
-        a header's value to itself until it ends, so the callbacks alone cannot bound it."""
+        _stalled = 0
+        """Bytes received since the last sign of progress: a head's end, body bytes, a
+        chunk's start. llhttp keeps a header's value (a trailer's too) to itself until its
+        line ends, so the callbacks alone cannot bound it; counted before each read is
+        parsed and reset while it is, so a read's last bytes may go uncounted (one read)."""
         _head_parsed = 0
-        """What the parser has handed over of this head: the URL, each header and its
-        separators; exact where :attr:`_head_sent` may count a body's first bytes too."""
+        """What the parser has handed over of this message's head and trailers: the URL,
+        each header and its separators."""
+        _reading_body = False
+        """Between a request's head and its end."""
+        _refusal: str | None = None
+        """A 400 held back until the answers under way have gone (it would take their
+        place on the connection)."""
 
         def data_received(self, data: bytes) -> None:
-            if self._awaiting_head:
-                self._head_sent += len(data)
+            self._stalled += len(data)
             super().data_received(data)
-            if (
-                self._awaiting_head
-                and self._head_sent > MAX_HEAD_BYTES
-                and not self.transport.is_closing()
-            ):
+            if self._stalled > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self.send_400_response("Invalid HTTP request received.")
+
+        def send_400_response(self, msg: str) -> None:
+            # a later request's head refused: after the answers under way (it would take
+            # their place on the connection); a body broken off ends its request at once
+            if self._answering() and not self._reading_body:
+                self._refusal = msg  # after the answers under way, then the connection ends
+                self.flow.pause_reading()
+                return
+            super().send_400_response(msg)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            refusal = self._refusal
+            if refusal is not None and not self._answering() and not self.transport.is_closing():
+                super().send_400_response(refusal)
 
         def on_message_begin(self) -> None:
             self._head_parsed = 0
@@ -142,8 +169,17 @@ def _tools_protocol() -> type[Any]:
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
-            self._awaiting_head = False
-            self._head_sent = 0
+            self._stalled = 0
+            if self._refusal is not None:
+                raise _Refused  # nothing read after a refusal is served
+            # llhttp would read what follows an upgrade's head as another protocol's bytes
+            # (the body never reaching the app, the next request never answered): refused,
+            # as the proxy serves no other protocol
+            if self.parser.should_upgrade():
+                raise _Refused
+            if self._answering() and len(self.pipeline) >= _MOST_PIPELINED:
+                raise _Refused
+            self._reading_body = True
             super().on_headers_complete()
             # the target as the client wrote it, split as uvicorn's h11 protocol splits it:
             # llhttp's reading cuts a fragment off (not HTTP, but sent: it would not reach the
@@ -153,14 +189,26 @@ def _tools_protocol() -> type[Any]:
             self.scope["path"] = self.root_path + unquote(raw_path.decode("ascii"))
             self.scope["query_string"] = query
 
+        def on_body(self, body: bytes) -> None:
+            self._stalled = 0
+            super().on_body(body)
+
+        def on_chunk_header(self) -> None:
+            self._stalled = 0
+
         def on_message_complete(self) -> None:
-            self._awaiting_head = True
+            self._reading_body = False
             super().on_message_complete()
+
+        def _answering(self) -> bool:
+            """A request is being answered on this connection, or waits to be."""
+            under_way = self.cycle is not None and not self.cycle.response_complete
+            return under_way or bool(self.pipeline)
 
         def _parsed(self, size: int) -> None:
             self._head_parsed += size
             if self._head_parsed > MAX_HEAD_BYTES:
-                raise _HeadTooLarge
+                raise _Refused
 
     return _HeadTimedTools
 
