@@ -294,13 +294,8 @@ def test_a_request_head_past_its_bound_is_refused_and_pipelined_requests_are_ans
             f"content-length: {len(request)}\r\n{extra}\r\n"
         ).encode()
 
-    def reply(body: dict[str, Any]) -> Reply:
-        if body["messages"][-1]["content"] in ("slow", [{"type": "text", "text": "slow"}]):
-            time.sleep(1)
-        return _reply(body)
-
     with (
-        ScriptedMessagesServer(reply) as upstream,
+        ScriptedMessagesServer(_slow_or_ok) as upstream,
         proxy_process(upstream.base_url, tmp_path, "--http", parser) as (url, _, _),
     ):
         endless = [b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-pad: "] + [b"a" * 4096] * 64
@@ -342,36 +337,66 @@ def test_a_request_head_past_its_bound_is_refused_and_pipelined_requests_are_ans
             conn.close()
 
 
+def _slow_or_ok(body: dict[str, Any]) -> Reply:
+    """``ok``, a second late to a request whose last turn is ``slow``."""
+    if body["messages"][-1]["content"] in ("slow", [{"type": "text", "text": "slow"}]):
+        time.sleep(1)
+    return _reply(body)
+
+
 def test_what_httptools_reads_ahead_is_bounded(tmp_path: Path) -> None:
     """llhttp parses whatever a read holds at once, and keeps a header's value to itself
     until its line ends: a trailer that never ends is refused (never reaching the upstream);
     of 200 requests written at once, at most 17 are taken (one answered, 16 waiting), then
-    400 and the connection's end; a request that asks to upgrade is refused (what follows
-    its head would be read as another protocol's bytes: its body lost)."""
-    request = json.dumps(_turns("hi")).encode()
-    head = (
-        "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(request)}\r\n"
-    ).encode()
+    400 and the connection's end; a request that asks to upgrade (curl's ``--http2`` on
+    ``http://``) is served as a plain request, body and all, and so is the one after it;
+    a waiting request whose body breaks is refused after the answer under way."""
+
+    def head(text: str = "hi", extra: str = "") -> tuple[bytes, bytes]:
+        body = json.dumps(_turns(text)).encode()
+        return (
+            "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{extra}\r\n"
+        ).encode(), body
+
+    request = b"".join(head())
     chunked = (
         b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"transfer-encoding: chunked\r\n\r\n"
-        + f"{len(request):x}\r\n".encode()
-        + request
-        + b"\r\n0\r\nx-trailer: "
     )
+    hi = json.dumps(_turns("hi")).encode()
     with (
-        ScriptedMessagesServer(_reply) as upstream,
+        ScriptedMessagesServer(_slow_or_ok) as upstream,
         proxy_process(upstream.base_url, tmp_path, "--http", "httptools") as (url, _, _),
     ):
-        answer = _refused(url, [chunked] + [b"a" * 4096] * 64)
+        trailer = chunked + f"{len(hi):x}\r\n".encode() + hi + b"\r\n0\r\nx-trailer: "
+        answer = _refused(url, [trailer] + [b"a" * 4096] * 64)
         assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
-        upgrade = head + b"connection: upgrade\r\nupgrade: foo\r\n\r\n" + request
-        assert _refused(url, [upgrade]).startswith(b"HTTP/1.1 400")
         assert upstream.requests == []
+
+        upgrade = "connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AA\r\n"
         conn = _connect(url)
         try:
-            conn.sendall((head + b"\r\n" + request) * 200)
+            conn.sendall(b"".join(head("upgrade please", upgrade)) + request)
+            reader = _Reader(conn)
+            assert [reader.response()[0] for _ in range(2)] == [200, 200]
+        finally:
+            conn.close()
+        assert [r["messages"][-1]["content"] for r in upstream.requests] == ["upgrade please", "hi"]
+
+        conn = _connect(url)
+        try:  # a slow request, then one whose chunked body breaks while it waits its turn
+            conn.sendall(b"".join(head("slow")) + chunked + b"zz\r\n")
+            reader = _Reader(conn)
+            assert reader.response()[0] == 200
+            assert reader.rest().startswith(b"HTTP/1.1 400")
+        finally:
+            conn.close()
+        assert len(upstream.requests) == 3
+
+        conn = _connect(url)
+        try:
+            conn.sendall(request * 200)
             reader = _Reader(conn)
             statuses = []
             while not reader.ended():
@@ -381,7 +406,7 @@ def test_what_httptools_reads_ahead_is_bounded(tmp_path: Path) -> None:
         assert 1 <= statuses.count(200) <= 17, statuses
         assert set(statuses) <= {200, 400}
         assert statuses[-1] == 400 or reader.reset
-        assert len(upstream.requests) == statuses.count(200)
+        assert len(upstream.requests) == 3 + statuses.count(200)
 
 
 def _few_files() -> None:

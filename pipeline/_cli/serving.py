@@ -17,10 +17,13 @@
   chunk begun) are bounded like a head -- llhttp keeps a header's value, a trailer's too, to
   itself until its line ends; at most 16 requests wait behind the one being answered (llhttp
   parses a whole read: 256 KiB of small requests were ~14,000 held at once); a request that
-  asks to upgrade is refused (what follows its head would be read as another protocol's
-  bytes, its body lost); the target is split as ``h11`` splits it (llhttp cuts a fragment
-  off, and an absolute-form target's scheme and host); and a 400 for a later request waits
-  for the answers under way (it would take their place on the connection).
+  asks to upgrade (curl's ``--http2`` on ``http://``) has its connection handed to the
+  ``h11`` protocol from its first byte, which serves it as a plain request (llhttp would read
+  what follows its head as the other protocol's bytes, its body lost), or is refused where
+  that byte is not known or an answer is under way; the target is split as ``h11`` splits it
+  (llhttp cuts a fragment off, and an absolute-form target's scheme and host); and a 400 for
+  a later request waits for the answers under way (it would take their place), a waiting
+  request whose body broke never served.
 - **Connections below the descriptor limit.** The soft limit on open files is raised to the
   hard one at start (:func:`raise_open_files`); :func:`connection_cap` is how many client
   connections to serve at once so that each, with its upstream connection, fits under it.
@@ -112,6 +115,9 @@ class _Refused(Exception):
     """Raised in a parser callback: ``httptools`` turns it into its parse error (a 400)."""
 
 
+_QUIET = logging.getLogger("sluicegate.serving.handed_over")
+_QUIET.disabled = True
+
 _MOST_PIPELINED = 16
 """Requests a connection may send ahead of the answer it waits for (``httptools`` parses a
 whole read at once: 256 KiB of small requests were ~14,000 held at once)."""
@@ -134,21 +140,68 @@ def _tools_protocol() -> type[Any]:
         _refusal: str | None = None
         """A 400 held back until the answers under way have gone (it would take their
         place on the connection)."""
+        _in_message = False
+        """Between a message's first byte and its end."""
+        _read_fresh = False
+        """The read being parsed began with no message under way."""
+        _begun = 0
+        """Messages begun in the read being parsed."""
+        _raw: list[bytes] | None = None
+        """The reads since the message being received began, while its head lasts, when it
+        began a read (else None): what an upgrade's request is served again from."""
+        _to_h11 = False
+        """The request being received asks to upgrade: the connection goes on in h11."""
+        _handed_over = False
+        _before_newest: Any = None
+        """The newest request's cycle before the one being received (uvicorn keeps only the
+        newest): the newest again if that one is dropped."""
 
         def data_received(self, data: bytes) -> None:
             self._stalled += len(data)
+            self._read_fresh, self._begun = not self._in_message, 0
+            if self._read_fresh:
+                self._raw = [data]
+            elif self._raw is not None:
+                self._raw.append(data)
             super().data_received(data)
+            if self._handed_over:
+                return
             if self._stalled > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self.send_400_response("Invalid HTTP request received.")
 
         def send_400_response(self, msg: str) -> None:
-            # a later request's head refused: after the answers under way (it would take
-            # their place on the connection); a body broken off ends its request at once
+            if self._to_h11:
+                self._hand_over()
+                return
+            if self._reading_body and self.pipeline:
+                # the newest request's body broke while it waited its turn: never served
+                self.pipeline.popleft()
+                self.cycle, self._reading_body = self._before_newest, False
+            # a later request's refusal waits for the answers under way (it would take their
+            # place on the connection); a body broken off while its own request is the one
+            # being answered ends it at once
             if self._answering() and not self._reading_body:
                 self._refusal = msg  # after the answers under way, then the connection ends
                 self.flow.pause_reading()
                 return
             super().send_400_response(msg)
+
+        def _hand_over(self) -> None:
+            """The connection, from the upgrading request's first byte on, to the h11
+            protocol, which serves an upgrade it cannot make as a plain request (curl's
+            ``--http2`` on an ``http://`` URL asks for ``h2c``); llhttp would read what
+            follows the head as the other protocol's bytes."""
+            assert self._raw is not None
+            self._handed_over = True
+            self._disarm()
+            self._unset_keepalive_if_required()
+            self.connections.discard(self)
+            h11_protocol = head_timed(self.head_timeout, "h11")(
+                config=self.config, server_state=self.server_state, app_state=self.app_state
+            )
+            h11_protocol.connection_made(self.transport)
+            self.transport.set_protocol(h11_protocol)
+            h11_protocol.data_received(b"".join(self._raw))
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -158,6 +211,10 @@ def _tools_protocol() -> type[Any]:
 
         def on_message_begin(self) -> None:
             self._head_parsed = 0
+            self._in_message = True
+            self._begun += 1
+            if not (self._read_fresh and self._begun == 1):
+                self._raw = None  # it began inside a read: where, llhttp does not say
             super().on_message_begin()
 
         def on_url(self, url: bytes) -> None:
@@ -173,12 +230,18 @@ def _tools_protocol() -> type[Any]:
             if self._refusal is not None:
                 raise _Refused  # nothing read after a refusal is served
             # llhttp would read what follows an upgrade's head as another protocol's bytes
-            # (the body never reaching the app, the next request never answered): refused,
-            # as the proxy serves no other protocol
+            # (the body never reaching the app, the next request never answered): served by
+            # h11 from its first byte, where nothing is being answered and that byte is
+            # known; else refused
             if self.parser.should_upgrade():
+                self._to_h11 = self._raw is not None and not self._answering()
+                if self._to_h11:
+                    self.logger = _QUIET  # uvicorn would log the stop as an invalid request
                 raise _Refused
+            self._raw = None
             if self._answering() and len(self.pipeline) >= _MOST_PIPELINED:
                 raise _Refused
+            self._before_newest = self.cycle
             self._reading_body = True
             super().on_headers_complete()
             # the target as the client wrote it, split as uvicorn's h11 protocol splits it:
@@ -197,7 +260,7 @@ def _tools_protocol() -> type[Any]:
             self._stalled = 0
 
         def on_message_complete(self) -> None:
-            self._reading_body = False
+            self._reading_body = self._in_message = False
             super().on_message_complete()
 
         def _answering(self) -> bool:
