@@ -8,7 +8,7 @@ import pytest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pipeline._cli.serving import head_timed, http_parser
+from pipeline._cli.http_protocols import head_timed, http_parser
 
 
 def test_auto_is_httptools_where_it_is_installed() -> None:
@@ -17,6 +17,9 @@ def test_auto_is_httptools_where_it_is_installed() -> None:
     assert issubclass(head_timed(5.0), HttpToolsProtocol)
     assert issubclass(head_timed(5.0, "h11"), H11Protocol)
     assert head_timed(5.0).head_timeout == 5.0
+    # one class per deadline and parser (a connection handed to h11 asks for one)
+    assert head_timed(5.0, "h11") is head_timed(5.0, "h11")
+    assert head_timed(5.0) is head_timed(5.0, "httptools")
 
 
 def test_without_httptools_auto_is_h11_and_asking_for_it_is_refused(

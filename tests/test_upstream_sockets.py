@@ -12,10 +12,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.dropin.upstream import Upstream
-from pipeline.dropin.upstream_sockets import KnownSockets, _Watch, readable
+from pipeline.dropin.upstream_sockets import KnownSockets, _Watch
 from tests.wire_support import RawUpstream, read_request
 
 _ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+def readable(sock: socket.socket | None) -> bool:
+    return _Watch(sock).readable()
 
 
 def test_readable_says_what_a_read_would_meet() -> None:

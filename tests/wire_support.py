@@ -20,7 +20,7 @@ import anthropic
 import uvicorn
 
 from pipeline import Pipeline
-from pipeline._cli.serving import head_timed
+from pipeline._cli.http_protocols import head_timed
 from pipeline.dropin.proxy import build_app
 from pipeline.testing import Reply
 from tests.cli_support import clean_env

@@ -47,12 +47,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from pipeline._cli.http_protocols import head_timed, http_parser
         from pipeline._cli.serving import (
             AcceptRetryAfterClose,
             OnceIn,
             connection_cap,
-            head_timed,
-            http_parser,
             raise_open_files,
         )
         from pipeline.dropin.proxy import LONG_PASS, build_app

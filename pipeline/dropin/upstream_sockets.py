@@ -20,18 +20,14 @@ from typing import Any
 import httpcore2
 import httpx2
 
-__all__ = ["KnownSockets", "known_sockets", "readable"]
-
-
-def readable(sock: Any) -> bool:
-    """Whether ``sock`` would answer a read at once (data, or the end a closed peer leaves);
-    a socket that is gone, or has no descriptor, counts as readable (as closed)."""
-    return _Watch(sock).readable()
+__all__ = ["KnownSockets", "known_sockets"]
 
 
 class _Watch:
-    """One socket's readability, asked again and again: a poll object registered once, so
-    each ask is one system call (``select.select`` where there is no ``poll``)."""
+    """One socket's readability, asked again and again: whether a read would be answered at
+    once (data, or the end a closed peer leaves; a socket gone counts as closed). A poll
+    object registered once, so each ask is one system call (``select.select`` where there is
+    no ``poll``)."""
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
