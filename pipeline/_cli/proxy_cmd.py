@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pipeline._cli.allocator import HEAP_BLOCKS, KEEP_FREED, tune_allocator
 from pipeline._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -147,6 +148,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         logging.getLogger("uvicorn.error").addFilter(OnceIn("Exceeded concurrency limit"))
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
         # raises the signal again: for a service that is the normal stop, exit 0
+        if tune_allocator():  # for the process's life: glibc's moving thresholds cannot return
+            log.debug("proxy.allocator", heap_blocks=HEAP_BLOCKS, keep_freed=KEEP_FREED)
         with contextlib.suppress(KeyboardInterrupt), server_collector(), server_switching():
             server.run(sockets=[sock])
         log.info("proxy.stopped", url=where)
