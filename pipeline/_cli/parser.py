@@ -243,6 +243,14 @@ def _add_proxy_parser(sub: Any) -> None:
         "with those of the calls that end within 0.1 s of it (a power loss in that moment "
         "may lose those calls' records)",
     )
+    limits.add_argument(
+        "--system-allocator",
+        action="store_true",
+        help="leave the C allocator as glibc sets it; by default, on glibc, blocks up to "
+        "32 MiB (request bodies) come from its heap and up to 32 MiB freed is kept there, in "
+        "at most two heaps, so that a growing conversation's bodies do not come as fresh "
+        "pages each call (left alone too where GLIBC_TUNABLES or MALLOC_* set them)",
+    )
     retention = proxy_p.add_argument_group(
         "retention",
         "The store lives as long as the proxy: prune it at start-up, then every hour. A "
