@@ -712,3 +712,30 @@ def test_an_estimator_is_asked_to_learn_only_from_calls_the_tracker_did_not_rule
         msgs.append(results(tool_result(f"t{i}", "out " * (50 * i))))
         sent += 400 + 60 * i
     assert offered == 40 - 6 - 1
+
+
+def test_the_vector_cache_keeps_little_beside_each_vector() -> None:
+    """What the estimator's cache of token vectors adds to the vectors themselves, a record:
+    its entry only (the record is its own key), not an id and a pair beside it."""
+    import gc
+    import tracemalloc
+
+    records = [Message.user(f"result {i}: " + "x" * 200) for i in range(2_000)]
+    estimator = CalibratedEstimator(cache_size=4_096)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        alone = [content_vector(m, estimator._w) for m in records]
+        vectors = tracemalloc.get_traced_memory()[0] - before
+        del alone
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for m in records:
+            estimator.vector(m)
+        cached = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert all(estimator.vector(m) is estimator.vector(m) for m in records[-10:])
+    # an entry of the ordered dict (~85 bytes); with an id and a (record, vector) pair, ~170
+    assert (cached - vectors) / len(records) < 120

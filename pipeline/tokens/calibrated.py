@@ -130,7 +130,8 @@ class CalibratedEstimator:
         (Claude Code restores recently read files). 0 by default: the library's own compaction
         sends exactly its messages. Re-measured on each first call after a compaction."""
         self._w = tuple(self.weights[f] for f in FEATURES)
-        self._cache: OrderedDict[int, tuple[Message, ContentVector]] = OrderedDict()
+        # keyed by the record itself (records hash by identity): no id to keep beside it
+        self._cache: OrderedDict[Message, ContentVector] = OrderedDict()
         self._last_split: tuple[Usage | None, tuple[Message, ...], _Split] | None = None
         """The anchor usage, records from the anchor on and split of the latest estimate."""
         self._learned = 0
@@ -149,13 +150,12 @@ class CalibratedEstimator:
     # -- content ------------------------------------------------------------------------------
     def vector(self, message: Message) -> ContentVector:
         """Base tokens per class of ``message`` (cached by identity)."""
-        key = id(message)
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] is message:
-            self._cache.move_to_end(key)
-            return hit[1]
+        hit = self._cache.get(message)
+        if hit is not None:
+            self._cache.move_to_end(message)
+            return hit
         vec = content_vector(message, self._w)
-        self._cache[key] = (message, vec)
+        self._cache[message] = vec
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return vec
