@@ -213,7 +213,10 @@ class WireSession:
         """Held by a synchronous caller around each call's pass and observation (threads of
         one client may share a conversation)."""
         self._observing = anyio.Lock(fast_acquire=True)
-        saves = CalibrationSaves(self._calibration, lambda: self.ctx.token_tracker.state_dict())
+        # the context, not the session: a session in a reference cycle of its own waits for the
+        # collector when it is let go, with everything it holds
+        ctx = self.ctx
+        saves = CalibrationSaves(self._calibration, lambda: ctx.token_tracker.state_dict())
         self.writes = SessionWrites(self.storage, saves, self.ctx)
         """What it writes and makes durable (:mod:`pipeline.dropin.session_writes`)."""
         self._restored: Transcript | None = loaded

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -210,7 +211,9 @@ class Conversations:
             opening=family.opening,
             **self.context,
         )
-        session.elsewhere = functools.partial(self._decided_elsewhere, family, branch.name)
+        session.elsewhere = functools.partial(
+            self._decided_elsewhere, weakref.ref(family), branch.name
+        )
         with self._lock:
             branch.session = session
             branch.params = []
@@ -322,15 +325,21 @@ class Conversations:
             **options,
             **self.context,
         )
-        session.elsewhere = functools.partial(self._decided_elsewhere, family, name)
+        # the family weakly: it holds the session (a cycle would keep a conversation let go
+        # for the collector, with all it holds)
+        session.elsewhere = functools.partial(self._decided_elsewhere, weakref.ref(family), name)
         return session
 
     def _decided_elsewhere(
-        self, family: Family, name: str | None, keys: Collection[str]
+        self, held: weakref.ref[Family], name: str | None, keys: Collection[str]
     ) -> tuple[list[ReplacementRecord], set[str]]:
-        """How the family's other conversations decided the results ``keys``. Each lookup is
-        one step whatever another thread does (:meth:`WireSession.decisions_on`), so no lock
-        of theirs is taken: one of them may be in a pass that asks the same of this one."""
+        """How the family's other conversations decided the results ``keys`` (none once the
+        family was let go). Each lookup is one step whatever another thread does
+        (:meth:`WireSession.decisions_on`), so no lock of theirs is taken: one of them may be
+        in a pass that asks the same of this one."""
+        family = held()
+        if family is None:
+            return [], set()
         with self._lock:
             others = [b for b in family.recent if b.name != name]
         records: list[ReplacementRecord] = []
@@ -434,7 +443,7 @@ class Conversations:
             # what this output was sent as
             missing = keys - inherited.decided_keys()
             if missing:
-                inherited.adopt(*self._decided_elsewhere(family, parent.name, missing))
+                inherited.adopt(*self._decided_elsewhere(weakref.ref(family), parent.name, missing))
             inherited.chain = list(plan.chain)  # its first request, as this one sent it
             get_logger(session_id=named(family.name, plan.name)).info(
                 "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at

@@ -6,7 +6,8 @@ takes one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ __all__ = ["Branch", "Family", "NewBranch", "family_key", "named", "plan"]
 
 @dataclass(eq=False)
 class Branch:
-    """One conversation of a family: its session and how it was last routed."""
+    """One conversation of a family: its session and how it was last routed. It holds its
+    family weakly (the family holds it): a family let go is freed at once, with its
+    conversations, rather than left to the garbage collector as a reference cycle."""
 
-    family: Family
+    owner: InitVar[Family]
     name: str | None
     """None for the family's first conversation, ``f<16 hex>`` for a branch."""
     session: WireSession
@@ -35,17 +38,34 @@ class Branch:
     call_lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
     """What a caller that must not overlap two calls of a conversation takes (the proxy;
     uncontended, it is taken without a trip through the event loop)."""
+    tenant: str = field(init=False)
+    """Its family's tenant."""
+    family_name: str = field(init=False)
+    _family: weakref.ref[Family] = field(init=False, repr=False)
+
+    def __post_init__(self, owner: Family) -> None:
+        self.tenant, self.family_name = owner.tenant, owner.name
+        self._family = weakref.ref(owner)
+
+    @property
+    def family(self) -> Family:
+        """Its family; ``LookupError`` once the family was let go (a conversation in a call
+        never is)."""
+        family = self._family()
+        if family is None:
+            raise LookupError(f"conversation {self.conversation_id}: its family was let go")
+        return family
 
     @property
     def conversation_id(self) -> str:
         """The conversation's name: the family's, then ``.<branch>`` for a branch."""
-        return named(self.family.name, self.name)
+        return named(self.family_name, self.name)
 
     @property
     def key(self) -> tuple[str, str]:
         """Its tenant and name: what tells it from every other conversation held (the body
         writers of ``wrap`` and the proxy keep its last body under it)."""
-        return self.family.tenant, self.conversation_id
+        return self.tenant, self.conversation_id
 
 
 @dataclass(eq=False)

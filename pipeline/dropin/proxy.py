@@ -341,7 +341,7 @@ def build_app(
                     body,
                     chars_in=len(raw),
                     metrics=metrics,
-                    tenant=branch.family.tenant,
+                    tenant=branch.tenant,
                     # its own trace, or its client's (a traceparent header): never whatever
                     # the server's task for it was made in (the previous request's, on a
                     # kept-alive connection whose next request was read during the last)

@@ -165,7 +165,7 @@ class SluicegateMiddleware(anthropic.Middleware):
             request.json,
             context=beside_sdk_call(),
             metrics=self.metrics,
-            tenant=branch.family.tenant,
+            tenant=branch.tenant,
         )
 
     async def handle_async(self, request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
