@@ -742,3 +742,95 @@ def test_a_conversation_whose_answer_is_still_to_be_read_is_not_let_go(tmp_path:
     same, known, left = anyio.run(run)
     assert same and known
     assert left == 1
+
+
+def test_a_branch_holds_its_family_weakly_unless_no_index_holds_it(tmp_path: Path) -> None:
+    """A branch's family is held by the index, not by the branch (the family holds the branch:
+    a let-go conversation must not wait in a cycle for the collector); an unsure family (its
+    records could not be read), which no index holds, is held by its branch for its request."""
+    import gc
+
+    from pipeline.dropin.families import Family
+
+    states = SessionStates(tmp_path, fsync_each=False)
+    branches = []
+    for unsure in (False, True):
+        family = Family("t", "f", b"o", states, tmp_path, unsure=unsure)
+        branch = Branch(family, None, session=None)  # type: ignore[arg-type]
+        family.branches[None] = branch
+        assert (branch.tenant, branch.conversation_id) == ("t", "f")
+        branches.append(branch)
+        del family
+    held, unsure_one = branches
+    gc.collect()
+    with pytest.raises(LookupError, match="conversation f: its family was let go"):
+        held.family  # noqa: B018 - the property is what is tested
+    assert unsure_one.family.unsure
+    assert held.key == ("t", "f")  # its name and tenant outlive the family
+
+
+def test_a_family_with_a_held_call_is_not_let_go(tmp_path: Path) -> None:
+    """``wrap`` takes no call lock: a conversation routed with ``hold`` keeps its family held
+    until :meth:`Conversations.done`, so its pass still finds how the family's other
+    conversations sent a result."""
+    import types
+
+    def body(*texts: str) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = []
+        for text in texts:
+            if messages:
+                messages.append({"role": "assistant", "content": "ok"})
+            messages.append({"role": "user", "content": text})
+        return {"model": "m", "max_tokens": 5, "messages": messages}
+
+    conversations = Conversations(
+        pipeline=lambda: Pipeline([]), root=tmp_path, max_held=2, tenancy=Tenancy(single=True)
+    )
+    decided = types.SimpleNamespace(key="k", replacement="R")
+
+    async def main() -> None:
+        first = await conversations.route(body("x", "p"), {}, hold=True)
+        sibling = await conversations.route(body("x", "q"), {})
+        assert sibling.family is first.family
+        sibling.session.decisions_on = lambda keys: ([decided], set())  # type: ignore[method-assign]
+        await conversations.route(body("another"), {})  # past max_held: one family must go
+        assert first.session.elsewhere is not None
+        assert first.session.elsewhere({"k"}) == ([decided], set())
+        conversations.done(first)
+        await conversations.route(body("a third"), {})  # now it may go
+        assert conversations.held <= 2
+
+    anyio.run(main)
+
+
+def test_an_unsure_family_lasts_its_request(tmp_path: Path) -> None:
+    """A family whose records a shared store could not give is held by no index, only by its
+    branch: it must last the request (a reload once the store answers again reads it)."""
+    import gc
+
+    class Shared(SessionStates):
+        @property
+        def shared(self) -> bool:
+            return True
+
+    conversations = Conversations(
+        pipeline=lambda: Pipeline([]),
+        root=tmp_path,
+        storage=Shared(tmp_path, fsync_each=False),
+        tenancy=Tenancy(single=True),
+    )
+
+    def down(*_args: Any) -> Any:
+        raise OSError("the store does not answer")
+
+    conversations._load_family = down  # type: ignore[method-assign]
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def main() -> None:
+        branch = await conversations.route(body, {})
+        await anyio.to_thread.run_sync(lambda: None)
+        gc.collect()
+        assert branch.family.unsure
+        await conversations.reload(branch)
+
+    anyio.run(main)

@@ -136,12 +136,15 @@ class Conversations:
         *,
         explicit: str | None = None,
         unchanging: bool = False,
+        hold: bool = False,
     ) -> Branch:
         """The conversation of a request (``body``: its JSON; ``headers``: its HTTP headers),
         a new one made if it continues none. Loads from the store in a worker thread.
         ``unchanging``: the body's values are never changed in place (a
         :class:`~pipeline.wire.body_reader.BodyReader`'s parse), so a system prompt and first
-        message that are an earlier request's very objects need no new digest.
+        message that are an earlier request's very objects need no new digest. ``hold``: a
+        caller that takes no :attr:`~Branch.call_lock` counts its call in :attr:`Branch.calls`
+        until :meth:`done` (its family is not let go meanwhile).
         ``ValueError`` for a bad hint or a request without a ``messages`` list; ``OSError``
         when the store cannot be read."""
         tenancy = self._tenancy
@@ -159,7 +162,7 @@ class Conversations:
                     raise  # a local store that cannot be read is not a view of a fleet's
                 loaded = self._unsure(tenant, name, opening)
             family = self._hold((tenant, name), loaded)
-        return self._place(family, messages, opening, build=_call)
+        return self._place(family, messages, opening, build=_call, hold=hold)
 
     def route_sync(
         self,
@@ -168,6 +171,7 @@ class Conversations:
         *,
         explicit: str | None = None,
         build: Callable[[Callable[[], Any]], Any] | None = None,
+        hold: bool = False,
     ) -> Branch:
         """:meth:`route` for a synchronous caller (blocking I/O inline). ``build``: how to run
         the making of a new session (the sync ``wrap`` makes them in a worker thread, away
@@ -185,7 +189,12 @@ class Conversations:
                     raise  # a local store that cannot be read is not a view of a fleet's
                 loaded = self._unsure(tenant, name, opening)
             family = self._hold((tenant, name), loaded)
-        return self._place(family, messages, opening, build=run, sync=True)
+        return self._place(family, messages, opening, build=run, sync=True, hold=hold)
+
+    def done(self, branch: Branch) -> None:
+        """A call routed with ``hold`` is through its pass."""
+        with self._lock:
+            branch.calls -= 1
 
     @property
     def held(self) -> int:
@@ -253,7 +262,7 @@ class Conversations:
                 break
             if family is keep or any(
                 # in a call, or its answer still to be read (the next pass waits for that)
-                b.call_lock.locked() or b.session.answers_out
+                b.call_lock.locked() or b.calls or b.session.answers_out
                 for b in family.branches.values()
             ):
                 continue
@@ -362,9 +371,10 @@ class Conversations:
         *,
         build: Callable[[Callable[[], Any]], Any],
         sync: bool = False,
+        hold: bool = False,
     ) -> Branch:
         try:
-            return self._placed(family, messages, opening, build=build, sync=sync)
+            return self._placed(family, messages, opening, build=build, sync=sync, hold=hold)
         finally:
             self._write_released()
 
@@ -386,12 +396,13 @@ class Conversations:
         *,
         build: Callable[[Callable[[], Any]], Any],
         sync: bool,
+        hold: bool,
     ) -> Branch:
         with self._lock:
             plan = place(family, messages, opening)
             if isinstance(plan, tuple):
                 branch, chain, start = plan
-                self._set(family, branch, messages, chain, start)
+                self._set(family, branch, messages, chain, start, hold)
                 return branch
         # a new conversation: made outside the index's lock (its parent read under its own)
         made = self._new_branch(family, plan, messages, build, sync)
@@ -399,7 +410,7 @@ class Conversations:
             branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
             if branch is made and self._families.get(family_key(family)) is family:
                 self._held += 1
-            self._set(family, branch, messages, plan.chain, plan.start)
+            self._set(family, branch, messages, plan.chain, plan.start, hold)
             return branch
 
     def _set(
@@ -409,14 +420,18 @@ class Conversations:
         messages: list[Any],
         chain: list[bytes],
         start: int,
+        hold: bool = False,
     ) -> None:
         family.register(branch, chain, start)
         branch.params = list(messages)
         branch.session.routed(messages, chain)
+        branch.calls += hold
         key = family_key(family)
         if self._families.get(key) is family:
             self._families.move_to_end(key)
             self._let_go(keep=family)
+        else:  # let go meanwhile (another thread routed), or never held: the branch holds it
+            branch.keep = family
 
     def _new_branch(
         self,

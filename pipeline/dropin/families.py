@@ -26,7 +26,7 @@ class Branch:
     family weakly (the family holds it): a family let go is freed at once, with its
     conversations, rather than left to the garbage collector as a reference cycle."""
 
-    owner: InitVar[Family]
+    family_of: InitVar[Family]
     name: str | None
     """None for the family's first conversation, ``f<16 hex>`` for a branch."""
     session: WireSession
@@ -41,16 +41,24 @@ class Branch:
     tenant: str = field(init=False)
     """Its family's tenant."""
     family_name: str = field(init=False)
+    calls: int = field(default=0, init=False)
+    """Calls in flight that did not take :attr:`call_lock` (``wrap``'s), between being routed
+    and the end of their pass: the index lets go of no family with one."""
     _family: weakref.ref[Family] = field(init=False, repr=False)
+    keep: Family | None = field(default=None, init=False, repr=False)
+    """The family, held by its branch where no index holds it: an unsure one
+    (:attr:`Family.unsure`, made for one request) or one let go while the branch was made."""
 
-    def __post_init__(self, owner: Family) -> None:
-        self.tenant, self.family_name = owner.tenant, owner.name
-        self._family = weakref.ref(owner)
+    def __post_init__(self, family_of: Family) -> None:
+        self.tenant, self.family_name = family_of.tenant, family_of.name
+        self._family = weakref.ref(family_of)
+        if family_of.unsure:
+            self.keep = family_of
 
     @property
     def family(self) -> Family:
-        """Its family; ``LookupError`` once the family was let go (a conversation in a call
-        never is)."""
+        """Its family; ``LookupError`` once the family was let go and freed (one with a
+        conversation in its pass never is)."""
         family = self._family()
         if family is None:
             raise LookupError(f"conversation {self.conversation_id}: its family was let go")

@@ -172,14 +172,23 @@ class SluicegateMiddleware(anthropic.Middleware):
         """Prepare a Messages request, send it, let its session observe the response."""
         if not _is_messages_call(request):
             return await call_next(request)
+        # held until its pass is through: its family is not let go meanwhile (its pass may
+        # ask the family's other conversations how they sent a result)
         branch = await self.conversations.route(
-            request.json, self._headers(request), explicit=self.session_id
+            request.json, self._headers(request), explicit=self.session_id, hold=True
         )
-        session, seen = branch.session, self._request_of(branch, request)
+        try:
+            session, seen = branch.session, self._request_of(branch, request)
+        except BaseException:
+            self.conversations.done(branch)
+            raise
         with seen.active():
             passing = time.monotonic()
             # the call: what the response answers, whatever is prepared meanwhile
-            body, call = await session.prepare_call(request.json)
+            try:
+                body, call = await session.prepare_call(request.json)
+            finally:
+                self.conversations.done(branch)
             passed = time.monotonic() - passing
             outgoing = self._outgoing(branch, request, body)
             seen.prepared(session.ctx.report, passed, None)  # the upstream call begins
@@ -209,14 +218,25 @@ class SluicegateMiddleware(anthropic.Middleware):
         if not _is_messages_call(request):
             return call_next(request)
         branch = self.conversations.route_sync(
-            request.json, self._headers(request), explicit=self.session_id, build=in_worker
+            request.json,
+            self._headers(request),
+            explicit=self.session_id,
+            build=in_worker,
+            hold=True,
         )
-        session, seen = branch.session, self._request_of(branch, request)
+        try:
+            session, seen = branch.session, self._request_of(branch, request)
+        except BaseException:
+            self.conversations.done(branch)
+            raise
         with seen.active():
             passing = time.monotonic()
-            with session.sync_lock:
-                body, call = run_pass(lambda: session.prepare_call(request.json))
-                report = session.ctx.report
+            try:
+                with session.sync_lock:
+                    body, call = run_pass(lambda: session.prepare_call(request.json))
+                    report = session.ctx.report
+            finally:
+                self.conversations.done(branch)
             passed = time.monotonic() - passing
             outgoing = self._outgoing(branch, request, body)
             seen.prepared(report, passed, None)  # the upstream call begins
