@@ -775,13 +775,9 @@ def test_a_family_with_a_held_call_is_not_let_go(tmp_path: Path) -> None:
     conversations sent a result."""
     import types
 
-    def body(*texts: str) -> dict[str, Any]:
-        messages: list[dict[str, Any]] = []
-        for text in texts:
-            if messages:
-                messages.append({"role": "assistant", "content": "ok"})
-            messages.append({"role": "user", "content": text})
-        return {"model": "m", "max_tokens": 5, "messages": messages}
+    def turns(*texts: str) -> dict[str, Any]:  # the user's turns, answered "ok" between
+        ok = {"role": "assistant", "content": "ok"}
+        return body([m for t in texts for m in (ok, user(t))][1:])
 
     conversations = Conversations(
         pipeline=lambda: Pipeline([]), root=tmp_path, max_held=2, tenancy=Tenancy(single=True)
@@ -789,15 +785,15 @@ def test_a_family_with_a_held_call_is_not_let_go(tmp_path: Path) -> None:
     decided = types.SimpleNamespace(key="k", replacement="R")
 
     async def main() -> None:
-        first = await conversations.route(body("x", "p"), {}, hold=True)
-        sibling = await conversations.route(body("x", "q"), {})
+        first = await conversations.route(turns("x", "p"), {}, hold=True)
+        sibling = await conversations.route(turns("x", "q"), {})
         assert sibling.family is first.family
         sibling.session.decisions_on = lambda keys: ([decided], set())  # type: ignore[method-assign]
-        await conversations.route(body("another"), {})  # past max_held: one family must go
+        await conversations.route(turns("another"), {})  # past max_held: one family must go
         assert first.session.elsewhere is not None
         assert first.session.elsewhere({"k"}) == ([decided], set())
         conversations.done(first)
-        await conversations.route(body("a third"), {})  # now it may go
+        await conversations.route(turns("a third"), {})  # now it may go
         assert conversations.held <= 2
 
     anyio.run(main)
