@@ -146,14 +146,14 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         asyncio_log.addFilter(AcceptRetryAfterClose())
         # and uvicorn's line for each request answered 503 past --max-connections
         logging.getLogger("uvicorn.error").addFilter(OnceIn("Exceeded concurrency limit"))
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
-        # raises the signal again: for a service that is the normal stop, exit 0
         # for the process's life: glibc's moving thresholds cannot be had back
         untuned = "--system-allocator" if args.system_allocator else tune_allocator()
         if untuned is None:
             log.debug("proxy.allocator", heap_blocks=HEAP_BLOCKS, keep_freed=KEEP_FREED)
         else:
             log.debug("proxy.allocator", left_alone=untuned)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
+        # raises the signal again: for a service that is the normal stop, exit 0
         with contextlib.suppress(KeyboardInterrupt), server_collector(), server_switching():
             server.run(sockets=[sock])
         log.info("proxy.stopped", url=where)

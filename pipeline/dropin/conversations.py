@@ -430,7 +430,7 @@ class Conversations:
         if self._families.get(key) is family:
             self._families.move_to_end(key)
             self._let_go(keep=family)
-        else:  # let go meanwhile (another thread routed), or never held: the branch holds it
+        else:  # let go meanwhile (another thread routed), or unsure: the branch holds it
             branch.keep = family
 
     def _new_branch(

@@ -158,6 +158,15 @@ class SluicegateMiddleware(anthropic.Middleware):
         own = {k: v for k, v in (request.headers or {}).items() if isinstance(v, str)}
         return {**self.client_headers, **own}
 
+    def _routed(self, branch: Branch, request: Any) -> tuple[WireSession, WireRequest]:
+        """The session of a call routed with ``hold``, and its request's span and line (the
+        hold let go should these fail: the pass that lets it go would not run)."""
+        try:
+            return branch.session, self._request_of(branch, request)
+        except BaseException:
+            self.conversations.done(branch)
+            raise
+
     def _request_of(self, branch: Branch, request: Any) -> WireRequest:
         """The request's span and log line, beside the SDK's own call span."""
         return WireRequest(
@@ -177,11 +186,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         branch = await self.conversations.route(
             request.json, self._headers(request), explicit=self.session_id, hold=True
         )
-        try:
-            session, seen = branch.session, self._request_of(branch, request)
-        except BaseException:
-            self.conversations.done(branch)
-            raise
+        session, seen = self._routed(branch, request)
         with seen.active():
             passing = time.monotonic()
             # the call: what the response answers, whatever is prepared meanwhile
@@ -224,11 +229,7 @@ class SluicegateMiddleware(anthropic.Middleware):
             build=in_worker,
             hold=True,
         )
-        try:
-            session, seen = branch.session, self._request_of(branch, request)
-        except BaseException:
-            self.conversations.done(branch)
-            raise
+        session, seen = self._routed(branch, request)
         with seen.active():
             passing = time.monotonic()
             try:
