@@ -536,7 +536,7 @@ def test_raw_bodies_are_asked_for() -> None:
 
 
 def test_only_a_client_that_sends_the_body_as_given_gets_raw_bodies() -> None:
-    from pipeline.dropin.wrap import _sends_body_as_given
+    from pipeline.dropin.sdk_middleware import sends_body_as_given as _sends_body_as_given
 
     class Rewriting(anthropic.Anthropic):
         def _prepare_options(self, options: Any) -> Any:

@@ -1,0 +1,324 @@
+"""The SDK middleware behind :func:`~pipeline.dropin.wrap.wrap` (:class:`SluicegateMiddleware`):
+every Messages request of a wrapped client, once per HTTP attempt, through its conversation's
+pipeline. The one module of the drop-ins that imports the anthropic SDK (heavy: ~0.8 s and
+~60 MB resident), imported when a client is wrapped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx2
+
+from pipeline.core import Pipeline
+from pipeline.dropin.adapter import Call, WireSession
+from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
+from pipeline.dropin.event_stream import EventStreamUsage
+from pipeline.dropin.metrics import WireMetrics
+from pipeline.dropin.sync_passes import in_worker, run_pass
+from pipeline.dropin.tenancy import Tenancy
+from pipeline.dropin.wire_request import WireRequest
+from pipeline.dropin.wrap import SYNCS
+from pipeline.spans import beside_sdk_call
+from pipeline.store.files import validate_session_id
+from pipeline.store.sessions import SessionStates
+from pipeline.wire.body_writer import BodyWriter
+from pipeline.wire.request_fields import merge_betas, merge_request_fields
+
+__all__ = ["SluicegateMiddleware", "sends_body_as_given"]
+
+
+def _is_messages_call(request: Any) -> bool:
+    url = str(request.url).split("?", 1)[0].rstrip("/")
+    return (
+        str(request.method).lower() == "post"
+        and url.endswith("/v1/messages")
+        and isinstance(request.json, Mapping)
+        and isinstance(request.json.get("messages"), list)
+    )
+
+
+class SluicegateMiddleware(anthropic.Middleware):
+    """The SDK middleware :func:`wrap` installs (usable directly with ``with_middleware``).
+
+    ``pipeline``: a factory of the stages every conversation runs (called once per
+    conversation; stage objects keep no per-session state, so a shared one is fine too).
+    ``session_id``: a hint naming every request of this client (see
+    :mod:`pipeline.dropin.conversations`: requests are still placed by their messages, so two
+    conversations that open differently, or go different ways, never share a ledger).
+    ``tenancy``: how requests are told apart by credential (default: by the API key the
+    request carries; ``Tenancy(single=True)``: one tenant). ``client_headers``: the headers
+    every request of the client goes with (its credentials, its default headers: the SDK adds
+    them after the middleware), read by :func:`wrap` from the client it wraps; a request's own
+    headers win. ``max_conversations``: how many conversations are held in memory (the least
+    recently used are let go past it, and load from their records when they come back).
+    ``context``: keyword arguments of each session (``cache_breakpoint``, tool policies, a
+    tracer, a logger). ``raw_bodies``: send each prepared body as the bytes the middleware
+    writes, encoding only what is new in it since the conversation's last call
+    (:class:`~pipeline.wire.body_writer.BodyWriter`), rather than as JSON the SDK encodes whole;
+    only for a client that sends the body as it is given (:func:`wrap` tells: the first-party
+    client, not Bedrock's, Vertex's or Foundry's, which rewrite it) and when this middleware is
+    the last (one added after it would see the request without its JSON). ``extra_body`` is in
+    the body by then (the SDK merges it first).
+    """
+
+    def __init__(
+        self,
+        *,
+        root: str | Path = ".sluicegate",
+        pipeline: Callable[[], Pipeline],
+        session_id: str | None = None,
+        tenancy: Tenancy | None = None,
+        client_headers: Mapping[str, str] | None = None,
+        metrics: WireMetrics | None = None,
+        max_conversations: int | None = MAX_HELD,
+        raw_bodies: bool = False,
+        **context: Any,
+    ) -> None:
+        self.metrics = metrics or WireMetrics()
+        self.writer = BodyWriter() if raw_bodies else None
+        self._writing = threading.Lock()  # a sync client's threads share the writer
+        self.client_headers = dict(client_headers or {})
+        if session_id is not None:
+            validate_session_id(session_id)
+        self.root = Path(root)
+        self.pipeline = pipeline
+        self.session_id = session_id
+        self.context = context
+        # each call's records written as it goes and made durable once, at the call's end
+        context.setdefault("storage", SessionStates(self.root, fsync_each=False))
+        self.conversations = Conversations(
+            pipeline=pipeline,
+            root=self.root,
+            tenancy=tenancy,
+            max_held=max_conversations,
+            on_let_go=self._let_go,
+            **context,
+        )
+
+    def _let_go(self, branch: Branch) -> None:
+        if self.writer is not None:
+            with self._writing:
+                self.writer.forget(branch.key)
+
+    def _outgoing(self, branch: Branch, request: Any, body: dict[str, Any]) -> Any:
+        """The request to send: the prepared body, plus what a stage asked of the request
+        (e.g. server-side clearing's ``context_management`` and its beta header)."""
+        session = branch.session
+        report = session.ctx.report
+        body = merge_request_fields(body, report.request_extras)
+        headers: dict[str, Any] = {
+            k: v for k, v in (request.headers or {}).items() if k.lower() != SESSION_HEADER
+        }
+        headers[SESSION_HEADER] = anthropic.omit  # the conversation's name never leaves
+        if report.betas:
+            headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
+        options = request.options
+        raw = (
+            self.writer is not None
+            and options.extra_json is None
+            and options.files is None
+            and options.content is None
+        )
+        # the SDK's copy deep-copies the body it is about to replace (the whole history, every
+        # call): it copies none while it is away, and gets it back at once
+        history, options.json_data = options.json_data, None
+        try:
+            outgoing = request.copy(body=None if raw else body, headers=headers)
+        finally:
+            options.json_data = history
+        if raw:
+            assert self.writer is not None
+            with self._writing:
+                outgoing.options.content = self.writer.write(branch.key, body, finite=True)
+        return outgoing
+
+    def _headers(self, request: Any) -> dict[str, str]:
+        own = {k: v for k, v in (request.headers or {}).items() if isinstance(v, str)}
+        return {**self.client_headers, **own}
+
+    def _routed(self, branch: Branch, request: Any) -> tuple[WireSession, WireRequest]:
+        """The session of a call routed with ``hold``, and its request's span and line (the
+        hold let go should these fail: the pass that lets it go would not run)."""
+        try:
+            return branch.session, self._request_of(branch, request)
+        except BaseException:
+            self.conversations.done(branch)
+            raise
+
+    def _request_of(self, branch: Branch, request: Any) -> WireRequest:
+        """The request's span and log line, beside the SDK's own call span."""
+        return WireRequest(
+            branch.session,
+            request.json,
+            context=beside_sdk_call(),
+            metrics=self.metrics,
+            tenant=branch.tenant,
+        )
+
+    async def handle_async(self, request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+        """Prepare a Messages request, send it, let its session observe the response."""
+        if not _is_messages_call(request):
+            return await call_next(request)
+        # held until its pass is through: its family is not let go meanwhile (its pass may
+        # ask the family's other conversations how they sent a result)
+        branch = await self.conversations.route(
+            request.json, self._headers(request), explicit=self.session_id, hold=True
+        )
+        session, seen = self._routed(branch, request)
+        with seen.active():
+            passing = time.monotonic()
+            # the call: what the response answers, whatever is prepared meanwhile
+            try:
+                body, call = await session.prepare_call(request.json)
+            finally:
+                self.conversations.done(branch)
+            passed = time.monotonic() - passing
+            outgoing = self._outgoing(branch, request, body)
+            seen.prepared(session.ctx.report, passed, None)  # the upstream call begins
+            response = await call_next(outgoing)
+            seen.answered(response.status_code)
+            if response.status_code == 200 and request.stream:
+                _tap(session, response.http_response, call, seen)  # it ends with the stream
+                return response
+            if response.status_code == 200:
+                message = await response.parse()
+                usage, rid = getattr(message, "usage", None), getattr(message, "id", None)
+                _observed(seen, message)
+                if usage is not None and isinstance(rid, str):
+                    await session.observe_async(
+                        rid, usage.model_dump(), model=str(message.model), call=call
+                    )
+            if not session.settle_in(SYNCS):  # the call's records made durable after it
+                await session.settle()
+        seen.end()
+        return response
+
+    def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
+        """The synchronous client's path: the same work, the pipeline run on a private event
+        loop in a worker thread (so a caller that has a running loop is not disturbed:
+        :mod:`pipeline.dropin.sync_passes`), one thread at a time per conversation
+        (:attr:`WireSession.sync_lock`)."""
+        if not _is_messages_call(request):
+            return call_next(request)
+        branch = self.conversations.route_sync(
+            request.json,
+            self._headers(request),
+            explicit=self.session_id,
+            build=in_worker,
+            hold=True,
+        )
+        session, seen = self._routed(branch, request)
+        with seen.active():
+            passing = time.monotonic()
+            try:
+                with session.sync_lock:
+                    body, call = run_pass(lambda: session.prepare_call(request.json))
+                    report = session.ctx.report
+            finally:
+                self.conversations.done(branch)
+            passed = time.monotonic() - passing
+            outgoing = self._outgoing(branch, request, body)
+            seen.prepared(report, passed, None)  # the upstream call begins
+            response = call_next(outgoing)
+            seen.answered(response.status_code)
+            if response.status_code == 200 and request.stream:
+                _tap(session, response.http_response, call, seen)  # it ends with the stream
+                return response
+            if response.status_code == 200:
+                message = response.parse()
+                _observed(seen, message)
+                _observe(session, message, call)
+            if not session.settle_in(SYNCS):  # the call's records made durable after it
+                session.settle_sync()
+        seen.end()
+        return response
+
+
+def _observed(seen: WireRequest, message: Any) -> None:
+    """What a parsed response says of itself, to the request's span and line."""
+    usage = getattr(message, "usage", None)
+    rid, model = getattr(message, "id", None), getattr(message, "model", None)
+    edits: Any = getattr(message, "context_management", None)
+    if edits is not None and hasattr(edits, "model_dump"):
+        edits = edits.model_dump()
+    seen.observed(
+        response_id=rid if isinstance(rid, str) else None,
+        model=str(model) if model is not None else None,
+        usage=usage.model_dump() if usage is not None else None,
+        context_management=edits,
+    )
+
+
+def _observe(session: WireSession, message: Any, call: Call | None) -> None:
+    usage = getattr(message, "usage", None)
+    if usage is not None and isinstance(getattr(message, "id", None), str):
+        session.observe(message.id, usage.model_dump(), model=str(message.model), call=call)
+
+
+class _AsyncTap(httpx2.AsyncByteStream):
+    def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
+        self.inner, self.reader, self.seen = inner, reader, seen
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner:
+            self.reader.feed(chunk)
+            yield chunk
+        await self.reader.aclose()  # the whole stream went by: its usage is complete
+        self.seen.end()
+
+    async def aclose(self) -> None:
+        try:
+            await self.inner.aclose()
+        finally:
+            self.seen.end()  # the caller left early: the request is over all the same
+
+
+class _SyncTap(httpx2.SyncByteStream):
+    def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
+        self.inner, self.reader, self.seen = inner, reader, seen
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.inner:
+            self.reader.feed(chunk)
+            yield chunk
+        self.reader.close()
+        self.seen.end()
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            self.seen.end()
+
+
+def _tap(session: WireSession, http: Any, call: Call | None, seen: WireRequest) -> None:
+    """Let the session observe a streamed response's usage as the caller reads it; the
+    request ends with the stream."""
+    reader = EventStreamUsage(session, call, seen)
+    stream = http.stream
+    http.stream = (
+        _AsyncTap(stream, reader, seen)
+        if isinstance(stream, httpx2.AsyncByteStream)
+        else _SyncTap(stream, reader, seen)
+    )
+
+
+def sends_body_as_given(client: Any) -> bool:
+    """Whether ``client`` sends a request's body as it is given: the first-party client's
+    hooks, which Bedrock's, Vertex's and Foundry's clients replace to rewrite the body."""
+    base = (
+        anthropic.AsyncAnthropic
+        if isinstance(client, anthropic.AsyncAnthropic)
+        else anthropic.Anthropic
+    )
+    kind = type(client)
+    return isinstance(client, base) and all(
+        getattr(kind, hook, None) is getattr(base, hook, None)
+        for hook in ("_prepare_options", "_build_request", "_prepare_request")
+    )
