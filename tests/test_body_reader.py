@@ -451,3 +451,102 @@ def test_fields_after_the_messages_sent_again_are_not_new(monkeypatch: pytest.Mo
     assert split[0] is not None  # the first body: all of it new
     assert split[1:] == [None, None, None, None, None]  # each body read twice here
     assert read[1] is read[0] and read[2] is read[0]  # the fields after: parsed once
+
+
+def _history(n: int, tag: str) -> list[Any]:
+    return [{"role": "user", "content": f"{tag} {k} " + "z" * 2_000} for k in range(n)]
+
+
+def _raw(msgs: list[Any]) -> bytes:
+    return json.dumps({"model": "m", "max_tokens": 5, "messages": msgs}).encode()
+
+
+def test_a_long_new_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parse waits for a task of the event loop: were it run on the loop, it would wait
+    for itself (and fail after the timeout). A body that adds a few messages to a kept one is
+    read on the loop: its offload is never called."""
+    import threading
+
+    import anyio
+    import anyio.to_thread
+
+    began, freed = threading.Event(), threading.Event()
+    parsed = body_reader._parsed
+
+    def waiting(*args: Any) -> Any:
+        began.set()
+        assert freed.wait(5), "parsed on the event loop"
+        return parsed(*args)
+
+    monkeypatch.setattr(body_reader, "_parsed", waiting)
+    msgs = _history(200, "a")  # ~400 KB, all new
+    first, grown = _raw(msgs), _raw([*msgs, {"role": "user", "content": "more"}])
+    assert len(first) >= body_reader.OFF_LOOP_BYTES
+
+    async def never(fn: Any) -> Any:
+        raise AssertionError("a few new messages were parsed off the loop")
+
+    async def main() -> None:
+        reader = BodyReader()
+
+        async def free() -> None:  # runs only while the event loop is free
+            with anyio.move_on_after(10):  # (never begun: the assertions below say so)
+                while not began.is_set():
+                    await anyio.sleep(0.01)
+            freed.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(free)
+            got = await reader.read_async(first, offload=anyio.to_thread.run_sync)
+        assert got == loads_body(first) and reader.off_loop == 1
+        again, fast = await reader.read_async(grown, offload=never)
+        assert fast and again == json.loads(grown) and reader.off_loop == 1
+        assert all(a is b for a, b in zip(again["messages"], got[0]["messages"], strict=False))
+        assert reader.reused == len(msgs)
+
+    anyio.run(main)
+
+
+def test_bodies_read_while_a_long_one_is_parsed_elsewhere_are_all_kept() -> None:
+    """Two long bodies' parses wait off the loop while another conversation's body is read
+    and kept on it: then each is kept, a later body of each reuses its messages, and the
+    parse that fails raises its error to its reader."""
+    import anyio
+
+    gate = anyio.Event()
+
+    async def later(fn: Any) -> Any:
+        await gate.wait()
+        return fn()
+
+    long_msgs, short_msgs = _history(200, "long"), _history(3, "short")
+    bad = _raw(_history(200, "bad")).replace(b"bad 7", b"bad \\ud800 7", 1)[:-1]  # cut short
+
+    async def main() -> None:
+        reader = BodyReader()
+        results: dict[str, Any] = {}
+
+        async def read(name: str, raw: bytes) -> None:
+            try:
+                results[name] = await reader.read_async(raw, offload=later)
+            except ValueError as exc:
+                results[name] = exc
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(read, "long", _raw(long_msgs))
+            tasks.start_soon(read, "bad", bad)
+            await anyio.sleep(0.05)
+            await read("short", _raw(short_msgs))  # on the loop, while the others wait
+            assert set(results) == {"short"}
+            gate.set()
+        assert reader.off_loop == 2
+        assert results["long"] == loads_body(_raw(long_msgs))
+        assert results["short"] == loads_body(_raw(short_msgs))
+        assert isinstance(results["bad"], ValueError)  # the parse's error, raised here
+        for msgs in (long_msgs, short_msgs):
+            before = reader.reused
+            grown = _raw([*msgs, {"role": "user", "content": "next"}])
+            got = await reader.read_async(grown, offload=later)
+            assert got == loads_body(grown) and reader.reused - before == len(msgs)
+
+    anyio.run(main)

@@ -5,6 +5,7 @@ tenant and by the messages it begins with, never by a name alone."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -830,3 +831,81 @@ def test_an_unsure_family_lasts_its_request(tmp_path: Path) -> None:
         await conversations.reload(branch)
 
     anyio.run(main)
+
+
+def _long_history(rounds: int) -> list[dict[str, Any]]:
+    return [user("go")] + [m for k in range(rounds) for m in (call(f"t{k}"), answer(f"t{k}", "x"))]
+
+
+def test_a_long_request_new_to_its_family_is_digested_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digests wait for a task of the event loop: were they taken on the loop, they would
+    wait for themselves (and fail after the timeout). The calls that follow, the last
+    message's cache mark moved as Claude Code moves it, are digested on the loop."""
+    import threading
+
+    from pipeline.dropin import conversations as module
+
+    began, freed = threading.Event(), threading.Event()
+    digest = module.chain_of
+
+    def waiting(*args: Any, **kwargs: Any) -> Any:
+        began.set()
+        assert freed.wait(5), "digested on the event loop"
+        return digest(*args, **kwargs)
+
+    monkeypatch.setattr(module, "chain_of", waiting)
+    history = _long_history(module.OFF_LOOP_MESSAGES // 2)
+
+    async def main() -> None:
+        conversations = registry(tmp_path)
+
+        async def free() -> None:  # runs only while the event loop is free
+            with anyio.move_on_after(10):  # (never begun: the assertions below say so)
+                while not began.is_set():
+                    await anyio.sleep(0.01)
+            freed.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(free)
+            first, _ = await send(conversations, history)
+        assert conversations.off_loop == 1
+        marked = [*history, call("u1"), user("next", cache_control={"type": "ephemeral"})]
+        second, _ = await send(conversations, marked)
+        third, _ = await send(conversations, [*marked[:-1], user("next"), call("u2")])
+        assert first is second is third and conversations.off_loop == 1
+
+    anyio.run(main)
+
+
+def test_requests_digested_off_the_loop_are_placed_as_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Growing, forking, a retry of an earlier request and a new process, each request
+    digested whole off the loop: the same conversations, the same bytes sent."""
+    from pipeline.dropin import conversations as module
+
+    history = _long_history(3)
+
+    async def run(root: Path) -> list[tuple[str | None, str]]:
+        def seen(branch: Branch, out: list[Any]) -> tuple[str | None, str]:
+            # each store digests its tenants under a key of its own
+            text = json.dumps(out).replace(str(root), "ROOT")
+            return branch.name, re.sub(r"/t-[0-9a-f]+/", "/t-/", text)
+
+        conversations = registry(root)
+        sent = []
+        for messages in (
+            history,
+            [*history, call("t9"), answer("t9", "y" * 5_000)],
+            [*history, call("f1"), answer("f1", "z" * 5_000)],  # a fork
+            history,  # a retry of the first
+        ):
+            sent.append(seen(*await send(conversations, messages)))
+        grown = [*history, call("t9"), answer("t9", "y" * 5_000)]
+        return [*sent, seen(*await send(registry(root), grown))]  # a new process
+
+    inline = anyio.run(run, tmp_path / "inline")
+    monkeypatch.setattr(module, "OFF_LOOP_MESSAGES", 0)
+    assert anyio.run(run, tmp_path / "off") == inline

@@ -113,15 +113,16 @@ class Family:
 
 
 def plan(
-    family: Family, messages: list[Any], opening: bytes
+    family: Family, messages: list[Any], opening: bytes, full: list[bytes] | None = None
 ) -> tuple[Branch, list[bytes], int] | NewBranch:
     """Where a request goes in ``family`` (under the lock of the index that holds it): an
     existing conversation, with the request's chain and where it is new; or a conversation to
-    make."""
+    make. ``full``: the request's whole chain, made beforehand (off an event loop: see
+    :func:`new_to`); else the part not known already is digested here."""
     found = _extends(family, messages)
     if found is not None:
         branch, start = found
-        chain = chain_of(messages, start, branch.chain, opening=opening)
+        chain = _chain(messages, start, branch.chain, opening, full)
         known = start
         while known < len(chain) and chain[known] in family.owner:
             known += 1
@@ -129,7 +130,7 @@ def plan(
             return branch, chain, start
         # what follows its last request another conversation sent (a fork of that one
         # that repeats its messages): placed by that one's, below, to send what it sent
-    shared, chain = _shared_prefix(family, messages, opening)
+    shared, chain = _shared_prefix(family, messages, opening, full)
     known = 0
     while known < len(chain) and chain[known] in family.owner:
         known += 1
@@ -168,7 +169,9 @@ def _extends(family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
     return best
 
 
-def _shared_prefix(family: Family, messages: list[Any], opening: bytes) -> tuple[int, list[bytes]]:
+def _shared_prefix(
+    family: Family, messages: list[Any], opening: bytes, full: list[bytes] | None
+) -> tuple[int, list[bytes]]:
     """The request's chain, the part it shares by value with the most recent conversation
     taken from that one's (not digested again)."""
     shared, base = 0, []
@@ -179,7 +182,34 @@ def _shared_prefix(family: Family, messages: list[Any], opening: bytes) -> tuple
         while shared < limit and messages[shared] == params[shared]:
             shared += 1
         base = chain[:shared]
-    return shared, chain_of(messages, shared, base, opening=opening)
+    return shared, _chain(messages, shared, base, opening, full)
+
+
+def _chain(
+    messages: list[Any], start: int, base: list[bytes], opening: bytes, full: list[bytes] | None
+) -> list[bytes]:
+    # a chain is a function of the messages' values: ``base`` (the chain of messages equal to
+    # the request's first ``start``) is ``full``'s start
+    return list(full) if full is not None else chain_of(messages, start, base, opening=opening)
+
+
+_TAIL = 8
+"""A conversation's last messages a client may send again changed (a cache mark moved)."""
+
+
+def new_to(family: Family, messages: list[Any]) -> int:
+    """About how many of a request's messages ``family`` does not know: past the longest of
+    its recent conversations' last requests whose message a few before its end is the very
+    object the request holds there (a body reader hands on the same objects for text that
+    repeats). A guess, read without the index's lock, for whether to digest the request off
+    an event loop: placing it decides."""
+    n, known = len(messages), 0
+    for branch in family.recent[:4]:
+        params = branch.params
+        j = min(len(params), n) - 1 - _TAIL
+        if j >= known and messages[j] is params[j]:
+            known = j + 1
+    return n - known
 
 
 @dataclass(frozen=True)

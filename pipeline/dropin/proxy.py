@@ -299,7 +299,10 @@ def build_app(
             return raw
         headers = dict(request.headers)
         try:
-            body, fast = bodies.read(raw, scope=credential_of(headers))
+            # a long body new to the reader is parsed off the loop, which serves the others
+            body, fast = await bodies.read_async(
+                raw, scope=credential_of(headers), offload=anyio.to_thread.run_sync
+            )
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
         except RecursionError:

@@ -6,7 +6,8 @@ The forwarder runs on uvicorn's h11 parser (what ``pip install uvicorn`` brings)
 can, so each ratio is printed against both.
 
     python tests/benchmarks/bench_peers.py [--sizes 10,100,1000,10000] [--calls 40]
-        [--concurrency 16] [--prepare 1000,5000,10000,20000] [--claude-code-text]
+        [--concurrency 16] [--prepare 1000,5000,10000,20000] [--neighbours 1000,10000]
+        [--claude-code-text]
 
 Not a test: it prints figures. ``--claude-code-text``: every conversation's bodies as Claude
 Code sends them (raw UTF-8, its system prompt with a character past U+FFFF), not ASCII JSON.
@@ -19,7 +20,8 @@ Code sends them (raw UTF-8, its system prompt with a character past U+FFFF), not
    1b. **First calls.** A new conversation's first call (the proxy meets all its messages at
    once) against its second, at 100 and 1,000 messages.
    1c. **A busy neighbour.** A conversation of 10 messages calling back to back while new
-   conversations of 1,000 messages arrive beside it: its latency (p50, p99, max).
+   conversations of ``--neighbours`` messages (1,000; 10,000 too) arrive beside it: its
+   latency (p50, p99, max) and how many calls it made.
 2. **Throughput.** ``--concurrency`` conversations at 100 messages at once, each sending calls back
    to back for a few seconds: requests a second and p50/p99 latency per target; also the proxy
    with its store on tmpfs (``/dev/shm``, where an fsync costs nothing), when there is one.
@@ -325,25 +327,25 @@ def first_calls(targets: dict[str, str], sizes: list[int], conversations: int) -
             sys.stdout.flush()
 
 
-def _long_ones(url: str, tag: str, stop: Any, firsts: list[float]) -> None:
-    """New conversations of 1,000 messages, one after another, until ``stop`` is set: the
+def _long_ones(url: str, tag: str, n: int, stop: Any, firsts: list[float]) -> None:
+    """New conversations of ``n`` messages, one after another, until ``stop`` is set: the
     time of each one's first call into ``firsts``."""
     with httpx.Client(timeout=300) as client:
         k = 0
         while not stop.is_set():
-            conv = Conversation(1_000, f"{tag}long{k}")
+            conv = Conversation(n, f"{tag}long{n}x{k}")
             firsts.append(call(client, url, conv, conv.next_body()))
             k += 1
 
 
-def busy_neighbour(targets: dict[str, str], seconds: float) -> None:
+def busy_neighbour(targets: dict[str, str], seconds: float, long: int = 1_000) -> None:
     """A conversation of 10 messages calling back to back while, beside it, new conversations
-    of 1,000 messages arrive one after another (each one's first call: every message new)."""
+    of ``long`` messages arrive one after another (each one's first call: every message new)."""
     import threading
 
     print(
         "\n1c. A small conversation beside new long ones (ms): 10 messages calling back to"
-        " back, while conversations of 1,000 messages new to the target arrive one after"
+        f" back, while conversations of {long:,} messages new to the target arrive one after"
         " another"
     )
     header = ("target", "small p50", "p99", "max", "calls", "long first p50")
@@ -353,7 +355,7 @@ def busy_neighbour(targets: dict[str, str], seconds: float) -> None:
         if name == "direct":
             continue
         stop, firsts = threading.Event(), []
-        beside = threading.Thread(target=_long_ones, args=(url, name, stop, firsts))
+        beside = threading.Thread(target=_long_ones, args=(url, name, long, stop, firsts))
         beside.start()
         small, times = Conversation(10, f"{name}small"), []
         with httpx.Client(timeout=60) as client:
@@ -666,6 +668,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds")
     parser.add_argument("--prepare", default="1000,5000,10000,20000")
+    parser.add_argument("--neighbours", default="1000", help="sizes of 1c's long conversations")
     parser.add_argument(
         "--skip",
         default="",
@@ -696,7 +699,8 @@ def main() -> int:
         if "first" not in skip:
             first_calls(targets, [n for n in (100, 1000) if n <= max(sizes)] or [10], 15)
         if "busy" not in skip:
-            busy_neighbour(targets, args.seconds)
+            for long in (int(x) for x in args.neighbours.split(",")):
+                busy_neighbour(targets, args.seconds, long)
         if "wrap" not in skip:
             wrap_latency(upstream, sizes, args.calls)
         if "throughput" not in skip:
