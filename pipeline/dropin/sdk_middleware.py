@@ -22,8 +22,8 @@ from pipeline.dropin.event_stream import EventStreamUsage
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.sync_passes import in_worker, run_pass
 from pipeline.dropin.tenancy import Tenancy
+from pipeline.dropin.thread_sync import SYNCS
 from pipeline.dropin.wire_request import WireRequest
-from pipeline.dropin.wrap import SYNCS
 from pipeline.spans import beside_sdk_call
 from pipeline.store.files import validate_session_id
 from pipeline.store.sessions import SessionStates

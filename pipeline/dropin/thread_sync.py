@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from pipeline.dropin.group_sync import GROUP_WINDOW, sync_each
 
-__all__ = ["ThreadSync"]
+__all__ = ["SYNCS", "ThreadSync"]
 
 
 class ThreadSync:
@@ -87,3 +87,8 @@ class ThreadSync:
             if self.window:
                 time.sleep(self.window)  # the group's window: others join it
             self.flush()
+
+
+SYNCS = ThreadSync()
+"""Where every wrapped client's local records are made durable after its calls, in groups
+(``pipeline.dropin.wrap.SYNCS`` too); ``SYNCS.flush()`` makes what waits durable now."""

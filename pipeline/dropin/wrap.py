@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pipeline.core import Pipeline
 from pipeline.dropin.conversations import MAX_HELD
 from pipeline.dropin.tenancy import Tenancy
-from pipeline.dropin.thread_sync import ThreadSync
+from pipeline.dropin.thread_sync import SYNCS
 
 if TYPE_CHECKING:  # the SDK is heavy to import (~0.8 s, ~60 MB): only a wrapped client needs it
     import anthropic
@@ -31,10 +31,6 @@ if TYPE_CHECKING:  # the SDK is heavy to import (~0.8 s, ~60 MB): only a wrapped
     from pipeline.dropin.sdk_middleware import SluicegateMiddleware
 
 __all__ = ["SYNCS", "SluicegateMiddleware", "wrap"]
-
-SYNCS = ThreadSync()
-"""Where every wrapped client's local records are made durable after its calls, in groups
-(:mod:`pipeline.dropin.thread_sync`); ``SYNCS.flush()`` makes what waits durable now."""
 
 C = TypeVar("C", "anthropic.Anthropic", "anthropic.AsyncAnthropic")
 
