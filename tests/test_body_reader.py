@@ -519,6 +519,9 @@ def test_bodies_read_while_a_long_one_is_parsed_elsewhere_are_all_kept() -> None
         await gate.wait()
         return fn()
 
+    async def never(fn: Any) -> Any:
+        raise AssertionError("a short body was parsed off the loop")
+
     long_msgs, short_msgs = _history(200, "long"), _history(3, "short")
     bad = _raw(_history(200, "bad")).replace(b"bad 7", b"bad \\ud800 7", 1)[:-1]  # cut short
 
@@ -536,7 +539,8 @@ def test_bodies_read_while_a_long_one_is_parsed_elsewhere_are_all_kept() -> None
             tasks.start_soon(read, "long", _raw(long_msgs))
             tasks.start_soon(read, "bad", bad)
             await anyio.sleep(0.05)
-            await read("short", _raw(short_msgs))  # on the loop, while the others wait
+            # on the loop, while the others wait (were it sent off the loop, it would fail)
+            results["short"] = await reader.read_async(_raw(short_msgs), offload=never)
             assert set(results) == {"short"}
             gate.set()
         assert reader.off_loop == 2

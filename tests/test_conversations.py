@@ -909,3 +909,72 @@ def test_requests_digested_off_the_loop_are_placed_as_on_it(
     inline = anyio.run(run, tmp_path / "inline")
     monkeypatch.setattr(module, "OFF_LOOP_MESSAGES", 0)
     assert anyio.run(run, tmp_path / "off") == inline
+
+
+def test_a_conversation_let_go_while_its_request_is_digested_is_placed_where_it_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a request is digested off the loop, another conversation's request lets its
+    family go (one held at most): the request is placed in the family loaded again, the one
+    held, so its retry meets the very conversation whose call is in flight."""
+    import copy
+    import threading
+
+    from pipeline.dropin import conversations as module
+
+    other_routed = threading.Event()
+    digest = module.chain_of
+
+    def waiting(*args: Any, **kwargs: Any) -> Any:
+        assert other_routed.wait(5), "the other request was never routed"
+        return digest(*args, **kwargs)
+
+    history = [user("A go"), call("t1"), answer("t1", "x")]
+    grown = [*copy.deepcopy(history), call("t2"), answer("t2", "y")]
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_held=1)
+        await send(conversations, history)
+        monkeypatch.setattr(module, "chain_of", waiting)
+        monkeypatch.setattr(module, "OFF_LOOP_MESSAGES", 3)
+        placed: dict[str, Branch] = {}
+
+        async def grows() -> None:
+            placed["a"] = await conversations.route(body(grown), KEY_A)
+            async with placed["a"].call_lock:  # its call in flight, as the proxy holds it
+                placed["retry"] = await conversations.route(body(copy.deepcopy(grown)), KEY_A)
+
+        async def other() -> None:
+            await conversations.route(body([user("B go")]), KEY_A)
+            other_routed.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(grows)
+            await anyio.sleep(0.05)
+            tasks.start_soon(other)
+        assert conversations.off_loop == 2
+        assert placed["retry"] is placed["a"]
+        assert placed["a"].keep is None  # held by the index, not only by its branch
+
+    anyio.run(main)
+
+
+def test_a_request_equal_to_its_conversations_last_but_not_the_same_objects_is_digested_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SDK client (``wrap``) builds its messages anew each call: a long conversation's next
+    call, equal to its last but for what it adds, is not digested whole again."""
+    import copy
+
+    from pipeline.dropin import conversations as module
+
+    history = _long_history(module.OFF_LOOP_MESSAGES // 2)
+
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        await send(conversations, history)
+        assert conversations.off_loop == 1
+        await send(conversations, [*copy.deepcopy(history), call("u1"), answer("u1", "z")])
+        assert conversations.off_loop == 1
+
+    anyio.run(main)

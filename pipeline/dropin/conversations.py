@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from pipeline.core import Pipeline
 
 __all__ = [
+    "DIGESTS_AT_ONCE",
     "MAX_HELD",
     "OFF_LOOP_MESSAGES",
     "SESSION_HEADER",
@@ -76,6 +77,9 @@ MAX_HELD = 256
 OFF_LOOP_MESSAGES = 200
 """Messages new to their family from which :meth:`Conversations.route` digests a request in a
 worker thread (~3 µs a message), away from the event loop."""
+DIGESTS_AT_ONCE = 2
+"""Requests digested in worker threads at once (they share the interpreter: more would only
+keep the threads that load conversations from the store waiting)."""
 
 T = TypeVar("T")
 
@@ -136,6 +140,7 @@ class Conversations:
         self._openings = OpeningMemo(min(_OPENINGS_KEPT, max_held or _OPENINGS_KEPT))
         self.off_loop = 0
         """Requests :meth:`route` digested off its event loop so far."""
+        self._digests = anyio.CapacityLimiter(DIGESTS_AT_ONCE)
         self._released: list[Branch] = []
         """Conversations let go whose held-back writes are still to make."""
         self._lock = threading.Lock()
@@ -165,22 +170,28 @@ class Conversations:
         tenant, name, messages, opening = self._key(
             tenancy, body, headers, explicit, unchanging=unchanging
         )
-        family = self._families.get((tenant, name))
-        if family is None:
-            try:
-                loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name, opening)
-            except OSError:
-                if not self.states.shared:
-                    raise  # a local store that cannot be read is not a view of a fleet's
-                loaded = self._unsure(tenant, name, opening)
-            family = self._hold((tenant, name), loaded)
+        family = await self._family(tenant, name, opening)
         full = None
         if new_to(family, messages) >= OFF_LOOP_MESSAGES:  # digested off the event loop
             self.off_loop += 1
-            full = await anyio.to_thread.run_sync(
-                functools.partial(chain_of, messages, opening=opening)
-            )
+            digest = functools.partial(chain_of, messages, opening=opening)
+            full = await anyio.to_thread.run_sync(digest, limiter=self._digests)
+            # let go meanwhile, it is loaded again (the chain holds: it is the messages')
+            family = await self._family(tenant, name, opening)
+        # placed with no await since the family was found: it cannot be let go in between
         return self._place(family, messages, opening, build=_call, hold=hold, full=full)
+
+    async def _family(self, tenant: str, name: str, opening: bytes) -> Family:
+        family = self._families.get((tenant, name))
+        if family is not None:
+            return family
+        try:
+            loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name, opening)
+        except OSError:
+            if not self.states.shared:
+                raise  # a local store that cannot be read is not a view of a fleet's
+            loaded = self._unsure(tenant, name, opening)
+        return self._hold((tenant, name), loaded)
 
     def route_sync(
         self,

@@ -199,15 +199,15 @@ _TAIL = 8
 
 def new_to(family: Family, messages: list[Any]) -> int:
     """About how many of a request's messages ``family`` does not know: past the longest of
-    its recent conversations' last requests whose message a few before its end is the very
-    object the request holds there (a body reader hands on the same objects for text that
-    repeats). A guess, read without the index's lock, for whether to digest the request off
-    an event loop: placing it decides."""
+    its recent conversations' last requests whose message a few before its end the request
+    holds there too (one comparison each, by identity first: a body reader hands on the same
+    objects for text that repeats). A guess, read without the index's lock, for whether to
+    digest the request off an event loop: placing it decides."""
     n, known = len(messages), 0
     for branch in family.recent[:4]:
         params = branch.params
         j = min(len(params), n) - 1 - _TAIL
-        if j >= known and messages[j] is params[j]:
+        if j >= known and messages[j] == params[j]:
             known = j + 1
     return n - known
 

@@ -77,6 +77,7 @@ __all__ = [
     "LONG_PASS",
     "MAX_BODY_BYTES",
     "MAX_UPSTREAM_CONNECTIONS",
+    "PARSES_AT_ONCE",
     "UPSTREAM_TIMEOUT",
     "build_app",
 ]
@@ -102,6 +103,8 @@ _CONNECT_TIMEOUT = 30.0
 _KEPT_ALIVE = 100
 
 
+PARSES_AT_ONCE = 2
+"""Long new request bodies parsed off the server's loop at once."""
 LONG_PASS = 200
 """The command line's ``long_pass`` (:func:`build_app`): a first pass over this many messages
 costs ~20 ms of CPU, what running it on a loop of its own adds (~1 ms) is small beside it."""
@@ -171,6 +174,10 @@ def build_app(
     logger = context.get("logger") or get_logger()
     # request bodies parsed in the size of what is new in them (see pipeline.wire.body_reader)
     bodies = BodyReader(max_bodies=max_conversations or MAX_HELD)
+    # long new bodies parsed in worker threads, two at a time (they share the interpreter)
+    parse_elsewhere = functools.partial(
+        anyio.to_thread.run_sync, limiter=anyio.CapacityLimiter(PARSES_AT_ONCE)
+    )
     # and written in the size of what is new in them (see pipeline.wire.body_writer)
     sent = BodyWriter()
     if isinstance(storage, SessionStates):
@@ -301,7 +308,7 @@ def build_app(
         try:
             # a long body new to the reader is parsed off the loop, which serves the others
             body, fast = await bodies.read_async(
-                raw, scope=credential_of(headers), offload=anyio.to_thread.run_sync
+                raw, scope=credential_of(headers), offload=parse_elsewhere
             )
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
