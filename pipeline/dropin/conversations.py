@@ -25,7 +25,9 @@ by what it holds, never by a name alone:
   stay one conversation only while one extends the other.
 
 Finding the conversation costs one comparison per message with the last request of the most
-recent one (C-level), and a digest per new message; the digests are kept with each
+recent one (C-level), and a digest per new message (a request with many, a long
+conversation's first, is digested in a worker thread by :meth:`Conversations.route`, away
+from the event loop: :data:`OFF_LOOP_MESSAGES`); the digests are kept with each
 conversation's records (``chain`` in its response records), so a new process, or another
 worker on the same object store, places requests as this one would. A branch's name is the
 family's, then ``.f`` and 16 hex of the digest of the first message in which it went its own
