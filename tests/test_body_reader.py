@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pipeline.wire import body_reader, body_split, kept_bodies
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body, loads_body
-from tests.wire_support import stepped
+from tests.wire_support import OffTheLoop, stepped
 
 
 def _same_as_a_full_parse(reader: BodyReader, raw: bytes) -> None:
@@ -465,17 +465,14 @@ def test_a_long_new_body_is_parsed_off_the_event_loop(monkeypatch: pytest.Monkey
     """The parse waits for a task of the event loop: were it run on the loop, it would wait
     for itself (and fail after the timeout). A body that adds a few messages to a kept one is
     read on the loop: its offload is never called."""
-    import threading
-
     import anyio
     import anyio.to_thread
 
-    began, freed = threading.Event(), threading.Event()
+    witness = OffTheLoop()
     parsed = body_reader._parsed
 
     def waiting(*args: Any) -> Any:
-        began.set()
-        assert freed.wait(5), "parsed on the event loop"
+        witness.wait("parsed")
         return parsed(*args)
 
     monkeypatch.setattr(body_reader, "_parsed", waiting)
@@ -489,14 +486,8 @@ def test_a_long_new_body_is_parsed_off_the_event_loop(monkeypatch: pytest.Monkey
     async def main() -> None:
         reader = BodyReader()
 
-        async def free() -> None:  # runs only while the event loop is free
-            with anyio.move_on_after(10):  # (never begun: the assertions below say so)
-                while not began.is_set():
-                    await anyio.sleep(0.01)
-            freed.set()
-
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(free)
+            tasks.start_soon(witness.free)
             got = await reader.read_async(first, offload=anyio.to_thread.run_sync)
         assert got == loads_body(first) and reader.off_loop == 1
         again, fast = await reader.read_async(grown, offload=never)

@@ -18,7 +18,7 @@ from pipeline.dropin.tenancy import Tenancy
 from pipeline.store.sessions import SessionStates
 from pipeline.testing import QuietLogger
 from stages import ToolResultBudget
-from tests.wire_support import TAG
+from tests.wire_support import TAG, OffTheLoop
 
 KEY_A = {"x-api-key": "sk-ant-A"}
 KEY_B = {"x-api-key": "sk-ant-B"}
@@ -843,16 +843,13 @@ def test_a_long_request_new_to_its_family_is_digested_off_the_event_loop(
     """The digests wait for a task of the event loop: were they taken on the loop, they would
     wait for themselves (and fail after the timeout). The calls that follow, the last
     message's cache mark moved as Claude Code moves it, are digested on the loop."""
-    import threading
-
     from pipeline.dropin import conversations as module
 
-    began, freed = threading.Event(), threading.Event()
+    witness = OffTheLoop()
     digest = module.chain_of
 
     def waiting(*args: Any, **kwargs: Any) -> Any:
-        began.set()
-        assert freed.wait(5), "digested on the event loop"
+        witness.wait("digested")
         return digest(*args, **kwargs)
 
     monkeypatch.setattr(module, "chain_of", waiting)
@@ -861,14 +858,8 @@ def test_a_long_request_new_to_its_family_is_digested_off_the_event_loop(
     async def main() -> None:
         conversations = registry(tmp_path)
 
-        async def free() -> None:  # runs only while the event loop is free
-            with anyio.move_on_after(10):  # (never begun: the assertions below say so)
-                while not began.is_set():
-                    await anyio.sleep(0.01)
-            freed.set()
-
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(free)
+            tasks.start_soon(witness.free)
             first, _ = await send(conversations, history)
         assert conversations.off_loop == 1
         marked = [*history, call("u1"), user("next", cache_control={"type": "ephemeral"})]

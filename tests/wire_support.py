@@ -322,3 +322,26 @@ class CutUpstream(RawUpstream):
             b"transfer-encoding: chunked\r\n\r\n"
             b'40\r\nevent: message_start\r\ndata: {"type": "mess'  # 64 promised
         )
+
+
+class OffTheLoop:
+    """Tells whether a blocking step ran off the event loop: the step calls :meth:`wait`, which
+    waits for :meth:`free`, a task of the loop -- run on the loop, the step would wait for
+    itself, and fails after ``timeout`` seconds. :meth:`free` gives up once the step has not
+    begun in twice that (the test's own assertions say why)."""
+
+    def __init__(self, timeout: float = 5.0) -> None:
+        self.timeout = timeout
+        self.began, self.freed = threading.Event(), threading.Event()
+
+    def wait(self, what: str) -> None:
+        self.began.set()
+        assert self.freed.wait(self.timeout), f"{what} on the event loop"
+
+    async def free(self) -> None:
+        import anyio
+
+        with anyio.move_on_after(2 * self.timeout):
+            while not self.began.is_set():
+                await anyio.sleep(0.01)
+        self.freed.set()
