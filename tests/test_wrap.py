@@ -19,6 +19,7 @@ from stages import ToolResultBudget, wrap
 from tests.sdk_support import sdk_client
 from tests.wire_support import (
     TAG,
+    OffTheLoop,
     client_loop,
     conversation_dirs,
     only,
@@ -547,3 +548,53 @@ def test_only_a_client_that_sends_the_body_as_given_gets_raw_bodies() -> None:
     assert not _sends_body_as_given(Rewriting(api_key="k"))
     vertex = anthropic.AnthropicVertex(region="us-east5", project_id="p", access_token="t")
     assert not _sends_body_as_given(vertex)
+
+
+class _Witnessed:
+    """A stage that tells whether the pass it is in ran off the caller's event loop."""
+
+    name = "witnessed"
+
+    def __init__(self, witness: OffTheLoop) -> None:
+        self.witness = witness
+
+    async def __call__(self, messages: Any, ctx: Any) -> Any:
+        if len(messages) > 3:  # a long pass (the first one of a resumed conversation)
+            self.witness.wait("the long pass ran")
+        return messages
+
+
+def test_an_async_clients_long_first_pass_runs_off_its_loop(tmp_path: Path) -> None:
+    """The long pass waits for a task of the caller's loop: were it run there, it would wait
+    for itself (and fail after the timeout). A short first pass, and a long conversation's
+    later ones, run on the caller's loop as before."""
+    witness = OffTheLoop()
+    long_history: list[Any] = [{"role": "user", "content": "resume"}]
+    for k in range(3):
+        long_history += [
+            {"role": "assistant", "content": [{"type": "text", "text": f"a{k}"}]},
+            {"role": "user", "content": f"u{k}"},
+        ]
+
+    async def main(client: Any) -> None:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(witness.free)
+            await client.messages.create(model="m", max_tokens=5, messages=long_history)
+        assert witness.began.is_set()
+        await client.messages.create(model="m", max_tokens=5, messages=long_history[:1])
+
+    with ScriptedMessagesServer(lambda body: Reply([{"type": "text", "text": "ok"}])) as server:
+        client = wrap_with(
+            sdk_client(server.base_url),
+            root=tmp_path,
+            pipeline=lambda: Pipeline([_Witnessed(witness)]),
+            long_pass=4,
+        )
+        anyio.run(main, client)
+        assert len(server.requests) == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, True])
+def test_a_long_pass_bound_below_one_is_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="long_pass"):
+        wrap_with(sdk_client("http://127.0.0.1:9"), pipeline=Pipeline, long_pass=bad)

@@ -52,6 +52,7 @@ def wrap(
     tenancy: Tenancy | None = None,
     max_conversations: int | None = MAX_HELD,
     raw_bodies: bool = False,
+    long_pass: int | None = None,
     **context: Any,
 ) -> C:
     """``client`` with every Messages request going through the pipeline (a copy: the client
@@ -70,7 +71,8 @@ def wrap(
     first-party client (others send JSON all the same). Only when no middleware is added after
     this one (``.with_middleware(...)`` on the returned client): such a middleware would see
     the request without its JSON. A non-finite number (NaN, infinity) is refused as the SDK
-    refuses it."""
+    refuses it. ``long_pass``: an async client's long first passes off its event loop (see
+    :class:`~pipeline.dropin.sdk_middleware.SluicegateMiddleware`)."""
     if pipeline is None:
         raise TypeError(
             "wrap() needs pipeline=: a factory such as lambda: Pipeline(default_stages())"
@@ -85,6 +87,7 @@ def wrap(
         client_headers={k: v for k, v in client.default_headers.items() if isinstance(v, str)},
         max_conversations=max_conversations,
         raw_bodies=raw_bodies and sends_body_as_given(client),
+        long_pass=long_pass,
         **context,
     )
     return client.with_middleware(middleware)
