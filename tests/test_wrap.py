@@ -3,6 +3,8 @@ loop, one changed line."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -598,3 +600,123 @@ def test_an_async_clients_long_first_pass_runs_off_its_loop(tmp_path: Path) -> N
 def test_a_long_pass_bound_below_one_is_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="long_pass"):
         wrap_with(sdk_client("http://127.0.0.1:9"), pipeline=Pipeline, long_pass=bad)
+
+
+class _Slow:
+    """A stage that takes a while, as a long first pass's CPU work does."""
+
+    name = "slow"
+
+    async def __call__(self, messages: Any, ctx: Any) -> Any:
+        import time
+
+        time.sleep(0.2)
+        return messages
+
+
+def _resumed(rounds: int) -> list[Any]:
+    history: list[Any] = [{"role": "user", "content": "resume"}]
+    for k in range(rounds):
+        history += [
+            {"role": "assistant", "content": [{"type": "text", "text": f"a{k}"}]},
+            {"role": "user", "content": f"u{k}"},
+        ]
+    return history
+
+
+def _ran_within(seconds: float, work: Any) -> None:
+    """``work()`` in a thread of its own, which must be through within ``seconds`` (a hang
+    fails the test instead of holding it)."""
+    import threading
+
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"not through in {seconds} s"
+    if failed:
+        raise failed[0]
+
+
+def test_concurrent_calls_of_a_conversation_with_a_long_pass_take_turns(tmp_path: Path) -> None:
+    """Two calls of one resumed conversation at once (parallel samples, a retry): the first
+    pass runs off the caller's loop, the other waits for it and runs on the loop; both go
+    out. Without the turns, the two passes met on the session's lock from two loops and one
+    waited forever."""
+    from stages import default_stages
+
+    history = _resumed(150)
+
+    async def main(client: Any) -> None:
+        async with anyio.create_task_group() as tasks:
+            for _ in range(2):
+                tasks.start_soon(
+                    functools.partial(
+                        client.messages.create, model="m", max_tokens=5, messages=history
+                    )
+                )
+
+    with ScriptedMessagesServer(lambda body: Reply([{"type": "text", "text": "ok"}])) as server:
+        client = wrap_with(
+            sdk_client(server.base_url),
+            root=tmp_path,
+            pipeline=lambda: Pipeline(default_stages()),
+            long_pass=4,
+        )
+        _ran_within(60, lambda: anyio.run(main, client))
+        assert len(server.requests) == 2
+        assert server.requests[0]["messages"] == server.requests[1]["messages"]
+
+
+def test_a_long_pass_whose_caller_was_cancelled_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncio's own cancellation returns before the worker's pass is through: the retry's
+    pass waits for it, so the two never run at once (each rewrites the session's view of the
+    conversation)."""
+    import asyncio
+    import threading
+    import time
+
+    from pipeline.dropin.adapter import WireSession
+
+    spans: list[tuple[float, float, str]] = []
+    prepare = WireSession.prepare_call
+
+    async def timed(self: WireSession, body: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return await prepare(self, body)
+        finally:
+            spans.append((start, time.monotonic(), threading.current_thread().name))
+
+    monkeypatch.setattr(WireSession, "prepare_call", timed)
+    history = _resumed(20)
+    callers: list[str] = []
+
+    async def main(client: Any) -> None:
+        callers.append(threading.current_thread().name)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                client.messages.create(model="m", max_tokens=5, messages=history), 0.05
+            )
+        await client.messages.create(model="m", max_tokens=5, messages=history)
+
+    with ScriptedMessagesServer(lambda body: Reply([{"type": "text", "text": "ok"}])) as server:
+        client = wrap_with(
+            sdk_client(server.base_url),
+            root=tmp_path,
+            pipeline=lambda: Pipeline([_Slow()]),
+            long_pass=4,
+        )
+        _ran_within(60, lambda: asyncio.run(main(client)))
+    (first, second) = sorted(spans)
+    assert first[2] != callers[0] and second[2] == callers[0]
+    assert second[0] >= first[1]  # one after the other

@@ -178,8 +178,9 @@ class Conversations:
             self.off_loop += 1
             digest = functools.partial(chain_of, messages, opening=opening)
             full = await anyio.to_thread.run_sync(digest, limiter=self._digests)
-            # let go meanwhile, it is loaded again (the chain holds: it is the messages')
-            family = await self._family(tenant, name, opening)
+            if not family.unsure:  # (one the store could not give is held by no index)
+                # let go meanwhile, it is loaded again (the chain holds: it is the messages')
+                family = await self._family(tenant, name, opening)
         # placed with no await since the family was found: it cannot be let go in between
         return self._place(family, messages, opening, build=_call, hold=hold, full=full)
 

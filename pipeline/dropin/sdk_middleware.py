@@ -6,7 +6,6 @@ pipeline. The one module of the drop-ins that imports the anthropic SDK (heavy: 
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import anyio
+import anyio.to_thread
 import httpx2
 
 from pipeline.core import Pipeline
@@ -113,6 +114,8 @@ class SluicegateMiddleware(anthropic.Middleware):
         # an object store's client is bound to the loop that made it: its passes stay there
         self.long_pass = None if self.conversations.states.shared else long_pass
         self._long_passes = LongPasses()
+        self._elsewhere: dict[tuple[str, str], threading.Event] = {}
+        """By conversation, a long pass running on a loop of its own: set when it is through."""
 
     def _let_go(self, branch: Branch) -> None:
         if self.writer is not None:
@@ -188,13 +191,10 @@ class SluicegateMiddleware(anthropic.Middleware):
             passing = time.monotonic()
             # the call: what the response answers, whatever is prepared meanwhile
             try:
-                limit = self.long_pass
-                if limit is not None and session.first_pass(request.json) >= limit:
-                    body, call = await self._long_passes.run(
-                        functools.partial(session.prepare_call, request.json)
-                    )
-                else:
+                if self.long_pass is None:
                     body, call = await session.prepare_call(request.json)
+                else:
+                    body, call = await self._pass_maybe_elsewhere(branch, request.json)
             finally:
                 self.conversations.done(branch)
             passed = time.monotonic() - passing
@@ -217,6 +217,34 @@ class SluicegateMiddleware(anthropic.Middleware):
                 await session.settle()
         seen.end()
         return response
+
+    async def _pass_maybe_elsewhere(
+        self, branch: Branch, body: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], Call]:
+        """A pass of ``branch`` under ``long_pass``: a long first one on a loop of its own.
+        Passes of one conversation then take its call lock, on the caller's loop: a pass on
+        another loop and one on the caller's would otherwise meet on the session's lock, which
+        belongs to one loop only. One whose caller was cancelled outright (asyncio's own
+        cancellation returns before the worker is through) is waited for by the next."""
+        assert self.long_pass is not None
+        session = branch.session
+        async with branch.call_lock:
+            running = self._elsewhere.get(branch.key)
+            if running is not None:
+                await anyio.to_thread.run_sync(running.wait)
+            if session.first_pass(body) < self.long_pass:
+                return await session.prepare_call(body)
+            through = self._elsewhere[branch.key] = threading.Event()
+
+            async def long_pass() -> tuple[dict[str, Any], Call]:
+                try:
+                    return await session.prepare_call(body)
+                finally:
+                    if self._elsewhere.get(branch.key) is through:
+                        del self._elsewhere[branch.key]
+                    through.set()
+
+            return await self._long_passes.run(long_pass)
 
     def handle(self, request: Any, call_next: Callable[[Any], Any]) -> Any:
         """The synchronous client's path: the same work, the pipeline run on a private event
