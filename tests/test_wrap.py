@@ -720,3 +720,20 @@ def test_a_long_pass_whose_caller_was_cancelled_is_waited_for(
     (first, second) = sorted(spans)
     assert first[2] != callers[0] and second[2] == callers[0]
     assert second[0] >= first[1]  # one after the other
+
+
+def test_a_long_pass_off_the_loop_is_beneath_its_request_span(tmp_path: Path) -> None:
+    """The pass run on a loop of its own keeps the caller's trace: one trace per request."""
+    from pipeline.testing import SpanRecorder
+
+    spans = SpanRecorder()
+    with ScriptedMessagesServer(lambda body: Reply([{"type": "text", "text": "ok"}])) as server:
+        client = wrap(sdk_client(server.base_url), root=tmp_path, tracer=spans.tracer, long_pass=4)
+        anyio.run(
+            functools.partial(
+                client.messages.create, model="m", max_tokens=5, messages=_resumed(10)
+            )
+        )
+    (request,) = spans.named("wire.request")
+    (run,) = spans.named("pipeline.run")
+    assert run.parent is not None and run.parent.span_id == request.context.span_id
