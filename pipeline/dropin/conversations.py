@@ -85,6 +85,11 @@ keep the threads that load conversations from the store waiting)."""
 
 T = TypeVar("T")
 
+
+def _call(fn: Callable[[], T]) -> T:
+    return fn()
+
+
 _OPENINGS_KEPT = 64
 """Recent requests whose system prompt and first message are remembered with their digest."""
 
@@ -188,8 +193,23 @@ class Conversations:
         family = self._families.get((tenant, name))
         if family is not None:
             return family
+        return await anyio.to_thread.run_sync(self._family_sync, tenant, name, opening)
+
+    def _family_sync(
+        self,
+        tenant: str,
+        name: str,
+        opening: bytes,
+        run: Callable[[Callable[[], Family]], Family] = _call,
+    ) -> Family:
+        """The family held under ``tenant`` and ``name``, else loaded (by ``run``: blocking, a
+        listing and every branch's records) and held; an unsure one where a shared store
+        cannot give it."""
+        family = self._families.get((tenant, name))
+        if family is not None:
+            return family
         try:
-            loaded = await anyio.to_thread.run_sync(self._load_family, tenant, name, opening)
+            loaded = run(functools.partial(self._load_family, tenant, name, opening))
         except OSError:
             if not self.states.shared:
                 raise  # a local store that cannot be read is not a view of a fleet's
@@ -212,15 +232,7 @@ class Conversations:
         run = build or _call
         tenancy = self._tenancy or self._make_tenancy()
         tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
-        family = self._families.get((tenant, name))
-        if family is None:
-            try:
-                loaded = run(lambda: self._load_family(tenant, name, opening))
-            except OSError:
-                if not self.states.shared:
-                    raise  # a local store that cannot be read is not a view of a fleet's
-                loaded = self._unsure(tenant, name, opening)
-            family = self._hold((tenant, name), loaded)
+        family = self._family_sync(tenant, name, opening, run)
         return self._place(family, messages, opening, build=run, sync=True, hold=hold)
 
     def done(self, branch: Branch) -> None:
@@ -519,7 +531,3 @@ def _result_keys(messages: Sequence[Any]) -> set[str]:
         except ValueError:  # a message the pass will refuse: it inherits nothing
             continue
     return keys
-
-
-def _call(fn: Callable[[], T]) -> T:
-    return fn()
