@@ -25,7 +25,7 @@ from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.cli_support import clean_env
 from tests.sdk_support import sdk_client
-from tests.wire_support import TAG, CutUpstream, proxy
+from tests.wire_support import TAG, CutUpstream, proxy, read_request
 
 LIMIT = 200_000
 
@@ -260,3 +260,41 @@ def test_only_a_path_whose_last_segments_are_v1_messages_is_a_messages_request(d
     answer = httpx2.post(f"{url}/xv1/messages", json=_big_result_request())
     assert answer.status_code == 404  # passed on as it is: the upstream has no such route
     assert upstream.requests == []
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx2"])
+def test_a_header_value_past_ascii_goes_upstream_as_the_clients_bytes(
+    tmp_path: Path, client: str
+) -> None:
+    # obs-text, which HTTP allows in a field value: it once failed the request with a 500
+    heads: list[bytes] = []
+    reply = json.dumps(
+        {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+         "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+         "usage": {"input_tokens": 1, "output_tokens": 1}}
+    ).encode()  # fmt: skip
+
+    class Upstream(CutUpstream):
+        def answer(self, conn: socket.socket) -> None:
+            heads.append(read_request(conn).partition(b"\r\n\r\n")[0])
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % len(reply) + reply
+            )
+
+    upstream = Upstream()
+    body = json.dumps(_request("hi")).encode()
+    try:
+        with proxy(upstream.url, tmp_path, _budget, upstream_client=client) as url:
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                conn.sendall(
+                    b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                    b"content-type: application/json\r\nx-api-key: k\r\nx-odd: \xe9t\xe9\r\n"
+                    b"content-length: %d\r\n\r\n" % len(body) + body
+                )
+                status_line = conn.makefile("rb").readline()
+    finally:
+        upstream.sock.close()
+    assert status_line.split()[1] == b"200"
+    assert b"\r\nx-odd: \xe9t\xe9\r\n" in heads[0].lower() + b"\r\n"

@@ -32,7 +32,12 @@ from pipeline._cli.options import (
 from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
 from pipeline.dropin.conversations import MAX_HELD
-from pipeline.dropin.limits import HEADER_TIMEOUT, HTTP_PARSERS, UPSTREAM_TIMEOUT
+from pipeline.dropin.limits import (
+    HEADER_TIMEOUT,
+    HTTP_PARSERS,
+    UPSTREAM_CLIENTS,
+    UPSTREAM_TIMEOUT,
+)
 from stages import registry as stage_registry
 
 
@@ -210,6 +215,14 @@ def _add_proxy_parser(sub: Any) -> None:
         default="auto",
         help="the HTTP/1.1 parser requests are read with: httptools (C, the faster) or h11 "
         "(pure Python); auto is httptools where it is installed (default %(default)s)",
+    )
+    limits.add_argument(
+        "--upstream-client",
+        choices=UPSTREAM_CLIENTS,
+        default="auto",
+        help="the HTTP client upstream calls go out with: aiohttp (about a third of the CPU "
+        "per call) or httpx2; auto is aiohttp where it is installed and no proxy is named by "
+        "HTTP_PROXY, HTTPS_PROXY or ALL_PROXY (default %(default)s)",
     )
     limits.add_argument(
         "--max-connections",

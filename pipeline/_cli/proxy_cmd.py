@@ -101,6 +101,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             max_upstream_connections=connections,
             fsync_each=args.fsync_each,
             long_pass=LONG_PASS,  # its stages have no summarizer: their work is bound to no loop
+            upstream_client=_upstream_client(args.upstream_client),
             **context,
         )
         sock = _listen(args.host, args.port)
@@ -158,6 +159,16 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             server.run(sockets=[sock])
         log.info("proxy.stopped", url=where)
     return EXIT_OK
+
+
+def _upstream_client(wanted: str) -> str:
+    """``--upstream-client``, checked: aiohttp asked for by name must be there."""
+    if wanted == "aiohttp":
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            raise CliError("--upstream-client aiohttp: aiohttp is not installed") from None
+    return wanted
 
 
 def _announcing(config: Any, ready: Callable[[], None]) -> Any:

@@ -9,6 +9,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_HEAD_BYTES",
     "MAX_UPSTREAM_CONNECTIONS",
+    "UPSTREAM_CLIENTS",
     "UPSTREAM_TIMEOUT",
 ]
 
@@ -34,3 +35,9 @@ the last response on it (``python -m pipeline proxy``)."""
 HTTP_PARSERS = ("auto", "httptools", "h11")
 """The HTTP/1.1 parsers the proxy serves on (``--http``): ``auto`` is ``httptools`` where it
 can be imported, else ``h11``."""
+
+UPSTREAM_CLIENTS = ("auto", "aiohttp", "httpx2")
+"""The HTTP clients the proxy's upstream calls may go out with (``--upstream-client``):
+``aiohttp`` (on asyncio; ``httpx2`` on another event loop), ``httpx2``, or ``auto``: aiohttp
+where it can be imported and no proxy is named by the environment (aiohttp would not honour it
+as ``httpx2`` does), else ``httpx2``."""

@@ -126,6 +126,7 @@ def build_app(
     max_upstream_connections: int = MAX_UPSTREAM_CONNECTIONS,
     fsync_each: bool = False,
     long_pass: int | None = None,
+    upstream_client: str = "auto",
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
@@ -151,7 +152,9 @@ def build_app(
     for one call's pass only, never while its upstream call runs. ``max_conversations``: how
     many conversations are held in memory (:class:`~pipeline.dropin.conversations.Conversations`'
     ``max_held``). ``max_upstream_connections``: how many upstream calls run at once (one
-    more waits for one to end, within ``upstream_timeout``). ``fsync_each``: how a local
+    more waits for one to end, within ``upstream_timeout``). ``upstream_client``: the HTTP
+    client upstream calls go out with (:data:`~pipeline.dropin.upstream.CLIENTS`; ``auto``:
+    aiohttp where it is installed and the environment names no proxy). ``fsync_each``: how a local
     store's records are made durable -- False (default): each is written before the proxy goes
     on (a crash of the process loses none) and the call's are synced after its response has
     gone by, with those of the calls that end within 0.1 s (off the request's path:
@@ -213,6 +216,7 @@ def build_app(
         max_connections=max_upstream_connections,
         kept_alive=min(max_upstream_connections, _KEPT_ALIVE),
         transport=transport,
+        client=upstream_client,
     )
 
     async def current(branch: Branch) -> bool:

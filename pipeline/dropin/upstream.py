@@ -9,11 +9,17 @@ client wrote them (what a URL may not hold raw percent-escaped). The client keep
 meant for and never sent again, so it cannot reach another API key's requests. Redirects are
 relayed, not followed. Proxies named by the environment (``HTTPS_PROXY``, ``NO_PROXY``, ...)
 and its certificate settings (``SSL_CERT_FILE``) are honoured as ``httpx2`` honours them.
+
+On asyncio the calls go out through aiohttp where it is installed
+(:mod:`pipeline.dropin.upstream_aiohttp`: the same requests and answers, at about a third of
+the CPU), unless the environment names a proxy; ``httpx2`` otherwise (``client="httpx2"``
+always).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Coroutine, Mapping
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import TYPE_CHECKING, Any
@@ -21,17 +27,20 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx2
 
+from pipeline.dropin.limits import UPSTREAM_CLIENTS as CLIENTS
 from pipeline.dropin.upstream_sockets import known_sockets
 
 if TYPE_CHECKING:
     from starlette.types import Receive
 
-__all__ = ["Upstream", "unless_left"]
+__all__ = ["CLIENTS", "Upstream", "unless_left"]
 
 ACCEPT_ENCODING = "gzip, deflate"
 """What the proxy accepts from the upstream (a client's own ``accept-encoding`` is the hop's:
 the proxy reads the answer, then relays it uncompressed)."""
 
+
+_ACCEPT_ENCODING = ACCEPT_ENCODING.encode("ascii")
 
 _URLS_KEPT = 64
 """Upstream URLs an :class:`Upstream` keeps parsed."""
@@ -40,8 +49,9 @@ _URLS_KEPT = 64
 class Upstream:
     """Requests to the upstream at ``base_url`` (its path, if any, comes before each request's),
     each allowed ``timeout`` seconds to answer (``connect`` to connect), at most
-    ``max_connections`` at once of which ``kept_alive`` are kept between requests.
-    ``transport``: how to reach it (tests pass one; default: the network)."""
+    ``max_connections`` at once of which ``kept_alive`` are kept between requests (aiohttp:
+    idle ones closed after 5 s). ``transport``: how to reach it (tests pass one; default: the
+    network); ``client``: with which HTTP client (one of :data:`CLIENTS`)."""
 
     def __init__(
         self,
@@ -52,6 +62,7 @@ class Upstream:
         max_connections: int,
         kept_alive: int,
         transport: httpx2.AsyncBaseTransport | None = None,
+        client: str = "auto",
     ) -> None:
         base = httpx2.URL(base_url.rstrip("/"))
         if base.scheme not in ("http", "https") or not base.host:
@@ -72,6 +83,8 @@ class Upstream:
             # it: a transport passed in would turn them off), its connections' sockets found
             # once
             known_sockets(self._client)
+        self._fast = _fast_transport(client, transport, max_connections)
+        """aiohttp's way, for calls on asyncio (None: ``httpx2``'s for every call)."""
         self._origin = str(base.copy_with(raw_path=b"/")).rstrip("/")
         self._prefix = base.raw_path.decode("ascii").rstrip("/")
         self._timeout = timeouts.as_dict()
@@ -83,9 +96,10 @@ class Upstream:
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], content: bytes
     ) -> httpx2.Request:
         """``method`` of ``path`` (the raw path, percent-escapes kept) with ``query`` (the raw
-        query string, without ``?``), ``headers`` and the body ``content``. Both go as the
-        client wrote them, but for what a URL may not hold raw (``#``, ``"``, ``<``...),
-        percent-escaped."""
+        query string, without ``?``), ``headers`` (each value's characters its bytes, as
+        ASGI servers decode them: Latin-1) and the body ``content``. The path and query go as
+        the client wrote them, but for what a URL may not hold raw (``#``, ``"``, ``<``...),
+        percent-escaped; the headers byte for byte."""
         key = (path, query)
         url = self._urls.pop(key, None)  # back in as the latest: the oldest asked for goes first
         if url is None:
@@ -93,7 +107,14 @@ class Upstream:
             if len(self._urls) >= _URLS_KEPT:  # a client may ask for any number: the oldest goes
                 del self._urls[next(iter(self._urls))]
         self._urls[key] = url
-        sent = {**headers, "accept-encoding": ACCEPT_ENCODING}
+        # bytes as the client sent them (a str is each byte as one character): httpx2 would
+        # refuse a value past ASCII (obs-text, which HTTP allows) rather than send it
+        sent = [
+            (name.encode("latin-1"), value.encode("latin-1"))
+            for name, value in headers.items()
+            if name.lower() != "accept-encoding"
+        ]
+        sent.append((b"accept-encoding", _ACCEPT_ENCODING))
         return httpx2.Request(
             method, url, headers=sent, content=content, extensions={"timeout": self._timeout}
         )
@@ -105,13 +126,61 @@ class Upstream:
             text += "?" + query.decode("latin-1").replace("#", "%23")
         return httpx2.URL(text)
 
+    @property
+    def client(self) -> str:
+        """Which HTTP client calls go out with on asyncio: ``aiohttp`` or ``httpx2``."""
+        return "httpx2" if self._fast is None else "aiohttp"
+
     async def send(self, request: httpx2.Request) -> httpx2.Response:
         """``request``'s answer, its body still to read (``aiter_bytes``, then ``aclose``)."""
+        fast = self._fast
+        # aiohttp would write a value past ASCII as UTF-8, not as the client's bytes
+        if fast is not None and _on_asyncio() and _ascii(request.headers.raw):
+            # the transport itself: the client's layer (its cookie jar, which takes none,
+            # redirects, which are relayed, auth, which is the client's) has nothing to do
+            return await fast.handle_async_request(request)
         return await self._client.send(request, stream=True)
 
     async def aclose(self) -> None:
         """Close every connection (the server has drained its requests)."""
+        if self._fast is not None and _on_asyncio():
+            await self._fast.aclose()
         await self._client.aclose()
+
+
+_PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+
+
+def _fast_transport(
+    client: str, transport: httpx2.AsyncBaseTransport | None, max_connections: int
+) -> httpx2.AsyncBaseTransport | None:
+    if client not in CLIENTS:
+        raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {client!r}")
+    if client == "httpx2" or transport is not None:  # a transport given is the way
+        return None
+    if client == "auto" and any(
+        os.environ.get(name) or os.environ.get(name.lower()) for name in _PROXY_VARIABLES
+    ):
+        return None
+    try:
+        from pipeline.dropin.upstream_aiohttp import AiohttpTransport
+    except ImportError:
+        if client == "aiohttp":
+            raise ValueError("client 'aiohttp': aiohttp is not installed") from None
+        return None
+    return AiohttpTransport(max_connections=max_connections)
+
+
+def _ascii(fields: list[tuple[bytes, bytes]]) -> bool:
+    return all(value.isascii() for _, value in fields)
+
+
+def _on_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # another event loop (trio)
+        return False
+    return True
 
 
 async def unless_left(

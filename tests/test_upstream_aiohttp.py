@@ -1,0 +1,392 @@
+"""The proxy's upstream calls on aiohttp go out and come back as on httpx2: the same request on
+the wire, the same answer read, the same failures -- against servers on 127.0.0.1 that see the
+raw bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx2
+import pytest
+
+from pipeline.dropin.upstream import Upstream
+from pipeline.dropin.upstream_aiohttp import AiohttpTransport
+from tests.wire_support import RawUpstream, read_request
+
+CLIENTS = ("aiohttp", "httpx2")
+
+
+class _Recording(RawUpstream):
+    """Answers each request on a connection with ``answers`` in turn (the last one again),
+    keeping the connection; records each request's raw bytes and counts connections."""
+
+    def __init__(self, *answers: bytes) -> None:
+        self.answers = list(answers)
+        self.requests: list[bytes] = []
+        self.connections = 0
+        super().__init__()
+
+    def answer(self, conn: socket.socket) -> None:
+        self.connections += 1
+        while True:
+            try:
+                request = read_request(conn)
+            except OSError:
+                return
+            if not request:
+                return
+            self.requests.append(request)
+            index = min(len(self.requests), len(self.answers)) - 1
+            try:
+                conn.sendall(self.answers[index])
+            except OSError:
+                return
+
+
+def _upstream(url: str, client: str, *, timeout: float = 10.0) -> Upstream:
+    return Upstream(url, timeout=timeout, connect=5, max_connections=4, kept_alive=4, client=client)
+
+
+async def _call(
+    upstream: Upstream,
+    headers: dict[str, str] | None = None,
+    body: bytes = b'{"model": "m"}',
+    path: str = "/v1/messages",
+    query: bytes = b"",
+) -> tuple[httpx2.Response, bytes]:
+    request = upstream.request("POST", path, query, headers or {"x-api-key": "k"}, body)
+    response = await upstream.send(request)
+    try:
+        received = b"".join([chunk async for chunk in response.aiter_bytes()])
+    finally:
+        await response.aclose()
+    return response, received
+
+
+def _head(raw: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """A request's line and its headers (names lowercased), in order."""
+    head = raw.partition(b"\r\n\r\n")[0].split(b"\r\n")
+    fields = [line.split(b":", 1) for line in head[1:]]
+    return head[0], [(name.strip().lower(), value.strip()) for name, value in fields]
+
+
+def _both(
+    answers: tuple[bytes, ...], run: Callable[[Upstream], object]
+) -> dict[str, tuple[object, _Recording]]:
+    out = {}
+    for client in CLIENTS:
+        server = _Recording(*answers)
+        try:
+            upstream = _upstream(server.url, client)
+            assert upstream.client == client
+
+            async def go(upstream: Upstream = upstream) -> object:
+                try:
+                    return await run(upstream)  # type: ignore[misc]
+                finally:
+                    await upstream.aclose()
+
+            out[client] = (asyncio.run(go()), server)
+        finally:
+            server.sock.close()
+    return out
+
+
+_OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+def test_the_request_on_the_wire_is_the_one_httpx2_sends() -> None:
+    headers = {
+        "x-api-key": "sk-test",
+        "anthropic-version": "2023-06-01",
+        "content-type": "application/json",
+        "anthropic-beta": "a,b",
+        "X-Mixed-Case": "Kept",
+    }
+    body = b'{"model": "m", "messages": []}' * 100
+
+    async def run(upstream: Upstream) -> None:
+        # the path and query as a client wrote them: escapes kept, not normalised
+        await _call(upstream, headers, body, "/v1/messages", b"beta=true&x=%2Fa%20b")
+
+    seen = _both((_OK,), run)
+    lines = {client: _head(server.requests[0]) for client, (_, server) in seen.items()}
+    bodies = {
+        client: server.requests[0].partition(b"\r\n\r\n")[2] for client, (_, server) in seen.items()
+    }
+    assert (
+        lines["aiohttp"][0]
+        == lines["httpx2"][0]
+        == b"POST /v1/messages?beta=true&x=%2Fa%20b HTTP/1.1"
+    )
+    # the Host each names is its own server's
+    for client, (_, server) in seen.items():
+        assert (b"host", server.url.removeprefix("http://").encode()) in lines[client][1]
+    fields = {c: sorted((n, b"" if n == b"host" else v) for n, v in lines[c][1]) for c in lines}
+    assert fields["aiohttp"] == fields["httpx2"]
+    names = {name for name, _ in lines["aiohttp"][1]}
+    assert not names & {b"user-agent", b"accept", b"cookie", b"connection"}  # none added
+    assert bodies["aiohttp"] == bodies["httpx2"] == body
+
+
+def test_the_answer_is_read_as_httpx2_reads_it() -> None:
+    text = b'{"id": "msg_1", "content": []}' * 50
+    packed = gzip.compress(text)
+    answers = (
+        # gzip'd, two cookies, a reason of its own
+        b"HTTP/1.1 201 Made Here\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+        b"set-cookie: a=1\r\nset-cookie: b=2\r\ncontent-length: %d\r\n\r\n" % len(packed) + packed,
+        # chunked, in three chunks
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"5\r\nevent\r\n3\r\n: x\r\n2\r\n\n\n\r\n0\r\n\r\n",
+        # a redirect: relayed, not followed
+        b"HTTP/1.1 307 Temporary Redirect\r\nlocation: /elsewhere\r\ncontent-length: 0\r\n\r\n",
+    )
+
+    async def run(upstream: Upstream) -> list[tuple[int, str, list[tuple[str, str]], bytes]]:
+        out = []
+        for _ in answers:
+            response, received = await _call(upstream)
+            out.append(
+                (
+                    response.status_code,
+                    response.reason_phrase,
+                    list(response.headers.multi_items()),
+                    received,
+                )
+            )
+        return out
+
+    seen = _both(answers, run)
+    got, served = seen["aiohttp"]
+    assert got == seen["httpx2"][0]
+    assert got[0][0] == 201 and got[0][3] == text  # type: ignore[index]
+    assert got[1][3] == b"event: x\n\n"  # type: ignore[index]
+    assert got[2][0] == 307  # type: ignore[index]
+    # one connection for all three, and no cookie ever sent back
+    assert served.connections == 1
+    assert all(b"cookie:" not in r.lower().partition(b"\r\n\r\n")[0] for r in served.requests)
+
+
+def test_a_connection_left_half_read_is_not_used_again() -> None:
+    big = b"x" * 500_000
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big) + big
+
+    async def run(upstream: Upstream) -> int:
+        request = upstream.request("POST", "/v1/messages", b"", {}, b"{}")
+        response = await upstream.send(request)
+        async for _chunk in response.aiter_bytes():
+            break  # the client went away
+        await response.aclose()
+        _, received = await _call(upstream)
+        return len(received)
+
+    for client, (length, server) in _both((answer,), run).items():
+        assert length == len(big), client
+        assert server.connections == 2, client  # the half-read one was closed
+
+
+class _Silent(RawUpstream):
+    """Reads the request, then says nothing until closed."""
+
+    def answer(self, conn: socket.socket) -> None:
+        read_request(conn)
+        conn.recv(1)
+
+
+class _Deaf(RawUpstream):
+    """Accepts a connection and never reads from it."""
+
+    def answer(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        time.sleep(30)
+
+
+class _Garbage(RawUpstream):
+    def answer(self, conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(b"SPDY/9 what\r\n\r\n")
+
+
+class _CutShort(RawUpstream):
+    def answer(self, conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(b'HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{"id": ')
+
+
+def _failure(
+    server: RawUpstream, client: str, timeout: float = 10.0, body: bytes = b"{}"
+) -> tuple[type[BaseException], float]:
+    async def run() -> tuple[type[BaseException], float]:
+        upstream = _upstream(server.url, client, timeout=timeout)
+        start = time.monotonic()
+        try:
+            await _call(upstream, body=body)
+        except httpx2.HTTPError as exc:
+            return type(exc), time.monotonic() - start
+        finally:
+            await upstream.aclose()
+        raise AssertionError("no failure")
+
+    try:
+        return asyncio.run(run())
+    finally:
+        server.sock.close()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_failures_are_httpx2s(client: str) -> None:
+    refused = socket.create_server(("127.0.0.1", 0))
+    port = refused.getsockname()[1]
+    refused.close()
+
+    class Nowhere(RawUpstream):
+        def __init__(self) -> None:
+            self.sock = socket.socket()
+            self.url = f"http://127.0.0.1:{port}"
+
+    kind, _ = _failure(Nowhere(), client)
+    assert issubclass(kind, httpx2.ConnectError)
+    kind, took = _failure(_Silent(), client, timeout=0.5)
+    assert issubclass(kind, httpx2.TimeoutException) and not issubclass(kind, httpx2.ConnectTimeout)
+    assert took < 5
+    kind, _ = _failure(_Garbage(), client)
+    assert issubclass(kind, httpx2.RemoteProtocolError)
+    kind, _ = _failure(_CutShort(), client)
+    assert issubclass(kind, httpx2.RemoteProtocolError | httpx2.ReadError)
+
+
+def test_a_request_the_upstream_never_reads_times_out() -> None:
+    # a body far past what the socket buffers hold: sending it waits on a server that never reads
+    kind, took = _failure(_Deaf(), "aiohttp", timeout=0.5, body=b"x" * (32 << 20))
+    assert issubclass(kind, httpx2.TimeoutException), kind
+    assert took < 10
+
+
+async def _odd_header(server: _Recording, client: str, value: str) -> object:
+    """What ``server`` received of the header ``x-odd: value``, or "refused"."""
+    upstream = _upstream(server.url, client)
+    try:
+        await _call(upstream, {"x-api-key": "k", "x-odd": value})
+    except httpx2.TransportError:
+        return "refused"
+    finally:
+        await upstream.aclose()
+    return [v for n, v in _head(server.requests[0])[1] if n == b"x-odd"]
+
+
+@pytest.mark.parametrize("value", ["a\x00b", "a\x7fb", "\xe9t\xe9", "a\tb"])
+def test_hostile_header_values_go_as_the_client_sent_them_or_not_at_all(value: str) -> None:
+    outcomes = {}
+    for client in CLIENTS:
+        server = _Recording(_OK)
+        try:
+            outcomes[client] = asyncio.run(_odd_header(server, client, value))
+        finally:
+            server.sock.close()
+    sent = [value.encode("latin-1")]  # a str from the server: each character one byte
+    if value == "a\tb" or not value.isascii():  # HTTP allows both (obs-text): not as UTF-8
+        assert outcomes["aiohttp"] == outcomes["httpx2"] == sent
+    else:  # a control character: refused before it is sent (the proxy answers 502), or sent
+        # as it came -- never sent otherwise, never a crash
+        for outcome in outcomes.values():
+            assert outcome in (sent, "refused")
+
+
+def test_connections_are_bounded() -> None:
+    class Slow(RawUpstream):
+        def __init__(self) -> None:
+            self.open = self.most = 0
+            self.lock = threading.Lock()
+            super().__init__()
+
+        def _serve(self) -> None:
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+        def _one(self, conn: socket.socket) -> None:
+            with self.lock:
+                self.open += 1
+                self.most = max(self.most, self.open)
+            with conn:
+                while read_request(conn):
+                    time.sleep(0.1)
+                    conn.sendall(_OK)
+            with self.lock:
+                self.open -= 1
+
+    server = Slow()
+
+    async def run() -> None:
+        upstream = Upstream(
+            server.url, timeout=10, connect=5, max_connections=2, kept_alive=2, client="aiohttp"
+        )
+        try:
+            await asyncio.gather(*[_call(upstream) for _ in range(6)])
+        finally:
+            await upstream.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.sock.close()
+    assert server.most == 2
+
+
+def test_auto_is_aiohttp_unless_the_environment_names_a_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in (
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    assert _upstream("http://127.0.0.1:1", "auto").client == "aiohttp"
+    monkeypatch.setenv("https_proxy", "http://127.0.0.1:9")
+    assert _upstream("http://127.0.0.1:1", "auto").client == "httpx2"
+    assert _upstream("http://127.0.0.1:1", "aiohttp").client == "aiohttp"  # asked for: as asked
+    with pytest.raises(ValueError, match="client must be one of"):
+        _upstream("http://127.0.0.1:1", "curl")
+    given = Upstream(
+        "http://127.0.0.1:1", timeout=1, connect=1, max_connections=1, kept_alive=1,
+        transport=httpx2.MockTransport(lambda r: httpx2.Response(200)), client="aiohttp",
+    )  # fmt: skip
+    assert given.client == "httpx2"  # a transport given is the way
+
+
+def test_the_transport_refuses_a_bound_below_one() -> None:
+    with pytest.raises(ValueError, match="max_connections"):
+        AiohttpTransport(max_connections=0)
+
+
+def test_on_another_event_loop_the_calls_go_by_httpx2() -> None:
+    trio = pytest.importorskip("trio")
+    server = _Recording(_OK)
+    try:
+        upstream = _upstream(server.url, "aiohttp")
+
+        async def run() -> int:
+            try:
+                response, _ = await _call(upstream)
+            finally:
+                await upstream.aclose()
+            return response.status_code
+
+        assert trio.run(run) == 200
+    finally:
+        server.sock.close()
+    assert re.match(rb"POST /v1/messages HTTP/1.1", server.requests[0])
