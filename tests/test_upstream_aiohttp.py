@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import importlib.util
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx2
 import pytest
 
 from pipeline.dropin.upstream import Upstream
 from pipeline.dropin.upstream_aiohttp import AiohttpTransport
-from tests.wire_support import RawUpstream, read_request
+from pipeline.testing import Reply, ScriptedMessagesServer
+from tests.cli_support import clean_env
+from tests.wire_support import RawUpstream, proxy_process, read_request
 
 CLIENTS = ("aiohttp", "httpx2")
 
@@ -390,3 +396,37 @@ def test_on_another_event_loop_the_calls_go_by_httpx2() -> None:
     finally:
         server.sock.close()
     assert re.match(rb"POST /v1/messages HTTP/1.1", server.requests[0])
+
+
+def _messages_reply(_body: dict[str, object]) -> Reply:
+    return Reply([{"type": "text", "text": "ok"}])
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_the_command_calls_upstream_with_the_client_asked_for(tmp_path: Path, client: str) -> None:
+    streamed = {"model": "m", "max_tokens": 5, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    with (
+        ScriptedMessagesServer(_messages_reply) as upstream,
+        proxy_process(
+            upstream.base_url, tmp_path, "--upstream-client", client, "--loop", "asyncio", "-v"
+        ) as (url, lines, _),
+    ):
+        answer = httpx2.post(f"{url}/v1/messages", json={**streamed, "stream": False}, timeout=10)
+        assert answer.status_code == 200 and answer.json()["content"][0]["text"] == "ok"
+        with httpx2.stream("POST", f"{url}/v1/messages", json=streamed, timeout=10) as events:
+            assert events.status_code == 200
+            assert b"message_stop" in b"".join(events.iter_bytes())
+        assert len(upstream.requests) == 2
+    assert any(f"upstream_client={client}" in line for line in lines), lines[:5]
+
+
+def test_the_command_refuses_a_loop_it_cannot_have(tmp_path: Path) -> None:
+    if importlib.util.find_spec("uvloop") is not None:
+        pytest.skip("uvloop is installed here")
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", "proxy", "--loop", "uvloop", "--store", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--loop uvloop: uvloop is not installed" in done.stderr

@@ -33,6 +33,7 @@ from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
 from pipeline.dropin.conversations import MAX_HELD
 from pipeline.dropin.limits import (
+    EVENT_LOOPS,
     HEADER_TIMEOUT,
     HTTP_PARSERS,
     UPSTREAM_CLIENTS,
@@ -215,6 +216,13 @@ def _add_proxy_parser(sub: Any) -> None:
         default="auto",
         help="the HTTP/1.1 parser requests are read with: httptools (C, the faster) or h11 "
         "(pure Python); auto is httptools where it is installed (default %(default)s)",
+    )
+    limits.add_argument(
+        "--loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="the event loop the proxy runs on: uvloop (libuv, the faster) or asyncio's own; "
+        "auto is uvloop where it is installed (default %(default)s)",
     )
     limits.add_argument(
         "--upstream-client",

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib.util
 import logging
 import socket
 import sys
@@ -81,6 +82,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             parser = http_parser(args.http)
         except ImportError:
             raise CliError("--http httptools: httptools is not installed") from None
+        loop = event_loop(args.loop)
+        client = _upstream_client(args.upstream_client)
         connections = args.max_connections or connection_cap(raise_open_files())
         context: dict[str, Any] = {}
         if set_up.tracer is not None:
@@ -101,7 +104,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             max_upstream_connections=connections,
             fsync_each=args.fsync_each,
             long_pass=LONG_PASS,  # its stages have no summarizer: their work is bound to no loop
-            upstream_client=_upstream_client(args.upstream_client),
+            upstream_client=client,
             **context,
         )
         sock = _listen(args.host, args.port)
@@ -133,6 +136,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 log_config=None if args.log_json else uvicorn.config.LOGGING_CONFIG,
                 log_level="warning",
                 http=head_timed(args.header_timeout, parser),
+                loop=loop,
                 h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                 # a relayed answer carries the upstream's own: one of each, not two
                 server_header=False,
@@ -153,6 +157,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             log.debug("proxy.allocator", heap_blocks=HEAP_BLOCKS, keep_freed=KEEP_FREED)
         else:
             log.debug("proxy.allocator", left_alone=untuned)
+        log.debug("proxy.serving", http=parser, loop=loop, upstream_client=client)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish), then
         # raises the signal again: for a service that is the normal stop, exit 0
         with contextlib.suppress(KeyboardInterrupt), server_collector(), server_switching():
@@ -161,14 +166,27 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def event_loop(wanted: str) -> str:
+    """``--loop``, checked: ``auto`` is ``uvloop`` where it can be imported, else ``asyncio``;
+    uvloop asked for by name must be there."""
+    if wanted == "asyncio":
+        return wanted
+    if importlib.util.find_spec("uvloop") is None:
+        if wanted == "uvloop":
+            raise CliError("--loop uvloop: uvloop is not installed")
+        return "asyncio"
+    return "uvloop"
+
+
 def _upstream_client(wanted: str) -> str:
-    """``--upstream-client``, checked: aiohttp asked for by name must be there."""
-    if wanted == "aiohttp":
-        try:
-            import aiohttp  # noqa: F401
-        except ImportError:
-            raise CliError("--upstream-client aiohttp: aiohttp is not installed") from None
-    return wanted
+    """``--upstream-client``, checked: the client the calls go out with on the proxy's loop;
+    aiohttp asked for by name must be there."""
+    from pipeline.dropin.upstream import choose_client
+
+    try:
+        return choose_client(wanted)
+    except ValueError:
+        raise CliError(f"--upstream-client {wanted}: aiohttp is not installed") from None
 
 
 def _announcing(config: Any, ready: Callable[[], None]) -> Any:

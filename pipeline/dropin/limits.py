@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "EVENT_LOOPS",
     "HEADER_TIMEOUT",
     "HTTP_PARSERS",
     "MAX_BODY_BYTES",
@@ -35,6 +36,10 @@ the last response on it (``python -m pipeline proxy``)."""
 HTTP_PARSERS = ("auto", "httptools", "h11")
 """The HTTP/1.1 parsers the proxy serves on (``--http``): ``auto`` is ``httptools`` where it
 can be imported, else ``h11``."""
+
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+"""The event loops the proxy serves on (``--loop``): ``auto`` is ``uvloop`` where it can be
+imported, else asyncio's own."""
 
 UPSTREAM_CLIENTS = ("auto", "aiohttp", "httpx2")
 """The HTTP clients the proxy's upstream calls may go out with (``--upstream-client``):

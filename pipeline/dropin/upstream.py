@@ -19,6 +19,7 @@ always).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 from collections.abc import Coroutine, Mapping
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -33,7 +34,7 @@ from pipeline.dropin.upstream_sockets import known_sockets
 if TYPE_CHECKING:
     from starlette.types import Receive
 
-__all__ = ["CLIENTS", "Upstream", "unless_left"]
+__all__ = ["CLIENTS", "Upstream", "choose_client", "unless_left"]
 
 ACCEPT_ENCODING = "gzip, deflate"
 """What the proxy accepts from the upstream (a client's own ``accept-encoding`` is the hop's:
@@ -151,23 +152,32 @@ class Upstream:
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 
 
-def _fast_transport(
-    client: str, transport: httpx2.AsyncBaseTransport | None, max_connections: int
-) -> httpx2.AsyncBaseTransport | None:
+def choose_client(client: str, transport: httpx2.AsyncBaseTransport | None = None) -> str:
+    """The HTTP client an :class:`Upstream` asked for ``client`` (one of :data:`CLIENTS`) calls
+    with on asyncio: ``aiohttp`` or ``httpx2`` (``transport`` given: ``httpx2``, its way).
+    ``ValueError`` for another name, or for ``aiohttp`` when it cannot be imported."""
     if client not in CLIENTS:
         raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {client!r}")
-    if client == "httpx2" or transport is not None:  # a transport given is the way
-        return None
+    if client == "httpx2" or transport is not None:
+        return "httpx2"
     if client == "auto" and any(
         os.environ.get(name) or os.environ.get(name.lower()) for name in _PROXY_VARIABLES
     ):
-        return None
-    try:
-        from pipeline.dropin.upstream_aiohttp import AiohttpTransport
-    except ImportError:
+        return "httpx2"
+    if importlib.util.find_spec("aiohttp") is None:
         if client == "aiohttp":
-            raise ValueError("client 'aiohttp': aiohttp is not installed") from None
+            raise ValueError("client 'aiohttp': aiohttp is not installed")
+        return "httpx2"
+    return "aiohttp"
+
+
+def _fast_transport(
+    client: str, transport: httpx2.AsyncBaseTransport | None, max_connections: int
+) -> httpx2.AsyncBaseTransport | None:
+    if choose_client(client, transport) == "httpx2":
         return None
+    from pipeline.dropin.upstream_aiohttp import AiohttpTransport
+
     return AiohttpTransport(max_connections=max_connections)
 
 

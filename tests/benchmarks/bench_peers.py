@@ -1,9 +1,10 @@
 """What a hop costs: the proxy (run as users run it, ``sluicegate proxy``) and ``wrap`` against a
 direct call and against a bare Python forwarder (Starlette + httpx, the same stack the proxy
 is built on), all in one run, interleaved call by call so the machine's noise falls on all.
-The forwarder runs on uvicorn's h11 parser (what ``pip install uvicorn`` brings) and, where
-``httptools`` is installed, on it too (``forwarder-ht``): the proxy serves on httptools when it
-can, so each ratio is printed against both.
+The forwarder runs on uvicorn's h11 parser and asyncio's event loop (what ``pip install
+uvicorn`` brings) and, where ``httptools`` is installed, on it and on uvloop where that is
+installed (``forwarder-ht``, what ``uvicorn[standard]`` brings): the proxy serves on those when
+it can, so each ratio is printed against both. The upstream runs on h11 and asyncio's loop.
 
     python tests/benchmarks/bench_peers.py [--sizes 10,100,1000,10000] [--calls 40]
         [--concurrency 16] [--prepare 1000,5000,10000,20000] [--neighbours 1000,10000]
@@ -130,6 +131,8 @@ def serve_forwarder(upstream: str, http: str = "h11") -> None:
 
 
 def _serve(app: Any, http: str = "h11") -> None:
+    """``app`` on ``http``; on h11 with asyncio's loop (what ``pip install uvicorn`` brings),
+    on httptools with uvloop where it is installed (``uvicorn[standard]``)."""
     import socket
 
     import uvicorn
@@ -141,7 +144,12 @@ def _serve(app: Any, http: str = "h11") -> None:
     # connections kept open as long as a run lasts: a target left idle meanwhile finds its
     # pooled connections open, not closed under it
     config = uvicorn.Config(
-        app, log_level="warning", lifespan="off", http=http, timeout_keep_alive=600
+        app,
+        log_level="warning",
+        lifespan="off",
+        http=http,
+        loop="asyncio" if http == "h11" else "auto",
+        timeout_keep_alive=600,
     )
     uvicorn.Server(config).run(sockets=[sock])
 
@@ -202,7 +210,7 @@ try:
 except ImportError:  # the proxy serves on h11 too: only the h11 forwarder is run
     HTTPTOOLS = False
 FAST = "forwarder-ht"
-"""The forwarder served on httptools, as the proxy is."""
+"""The forwarder served on httptools and uvloop (where installed), as the proxy is."""
 
 
 CLAUDE_CODE_SYSTEM = "You are an agent. Sign commits: Generated with Claude Code \U0001f916"
