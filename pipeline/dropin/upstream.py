@@ -23,7 +23,7 @@ import importlib.util
 import os
 from collections.abc import Coroutine, Mapping
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import httpx2
@@ -34,17 +34,43 @@ from pipeline.dropin.upstream_sockets import known_sockets
 if TYPE_CHECKING:
     from starlette.types import Receive
 
-__all__ = ["CLIENTS", "Upstream", "choose_client", "unless_left"]
+    from pipeline.dropin.upstream_aiohttp import AiohttpTransport
+
+__all__ = ["CLIENTS", "Outgoing", "Target", "Upstream", "choose_client", "unless_left"]
 
 ACCEPT_ENCODING = "gzip, deflate"
 """What the proxy accepts from the upstream (a client's own ``accept-encoding`` is the hop's:
 the proxy reads the answer, then relays it uncompressed)."""
 
 
-_ACCEPT_ENCODING = ACCEPT_ENCODING.encode("ascii")
+_WRITTEN_HERE = frozenset(("accept-encoding", "host", "content-length", "transfer-encoding"))
+"""Headers a request's own never stand for: the proxy's ``accept-encoding``, and those the
+HTTP client writes from the URL and the body."""
 
 _URLS_KEPT = 64
 """Upstream URLs an :class:`Upstream` keeps parsed."""
+
+
+class Target(NamedTuple):
+    """Where a request goes: its URL parsed, and written out (what aiohttp is given)."""
+
+    url: httpx2.URL
+    text: str
+
+
+class Outgoing(NamedTuple):
+    """A request for :meth:`Upstream.send`, as :meth:`Upstream.request` builds it."""
+
+    method: str
+    target: Target
+    headers: list[tuple[str, str]]
+    """Each value's characters its bytes (Latin-1), ``accept-encoding`` the proxy's own."""
+    content: bytes
+
+    @property
+    def url(self) -> httpx2.URL:
+        """Where it goes."""
+        return self.target.url
 
 
 class Upstream:
@@ -89,18 +115,18 @@ class Upstream:
         self._origin = str(base.copy_with(raw_path=b"/")).rstrip("/")
         self._prefix = base.raw_path.decode("ascii").rstrip("/")
         self._timeout = timeouts.as_dict()
-        self._urls: dict[tuple[str, bytes], httpx2.URL] = {}
+        self._urls: dict[tuple[str, bytes], Target] = {}
         """The URLs of the last paths and queries asked for (a client asks for one or two,
         every call): parsing one costs more than the rest of a request's building."""
 
     def request(
         self, method: str, path: str, query: bytes, headers: Mapping[str, str], content: bytes
-    ) -> httpx2.Request:
+    ) -> Outgoing:
         """``method`` of ``path`` (the raw path, percent-escapes kept) with ``query`` (the raw
         query string, without ``?``), ``headers`` (each value's characters its bytes, as
-        ASGI servers decode them: Latin-1) and the body ``content``. The path and query go as
-        the client wrote them, but for what a URL may not hold raw (``#``, ``"``, ``<``...),
-        percent-escaped; the headers byte for byte."""
+        ASGI servers decode them: Latin-1) and the body ``content``, to :meth:`send`. The path
+        and query go as the client wrote them, but for what a URL may not hold raw (``#``,
+        ``"``, ``<``...), percent-escaped; the headers byte for byte."""
         key = (path, query)
         url = self._urls.pop(key, None)  # back in as the latest: the oldest asked for goes first
         if url is None:
@@ -108,39 +134,45 @@ class Upstream:
             if len(self._urls) >= _URLS_KEPT:  # a client may ask for any number: the oldest goes
                 del self._urls[next(iter(self._urls))]
         self._urls[key] = url
-        # bytes as the client sent them (a str is each byte as one character): httpx2 would
-        # refuse a value past ASCII (obs-text, which HTTP allows) rather than send it
-        sent = [
-            (name.encode("latin-1"), value.encode("latin-1"))
-            for name, value in headers.items()
-            if name.lower() != "accept-encoding"
-        ]
-        sent.append((b"accept-encoding", _ACCEPT_ENCODING))
-        return httpx2.Request(
-            method, url, headers=sent, content=content, extensions={"timeout": self._timeout}
-        )
+        fields = [(k, v) for k, v in headers.items() if k.lower() not in _WRITTEN_HERE]
+        fields.append(("accept-encoding", ACCEPT_ENCODING))
+        return Outgoing(method, url, fields, content)
 
-    def _url(self, path: str, query: bytes) -> httpx2.URL:
+    def _url(self, path: str, query: bytes) -> Target:
         # a "#" would start a fragment, never sent: the client's is part of its path or query
         text = self._origin + self._prefix + "/" + path.lstrip("/").replace("#", "%23")
         if query:
             text += "?" + query.decode("latin-1").replace("#", "%23")
-        return httpx2.URL(text)
+        url = httpx2.URL(text)
+        return Target(url, str(url))
 
     @property
     def client(self) -> str:
         """Which HTTP client calls go out with on asyncio: ``aiohttp`` or ``httpx2``."""
         return "httpx2" if self._fast is None else "aiohttp"
 
-    async def send(self, request: httpx2.Request) -> httpx2.Response:
+    async def send(self, request: Outgoing) -> httpx2.Response:
         """``request``'s answer, its body still to read (``aiter_bytes``, then ``aclose``)."""
         fast = self._fast
         # aiohttp would write a value past ASCII as UTF-8, not as the client's bytes
-        if fast is not None and _on_asyncio() and _ascii(request.headers.raw):
+        if fast is not None and _on_asyncio() and all(v.isascii() for _, v in request.headers):
             # the transport itself: the client's layer (its cookie jar, which takes none,
             # redirects, which are relayed, auth, which is the client's) has nothing to do
-            return await fast.handle_async_request(request)
-        return await self._client.send(request, stream=True)
+            target, timeouts = request.target, self._timeout
+            return await fast.send(
+                request.method, target.text, request.headers, request.content, timeouts
+            )
+        # bytes as the client sent them (a str is each byte as one character): httpx2 would
+        # refuse a value past ASCII (obs-text, which HTTP allows) rather than send it
+        sent = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request.headers]
+        built = httpx2.Request(
+            request.method,
+            request.target.url,
+            headers=sent,
+            content=request.content,
+            extensions={"timeout": self._timeout},
+        )
+        return await self._client.send(built, stream=True)
 
     async def aclose(self) -> None:
         """Close every connection (the server has drained its requests)."""
@@ -173,16 +205,12 @@ def choose_client(client: str, transport: httpx2.AsyncBaseTransport | None = Non
 
 def _fast_transport(
     client: str, transport: httpx2.AsyncBaseTransport | None, max_connections: int
-) -> httpx2.AsyncBaseTransport | None:
+) -> AiohttpTransport | None:
     if choose_client(client, transport) == "httpx2":
         return None
     from pipeline.dropin.upstream_aiohttp import AiohttpTransport
 
     return AiohttpTransport(max_connections=max_connections)
-
-
-def _ascii(fields: list[tuple[bytes, bytes]]) -> bool:
-    return all(value.isascii() for _, value in fields)
 
 
 def _on_asyncio() -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -28,6 +28,7 @@ __all__ = ["AiohttpTransport"]
 
 _NOT_SENT = frozenset((b"host", b"content-length", b"transfer-encoding"))
 """Headers aiohttp writes itself from the URL and the body (as ``httpx2`` does)."""
+_TARGETS_KEPT = 64
 _NOT_ADDED = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 """Headers aiohttp would add to a request that lacks them: none is, as ``httpx2`` adds none."""
 
@@ -57,6 +58,9 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         self._ssl = ssl_context if ssl_context is not None else httpx2.create_ssl_context()
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._targets: dict[str, yarl.URL] = {}
+        """The URLs of the last requests, parsed."""
+        self._last_bounds: tuple[dict[str, float | None], float | None, Any] | None = None
 
     def _session_here(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -78,42 +82,72 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         """Send ``request``; its answer with the body still to read."""
-        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
-        connect, read = timeouts.get("connect"), timeouts.get("read")
-        write, pool = timeouts.get("write"), timeouts.get("pool")
-        limits = [t for t in (read, write, pool) if t is not None]
-        head = max(limits) if limits else None
-        session = self._session_here()
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in request.headers.raw
             if k.lower() not in _NOT_SENT
         ]
         content = request.content if hasattr(request, "_content") else await request.aread()
+        timeouts = request.extensions.get("timeout", {})
+        return await self.send(request.method, str(request.url), headers, content, timeouts)
+
+    async def send(
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[str, str]],
+        content: bytes,
+        timeouts: Mapping[str, float | None],
+    ) -> httpx2.Response:
+        """:meth:`handle_async_request` of a request already taken apart (``url``: as written,
+        sent without re-quoting; ``headers``: each value's characters its bytes, none of
+        ``Host``, ``Content-Length``; ``timeouts``: as ``httpx2`` writes them)."""
+        head, bounds = self._bounds(timeouts)
+        session = self._session_here()
+        target = self._targets.get(url)
+        if target is None:
+            target = yarl.URL(url, encoded=True)
+            if len(self._targets) >= _TARGETS_KEPT:
+                self._targets.clear()
+            self._targets[url] = target
         try:
             async with asyncio.timeout(head):
                 answer = await session.request(
-                    request.method,
-                    yarl.URL(str(request.url), encoded=True),
+                    method,
+                    target,
                     data=content,
                     headers=headers,
                     allow_redirects=False,
-                    timeout=aiohttp.ClientTimeout(
-                        total=None, connect=None, sock_connect=connect, sock_read=read
-                    ),
+                    timeout=bounds,
                 )
         except Exception as exc:
-            raise _failure(exc, request, sending=True) from exc
+            raise _failure(exc, sending=True) from exc
         return httpx2.Response(
             answer.status,
             headers=list(answer.raw_headers),
-            stream=_Body(answer, request),
+            stream=_Body(answer),
             extensions={
                 "http_version": b"HTTP/1.1",
                 "reason_phrase": (answer.reason or "").encode("latin-1", "replace"),
             },
-            request=request,
         )
+
+    def _bounds(self, timeouts: Mapping[str, float | None]) -> tuple[float | None, Any]:
+        """The bound of sending and the answer's head, and aiohttp's timeouts, of ``timeouts``
+        (the last ones asked for kept: a caller asks with the same every time)."""
+        last = self._last_bounds
+        if last is not None and last[0] == timeouts:
+            return last[1], last[2]
+        limits = [t for t in (timeouts.get(k) for k in ("read", "write", "pool")) if t is not None]
+        head = max(limits) if limits else None
+        bounds = aiohttp.ClientTimeout(
+            total=None,
+            connect=None,
+            sock_connect=timeouts.get("connect"),
+            sock_read=timeouts.get("read"),
+        )
+        self._last_bounds = (dict(timeouts), head, bounds)
+        return head, bounds
 
     async def aclose(self) -> None:
         """Close the session's connections (of the loop this runs on)."""
@@ -125,16 +159,15 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
 class _Body(httpx2.AsyncByteStream):
     """An answer's body as aiohttp reads it, its failures ``httpx2``'s."""
 
-    def __init__(self, answer: aiohttp.ClientResponse, request: httpx2.Request) -> None:
+    def __init__(self, answer: aiohttp.ClientResponse) -> None:
         self._answer = answer
-        self._request = request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._answer.content.iter_any():
                 yield chunk
         except Exception as exc:
-            raise _failure(exc, self._request, sending=False) from exc
+            raise _failure(exc, sending=False) from exc
 
     async def aclose(self) -> None:
         answer = self._answer
@@ -144,23 +177,23 @@ class _Body(httpx2.AsyncByteStream):
             answer.close()  # a connection half read is never used again
 
 
-def _failure(exc: Exception, request: httpx2.Request, *, sending: bool) -> httpx2.HTTPError:
+def _failure(exc: Exception, *, sending: bool) -> httpx2.HTTPError:
     """``exc`` as ``httpx2`` would have raised it (what it is not: a transport error)."""
     message = str(exc) or type(exc).__name__
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return httpx2.ConnectTimeout(message, request=request)
+        return httpx2.ConnectTimeout(message)
     if isinstance(exc, aiohttp.ServerTimeoutError | TimeoutError):
-        return httpx2.ReadTimeout(message, request=request)
+        return httpx2.ReadTimeout(message)
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return httpx2.ConnectError(message, request=request)
+        return httpx2.ConnectError(message)
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return httpx2.RemoteProtocolError(message, request=request)
+        return httpx2.RemoteProtocolError(message)
     if isinstance(exc, aiohttp.ClientResponseError):  # the answer was not HTTP as it must be
-        return httpx2.RemoteProtocolError(message, request=request)
+        return httpx2.RemoteProtocolError(message)
     if isinstance(exc, aiohttp.ClientError | OSError):
         if sending:
-            return httpx2.WriteError(message, request=request)
-        return httpx2.ReadError(message, request=request)
+            return httpx2.WriteError(message)
+        return httpx2.ReadError(message)
     if isinstance(exc, ValueError):  # a header value aiohttp will not write (a control char)
-        return httpx2.LocalProtocolError(message, request=request)
-    return httpx2.TransportError(f"{type(exc).__name__}: {message}", request=request)
+        return httpx2.LocalProtocolError(message)
+    return httpx2.TransportError(f"{type(exc).__name__}: {message}")
