@@ -24,8 +24,11 @@ Code sends them (raw UTF-8, its system prompt with a character past U+FFFF), not
    conversations of ``--neighbours`` messages (1,000; 10,000 too) arrive beside it: its
    latency (p50, p99, max) and how many calls it made.
 2. **Throughput.** ``--concurrency`` conversations at 100 messages at once, each sending calls back
-   to back for a few seconds: requests a second and p50/p99 latency per target; also the proxy
-   with its store on tmpfs (``/dev/shm``, where an fsync costs nothing), when there is one.
+   to back for a few seconds: requests a second, p50/p99 latency and the CPU its process spent
+   a request (Linux) per target; also the proxy with its store on tmpfs (``/dev/shm``, where an
+   fsync costs nothing), when there is one. On a machine the load keeps busy, the ratio of
+   requests a second follows the ratio of all three processes' CPU a request (the load's
+   client and the upstream share it).
 3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
    1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
    3b: the same once the history snip has acted, with a ``cache_control`` mark on the last
@@ -166,10 +169,40 @@ def process(*args: str) -> Iterator[str]:
     try:
         if found is None:
             raise RuntimeError(f"{args[0]} did not start: {line!r}")
+        PIDS[found.group(1)] = proc.pid
         yield found.group(1)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+PIDS: dict[str, int] = {}
+"""The process serving each target's URL, where known: part 2 prints its CPU a request."""
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user and system) of process ``pid`` so far; None where it cannot be read
+    (no ``/proc``)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pid_running(*parts: str) -> int | None:
+    """The process whose command line holds all of ``parts`` (Linux: ``/proc``)."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if all(part in cmdline for part in parts):
+            return int(entry.name)
+    return None
 
 
 @contextlib.contextmanager
@@ -178,6 +211,9 @@ def proxy_command(upstream: str, store: Path) -> Iterator[str]:
     from tests.wire_support import proxy_process
 
     with proxy_process(upstream, store, "--max-connections", "1024") as (url, _lines, _code):
+        pid = _pid_running("pipeline", "proxy", str(store))
+        if pid is not None:
+            PIDS[url] = pid
         yield url
 
 
@@ -439,19 +475,28 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float, rounds
         f"\n2. Throughput: {concurrency} conversations at 100 messages at once,"
         f" {seconds:.0f} s each, {rounds} rounds taking turns"
     )
-    print(f"{'target':>20} {'req/s':>9} {'rounds':>23} {'p50 ms':>9} {'p99 ms':>9}")
+    print(
+        f"{'target':>20} {'req/s':>9} {'rounds':>23} {'p50 ms':>9} {'p99 ms':>9} {'CPU ms/req':>11}"
+    )
     rates: dict[str, list[float]] = {name: [] for name in targets}
     times: dict[str, list[float]] = {name: [] for name in targets}
+    cpu: dict[str, list[float]] = {name: [] for name in targets}
     for _ in range(rounds):
         for name, url in targets.items():
+            pid = PIDS.get(url)
+            before = cpu_seconds(pid)
             rate, took = _load(url, name, concurrency, seconds)
+            after = cpu_seconds(pid)
             rates[name].append(rate)
             times[name] += took
+            if before is not None and after is not None and took:
+                cpu[name].append((after - before) / len(took) * 1000)
     for name in targets:
         shown = " ".join(f"{r:.0f}" for r in rates[name])
+        used = f"{statistics.median(cpu[name]):11.2f}" if cpu[name] else f"{'-':>11}"
         print(
             f"{name:>20} {statistics.median(rates[name]):9.1f} {shown:>23}"
-            f" {statistics.median(times[name]):9.2f} {p99(times[name]):9.2f}"
+            f" {statistics.median(times[name]):9.2f} {p99(times[name]):9.2f} {used}"
         )
     for forwarder in (n for n in rates if n.startswith("forwarder")):
         for name in (n for n in rates if n.startswith("proxy")):
