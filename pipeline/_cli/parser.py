@@ -228,8 +228,8 @@ def _add_proxy_parser(sub: Any) -> None:
         "--upstream-client",
         choices=UPSTREAM_CLIENTS,
         default="auto",
-        help="the HTTP client upstream calls go out with: aiohttp (about a third of the CPU "
-        "per call) or httpx2; auto is aiohttp where it is installed and no proxy is named by "
+        help="the HTTP client upstream calls go out with: aiohttp (less than half the CPU "
+        "a call) or httpx2; auto is aiohttp where it is installed and no proxy is named by "
         "HTTP_PROXY, HTTPS_PROXY or ALL_PROXY (default %(default)s)",
     )
     limits.add_argument(

@@ -11,9 +11,10 @@ relayed, not followed. Proxies named by the environment (``HTTPS_PROXY``, ``NO_P
 and its certificate settings (``SSL_CERT_FILE``) are honoured as ``httpx2`` honours them.
 
 On asyncio the calls go out through aiohttp where it is installed
-(:mod:`pipeline.dropin.upstream_aiohttp`: the same requests and answers, at about a third of
-the CPU), unless the environment names a proxy; ``httpx2`` otherwise (``client="httpx2"``
-always).
+(:mod:`pipeline.dropin.upstream_aiohttp`: the same requests and answers, at less than half the
+CPU), unless the environment names a proxy; ``httpx2`` otherwise (``client="httpx2"``
+always), and for a request without a body or with a header value past ASCII (aiohttp would
+add a ``Content-Length: 0``, write the value as UTF-8).
 """
 
 from __future__ import annotations
@@ -154,8 +155,14 @@ class Upstream:
     async def send(self, request: Outgoing) -> httpx2.Response:
         """``request``'s answer, its body still to read (``aiter_bytes``, then ``aclose``)."""
         fast = self._fast
-        # aiohttp would write a value past ASCII as UTF-8, not as the client's bytes
-        if fast is not None and _on_asyncio() and all(v.isascii() for _, v in request.headers):
+        # aiohttp would write a header value past ASCII as UTF-8, not as the client's bytes,
+        # and a Content-Length: 0 httpx2 leaves out (a GET's): those go by httpx2
+        if (
+            fast is not None
+            and request.content
+            and _on_asyncio()
+            and all(v.isascii() for _, v in request.headers)
+        ):
             # the transport itself: the client's layer (its cookie jar, which takes none,
             # redirects, which are relayed, auth, which is the client's) has nothing to do
             target, timeouts = request.target, self._timeout

@@ -1,11 +1,14 @@
 """The proxy's upstream calls on aiohttp (:class:`AiohttpTransport`): an ``httpx2`` transport, so
 the proxy reads every answer as before (an ``httpx2.Response``: its status, headers and body,
-decoded as ``httpx2`` decodes it) while the HTTP work is aiohttp's, which costs about a third
-of the CPU per call of ``httpx2``'s own transport (httpcore on h11, in Python).
+decoded as ``httpx2`` decodes it) while the HTTP work is aiohttp's, which costs less than half
+the CPU a call of ``httpx2``'s own transport (httpcore on h11, in Python).
 
 It sends what it is given and nothing else: the request's own headers (aiohttp adds only
-``Host`` and ``Content-Length``, as ``httpx2`` does), its URL as written (no re-quoting), no
-cookies, no redirects followed, no proxy, the answer's body undecoded (``httpx2`` decodes it).
+``Host`` and ``Content-Length``, as ``httpx2`` does -- but for a request without a body, a
+``Content-Length: 0`` that ``httpx2`` leaves out; and it writes a header value as UTF-8, where
+``httpx2`` sends the bytes it is given: :class:`~pipeline.dropin.upstream.Upstream` sends both
+kinds by ``httpx2``), its URL as written (no re-quoting), no cookies, no redirects followed,
+no proxy, the answer's body undecoded (``httpx2`` decodes it).
 Certificates are checked against the same authorities as ``httpx2``'s (``SSL_CERT_FILE`` and
 ``SSL_CERT_DIR`` honoured). Its failures are ``httpx2``'s exceptions, so a caller tells a
 timeout from an unreachable upstream as before. It runs on asyncio only (aiohttp's): a caller
