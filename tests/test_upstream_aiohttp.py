@@ -320,27 +320,20 @@ def test_hostile_header_values_go_as_the_client_sent_them_or_not_at_all(value: s
 
 def test_connections_are_bounded() -> None:
     class Slow(RawUpstream):
+        threaded = True
+
         def __init__(self) -> None:
             self.open = self.most = 0
             self.lock = threading.Lock()
             super().__init__()
 
-        def _serve(self) -> None:
-            while True:
-                try:
-                    conn, _ = self.sock.accept()
-                except OSError:
-                    return
-                threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-        def _one(self, conn: socket.socket) -> None:
+        def answer(self, conn: socket.socket) -> None:
             with self.lock:
                 self.open += 1
                 self.most = max(self.most, self.open)
-            with conn:
-                while read_request(conn):
-                    time.sleep(0.1)
-                    conn.sendall(_OK)
+            while read_request(conn):
+                time.sleep(0.1)
+                conn.sendall(_OK)
             with self.lock:
                 self.open -= 1
 

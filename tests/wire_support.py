@@ -259,7 +259,10 @@ def stepped(
 
 class RawUpstream:
     """An upstream on a plain socket of 127.0.0.1 that answers each connection with
-    :meth:`answer` (raw bytes, whatever HTTP they make or break); close ``sock`` to stop it."""
+    :meth:`answer` (raw bytes, whatever HTTP they make or break); close ``sock`` to stop it.
+    ``threaded``: each connection answered in a thread of its own (else one after another)."""
+
+    threaded = False
 
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -272,8 +275,14 @@ class RawUpstream:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            with conn:
-                self.answer(conn)
+            if self.threaded:
+                threading.Thread(target=self._answered, args=(conn,), daemon=True).start()
+            else:
+                self._answered(conn)
+
+    def _answered(self, conn: socket.socket) -> None:
+        with conn:
+            self.answer(conn)
 
     def answer(self, conn: socket.socket) -> None:
         """Read the request and answer it on ``conn`` (closed afterwards)."""
