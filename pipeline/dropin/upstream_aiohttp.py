@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import sys
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -31,6 +32,10 @@ __all__ = ["AiohttpTransport"]
 
 _NOT_SENT = frozenset((b"host", b"content-length", b"transfer-encoding"))
 """Headers aiohttp writes itself from the URL and the body (as ``httpx2`` does)."""
+_SSL_SHUTDOWN_LEAKS = sys.version_info < (3, 12, 8) or (3, 13, 0) <= sys.version_info < (3, 13, 1)
+"""Whether asyncio keeps a TLS connection whose server never completes its shutdown (fixed in
+3.12.8 and 3.13.1): aiohttp then aborts such a connection after two seconds, if asked."""
+
 _TARGETS_KEPT = 64
 _NOT_ADDED = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 """Headers aiohttp would add to a request that lacks them: none is, as ``httpx2`` adds none."""
@@ -70,7 +75,10 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         session = self._session
         if session is None or self._loop is not loop or session.closed:
             connector = aiohttp.TCPConnector(
-                limit=self._limit, keepalive_timeout=self._expiry, ssl=self._ssl
+                limit=self._limit,
+                keepalive_timeout=self._expiry,
+                ssl=self._ssl,
+                enable_cleanup_closed=_SSL_SHUTDOWN_LEAKS,
             )
             session = aiohttp.ClientSession(
                 connector=connector,
