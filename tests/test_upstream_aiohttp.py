@@ -5,10 +5,12 @@ raw bytes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import importlib.util
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -370,7 +372,8 @@ def test_auto_is_aiohttp_unless_the_environment_names_a_proxy(
     assert _upstream("http://127.0.0.1:1", "auto").client == "aiohttp"
     monkeypatch.setenv("https_proxy", "http://127.0.0.1:9")
     assert _upstream("http://127.0.0.1:1", "auto").client == "httpx2"
-    assert _upstream("http://127.0.0.1:1", "aiohttp").client == "aiohttp"  # asked for: as asked
+    with pytest.raises(ValueError, match="names a proxy"):  # asked for: refused, not bypassed
+        _upstream("http://127.0.0.1:1", "aiohttp")
     with pytest.raises(ValueError, match="client must be one of"):
         _upstream("http://127.0.0.1:1", "curl")
     given = Upstream(
@@ -436,3 +439,249 @@ def test_the_command_refuses_a_loop_it_cannot_have(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "--loop uvloop: uvloop is not installed" in done.stderr
+
+
+# -- the review's findings: each fails on the version before its fix --------------------------
+
+
+class _Scripted(RawUpstream):
+    """Answers requests on each connection by ``script(conn, n)``, n counting from 1; threaded."""
+
+    threaded = True
+
+    def __init__(self, script: Callable[[socket.socket, int], None]) -> None:
+        self.script, self.connections, self.requests = script, 0, []
+        super().__init__()
+
+    def answer(self, conn: socket.socket) -> None:
+        self.connections += 1
+        n = 0
+        while True:
+            try:
+                request = read_request(conn)
+            except OSError:
+                return
+            if not request:
+                return
+            n += 1
+            self.requests.append(request)
+            try:
+                self.script(conn, n)
+            except OSError:
+                return
+
+
+def _answer(text: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(text) + text
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_bytes_a_server_sends_on_an_idle_connection_never_answer_the_next_request(
+    client: str,
+) -> None:
+    def script(conn: socket.socket, n: int) -> None:
+        conn.sendall(_answer(b"answer-%d" % n))
+        if n == 1:  # then, idle in the pool, an answer nobody asked for
+            time.sleep(0.2)
+            conn.sendall(_answer(b"STRAY-for-nobody"))
+
+    server = _Scripted(script)
+
+    async def run() -> list[bytes]:
+        upstream = _upstream(server.url, client)
+        try:
+            got = []
+            for tenant in ("a", "b"):
+                got.append((await _call(upstream, {"x-api-key": tenant}))[1])
+                await asyncio.sleep(0.5)
+            return got
+        finally:
+            await upstream.aclose()
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        server.sock.close()
+    assert got == [b"answer-1", b"answer-1"]  # the second on a connection of its own
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_clients_expect_100_continue_is_not_sent_on(client: str) -> None:
+    server = _Recording(_OK)
+
+    async def run() -> float:
+        upstream = _upstream(server.url, client, timeout=5)
+        start = time.monotonic()
+        try:
+            await _call(upstream, {"x-api-key": "k", "expect": "100-continue"}, b"{}" * 1000)
+        finally:
+            await upstream.aclose()
+        return time.monotonic() - start
+
+    try:
+        took = asyncio.run(run())
+    finally:
+        server.sock.close()
+    assert took < 2  # aiohttp waited for a 100 Continue that never came, until the timeout
+    assert b"expect:" not in server.requests[0].lower()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_an_answer_with_a_long_head_is_read(client: str) -> None:
+    long_cookie = b"set-cookie: lb=" + b"c" * 9_000 + b"\r\n"
+    many = b"".join(b"x-h%d: v\r\n" % k for k in range(150))
+    answers = [
+        b"HTTP/1.1 200 OK\r\n" + extra + b"content-length: 2\r\n\r\n{}"
+        for extra in (long_cookie, many)
+    ]
+
+    async def run() -> list[int]:
+        upstream = _upstream(server.url, client)
+        try:
+            return [(await _call(upstream))[0].status_code for _ in answers]
+        finally:
+            await upstream.aclose()
+
+    server = _Recording(*answers)
+    try:
+        assert asyncio.run(run()) == [200, 200]
+    finally:
+        server.sock.close()
+
+
+def _never_accepting() -> tuple[str, list[socket.socket]]:
+    """An address whose accept queue is full: a new connection's SYN is dropped, its connect
+    never completes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    held = [listener]
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(listener.getsockname())
+        held.append(filler)
+    time.sleep(0.2)
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", held
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_server_that_never_accepts_is_a_connect_timeout(client: str) -> None:
+    url, held = _never_accepting()
+
+    async def run() -> type[BaseException]:
+        upstream = Upstream(
+            url, timeout=1, connect=1, max_connections=4, kept_alive=4, client=client
+        )
+        try:
+            await _call(upstream)
+        except httpx2.HTTPError as exc:
+            return type(exc)
+        finally:
+            await upstream.aclose()
+        raise AssertionError("connected")
+
+    try:
+        kind = asyncio.run(run())
+    finally:
+        for sock in held:
+            sock.close()
+    assert kind is httpx2.ConnectTimeout  # unreachable (502), not slow (504)
+
+
+def test_the_two_pools_together_stay_within_max_connections() -> None:
+    class Slow(_Scripted):
+        open = most = 0
+        lock = threading.Lock()
+
+        def answer(self, conn: socket.socket) -> None:
+            with self.lock:
+                self.open += 1
+                self.most = max(self.most, self.open)
+            try:
+                super().answer(conn)
+            finally:
+                with self.lock:
+                    self.open -= 1
+
+    server = Slow(lambda conn, n: (time.sleep(0.1), conn.sendall(_OK)))
+
+    async def run() -> None:
+        upstream = Upstream(
+            server.url, timeout=10, connect=5, max_connections=8, kept_alive=8, client="aiohttp"
+        )
+        try:
+            bodies = [b"{}", b""] * 8  # with a body: aiohttp's pool; without: httpx2's
+            await asyncio.gather(*[_call(upstream, body=body) for body in bodies])
+        finally:
+            await upstream.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.sock.close()
+    assert server.most <= 8
+
+
+def test_aiohttp_asked_for_beside_a_proxy_of_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="HTTPS_PROXY names a proxy"):
+        _upstream("http://127.0.0.1:1", "aiohttp")
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", "proxy", "--upstream-client", "aiohttp",
+         "--store", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=clean_env(HTTPS_PROXY="http://127.0.0.1:9"),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--upstream-client aiohttp: HTTPS_PROXY names a proxy" in done.stderr
+
+
+def test_an_upstream_url_with_credentials_goes_by_httpx2() -> None:
+    upstream = _upstream("http://user:secret@127.0.0.1:1", "aiohttp")
+    assert upstream.client == "httpx2"
+
+
+def test_a_connection_reset_while_the_answer_is_awaited_is_a_read_error() -> None:
+    def script(conn: socket.socket, n: int) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset, no answer
+
+    server = _Scripted(script)
+    try:
+        kind, _ = _failure(server, "aiohttp")
+    finally:
+        server.sock.close()
+    assert issubclass(kind, httpx2.ReadError | httpx2.RemoteProtocolError), kind
+
+
+def test_a_transport_serves_one_loop_at_a_time() -> None:
+    server = _Scripted(lambda conn, n: conn.sendall(_OK))  # a connection left open: no matter
+    transport = AiohttpTransport(max_connections=2)
+    request = httpx2.Request("POST", server.url + "/v1/messages", content=b"{}")
+
+    async def call() -> int:
+        answer = await transport.handle_async_request(request)
+        await answer.aread()
+        await answer.aclose()
+        return answer.status_code
+
+    async def and_close() -> int:
+        status = await call()
+        await transport.aclose()
+        return status
+
+    first = asyncio.new_event_loop()
+    try:
+        assert first.run_until_complete(call()) == 200
+        with pytest.raises(RuntimeError, match="one event loop at a time"):
+            asyncio.run(call())  # the first loop's session is still open
+        first.run_until_complete(transport.aclose())
+        assert asyncio.run(and_close()) == 200  # closed on its loop: another may use it
+        assert asyncio.run(and_close()) == 200
+    finally:
+        first.close()
+        server.sock.close()

@@ -185,8 +185,8 @@ def _upstream_client(wanted: str) -> str:
 
     try:
         return choose_client(wanted)
-    except ValueError:
-        raise CliError(f"--upstream-client {wanted}: aiohttp is not installed") from None
+    except ValueError as exc:
+        raise CliError(f"--upstream-client {wanted}: {str(exc).split(': ', 1)[-1]}") from None
 
 
 def _announcing(config: Any, ready: Callable[[], None]) -> Any:

@@ -44,9 +44,12 @@ ACCEPT_ENCODING = "gzip, deflate"
 the proxy reads the answer, then relays it uncompressed)."""
 
 
-_WRITTEN_HERE = frozenset(("accept-encoding", "host", "content-length", "transfer-encoding"))
-"""Headers a request's own never stand for: the proxy's ``accept-encoding``, and those the
-HTTP client writes from the URL and the body."""
+_WRITTEN_HERE = frozenset(
+    ("accept-encoding", "host", "content-length", "transfer-encoding", "expect")
+)
+"""Headers a request's own never stand for: the proxy's ``accept-encoding``; those the HTTP
+client writes from the URL and the body; and ``expect`` (a client's ``100-continue`` was
+answered by the server that read its body: the proxy sends the body with the head)."""
 
 _URLS_KEPT = 64
 """Upstream URLs an :class:`Upstream` keeps parsed."""
@@ -95,8 +98,12 @@ class Upstream:
         base = httpx2.URL(base_url.rstrip("/"))
         if base.scheme not in ("http", "https") or not base.host:
             raise ValueError(f"the upstream must be an http:// or https:// URL, got {base_url!r}")
+        fast = None if base.userinfo else _fast_transport(client, transport, max_connections)
+        # both pools within max_connections: aiohttp's carries the calls with a body, httpx2's
+        # the rest (a GET, a header value past ASCII) -- a few
+        spare = max(1, max_connections // 8) if fast is not None else max_connections
         limits = httpx2.Limits(
-            max_connections=max_connections, max_keepalive_connections=kept_alive
+            max_connections=spare, max_keepalive_connections=min(kept_alive, spare)
         )
         timeouts = httpx2.Timeout(timeout, connect=connect)
         self._client = httpx2.AsyncClient(
@@ -111,8 +118,9 @@ class Upstream:
             # it: a transport passed in would turn them off), its connections' sockets found
             # once
             known_sockets(self._client)
-        self._fast = _fast_transport(client, transport, max_connections)
-        """aiohttp's way, for calls on asyncio (None: ``httpx2``'s for every call)."""
+        self._fast = fast
+        """aiohttp's way, for calls on asyncio (None: ``httpx2``'s for every call; an upstream
+        URL with credentials in it goes by ``httpx2``, which sends them as before)."""
         self._origin = str(base.copy_with(raw_path=b"/")).rstrip("/")
         self._prefix = base.raw_path.decode("ascii").rstrip("/")
         self._timeout = timeouts.as_dict()
@@ -199,15 +207,28 @@ def choose_client(client: str, transport: httpx2.AsyncBaseTransport | None = Non
         raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {client!r}")
     if client == "httpx2" or transport is not None:
         return "httpx2"
-    if client == "auto" and any(
-        os.environ.get(name) or os.environ.get(name.lower()) for name in _PROXY_VARIABLES
-    ):
-        return "httpx2"
-    if importlib.util.find_spec("aiohttp") is None:
+    named = [n for n in _PROXY_VARIABLES if os.environ.get(n) or os.environ.get(n.lower())]
+    if named:  # aiohttp would not go through it, httpx2 does
         if client == "aiohttp":
-            raise ValueError("client 'aiohttp': aiohttp is not installed")
+            raise ValueError(
+                f"client 'aiohttp': {named[0]} names a proxy, which aiohttp would not go "
+                "through (httpx2 does)"
+            )
+        return "httpx2"
+    why = _aiohttp_unusable()
+    if why is not None:
+        if client == "aiohttp":
+            raise ValueError(f"client 'aiohttp': {why}")
         return "httpx2"
     return "aiohttp"
+
+
+def _aiohttp_unusable() -> str | None:
+    if importlib.util.find_spec("aiohttp") is None:
+        return "aiohttp is not installed"
+    from pipeline.dropin.upstream_aiohttp import usable
+
+    return usable()
 
 
 def _fast_transport(
@@ -217,7 +238,8 @@ def _fast_transport(
         return None
     from pipeline.dropin.upstream_aiohttp import AiohttpTransport
 
-    return AiohttpTransport(max_connections=max_connections)
+    # the pool's share of max_connections (httpx2's pool takes the rest: see Upstream)
+    return AiohttpTransport(max_connections=max(1, max_connections - max_connections // 8))
 
 
 def _on_asyncio() -> bool:

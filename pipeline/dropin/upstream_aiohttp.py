@@ -19,6 +19,7 @@ chooses per call).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import ssl
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -41,16 +42,57 @@ _NOT_ADDED = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 """Headers aiohttp would add to a request that lacks them: none is, as ``httpx2`` adds none."""
 
 
+_HEAD_FIELD = 64 * 1024
+"""The longest line of an answer's head, and header, read (aiohttp's own default is 8 KiB; a
+load balancer's cookie can be longer, and ``httpx2`` reads heads of up to 100 KiB)."""
+_HEAD_FIELDS = 256
+"""The most headers an answer may have (aiohttp's own default is 128)."""
+
+
+def usable() -> str | None:
+    """Why aiohttp cannot serve here (None: it can): this module checks each kept connection
+    before reusing it in a method of aiohttp's pool, which must be as it expects."""
+    get = getattr(aiohttp.TCPConnector, "_get", None)
+    if not inspect.iscoroutinefunction(get):
+        return "aiohttp's pool is not as this module expects (its _get is not a coroutine)"
+    if list(inspect.signature(get).parameters) != ["self", "key", "traces"]:
+        return "aiohttp's pool is not as this module expects (its _get takes other arguments)"
+    if "max_headers" not in inspect.signature(aiohttp.ClientSession).parameters:
+        return "aiohttp is older than 3.12"
+    return None
+
+
+class _QuietConnector(aiohttp.TCPConnector):
+    """aiohttp's pool, that never reuses a connection on which the server said something while
+    it was idle: those bytes would be read as the next request's answer -- another tenant's,
+    maybe (``httpcore`` closes such a connection likewise)."""
+
+    async def _get(self, key: Any, traces: Any) -> Any:
+        while True:
+            connection = await super()._get(key, traces)
+            if connection is None or not _spoke_unasked(connection.protocol):
+                return connection
+            connection.close()
+
+
+def _spoke_unasked(protocol: Any) -> bool:
+    # bytes buffered or parsed on a connection no request owns: it cannot be reused as clean
+    return protocol is None or bool(protocol.should_close)
+
+
 class AiohttpTransport(httpx2.AsyncBaseTransport):
     """``httpx2.AsyncBaseTransport`` on an aiohttp session: at most ``max_connections``
     connections, idle ones closed after ``keepalive_expiry`` seconds; ``ssl_context``: the
     certificate checks (default: ``httpx2``'s). Each request's ``timeout`` extension (as
     ``httpx2`` sets it) bounds connecting (``connect``) and, from the start, sending the request
-    and receiving the answer's head (the longest of ``read``, ``write`` and ``pool``: waiting
-    for a connection counts in it), then each read of its body (``read``).
+    and receiving the answer's head (the longest of ``read``, ``write`` and ``pool``, waiting
+    for a connection included, past ``connect``), then each read of its body (``read``).
+    An answer's head may hold 256 headers of up to 64 KiB each.
 
-    One session per event loop, made on the first request there (a session belongs to the
-    loop it was made on)."""
+    One event loop at a time: the session is made on the first request, on that request's loop
+    (a session belongs to the loop it was made on); a request on another loop while it is open
+    is a ``RuntimeError`` (its connections could not be closed from there). ``ValueError`` where
+    aiohttp is not as this module needs (:func:`usable`)."""
 
     def __init__(
         self,
@@ -61,6 +103,9 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        unusable = usable()
+        if unusable is not None:
+            raise ValueError(unusable)
         self._limit = max_connections
         self._expiry = keepalive_expiry
         self._ssl = ssl_context if ssl_context is not None else httpx2.create_ssl_context()
@@ -73,8 +118,13 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     def _session_here(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         session = self._session
-        if session is None or self._loop is not loop or session.closed:
-            connector = aiohttp.TCPConnector(
+        if session is not None and not session.closed and self._loop is not loop:
+            raise RuntimeError(
+                "an AiohttpTransport serves one event loop at a time: aclose() it on the loop "
+                "it served before using it on another"
+            )
+        if session is None or session.closed:
+            connector = _QuietConnector(
                 limit=self._limit,
                 keepalive_timeout=self._expiry,
                 ssl=self._ssl,
@@ -87,6 +137,9 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
                 auto_decompress=False,
                 trust_env=False,  # no proxy and no .netrc credentials: Upstream decides
                 timeout=aiohttp.ClientTimeout(total=None),
+                max_line_size=_HEAD_FIELD,
+                max_field_size=_HEAD_FIELD,
+                max_headers=_HEAD_FIELDS,
             )
             self._session, self._loop = session, loop
         return session
@@ -132,7 +185,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
                     timeout=bounds,
                 )
         except Exception as exc:
-            raise _failure(exc, sending=True) from exc
+            raise _failure(exc) from exc
         return httpx2.Response(
             answer.status,
             headers=list(answer.raw_headers),
@@ -150,7 +203,9 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         if last is not None and last[0] == timeouts:
             return last[1], last[2]
         limits = [t for t in (timeouts.get(k) for k in ("read", "write", "pool")) if t is not None]
-        head = max(limits) if limits else None
+        # past connecting's own bound: a server that never accepts is told by that one
+        # (ConnectTimeout: unreachable, 502), not by this (ReadTimeout: slow, 504)
+        head = max(limits) + (timeouts.get("connect") or 0.0) if limits else None
         bounds = aiohttp.ClientTimeout(
             total=None,
             connect=None,
@@ -178,7 +233,7 @@ class _Body(httpx2.AsyncByteStream):
             async for chunk in self._answer.content.iter_any():
                 yield chunk
         except Exception as exc:
-            raise _failure(exc, sending=False) from exc
+            raise _failure(exc) from exc
 
     async def aclose(self) -> None:
         answer = self._answer
@@ -188,7 +243,7 @@ class _Body(httpx2.AsyncByteStream):
             answer.close()  # a connection half read is never used again
 
 
-def _failure(exc: Exception, *, sending: bool) -> httpx2.HTTPError:
+def _failure(exc: Exception) -> httpx2.HTTPError:
     """``exc`` as ``httpx2`` would have raised it (what it is not: a transport error)."""
     message = str(exc) or type(exc).__name__
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
@@ -202,8 +257,8 @@ def _failure(exc: Exception, *, sending: bool) -> httpx2.HTTPError:
     if isinstance(exc, aiohttp.ClientResponseError):  # the answer was not HTTP as it must be
         return httpx2.RemoteProtocolError(message)
     if isinstance(exc, aiohttp.ClientError | OSError):
-        if sending:
-            return httpx2.WriteError(message)
+        # aiohttp tells a failed write from a failed read no more than this: a body goes
+        # into the socket's buffer at once, so what fails is most often the wait for the answer
         return httpx2.ReadError(message)
     if isinstance(exc, ValueError):  # a header value aiohttp will not write (a control char)
         return httpx2.LocalProtocolError(message)
