@@ -30,18 +30,20 @@ from tests.wire_support import RawUpstream, proxy_process, read_request
 CLIENTS = ("aiohttp", "httpx2")
 
 
-class _Recording(RawUpstream):
-    """Answers each request on a connection with ``answers`` in turn (the last one again),
-    keeping the connection; records each request's raw bytes and counts connections."""
+class _Scripted(RawUpstream):
+    """Answers requests on each connection by ``script(conn, n)``, n counting from 1 on each,
+    each connection in a thread of its own; records each request's raw bytes and counts
+    connections."""
 
-    def __init__(self, *answers: bytes) -> None:
-        self.answers = list(answers)
-        self.requests: list[bytes] = []
-        self.connections = 0
+    threaded = True
+
+    def __init__(self, script: Callable[[socket.socket, int], None]) -> None:
+        self.script, self.connections, self.requests = script, 0, []
         super().__init__()
 
     def answer(self, conn: socket.socket) -> None:
         self.connections += 1
+        n = 0
         while True:
             try:
                 request = read_request(conn)
@@ -49,12 +51,26 @@ class _Recording(RawUpstream):
                 return
             if not request:
                 return
+            n += 1
             self.requests.append(request)
-            index = min(len(self.requests), len(self.answers)) - 1
             try:
-                conn.sendall(self.answers[index])
+                self.script(conn, n)
             except OSError:
                 return
+
+
+class _Recording(_Scripted):
+    """Answers each request with ``answers`` in turn (the last one again), one connection at a
+    time, keeping each."""
+
+    threaded = False
+
+    def __init__(self, *answers: bytes) -> None:
+        self.answers = list(answers)
+        super().__init__(self._next)
+
+    def _next(self, conn: socket.socket, _n: int) -> None:
+        conn.sendall(self.answers[min(len(self.requests), len(self.answers)) - 1])
 
 
 def _upstream(url: str, client: str, *, timeout: float = 10.0) -> Upstream:
@@ -320,33 +336,36 @@ def test_hostile_header_values_go_as_the_client_sent_them_or_not_at_all(value: s
             assert outcome in (sent, "refused")
 
 
-def test_connections_are_bounded() -> None:
-    class Slow(RawUpstream):
-        threaded = True
+class _Counting(_Scripted):
+    """Answers each request after 0.1 s; counts the connections open at once (``most``)."""
 
-        def __init__(self) -> None:
-            self.open = self.most = 0
-            self.lock = threading.Lock()
-            super().__init__()
+    def __init__(self) -> None:
+        self.open = self.most = 0
+        self.lock = threading.Lock()
+        super().__init__(lambda conn, n: (time.sleep(0.1), conn.sendall(_OK)))
 
-        def answer(self, conn: socket.socket) -> None:
-            with self.lock:
-                self.open += 1
-                self.most = max(self.most, self.open)
-            while read_request(conn):
-                time.sleep(0.1)
-                conn.sendall(_OK)
+    def answer(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.open += 1
+            self.most = max(self.most, self.open)
+        try:
+            super().answer(conn)
+        finally:
             with self.lock:
                 self.open -= 1
 
-    server = Slow()
+
+def _most_at_once(bodies: list[bytes], max_connections: int) -> int:
+    """The most connections open at once while calls with ``bodies`` go out all together."""
+    server = _Counting()
 
     async def run() -> None:
         upstream = Upstream(
-            server.url, timeout=10, connect=5, max_connections=2, kept_alive=2, client="aiohttp"
-        )
+            server.url, timeout=10, connect=5, max_connections=max_connections,
+            kept_alive=max_connections, client="aiohttp",
+        )  # fmt: skip
         try:
-            await asyncio.gather(*[_call(upstream) for _ in range(6)])
+            await asyncio.gather(*[_call(upstream, body=body) for body in bodies])
         finally:
             await upstream.aclose()
 
@@ -354,7 +373,11 @@ def test_connections_are_bounded() -> None:
         asyncio.run(run())
     finally:
         server.sock.close()
-    assert server.most == 2
+    return server.most
+
+
+def test_connections_are_bounded() -> None:
+    assert _most_at_once([b"{}"] * 6, 2) == 2
 
 
 def test_auto_is_aiohttp_unless_the_environment_names_a_proxy(
@@ -442,33 +465,6 @@ def test_the_command_refuses_a_loop_it_cannot_have(tmp_path: Path) -> None:
 
 
 # -- the review's findings: each fails on the version before its fix --------------------------
-
-
-class _Scripted(RawUpstream):
-    """Answers requests on each connection by ``script(conn, n)``, n counting from 1; threaded."""
-
-    threaded = True
-
-    def __init__(self, script: Callable[[socket.socket, int], None]) -> None:
-        self.script, self.connections, self.requests = script, 0, []
-        super().__init__()
-
-    def answer(self, conn: socket.socket) -> None:
-        self.connections += 1
-        n = 0
-        while True:
-            try:
-                request = read_request(conn)
-            except OSError:
-                return
-            if not request:
-                return
-            n += 1
-            self.requests.append(request)
-            try:
-                self.script(conn, n)
-            except OSError:
-                return
 
 
 def _answer(text: bytes) -> bytes:
@@ -592,37 +588,8 @@ def test_a_server_that_never_accepts_is_a_connect_timeout(client: str) -> None:
 
 
 def test_the_two_pools_together_stay_within_max_connections() -> None:
-    class Slow(_Scripted):
-        open = most = 0
-        lock = threading.Lock()
-
-        def answer(self, conn: socket.socket) -> None:
-            with self.lock:
-                self.open += 1
-                self.most = max(self.most, self.open)
-            try:
-                super().answer(conn)
-            finally:
-                with self.lock:
-                    self.open -= 1
-
-    server = Slow(lambda conn, n: (time.sleep(0.1), conn.sendall(_OK)))
-
-    async def run() -> None:
-        upstream = Upstream(
-            server.url, timeout=10, connect=5, max_connections=8, kept_alive=8, client="aiohttp"
-        )
-        try:
-            bodies = [b"{}", b""] * 8  # with a body: aiohttp's pool; without: httpx2's
-            await asyncio.gather(*[_call(upstream, body=body) for body in bodies])
-        finally:
-            await upstream.aclose()
-
-    try:
-        asyncio.run(run())
-    finally:
-        server.sock.close()
-    assert server.most <= 8
+    # with a body: aiohttp's pool; without: httpx2's
+    assert _most_at_once([b"{}", b""] * 8, 8) <= 8
 
 
 def test_aiohttp_asked_for_beside_a_proxy_of_the_environment_is_refused(
