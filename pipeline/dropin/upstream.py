@@ -98,10 +98,14 @@ class Upstream:
         base = httpx2.URL(base_url.rstrip("/"))
         if base.scheme not in ("http", "https") or not base.host:
             raise ValueError(f"the upstream must be an http:// or https:// URL, got {base_url!r}")
-        fast = None if base.userinfo else _fast_transport(client, transport, max_connections)
         # both pools within max_connections: aiohttp's carries the calls with a body, httpx2's
-        # the rest (a GET, a header value past ASCII) -- a few
-        spare = max(1, max_connections // 8) if fast is not None else max_connections
+        # the rest (a GET, a header value past ASCII) -- a few, an eighth (one at least: under
+        # 8, one connection past max_connections)
+        share = max_connections // 8
+        fast = (
+            None if base.userinfo else _fast_transport(client, transport, max_connections - share)
+        )
+        spare = max_connections if fast is None else max(1, share)
         limits = httpx2.Limits(
             max_connections=spare, max_keepalive_connections=min(kept_alive, spare)
         )
@@ -238,8 +242,7 @@ def _fast_transport(
         return None
     from pipeline.dropin.upstream_aiohttp import AiohttpTransport
 
-    # the pool's share of max_connections (httpx2's pool takes the rest: see Upstream)
-    return AiohttpTransport(max_connections=max(1, max_connections - max_connections // 8))
+    return AiohttpTransport(max_connections=max(1, max_connections))
 
 
 def _on_asyncio() -> bool:

@@ -151,7 +151,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
             for k, v in request.headers.raw
             if k.lower() not in _NOT_SENT
         ]
-        content = request.content if hasattr(request, "_content") else await request.aread()
+        content = await request.aread()  # its content, read now if it was a stream
         timeouts = request.extensions.get("timeout", {})
         return await self.send(request.method, str(request.url), headers, content, timeouts)
 
@@ -252,9 +252,9 @@ def _failure(exc: Exception) -> httpx2.HTTPError:
         return httpx2.ReadTimeout(message)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return httpx2.ConnectError(message)
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return httpx2.RemoteProtocolError(message)
-    if isinstance(exc, aiohttp.ClientResponseError):  # the answer was not HTTP as it must be
+    # cut off, or not HTTP as it must be (ClientResponseError)
+    broken = aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
+    if isinstance(exc, broken | aiohttp.ClientResponseError):
         return httpx2.RemoteProtocolError(message)
     if isinstance(exc, aiohttp.ClientError | OSError):
         # aiohttp tells a failed write from a failed read no more than this: a body goes
