@@ -26,7 +26,6 @@ The state (multipliers, covariances, measured overheads) is JSON-serialisable
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,8 +129,11 @@ class CalibratedEstimator:
         (Claude Code restores recently read files). 0 by default: the library's own compaction
         sends exactly its messages. Re-measured on each first call after a compaction."""
         self._w = tuple(self.weights[f] for f in FEATURES)
-        # keyed by the record itself (records hash by identity): no id to keep beside it
-        self._cache: OrderedDict[Message, ContentVector] = OrderedDict()
+        # keyed by the record itself (records hash by identity): no id to keep beside it; a
+        # plain dict kept in use order (an entry ~36 bytes, an OrderedDict's ~84) and the
+        # vector packed (~70 bytes, the array ~350): at 4,096 records a conversation, this
+        # cache was the largest state a held conversation had after its content
+        self._cache: dict[Message, bytes] = {}
         self._last_split: tuple[Usage | None, tuple[Message, ...], _Split] | None = None
         """The anchor usage, records from the anchor on and split of the latest estimate."""
         self._learned = 0
@@ -150,19 +152,21 @@ class CalibratedEstimator:
     # -- content ------------------------------------------------------------------------------
     def vector(self, message: Message) -> ContentVector:
         """Base tokens per class of ``message`` (cached by identity)."""
-        hit = self._cache.get(message)
-        if hit is not None:
-            self._cache.move_to_end(message)
-            return hit
-        vec = content_vector(message, self._w)
-        self._cache[message] = vec
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return vec
+        return ContentVector.unpack(self._packed(message))
+
+    def _packed(self, message: Message) -> bytes:
+        cache = self._cache
+        hit = cache.pop(message, None)
+        if hit is None:
+            hit = content_vector(message, self._w).pack()
+        cache[message] = hit  # the most recently used: last
+        if len(cache) > self._cache_size:
+            del cache[next(iter(cache))]  # the least recently used
+        return hit
 
     def _visible_sum(self, messages: Sequence[Message]) -> tuple[ContentVector, int]:
-        vectors = [self.vector(m) for m in messages if is_wire_visible(m)]
-        return ContentVector.sum_of(vectors), len(vectors)
+        packed = [self._packed(m) for m in messages if is_wire_visible(m)]
+        return ContentVector.sum_packed(packed), len(packed)
 
     def _split(self, messages: Sequence[Message], anchor: tuple[int, Usage] | None) -> _Split:
         # every stage of a pass asks about lists that share the records a split reads (from
@@ -192,16 +196,16 @@ class CalibratedEstimator:
         if restart is not None:  # the request was rebuilt: price from the restart, no anchor
             new, count = self._visible_sum(messages[restart:])
             return _Split(None, first.model, ContentVector(), new, count, crossed=True)
-        answer: list[ContentVector] = []
-        after: list[ContentVector] = []
+        answer: list[bytes] = []
+        after: list[bytes] = []
         aid = first.message_id
         for j in range(i, len(messages)):
             m = messages[j]
             if m is first or (aid is not None and m.type == "assistant" and m.message_id == aid):
-                answer.append(self.vector(m))
+                answer.append(self._packed(m))
             elif is_wire_visible(m):
-                after.append(self.vector(m))
-        response, new = ContentVector.sum_of(answer), ContentVector.sum_of(after)
+                after.append(self._packed(m))
+        response, new = ContentVector.sum_packed(answer), ContentVector.sum_packed(after)
         return _Split(usage, first.model, response, new, len(after), crossed=False)
 
     # -- estimating ---------------------------------------------------------------------------
