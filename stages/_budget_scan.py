@@ -81,20 +81,35 @@ class Candidate:
 
 @dataclass(slots=True)
 class _Undo:
-    """What one message added to the scan, so that a rollback can take exactly that back."""
+    """What one message added to the scan, so that a rollback can take exactly that back (a
+    user message with nothing but its results to undo keeps its :attr:`slots` alone: see
+    :data:`_Step`)."""
 
     closed_group: bool = False
     """An assistant with a new id closed the open group."""
     assistant_id: str | None = None
     """The response id this message was the first to show."""
-    names: list[tuple[str, str | None]] | None = None
-    """(tool_use_id, the name it had before or None) for every tool_use, in order."""
+    names: tuple[str | None, ...] = ()
+    """tool_use_id, then the name it had before or None, for every tool_use, in order."""
     candidates: int = 0
     """Candidates appended to the open group."""
     unaddressable: int = 0
     malformed: int = 0
     slots: tuple[Name | None, ...] = ()
     """Per tool_result block, in order: what it is sent as (what the output patch reads)."""
+
+
+_Step = _Undo | tuple[Name | None, ...] | None
+"""One message's step: None when it added nothing; a user message whose blocks all are
+mappings and whose results all have ids, its slots alone (its candidates are the slots named
+by a key: a string); else an :class:`_Undo`. A step is kept for every message of a held
+conversation: the tuple alone is ~90 bytes less than an object beside it."""
+
+
+def _slots(step: _Step) -> tuple[Name | None, ...]:
+    if step is None:
+        return ()
+    return step if type(step) is tuple else step.slots  # type: ignore[union-attr]
 
 
 class GroupScan:
@@ -109,8 +124,9 @@ class GroupScan:
     """
 
     def __init__(self) -> None:
-        self.undo: list[_Undo | None] = []
-        self.closed: list[list[Candidate]] = []
+        self.undo: list[_Step] = []
+        self.closed: list[tuple[Candidate, ...]] = []
+        """The groups closed, each a tuple (a list of one candidate is 88 bytes, a tuple 48)."""
         self.current: list[Candidate] = []
         self.tool_names: dict[str, str] = {}
         self.assistant_ids: set[str] = set()
@@ -140,7 +156,8 @@ class GroupScan:
     @property
     def groups(self) -> list[list[Candidate]]:
         """Every group with at least one candidate, in order."""
-        return [*self.closed, self.current] if self.current else list(self.closed)
+        closed = [list(g) for g in self.closed]
+        return [*closed, self.current] if self.current else closed
 
     def push(
         self, index: int, m: Message, replacements: Mapping[str, str], touched: set[Name]
@@ -188,8 +205,11 @@ class GroupScan:
         if not (slots or u.malformed):
             self.undo.append(None)  # nothing to undo: share None rather than keep an object
             return
-        u.slots = tuple(slots)
         touched.update(n for n in slots if n is not None)
+        if not (u.unaddressable or u.malformed):
+            self.undo.append(tuple(slots))
+            return
+        u.slots = tuple(slots)
         self.unaddressable += u.unaddressable
         self.malformed += u.malformed
         self.undo.append(u)
@@ -199,24 +219,25 @@ class GroupScan:
         if m.message_id is None or m.message_id not in self.assistant_ids:
             u = _Undo()
             if self.current:
-                self.closed.append(self.current)
+                self.closed.append(tuple(self.current))
                 self.current = []
                 u.closed_group = True
             if m.message_id is not None:
                 self.assistant_ids.add(m.message_id)
                 u.assistant_id = m.message_id
         if isinstance(m.content, list):
+            names: list[str | None] = []
             for b in m.content:
                 if not isinstance(b, Mapping):  # hostile input: not a block, not a tool_use
                     continue
                 if b.get("type") == "tool_use" and isinstance(b.get("id"), str):
                     tid, name = b["id"], b.get("name")
-                    if u is None:
-                        u = _Undo()
-                    if u.names is None:
-                        u.names = []
-                    u.names.append((tid, self.tool_names.get(tid)))
+                    names += (tid, self.tool_names.get(tid))
                     self.tool_names[tid] = name if isinstance(name, str) else ""
+            if names:
+                if u is None:
+                    u = _Undo()
+                u.names = tuple(names)
         return u
 
     def pop(self, index: int, replacements: Mapping[str, str], touched: set[Name]) -> None:
@@ -224,6 +245,9 @@ class GroupScan:
         u = self.undo.pop()
         if u is None:
             return
+        if type(u) is tuple:
+            u = _Undo(candidates=sum(type(n) is str for n in u), slots=u)
+        assert isinstance(u, _Undo)
         for _ in range(u.candidates):
             key = self.current.pop().key
             touched.add(key)
@@ -243,14 +267,16 @@ class GroupScan:
                 del self.first_pos[name]
         self.unaddressable -= u.unaddressable
         self.malformed -= u.malformed
-        if u.names is not None:
-            for tid, previous in reversed(u.names):
-                _restore(self.tool_names, tid, previous)
+        names = u.names
+        for k in range(len(names) - 2, -1, -2):
+            tid = names[k]
+            assert tid is not None
+            _restore(self.tool_names, tid, names[k + 1])
         if u.assistant_id is not None:
             self.assistant_ids.discard(u.assistant_id)
         if u.closed_group:
             # everything scanned after this message is undone, so the open group is empty
-            self.current = self.closed.pop()
+            self.current = list(self.closed.pop())
 
 
 def _restore(d: dict[str, str], key: str, previous: str | None) -> None:
@@ -407,19 +433,15 @@ class BudgetCache:
                 stale_from = min(stale_from, first)
         if stale:  # rare: a result repeated across the edit point, or an edit that removed one
             for index in range(stale_from, start):
-                u = scan.undo[index]
-                if u is not None and not stale.isdisjoint(u.slots):
+                if not stale.isdisjoint(_slots(scan.undo[index])):
                     self._patch(index, messages[index])
         for index in range(start, len(messages)):
-            u = scan.undo[index]
-            if u is not None and u.slots:
+            if _slots(scan.undo[index]):
                 self._patch(index, messages[index])
 
     def _patch(self, index: int, m: Message) -> None:
-        u = self.scan.undo[index]
-        assert u is not None
         apply = self.apply
-        names = iter(u.slots)
+        names = iter(_slots(self.scan.undo[index]))
 
         def content_for(block: Mapping[str, Any]) -> str | None:
             name = next(names, None)

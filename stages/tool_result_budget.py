@@ -148,7 +148,7 @@ class ToolResultBudget:
 
         # Only groups holding a message scanned in this pass can hold a fresh candidate: every
         # candidate an earlier pass scanned was decided (seen) by that pass.
-        groups = scan.closed[first_group:]
+        groups: list[Sequence[Candidate]] = [*scan.closed[first_group:]]
         if scan.current:
             groups.append(scan.current)
         already_replaced = {c.key for g in groups for c in g if c.key in state.replacements}
@@ -204,7 +204,7 @@ class ToolResultBudget:
     async def _decide_group(
         self,
         index: int,
-        group: list[Candidate],
+        group: Sequence[Candidate],
         ctx: SessionContext,
         apply: dict[str, str],
         decided: list[str],

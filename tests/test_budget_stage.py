@@ -566,3 +566,36 @@ async def test_a_group_that_persisted_by_the_per_tool_limit_says_so(tmp_path: Pa
     assert a[ATTR.CHARS_FREED] == 45_000 - a[ATTR.REPLACEMENT_CHARS]
     assert g[ATTR.CHARS_FREED] == a[ATTR.CHARS_FREED]
     assert (b[ATTR.DECISION], b[ATTR.REASON], b[ATTR.CHARS_OVER]) == ("keep", "per_message", 0)
+
+
+def test_the_grouping_scan_keeps_little_a_round() -> None:
+    """What the budget's undoable scan keeps for a round of a held conversation (a call and
+    its result), its result's key included: ~670 bytes. Kept as objects beside each step (an
+    undo object for the result, a list of pairs for the call, a list per group), ~890."""
+    import gc
+    import tracemalloc
+
+    from stages._budget_scan import GroupScan
+
+    messages: list[Message] = []
+    for k in range(2_000):
+        tid = f"toolu_{k:06d}"
+        call = {"type": "tool_use", "id": tid, "name": "Read", "input": {}}
+        messages.append(Message.assistant([call], message_id=f"msg_{k}"))
+        result = {"type": "tool_result", "tool_use_id": tid, "content": f"out {k} " + "x" * 300}
+        messages.append(Message.user([result]))
+    scan = GroupScan()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, m in enumerate(messages):
+            scan.push(i, m, {}, set())
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept / 2_000 < 760
+    assert [len(g) for g in scan.groups] == [1] * 2_000
+    for i in range(len(messages) - 1, -1, -1):  # undone to nothing, step by step
+        scan.pop(i, {}, set())
+    assert (scan.groups, scan.tool_names, scan.sizes, scan.first_pos) == ([], {}, {}, {})
