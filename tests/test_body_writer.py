@@ -206,3 +206,133 @@ def test_finite_refuses_what_the_fast_encoder_would_write_as_null(bad: float) ->
     with pytest.raises(ValueError, match="float"):
         writer.write("k2", {"model": "m", "top_k": bad, "messages": first}, finite=True)
     assert writer.write("k3", {"messages": later}) == dumps_body({"messages": later})
+
+
+# -- the request's own bytes (a Source) ----------------------------------------------------------
+
+spacings = st.sampled_from(["compact", "spaced", "pretty"])
+
+
+def _client_bytes(body: dict[str, Any], spacing: str) -> bytes:
+    """``body`` as a client writes it: compactly (the anthropic SDKs, Claude Code), spaced
+    (Python's ``json.dumps`` by default) or indented."""
+    import json
+
+    if spacing == "compact":
+        text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        try:
+            return text.encode()
+        except UnicodeEncodeError:  # a lone surrogate: escaped, as JavaScript writes it
+            return json.dumps(body, separators=(",", ":")).encode()
+    if spacing == "spaced":
+        return json.dumps(body).encode()
+    return json.dumps(body, indent=1).encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.lists(messages, max_size=6),
+    steps=st.lists(
+        st.tuples(edits, messages, fields, spacings, st.integers(0, 7), st.sampled_from("ab")),
+        min_size=1,
+        max_size=14,
+    ),
+    max_bytes=st.sampled_from([0, 300, 32 * 2**20]),
+)
+def test_bodies_written_from_the_requests_bytes_are_what_dumps_body_writes(
+    start: list[Any], steps: list[Any], max_bytes: int
+) -> None:
+    """Each request read by the body reader (compact, spaced or indented, so its messages are
+    this writer's bytes or not), some of its messages then rewritten as a stage rewrites them
+    (a new object) and the body sent on written with the request as its source: always the
+    bytes ``dumps_body`` writes of it, whatever was kept from the earlier bodies."""
+    from pipeline.wire.body_reader import BodyReader
+
+    reader = BodyReader()
+    writer = BodyWriter(max_bytes=max_bytes)
+    last: dict[str, tuple[list[Any], list[Any]]] = {}
+    for msgs, extra, (spacing, rewrite, key) in stepped(start, steps, "fields"):
+        raw = _client_bytes({**extra, "messages": msgs}, spacing)
+        try:
+            body, fast, source = reader.read_source(raw, scope=key.encode())
+        except ValueError:
+            continue  # what the reader refuses never reaches the writer
+        sent = list(body["messages"])
+        # a message equal to the last request's is sent as the same object, as a session
+        # keeps its records: written in other bytes this time, perhaps
+        earlier, earlier_sent = last.get(key, ([], []))
+        for i, (now, then) in enumerate(zip(sent, earlier, strict=False)):
+            if now != then or type(now) is not type(then):
+                break
+            sent[i] = earlier_sent[i]
+        last[key] = (list(body["messages"]), sent)
+        if sent and rewrite < len(sent):  # a stage's new object, sent in the request's place
+            sent = [*sent]
+            sent[rewrite] = {"role": "user", "content": f"rewritten {rewrite}"}
+        out = {**body, "messages": sent}
+        try:
+            expected: bytes | type[Exception] = dumps_body(out, fast=fast)
+        except Exception as exc:
+            expected = type(exc)
+        try:
+            got: bytes | type[Exception] = writer.write(key, out, fast=fast, source=source)
+        except Exception as exc:
+            got = type(exc)
+        assert got == expected
+
+
+def test_a_compact_client_s_messages_are_not_kept_between_bodies() -> None:
+    """A conversation whose client writes JSON as the SDKs do: its messages' bytes are taken
+    from each request and the writer keeps only what it wrote of its own (a message a stage
+    rewrote); written spaced, every message is kept, as before there was a source."""
+    from pipeline.wire.body_reader import BodyReader
+
+    kept: dict[str, int] = {}
+    for spacing in ("compact", "spaced"):
+        reader, writer = BodyReader(), BodyWriter()
+        msgs: list[Any] = [{"role": "user", "content": "go"}]
+        for k in range(40):
+            raw = _client_bytes({"model": "m", "messages": msgs}, spacing)
+            body, fast, source = reader.read_source(raw)
+            sent = list(body["messages"])
+            sent[1:2] = [{"role": "assistant", "content": "cleared"}] if k else []
+            out = {**body, "messages": sent}
+            assert writer.write("c", out, fast=fast, source=source) == dumps_body(out)
+            msgs = [*msgs, *_round(k)]
+        kept[spacing] = writer._bytes
+        assert writer.reused > 0
+    rewritten = len(b'{"role":"assistant","content":"cleared"}')
+    assert kept["compact"] == rewritten
+    assert kept["spaced"] > 40 * 100
+
+
+def test_a_body_in_many_runs_keeps_the_shortest_of_the_request_s_as_its_own() -> None:
+    """A stage clearing old results (each a new object, the same on every call) leaves the
+    request's messages in many runs between them, each a call a message long: past 64 runs the
+    request's shortest are kept as the writer's own bytes, so that writing a body costs a
+    bounded number of steps, and what it keeps stays the cleared results and those calls --
+    not the results the request still carries. The bytes stay ``dumps_body``'s."""
+    from pipeline.wire.body_reader import BodyReader
+
+    reader, writer = BodyReader(), BodyWriter()
+    msgs: list[Any] = [{"role": "user", "content": "go"}]
+    cleared: dict[int, Any] = {}
+    fewer = 0
+    for k in range(120):
+        raw = _client_bytes({"messages": msgs}, "compact")
+        body, fast, source = reader.read_source(raw)
+        sent = list(body["messages"])
+        for i in range(2, len(sent) - 40, 2):  # the results but the last twenty rounds'
+            sent[i] = cleared.setdefault(i, {"role": "user", "content": f"cleared {i}"})
+        out = {**body, "messages": sent}
+        runs_before = len(writer._kept["c"].runs) if "c" in writer._kept else 0
+        assert writer.write("c", out, fast=fast, source=source) == dumps_body(out)
+        runs = len(writer._kept["c"].runs)
+        assert runs <= 64
+        fewer += runs < runs_before
+        use, result = _round(k)
+        result = {"role": "user", "content": [{**result["content"][0], "content": "z" * 2_000}]}
+        msgs = [*msgs, use, result]
+    assert writer._bytes < len(raw) / 20  # of the results, the request's
+    assert fewer >= 2  # kept in fewer runs more than once
+    assert writer.from_source > 0 and writer.reused > 0

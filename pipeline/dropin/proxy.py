@@ -311,7 +311,7 @@ def build_app(
         headers = dict(request.headers)
         try:
             # a long body new to the reader is parsed off the loop, which serves the others
-            body, fast = await bodies.read_async(
+            body, fast, source = await bodies.read_source_async(
                 raw, scope=credential_of(headers), offload=parse_elsewhere
             )
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
@@ -379,7 +379,9 @@ def build_app(
                     merged = merge_request_fields(prepared, extras)
                     # the client's fields are parsed objects, never changed; a stage's may be
                     kept = body.keys() - extras.keys()
-                    content = sent.write(branch.key, merged, fast=fast, unchanging=kept)
+                    content = sent.write(
+                        branch.key, merged, fast=fast, unchanging=kept, source=source
+                    )
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )

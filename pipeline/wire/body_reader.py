@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pipeline.wire.body_split import split_new, worth_splitting
+from pipeline.wire.body_writer import Source
 from pipeline.wire.encoding import has_lone_surrogate, loads_body
 from pipeline.wire.kept_bodies import (
     KeptBodies,
@@ -89,8 +90,14 @@ class BodyReader(KeptBodies):
         :func:`~pipeline.wire.encoding.loads_body` returns for ``raw``, and raises. ``scope``:
         the credential it was sent with (see :func:`~pipeline.dropin.tenancy.credential_of`):
         a body is read against kept bodies of the same one only."""
+        body, fast, _source = self.read_source(raw, scope=scope)
+        return body, fast
+
+    def read_source(self, raw: bytes, *, scope: bytes = b"") -> tuple[Any, bool, Source | None]:
+        """:meth:`read`, and where the body's messages are in ``raw`` (see
+        :meth:`read_source_async`)."""
         key, best, k = self._found(raw, scope)
-        return self._taken(_parsed(raw, best, k), key, best, k)
+        return self._sourced(raw, _parsed(raw, best, k), key, best, k)
 
     async def read_async(
         self,
@@ -106,6 +113,22 @@ class BodyReader(KeptBodies):
         what a few new messages cost is paid on the loop. Finding the kept body it continues
         and keeping it are the loop's (the reader is not thread-safe); the parse reads only
         ``raw`` and that body, which no later read changes."""
+        body, fast, _source = await self.read_source_async(
+            raw, scope=scope, offload=offload, at_least=at_least
+        )
+        return body, fast
+
+    async def read_source_async(
+        self,
+        raw: bytes,
+        *,
+        scope: bytes = b"",
+        offload: Callable[[Callable[[], _Parsed]], Awaitable[_Parsed]],
+        at_least: int = OFF_LOOP_BYTES,
+    ) -> tuple[Any, bool, Source | None]:
+        """:meth:`read_async`, and where the body's messages are in ``raw`` (a
+        :class:`~pipeline.wire.body_writer.Source` for the writer of the body sent on), or
+        None for a body parsed whole."""
         key, best, k = self._found(raw, scope)
         new = len(raw) - (best.bound(k) if best is not None else 0)
         parse = functools.partial(_parsed, raw, best, k)
@@ -114,7 +137,15 @@ class BodyReader(KeptBodies):
             parsed = await offload(parse)
         else:
             parsed = parse()
-        return self._taken(parsed, key, best, k)
+        return self._sourced(raw, parsed, key, best, k)
+
+    def _sourced(
+        self, raw: bytes, parsed: _Parsed, key: bytes, best: KeptBody | None, k: int
+    ) -> tuple[Any, bool, Source | None]:
+        body, fast = self._taken(parsed, key, best, k)
+        if not isinstance(parsed, KeptBody):
+            return body, fast, None
+        return body, fast, Source(raw, parsed.array_open, parsed.ends, body["messages"])
 
     def _found(self, raw: bytes, scope: bytes) -> tuple[bytes, KeptBody | None, int]:
         key = self.scope_key(scope)

@@ -4,47 +4,118 @@
 Each call of a conversation sends the last call's messages again, then a few new ones; the wire
 form hands them on as the same message objects (:class:`~pipeline.wire.cache.WireCache` shares
 every message but the last ones between requests). Encoding the whole body again costs time in
-the size of the history (~0.35 ms a megabyte). The writer keeps, per conversation, the last body
-it wrote and where each message ends in it. A new body whose messages begin with the same
-objects takes those messages' bytes from the last body (one copy) and encodes only the rest and
-the fields around them.
+the size of the history (~0.35 ms a megabyte). The writer keeps, per conversation, what it
+wrote of the last body's messages, in runs: a new body whose messages begin with the same
+objects takes those messages' bytes from there (one copy) and encodes only the rest and the
+fields around them.
+
+Where the bytes of a run come from: a proxy has the request its messages came in (a
+:class:`Source`). A message whose bytes the writer would write are the request's own, at the
+same place after a lone ``,`` -- which is what a client writing compact JSON sends (the
+anthropic SDKs, Claude Code: JavaScript's ``JSON.stringify``), checked once, when the message
+is new -- is taken from the request's bytes, on this call and the next ones, while the request
+holds the same parsed object there (the body reader hands the same object again only for bytes
+it found the same, at the same place). The writer then keeps the bytes of the messages a stage
+rewrote and of a client's that it writes otherwise (spaced JSON, other escapes), not a copy of
+every body sent on (as large as the conversation's text again). Runs are at most
+:data:`_MAX_RUNS`: past that, the request's shortest runs are kept as its own bytes.
 
 The bytes are always those :func:`~pipeline.wire.encoding.dumps_body` writes (a test holds it
-to that over random sequences of bodies): the same encoder writes each piece, and a JSON object
-is its members joined in order. What the fast encoder cannot write (a lone surrogate), or a body
-read with the standard library (``fast=False``), goes to ``dumps_body`` whole. A message object
-is taken to be unchanged while it is the same object: messages are shared between requests and
-must not be changed in place (nothing here does; the wire form's contract says the same).
+to that over random sequences of bodies, from requests written compactly, spaced or indented):
+the same encoder writes each piece, and a JSON object is its members joined in order; a
+request's bytes are taken only where they are that encoder's. What the fast encoder cannot
+write (a lone surrogate), or a body read with the standard library (``fast=False``), goes to
+``dumps_body`` whole. A message object is taken to be unchanged while it is the same object:
+messages are shared between requests and must not be changed in place (nothing here does; the
+wire form's contract says the same).
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from array import array
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, count
 from typing import Any
 
 from pipeline.wire.encoding import dumps_body, fast_encode
 
-__all__ = ["BodyWriter"]
+__all__ = ["BodyWriter", "Source"]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """The request body a conversation's messages came in, as the body reader took it apart
+    (:meth:`~pipeline.wire.body_reader.BodyReader.read_source_async`): its bytes, where its
+    messages array's content starts, where each message ends, and the message objects parsed
+    from it (the reader hands the same object again only for bytes it found the same, at the
+    same place)."""
+
+    raw: bytes
+    array_open: int
+    ends: Sequence[int]
+    messages: Sequence[Any]
+
+    def same_bytes(self, i: int, piece: bytes) -> bool:
+        """Whether message ``i`` is ``piece`` in ``raw``, after a ``,`` alone (the first:
+        right after the ``[``): what lets a written body take those bytes from ``raw``."""
+        if i >= len(self.ends) or i >= len(self.messages):
+            return False
+        end = self.ends[i]
+        if i:
+            at = self.ends[i - 1]
+            if self.raw[at : at + 1] != b",":
+                return False
+            start = at + 1
+        else:
+            start = self.array_open
+        return end - start == len(piece) and self.raw.startswith(piece, start)
+
+    def start(self, i: int) -> int:
+        """Where message ``i`` begins (one the writer found :meth:`same_bytes`)."""
+        return self.ends[i - 1] + 1 if i else self.array_open
+
+
+@dataclass(slots=True)
+class _Run:
+    """Messages ``first`` to ``stop`` of a written body, as one piece: the source's bytes
+    (``own`` None) or bytes of its own, each message ending at ``ends`` in them."""
+
+    first: int
+    stop: int
+    own: bytes | None = None
+    ends: array[int] | None = None
+
+    def cut(self, at: int) -> _Run:
+        """The run's messages before ``at``."""
+        if self.own is None or self.ends is None:
+            return _Run(self.first, at)
+        keep = at - self.first
+        return _Run(self.first, at, self.own[: self.ends[keep - 1]], self.ends[:keep])
 
 
 @dataclass
 class _Written:
-    raw: bytes
-    start: int
-    """Where the messages array's first message begins in ``raw``."""
-    ends: list[int]
-    """Where each message ends, counted from ``start``."""
+    runs: list[_Run]
+    """Its messages, in runs."""
+    size: int
+    """The bytes of its own it keeps (what counts against ``max_bytes``)."""
     messages: list[Any]
     """The message objects written (held: an id is never another object's meanwhile)."""
+    inputs: Sequence[Any] | None
+    """The source's message objects, where runs took its bytes (held, as the messages)."""
     fields: dict[str, tuple[Any, bytes]]
     """Each other field's value object and its ``"name":value`` bytes (held, as the messages)."""
     finite: bool
     """Whether the fields were written refusing a NaN or an infinity."""
+
+
+_MAX_RUNS = 64
+"""Past this many runs, the source's shortest are kept as bytes of the writer's own (see
+:func:`_fewer`): writing a body costs a step a run."""
 
 
 class BodyWriter:
@@ -60,6 +131,8 @@ class BodyWriter:
         self._bytes = 0
         self.reused = 0
         """Messages taken from an earlier body so far (not encoded again)."""
+        self.from_source = 0
+        """Messages whose bytes were the request's own so far (not kept between bodies)."""
 
     def write(
         self,
@@ -69,6 +142,7 @@ class BodyWriter:
         fast: bool = True,
         finite: bool = False,
         unchanging: Collection[str] = (),
+        source: Source | None = None,
     ) -> bytes:
         """``dumps_body(body, fast=fast)``, reusing the last body written under ``key``.
         ``finite``: refuse a NaN or an infinity anywhere in what is written (``ValueError``, as
@@ -76,32 +150,36 @@ class BodyWriter:
         ``null``. ``unchanging``: the fields whose values are never changed in place either (a
         parsed request's: the system prompt and tools a client sends again are the reader's
         same objects): one that is the last body's object there is not encoded again (Claude
-        Code's two are ~80 KB a call)."""
+        Code's two are ~80 KB a call). ``source``: the request the body's messages came from;
+        a message written as the same bytes as the source's at its place is taken from the
+        source's bytes and not kept (a client writing JSON as compactly as this writer does --
+        the anthropic SDKs, Claude Code -- leaves it the bytes of the messages a stage
+        rewrote, not a copy of every body)."""
         last = self._kept.pop(key, None)
         if last is not None:
-            self._bytes -= len(last.raw)
+            self._bytes -= last.size
         messages = body.get("messages")
         if not fast or type(messages) is not list or not isinstance(body, dict):
             return _checked(dumps_body(body, fast=fast), body, finite)
         try:
-            written = self._spliced(body, messages, last, finite, unchanging)
+            raw, written = self._spliced(body, messages, last, finite, unchanging, source)
         except _NotFinite:
             raise ValueError("Out of range float values are not JSON compliant") from None
         except (TypeError, ValueError, OverflowError):  # what the fast encoder refuses
             return _checked(dumps_body(body, fast=fast), body, finite)
-        if len(written.raw) <= self.max_bytes:
+        if written.size <= self.max_bytes:
             self._kept[key] = written
-            self._bytes += len(written.raw)
+            self._bytes += written.size
             while self._bytes > self.max_bytes:
                 _, gone = self._kept.popitem(last=False)
-                self._bytes -= len(gone.raw)
-        return written.raw
+                self._bytes -= gone.size
+        return raw
 
     def forget(self, key: Hashable) -> None:
         """Let go of what is kept under ``key`` (a conversation let go)."""
         gone = self._kept.pop(key, None)
         if gone is not None:
-            self._bytes -= len(gone.raw)
+            self._bytes -= gone.size
 
     def _spliced(
         self,
@@ -110,7 +188,8 @@ class BodyWriter:
         last: _Written | None,
         finite: bool,
         unchanging: Collection[str],
-    ) -> _Written:
+        source: Source | None,
+    ) -> tuple[bytes, _Written]:
         encode = _finite_encode if finite else fast_encode
         known = last.fields if unchanging and last is not None and last.finite == finite else {}
         fields: dict[str, tuple[Any, bytes]] = {}
@@ -130,31 +209,129 @@ class BodyWriter:
                 piece = fast_encode(name) + b":" + encode(value)
             fields[name] = (value, piece)
             side.append(piece)
-        same = 0
-        if last is not None:
-            # the first message that is not the last body's object there (a C-level sweep)
-            n = min(len(messages), len(last.messages))
-            same = next(compress(count(), map(operator.is_not, messages, last.messages)), n)
-        new = [encode(m) for m in messages[same:]]
+        runs = _still_written(messages, last, source)
+        same = runs[-1].stop if runs else 0
+        self.reused += same
+        for i in range(same, len(messages)):
+            piece = encode(messages[i])
+            if source is not None and source.same_bytes(i, piece):
+                _add_source(runs, i)
+            else:
+                _add_own(runs, i, piece)
+        if len(runs) > _MAX_RUNS:
+            runs = _fewer(runs, source)
         head = b"{" + b"".join(p + b"," for p in before) + b'"messages":['
         tail = b"]" + b"".join(b"," + p for p in after) + b"}"
-        ends = last.ends[:same] if last is not None else []
         pieces: list[bytes | memoryview] = [head]
-        at = 0
-        if same:
-            assert last is not None
-            at = ends[-1]
-            pieces.append(memoryview(last.raw)[last.start : last.start + at])
-        for k, piece in enumerate(new):
-            if k or same:
+        view = memoryview(source.raw) if source is not None else None
+        size = 0
+        for k, run in enumerate(runs):
+            if k:
                 pieces.append(b",")
-                at += 1
-            pieces.append(piece)
-            at += len(piece)
-            ends.append(at)
+            if run.own is not None:
+                pieces.append(run.own)
+                size += len(run.own)
+            else:
+                assert source is not None and view is not None
+                pieces.append(view[source.start(run.first) : source.ends[run.stop - 1]])
+                self.from_source += run.stop - run.first
         pieces.append(tail)
-        self.reused += same
-        return _Written(b"".join(pieces), len(head), ends, list(messages), fields, finite)
+        # the source's objects are held only while a run takes its bytes
+        taken = source is not None and any(run.own is None for run in runs)
+        inputs = list(source.messages) if taken and source is not None else None
+        written = _Written(runs, size, list(messages), inputs, fields, finite)
+        return b"".join(pieces), written
+
+
+def _still_written(messages: list[Any], last: _Written | None, source: Source | None) -> list[_Run]:
+    """The runs of the last body that this one writes again: up to the first message that is
+    not the last body's object there; a run of the source's bytes only while the source
+    repeats the last one's objects there too (the same bytes at the same place)."""
+    if last is None:
+        return []
+    n = min(len(messages), len(last.messages))
+    same = next(compress(count(), map(operator.is_not, messages, last.messages)), n)
+    if any(run.own is None for run in last.runs):
+        if source is None or last.inputs is None:
+            inputs_same = 0
+        else:
+            m = min(len(source.messages), len(last.inputs), same)
+            pairs = map(operator.is_not, source.messages, last.inputs)
+            inputs_same = next(compress(count(), pairs), m)
+        for run in last.runs:
+            if run.own is None and run.stop > inputs_same:
+                same = min(same, max(run.first, inputs_same))
+                break
+    runs: list[_Run] = []
+    for run in last.runs:
+        if run.first >= same:
+            break
+        runs.append(run if run.stop <= same else run.cut(same))
+    return runs
+
+
+def _add_source(runs: list[_Run], i: int) -> None:
+    if runs and runs[-1].own is None and runs[-1].stop == i:
+        runs[-1].stop = i + 1
+    else:
+        runs.append(_Run(i, i + 1))
+
+
+def _add_own(runs: list[_Run], i: int, piece: bytes) -> None:
+    if runs and runs[-1].own is not None and runs[-1].stop == i:
+        run = runs[-1]
+        assert run.own is not None and run.ends is not None
+        run.own += b"," + piece
+        run.ends.append(len(run.own))
+        run.stop = i + 1
+    else:
+        runs.append(_Run(i, i + 1, piece, array("q", (len(piece),))))
+
+
+def _fewer(runs: list[_Run], source: Source | None) -> list[_Run]:
+    """``runs`` in half as many as :data:`_MAX_RUNS` at most: the source's shortest runs taken
+    as bytes of the writer's own, joined with the runs of its own beside them (runs of the
+    two kinds alternate: a run of one kind follows a run of the other). A stage clearing old
+    results leaves the source's runs between them a message or two long: the bytes kept grow
+    by those, not by the whole body."""
+    if source is None:
+        return runs
+    sizes = sorted(
+        (source.ends[r.stop - 1] - source.start(r.first), k)
+        for k, r in enumerate(runs)
+        if r.own is None
+    )
+    taken: set[int] = set()
+    left = len(runs)
+    for _size, k in sizes:
+        if left <= _MAX_RUNS // 2:
+            break
+        taken.add(k)
+        left -= (k > 0) + (k < len(runs) - 1)  # joined with its neighbours, its own
+    out: list[_Run] = []
+    for k, run in enumerate(runs):
+        if k in taken:
+            piece = bytes(
+                memoryview(source.raw)[source.start(run.first) : source.ends[run.stop - 1]]
+            )
+            ends = array(
+                "q", (source.ends[i] - source.start(run.first) for i in range(run.first, run.stop))
+            )
+            run = _Run(run.first, run.stop, piece, ends)
+        if out and out[-1].own is not None and run.own is not None:
+            out[-1] = _joined(out[-1], run)
+        else:
+            out.append(run)
+    return out
+
+
+def _joined(a: _Run, b: _Run) -> _Run:
+    """Two adjacent runs of the writer's own bytes as one."""
+    assert a.own is not None and a.ends is not None and b.own is not None and b.ends is not None
+    base = len(a.own) + 1
+    ends = array("q", a.ends)
+    ends.extend(base + e for e in b.ends)
+    return _Run(a.first, b.stop, a.own + b"," + b.own, ends)
 
 
 class _NotFinite(Exception):

@@ -252,6 +252,16 @@ FAST = "forwarder-ht"
 CLAUDE_CODE_SYSTEM = "You are an agent. Sign commits: Generated with Claude Code \U0001f916"
 BODIES_AS_CLAUDE_CODE = False
 """Every conversation's bodies as Claude Code sends them (``--claude-code-text``)."""
+SPACED_JSON = False
+"""Bodies written with a space after each ``,`` and ``:`` (Python's ``json.dumps`` by default)
+instead of compactly, as the anthropic SDKs and Claude Code write them."""
+
+
+def encoded(body: dict[str, Any], *, ascii_only: bool) -> bytes:
+    """``body`` as a client sends it: compact JSON, as the anthropic SDKs write it (spaced
+    with :data:`SPACED_JSON`)."""
+    separators = (", ", ": ") if SPACED_JSON else (",", ":")
+    return json.dumps(body, ensure_ascii=ascii_only, separators=separators).encode()
 
 
 class Conversation:
@@ -271,7 +281,7 @@ class Conversation:
         body: dict[str, Any] = {"model": "m", "max_tokens": 10, "messages": self.messages}
         if self.claude_code_text:
             body["system"] = CLAUDE_CODE_SYSTEM
-        return json.dumps(body, ensure_ascii=not self.claude_code_text).encode()
+        return encoded(body, ascii_only=not self.claude_code_text)
 
     def answered(self, reply: dict[str, Any]) -> None:
         """The answer to the last body and its tool's result, for the next call."""
@@ -698,7 +708,7 @@ def _cache_marked(conv: Conversation) -> bytes:
     marked = [{**block, "cache_control": {"type": "ephemeral"}} for block in last["content"]]
     body = json.loads(conv.next_body())
     body["messages"] = [*earlier, {**last, "content": marked}]
-    return json.dumps(body, ensure_ascii=not conv.claude_code_text).encode()
+    return encoded(body, ascii_only=not conv.claude_code_text)
 
 
 def _timed(work: Any) -> float:

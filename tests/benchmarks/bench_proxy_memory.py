@@ -3,7 +3,7 @@ it (a process), fed conversations that grow as an agent's loop grows them, its r
 read from ``/proc`` (Linux).
 
     python tests/benchmarks/bench_proxy_memory.py [--conversations 16] [--messages 1000]
-        [--calls 10] [--claude-code-text] [--traced]
+        [--calls 10] [--claude-code-text] [--spaced-json] [--traced]
 
 Each conversation opens with ``--messages`` messages (~2K-character tool results) and then
 makes ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's
@@ -12,7 +12,10 @@ of every conversation (the conversation's wire text: what a client re-sends each
 growth holds the conversations (their records, the stages' state, the wire form) and what the
 proxy keeps to read and write the next requests in the size of what is new in them (the last
 bodies read and written, both bounded: 16 MiB, 32 MiB). ``--claude-code-text``: bodies as Claude
-Code sends them (raw UTF-8, a system prompt with a character past U+FFFF). ``--traced``: the
+Code sends them (raw UTF-8, a system prompt with a character past U+FFFF). Bodies are compact
+JSON, as the anthropic SDKs and Claude Code write them; ``--spaced-json``: spaced, as Python's
+``json.dumps`` writes by default (the proxy then keeps the bytes it sent on: see
+``pipeline.wire.body_writer``). ``--traced``: the
 proxy served in this process instead (the same app, on a thread), its allocations traced while
 the conversations grow, and what they left charged to the module that made each one: where a
 conversation's memory goes (charged where it was made, not to what holds it: the request bodies
@@ -65,7 +68,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--claude-code-text", action="store_true")
     parser.add_argument("--traced", action="store_true")
+    parser.add_argument("--spaced-json", action="store_true")
     args = parser.parse_args()
+    bench_peers.SPACED_JSON = args.spaced_json
     if args.traced:
         return traced(args)
     with contextlib.ExitStack() as stack:
@@ -99,6 +104,7 @@ def heading(args: argparse.Namespace) -> str:
         f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {args.conversations} "
         f"conversations of {args.messages:,} messages and {args.calls} calls each"
         + (", bodies as Claude Code sends them" if args.claude_code_text else "")
+        + (", JSON spaced (not as the SDKs write it)" if args.spaced_json else "")
     )
 
 
