@@ -299,7 +299,7 @@ def test_a_compact_client_s_messages_are_not_kept_between_bodies() -> None:
             out = {**body, "messages": sent}
             assert writer.write("c", out, fast=fast, source=source) == dumps_body(out)
             msgs = [*msgs, *_round(k)]
-        kept[spacing] = writer._bytes
+        kept[spacing] = sum(len(run.own or b"") for run in writer._kept["c"].runs)
         assert writer.reused > 0
     rewritten = len(b'{"role":"assistant","content":"cleared"}')
     assert kept["compact"] == rewritten
@@ -333,6 +333,36 @@ def test_a_body_in_many_runs_keeps_the_shortest_of_the_request_s_as_its_own() ->
         use, result = _round(k)
         result = {"role": "user", "content": [{**result["content"][0], "content": "z" * 2_000}]}
         msgs = [*msgs, use, result]
-    assert writer._bytes < len(raw) / 20  # of the results, the request's
+    own = sum(len(run.own or b"") for run in writer._kept["c"].runs)
+    assert own < len(raw) / 20  # of the results, the request's
     assert fewer >= 2  # kept in fewer runs more than once
     assert writer.from_source > 0 and writer.reused > 0
+
+
+def test_a_body_written_refusing_non_finite_numbers_takes_nothing_written_without() -> None:
+    """A message written as ``null`` (a NaN, ``finite=False``) is not taken into a body that
+    must refuse one (``finite=True``) under the same key: it raises, as a new writer would."""
+    writer = BodyWriter()
+    msgs = [{"role": "user", "content": [{"type": "tool_use", "input": {"v": float("nan")}}]}]
+    writer.write("k", {"messages": msgs})
+    with pytest.raises(ValueError, match="float"):
+        writer.write("k", {"messages": [*msgs, {"role": "user", "content": "go"}]}, finite=True)
+
+
+def test_what_it_keeps_counts_the_fields_and_the_messages_taken_from_the_request() -> None:
+    """A body whose messages are all the request's still counts its fields and a reference a
+    message against ``max_bytes``: with none allowed, nothing is kept."""
+    from pipeline.wire.body_reader import BodyReader
+
+    system = "s" * 5_000
+    msgs = [{"role": "user", "content": "go"}]
+    for max_bytes, kept in ((0, 0), (100_000, 1)):
+        reader, writer = BodyReader(), BodyWriter(max_bytes=max_bytes)
+        for key in range(3):
+            raw = _client_bytes({"system": system, "messages": msgs}, "compact")
+            body, fast, source = reader.read_source(raw, scope=str(key).encode())
+            assert writer.write(key, body, fast=fast, source=source) == dumps_body(body)
+            assert writer._bytes <= max_bytes
+        assert len(writer._kept) == 3 * kept
+        if kept:
+            assert writer._bytes >= 3 * 5_000

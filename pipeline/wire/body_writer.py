@@ -88,6 +88,16 @@ class _Run:
     stop: int
     own: bytes | None = None
     ends: array[int] | None = None
+    more: list[bytes] | None = None
+    """Its own pieces written after ``own`` in this body, joined to it once (:meth:`settle`):
+    a run grown a message at a time would be copied whole at each."""
+
+    def settle(self) -> None:
+        """``own`` with the pieces written after it."""
+        if self.more:
+            assert self.own is not None
+            self.own = b",".join([self.own, *self.more])
+        self.more = None
 
     def cut(self, at: int) -> _Run:
         """The run's messages before ``at``."""
@@ -209,7 +219,8 @@ class BodyWriter:
                 piece = fast_encode(name) + b":" + encode(value)
             fields[name] = (value, piece)
             side.append(piece)
-        runs = _still_written(messages, last, source)
+        # a body written refusing what the other wrote as null: nothing of it taken
+        runs = _still_written(messages, last if last and last.finite == finite else None, source)
         same = runs[-1].stop if runs else 0
         self.reused += same
         for i in range(same, len(messages)):
@@ -218,13 +229,16 @@ class BodyWriter:
                 _add_source(runs, i)
             else:
                 _add_own(runs, i, piece)
+        for run in runs:
+            run.settle()
         if len(runs) > _MAX_RUNS:
             runs = _fewer(runs, source)
         head = b"{" + b"".join(p + b"," for p in before) + b'"messages":['
         tail = b"]" + b"".join(b"," + p for p in after) + b"}"
         pieces: list[bytes | memoryview] = [head]
         view = memoryview(source.raw) if source is not None else None
-        size = 0
+        # what is kept: its own bytes, the fields' and a reference a message (two lists)
+        size = sum(len(piece) for _value, piece in fields.values()) + 16 * len(messages)
         for k, run in enumerate(runs):
             if k:
                 pieces.append(b",")
@@ -280,9 +294,11 @@ def _add_source(runs: list[_Run], i: int) -> None:
 def _add_own(runs: list[_Run], i: int, piece: bytes) -> None:
     if runs and runs[-1].own is not None and runs[-1].stop == i:
         run = runs[-1]
-        assert run.own is not None and run.ends is not None
-        run.own += b"," + piece
-        run.ends.append(len(run.own))
+        assert run.ends is not None
+        if run.more is None:
+            run.more = []
+        run.more.append(piece)
+        run.ends.append(run.ends[-1] + 1 + len(piece))
         run.stop = i + 1
     else:
         runs.append(_Run(i, i + 1, piece, array("q", (len(piece),))))
@@ -309,29 +325,35 @@ def _fewer(runs: list[_Run], source: Source | None) -> list[_Run]:
         taken.add(k)
         left -= (k > 0) + (k < len(runs) - 1)  # joined with its neighbours, its own
     out: list[_Run] = []
-    for k, run in enumerate(runs):
+    group: list[_Run] = []  # runs of its own, one after another: joined once
+    for k, run in enumerate(runs + [_Run(len(runs), len(runs))]):  # a sentinel run of the source
         if k in taken:
-            piece = bytes(
-                memoryview(source.raw)[source.start(run.first) : source.ends[run.stop - 1]]
-            )
-            ends = array(
-                "q", (source.ends[i] - source.start(run.first) for i in range(run.first, run.stop))
-            )
+            start = source.start(run.first)
+            piece = bytes(memoryview(source.raw)[start : source.ends[run.stop - 1]])
+            ends = array("q", (source.ends[i] - start for i in range(run.first, run.stop)))
             run = _Run(run.first, run.stop, piece, ends)
-        if out and out[-1].own is not None and run.own is not None:
-            out[-1] = _joined(out[-1], run)
-        else:
+        if run.own is not None:
+            group.append(run)
+            continue
+        if group:
+            out.append(_joined(group))
+            group = []
+        if k < len(runs):
             out.append(run)
     return out
 
 
-def _joined(a: _Run, b: _Run) -> _Run:
-    """Two adjacent runs of the writer's own bytes as one."""
-    assert a.own is not None and a.ends is not None and b.own is not None and b.ends is not None
-    base = len(a.own) + 1
-    ends = array("q", a.ends)
-    ends.extend(base + e for e in b.ends)
-    return _Run(a.first, b.stop, a.own + b"," + b.own, ends)
+def _joined(runs: list[_Run]) -> _Run:
+    """Adjacent runs of the writer's own bytes as one."""
+    if len(runs) == 1:
+        return runs[0]
+    ends = array("q")
+    base = 0
+    for run in runs:
+        assert run.own is not None and run.ends is not None
+        ends.extend(base + e for e in run.ends)
+        base += len(run.own) + 1
+    return _Run(runs[0].first, runs[-1].stop, b",".join(r.own or b"" for r in runs), ends)
 
 
 class _NotFinite(Exception):
