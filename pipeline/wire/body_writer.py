@@ -326,7 +326,7 @@ def _fewer(runs: list[_Run], source: Source | None) -> list[_Run]:
         left -= (k > 0) + (k < len(runs) - 1)  # joined with its neighbours, its own
     out: list[_Run] = []
     group: list[_Run] = []  # runs of its own, one after another: joined once
-    for k, run in enumerate(runs + [_Run(len(runs), len(runs))]):  # a sentinel run of the source
+    for k, run in enumerate([*runs, _Run(len(runs), len(runs))]):  # a sentinel: the source
         if k in taken:
             start = source.start(run.first)
             piece = bytes(memoryview(source.raw)[start : source.ends[run.stop - 1]])
