@@ -86,25 +86,21 @@ class _Run:
 
     first: int
     stop: int
-    own: bytes | None = None
+    own: bytearray | None = None
+    """Grown and cut in place, as the run is: a run copied whole at each message or body
+    written would cost the body's size a message (a body written without a source is one
+    run of its own)."""
     ends: array[int] | None = None
-    more: list[bytes] | None = None
-    """Its own pieces written after ``own`` in this body, joined to it once (:meth:`settle`):
-    a run grown a message at a time would be copied whole at each."""
-
-    def settle(self) -> None:
-        """``own`` with the pieces written after it."""
-        if self.more:
-            assert self.own is not None
-            self.own = b",".join([self.own, *self.more])
-        self.more = None
 
     def cut(self, at: int) -> _Run:
-        """The run's messages before ``at``."""
-        if self.own is None or self.ends is None:
-            return _Run(self.first, at)
-        keep = at - self.first
-        return _Run(self.first, at, self.own[: self.ends[keep - 1]], self.ends[:keep])
+        """The run, its messages from ``at`` on let go (in place: a run is the last body's,
+        which the writer lets go as it writes the next)."""
+        if self.own is not None and self.ends is not None:
+            keep = at - self.first
+            del self.own[self.ends[keep - 1] :]
+            del self.ends[keep:]
+        self.stop = at
+        return self
 
 
 @dataclass
@@ -229,13 +225,11 @@ class BodyWriter:
                 _add_source(runs, i)
             else:
                 _add_own(runs, i, piece)
-        for run in runs:
-            run.settle()
         if len(runs) > _MAX_RUNS:
             runs = _fewer(runs, source)
         head = b"{" + b"".join(p + b"," for p in before) + b'"messages":['
         tail = b"]" + b"".join(b"," + p for p in after) + b"}"
-        pieces: list[bytes | memoryview] = [head]
+        pieces: list[bytes | bytearray | memoryview] = [head]
         view = memoryview(source.raw) if source is not None else None
         # what is kept: its own bytes, the fields' and a reference a message (two lists)
         size = sum(len(piece) for _value, piece in fields.values()) + 16 * len(messages)
@@ -294,14 +288,13 @@ def _add_source(runs: list[_Run], i: int) -> None:
 def _add_own(runs: list[_Run], i: int, piece: bytes) -> None:
     if runs and runs[-1].own is not None and runs[-1].stop == i:
         run = runs[-1]
-        assert run.ends is not None
-        if run.more is None:
-            run.more = []
-        run.more.append(piece)
-        run.ends.append(run.ends[-1] + 1 + len(piece))
+        assert run.own is not None and run.ends is not None
+        run.own += b","
+        run.own += piece
+        run.ends.append(len(run.own))
         run.stop = i + 1
     else:
-        runs.append(_Run(i, i + 1, piece, array("q", (len(piece),))))
+        runs.append(_Run(i, i + 1, bytearray(piece), array("q", (len(piece),))))
 
 
 def _fewer(runs: list[_Run], source: Source | None) -> list[_Run]:
@@ -329,7 +322,7 @@ def _fewer(runs: list[_Run], source: Source | None) -> list[_Run]:
     for k, run in enumerate([*runs, _Run(len(runs), len(runs))]):  # a sentinel: the source
         if k in taken:
             start = source.start(run.first)
-            piece = bytes(memoryview(source.raw)[start : source.ends[run.stop - 1]])
+            piece = bytearray(memoryview(source.raw)[start : source.ends[run.stop - 1]])
             ends = array("q", (source.ends[i] - start for i in range(run.first, run.stop)))
             run = _Run(run.first, run.stop, piece, ends)
         if run.own is not None:
@@ -353,7 +346,8 @@ def _joined(runs: list[_Run]) -> _Run:
         assert run.own is not None and run.ends is not None
         ends.extend(base + e for e in run.ends)
         base += len(run.own) + 1
-    return _Run(runs[0].first, runs[-1].stop, b",".join(r.own or b"" for r in runs), ends)
+    own = bytearray(b",".join(r.own or b"" for r in runs))
+    return _Run(runs[0].first, runs[-1].stop, own, ends)
 
 
 class _NotFinite(Exception):
