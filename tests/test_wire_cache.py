@@ -405,3 +405,24 @@ def test_a_block_object_held_twice_is_not_swapped_for_the_wrong_holder(case: Any
     history[2 + at] = new
     assert json.dumps(cache.to_api(history)) == json.dumps(to_api(history))
     assert cache.chars == request_chars(to_api(history))
+
+
+def test_a_message_of_one_record_holds_the_record_s_own_content_list() -> None:
+    """The cache's requests hold each record's content list itself where a message is made of
+    one record (a list a message not held twice for a conversation the proxy holds); the last
+    ``editable`` messages are copies a caller may change, and ``to_api`` copies every one."""
+    from pipeline.wire.form import to_api
+
+    records: list[Message] = [Message.user("go")]
+    for k in range(6):
+        use = {"type": "tool_use", "id": f"t{k}", "name": "x", "input": {}}
+        result = {"type": "tool_result", "tool_use_id": f"t{k}", "content": f"out {k}"}
+        records += [Message.assistant([use], message_id=f"m{k}"), Message.user([result])]
+    cache = WireCache()
+    request = cache.to_api(records)
+    assert request == to_api(records)
+    for i, (param, record) in enumerate(zip(request, records, strict=True)):  # 1:1 here
+        if isinstance(record.content, list):
+            assert (param["content"] is record.content) == (i < len(records) - 2)
+    copied = zip(to_api(records)[1:], records[1:], strict=True)  # the first: a string
+    assert all(p["content"] is not r.content for p, r in copied)

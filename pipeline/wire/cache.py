@@ -43,8 +43,10 @@ class WireCache:
     except the last ``editable`` ones (default 2), which are new dicts with new content lists:
     a caller may edit those (say, add a ``cache_control`` breakpoint by replacing a block) but
     must not mutate the earlier ones. Block dicts are shared with the records, as with
-    ``to_api``: never mutate those. (Copying every message on every call made a long session's
-    requests quadratic, and kept the garbage collector busy with the copies.)
+    ``to_api``, and so is the content list of a message made of one record's blocks (unlike
+    ``to_api``, which copies it): never mutate those. (Copying every message on every call
+    made a long session's requests quadratic, and kept the garbage collector busy with the
+    copies.)
     """
 
     def __init__(self, *, editable: int = 2) -> None:
@@ -118,7 +120,7 @@ class WireCache:
             raise PairingError(self.pairing.problems)
 
     def _reset(self, start: int) -> None:
-        self._wire = _Wire()
+        self._wire = _Wire(share=True)
         self._start = start
         """Index of the first record the wire holds (after the last compact boundary)."""
         self._entry_of = array("q")
@@ -212,7 +214,7 @@ class WireCache:
                     entry.blocks = blocks  # a new list: earlier requests hold the old one
                     rebuilt[e] = entry
                     continue
-            part = _Wire()
+            part = _Wire(share=True)
             try:
                 for r in sources:
                     part.add(messages[r])

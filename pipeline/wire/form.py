@@ -44,11 +44,18 @@ def _check_blocks(m: Message) -> None:
                 )
 
 
-def _user_blocks(m: Message) -> list[Block]:
+def _blocks(m: Message, share: bool) -> list[Block]:
+    """``m``'s blocks for the wire: its own content list itself where ``share`` allows (the
+    entries never change a list in place), else a copy."""
+    blocks: list[Block] = encodable(m.blocks)
+    return blocks if share and blocks is m.content else list(blocks)
+
+
+def _user_blocks(m: Message, share: bool) -> list[Block]:
     if m.type == "system":  # local_command output is shown to the model as user text
         text = m.content if isinstance(m.content, str) else ""
-        return [{"type": "text", "text": encodable(text)}] if text else list(encodable(m.blocks))
-    return list(encodable(m.blocks))
+        return [{"type": "text", "text": encodable(text)}] if text else _blocks(m, share)
+    return _blocks(m, share)
 
 
 def _hoist_tool_results(blocks: list[Block]) -> list[Block]:
@@ -158,9 +165,13 @@ class _Wire:
     earlier entry is a barrier is settled when the next entry is appended.
     """
 
-    __slots__ = ("_barriers", "_ids", "barrier", "entries", "latest")
+    __slots__ = ("_barriers", "_ids", "barrier", "entries", "latest", "share")
 
-    def __init__(self) -> None:
+    def __init__(self, *, share: bool = False) -> None:
+        self.share = share
+        """An entry of one record holds the record's own content list (``WireCache``, whose
+        requests' messages but the last are read-only), not a copy (``to_api``'s output may
+        be changed by its caller: a list a message, 60-90 bytes, would be held twice)."""
         self.entries: list[_WireEntry] = []
         self.latest: dict[str, int] = {}
         """response id -> index of the latest assistant entry of that id."""
@@ -219,7 +230,7 @@ class _Wire:
         if m.type == "assistant":
             return self.add_assistant(m)
         # user, attachment, local_command: all become user content
-        blocks = _user_blocks(m)
+        blocks = _user_blocks(m, self.share)
         if not blocks:  # the API rejects empty content; an empty record adds nothing
             return -1
         if m.is_reminder:
@@ -280,7 +291,7 @@ class _Wire:
                     return i
         closed = m.is_wire_message
         raw = encodable(m.content) if closed and isinstance(m.content, str) else None
-        entry = _WireEntry("assistant", list(encodable(m.blocks)), raw, m.message_id, closed=closed)
+        entry = _WireEntry("assistant", _blocks(m, self.share), raw, m.message_id, closed=closed)
         self.append(entry)
         return len(self.entries) - 1
 
