@@ -108,7 +108,8 @@ class _Written:
     runs: list[_Run]
     """Its messages, in runs."""
     size: int
-    """The bytes of its own it keeps (what counts against ``max_bytes``)."""
+    """What counts against ``max_bytes``: the bytes of its own it keeps, its fields' and 16 a
+    message (the references to the messages and the source's)."""
     messages: list[Any]
     """The message objects written (held: an id is never another object's meanwhile)."""
     inputs: Sequence[Any] | None
