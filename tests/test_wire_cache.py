@@ -426,3 +426,31 @@ def test_a_message_of_one_record_holds_the_record_s_own_content_list() -> None:
             assert (param["content"] is record.content) == (i < len(records) - 2)
     copied = zip(to_api(records)[1:], records[1:], strict=True)  # the first: a string
     assert all(p["content"] is not r.content for p, r in copied)
+
+
+def test_a_new_message_is_the_param_it_was_made_from_where_that_is_plain() -> None:
+    """``given``: a new message of one record is the very param the record was made from when
+    that param is exactly ``{"role", "content"}`` with the record's own list; a param with
+    another key, the keys in another order, or content the wire form must clean (a lone
+    surrogate) gets a new message, equal to ``to_api``'s."""
+    params: list[Any] = [{"role": "user", "content": [{"type": "text", "text": "go"}]}]
+    for k in range(6):
+        use = {"type": "tool_use", "id": f"t{k}", "name": "x", "input": {}}
+        result = {"type": "tool_result", "tool_use_id": f"t{k}", "content": f"out {k}"}
+        params += [{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    params[3] = {"content": params[3]["content"], "role": "assistant"}  # keys the other way
+    params[5] = {**params[5], "extra": 1}
+    params[7] = {"role": "assistant", "content": [{"type": "text", "text": "a \ud800 b"}]}
+    records = [
+        Message.from_param(p, message_id=f"m{i}") if p["role"] == "assistant" else
+        Message.from_param(p)
+        for i, p in enumerate(params)
+    ]  # fmt: skip
+    cache = WireCache()
+    request = cache.to_api(records, given=params)
+    assert request == to_api(records)
+    taken = [i for i, (q, p) in enumerate(zip(request, params, strict=True)) if q is p]
+    assert taken == [i for i in range(len(params) - 2) if i not in (3, 5, 7)]
+    nxt = {"role": "user", "content": "next"}
+    later = cache.to_api([*records, Message.from_param(nxt)], given=[nxt])
+    assert later[: len(taken)] == request[: len(taken)] and later[0] is params[0]

@@ -391,7 +391,8 @@ class WireSession:
         if placed:
             await self._place_answered(placed)
         self._projected = await self.pipeline.run(records, self.ctx)
-        request = self._wire.to_api(self._projected)
+        # the new messages the client sent as they are: their own dicts
+        request = self._wire.to_api(self._projected, given=messages[self._first_new :])
         if self.cache_breakpoint and not self._wire.breakpoints:
             add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
         return request, call

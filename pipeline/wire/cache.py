@@ -59,9 +59,22 @@ class WireCache:
         """The first param refreshed since the last shared request."""
         self._reset(0)
         self._fresh = True
+        self._given: dict[int, Any] = {}
 
-    def to_api(self, messages: Sequence[Message], *, shared: bool = False) -> list[MessageParam]:
+    def to_api(
+        self,
+        messages: Sequence[Message],
+        *,
+        shared: bool = False,
+        given: Sequence[Any] = (),
+    ) -> list[MessageParam]:
         """Exactly ``to_api(messages)`` (and raises where it raises).
+
+        ``given``: message params the records were made from (``Message.from_param``, which
+        keeps a param's content list): a new message of one record whose param is exactly
+        ``{"role": ..., "content": that list}`` is that param itself, not an equal copy (a
+        proxy's request holds each message once: the dict the client's body was parsed into).
+        The caller must not change them, as it must not change the requests' messages.
 
         ``shared=True`` returns the cache's own list, brought up to date in place (at the cost
         of what changed) rather than a new one: it is valid until the next call, which changes
@@ -69,6 +82,8 @@ class WireCache:
         printing each call): a new list of every message per call is the part of a long
         session's request that grows with the history.
         """
+        # by content list: a param is taken only where its list is the entry's own
+        self._given = {id(p["content"]): p for p in given if _plain(p)}
         try:
             self._extend(messages)
         except BaseException:
@@ -76,6 +91,8 @@ class WireCache:
             self._log.clear()
             self._fresh = True
             raise
+        finally:
+            self._given = {}
         params, k = self._params, self.editable
         if shared:
             return self._shared_list()
@@ -225,7 +242,7 @@ class WireCache:
             rebuilt[e] = part.entries[0]
         for e, entry in rebuilt.items():
             self._wire.entries[e] = entry
-            param = self._params[e] = _entry_to_param(entry)
+            param = self._params[e] = self._param(entry)
             chars, marks = _param_chars(param), param_breakpoints(param)
             self.chars += chars - self._chars[e]
             self.breakpoints += marks - self._breakpoints[e]
@@ -233,6 +250,16 @@ class WireCache:
         if rebuilt:
             self._changed_from = min(self._changed_from, min(rebuilt))
         return True
+
+    def _param(self, entry: _WireEntry) -> MessageParam:
+        """The entry's param: the given param whose content list it holds, if one is, else
+        a new one."""
+        param = _entry_to_param(entry)
+        content: Any = param["content"]
+        theirs = self._given.get(id(content)) if type(content) is list else None
+        if theirs is not None and theirs["content"] is content and theirs["role"] == param["role"]:
+            return cast("MessageParam", theirs)
+        return param
 
     def _rollback(self, first: int) -> tuple[int, int]:
         """The first entry a record from ``first`` on went into, and the record to feed from:
@@ -265,7 +292,7 @@ class WireCache:
                 else:
                     last_record[went] = idx
         keep = min(keep, low, before)
-        fresh = [_entry_to_param(e) for e in wire.entries[keep:]]
+        fresh = [self._param(e) for e in wire.entries[keep:]]
         self._changed_from = min(self._changed_from, keep)
         del self._params[keep:]
         self._params += fresh
@@ -280,6 +307,17 @@ class WireCache:
         self._breakpoints += marked
         self.breakpoints += sum(marked)
         self.pairing.update(self._params, keep)
+
+
+def _plain(param: Any) -> bool:
+    """A param ``{"role": ..., "content": [...]}``, those two keys in that order and no other:
+    what ``to_api`` makes of a record made from it (its blocks sent as they are)."""
+    return (
+        type(param) is dict
+        and len(param) == 2
+        and next(iter(param)) == "role"
+        and type(param.get("content")) is list
+    )
 
 
 def _replaced_blocks(old: Message, new: Message) -> list[tuple[Any, Any]] | None:
