@@ -1,6 +1,6 @@
 """The incremental wire form: :class:`WireCache` builds each call's request at the cost of what
-changed since the last call, equal to :func:`pipeline.wire.form.to_api` of the whole history; and
-:func:`request_chars`, the size of a request's visible text."""
+changed since the last call, equal to :func:`pipeline.wire.form.to_api` of the whole history
+(and counts its visible text as it goes: :func:`~pipeline.wire.chars.request_chars`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 from pipeline.kept_list import InputLog
 from pipeline.messages import Block, Message, thread_start
 from pipeline.wire.caching import param_breakpoints
+from pipeline.wire.chars import param_chars, request_chars
 from pipeline.wire.encoding import encodable
 from pipeline.wire.form import _entry_to_param, _Wire, _WireEntry
 from pipeline.wire.pairing import PairingError, PairingIndex
@@ -243,7 +244,7 @@ class WireCache:
         for e, entry in rebuilt.items():
             self._wire.entries[e] = entry
             param = self._params[e] = self._param(entry)
-            chars, marks = _param_chars(param), param_breakpoints(param)
+            chars, marks = param_chars(param), param_breakpoints(param)
             self.chars += chars - self._chars[e]
             self.breakpoints += marks - self._breakpoints[e]
             self._chars[e], self._breakpoints[e] = chars, marks
@@ -298,7 +299,7 @@ class WireCache:
         self._params += fresh
         self.chars -= sum(self._chars[keep:])
         del self._chars[keep:]
-        counted = [_param_chars(p) for p in fresh]
+        counted = [param_chars(p) for p in fresh]
         self._chars += counted
         self.chars += sum(counted)
         self.breakpoints -= sum(self._breakpoints[keep:])
@@ -393,39 +394,8 @@ def _block_place(block: Any) -> tuple[Any, str] | None:
     return kind, str(tid)  # as the pairing keys an id (1 == True, not "1")
 
 
-def _block_chars(block: Any) -> int:
-    if not isinstance(block, dict):
-        return 0
-    btype = block.get("type")
-    if btype == "text":
-        return len(str(block.get("text") or ""))
-    if btype == "thinking":
-        return len(str(block.get("thinking") or ""))
-    if btype == "tool_use":
-        return len(str(block.get("name") or "")) + len(repr(block.get("input")))
-    if btype == "tool_result":
-        content = block.get("content")
-        if isinstance(content, str):
-            return len(content)
-        if isinstance(content, list):
-            return sum(_block_chars(b) for b in content)
-    return 0
-
-
-def request_chars(request: Sequence[MessageParam]) -> int:
-    """Characters of text, thinking, tool input and tool output in a request (images: 0)."""
-    return sum(map(_param_chars, request))
-
-
 def _fresh(param: MessageParam) -> MessageParam:
     """A new message dict with a new content list (the blocks themselves are shared)."""
     content: Any = param["content"]
     fresh = {"role": param["role"], "content": content if isinstance(content, str) else [*content]}
     return cast("MessageParam", fresh)
-
-
-def _param_chars(param: MessageParam) -> int:
-    content: Any = param["content"]
-    if isinstance(content, str):
-        return len(content)
-    return sum(_block_chars(b) for b in content)

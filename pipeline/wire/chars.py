@@ -1,0 +1,44 @@
+"""The size of a request's visible text (:func:`request_chars`), what a token estimate of the
+request sent goes by."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
+    from anthropic.types import MessageParam
+
+__all__ = ["param_chars", "request_chars"]
+
+
+def _block_chars(block: Any) -> int:
+    if not isinstance(block, dict):
+        return 0
+    btype = block.get("type")
+    if btype == "text":
+        return len(str(block.get("text") or ""))
+    if btype == "thinking":
+        return len(str(block.get("thinking") or ""))
+    if btype == "tool_use":
+        return len(str(block.get("name") or "")) + len(repr(block.get("input")))
+    if btype == "tool_result":
+        content = block.get("content")
+        if isinstance(content, str):
+            return len(content)
+        if isinstance(content, list):
+            return sum(_block_chars(b) for b in content)
+    return 0
+
+
+def request_chars(request: Sequence[MessageParam]) -> int:
+    """Characters of text, thinking, tool input and tool output in a request (images: 0)."""
+    return sum(map(param_chars, request))
+
+
+def param_chars(param: MessageParam) -> int:
+    """Characters of visible text in one message param (see :func:`request_chars`)."""
+    content: Any = param["content"]
+    if isinstance(content, str):
+        return len(content)
+    return sum(_block_chars(b) for b in content)
