@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, overload
 if TYPE_CHECKING:
     from pipeline.messages import Message
 
-__all__ = ["InputLog", "KeptList", "first_difference", "first_unequal"]
+__all__ = ["InputLog", "KeptList", "first_difference", "first_unequal", "shared_start"]
 
 T = TypeVar("T")
 
@@ -208,6 +208,15 @@ def first_unequal(a: Sequence[object], b: Sequence[object]) -> int | None:
         else:
             hi = mid
     return lo
+
+
+def shared_start(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items ``a`` and ``b`` share (equal by value): :func:`first_unequal`,
+    or the shorter length where they agree throughout. A request mostly repeats the last one's
+    very objects, which compare in C by identity; where they part (a client moving its
+    ``cache_control`` mark changes the message that held it) the binary search finds it."""
+    same = first_unequal(a, b)
+    return min(len(a), len(b)) if same is None else same
 
 
 class InputLog:

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from pipeline import Message, Pipeline, ToolPolicies, to_api
-from pipeline.dropin import adapter as adapter_module
+from pipeline.dropin import observing as observing_module
 from pipeline.dropin.adapter import DECISIONS_FILE, WireSession
 from pipeline.dropin.conversations import conversation_hint
 from pipeline.store.sessions import SessionStates
@@ -325,7 +325,7 @@ def test_a_pass_waits_for_an_answer_no_longer_than_its_bound(
     guard) holds the next pass up for ``ANSWER_WAIT`` once: the pass then goes on without
     it, later passes do not wait for it again, the conversation may be let go, and the
     answer's reading, should it come after all, changes nothing."""
-    monkeypatch.setattr(adapter_module, "ANSWER_WAIT", 0.3)
+    monkeypatch.setattr(observing_module, "ANSWER_WAIT", 0.3)
 
     async def run() -> tuple[float, float, bool]:
         storage = SessionStates(tmp_path, fsync_each=False).open("s")

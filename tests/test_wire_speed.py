@@ -19,8 +19,8 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
-from pipeline.dropin.adapter import RESPONSE_RECORD
 from pipeline.dropin.conversations import SESSION_HEADER as SESSION
+from pipeline.dropin.session_log import RESPONSE_RECORD
 from pipeline.testing import Reply, ScriptedMessagesServer
 from pipeline.transcript.read import load_transcript
 from pipeline.transcript.writer import TranscriptPathError, TranscriptWriter

@@ -39,7 +39,6 @@ import enum
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,22 +48,19 @@ from pipeline.context import SessionContext
 from pipeline.core import Pipeline
 from pipeline.dropin.calibration import CalibrationSaves
 from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
-from pipeline.dropin.group_sync import GroupSync
 from pipeline.dropin.inheritance import FORK_RECORD, Inherited
+from pipeline.dropin.observing import ANSWER_WAIT, Call, ResponseObserving
 from pipeline.dropin.session_log import (
-    RESPONSE_RECORD,
     carried_records,
     decisions,
     expand,
     holds_fork,
     rebuild,
-    response_record,
     responses_in,
 )
 from pipeline.dropin.session_writes import SessionWrites
-from pipeline.dropin.thread_sync import ThreadSync
-from pipeline.kept_list import first_unequal
-from pipeline.messages import Message, Usage, usage_compacted, uuid5_text
+from pipeline.kept_list import shared_start
+from pipeline.messages import Message, Usage, uuid5_text
 from pipeline.replacement import (
     DECIDED_RECORD_STAGE,
     ReplacementRecord,
@@ -73,7 +69,7 @@ from pipeline.replacement import (
 )
 from pipeline.spans import content_safe_span
 from pipeline.store.files import validate_session_id
-from pipeline.store.records import append_where_it_belongs, appends_block
+from pipeline.store.records import append_where_it_belongs
 from pipeline.store.sessions import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
@@ -105,27 +101,13 @@ Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
 REPLACEMENT_RECORD = "content-replacement"
 """What a failure to append replacement records is logged as (the transcript's own type)."""
 
-ANSWER_WAIT = 30.0
-"""Seconds a conversation's next pass waits at most for an answer its client already has to
-be read (:meth:`WireSession.answer_out`); then it goes on without it (logged)."""
-
 
 class _Load(enum.Enum):
     NOW = "now"
     """Load the recorded decisions in the constructor (blocking)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One prepared request, as its response is to be recorded: where the answer will stand
-    and the digests of the request's messages (taken when it was prepared, so that a request of
-    the same conversation prepared meanwhile changes neither)."""
-
-    index: int
-    chain: tuple[bytes, ...]
-
-
-class WireSession:
+class WireSession(ResponseObserving):
     """One conversation seen at the wire (see the module docstring).
 
     ``cache_breakpoint``: for a client that sets no ``cache_control`` itself, put one on the
@@ -480,59 +462,6 @@ class WireSession:
         :attr:`last_call` once prepared."""
         return (await self.prepare_call(body))[0]
 
-    def answer_out(self) -> object:
-        """A response of this session goes to its client before it is observed (the proxy
-        reads a JSON answer once its client has it): the session's next pass waits until
-        :meth:`answer_read` is given the token returned here, so that it knows the answer and
-        writes its records after the answer's. On the session's event loop."""
-        token = object()
-        self._unread[token] = None
-        if self._read is None:
-            self._read = anyio.Event()
-        return token
-
-    @property
-    def records_wait(self) -> bool:
-        """Whether a response's record may be written after its client has the response: on
-        a store no other worker reads whose appends are page-cache writes (made durable
-        later); not on an object store (another worker must find it first) nor where each
-        record is to be durable before the proxy goes on (``fsync_each``)."""
-        return not self.storage.shared and not appends_block(self.ctx.transcript)
-
-    @property
-    def answers_out(self) -> bool:
-        """Whether a response :meth:`answer_out` told of is still to be read (the
-        conversation is then not let go from memory: its next request must find it here)."""
-        return bool(self._unread)
-
-    def answer_read(self, token: object) -> None:
-        """The response :meth:`answer_out` gave ``token`` for was observed (or will not be);
-        one given up on already (:data:`ANSWER_WAIT`) is nothing more."""
-        self._unread.pop(token, None)
-        if not self._unread:
-            self._answers_all_in()
-
-    def _answers_all_in(self) -> None:
-        read, self._read = self._read, None
-        if read is not None:
-            read.set()
-
-    async def _answers_in(self) -> None:
-        if self._read is None:
-            return
-        # bounded: an answer is read once its bytes are handed to the server, which does not
-        # wait for the client to take them; past the bound the pass goes on without those
-        # answers, as for answers the conversation never saw, and no later pass waits for them
-        with anyio.move_on_after(ANSWER_WAIT) as waited:
-            while (read := self._read) is not None:
-                await read.wait()
-        if waited.cancelled_caught:
-            self.ctx.logger.warning(
-                "wire_session.answer_not_read", answers=len(self._unread), seconds=ANSWER_WAIT
-            )
-            self._unread.clear()
-            self._answers_all_in()
-
     async def prepare_call(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], Call]:
         """:meth:`prepare_request`, and the :class:`Call` its response is to be observed with
         (``observe(..., call=...)``), whatever other request of this session is prepared
@@ -543,166 +472,11 @@ class WireSession:
         messages, call = await self._prepare(body.get("messages") or [])
         return {**body, "messages": messages}, call
 
-    def observe(
-        self,
-        response_id: str,
-        usage: Mapping[str, Any] | None,
-        model: str,
-        *,
-        call: Call | None = None,
-    ) -> None:
-        """The response to a prepared request (``call``, default :attr:`last_call`): its usage
-        feeds the token tracker, and the message that answers it in the next request carries
-        its id and usage. The record and the calibration are written inline (blocking): on an
-        event loop, use :meth:`observe_async`. Takes :attr:`sync_lock` (another thread may be
-        preparing a call of the same conversation)."""
-        with self.sync_lock:
-            self.catch_up_sync()
-            parsed, data, chain = self._response(response_id, usage, call)
-            if self._append_response(data):
-                self._written(data, chain)
-            if parsed is not None:
-                self._learn(parsed, model, usage_compacted(usage or {}))
-                if state := self.writes.learned():
-                    self.writes.saves.write(state)  # a new process starts warm
-
-    async def observe_async(
-        self,
-        response_id: str,
-        usage: Mapping[str, Any] | None,
-        model: str,
-        *,
-        call: Call | None = None,
-        defer: bool = False,
-    ) -> None:
-        """:meth:`observe` with the writes in a worker thread. It returns once the record is
-        written (or has failed, logged): a caller that holds the response back until then
-        knows that another worker serving the next call will find it.
-
-        ``defer``: for a caller that holds the response back until this returns and calls
-        :meth:`settle` once the client has it (the proxy). What need not come first waits for
-        :meth:`catch_up` (which :meth:`settle`, the session's next pass and its next
-        observation call first): the token tracker's learning, and, on a store no other
-        worker writes to whose appends are page-cache writes (made durable by :meth:`settle`
-        anyway), the response's record -- kept in order before any later record."""
-        await self.catch_up()  # an earlier response's, in the order they came
-        async with self._observing:  # one record at a time: each builds on the last one's chain
-            parsed, data, chain = self._response(response_id, usage, call)
-            if defer and self.records_wait:
-                self._unwritten = (data, chain)
-            elif await append_where_it_belongs(self.ctx.transcript, self._append_response, data):
-                self._written(data, chain)
-        if parsed is not None:
-            # after any other's observed meanwhile (its record written in a worker thread)
-            self._unlearned.append((parsed, model, usage_compacted(usage or {})))
-            if not defer:
-                await self.catch_up()
-
-    async def catch_up(self) -> None:
-        """Do what :meth:`observe_async` with ``defer`` left for later, unless done: write the
-        response's record, then let the token tracker learn from its usage (the calibration
-        written in a worker thread when no :meth:`settle` writes it)."""
-        if self._unwritten is None and not self._unlearned:
-            return
-        if self.catch_up_sync() and (state := self.writes.learned()):
-            await anyio.to_thread.run_sync(self.writes.saves.write, state)  # else by settle()
-
-    def catch_up_sync(self) -> bool:
-        """:meth:`catch_up`'s record and learning, blocking (an append to a local file: nothing
-        is held back for any other store), the calibration left to the caller; whether the
-        tracker learned. What it refuses to learn from (``ValueError``: content nested past
-        what it can measure) leaves it as it was. For a conversation let go from memory too,
-        whose next request loads it from its records."""
-        unwritten, self._unwritten = self._unwritten, None
-        if unwritten is not None and self._append_response(unwritten[0]):
-            self._written(*unwritten)
-        else:
-            self.writes.flush_held()  # what the pass held back goes with the next write anyway
-        unlearned, self._unlearned = self._unlearned, []
-        learned = False
-        for usage, model, compacted in unlearned:
-            try:
-                self._learn(usage, model, compacted)
-            except ValueError:
-                continue
-            learned = True
-        return learned
-
-    async def save_calibration(self) -> None:
-        """Write the token calibration now if it learned since its last write (a worker
-        thread writes it). For a server shutting down or a conversation loaded again: writes
-        are spaced :data:`~pipeline.dropin.calibration.CALIBRATION_EVERY` apart otherwise."""
-        await self.catch_up()
-        self.writes.flush_held()  # what a pass held back, when no response came to go with it
-        await self.writes.save_calibration()
-
-    async def settle(self, group: GroupSync | None = None) -> None:
-        """Make what this session wrote so far durable, off the response's path: its records
-        (a local store opened with ``fsync_each=False``: one ``fsync`` for the call's appends)
-        and the token calibration (:mod:`pipeline.dropin.calibration`); and, on an object
-        store, write what its spool holds (results persisted while it was down) and the
-        call's records as a snapshot (:mod:`pipeline.store.object_snapshots`). Nothing to do
-        on a local store whose appends were each durable. A failure is logged, never raised
-        (the response has gone). ``group``: when the records' ``fsync`` is all there is to
-        do and the group runs, it joins the group's (:mod:`pipeline.dropin.group_sync`) and
-        this returns. What the last response left for later is done first
-        (:meth:`catch_up`)."""
-        await self.catch_up()
-        await self.writes.settle(group)
-
-    def settle_sync(self) -> None:
-        """:meth:`settle`, blocking (the synchronous client's path)."""
-        self.writes.settle_sync()
-
-    def settle_in(self, syncer: ThreadSync) -> bool:
-        """:meth:`settle` for a caller that returns the response at once (``wrap``), the
-        records' ``fsync`` handed to ``syncer``'s thread: True when that was all there was to
-        wait for (a local store; the calibration, when due, is written here), False when the
-        caller must still settle (an object store)."""
-        self.catch_up_sync()
-        return self.writes.settle_in(syncer)
-
-    def _response(
-        self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None
-    ) -> tuple[Usage | None, dict[str, Any], list[bytes]]:
-        """Remember a response for the message that will answer it; its usage (``ValueError``
-        when malformed), the record to append and the chain that record leaves on disk."""
-        parsed = Usage.from_mapping(usage) if usage is not None else None
-        call = call or self.last_call or Call(len(self._params), tuple(self.chain))
-        self._responses[call.index] = (response_id, parsed)
-        chain, disk = list(call.chain), self._disk_chain
-        start: int | None = _shared_start(chain, disk)
-        if start == len(chain) == len(disk):
-            start = None  # the records hold this very chain
-        # the fork record could not be written: this record carries what it holds
-        fork = self._pending.to_record() if self._pending is not None else None
-        data = response_record(call.index, response_id, usage, chain, start, fork)
-        return parsed, data, chain
-
-    def _written(self, data: Mapping[str, Any], chain: list[bytes]) -> None:
-        self._disk_chain = chain
-        if "fork" in data:
-            self._pending = None
-
-    def _append_response(self, data: dict[str, Any]) -> bool:
-        """Whether the record was written (a failure is logged: the response was delivered;
-        only another worker or a new process would miss its id and usage)."""
-        return self.writes.appended(RESPONSE_RECORD, data)
-
-    def _learn(self, usage: Usage, model: str, compacted: bool) -> None:
-        self.ctx.token_tracker.observe(
-            self._projected,
-            usage,
-            model=model,
-            tokens_freed=self.ctx.report.tokens_freed,
-            compacted=compacted,
-        )
-
     def _sync(self, messages: Sequence[Any]) -> list[Message]:
         """The request's records: the last request's for as long as this one repeats it, a new
         record for every message from the first that differs on (digested from there on)."""
         prev, records = self._params, self._records
-        same = _shared_start(prev, messages)
+        same = shared_start(prev, messages)
         routed, self._routed = self._routed, None
         if routed is not None and routed[0] is messages and len(routed[1]) == len(messages):
             chain = routed[1]
@@ -734,12 +508,3 @@ class WireSession:
             return Message.from_param(param, uuid=uid, message_id=response_id, usage=usage)
         except ValueError as exc:
             raise ValueError(f"messages[{index}]: {exc}") from None
-
-
-def _shared_start(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How many leading items ``a`` and ``b`` share (equal by value). A request mostly repeats
-    the last one's very objects, which compare in C by identity; where they part (a client
-    moving its ``cache_control`` mark changes the message that held it) a binary search of
-    slice comparisons finds it (:func:`~pipeline.kept_list.first_unequal`)."""
-    same = first_unequal(a, b)
-    return min(len(a), len(b)) if same is None else same
