@@ -59,11 +59,13 @@ async def send(
     conversations: Conversations,
     messages: list[dict[str, Any]],
     headers: dict[str, str] | None = None,
+    size: int | None = None,
     **extra: Any,
 ) -> tuple[Branch, list[Any]]:
-    """Route and prepare one request; the response observed as the API would answer it."""
+    """Route and prepare one request (``size``: what the index counts it as); the response
+    observed as the API would answer it."""
     request = body(messages, **extra)
-    branch = await conversations.route(request, headers or KEY_A)
+    branch = await conversations.route(request, headers or KEY_A, size=size)
     prepared = await branch.session.prepare_request(request)
     usage = {"input_tokens": 100 + len(messages), "output_tokens": 5}
     await branch.session.observe_async(f"msg_{len(messages)}", usage, "m")
@@ -591,6 +593,103 @@ def test_a_conversation_in_a_call_is_never_let_go(tmp_path: Path) -> None:
 def test_a_bound_below_one_is_refused(tmp_path: Path, bound: int) -> None:
     with pytest.raises(ValueError, match="max_held must be at least 1"):
         registry(tmp_path, max_held=bound)
+
+
+@pytest.mark.parametrize("bound", [0, -3])
+def test_a_held_size_below_one_is_refused(tmp_path: Path, bound: int) -> None:
+    with pytest.raises(ValueError, match="max_held_bytes must be at least 1"):
+        registry(tmp_path, max_held_bytes=bound)
+
+
+def _held_sizes(conversations: Conversations) -> int:
+    return sum(b.size for b in conversations.branches())
+
+
+def test_conversations_past_the_held_size_are_let_go_and_come_back_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path, max_held_bytes=1_000)
+        a = [user("task A"), call("t1"), answer("t1", "a" * 5_000)]
+        first, sent = await send(conversations, a, size=400)
+        await send(conversations, [user("task B")], size=400)
+        assert conversations.held == 2 and conversations.held_bytes == 800
+        await send(conversations, [user("task C")], size=400)  # 1,200: past the bound
+        assert conversations.held == 2 and conversations.held_bytes == 800
+        assert first not in conversations.branches()  # the least recently routed to went
+        a += [call("t2"), answer("t2", "b" * 100)]
+        again, resent = await send(conversations, a, size=450)
+        assert again is not first and again.conversation_id == first.conversation_id
+        assert resent[:3] == sent  # the same bytes, the replacement and its path included
+        assert conversations.held_bytes == 850 == _held_sizes(conversations)
+
+    anyio.run(main)
+
+
+def test_a_conversation_that_grows_past_the_held_size_lets_the_others_go(tmp_path: Path) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path, max_held_bytes=1_000)
+        a = [user("task A")]
+        first, _ = await send(conversations, a, size=300)
+        growing, _ = await send(conversations, [user("task B")], size=300)
+        again, _ = await send(
+            conversations, [user("task B"), call("t1"), answer("t1", "x")], size=900
+        )
+        assert again is growing and first not in conversations.branches()
+        assert conversations.held == 1 and conversations.held_bytes == 900
+        # the conversation routed to stays, alone over the bound
+        await send(
+            conversations, [user("task B"), call("t1"), answer("t1", "x"), user("go")], size=5_000
+        )
+        assert conversations.held == 1 and conversations.held_bytes == 5_000
+
+    anyio.run(main)
+
+
+def test_a_conversation_in_a_call_is_never_let_go_for_its_size(tmp_path: Path) -> None:
+    async def main() -> None:
+        conversations = registry(tmp_path, max_held_bytes=1_000)
+        busy, _ = await send(conversations, [user("task A")], size=800)
+        async with busy.call_lock:
+            await send(conversations, [user("task B")], size=800)
+            assert busy in conversations.branches()
+            assert conversations.held_bytes == 1_600  # over the bound while the call lasts
+        await send(conversations, [user("task C")], size=100)
+        assert busy not in conversations.branches()
+        assert conversations.held_bytes == 900 == _held_sizes(conversations)
+
+    anyio.run(main)
+
+
+def test_the_held_size_is_what_the_conversations_held_last_sent(tmp_path: Path) -> None:
+    """Across conversations, branches of one family, growth, sizes not given and both
+    bounds at work: the index's count is the sum over the conversations it holds, and it
+    never stays past the bound once nothing is in a call."""
+    import random
+
+    rng = random.Random(7)
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_held=4, max_held_bytes=3_000)
+        histories: dict[str, list[dict[str, Any]]] = {}
+        over = 0
+        for step in range(160):
+            opening = f"task {rng.randrange(6)}"
+            history = histories.setdefault(opening, [user(opening)])
+            if rng.random() < 0.2 and len(history) > 1:  # a branch: the same opening, another way
+                history = histories[opening] = history[:1]
+            history += [call(f"t{step}"), answer(f"t{step}", "r" * rng.randrange(1, 300))]
+            size = None if rng.random() < 0.1 else rng.randrange(1, 1_500)
+            branch, _ = await send(conversations, list(history), size=size)
+            assert conversations.held_bytes == _held_sizes(conversations)
+            within = conversations.held <= 4 and conversations.held_bytes <= 3_000
+            # past a bound, only the family just routed to is left (it is never let go)
+            assert within or all(b.family is branch.family for b in conversations.branches())
+            over += not within
+
+        assert over  # the sequence did pass the bounds
+
+    anyio.run(main)
 
 
 def test_loading_a_conversation_and_rebuilding_its_ledger_leave_the_event_loop_free(

@@ -170,6 +170,23 @@ def test_an_unreachable_upstream_is_one_logged_failure_and_json_lines_stay_json(
     assert code == [0]
 
 
+def _scrape(port: int, wanted: str) -> dict[str, str]:
+    """The proxy's Prometheus page once it shows ``wanted``: each sample's name -> its line."""
+    deadline = time.monotonic() + 10
+    while True:  # a request's metrics come after the client has the response
+        with urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10) as got:
+            page = got.read().decode()
+        if wanted in page:
+            break
+        assert time.monotonic() < deadline, f"{wanted} never came"
+        time.sleep(0.05)
+    return {
+        line.split("{")[0].split(" ")[0]: line
+        for line in page.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
 def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
     pytest.importorskip("opentelemetry.exporter.prometheus", reason="the prometheus extra")
     scrape = free_port()
@@ -185,26 +202,53 @@ def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
         client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
         client.messages.create(model="claude-test", max_tokens=10, messages=build("x" * 60_000))
         client.close()
-        deadline = time.monotonic() + 10
-        while True:  # the request's end (its metrics) comes after the client has the response
-            with urllib.request.urlopen(f"http://localhost:{scrape}/metrics", timeout=10) as got:
-                page = got.read().decode()
-            if "http_server_request_duration_seconds_count" in page:
-                break
-            assert time.monotonic() < deadline, "the request's metrics never came"
-            time.sleep(0.05)
+        samples = _scrape(scrape, "http_server_request_duration_seconds_count")
     assert code == [0]
-    samples = {
-        line.split("{")[0].split(" ")[0]: line
-        for line in page.splitlines()
-        if line and not line.startswith("#")
-    }
     assert (
         'http_response_status_code="200"' in samples["http_server_request_duration_seconds_count"]
     )
     assert samples["sluicegate_tool_results_persisted_total"].endswith(" 1.0")
     assert "gen_ai_client_token_usage_count" in " ".join(samples)
     assert "sluicegate_chars_kept_off_wire_total" in samples
+
+
+def test_the_conversations_held_are_gauged_and_bounded_by_their_size(tmp_path: Path) -> None:
+    """``--max-held-size``: past it, the conversation least recently used is let go; the
+    gauges say how many are held and what their last request bodies come to."""
+    pytest.importorskip("opentelemetry.exporter.prometheus", reason="the prometheus extra")
+    scrape = free_port()
+    with (
+        ScriptedMessagesServer(reply) as upstream,
+        proxy_process(
+            upstream.base_url,
+            tmp_path / "store",
+            "--max-held-size",
+            "600",
+            OTEL_METRICS_EXPORTER="prometheus",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(scrape),
+        ) as (url, _, code),
+    ):
+        client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
+        sizes = []
+        for task in ("build the docs", "run the tests"):
+            messages = [{"role": "user", "content": task}]
+            sent = {"max_tokens": 10, "messages": messages, "model": "m"}
+            sizes.append(len(json.dumps(sent, separators=(",", ":"))))  # as the SDK writes it
+            client.messages.create(model="m", max_tokens=10, messages=messages)
+        first = _scrape(scrape, "sluicegate_conversations_held")
+        client.messages.create(model="m", max_tokens=10, messages=build("y" * 2_000))
+        client.close()
+        second = _scrape(scrape, "sluicegate_conversations_held")
+    assert code == [0]
+
+    def value(samples: dict[str, str], name: str) -> float:
+        return float(samples[name].rsplit(" ", 1)[1])
+
+    # two small conversations under 600 bytes; a third of ~2,100 goes past it alone
+    assert value(first, "sluicegate_conversations_held") == 2
+    assert value(first, "sluicegate_conversations_held_size_bytes") == sum(sizes)
+    assert value(second, "sluicegate_conversations_held") == 1
+    assert value(second, "sluicegate_conversations_held_size_bytes") > 2_000
 
 
 def test_a_request_with_a_traceparent_joins_its_clients_trace(tmp_path: Path) -> None:

@@ -257,6 +257,15 @@ def _add_proxy_parser(sub: Any) -> None:
         "load from the store when they come back (default %(default)s)",
     )
     limits.add_argument(
+        "--max-held-size",
+        type=size,
+        default="1G",
+        metavar="SIZE",
+        help="what the last request bodies of the conversations held may come to (e.g. 512M; "
+        "the proxy's memory grows by ~3-3.5 times it); past it the least recently used are "
+        "let go as past --max-conversations (default %(default)s)",
+    )
+    limits.add_argument(
         "--fsync-each",
         action="store_true",
         help="make each record of a local --store durable (fsync) before going on; by "

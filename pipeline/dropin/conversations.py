@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DIGESTS_AT_ONCE",
     "MAX_HELD",
+    "MAX_HELD_BYTES",
     "OFF_LOOP_MESSAGES",
     "SESSION_HEADER",
     "Branch",
@@ -76,6 +77,10 @@ __all__ = [
 
 MAX_HELD = 256
 """How many conversations :class:`Conversations` holds in memory by default."""
+MAX_HELD_BYTES = 1 << 30
+"""The bytes of their last requests the conversations held in memory may come to by default
+(1 GiB: the proxy's resident size grows by ~3-3.5 times what its conversations' last requests
+come to)."""
 OFF_LOOP_MESSAGES = 200
 """Messages new to their family from which :meth:`Conversations.route` digests a request in a
 worker thread (~3 µs a message), away from the event loop."""
@@ -107,12 +112,16 @@ class Conversations:
     tasks or threads at once (the index is guarded by a lock never held across I/O).
 
     ``max_held``: how many conversations are held in memory (default
-    :data:`MAX_HELD`; None: no bound). Each holds its client's last request and what the
-    stages made of it (the proxy, its body caches included, grows by about five times the
-    requests' size: ``tests/benchmarks/bench_proxy_memory.py``). Past the bound, the families least
-    recently routed to are let go, all their conversations at once (one in a call, holding
-    its call lock, stays); a request of one that was let go loads it from its records again,
-    and it goes on with the same decisions, byte for byte, as a new process would.
+    :data:`MAX_HELD`; None: no bound). ``max_held_bytes``: what the last requests of the
+    conversations held may come to, in the sizes the caller gives :meth:`route` (``size``:
+    the proxy gives each body's bytes; default :data:`MAX_HELD_BYTES`; None: no bound). Each
+    conversation holds its client's last request and what the stages made of it (the proxy,
+    its body caches included, grows by ~3-3.5 times the requests' size:
+    ``tests/benchmarks/bench_proxy_memory.py``). Past either bound, the families least
+    recently routed to are let go, all their conversations at once (the family just routed
+    to, and one with a conversation in a call, stay: the bounds may be passed by those); a
+    request of one that was let go loads it from its records again, and it goes on with the
+    same decisions, byte for byte, as a new process would.
     ``on_let_go``: told of each conversation let go (what a caller keeps of it can go too).
     """
 
@@ -124,12 +133,16 @@ class Conversations:
         storage: SessionStates | str | os.PathLike[str] | None = None,
         tenancy: Tenancy | None = None,
         max_held: int | None = MAX_HELD,
+        max_held_bytes: int | None = MAX_HELD_BYTES,
         on_let_go: Callable[[Branch], None] | None = None,
         **context: Any,
     ) -> None:
         if max_held is not None and max_held < 1:
             raise ValueError(f"max_held must be at least 1 (or None), got {max_held}")
+        if max_held_bytes is not None and max_held_bytes < 1:
+            raise ValueError(f"max_held_bytes must be at least 1 (or None), got {max_held_bytes}")
         self.max_held = max_held
+        self.max_held_bytes = max_held_bytes
         self.root = Path(root)
         self.states = (
             storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
@@ -143,6 +156,8 @@ class Conversations:
         self._families: OrderedDict[tuple[str, str], Family] = OrderedDict()
         self._held = 0
         """Conversations held (the branches of every family in :attr:`_families`)."""
+        self._held_bytes = 0
+        """The sizes of their last requests (:attr:`Branch.size`), summed."""
         # the objects it holds for as many conversations at most as are held
         self._openings = OpeningMemo(min(_OPENINGS_KEPT, max_held or _OPENINGS_KEPT))
         self.off_loop = 0
@@ -161,9 +176,12 @@ class Conversations:
         explicit: str | None = None,
         unchanging: bool = False,
         hold: bool = False,
+        size: int | None = None,
     ) -> Branch:
         """The conversation of a request (``body``: its JSON; ``headers``: its HTTP headers),
         a new one made if it continues none. Loads from the store in a worker thread.
+        ``size``: the request's size as :attr:`max_held_bytes` counts it (its body's bytes);
+        None leaves the conversation's as it was.
         ``unchanging``: the body's values are never changed in place (a
         :class:`~pipeline.wire.body_reader.BodyReader`'s parse), so a system prompt and first
         message that are an earlier request's very objects need no new digest. ``hold``: a
@@ -187,7 +205,7 @@ class Conversations:
                 # let go meanwhile, it is loaded again (the chain holds: it is the messages')
                 family = await self._family(tenant, name, opening)
         # placed with no await since the family was found: it cannot be let go in between
-        return self._place(family, messages, opening, build=_call, hold=hold, full=full)
+        return self._place(family, messages, opening, build=_call, hold=hold, full=full, size=size)
 
     async def _family(self, tenant: str, name: str, opening: bytes) -> Family:
         family = self._families.get((tenant, name))
@@ -224,6 +242,7 @@ class Conversations:
         explicit: str | None = None,
         build: Callable[[Callable[[], Any]], Any] | None = None,
         hold: bool = False,
+        size: int | None = None,
     ) -> Branch:
         """:meth:`route` for a synchronous caller (blocking I/O inline). ``build``: how to run
         the making of a new session (the sync ``wrap`` makes them in a worker thread, away
@@ -233,7 +252,7 @@ class Conversations:
         tenancy = self._tenancy or self._make_tenancy()
         tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
         family = self._family_sync(tenant, name, opening, run)
-        return self._place(family, messages, opening, build=run, sync=True, hold=hold)
+        return self._place(family, messages, opening, build=run, sync=True, hold=hold, size=size)
 
     def done(self, branch: Branch) -> None:
         """A call routed with ``hold`` is through its pass."""
@@ -244,6 +263,11 @@ class Conversations:
     def held(self) -> int:
         """How many conversations are held in memory now."""
         return self._held
+
+    @property
+    def held_bytes(self) -> int:
+        """What the last requests of the conversations held come to (:attr:`Branch.size`)."""
+        return self._held_bytes
 
     def branches(self) -> list[Branch]:
         """Every conversation held in memory."""
@@ -295,14 +319,16 @@ class Conversations:
             return family
 
     def _let_go(self, keep: Family) -> None:
-        """Past :attr:`max_held`, let go of the families least recently routed to (under the
-        index's lock): never ``keep``, nor one with a conversation in a call."""
-        if self.max_held is None or self._held <= self.max_held:
+        """Past :attr:`max_held` conversations or :attr:`max_held_bytes`, let go of the
+        families least recently routed to (under the index's lock): never ``keep``, nor one
+        with a conversation in a call."""
+        excess = 0 if self.max_held is None else self._held - self.max_held
+        over = 0 if self.max_held_bytes is None else self._held_bytes - self.max_held_bytes
+        if excess <= 0 and over <= 0:
             return
-        excess = self._held - self.max_held
         gone: list[tuple[str, str]] = []
         for key, family in self._families.items():
-            if excess <= 0:
+            if excess <= 0 and over <= 0:
                 break
             if family is keep or any(
                 # in a call, or its answer still to be read (the next pass waits for that)
@@ -312,15 +338,22 @@ class Conversations:
                 continue
             gone.append(key)
             excess -= len(family.branches)
+            over -= sum(b.size for b in family.branches.values())
         for key in gone:
             family = self._families.pop(key)
             self._held -= len(family.branches)
+            self._held_bytes -= sum(b.size for b in family.branches.values())
             for branch in family.branches.values():
                 self._released.append(branch)  # what it held back: written after the lock
                 if self.on_let_go is not None:
                     self.on_let_go(branch)
         if gone:
-            get_logger().debug("conversations.let_go", families=len(gone), held=self._held)
+            get_logger().debug(
+                "conversations.let_go",
+                families=len(gone),
+                held=self._held,
+                held_bytes=self._held_bytes,
+            )
 
     # -- placing -------------------------------------------------------------------------------
     def _make_tenancy(self) -> Tenancy:
@@ -417,9 +450,10 @@ class Conversations:
         sync: bool = False,
         hold: bool = False,
         full: list[bytes] | None = None,
+        size: int | None = None,
     ) -> Branch:
         try:
-            return self._placed(family, messages, opening, build, sync, hold, full)
+            return self._placed(family, messages, opening, build, sync, hold, full, size)
         finally:
             self._write_released()
 
@@ -442,12 +476,13 @@ class Conversations:
         sync: bool,
         hold: bool,
         full: list[bytes] | None,
+        size: int | None,
     ) -> Branch:
         with self._lock:
             plan = place(family, messages, opening, full)
             if isinstance(plan, tuple):
                 branch, chain, start = plan
-                self._set(family, branch, messages, chain, start, hold)
+                self._set(family, branch, messages, chain, start, hold, size)
                 return branch
         # a new conversation: made outside the index's lock (its parent read under its own)
         made = self._new_branch(family, plan, messages, build, sync)
@@ -455,7 +490,7 @@ class Conversations:
             branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
             if branch is made and self._families.get(family_key(family)) is family:
                 self._held += 1
-            self._set(family, branch, messages, plan.chain, plan.start, hold)
+            self._set(family, branch, messages, plan.chain, plan.start, hold, size)
             return branch
 
     def _set(
@@ -466,13 +501,19 @@ class Conversations:
         chain: list[bytes],
         start: int,
         hold: bool = False,
+        size: int | None = None,
     ) -> None:
         family.register(branch, chain, start)
         branch.params = list(messages)
         branch.session.routed(messages, chain)
         branch.calls += hold
         key = family_key(family)
-        if self._families.get(key) is family:
+        held = self._families.get(key) is family
+        if size is not None:
+            if held:  # only a held family's conversations count (see _let_go)
+                self._held_bytes += size - branch.size
+            branch.size = size
+        if held:
             self._families.move_to_end(key)
             self._let_go(keep=family)
         else:  # let go meanwhile (another thread routed), or unsure: the branch holds it

@@ -14,18 +14,27 @@ HTTP and GenAI semantic conventions where they exist (:mod:`pipeline.tracing` ho
 - ``sluicegate.pipeline.duration`` (s): each request's pipeline pass;
   ``sluicegate.tool_results.persisted`` ({result}): results newly persisted, by reason;
   ``sluicegate.chars.kept_off_wire`` ({char}): characters of tool output a request did not
-  carry because a replacement stood in for it (counted in every request that re-applies it).
+  carry because a replacement stood in for it (counted in every request that re-applies it);
+- ``sluicegate.conversations.held`` ({conversation}) and ``sluicegate.conversations.held.size``
+  (By), gauges read when the metrics are collected: the conversations the proxy holds in
+  memory and what their last request bodies come to (its resident size grows by ~3-3.5 times
+  that; both bounded: ``--max-conversations``, ``--max-held-mib``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from pipeline.tracing import ATTR, METRIC, TRACER_NAME, AttributeValue
 
 __all__ = ["WireMetrics"]
+
+T = TypeVar("T")
 
 _TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304]
 _SECOND_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
@@ -36,7 +45,7 @@ class WireMetrics:
     one)."""
 
     def __init__(self, meter_provider: metrics.MeterProvider | None = None) -> None:
-        meter = metrics.get_meter(TRACER_NAME, meter_provider=meter_provider)
+        meter = self._meter = metrics.get_meter(TRACER_NAME, meter_provider=meter_provider)
         self.http_duration = meter.create_histogram(
             METRIC.HTTP_SERVER_DURATION,
             unit="s",
@@ -74,6 +83,33 @@ class WireMetrics:
             METRIC.KEPT_OFF_WIRE,
             unit="{char}",
             description="Tool-output characters a request did not carry (a replacement did)",
+        )
+
+    def watch_held(self, held: T, read: Callable[[T], tuple[int, int]]) -> None:
+        """Gauge what ``read(held)`` says -- conversations held, the bytes of their last
+        requests -- whenever the metrics are collected, for as long as ``held`` lives (it is
+        held weakly: a meter outlives the apps whose instruments it made)."""
+        ref = weakref.ref(held)
+
+        def observed(at: int) -> Callable[[CallbackOptions], Iterator[Observation]]:
+            def callback(_options: CallbackOptions) -> Iterator[Observation]:
+                target = ref()
+                if target is not None:
+                    yield Observation(read(target)[at])
+
+            return callback
+
+        self._meter.create_observable_gauge(
+            METRIC.CONVERSATIONS_HELD,
+            callbacks=[observed(0)],
+            unit="{conversation}",
+            description="Conversations held in memory",
+        )
+        self._meter.create_observable_gauge(
+            METRIC.CONVERSATIONS_HELD_SIZE,
+            callbacks=[observed(1)],
+            unit="By",
+            description="The bytes of the last request of each conversation held, summed",
         )
 
     def request(

@@ -56,7 +56,13 @@ from starlette.routing import Route
 
 from pipeline.core import Pipeline
 from pipeline.dropin.adapter import WireSession
-from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
+from pipeline.dropin.conversations import (
+    MAX_HELD,
+    MAX_HELD_BYTES,
+    SESSION_HEADER,
+    Branch,
+    Conversations,
+)
 from pipeline.dropin.group_sync import GroupSync
 from pipeline.dropin.limits import MAX_BODY_BYTES, MAX_UPSTREAM_CONNECTIONS, UPSTREAM_TIMEOUT
 from pipeline.dropin.metrics import WireMetrics
@@ -123,6 +129,7 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     max_conversations: int | None = MAX_HELD,
+    max_held_bytes: int | None = MAX_HELD_BYTES,
     max_upstream_connections: int = MAX_UPSTREAM_CONNECTIONS,
     fsync_each: bool = False,
     long_pass: int | None = None,
@@ -151,7 +158,10 @@ def build_app(
     ``timeout_error``); a client that goes away meanwhile cancels it. A conversation is held
     for one call's pass only, never while its upstream call runs. ``max_conversations``: how
     many conversations are held in memory (:class:`~pipeline.dropin.conversations.Conversations`'
-    ``max_held``). ``max_upstream_connections``: how many upstream calls run at once (one
+    ``max_held``); ``max_held_bytes``: what their last request bodies may come to (its
+    ``max_held_bytes``; the conversations held and what their last requests come to are the
+    metrics ``sluicegate.conversations.held`` and ``sluicegate.conversations.held.size``).
+    ``max_upstream_connections``: how many upstream calls run at once (one
     more waits for one to end, within ``upstream_timeout``). ``upstream_client``: the HTTP
     client upstream calls go out with (:data:`~pipeline.dropin.upstream.CLIENTS`; ``auto``:
     aiohttp where it is installed and the environment names no proxy). ``fsync_each``: how a local
@@ -201,10 +211,12 @@ def build_app(
         storage=states,
         tenancy=tenancy,
         max_held=max_conversations,
+        max_held_bytes=max_held_bytes,
         # the body last written for a conversation goes with it
         on_let_go=lambda branch: sent.forget(branch.key),
         **context,
     )
+    metrics.watch_held(conversations, lambda c: (c.held, c.held_bytes))
     if max_upstream_connections < 1:
         raise ValueError(
             f"max_upstream_connections must be at least 1, got {max_upstream_connections}"
@@ -322,7 +334,7 @@ def build_app(
             return refused(started, 400, "invalid_request_error", str(exc)[:300])
         for attempt in range(_PLACE_ATTEMPTS):
             try:
-                branch = await conversations.route(body, headers, unchanging=True)
+                branch = await conversations.route(body, headers, unchanging=True, size=len(raw))
             except ValueError as exc:
                 return refused(started, 400, "invalid_request_error", str(exc)[:300])
             except OSError as exc:  # its state cannot be read: the request goes as it came
