@@ -173,6 +173,23 @@ def test_what_it_keeps_is_bounded() -> None:
         BodyReader(max_bytes=-1)
 
 
+def test_a_conversation_let_go_is_forgotten_and_read_whole_when_it_comes_back() -> None:
+    reader = BodyReader()
+    a = [{"role": "user", "content": "task A " + "a" * 500}]
+    b = [{"role": "user", "content": "task B " + "b" * 500}]
+    parsed_a = reader.read(_raw(a))[0]["messages"]
+    parsed_b = reader.read(_raw(b))[0]["messages"]
+    assert reader.forget([]) == 0
+    assert reader.forget([dict(parsed_a[0])]) == 0  # equal, not the same objects
+    assert reader.forget(list(parsed_a)) == 1  # the messages the conversation holds, copied
+    assert len(reader._kept) == 1 and reader.forget(parsed_a) == 0
+    grown = [*a, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    again = reader.read(_raw(grown))[0]["messages"]
+    assert again[0] is not parsed_a[0] and reader.reused == 0  # parsed whole: nothing kept
+    more = [*b, {"role": "assistant", "content": "ok"}]
+    assert reader.read(_raw(more))[0]["messages"][0] is parsed_b[0]  # the other one still is
+
+
 @pytest.mark.parametrize("system", ["plain", "Generated with Claude Code \U0001f916", "\u2192"])
 def test_a_kept_body_holds_what_was_parsed_of_it_not_its_bytes(system: str) -> None:
     """The reader keeps neither the body's bytes nor a decoding of them (one character past

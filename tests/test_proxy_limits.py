@@ -20,6 +20,7 @@ from pipeline.dropin.limits import MAX_HEAD_BYTES
 from pipeline.dropin.proxy import build_app
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
+from tests.builders import tool_result, tool_use
 from tests.wire_support import TAG, proxy, proxy_process
 
 
@@ -164,6 +165,47 @@ def test_conversations_let_go_are_freed_without_the_collector(tmp_path: Path) ->
         finally:
             gc.enable()
     assert live <= 2  # the one held, and at most the one let go last (its records written)
+
+
+@pytest.mark.parametrize("bound", ["conversations", "size"])
+def test_what_the_proxy_parsed_of_a_conversation_let_go_is_freed(
+    tmp_path: Path, bound: str
+) -> None:
+    """Past ``max_conversations`` or ``max_held_bytes``, nothing of a conversation let go stays
+    in memory: not its session, not its last request as the body reader parsed it."""
+    import gc
+
+    limit = {"max_conversations": 1} if bound == "conversations" else {"max_held_bytes": 30_000}
+    outputs = [f"output {k} " + "z" * 20_000 for k in range(3)]
+
+    def alive(text: str) -> int:
+        # content lists holding the result (a dict of strings alone is not tracked by gc)
+        return sum(
+            1
+            for o in gc.get_objects()
+            if type(o) is list and any(type(b) is dict and b.get("content") == text for b in o)
+        )
+
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, _budget, **limit) as url,
+    ):
+        for k, output in enumerate(outputs):
+            body = {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [
+                    {"role": "user", "content": f"task {k}"},
+                    {"role": "assistant", "content": [tool_use(f"toolu_{k}")]},
+                    {"role": "user", "content": [tool_result(f"toolu_{k}", output)]},
+                ],
+            }
+            assert httpx2.post(f"{url}/v1/messages", json=body).status_code == 200
+            del body
+        upstream.requests.clear()  # what the upstream was sent, kept by the test's server
+        gc.collect()
+        held = [alive(output) for output in outputs]
+    assert held[:2] == [0, 0] and held[2] >= 1  # the last conversation alone is held
 
 
 def _half_open(url: str, count: int) -> list[socket.socket]:

@@ -212,8 +212,7 @@ def build_app(
         tenancy=tenancy,
         max_held=max_conversations,
         max_held_bytes=max_held_bytes,
-        # the body last written for a conversation goes with it
-        on_let_go=lambda branch: sent.forget(branch.key),
+        on_let_go=functools.partial(_let_go, bodies, sent),
         **context,
     )
     metrics.watch_held(conversations, lambda c: (c.held, c.held_bytes))
@@ -493,6 +492,13 @@ async def _drained(states: SessionStates, *, force: bool = False) -> None:
         await anyio.to_thread.run_sync(functools.partial(states.drain_spool, force=force))
     except OSError as exc:
         get_logger().error("store.spool_failed", error=type(exc).__name__)
+
+
+def _let_go(bodies: BodyReader, sent: BodyWriter, branch: Branch) -> None:
+    """What the reader and the writer keep of a conversation goes with it: its last request as
+    parsed, the body last written for it."""
+    bodies.forget(branch.params)
+    sent.forget(branch.key)
 
 
 async def _send_as_is(client: Upstream, request: Request, raw: bytes) -> httpx2.Response:

@@ -26,7 +26,7 @@ import bisect
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -252,6 +252,20 @@ class KeptBodies:
         step.update(view[at:end])
         self.digested += 1
         return step if step.digest() == body.digest(j) else None
+
+    def forget(self, messages: Sequence[Any]) -> int:
+        """Let go of the kept bodies whose messages are ``messages`` (the same objects, the last
+        one's identity and the count checked: the parse a conversation's last request was
+        read into), so that a conversation let go from memory is not kept alive here; returns
+        how many. Costs a look at each kept body. A body let go too many is only parsed whole
+        again."""
+        if not messages:
+            return 0
+        last, n = messages[-1], len(messages)
+        gone = [b for b in self._kept.values() if len(b.messages) == n and b.messages[-1] is last]
+        for body in gone:
+            self._drop(body)
+        return len(gone)
 
     def _drop(self, body: KeptBody) -> None:
         if self._kept.pop(id(body), None) is not None:

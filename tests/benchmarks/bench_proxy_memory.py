@@ -3,7 +3,7 @@ it (a process), fed conversations that grow as an agent's loop grows them, its r
 read from ``/proc`` (Linux).
 
     python tests/benchmarks/bench_proxy_memory.py [--conversations 16] [--messages 1000]
-        [--calls 10] [--claude-code-text] [--spaced-json] [--traced]
+        [--calls 10] [--claude-code-text] [--spaced-json] [--max-held-size SIZE] [--traced]
 
 Each conversation opens with ``--messages`` messages (~2K-character tool results) and then
 makes ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's
@@ -15,7 +15,9 @@ bodies read and written, both bounded: 16 MiB, 32 MiB). ``--claude-code-text``: 
 Code sends them (raw UTF-8, a system prompt with a character past U+FFFF). Bodies are compact
 JSON, as the anthropic SDKs and Claude Code write them; ``--spaced-json``: spaced, as Python's
 ``json.dumps`` writes by default (the proxy then keeps the bytes it sent on: see
-``pipeline.wire.body_writer``). ``--traced``: the
+``pipeline.wire.body_writer``). ``--max-held-size SIZE``: the proxy's option (what the
+conversations it holds last sent may come to; past it it lets the least recently used go), to
+see its resident size stay bounded when the conversations' requests come to more. ``--traced``: the
 proxy served in this process instead (the same app, on a thread), its allocations traced while
 the conversations grow, and what they left charged to the module that made each one: where a
 conversation's memory goes (charged where it was made, not to what holds it: the request bodies
@@ -69,6 +71,7 @@ def main() -> int:
     parser.add_argument("--claude-code-text", action="store_true")
     parser.add_argument("--traced", action="store_true")
     parser.add_argument("--spaced-json", action="store_true")
+    parser.add_argument("--max-held-size", metavar="SIZE", help="the proxy's own option")
     args = parser.parse_args()
     bench_peers.SPACED_JSON = args.spaced_json
     if args.traced:
@@ -76,7 +79,8 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         upstream = stack.enter_context(bench_peers.process("--serve-upstream"))
         store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        url, _lines, _code = stack.enter_context(proxy_process(upstream, store / "p"))
+        bound = ["--max-held-size", args.max_held_size] if args.max_held_size else []
+        url, _lines, _code = stack.enter_context(proxy_process(upstream, store / "p", *bound))
         pid = int(
             subprocess.check_output(["pgrep", "-n", "-f", "--", f"--store {store}/p"], text=True)
         )
@@ -95,6 +99,7 @@ def main() -> int:
     print(
         f"grown by {grown / 2**20:.1f} MiB for {last / 2**20:.1f} MiB of last requests: "
         f"{grown / last:.2f}x a conversation's wire text"
+        + (f" (the proxy held at most {args.max_held_size} of them)" if args.max_held_size else "")
     )
     return 0
 
