@@ -11,7 +11,7 @@ resident size before and after, what it grew by, and that against the size of th
 of every conversation (the conversation's wire text: what a client re-sends each call). The
 growth holds the conversations (their records, the stages' state, the wire form) and what the
 proxy keeps to read and write the next requests in the size of what is new in them (the last
-bodies read and written, both bounded: 16 MiB, 32 MiB). ``--claude-code-text``: bodies as Claude
+bodies as parsed, one a conversation held; the bytes written of its own, at most 32 MiB). ``--claude-code-text``: bodies as Claude
 Code sends them (raw UTF-8, a system prompt with a character past U+FFFF). Bodies are compact
 JSON, as the anthropic SDKs and Claude Code write them; ``--spaced-json``: spaced, as Python's
 ``json.dumps`` writes by default (the proxy then keeps the bytes it sent on: see
