@@ -171,10 +171,10 @@ async def check_disk(conversations: Conversations, root: Path) -> None:
     for branch in conversations.branches():
         family = branch.family
         key = (family.tenant, family.name)
-        loaded = fresh._families.get(key)
+        loaded = fresh._holding.families.get(key)
         if loaded is None:
             loaded = fresh._load_family(family.tenant, family.name, family.opening)
-            fresh._families[key] = loaded
+            fresh._holding.families[key] = loaded
         found = loaded.branches.get(branch.name)
         if found is None or branch.session._pending is not None:
             continue

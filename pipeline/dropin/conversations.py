@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -48,8 +47,9 @@ import anyio
 import anyio.to_thread
 
 from pipeline.dropin.adapter import WireSession
-from pipeline.dropin.families import Branch, Family, NewBranch, family_key, named, new_to
+from pipeline.dropin.families import Branch, Family, NewBranch, named, new_to
 from pipeline.dropin.families import plan as place
+from pipeline.dropin.held_families import MAX_HELD, MAX_HELD_BYTES, HeldFamilies
 from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
@@ -75,12 +75,6 @@ __all__ = [
     "conversation_hint",
 ]
 
-MAX_HELD = 256
-"""How many conversations :class:`Conversations` holds in memory by default."""
-MAX_HELD_BYTES = 1 << 30
-"""The bytes of their last requests the conversations held in memory may come to by default
-(1 GiB: the proxy's resident size grows by ~3-3.5 times what its conversations' last requests
-come to)."""
 OFF_LOOP_MESSAGES = 200
 """Messages new to their family from which :meth:`Conversations.route` digests a request in a
 worker thread (~3 µs a message), away from the event loop."""
@@ -112,17 +106,13 @@ class Conversations:
     tasks or threads at once (the index is guarded by a lock never held across I/O).
 
     ``max_held``: how many conversations are held in memory (default
-    :data:`MAX_HELD`; None: no bound). ``max_held_bytes``: what the last requests of the
-    conversations held may come to, in the sizes the caller gives :meth:`route` (``size``:
-    the proxy gives each body's bytes; default :data:`MAX_HELD_BYTES`; None: no bound). Each
-    conversation holds its client's last request and what the stages made of it (the proxy,
-    its body caches included, grows by ~3-3.5 times the requests' size:
-    ``tests/benchmarks/bench_proxy_memory.py``). Past either bound, the families least
-    recently routed to are let go, all their conversations at once (the family just routed
-    to, and one with a conversation in a call, stay: the bounds may be passed by those); a
-    request of one that was let go loads it from its records again, and it goes on with the
-    same decisions, byte for byte, as a new process would.
-    ``on_let_go``: told of each conversation let go (what a caller keeps of it can go too).
+    :data:`~pipeline.dropin.held_families.MAX_HELD`; None: no bound); ``max_held_bytes``:
+    what their last requests may come to, in the sizes the caller gives :meth:`route`
+    (``size``: the proxy gives each body's bytes; default
+    :data:`~pipeline.dropin.held_families.MAX_HELD_BYTES`; None: no bound). Past either, the
+    families least recently routed to are let go (:mod:`pipeline.dropin.held_families`).
+    ``on_let_go``: told of each conversation let go (what a caller keeps of it can go too),
+    where routing runs (the proxy: its event loop).
     """
 
     def __init__(
@@ -137,34 +127,19 @@ class Conversations:
         on_let_go: Callable[[Branch], None] | None = None,
         **context: Any,
     ) -> None:
-        if max_held is not None and max_held < 1:
-            raise ValueError(f"max_held must be at least 1 (or None), got {max_held}")
-        if max_held_bytes is not None and max_held_bytes < 1:
-            raise ValueError(f"max_held_bytes must be at least 1 (or None), got {max_held_bytes}")
-        self.max_held = max_held
-        self.max_held_bytes = max_held_bytes
+        self._holding = HeldFamilies(max_held, max_held_bytes, on_let_go)
         self.root = Path(root)
         self.states = (
             storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
         )
         self.pipeline = pipeline
         self.context = context
-        self.on_let_go = on_let_go
-        """Told of each conversation let go, where routing runs (the proxy: its event loop)."""
         self._tenancy = tenancy
-        # least recently routed to first
-        self._families: OrderedDict[tuple[str, str], Family] = OrderedDict()
-        self._held = 0
-        """Conversations held (the branches of every family in :attr:`_families`)."""
-        self._held_bytes = 0
-        """The sizes of their last requests (:attr:`Branch.size`), summed."""
         # the objects it holds for as many conversations at most as are held
         self._openings = OpeningMemo(min(_OPENINGS_KEPT, max_held or _OPENINGS_KEPT))
         self.off_loop = 0
         """Requests :meth:`route` digested off its event loop so far."""
         self._digests = anyio.CapacityLimiter(DIGESTS_AT_ONCE)
-        self._released: list[Branch] = []
-        """Conversations let go whose held-back writes are still to make."""
         self._lock = threading.Lock()
 
     # -- the way in --------------------------------------------------------------------------
@@ -208,7 +183,7 @@ class Conversations:
         return self._place(family, messages, opening, build=_call, hold=hold, full=full, size=size)
 
     async def _family(self, tenant: str, name: str, opening: bytes) -> Family:
-        family = self._families.get((tenant, name))
+        family = self._holding.families.get((tenant, name))
         if family is not None:
             return family
         return await anyio.to_thread.run_sync(self._family_sync, tenant, name, opening)
@@ -223,7 +198,7 @@ class Conversations:
         """The family held under ``tenant`` and ``name``, else loaded (by ``run``: blocking, a
         listing and every branch's records) and held; an unsure one where a shared store
         cannot give it."""
-        family = self._families.get((tenant, name))
+        family = self._holding.families.get((tenant, name))
         if family is not None:
             return family
         try:
@@ -260,19 +235,29 @@ class Conversations:
             branch.calls -= 1
 
     @property
+    def max_held(self) -> int | None:
+        """How many conversations may be held in memory (None: no bound)."""
+        return self._holding.max_held
+
+    @property
+    def max_held_bytes(self) -> int | None:
+        """What their last requests may come to (None: no bound)."""
+        return self._holding.max_held_bytes
+
+    @property
     def held(self) -> int:
         """How many conversations are held in memory now."""
-        return self._held
+        return self._holding.count
 
     @property
     def held_bytes(self) -> int:
         """What the last requests of the conversations held come to (:attr:`Branch.size`)."""
-        return self._held_bytes
+        return self._holding.size
 
     def branches(self) -> list[Branch]:
         """Every conversation held in memory."""
         with self._lock:
-            return [b for f in self._families.values() for b in f.branches.values()]
+            return self._holding.branches()
 
     async def reload(self, branch: Branch) -> None:
         """Load ``branch``'s session again from its records (another worker served it), in a
@@ -305,55 +290,13 @@ class Conversations:
         states = self.states.within(tenant)
         return Family(tenant, name, opening, states, self.root / tenant, unsure=True)
 
-    # -- holding -----------------------------------------------------------------------------
     def _hold(self, key: tuple[str, str], loaded: Family) -> Family:
         """The family of ``key``: ``loaded``, unless another caller's load got there first.
         A family whose records could not be read is not held: the next request loads it."""
         if loaded.unsure:
             return loaded
         with self._lock:
-            family = self._families.get(key)
-            if family is None:
-                family = self._families[key] = loaded
-                self._held += len(loaded.branches)
-            return family
-
-    def _let_go(self, keep: Family) -> None:
-        """Past :attr:`max_held` conversations or :attr:`max_held_bytes`, let go of the
-        families least recently routed to (under the index's lock): never ``keep``, nor one
-        with a conversation in a call."""
-        excess = 0 if self.max_held is None else self._held - self.max_held
-        over = 0 if self.max_held_bytes is None else self._held_bytes - self.max_held_bytes
-        if excess <= 0 and over <= 0:
-            return
-        gone: list[tuple[str, str]] = []
-        for key, family in self._families.items():
-            if excess <= 0 and over <= 0:
-                break
-            if family is keep or any(
-                # in a call, or its answer still to be read (the next pass waits for that)
-                b.call_lock.locked() or b.calls or b.session.answers_out
-                for b in family.branches.values()
-            ):
-                continue
-            gone.append(key)
-            excess -= len(family.branches)
-            over -= sum(b.size for b in family.branches.values())
-        for key in gone:
-            family = self._families.pop(key)
-            self._held -= len(family.branches)
-            self._held_bytes -= sum(b.size for b in family.branches.values())
-            for branch in family.branches.values():
-                self._released.append(branch)  # what it held back: written after the lock
-                if self.on_let_go is not None:
-                    self.on_let_go(branch)
-        if gone:
-            get_logger().debug(
-                "conversations.let_go",
-                families=len(gone),
-                held=self._held,
-                held_bytes=self._held_bytes,
-            )
+            return self._holding.hold(key, loaded)
 
     # -- placing -------------------------------------------------------------------------------
     def _make_tenancy(self) -> Tenancy:
@@ -463,7 +406,7 @@ class Conversations:
         index's lock, which is never held across I/O; at once after it, with no other task of
         the event loop in between."""
         with self._lock:
-            released, self._released = self._released, []
+            released, self._holding.released = self._holding.released, []
         for branch in released:
             branch.session.catch_up_sync()
 
@@ -488,8 +431,8 @@ class Conversations:
         made = self._new_branch(family, plan, messages, build, sync)
         with self._lock:
             branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
-            if branch is made and self._families.get(family_key(family)) is family:
-                self._held += 1
+            if branch is made:
+                self._holding.added(family)
             self._set(family, branch, messages, plan.chain, plan.start, hold, size)
             return branch
 
@@ -507,16 +450,9 @@ class Conversations:
         branch.params = list(messages)
         branch.session.routed(messages, chain)
         branch.calls += hold
-        key = family_key(family)
-        held = self._families.get(key) is family
-        if size is not None:
-            if held:  # only a held family's conversations count (see _let_go)
-                self._held_bytes += size - branch.size
-            branch.size = size
-        if held:
-            self._families.move_to_end(key)
-            self._let_go(keep=family)
-        else:  # let go meanwhile (another thread routed), or unsure: the branch holds it
+        if not self._holding.routed(
+            family, branch, size
+        ):  # let go meanwhile (another thread routed), or unsure: the branch holds it
             branch.keep = family
 
     def _new_branch(

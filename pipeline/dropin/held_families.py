@@ -1,0 +1,132 @@
+"""The conversations an index holds in memory, and the bounds on them (:class:`HeldFamilies`).
+
+A :class:`~pipeline.dropin.conversations.Conversations` index holds families of conversations
+(:mod:`pipeline.dropin.families`), least recently routed to first, under two bounds: how many
+conversations, and what their last requests come to (each request as the caller counts it: the
+proxy gives its body's bytes; a request counted as nothing leaves its conversation's size as it
+was). Each conversation holds its client's last request and what the stages made of it: the
+proxy, its body caches included, grows by ~3-3.5 times what they come to
+(``tests/benchmarks/bench_proxy_memory.py``).
+
+Past either bound, the families least recently routed to are let go, all their conversations at
+once: never the family just routed to, nor one with a conversation in a call or whose answer is
+still to be read (the bounds may be passed by those). A conversation let go is freed at once
+(nothing it holds is left in a reference cycle); a request of one loads it from its records
+again, and it goes on with the same decisions, byte for byte, as a new process would.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pipeline.dropin.families import Branch, Family, family_key
+from pipeline.logs import get_logger
+
+__all__ = ["MAX_HELD", "MAX_HELD_BYTES", "HeldFamilies"]
+
+MAX_HELD = 256
+"""How many conversations are held in memory by default."""
+MAX_HELD_BYTES = 1 << 30
+"""What the last requests of the conversations held may come to by default (1 GiB: the proxy's
+resident size grows by ~3-3.5 times that)."""
+
+
+class HeldFamilies:
+    """The families held in memory and their bounds (see the module). ``max_held``: how many
+    conversations; ``max_held_bytes``: what their last requests may come to (None: no bound);
+    ``on_let_go``: told of each conversation let go. Not locked: its index calls it under its
+    own lock."""
+
+    def __init__(
+        self,
+        max_held: int | None = MAX_HELD,
+        max_held_bytes: int | None = MAX_HELD_BYTES,
+        on_let_go: Callable[[Branch], None] | None = None,
+    ) -> None:
+        if max_held is not None and max_held < 1:
+            raise ValueError(f"max_held must be at least 1 (or None), got {max_held}")
+        if max_held_bytes is not None and max_held_bytes < 1:
+            raise ValueError(f"max_held_bytes must be at least 1 (or None), got {max_held_bytes}")
+        self.max_held = max_held
+        self.max_held_bytes = max_held_bytes
+        self.on_let_go = on_let_go
+        self.families: OrderedDict[tuple[str, str], Family] = OrderedDict()
+        """By tenant and name, least recently routed to first."""
+        self.count = 0
+        """Conversations held: the branches of every family held."""
+        self.size = 0
+        """What their last requests come to (:attr:`~pipeline.dropin.families.Branch.size`)."""
+        self.released: list[Branch] = []
+        """Conversations let go whose held-back writes are still to make (the index makes
+        them out of its lock)."""
+
+    def holds(self, family: Family) -> bool:
+        """Whether ``family`` is the one held under its key."""
+        return self.families.get(family_key(family)) is family
+
+    def hold(self, key: tuple[str, str], loaded: Family) -> Family:
+        """The family held under ``key``: ``loaded``, unless one is held there already."""
+        family = self.families.get(key)
+        if family is None:
+            family = self.families[key] = loaded
+            self.count += len(loaded.branches)
+            self.size += sum(b.size for b in loaded.branches.values())
+        return family
+
+    def added(self, family: Family) -> None:
+        """A branch new to ``family`` (counted when the family is held)."""
+        if self.holds(family):
+            self.count += 1
+
+    def routed(self, family: Family, branch: Branch, size: int | None) -> bool:
+        """A request was placed in ``branch`` of ``family`` (``size``: what it counts as;
+        None: as the branch's last did): the family is now the most recent, and families
+        are let go past the bounds. Whether ``family`` is held (one let go meanwhile, or made
+        for one request, is not: its branch must hold it)."""
+        held = self.holds(family)
+        if size is not None:
+            if held:  # only a held family's conversations count
+                self.size += size - branch.size
+            branch.size = size
+        if held:
+            self.families.move_to_end(family_key(family))
+            self.let_go(keep=family)
+        return held
+
+    def let_go(self, keep: Family) -> None:
+        """Past :attr:`max_held` conversations or :attr:`max_held_bytes`, let go of the
+        families least recently routed to: never ``keep``, nor one with a conversation in a
+        call or whose answer is still to be read (the next pass waits for that)."""
+        excess = 0 if self.max_held is None else self.count - self.max_held
+        over = 0 if self.max_held_bytes is None else self.size - self.max_held_bytes
+        if excess <= 0 and over <= 0:
+            return
+        gone: list[tuple[str, str]] = []
+        for key, family in self.families.items():
+            if excess <= 0 and over <= 0:
+                break
+            if family is keep or any(
+                b.call_lock.locked() or b.calls or b.session.answers_out
+                for b in family.branches.values()
+            ):
+                continue
+            gone.append(key)
+            excess -= len(family.branches)
+            over -= sum(b.size for b in family.branches.values())
+        for key in gone:
+            family = self.families.pop(key)
+            self.count -= len(family.branches)
+            self.size -= sum(b.size for b in family.branches.values())
+            for branch in family.branches.values():
+                self.released.append(branch)
+                if self.on_let_go is not None:
+                    self.on_let_go(branch)
+        if gone:
+            get_logger().debug(
+                "conversations.let_go", families=len(gone), held=self.count, held_bytes=self.size
+            )
+
+    def branches(self) -> list[Branch]:
+        """Every conversation held."""
+        return [b for f in self.families.values() for b in f.branches.values()]
