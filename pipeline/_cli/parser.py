@@ -259,7 +259,7 @@ def _add_proxy_parser(sub: Any) -> None:
     limits.add_argument(
         "--max-held-size",
         type=size,
-        default="1G",
+        default="512M",
         metavar="SIZE",
         help="what the last request bodies of the conversations held may come to (e.g. 512M; "
         "the proxy's memory grows by ~3-3.5 times it); past it the least recently used are "

@@ -27,8 +27,8 @@ __all__ = ["MAX_HELD", "MAX_HELD_BYTES", "HeldFamilies"]
 
 MAX_HELD = 256
 """How many conversations are held in memory by default."""
-MAX_HELD_BYTES = 1 << 30
-"""What the last requests of the conversations held may come to by default (1 GiB: the proxy's
+MAX_HELD_BYTES = 512 << 20
+"""What the last requests of the conversations held may come to by default (512 MiB: the proxy's
 resident size grows by ~3-3.5 times that)."""
 
 
