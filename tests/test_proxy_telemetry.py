@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,10 @@ def _scrape(port: int, wanted: str) -> dict[str, str]:
     }
 
 
-def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
+@contextmanager
+def _prometheus_proxy(tmp_path: Path, *extra: str) -> Iterator[tuple[str, int, list[int]]]:
+    """The proxy command (``extra``: its options) with its metrics served for scraping: its
+    URL, the scrape port, and its exit code once it has stopped."""
     pytest.importorskip("opentelemetry.exporter.prometheus", reason="the prometheus extra")
     scrape = free_port()
     with (
@@ -195,10 +199,16 @@ def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
         proxy_process(
             upstream.base_url,
             tmp_path / "store",
+            *extra,
             OTEL_METRICS_EXPORTER="prometheus",
             OTEL_EXPORTER_PROMETHEUS_PORT=str(scrape),
         ) as (url, _, code),
     ):
+        yield url, scrape, code
+
+
+def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
+    with _prometheus_proxy(tmp_path) as (url, scrape, code):
         client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
         client.messages.create(model="claude-test", max_tokens=10, messages=build("x" * 60_000))
         client.close()
@@ -215,19 +225,7 @@ def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
 def test_the_conversations_held_are_gauged_and_bounded_by_their_size(tmp_path: Path) -> None:
     """``--max-held-size``: past it, the conversation least recently used is let go; the
     gauges say how many are held and what their last request bodies come to."""
-    pytest.importorskip("opentelemetry.exporter.prometheus", reason="the prometheus extra")
-    scrape = free_port()
-    with (
-        ScriptedMessagesServer(reply) as upstream,
-        proxy_process(
-            upstream.base_url,
-            tmp_path / "store",
-            "--max-held-size",
-            "600",
-            OTEL_METRICS_EXPORTER="prometheus",
-            OTEL_EXPORTER_PROMETHEUS_PORT=str(scrape),
-        ) as (url, _, code),
-    ):
+    with _prometheus_proxy(tmp_path, "--max-held-size", "600") as (url, scrape, code):
         client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
         sizes = []
         for task in ("build the docs", "run the tests"):
