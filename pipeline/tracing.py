@@ -256,8 +256,6 @@ class ATTR:
     """Characters a persist took off the request: the result's size less its replacement's
     (on a group and a pass: the sum)."""
     KEPT_OFF_WIRE = "sluicegate.chars.kept_off_wire"
-    CONVERSATIONS_HELD = "sluicegate.conversations.held"
-    CONVERSATIONS_HELD_SIZE = "sluicegate.conversations.held.size"
     """Characters of tool results a pass sent as replacements instead (new and re-applied)."""
     GROUP_INDEX = "sluicegate.group.index"
     GROUP_CANDIDATES = "sluicegate.group.candidates"

@@ -208,6 +208,29 @@ def test_what_the_proxy_parsed_of_a_conversation_let_go_is_freed(
     assert held[:2] == [0, 0] and held[2] >= 1  # the last conversation alone is held
 
 
+def test_bodies_refused_when_placed_are_kept_within_the_held_size(tmp_path: Path) -> None:
+    """A body read and then refused (a bad conversation name: 400) belongs to no conversation
+    held; what the body reader keeps of such bodies stays within ``max_held_bytes`` too."""
+    import gc
+
+    texts = [f"{k} " + "x" * 50_000 for k in range(6)]
+    with proxy("http://127.0.0.1:9", tmp_path, _budget, max_held_bytes=120_000) as url:
+        for k, text in enumerate(texts):
+            body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": text}]}
+            headers = {"x-api-key": f"k{k}", "x-sluicegate-session": "not/a name"}
+            assert httpx2.post(f"{url}/v1/messages", json=body, headers=headers).status_code == 400
+            del body
+        gc.collect()
+        kept = {  # messages lists that hold one (a dict of strings alone is not tracked by gc)
+            m["content"]
+            for o in gc.get_objects()
+            if type(o) is list
+            for m in o
+            if type(m) is dict and m.get("content") in texts
+        }
+    assert 1 <= len(kept) <= 2  # 120,000 bytes of ~50,100-byte bodies, not all six
+
+
 def _half_open(url: str, count: int) -> list[socket.socket]:
     """``count`` connections that send a request head's first lines, then nothing."""
     host, port = url.removeprefix("http://").split(":")

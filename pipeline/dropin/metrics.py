@@ -18,14 +18,15 @@ HTTP and GenAI semantic conventions where they exist (:mod:`pipeline.tracing` ho
 - ``sluicegate.conversations.held`` ({conversation}) and ``sluicegate.conversations.held.size``
   (By), gauges read when the metrics are collected: the conversations the proxy holds in
   memory and what their last request bodies come to (its resident size grows by ~3-3.5 times
-  that; both bounded: ``--max-conversations``, ``--max-held-mib``).
+  that; both bounded: ``--max-conversations``, ``--max-held-size``).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -35,6 +36,12 @@ from pipeline.tracing import ATTR, METRIC, TRACER_NAME, AttributeValue
 __all__ = ["WireMetrics"]
 
 T = TypeVar("T")
+
+_Watched = list[tuple["weakref.ref[object]", Callable[[object], tuple[int, int]]]]
+_WATCHED: dict[int, tuple[object, _Watched]] = {}
+"""By meter provider (held, so that its id stays its own): what its gauges of conversations
+held sum (:meth:`WireMetrics.watch_held`)."""
+_WATCHED_LOCK = threading.Lock()
 
 _TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304]
 _SECOND_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
@@ -46,6 +53,7 @@ class WireMetrics:
 
     def __init__(self, meter_provider: metrics.MeterProvider | None = None) -> None:
         meter = self._meter = metrics.get_meter(TRACER_NAME, meter_provider=meter_provider)
+        self._provider = meter_provider or metrics.get_meter_provider()
         self.http_duration = meter.create_histogram(
             METRIC.HTTP_SERVER_DURATION,
             unit="s",
@@ -87,15 +95,26 @@ class WireMetrics:
 
     def watch_held(self, held: T, read: Callable[[T], tuple[int, int]]) -> None:
         """Gauge what ``read(held)`` says -- conversations held, the bytes of their last
-        requests -- whenever the metrics are collected, for as long as ``held`` lives (it is
-        held weakly: a meter outlives the apps whose instruments it made)."""
-        ref = weakref.ref(held)
+        requests -- whenever the metrics are collected, for as long as ``held`` lives (held
+        weakly: a meter outlives the apps whose instruments it made). The gauges are made once
+        per meter provider (a second instrument of a name would be dropped) and sum every
+        ``held`` watched on it: what the process holds."""
+        with _WATCHED_LOCK:
+            entry = _WATCHED.get(id(self._provider))
+            first = entry is None
+            if entry is None:
+                entry = _WATCHED[id(self._provider)] = (self._provider, [])
+            watched = entry[1]
+            watched.append((weakref.ref(held), cast("Callable[[object], tuple[int, int]]", read)))
+        if not first:
+            return
 
         def observed(at: int) -> Callable[[CallbackOptions], Iterator[Observation]]:
             def callback(_options: CallbackOptions) -> Iterator[Observation]:
-                target = ref()
-                if target is not None:
-                    yield Observation(read(target)[at])
+                with _WATCHED_LOCK:  # those let go are forgotten here
+                    live = [(ref, r, t) for ref, r in watched if (t := ref()) is not None]
+                    watched[:] = [(ref, r) for ref, r, _ in live]
+                yield Observation(sum(r(t)[at] for _, r, t in live))
 
             return callback
 

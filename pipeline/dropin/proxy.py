@@ -109,6 +109,9 @@ _CONNECT_TIMEOUT = 30.0
 _KEPT_ALIVE = 100
 
 
+_KEPT_BODIES_BYTES = 256 << 20
+"""What the body reader keeps of the bodies it read at most (their sizes), with no
+``max_held_bytes``."""
 PARSES_AT_ONCE = 2
 """Long new request bodies parsed off the server's loop at once."""
 LONG_PASS = 200
@@ -186,7 +189,12 @@ def build_app(
     metrics = metrics or WireMetrics()
     logger = context.get("logger") or get_logger()
     # request bodies parsed in the size of what is new in them (see pipeline.wire.body_reader)
-    bodies = BodyReader(max_bodies=max_conversations or MAX_HELD)
+    bodies = BodyReader(
+        max_bodies=max_conversations or MAX_HELD,
+        # what it keeps of bodies no conversation held sent last (refused ones, say) is within
+        # the same bound as the conversations held
+        max_bytes=min(_KEPT_BODIES_BYTES, max_held_bytes or _KEPT_BODIES_BYTES),
+    )
     # long new bodies parsed in worker threads, two at a time (they share the interpreter)
     parse_elsewhere = functools.partial(
         anyio.to_thread.run_sync, limiter=anyio.CapacityLimiter(PARSES_AT_ONCE)
