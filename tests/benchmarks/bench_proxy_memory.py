@@ -5,23 +5,23 @@ read from ``/proc`` (Linux).
     python tests/benchmarks/bench_proxy_memory.py [--conversations 16] [--messages 1000]
         [--calls 10] [--claude-code-text] [--spaced-json] [--max-held-size SIZE] [--traced]
 
-Each conversation opens with ``--messages`` messages (~2K-character tool results) and then
-makes ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's
-resident size before and after, what it grew by, and that against the size of the last request
-of every conversation (the conversation's wire text: what a client re-sends each call). The
-growth holds the conversations (their records, the stages' state, the wire form) and what the
-proxy keeps to read and write the next requests in the size of what is new in them (the last
-bodies as parsed, one a conversation held; the bytes written of its own, at most 32 MiB). ``--claude-code-text``: bodies as Claude
-Code sends them (raw UTF-8, a system prompt with a character past U+FFFF). Bodies are compact
-JSON, as the anthropic SDKs and Claude Code write them; ``--spaced-json``: spaced, as Python's
-``json.dumps`` writes by default (the proxy then keeps the bytes it sent on: see
-``pipeline.wire.body_writer``). ``--max-held-size SIZE``: the proxy's option (what the
+Each conversation opens with ``--messages`` messages (~2K-character tool results) and then makes
+``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's resident
+size before and after, what it grew by, and that against the size of the last request of every
+conversation (the conversation's wire text: what a client re-sends each call). The growth holds
+the conversations (their records, the stages' state, the wire form) and what the proxy keeps to
+read and write the next requests in the size of what is new in them (the last bodies as parsed,
+one a conversation held; the bytes written of its own, at most 32 MiB). ``--claude-code-text``:
+bodies as Claude Code sends them (raw UTF-8, a system prompt with a character past U+FFFF).
+Bodies are compact JSON, as the anthropic SDKs and Claude Code write them; ``--spaced-json``:
+spaced, as Python's ``json.dumps`` writes by default (the proxy then keeps the bytes it sent on:
+see ``pipeline.wire.body_writer``). ``--max-held-size SIZE``: the proxy's option (what the
 conversations it holds last sent may come to; past it it lets the least recently used go), to
-see its resident size stay bounded when the conversations' requests come to more. ``--traced``: the
-proxy served in this process instead (the same app, on a thread), its allocations traced while
-the conversations grow, and what they left charged to the module that made each one: where a
-conversation's memory goes (charged where it was made, not to what holds it: the request bodies
-the body reader keeps are joined in ``pipeline/dropin/proxy.py``). Not a test: it prints
+see its resident size stay bounded when the conversations' requests come to more. ``--traced``:
+the proxy served in this process instead (the same app, on a thread), its allocations traced
+while the conversations grow, and what they left charged to the module that made each one: where
+a conversation's memory goes (charged where it was made, not to what holds it: the request
+bodies the body reader keeps are joined in ``pipeline/dropin/proxy.py``). Not a test: it prints
 figures.
 """
 
