@@ -47,7 +47,8 @@ from pipeline.tracing import (
     size_facts,
     span_if,
 )
-from stages._budget_scan import BudgetCache, Candidate, collect_groups, patch_all
+from stages._budget_scan import BudgetCache, patch_all
+from stages._group_scan import Candidate, collect_groups
 from stages._shared import write_off_loop
 from stages._shared.args import check_bool, check_positive
 

@@ -575,7 +575,7 @@ def test_the_grouping_scan_keeps_little_a_round() -> None:
     import gc
     import tracemalloc
 
-    from stages._budget_scan import GroupScan
+    from stages._group_scan import GroupScan
 
     messages: list[Message] = []
     for k in range(2_000):
