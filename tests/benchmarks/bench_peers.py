@@ -26,9 +26,11 @@ Code sends them (raw UTF-8, its system prompt with a character past U+FFFF), not
 2. **Throughput.** ``--concurrency`` conversations at 100 messages at once, each sending calls back
    to back for a few seconds: requests a second, p50/p99 latency and the CPU its process spent
    a request (Linux) per target; also the proxy with its store on tmpfs (``/dev/shm``, where an
-   fsync costs nothing), when there is one. On a machine the load keeps busy, the ratio of
-   requests a second follows the ratio of all three processes' CPU a request (the load's
-   client and the upstream share it).
+   fsync costs nothing), when there is one. 2b: the proxy's CPU a call under that load against
+   the same load where every call opens a new conversation (a first call): what a call that
+   adds a round costs, and the first calls' share of the load's CPU. On a machine the load
+   keeps busy, the ratio of requests a second follows the ratio of all three processes' CPU a
+   request (the load's client and the upstream share it).
 3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
    1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
    3b: the same once the history snip has acted, with a ``cache_control`` mark on the last
@@ -538,6 +540,55 @@ def _load(url: str, name: str, concurrency: int, seconds: float) -> tuple[float,
     return len(took) / (time.monotonic() - began), took
 
 
+def first_call_share(url: str, concurrency: int, seconds: float, rounds: int = 2) -> None:
+    """Part 2b: the proxy's CPU a call under part 2's load (``concurrency`` clients, each
+    conversation starting again once past 140 messages: one first call in 21) against the same
+    load where every call opens a new conversation of 100 messages (all its messages new to the
+    proxy), in turns; from both, a call that adds a round and the first calls' share."""
+    pid = PIDS.get(url)
+    if cpu_seconds(pid) is None:
+        return
+    per: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for first in (True, False):
+            before = cpu_seconds(pid)
+            calls = _calls_for(url, f"fc{r}{first}{time.monotonic()}", first, concurrency, seconds)
+            after = cpu_seconds(pid)
+            assert before is not None and after is not None
+            per[first].append((after - before) / calls * 1000)
+    f, mixed = statistics.median(per[True]), statistics.median(per[False])
+    rest = (21 * mixed - f) / 20
+    print(
+        f"\n2b. The proxy's CPU a call (ms; median of {rounds} rounds of {seconds:.0f} s,"
+        f" {concurrency} clients): part 2's load {mixed:.2f}; every call a new conversation"
+        f" {f:.2f}; so a call that adds a round ~{rest:.2f} ({f / rest:.1f}x less), and first"
+        f" calls ~{f / (21 * mixed):.0%} of part 2's CPU"
+    )
+    sys.stdout.flush()
+
+
+def _calls_for(url: str, tag: str, first: bool, concurrency: int, seconds: float) -> int:
+    """Calls made in ``seconds`` by ``concurrency`` clients: each a new conversation of 100
+    messages (``first``), or as in part 2 (one conversation each, growing a round a call,
+    starting again once past 140 messages)."""
+    stop = time.monotonic() + seconds
+
+    def worker(i: int) -> int:
+        made, k = 0, 0
+        conv = Conversation(100, f"{tag}-{i}-0")
+        with httpx.Client(timeout=120) as client:
+            while time.monotonic() < stop:
+                if (first and made) or len(conv.messages) > 140:
+                    k += 1
+                    conv = Conversation(100, f"{tag}-{i}-{k}")
+                call(client, url, conv, conv.next_body())
+                made += 1
+        return made
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return sum(pool.map(worker, range(concurrency)))
+
+
 def prepare_scaling(sizes: list[int], calls: int) -> None:
     from pipeline import Pipeline
     from pipeline.dropin.adapter import WireSession
@@ -735,7 +786,8 @@ def main() -> int:
     parser.add_argument(
         "--skip",
         default="",
-        help="parts to leave out: latency,first,busy,wrap,throughput,prepare,marked,bodies",
+        help="parts to leave out: latency,first,busy,wrap,throughput,firstcpu,prepare,marked,"
+        "bodies",
     )
     parser.add_argument(
         "--claude-code-text",
@@ -777,6 +829,8 @@ def main() -> int:
                     proxy_command(upstream, shm / "p")
                 )
             throughput(loads, args.concurrency, args.seconds, args.rounds)
+        if "firstcpu" not in skip:
+            first_call_share(proxy, args.concurrency, args.seconds)
     if "prepare" not in skip:
         prepare_scaling([int(x) for x in args.prepare.split(",")], 12)
     if "marked" not in skip:
