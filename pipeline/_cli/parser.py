@@ -31,7 +31,7 @@ from pipeline._cli.options import (
 )
 from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
-from pipeline.dropin.conversations import MAX_HELD
+from pipeline.dropin.conversations import MAX_HELD, MAX_HELD_BYTES
 from pipeline.dropin.limits import (
     EVENT_LOOPS,
     HEADER_TIMEOUT,
@@ -259,11 +259,11 @@ def _add_proxy_parser(sub: Any) -> None:
     limits.add_argument(
         "--max-held-size",
         type=size,
-        default="512M",
+        default=MAX_HELD_BYTES,
         metavar="SIZE",
         help="what the last request bodies of the conversations held may come to (e.g. 512M; "
         "the proxy's memory grows by ~3-3.5 times it); past it the least recently used are "
-        "let go as past --max-conversations (default %(default)s)",
+        f"let go as past --max-conversations (default {MAX_HELD_BYTES >> 20}M)",
     )
     limits.add_argument(
         "--fsync-each",

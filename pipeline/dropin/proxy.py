@@ -76,6 +76,7 @@ from pipeline.store.sessions import SessionStates
 from pipeline.store.spool import SPOOL_DIR
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.body_writer import BodyWriter
+from pipeline.wire.kept_bodies import MAX_KEPT_BYTES
 from pipeline.wire.request_fields import merge_betas, merge_request_fields
 
 __all__ = [
@@ -109,9 +110,6 @@ _CONNECT_TIMEOUT = 30.0
 _KEPT_ALIVE = 100
 
 
-_KEPT_BODIES_BYTES = 256 << 20
-"""What the body reader keeps of the bodies it read at most (their sizes), with no
-``max_held_bytes``."""
 PARSES_AT_ONCE = 2
 """Long new request bodies parsed off the server's loop at once."""
 LONG_PASS = 200
@@ -193,7 +191,7 @@ def build_app(
         max_bodies=max_conversations or MAX_HELD,
         # what it keeps of bodies no conversation held sent last (refused ones, say) is within
         # the same bound as the conversations held
-        max_bytes=min(_KEPT_BODIES_BYTES, max_held_bytes or _KEPT_BODIES_BYTES),
+        max_bytes=min(MAX_KEPT_BYTES, max_held_bytes or MAX_KEPT_BYTES),
     )
     # long new bodies parsed in worker threads, two at a time (they share the interpreter)
     parse_elsewhere = functools.partial(

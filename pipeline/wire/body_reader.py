@@ -36,6 +36,7 @@ from pipeline.wire.body_split import split_new, worth_splitting
 from pipeline.wire.body_writer import Source
 from pipeline.wire.encoding import has_lone_surrogate, loads_body
 from pipeline.wire.kept_bodies import (
+    MAX_KEPT_BYTES,
     KeptBodies,
     KeptBody,
     cost,
@@ -78,7 +79,7 @@ class BodyReader(KeptBodies):
     ``max_bodies``, ``max_bytes``: what it keeps of them (:class:`~pipeline.wire.kept_bodies.
     KeptBodies`). Not thread-safe: one per event loop."""
 
-    def __init__(self, *, max_bodies: int = 256, max_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, *, max_bodies: int = 256, max_bytes: int = MAX_KEPT_BYTES) -> None:
         super().__init__(max_bodies=max_bodies, max_bytes=max_bytes)
         self.reused = 0
         """Messages taken from an earlier body so far (not parsed again)."""

@@ -33,7 +33,19 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["KeptBodies", "KeptBody", "cost", "digest_of", "digests_of", "kept_tail", "opening_of"]
+__all__ = [
+    "MAX_KEPT_BYTES",
+    "KeptBodies",
+    "KeptBody",
+    "cost",
+    "digest_of",
+    "digests_of",
+    "kept_tail",
+    "opening_of",
+]
+
+MAX_KEPT_BYTES = 256 << 20
+"""What a reader keeps of the bodies it read, at most, by default (their sizes: :func:`cost`)."""
 
 _SEED = int.from_bytes(os.urandom(8), "little")
 """The digests' seed: this process's own, never written anywhere."""
@@ -110,7 +122,7 @@ class KeptBodies:
     that open alike), and keeps its parsed messages alive -- the ones the conversation that
     sent it holds while it is held. Not thread-safe: one per event loop."""
 
-    def __init__(self, *, max_bodies: int = 256, max_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, *, max_bodies: int = 256, max_bytes: int = MAX_KEPT_BYTES) -> None:
         if max_bodies < 0 or max_bytes < 0:
             raise ValueError(
                 f"max_bodies and max_bytes must be zero or more, got {max_bodies}, {max_bytes}"
