@@ -50,8 +50,8 @@ import httpx2
 from opentelemetry import propagate
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from pipeline.core import Pipeline
@@ -59,11 +59,11 @@ from pipeline.dropin.adapter import WireSession
 from pipeline.dropin.conversations import (
     MAX_HELD,
     MAX_HELD_BYTES,
-    SESSION_HEADER,
     Branch,
     Conversations,
 )
 from pipeline.dropin.group_sync import GroupSync
+from pipeline.dropin.intake import MESSAGES, Intake, error, forwarded, unreachable
 from pipeline.dropin.limits import MAX_BODY_BYTES, MAX_UPSTREAM_CONNECTIONS, UPSTREAM_TIMEOUT
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.relay import relay as _relay
@@ -95,17 +95,6 @@ _PLACE_ATTEMPTS = 3
 """How many times a request is placed: again when another worker moved its conversation on."""
 _PASSTHROUGH = "/{path:path}"
 
-# hop-by-hop and length headers are the proxy's own business on each side; the conversation's
-# name is the proxy's alone (the API never needs it)
-_DROP_REQUEST = {
-    "host",
-    "content-length",
-    "connection",
-    "accept-encoding",
-    "transfer-encoding",
-    SESSION_HEADER,
-}
-_MESSAGES = "/v1/messages"
 _CONNECT_TIMEOUT = 30.0
 _KEPT_ALIVE = 100
 
@@ -186,6 +175,8 @@ def build_app(
         raise ValueError(f"upstream_timeout must be a positive number, got {upstream_timeout}")
     metrics = metrics or WireMetrics()
     logger = context.get("logger") or get_logger()
+    intake = Intake(metrics, logger, max_body_bytes)
+    logged, refused = intake.logged, intake.refused
     # request bodies parsed in the size of what is new in them (see pipeline.wire.body_reader)
     bodies = BodyReader(
         max_bodies=max_conversations or MAX_HELD,
@@ -263,66 +254,9 @@ def build_app(
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok")
 
-    def refused(started: float, status: int, kind: str, message: str) -> Response:
-        """A request answered here, before any conversation: counted and logged."""
-        logged(started, status, error=kind)
-        return _error(status, kind, message)
-
-    def logged(
-        started: float,
-        status: int,
-        *,
-        error: str | None = None,
-        method: str = "POST",
-        route: str = "/v1/messages",
-        **fields: Any,
-    ) -> None:
-        seconds = time.monotonic() - started
-        if error is not None:
-            fields["error"] = error
-        metrics.request(status=status, seconds=seconds, method=method, route=route)
-        if route != "/v1/messages":  # a request relayed as it is: which one
-            fields["method"] = method
-        # a failure, or an error under a status that says otherwise (a body cut after a 200)
-        failed = status >= 500 or (error is not None and status < 400)
-        log = logger.warning if failed else logger.info
-        log("wire.request", status=status, ms=round(seconds * 1000, 3), **fields)
-
-    def relayed_end(started: float, status: int, cut: str | None, **fields: Any) -> None:
-        """A relayed response has gone by: logged, a warning with the error when the
-        upstream cut its body."""
-        logged(started, status, error=cut, **fields)
-
-    async def body_of(request: Request, started: float, **where: Any) -> bytes | Response:
-        """The request's body, or the response that refuses it (too large, compressed)."""
-        encoding = request.headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):
-            message = f"content-encoding {encoding[:40]} is not supported: send the body as it is"
-            logged(started, 415, error="invalid_request_error", **where)
-            return _error(415, "invalid_request_error", message)
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            return too_large(started, int(declared), **where)
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_body_bytes:
-                    return too_large(started, size, **where)
-                chunks.append(chunk)
-        except ClientDisconnect:  # gone before its body was in: nobody to answer
-            logged(started, 499, error="client_disconnected", **where)
-            return Response(status_code=499)
-        return b"".join(chunks)
-
-    def too_large(started: float, size: int, **where: Any) -> Response:
-        logged(started, 413, error="request_too_large", **where)
-        message = f"request body of {size} bytes or more is over the limit of {max_body_bytes}"
-        return _error(413, "request_too_large", message)
-
     async def messages(request: Request) -> Response:
         started = time.monotonic()
-        raw = await body_of(request, started)
+        raw = await intake.body_of(request, started)
         if isinstance(raw, Response):
             return raw
         headers = dict(request.headers)
@@ -349,14 +283,14 @@ def build_app(
                         request.receive, _send_as_is(client, request, raw)
                     )
                 except httpx2.HTTPError as exc:
-                    failed = _unreachable(exc)
+                    failed = unreachable(exc)
                     logged(started, failed.status_code, error=type(exc).__name__, chars_in=len(raw))
                     return failed
                 if upstream_response is None:
                     logged(started, 499, error="client_disconnected", chars_in=len(raw))
                     return Response(status_code=499)
                 end = functools.partial(
-                    relayed_end, started, upstream_response.status_code,
+                    intake.relayed_end, started, upstream_response.status_code,
                     forwarded_as_is=True, chars_in=len(raw),
                 )  # fmt: skip
                 return _relay(upstream_response, end=end, logger=logger)
@@ -390,7 +324,7 @@ def build_app(
                     except ValueError as exc:
                         call_request.end(status=400, error="invalid_request_error")
                         logged(started, 400, error="invalid_request_error")
-                        refusal = _error(400, "invalid_request_error", str(exc)[:300])
+                        refusal = error(400, "invalid_request_error", str(exc)[:300])
                         return _settled(refusal, session, synced)
                     extras = session.ctx.report.request_extras
                     merged = merge_request_fields(prepared, extras)
@@ -408,7 +342,7 @@ def build_app(
                         request.receive, _send(client, request, session, content)
                     )
                 except httpx2.HTTPError as exc:
-                    failed = _unreachable(exc)
+                    failed = unreachable(exc)
                     call_request.end(status=failed.status_code, error=type(exc).__name__)
                     metrics.request(status=failed.status_code, seconds=time.monotonic() - started)
                     return _settled(failed, session, synced)
@@ -438,24 +372,24 @@ def build_app(
         segments = request.url.path.split("/")
         if any(part in (".", "..") for part in segments):  # decoded: %2E%2E is ".." here
             logged(started, 400, error="invalid_request_error", **where)
-            return _error(400, "invalid_request_error", "a path may not hold . or .. segments")
+            return error(400, "invalid_request_error", "a path may not hold . or .. segments")
         if request.method == "POST" and [p for p in segments if p][-2:] == ["v1", "messages"]:
             return await messages(request)  # a Messages request under another spelling
-        content = await body_of(request, started, **where)
+        content = await intake.body_of(request, started, **where)
         if isinstance(content, Response):
             return content
         # the path as the client wrote it: decoded, %252e would become a dot segment upstream
         raw_path = request.scope.get("raw_path") or request.url.path.encode()
         upstream_request = client.request(
             request.method, raw_path.decode("latin-1"), request.scope.get("query_string", b""),
-            _forwarded(request), content,
+            forwarded(request), content,
         )  # fmt: skip
         try:
             answer = await client.send(upstream_request)
         except httpx2.HTTPError as exc:
             logged(started, 502, error=type(exc).__name__, **where)
-            return _unreachable(exc)
-        end = functools.partial(relayed_end, started, answer.status_code, **where)
+            return unreachable(exc)
+        end = functools.partial(intake.relayed_end, started, answer.status_code, **where)
         return _relay(answer, end=end, logger=logger)
 
     async def drain_spool() -> None:
@@ -482,7 +416,7 @@ def build_app(
 
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
-        Route(_MESSAGES, messages, methods=["POST"]),
+        Route(MESSAGES, messages, methods=["POST"]),
         Route(_PASSTHROUGH, passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
@@ -510,7 +444,7 @@ def _let_go(bodies: BodyReader, sent: BodyWriter, branch: Branch) -> None:
 async def _send_as_is(client: Upstream, request: Request, raw: bytes) -> httpx2.Response:
     """The client's request upstream unchanged (its conversation's state cannot be read)."""
     query = request.scope.get("query_string", b"")
-    return await client.send(client.request("POST", _MESSAGES, query, _forwarded(request), raw))
+    return await client.send(client.request("POST", MESSAGES, query, forwarded(request), raw))
 
 
 def _ended(
@@ -532,25 +466,8 @@ async def _send(
 ) -> httpx2.Response:
     """The prepared request upstream, with the beta header a stage asked for."""
     report = session.ctx.report
-    headers = _forwarded(request)
+    headers = forwarded(request)
     if report.betas:
         headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
     query = request.scope.get("query_string", b"")
-    return await client.send(client.request("POST", _MESSAGES, query, headers, content))
-
-
-def _forwarded(request: Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
-
-
-def _unreachable(exc: httpx2.HTTPError) -> Response:
-    # as the API reports an outage or a timeout, so a client retries it as one
-    if isinstance(exc, httpx2.TimeoutException) and not isinstance(exc, httpx2.ConnectTimeout):
-        return _error(
-            504, "timeout_error", f"upstream did not answer in time ({type(exc).__name__})"
-        )
-    return _error(502, "api_error", f"upstream unreachable ({type(exc).__name__})")
-
-
-def _error(status: int, kind: str, message: str) -> Response:
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
+    return await client.send(client.request("POST", MESSAGES, query, headers, content))

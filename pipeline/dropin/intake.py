@@ -1,0 +1,128 @@
+"""What the proxy does with a request around any conversation (:class:`Intake`): reads its
+body within the bound, answers it with an error shaped as the API's, counts and logs it; and
+the headers a request goes upstream with.
+
+A request refused here (too large, compressed, cut off, not a Messages request) never reaches
+a conversation or the upstream: it is counted (the ``http.server.request.duration`` histogram) and
+logged (``wire.request``) like any other, with the error's kind and never the body.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx2
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from pipeline.dropin.conversations import SESSION_HEADER
+from pipeline.dropin.metrics import WireMetrics
+
+__all__ = ["MESSAGES", "Intake", "error", "forwarded", "unreachable"]
+
+MESSAGES = "/v1/messages"
+"""The Messages API's path: where a Messages request goes upstream, whatever its spelling."""
+
+# hop-by-hop and length headers are the proxy's own business on each side; the conversation's
+# name is the proxy's alone (the API never needs it)
+_DROP_REQUEST = {
+    "host",
+    "content-length",
+    "connection",
+    "accept-encoding",
+    "transfer-encoding",
+    SESSION_HEADER,
+}
+
+
+class Intake:
+    """A proxy's request-level bookkeeping (see the module). ``logger``: a structlog-style
+    logger; ``max_body_bytes``: the largest body read (one larger is refused with 413 before
+    it is all read)."""
+
+    def __init__(self, metrics: WireMetrics, logger: Any, max_body_bytes: int) -> None:
+        self.metrics = metrics
+        self.logger = logger
+        self.max_body_bytes = max_body_bytes
+
+    def logged(
+        self,
+        started: float,
+        status: int,
+        *,
+        error: str | None = None,
+        method: str = "POST",
+        route: str = MESSAGES,
+        **fields: Any,
+    ) -> None:
+        """A request ended (``started``: its ``time.monotonic()``): counted and logged, a
+        warning when it failed or its body was cut after its status."""
+        seconds = time.monotonic() - started
+        if error is not None:
+            fields["error"] = error
+        self.metrics.request(status=status, seconds=seconds, method=method, route=route)
+        if route != MESSAGES:  # a request relayed as it is: which one
+            fields["method"] = method
+        # a failure, or an error under a status that says otherwise (a body cut after a 200)
+        failed = status >= 500 or (error is not None and status < 400)
+        log = self.logger.warning if failed else self.logger.info
+        log("wire.request", status=status, ms=round(seconds * 1000, 3), **fields)
+
+    def refused(self, started: float, status: int, kind: str, message: str) -> Response:
+        """A request answered here, before any conversation: counted and logged."""
+        self.logged(started, status, error=kind)
+        return error(status, kind, message)
+
+    def relayed_end(self, started: float, status: int, cut: str | None, **fields: Any) -> None:
+        """A relayed response has gone by: logged, a warning with the error when the
+        upstream cut its body."""
+        self.logged(started, status, error=cut, **fields)
+
+    async def body_of(self, request: Request, started: float, **where: Any) -> bytes | Response:
+        """The request's body, or the response that refuses it (too large, compressed, its
+        client gone before it was in)."""
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            message = f"content-encoding {encoding[:40]} is not supported: send the body as it is"
+            self.logged(started, 415, error="invalid_request_error", **where)
+            return error(415, "invalid_request_error", message)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return self._too_large(started, int(declared), **where)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    return self._too_large(started, size, **where)
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body was in: nobody to answer
+            self.logged(started, 499, error="client_disconnected", **where)
+            return Response(status_code=499)
+        return b"".join(chunks)
+
+    def _too_large(self, started: float, size: int, **where: Any) -> Response:
+        self.logged(started, 413, error="request_too_large", **where)
+        message = f"request body of {size} bytes or more is over the limit of {self.max_body_bytes}"
+        return error(413, "request_too_large", message)
+
+
+def forwarded(request: Request) -> dict[str, str]:
+    """The headers ``request`` goes upstream with: its own, but the hop's and the proxy's."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+
+
+def unreachable(exc: httpx2.HTTPError) -> Response:
+    """The answer to a request whose upstream call failed, as the API reports an outage or a
+    timeout (504 ``timeout_error``, else 502 ``api_error``), so a client retries it as one."""
+    if isinstance(exc, httpx2.TimeoutException) and not isinstance(exc, httpx2.ConnectTimeout):
+        return error(
+            504, "timeout_error", f"upstream did not answer in time ({type(exc).__name__})"
+        )
+    return error(502, "api_error", f"upstream unreachable ({type(exc).__name__})")
+
+
+def error(status: int, kind: str, message: str) -> Response:
+    """An error response shaped as the API's (``{"type": "error", "error": {...}}``)."""
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
