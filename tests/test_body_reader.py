@@ -173,6 +173,28 @@ def test_what_it_keeps_is_bounded() -> None:
         BodyReader(max_bytes=-1)
 
 
+def test_what_it_keeps_of_many_short_messages_is_within_max_bytes_in_memory() -> None:
+    """A body of many short messages keeps alive far more than its bytes (each message's
+    parsed dicts): the bound counts them, so what the reader holds in memory, traced, stays
+    within ``max_bytes``."""
+    bound = 4 << 20
+    reader = BodyReader(max_bytes=bound)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for k in range(12):
+            msgs = [
+                {"role": "user" if j % 2 else "assistant", "content": f"{k}"} for j in range(5_001)
+            ]
+            reader.read(json.dumps({"messages": msgs}, separators=(",", ":")).encode())
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert reader._kept, "the last body is kept"
+    assert held <= bound, f"{held / 2**20:.1f} MiB held under a bound of {bound / 2**20:.0f}"
+
+
 def test_a_conversation_let_go_is_forgotten_and_read_whole_when_it_comes_back() -> None:
     reader = BodyReader()
     a = [{"role": "user", "content": "task A " + "a" * 500}]

@@ -231,6 +231,48 @@ def test_bodies_refused_when_placed_are_kept_within_the_held_size(tmp_path: Path
     assert 1 <= len(kept) <= 2  # 120,000 bytes of ~50,100-byte bodies, not all six
 
 
+def test_the_held_size_counts_a_conversation_of_short_messages_by_its_messages(
+    tmp_path: Path,
+) -> None:
+    """Each message holds records and state beyond its text (~2 KB however short), so the held
+    size counts a request as its bytes and 2 KiB a message: conversations of a thousand short
+    messages (~20 KB of body each) are let go past a 4 MB bound, not held by the hundred."""
+    import gc
+
+    from pipeline.dropin.adapter import WireSession
+
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, _budget, max_held_bytes=4_000_000) as url,
+    ):
+        for k in range(6):
+            turns = [f"c{k}", *(str(j) for j in range(500))]
+            assert httpx2.post(f"{url}/v1/messages", json=_turns(*turns)).status_code == 200
+        upstream.requests.clear()
+        gc.collect()
+        live = sum(isinstance(o, WireSession) for o in gc.get_objects())
+    assert live <= 2  # the one held, and at most the one let go last (its records written)
+
+
+def test_a_request_of_more_messages_than_the_api_takes_is_refused(tmp_path: Path) -> None:
+    """The API takes at most 100,000 messages in a request: one with more is answered 400 as
+    the API would, and no conversation holds it."""
+    from pipeline.dropin.limits import MAX_MESSAGES
+
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, _budget) as url,
+    ):
+        turns = [str(j) for j in range(MAX_MESSAGES // 2 + 1)]  # MAX_MESSAGES + 1 messages
+        answer = httpx2.post(f"{url}/v1/messages", json=_turns(*turns), timeout=60)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+        assert "100000 messages" in answer.json()["error"]["message"]
+        assert not upstream.requests
+        ok = httpx2.post(f"{url}/v1/messages", json=_turns(*turns[:-1]), timeout=120)
+        assert ok.status_code == 200  # MAX_MESSAGES - 1: sent on
+
+
 def _half_open(url: str, count: int) -> list[socket.socket]:
     """``count`` connections that send a request head's first lines, then nothing."""
     host, port = url.removeprefix("http://").split(":")

@@ -16,6 +16,7 @@ import anthropic
 import httpx2
 import pytest
 
+from pipeline.dropin.held_families import held_size
 from pipeline.testing import Reply, ScriptedMessagesServer
 from tests.builders import tool_result, tool_use
 from tests.otlp_receiver import OtlpReceiver, ReceivedPoint
@@ -224,14 +225,16 @@ def test_prometheus_scrapes_the_proxys_metrics(tmp_path: Path) -> None:
 
 def test_the_conversations_held_are_gauged_and_bounded_by_their_size(tmp_path: Path) -> None:
     """``--max-held-size``: past it, the conversation least recently used is let go; the
-    gauges say how many are held and what their last request bodies come to."""
-    with _prometheus_proxy(tmp_path, "--max-held-size", "600") as (url, scrape, code):
+    gauges say how many are held and what their last requests come to (each its body's bytes
+    and 2 KiB a message)."""
+    with _prometheus_proxy(tmp_path, "--max-held-size", "5000") as (url, scrape, code):
         client = anthropic.Anthropic(base_url=url, api_key="sk-ant-op", max_retries=0)
         sizes = []
         for task in ("build the docs", "run the tests"):
             messages = [{"role": "user", "content": task}]
             sent = {"max_tokens": 10, "messages": messages, "model": "m"}
-            sizes.append(len(json.dumps(sent, separators=(",", ":"))))  # as the SDK writes it
+            raw = json.dumps(sent, separators=(",", ":"))  # as the SDK writes it
+            sizes.append(held_size(len(raw), len(messages)))
             client.messages.create(model="m", max_tokens=10, messages=messages)
         first = _scrape(scrape, "sluicegate_conversations_held")
         client.messages.create(model="m", max_tokens=10, messages=build("y" * 2_000))
@@ -242,11 +245,11 @@ def test_the_conversations_held_are_gauged_and_bounded_by_their_size(tmp_path: P
     def value(samples: dict[str, str], name: str) -> float:
         return float(samples[name].rsplit(" ", 1)[1])
 
-    # two small conversations under 600 bytes; a third of ~2,100 goes past it alone
+    # two small conversations of ~2,100 under 5,000; a third of ~4,100 or more goes past it
     assert value(first, "sluicegate_conversations_held") == 2
     assert value(first, "sluicegate_conversations_held_size_bytes") == sum(sizes)
     assert value(second, "sluicegate_conversations_held") == 1
-    assert value(second, "sluicegate_conversations_held_size_bytes") > 2_000
+    assert value(second, "sluicegate_conversations_held_size_bytes") > 4_000
 
 
 def test_a_request_with_a_traceparent_joins_its_clients_trace(tmp_path: Path) -> None:

@@ -261,8 +261,9 @@ def _add_proxy_parser(sub: Any) -> None:
         type=size,
         default=MAX_HELD_BYTES,
         metavar="SIZE",
-        help="what the last request bodies of the conversations held may come to (e.g. 512M; "
-        "the proxy's memory grows by ~3-3.5 times it); past it the least recently used are "
+        help="what the last requests of the conversations held may come to, each counted as "
+        "its body's bytes and 2 KiB a message (e.g. 512M; the proxy's memory grows by "
+        "~1-1.5 times it); past it the least recently used are "
         f"let go as past --max-conversations (default {MAX_HELD_BYTES >> 20}M)",
     )
     limits.add_argument(

@@ -108,7 +108,7 @@ class Conversations:
     ``max_held``: how many conversations are held in memory (default
     :data:`~pipeline.dropin.held_families.MAX_HELD`; None: no bound); ``max_held_bytes``:
     what their last requests may come to, in the sizes the caller gives :meth:`route`
-    (``size``: the proxy gives each body's bytes; default
+    (``size``: the proxy gives each body's bytes and 2 KiB a message; default
     :data:`~pipeline.dropin.held_families.MAX_HELD_BYTES`; None: no bound). Past either, the
     families least recently routed to are let go (:mod:`pipeline.dropin.held_families`).
     ``on_let_go``: told of each conversation let go (what a caller keeps of it can go too),
@@ -155,9 +155,9 @@ class Conversations:
     ) -> Branch:
         """The conversation of a request (``body``: its JSON; ``headers``: its HTTP headers),
         a new one made if it continues none. Loads from the store in a worker thread.
-        ``size``: the request's size as :attr:`max_held_bytes` counts it (its body's bytes);
-        None leaves the conversation's as it was.
-        ``unchanging``: the body's values are never changed in place (a
+        ``size``: the request's size as :attr:`max_held_bytes` counts it (the proxy's:
+        :func:`~pipeline.dropin.held_families.held_size`); None leaves the conversation's as
+        it was. ``unchanging``: the body's values are never changed in place (a
         :class:`~pipeline.wire.body_reader.BodyReader`'s parse), so a system prompt and first
         message that are an earlier request's very objects need no new digest. ``hold``: a
         caller that takes no :attr:`~Branch.call_lock` counts its call in :attr:`Branch.calls`

@@ -46,7 +46,8 @@ class Branch:
     and the end of their pass: the index lets go of no family with one."""
     size: int = field(default=0, init=False)
     """The size of the last request routed here, as its caller counted it (the proxy: its
-    body's bytes); 0 when none was given. What the conversation holds in memory grows with it."""
+    body's bytes and 2 KiB a message); 0 when none was given. What the conversation holds in
+    memory grows with it."""
     _family: weakref.ref[Family] = field(init=False, repr=False)
     keep: Family | None = field(default=None, init=False, repr=False)
     """The family, held by its branch where no index holds it: an unsure one

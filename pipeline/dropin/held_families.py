@@ -2,10 +2,12 @@
 
 A :class:`~pipeline.dropin.conversations.Conversations` index holds families of conversations
 (:mod:`pipeline.dropin.families`), least recently routed to first, under two bounds: how many
-conversations, and what their last requests come to (each request as the caller counts it: the
-proxy gives its body's bytes; a request counted as nothing leaves its conversation's size as it
-was). Each conversation holds its client's last request and what the stages made of it: the
-proxy, its body caches included, grows by ~3-3.5 times what they come to
+conversations, and what their last requests come to (each request as the caller counts it; a
+request counted as nothing leaves its conversation's size as it was). The proxy counts a
+request as its body's bytes and :data:`MESSAGE_COST` a message (:func:`held_size`): each
+message holds records and the stages' state beyond its text, ~2 KB however short it is, so a
+body of many short messages holds far more than its bytes. The proxy's resident size, its body
+caches included, grows by ~1-1.5 times what the conversations held come to
 (``tests/benchmarks/bench_proxy_memory.py``).
 
 Past either bound, the families least recently routed to are let go, all their conversations at
@@ -23,13 +25,22 @@ from collections.abc import Callable
 from pipeline.dropin.families import Branch, Family, family_key
 from pipeline.logs import get_logger
 
-__all__ = ["MAX_HELD", "MAX_HELD_BYTES", "HeldFamilies"]
+__all__ = ["MAX_HELD", "MAX_HELD_BYTES", "MESSAGE_COST", "HeldFamilies", "held_size"]
 
 MAX_HELD = 256
 """How many conversations are held in memory by default."""
 MAX_HELD_BYTES = 512 << 20
-"""What the last requests of the conversations held may come to by default (512 MiB: the proxy's
-resident size grows by ~3-3.5 times that)."""
+"""What the last requests of the conversations held may come to by default (512 MiB, as
+:func:`held_size` counts them: the proxy's resident size grows by ~1-1.5 times that)."""
+MESSAGE_COST = 2048
+"""What a message of a held request counts beyond its bytes: its records and the stages' state
+(measured: 1.8-2.3 KB a message of a few to a hundred bytes, the proxy's resident size)."""
+
+
+def held_size(body_bytes: int, messages: int) -> int:
+    """What a request of ``body_bytes`` bytes and ``messages`` messages counts against
+    ``max_held_bytes`` when the proxy holds it."""
+    return body_bytes + MESSAGE_COST * messages
 
 
 class HeldFamilies:

@@ -9,6 +9,7 @@ __all__ = [
     "HTTP_PARSERS",
     "MAX_BODY_BYTES",
     "MAX_HEAD_BYTES",
+    "MAX_MESSAGES",
     "MAX_UPSTREAM_CONNECTIONS",
     "UPSTREAM_CLIENTS",
     "UPSTREAM_TIMEOUT",
@@ -16,6 +17,10 @@ __all__ = [
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """The largest request body the proxy reads (the API's own limit); a larger one is a 413."""
+
+MAX_MESSAGES = 100_000
+"""The most messages a request may hold (the API's own limit); one with more is a 400 before
+any conversation holds it."""
 
 UPSTREAM_TIMEOUT = 600.0
 """Seconds an upstream call may take to answer (its response headers; for a JSON answer, the

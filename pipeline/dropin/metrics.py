@@ -17,8 +17,9 @@ HTTP and GenAI semantic conventions where they exist (:mod:`pipeline.tracing` ho
   carry because a replacement stood in for it (counted in every request that re-applies it);
 - ``sluicegate.conversations.held`` ({conversation}) and ``sluicegate.conversations.held.size``
   (By), gauges read when the metrics are collected: the conversations the proxy holds in
-  memory and what their last request bodies come to (its resident size grows by ~3-3.5 times
-  that; both bounded: ``--max-conversations``, ``--max-held-size``).
+  memory and what their last requests come to, each its body's bytes and 2 KiB a message
+  (its resident size grows by ~1-1.5 times that; both bounded: ``--max-conversations``,
+  ``--max-held-size``).
 """
 
 from __future__ import annotations

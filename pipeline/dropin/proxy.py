@@ -63,8 +63,14 @@ from pipeline.dropin.conversations import (
     Conversations,
 )
 from pipeline.dropin.group_sync import GroupSync
+from pipeline.dropin.held_families import held_size
 from pipeline.dropin.intake import MESSAGES, Intake, error, forwarded, unreachable
-from pipeline.dropin.limits import MAX_BODY_BYTES, MAX_UPSTREAM_CONNECTIONS, UPSTREAM_TIMEOUT
+from pipeline.dropin.limits import (
+    MAX_BODY_BYTES,
+    MAX_MESSAGES,
+    MAX_UPSTREAM_CONNECTIONS,
+    UPSTREAM_TIMEOUT,
+)
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.relay import relay as _relay
 from pipeline.dropin.sync_passes import LongPasses
@@ -148,9 +154,11 @@ def build_app(
     ``timeout_error``); a client that goes away meanwhile cancels it. A conversation is held
     for one call's pass only, never while its upstream call runs. ``max_conversations``: how
     many conversations are held in memory (:class:`~pipeline.dropin.conversations.Conversations`'
-    ``max_held``); ``max_held_bytes``: what their last request bodies may come to (its
-    ``max_held_bytes``; the conversations held and what their last requests come to are the
-    metrics ``sluicegate.conversations.held`` and ``sluicegate.conversations.held.size``).
+    ``max_held``); ``max_held_bytes``: what their last requests may come to, each
+    counted as its body's bytes and 2 KiB a message (its ``max_held_bytes``;
+    :func:`~pipeline.dropin.held_families.held_size`); the conversations held and what their
+    last requests come to are the metrics ``sluicegate.conversations.held`` and
+    ``sluicegate.conversations.held.size``).
     ``max_upstream_connections``: how many upstream calls run at once (one
     more waits for one to end, within ``upstream_timeout``). ``upstream_client``: the HTTP
     client upstream calls go out with (:data:`~pipeline.dropin.upstream.CLIENTS`; ``auto``:
@@ -267,13 +275,16 @@ def build_app(
             )
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("not a Messages request")
+            if len(body["messages"]) > MAX_MESSAGES:  # as the API says of it
+                raise ValueError(f"messages: at most {MAX_MESSAGES} messages in a request")
         except RecursionError:
             return refused(started, 400, "invalid_request_error", "request body nested too deeply")
         except ValueError as exc:  # what the API would say of it, before any upstream call
             return refused(started, 400, "invalid_request_error", str(exc)[:300])
         for attempt in range(_PLACE_ATTEMPTS):
             try:
-                branch = await conversations.route(body, headers, unchanging=True, size=len(raw))
+                size = held_size(len(raw), len(body["messages"]))
+                branch = await conversations.route(body, headers, unchanging=True, size=size)
             except ValueError as exc:
                 return refused(started, 400, "invalid_request_error", str(exc)[:300])
             except OSError as exc:  # its state cannot be read: the request goes as it came

@@ -63,9 +63,10 @@ _GROUP = 64
 """Kept bodies that open alike read against at most (the latest this many)."""
 _OPENING = 256 * 1024
 """The most bytes of a kept body's first message kept as its opening."""
-_OWN = 64
-"""Bytes a kept body costs the reader a message (its digest, its end, the list slots), counted
-against ``max_bytes`` with the body's own length."""
+_OWN = 512
+"""Bytes a kept body costs the reader a message beyond its text, counted against ``max_bytes``
+with the body's own length: its digest, its end, and the parsed message it keeps alive (its
+dicts and lists: measured 300-800 bytes a message of a few to a hundred bytes)."""
 
 
 @dataclass(slots=True)

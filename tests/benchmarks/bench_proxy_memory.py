@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_peers  # noqa: E402
 import httpx2 as httpx  # noqa: E402
 
+from pipeline.dropin.held_families import held_size  # noqa: E402
 from tests.wire_support import proxy, proxy_process  # noqa: E402
 
 _TOP = 14
@@ -88,7 +90,9 @@ def main() -> int:
             warm = bench_peers.Conversation(10, "warm")
             bench_peers.call(client, url, warm, warm.next_body())
             before, _ = resident(pid)
-            last = sum(conversations(client, url, args))
+            sizes = list(conversations(client, url, args))
+            last = sum(size for size, _ in sizes)
+            held = sum(held_size(size, n) for size, n in sizes)
             after, peak = resident(pid)
     grown = after - before
     print(heading(args))
@@ -100,6 +104,10 @@ def main() -> int:
         f"grown by {grown / 2**20:.1f} MiB for {last / 2**20:.1f} MiB of last requests: "
         f"{grown / last:.2f}x a conversation's wire text"
         + (f" (the proxy held at most {args.max_held_size} of them)" if args.max_held_size else "")
+    )
+    print(
+        f"their held size (--max-held-size counts each body's bytes and 2 KiB a message): "
+        f"{held / 2**20:.1f} MiB, {grown / held:.2f}x"
     )
     return 0
 
@@ -113,8 +121,11 @@ def heading(args: argparse.Namespace) -> str:
     )
 
 
-def conversations(client: httpx.Client, url: str, args: argparse.Namespace) -> Iterator[int]:
-    """Each conversation grown through the proxy at ``url``; yields its last request's size."""
+def conversations(
+    client: httpx.Client, url: str, args: argparse.Namespace
+) -> Iterator[tuple[int, int]]:
+    """Each conversation grown through the proxy at ``url``; yields its last request's size
+    and messages."""
     for k in range(args.conversations):
         conversation = bench_peers.Conversation(
             args.messages, f"c{k}", claude_code_text=args.claude_code_text
@@ -122,7 +133,7 @@ def conversations(client: httpx.Client, url: str, args: argparse.Namespace) -> I
         for _ in range(args.calls + 1):
             raw = conversation.next_body()
             bench_peers.call(client, url, conversation, raw)
-        yield len(raw)
+        yield len(raw), len(json.loads(raw)["messages"])
 
 
 def traced(args: argparse.Namespace) -> int:
@@ -144,7 +155,7 @@ def traced(args: argparse.Namespace) -> int:
             tracemalloc.start()
             before = tracemalloc.take_snapshot()
             last = 0
-            for size in conversations(client, url, args):
+            for size, _messages in conversations(client, url, args):
                 last += size
             gc.collect()
             after = tracemalloc.take_snapshot()
