@@ -98,11 +98,12 @@ def test_an_upstream_slower_than_its_timeout_is_a_504_timeout_error(tmp_path: Pa
 
 
 @pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])
-def test_an_upstream_timeout_that_is_not_positive_is_refused(
-    tmp_path: Path, timeout: float
+@pytest.mark.parametrize("name", ["upstream_timeout", "body_timeout"])
+def test_a_timeout_that_is_not_positive_is_refused(
+    tmp_path: Path, timeout: float, name: str
 ) -> None:
-    with pytest.raises(ValueError, match="upstream_timeout must be a positive number"):
-        build_app(pipeline=_budget, root=tmp_path, upstream_timeout=timeout)
+    with pytest.raises(ValueError, match=f"{name} must be a positive number"):
+        build_app(pipeline=_budget, root=tmp_path, **{name: timeout})
 
 
 def test_conversations_let_go_come_back_byte_for_byte_through_the_proxy(tmp_path: Path) -> None:
@@ -318,6 +319,42 @@ def test_a_connection_whose_request_head_never_ends_is_closed(tmp_path: Path, pa
         finally:
             for conn in held:
                 conn.close()
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_request_whose_body_never_ends_is_answered_408_and_its_connection_closed(
+    tmp_path: Path, parser: str
+) -> None:
+    """A body sent a few bytes at a time holds its connection for ``--body-timeout`` at most:
+    such uploads would otherwise take every connection the proxy serves, for good."""
+    head = (
+        b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 1000\r\n\r\n{"mo'
+    )
+    limits = ("--body-timeout", "1", "--max-connections", "4", "--http", parser)
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy_process(upstream.base_url, tmp_path, *limits) as (url, lines, _),
+    ):
+        held = [_connect(url) for _ in range(3)]
+        try:
+            for conn in held:
+                conn.sendall(head)
+            answers = []
+            for conn in held:
+                answer = b""
+                while chunk := conn.recv(65_536):  # until the proxy closes it
+                    answer += chunk
+                answers.append(answer)
+            assert all(a.startswith(b"HTTP/1.1 408") and b"timeout_error" in a for a in answers)
+            # their slots are free: other clients are served as ever
+            for _ in range(4):
+                answer = httpx2.post(f"{url}/v1/messages", json=_turns("hi"), timeout=10)
+                assert answer.status_code == 200
+        finally:
+            for conn in held:
+                conn.close()
+    assert sum("request_timeout" in line for line in lines) == 3, "".join(lines)[-3000:]
 
 
 def _connect(url: str) -> socket.socket:

@@ -33,6 +33,7 @@ from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
 from pipeline.dropin.conversations import MAX_HELD, MAX_HELD_BYTES
 from pipeline.dropin.limits import (
+    BODY_TIMEOUT,
     EVENT_LOOPS,
     HEADER_TIMEOUT,
     HTTP_PARSERS,
@@ -247,6 +248,14 @@ def _add_proxy_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="how long a client has to send a request head, from connecting or from the last "
         "response, before its connection is closed (default %(default)s)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=seconds,
+        default=BODY_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a client has to send a request's whole body after its head, then 408 "
+        "and its connection closed (default %(default)s)",
     )
     limits.add_argument(
         "--max-conversations",

@@ -99,6 +99,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             tenancy=Tenancy(single=True) if args.single_tenant else None,
             metrics=WireMetrics(set_up.meter_provider),
             max_body_bytes=args.max_body,
+            body_timeout=args.body_timeout,
             upstream_timeout=args.upstream_timeout,
             max_conversations=args.max_conversations,
             max_held_bytes=args.max_held_size,

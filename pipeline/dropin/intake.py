@@ -2,7 +2,8 @@
 body within the bound, answers it with an error shaped as the API's, counts and logs it; and
 the headers a request goes upstream with.
 
-A request refused here (too large, compressed, cut off, not a Messages request) never reaches
+A request refused here (too large, compressed, cut off, its body too slow, not a Messages
+request) never reaches
 a conversation or the upstream: it is counted (the ``http.server.request.duration`` histogram) and
 logged (``wire.request``) like any other, with the error's kind and never the body.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import anyio
 import httpx2
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -39,12 +41,15 @@ _DROP_REQUEST = {
 class Intake:
     """A proxy's request-level bookkeeping (see the module). ``logger``: a structlog-style
     logger; ``max_body_bytes``: the largest body read (one larger is refused with 413 before
-    it is all read)."""
+    it is all read); ``body_timeout``: seconds a body may take to arrive whole (then 408)."""
 
-    def __init__(self, metrics: WireMetrics, logger: Any, max_body_bytes: int) -> None:
+    def __init__(
+        self, metrics: WireMetrics, logger: Any, max_body_bytes: int, body_timeout: float
+    ) -> None:
         self.metrics = metrics
         self.logger = logger
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     def logged(
         self,
@@ -80,8 +85,9 @@ class Intake:
         self.logged(started, status, error=cut, **fields)
 
     async def body_of(self, request: Request, started: float, **where: Any) -> bytes | Response:
-        """The request's body, or the response that refuses it (too large, compressed, its
-        client gone before it was in)."""
+        """The request's body, or the response that refuses it (too large, compressed, not in
+        whole within :attr:`body_timeout`: 408, its connection closed; its client gone before
+        it was in)."""
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             message = f"content-encoding {encoding[:40]} is not supported: send the body as it is"
@@ -92,14 +98,19 @@ class Intake:
             return self._too_large(started, int(declared), **where)
         chunks, size = [], 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    return self._too_large(started, size, **where)
-                chunks.append(chunk)
+            with anyio.fail_after(self.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        return self._too_large(started, size, **where)
+                    chunks.append(chunk)
         except ClientDisconnect:  # gone before its body was in: nobody to answer
             self.logged(started, 499, error="client_disconnected", **where)
             return Response(status_code=499)
+        except TimeoutError:
+            self.logged(started, 408, error="request_timeout", **where)
+            message = f"the request body did not arrive within {self.body_timeout:g} s"
+            return error(408, "timeout_error", message, close=True)
         return b"".join(chunks)
 
     def _too_large(self, started: float, size: int, **where: Any) -> Response:
@@ -123,6 +134,9 @@ def unreachable(exc: httpx2.HTTPError) -> Response:
     return error(502, "api_error", f"upstream unreachable ({type(exc).__name__})")
 
 
-def error(status: int, kind: str, message: str) -> Response:
-    """An error response shaped as the API's (``{"type": "error", "error": {...}}``)."""
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
+def error(status: int, kind: str, message: str, *, close: bool = False) -> Response:
+    """An error response shaped as the API's (``{"type": "error", "error": {...}}``);
+    ``close``: its connection closed after it (the rest of its request is not read)."""
+    headers = {"connection": "close"} if close else None
+    body = {"type": "error", "error": {"type": kind, "message": message}}
+    return JSONResponse(body, status, headers=headers)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "BODY_TIMEOUT",
     "EVENT_LOOPS",
     "HEADER_TIMEOUT",
     "HTTP_PARSERS",
@@ -33,6 +34,11 @@ MAX_HEAD_BYTES = 16 * 1024
 """The largest request head (request line and headers) the proxy reads; a larger one is
 answered 400 and its connection closed (``python -m pipeline proxy``; on ``--http h11``
 uvicorn's own bound, on a head not yet ended)."""
+
+BODY_TIMEOUT = 120.0
+"""Seconds a client has to send a request's whole body, from the end of its head: then it is
+answered 408 and its connection closed (a body sent a few bytes at a time must not hold a
+connection forever). 32 MiB, the largest body, in that time: ~270 KB/s."""
 
 HEADER_TIMEOUT = 30.0
 """Seconds a client has to send a request head, from its connection's start or the end of

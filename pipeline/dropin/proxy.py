@@ -66,6 +66,7 @@ from pipeline.dropin.group_sync import GroupSync
 from pipeline.dropin.held_families import held_size
 from pipeline.dropin.intake import MESSAGES, Intake, error, forwarded, unreachable
 from pipeline.dropin.limits import (
+    BODY_TIMEOUT,
     MAX_BODY_BYTES,
     MAX_MESSAGES,
     MAX_UPSTREAM_CONNECTIONS,
@@ -123,6 +124,7 @@ def build_app(
     tenancy: Tenancy | None = None,
     metrics: WireMetrics | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout: float = BODY_TIMEOUT,
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     max_conversations: int | None = MAX_HELD,
     max_held_bytes: int | None = MAX_HELD_BYTES,
@@ -146,7 +148,10 @@ def build_app(
     :mod:`pipeline.dropin.metrics`). Each request is one ``wire.request`` span, kept open until its
     response has gone by, and one ``wire.request`` log event (:mod:`pipeline.dropin.wire_request`).
     ``max_body_bytes``: the largest request body read (a larger one is refused with 413
-    before it is all read); a compressed body (``content-encoding``) is refused with 415. A
+    before it is all read); a compressed body (``content-encoding``) is refused with 415;
+    ``body_timeout``: seconds a body may take to arrive whole after its head (then 408
+    ``timeout_error`` and its connection closed: a body sent a few bytes at a time holds no
+    connection for long). A
     ``POST`` to a path ending in ``/v1/messages`` (a client whose base URL has a path, a
     trailing slash, doubled slashes) is a Messages request, sent upstream to ``/v1/messages``;
     a path with a ``.`` or ``..`` segment (also percent-encoded) is refused with 400.
@@ -181,9 +186,11 @@ def build_app(
         raise ValueError(f"long_pass must be None or at least 1, got {long_pass!r}")
     if not upstream_timeout > 0:  # NaN too
         raise ValueError(f"upstream_timeout must be a positive number, got {upstream_timeout}")
+    if not body_timeout > 0:
+        raise ValueError(f"body_timeout must be a positive number, got {body_timeout}")
     metrics = metrics or WireMetrics()
     logger = context.get("logger") or get_logger()
-    intake = Intake(metrics, logger, max_body_bytes)
+    intake = Intake(metrics, logger, max_body_bytes, body_timeout)
     logged, refused = intake.logged, intake.refused
     # request bodies parsed in the size of what is new in them (see pipeline.wire.body_reader)
     bodies = BodyReader(
