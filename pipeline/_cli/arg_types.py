@@ -22,17 +22,27 @@ __all__ = [
     "store_location",
     "store_retries",
     "store_timeout",
+    "two_or_more",
     "upstream_seconds",
 ]
 
 
 def positive_int(text: str) -> int:
+    return _int_from(text, 1)
+
+
+def two_or_more(text: str) -> int:
+    """A whole number of at least 2 (a family's first conversation and one more)."""
+    return _int_from(text, 2)
+
+
+def _int_from(text: str, least: int) -> int:
     try:
         value = int(text.replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
 
 

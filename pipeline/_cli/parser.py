@@ -18,6 +18,7 @@ from pipeline._cli.arg_types import (
     positive_int,
     seconds,
     size,
+    two_or_more,
     upstream_seconds,
 )
 from pipeline._cli.demo_cmd import cmd_demo
@@ -32,6 +33,7 @@ from pipeline._cli.options import (
 from pipeline._cli.replay_cmd import cmd_replay
 from pipeline._cli.store_cmd import cmd_store_prune
 from pipeline.dropin.conversations import MAX_HELD, MAX_HELD_BYTES
+from pipeline.dropin.held_families import MAX_BRANCHES
 from pipeline.dropin.limits import (
     BODY_TIMEOUT,
     EVENT_LOOPS,
@@ -274,6 +276,15 @@ def _add_proxy_parser(sub: Any) -> None:
         "its body's bytes and 2 KiB a message (e.g. 512M; the proxy's memory grows by "
         "~1-1.5 times it); past it the least recently used are "
         f"let go as past --max-conversations (default {MAX_HELD_BYTES >> 20}M)",
+    )
+    limits.add_argument(
+        "--max-branches",
+        type=two_or_more,
+        default=MAX_BRANCHES,
+        metavar="N",
+        help="conversations held of one family (forks, edits, rewinds of one conversation; "
+        "no more than --max-conversations); past it its least recently used are let go, "
+        "never its first (default %(default)s)",
     )
     limits.add_argument(
         "--fsync-each",

@@ -103,6 +103,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             upstream_timeout=args.upstream_timeout,
             max_conversations=args.max_conversations,
             max_held_bytes=args.max_held_size,
+            max_branches=args.max_branches,
             max_upstream_connections=connections,
             fsync_each=args.fsync_each,
             long_pass=LONG_PASS,  # its stages have no summarizer: their work is bound to no loop

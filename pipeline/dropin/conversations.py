@@ -49,7 +49,7 @@ import anyio.to_thread
 from pipeline.dropin.adapter import WireSession
 from pipeline.dropin.families import Branch, Family, NewBranch, named, new_to
 from pipeline.dropin.families import plan as place
-from pipeline.dropin.held_families import MAX_HELD, MAX_HELD_BYTES, HeldFamilies
+from pipeline.dropin.held_families import MAX_BRANCHES, MAX_HELD, MAX_HELD_BYTES, HeldFamilies
 from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
@@ -112,7 +112,9 @@ class Conversations:
     :data:`~pipeline.dropin.held_families.MAX_HELD_BYTES`; None: no bound). Past either, the
     families least recently routed to are let go (:mod:`pipeline.dropin.held_families`).
     ``on_let_go``: told of each conversation let go (what a caller keeps of it can go too),
-    where routing runs (the proxy: its event loop).
+    where routing runs (the proxy: its event loop). ``max_branches``: how many conversations
+    one family holds (default :data:`~pipeline.dropin.held_families.MAX_BRANCHES`; no more
+    than ``max_held``): past it, its least recently routed are let go, never its first.
     """
 
     def __init__(
@@ -125,9 +127,10 @@ class Conversations:
         max_held: int | None = MAX_HELD,
         max_held_bytes: int | None = MAX_HELD_BYTES,
         on_let_go: Callable[[Branch], None] | None = None,
+        max_branches: int = MAX_BRANCHES,
         **context: Any,
     ) -> None:
-        self._holding = HeldFamilies(max_held, max_held_bytes, on_let_go)
+        self._holding = HeldFamilies(max_held, max_held_bytes, on_let_go, max_branches)
         self.root = Path(root)
         self.states = (
             storage if isinstance(storage, SessionStates) else SessionStates(storage or root)
@@ -325,10 +328,11 @@ class Conversations:
         return tenant, family_name(hint, opening), messages, opening
 
     def _load_family(self, tenant: str, name: str, opening: bytes) -> Family:
-        """A family as its records leave it (blocking: a listing and every branch's records)."""
+        """A family as its records leave it: its first conversation and the others written
+        last, as many as a family holds (blocking: a listing and their records)."""
         states = self.states.within(tenant)
         family = Family(tenant, name, opening, states, self.root / tenant)
-        for branch_name in states.branches(name):
+        for branch_name in states.branches(name, newest=self._holding.max_branches - 1):
             storage = states.open(name, branch=branch_name, content_named=True)
             tracker = TokenTracker.load(
                 calibration_path_for(family.calibration_root, name, branch_name)

@@ -115,6 +115,33 @@ class Family:
             self.recent.remove(branch)
         self.recent.insert(0, branch)
 
+    def forget(self, branch: Branch) -> None:
+        """``branch`` no longer held (its records stay): out of the index. What it sent first,
+        another conversation that sent it too now stands for (the first found, most recent
+        first); what none other sent is not known any more -- a request that repeats it is
+        placed as one that shares less, and one of ``branch`` again makes it anew by its name,
+        which its records then fill (:meth:`WireSession._write_pending`)."""
+        if self.branches.get(branch.name) is not branch:
+            return
+        del self.branches[branch.name]
+        self.recent.remove(branch)
+        for c in [c for c, b in self.ends.items() if b is branch]:
+            del self.ends[c]
+        # every entry, not only its chain's: a tail it sent before a moved cache mark too
+        owned = [c for c, b in self.owner.items() if b is branch]
+        if not owned:
+            return
+        holders: dict[bytes, Branch] = {}
+        for other in self.recent:
+            for c in other.chain:
+                holders.setdefault(c, other)
+        for c in owned:
+            holder = holders.get(c)
+            if holder is None:
+                del self.owner[c]
+            else:
+                self.owner[c] = holder
+
 
 def plan(
     family: Family, messages: list[Any], opening: bytes, full: list[bytes] | None = None

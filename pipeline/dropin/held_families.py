@@ -12,9 +12,16 @@ caches included, grows by ~1-1.5 times what the conversations held come to
 
 Past either bound, the families least recently routed to are let go, all their conversations at
 once: never the family just routed to, nor one with a conversation in a call or whose answer is
-still to be read (the bounds may be passed by those). A conversation let go is freed at once
-(nothing it holds is left in a reference cycle); a request of one loads it from its records
-again, and it goes on with the same decisions, byte for byte, as a new process would.
+still to be read (the bounds may be passed by those). A family holds at most
+:data:`MAX_BRANCHES` conversations itself (a client that forks one conversation again and again
+would otherwise grow the family just routed to without end): past it, its least recently
+routed ones are let go -- never its first, the one just routed to, nor one busy as above.
+
+A conversation let go is freed at once (nothing it holds is left in a reference cycle); a request
+of one loads it from its records again, and it goes on with the same decisions, byte for byte,
+as a new process would. A family loaded holds its first conversation and the
+:data:`MAX_BRANCHES` less one others written last; a request of one of the rest makes it anew by
+its name, and its records fill it.
 """
 
 from __future__ import annotations
@@ -25,13 +32,23 @@ from collections.abc import Callable
 from pipeline.dropin.families import Branch, Family, family_key
 from pipeline.logs import get_logger
 
-__all__ = ["MAX_HELD", "MAX_HELD_BYTES", "MESSAGE_COST", "HeldFamilies", "held_size"]
+__all__ = [
+    "MAX_BRANCHES",
+    "MAX_HELD",
+    "MAX_HELD_BYTES",
+    "MESSAGE_COST",
+    "HeldFamilies",
+    "held_size",
+]
 
 MAX_HELD = 256
 """How many conversations are held in memory by default."""
 MAX_HELD_BYTES = 512 << 20
 """What the last requests of the conversations held may come to by default (512 MiB, as
 :func:`held_size` counts them: the proxy's resident size grows by ~1-1.5 times that)."""
+MAX_BRANCHES = 32
+"""How many conversations one family holds in memory by default (forks, edits, rewinds of one
+conversation; its records keep the others)."""
 MESSAGE_COST = 2048
 """What a message of a held request counts beyond its bytes: its records and the stages' state
 (measured: 1.8-2.3 KB a message of a few to a hundred bytes, the proxy's resident size)."""
@@ -46,21 +63,30 @@ def held_size(body_bytes: int, messages: int) -> int:
 class HeldFamilies:
     """The families held in memory and their bounds (see the module). ``max_held``: how many
     conversations; ``max_held_bytes``: what their last requests may come to (None: no bound);
-    ``on_let_go``: told of each conversation let go. Not locked: its index calls it under its
-    own lock."""
+    ``max_branches``: how many conversations one family holds (at least 2: its first and one
+    more); ``on_let_go``: told of each conversation let go. Not locked: its index calls it
+    under its own lock."""
 
     def __init__(
         self,
         max_held: int | None = MAX_HELD,
         max_held_bytes: int | None = MAX_HELD_BYTES,
         on_let_go: Callable[[Branch], None] | None = None,
+        max_branches: int = MAX_BRANCHES,
     ) -> None:
         if max_held is not None and max_held < 1:
             raise ValueError(f"max_held must be at least 1 (or None), got {max_held}")
         if max_held_bytes is not None and max_held_bytes < 1:
             raise ValueError(f"max_held_bytes must be at least 1 (or None), got {max_held_bytes}")
+        if isinstance(max_branches, bool) or not isinstance(max_branches, int) or max_branches < 2:
+            raise ValueError(f"max_branches must be an integer of at least 2, got {max_branches!r}")
         self.max_held = max_held
         self.max_held_bytes = max_held_bytes
+        self.max_branches = max_branches
+        """How many conversations a family holds (no more than :attr:`max_held` either, but
+        two at least: its first and one more)."""
+        if max_held is not None:
+            self.max_branches = max(2, min(max_branches, max_held))
         self.on_let_go = on_let_go
         self.families: OrderedDict[tuple[str, str], Family] = OrderedDict()
         """By tenant and name, least recently routed to first."""
@@ -102,8 +128,28 @@ class HeldFamilies:
             branch.size = size
         if held:
             self.families.move_to_end(family_key(family))
+            self._trim(family, keep=branch)
             self.let_go(keep=family)
         return held
+
+    def _trim(self, family: Family, keep: Branch) -> None:
+        """Past :attr:`max_branches` conversations in ``family``, let go of its least recently
+        routed: never its first, ``keep``, nor a busy one."""
+        if len(family.branches) <= self.max_branches:
+            return
+        gone = 0
+        for branch in reversed(list(family.recent)):
+            if len(family.branches) <= self.max_branches:
+                break
+            if branch is keep or branch.name is None or _busy(branch):
+                continue
+            family.forget(branch)
+            self.count -= 1
+            self.size -= branch.size
+            self._release(branch)
+            gone += 1
+        if gone:
+            get_logger().debug("conversations.branches_let_go", branches=gone, held=self.count)
 
     def let_go(self, keep: Family) -> None:
         """Past :attr:`max_held` conversations or :attr:`max_held_bytes`, let go of the
@@ -117,10 +163,7 @@ class HeldFamilies:
         for key, family in self.families.items():
             if excess <= 0 and over <= 0:
                 break
-            if family is keep or any(
-                b.call_lock.locked() or b.calls or b.session.answers_out
-                for b in family.branches.values()
-            ):
+            if family is keep or any(_busy(b) for b in family.branches.values()):
                 continue
             gone.append(key)
             excess -= len(family.branches)
@@ -130,14 +173,22 @@ class HeldFamilies:
             self.count -= len(family.branches)
             self.size -= sum(b.size for b in family.branches.values())
             for branch in family.branches.values():
-                self.released.append(branch)
-                if self.on_let_go is not None:
-                    self.on_let_go(branch)
+                self._release(branch)
         if gone:
             get_logger().debug(
                 "conversations.let_go", families=len(gone), held=self.count, held_bytes=self.size
             )
 
+    def _release(self, branch: Branch) -> None:
+        self.released.append(branch)
+        if self.on_let_go is not None:
+            self.on_let_go(branch)
+
     def branches(self) -> list[Branch]:
         """Every conversation held."""
         return [b for f in self.families.values() for b in f.branches.values()]
+
+
+def _busy(branch: Branch) -> bool:
+    """Whether ``branch`` is in a call, or has an answer still to be read: not let go."""
+    return branch.call_lock.locked() or bool(branch.calls) or branch.session.answers_out

@@ -63,7 +63,7 @@ from pipeline.dropin.conversations import (
     Conversations,
 )
 from pipeline.dropin.group_sync import GroupSync
-from pipeline.dropin.held_families import held_size
+from pipeline.dropin.held_families import MAX_BRANCHES, held_size
 from pipeline.dropin.intake import MESSAGES, Intake, error, forwarded, unreachable
 from pipeline.dropin.limits import (
     BODY_TIMEOUT,
@@ -128,6 +128,7 @@ def build_app(
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     max_conversations: int | None = MAX_HELD,
     max_held_bytes: int | None = MAX_HELD_BYTES,
+    max_branches: int = MAX_BRANCHES,
     max_upstream_connections: int = MAX_UPSTREAM_CONNECTIONS,
     fsync_each: bool = False,
     long_pass: int | None = None,
@@ -163,7 +164,8 @@ def build_app(
     counted as its body's bytes and 2 KiB a message (its ``max_held_bytes``;
     :func:`~pipeline.dropin.held_families.held_size`); the conversations held and what their
     last requests come to are the metrics ``sluicegate.conversations.held`` and
-    ``sluicegate.conversations.held.size``).
+    ``sluicegate.conversations.held.size``). ``max_branches``: how many conversations of one
+    family -- forks, edits, rewinds of one conversation -- are held (its ``max_branches``).
     ``max_upstream_connections``: how many upstream calls run at once (one
     more waits for one to end, within ``upstream_timeout``). ``upstream_client``: the HTTP
     client upstream calls go out with (:data:`~pipeline.dropin.upstream.CLIENTS`; ``auto``:
@@ -224,6 +226,7 @@ def build_app(
         tenancy=tenancy,
         max_held=max_conversations,
         max_held_bytes=max_held_bytes,
+        max_branches=max_branches,
         on_let_go=functools.partial(_let_go, bodies, sent),
         **context,
     )

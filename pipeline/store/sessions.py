@@ -20,6 +20,7 @@ delay, never the turn.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -283,18 +284,26 @@ class SessionStates:
         inner.location = f"{self.location.rstrip('/')}/{sub}"
         return inner
 
-    def branches(self, session_id: str) -> list[str | None]:
+    def branches(self, session_id: str, newest: int | None = None) -> list[str | None]:
         """The branches ``session_id`` has records of (None for its first), in name order;
-        blocking (a directory listing, or one object-store LIST)."""
+        blocking (a directory listing, or one object-store LIST). ``newest``: at most this many
+        besides the first -- those written last on a local store, the last in name order on an
+        object store (whose listing gives no times)."""
         sid = validate_session_id(session_id)
         names: set[str] = set()
+        written: dict[str, float] = {}
         if self._root is not None:
             try:
-                names = {e.name for e in os.scandir(self._root / sid)}
+                entries = list(os.scandir(self._root / sid))
             except (FileNotFoundError, NotADirectoryError):
                 return []
+            names = {e.name for e in entries}
             first = DECISIONS_FILE in names
             found = {n[len("decisions.") : -len(".jsonl")] for n in names}
+            if newest is not None and len(found) > newest:
+                for e in entries:
+                    with contextlib.suppress(OSError):  # gone meanwhile: as if never written
+                        written[e.name[len("decisions.") : -len(".jsonl")]] = e.stat().st_mtime
         else:
             assert self._store is not None
             key = "/".join(p for p in (self._prefix, sid) if p)
@@ -308,6 +317,10 @@ class SessionStates:
             first = "records" in dirs
             found = {d[len("records.") :] for d in dirs if d.startswith("records.")}
         others = sorted(b for b in found if _BRANCH.fullmatch(b))
+        if newest is not None and len(others) > newest:
+            by_time = sorted(others, key=lambda b: written.get(b, 0.0))  # stable: name order
+            kept = set(by_time[len(by_time) - newest :])
+            others = [b for b in others if b in kept]
         return ([None] if first else []) + list(others)
 
     def secret(self) -> bytes:

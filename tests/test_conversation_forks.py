@@ -1,0 +1,113 @@
+"""How many conversations of one family are held (``max_branches``): a client that forks one
+conversation again and again grows neither the proxy's memory nor the work of placing each
+request without end, and a fork let go comes back with the same bytes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from pipeline.dropin.conversations import Branch, Conversations
+from tests.test_conversations import answer, call, registry, send, user
+from tests.wire_support import TAG
+
+OK = {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}
+
+
+def _family_index(conversations: Conversations) -> tuple[int, int, int]:
+    """(conversations, prefixes known, last requests known) of the one family held."""
+    (family,) = {b.family for b in conversations.branches()}
+    return len(family.branches), len(family.owner), len(family.ends)
+
+
+def test_forks_of_one_conversation_are_held_up_to_the_bound_and_freed_past_it(
+    tmp_path: Path,
+) -> None:
+    """Sixty forks of one conversation: at most ``max_branches`` are held at any time, the
+    family's index stays that size, and each fork let go is freed at once."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=4)
+        await send(conversations, [user("root")])
+        gone: list[weakref.ref[Branch]] = []
+        for k in range(60):
+            branch, _ = await send(conversations, [user("root"), OK, user(f"v{k}")])
+            gone.append(weakref.ref(branch))
+            branches, prefixes, ends = _family_index(conversations)
+            assert conversations.held == branches <= 4
+            assert prefixes <= 4 * 3 and ends <= 4
+        held = {id(b) for b in conversations.branches()}
+        alive = [b for r in gone if (b := r()) is not None]  # without the collector
+        assert alive and all(id(b) in held for b in alive)
+        assert any(b.name is None for b in conversations.branches())  # its first stays
+
+    gc.disable()
+    try:
+        anyio.run(main)
+    finally:
+        gc.enable()
+
+
+def test_a_fork_let_go_comes_back_byte_for_byte(tmp_path: Path) -> None:
+    """A fork let go past ``max_branches`` is made again by its name when a request of it
+    comes back, and its records fill it: its results go as they went (the same replacement,
+    the same path)."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=2)
+        start = [user("task"), call("t1"), answer("t1", "a" * 5_000)]
+        await send(conversations, start)
+        await send(conversations, [*start, call("t2"), answer("t2", "ok")])
+        fork_b = [*start, call("t3"), answer("t3", "b" * 5_000)]
+        first_b, sent_b = await send(conversations, fork_b)
+        assert first_b.name is not None
+        assert sent_b[4]["content"][0]["content"].startswith(TAG)
+        await send(conversations, [*start, call("t4"), answer("t4", "c" * 5_000)])
+        assert first_b not in conversations.branches()  # the least recently routed went
+        again, resent = await send(conversations, [*fork_b, call("t5"), answer("t5", "ok")])
+        assert again is not first_b and again.name == first_b.name
+        assert resent[:5] == sent_b  # the same bytes, the replacement and its path included
+        assert conversations.held == 2
+
+    anyio.run(main)
+
+
+def test_a_family_loads_its_first_conversation_and_the_forks_written_last(
+    tmp_path: Path,
+) -> None:
+    """A new process holds of a family with more forks than ``max_branches`` on disk its first
+    conversation and those written last; the others come back by name when asked for."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=8)
+        await send(conversations, [user("root")])
+        names: list[str | None] = []
+        for k in range(6):
+            branch, _ = await send(conversations, [user("root"), OK, user(f"v{k}")])
+            names.append(branch.name)
+        # the first fork is the first conversation grown, the others its forks
+        assert names[0] is None and all(names[1:])
+        stamp = 1_000_000_000
+        for k, name in enumerate(names[1:]):  # written in the order they were made
+            path = next(tmp_path.rglob(f"decisions.{name}.jsonl"))
+            os.utime(path, (stamp + k, stamp + k))
+        fresh = registry(tmp_path, max_branches=3)
+        branch, _ = await send(fresh, [user("root"), OK, user("v5")])
+        loaded = {b.name for b in fresh.branches()}
+        assert loaded == {None, names[4], names[5]}
+        old, _resent = await send(fresh, [user("root"), OK, user("v1")])
+        assert old.name == names[1] and fresh.held == 3
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("bound", [1, 0, True, 2.5])
+def test_a_branch_bound_below_two_is_refused(tmp_path: Path, bound: Any) -> None:
+    with pytest.raises(ValueError, match="max_branches must be an integer of at least 2"):
+        registry(tmp_path, max_branches=bound)
