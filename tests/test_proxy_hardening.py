@@ -216,6 +216,37 @@ def test_an_upstream_stream_cut_mid_chunk_is_cut_for_the_client_and_logged_once(
     assert [e for _, e, _ in logger.events].count("wire.upstream_cut") == 1
 
 
+@pytest.mark.parametrize("bound", [100_000, None])
+def test_an_answer_past_the_bound_is_passed_on_unread(tmp_path: Path, bound: int | None) -> None:
+    """A JSON answer is read whole for its usage only up to ``max_answer_bytes``: a larger
+    one is passed on as it comes, byte for byte, unread (a warning), so what an upstream
+    answers cannot make the proxy hold without end; the conversation goes on."""
+    text = "z" * 300_000
+
+    def large(_body: dict[str, Any]) -> Reply:
+        return Reply([{"type": "text", "text": text}])
+
+    logger = QuietLogger()
+    options: dict[str, Any] = {} if bound is None else {"max_answer_bytes": bound}
+    with (
+        ScriptedMessagesServer(large) as upstream,
+        proxy(upstream.base_url, tmp_path, _budget, logger=logger, **options) as url,
+    ):
+        first = httpx2.post(f"{url}/v1/messages", json=_request("hi"), timeout=30)
+        assert first.status_code == 200 and first.json()["content"][0]["text"] == text
+        again = _request("hi")
+        again["messages"] += [
+            {"role": "assistant", "content": first.json()["content"]},
+            {"role": "user", "content": "more"},
+        ]
+        assert httpx2.post(f"{url}/v1/messages", json=again, timeout=30).status_code == 200
+    told = [fields for _, event, fields in logger.events if event == "wire.answer_too_large"]
+    if bound is None:
+        assert not told  # read for its usage, as ever
+    else:
+        assert len(told) == 2 and all(f["bytes"] > bound for f in told)
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

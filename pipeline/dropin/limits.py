@@ -8,6 +8,7 @@ __all__ = [
     "EVENT_LOOPS",
     "HEADER_TIMEOUT",
     "HTTP_PARSERS",
+    "MAX_ANSWER_BYTES",
     "MAX_BODY_BYTES",
     "MAX_HEAD_BYTES",
     "MAX_MESSAGES",
@@ -18,6 +19,11 @@ __all__ = [
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """The largest request body the proxy reads (the API's own limit); a larger one is a 413."""
+
+MAX_ANSWER_BYTES = 32 * 1024 * 1024
+"""The largest JSON answer the proxy reads whole for its usage (a Messages answer is far
+smaller: 128K output tokens come to a few MB); a larger one is passed on as it comes, its usage
+not read (logged ``wire.answer_too_large``)."""
 
 MAX_MESSAGES = 100_000
 """The most messages a request may hold (the API's own limit); one with more is a 400 before

@@ -67,6 +67,7 @@ from pipeline.dropin.held_families import MAX_BRANCHES, held_size
 from pipeline.dropin.intake import MESSAGES, Intake, error, forwarded, unreachable
 from pipeline.dropin.limits import (
     BODY_TIMEOUT,
+    MAX_ANSWER_BYTES,
     MAX_BODY_BYTES,
     MAX_MESSAGES,
     MAX_UPSTREAM_CONNECTIONS,
@@ -125,6 +126,7 @@ def build_app(
     metrics: WireMetrics | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout: float = BODY_TIMEOUT,
+    max_answer_bytes: int = MAX_ANSWER_BYTES,
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     max_conversations: int | None = MAX_HELD,
     max_held_bytes: int | None = MAX_HELD_BYTES,
@@ -152,7 +154,8 @@ def build_app(
     before it is all read); a compressed body (``content-encoding``) is refused with 415;
     ``body_timeout``: seconds a body may take to arrive whole after its head (then 408
     ``timeout_error`` and its connection closed: a body sent a few bytes at a time holds no
-    connection for long). A
+    connection for long); ``max_answer_bytes``: the largest JSON answer read whole for its
+    usage (a larger one is passed on as it comes, unread: ``wire.answer_too_large``). A
     ``POST`` to a path ending in ``/v1/messages`` (a client whose base URL has a path, a
     trailing slash, doubled slashes) is a Messages request, sent upstream to ``/v1/messages``;
     a path with a ``.`` or ``..`` segment (also percent-encoded) is refused with 400.
@@ -383,6 +386,7 @@ def build_app(
                 end=done,
                 after=functools.partial(session.settle, synced),
                 logger=logger,
+                max_answer_bytes=max_answer_bytes,
             )
         raise AssertionError("unreachable: the last attempt always sends")
 

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from pipeline.dropin.adapter import Call, WireSession
 from pipeline.dropin.event_stream import EventStreamUsage
+from pipeline.dropin.limits import MAX_ANSWER_BYTES
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.logs import get_logger
 
@@ -37,6 +38,7 @@ def relay(
     end: Callable[[str | None], None] | None = None,
     after: Callable[[], Awaitable[None]] | None = None,
     logger: Any = None,
+    max_answer_bytes: int = MAX_ANSWER_BYTES,
 ) -> Response:
     """The upstream response passed on; a 200 from ``/v1/messages`` read for its id and usage
     on the way, and observed by the session (its record written where other workers read it
@@ -51,7 +53,9 @@ def relay(
     error that cut the upstream's body (None: it was not cut); ``after``: awaited after that,
     once the client has the whole response (the session's
     :meth:`~pipeline.dropin.adapter.WireSession.settle`); ``logger``: where a body the
-    upstream cut is told (default: the library's)."""
+    upstream cut is told (default: the library's); ``max_answer_bytes``: past this many bytes
+    a JSON body is no longer held to be read, but passed on as it comes, unread (a warning,
+    ``wire.answer_too_large``): what an upstream answers cannot make the proxy hold more."""
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
     answered = session is not None and upstream.status_code == 200
     reader = _UsageReader(session, call, call_request) if session is not None and answered else None
@@ -61,9 +65,10 @@ def relay(
         unread: tuple[bytes, object] | None = None  # a JSON answer the client has, to read
         try:
             held: list[bytes] = []
+            size, unheld = 0, False
             cuts = _until_cut(upstream, relayed, call_request, logger or get_logger())
             async for chunk in cuts:
-                if reader is None:
+                if reader is None or unheld:
                     yield chunk
                 elif streamed:
                     reader.events.feed(chunk)
@@ -72,7 +77,15 @@ def relay(
                     yield chunk
                 else:
                     held.append(chunk)
-            if reader is not None and not (relayed.cut and not streamed):
+                    size += len(chunk)
+                    if size > max_answer_bytes:  # no Messages answer is this large: not read
+                        unheld = True
+                        (logger or get_logger()).warning(
+                            "wire.answer_too_large", bytes=size, max_answer_bytes=max_answer_bytes
+                        )
+                        yield b"".join(held)
+                        held = []
+            if reader is not None and not unheld and not (relayed.cut and not streamed):
                 if streamed:
                     await reader.events.aclose()  # a stream that ended without message_delta
                 else:
