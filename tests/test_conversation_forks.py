@@ -54,6 +54,21 @@ def test_forks_of_one_conversation_are_held_up_to_the_bound_and_freed_past_it(
         gc.enable()
 
 
+def test_forks_of_one_conversation_are_held_within_the_held_size(tmp_path: Path) -> None:
+    """The held size bounds one family's forks too: past it, with no other family to let go,
+    its least recently routed forks are let go (its first conversation stays)."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_held_bytes=3_000)
+        await send(conversations, [user("root")], size=1_000)
+        for k in range(12):
+            await send(conversations, [user("root"), OK, user(f"v{k}")], size=1_000)
+            assert conversations.held_bytes <= 3_000 and conversations.held <= 3
+        assert any(b.name is None for b in conversations.branches())
+
+    anyio.run(main)
+
+
 def test_a_fork_let_go_comes_back_byte_for_byte(tmp_path: Path) -> None:
     """A fork let go past ``max_branches`` is made again by its name when a request of it
     comes back, and its records fill it: its results go as they went (the same replacement,

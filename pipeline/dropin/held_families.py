@@ -14,8 +14,9 @@ Past either bound, the families least recently routed to are let go, all their c
 once: never the family just routed to, nor one with a conversation in a call or whose answer is
 still to be read (the bounds may be passed by those). A family holds at most
 :data:`MAX_BRANCHES` conversations itself (a client that forks one conversation again and again
-would otherwise grow the family just routed to without end): past it, its least recently
-routed ones are let go -- never its first, the one just routed to, nor one busy as above.
+would otherwise grow the family just routed to without end): past it, or past the size with the
+other families let go, its least recently routed ones are let go -- never its first, the one
+just routed to, nor one busy as above.
 
 A conversation let go is freed at once (nothing it holds is left in a reference cycle); a request
 of one loads it from its records again, and it goes on with the same decisions, byte for byte,
@@ -128,18 +129,25 @@ class HeldFamilies:
             branch.size = size
         if held:
             self.families.move_to_end(family_key(family))
-            self._trim(family, keep=branch)
             self.let_go(keep=family)
+            self._trim(family, keep=branch)
         return held
 
     def _trim(self, family: Family, keep: Branch) -> None:
-        """Past :attr:`max_branches` conversations in ``family``, let go of its least recently
-        routed: never its first, ``keep``, nor a busy one."""
-        if len(family.branches) <= self.max_branches:
+        """Past :attr:`max_branches` conversations in ``family``, or past
+        :attr:`max_held_bytes` with the other families let go, let go of its least recently
+        routed conversations: never its first, ``keep``, nor a busy one."""
+
+        def over() -> bool:
+            return len(family.branches) > self.max_branches or (
+                self.max_held_bytes is not None and self.size > self.max_held_bytes
+            )
+
+        if not over():
             return
         gone = 0
         for branch in reversed(list(family.recent)):
-            if len(family.branches) <= self.max_branches:
+            if not over():
                 break
             if branch is keep or branch.name is None or _busy(branch):
                 continue
