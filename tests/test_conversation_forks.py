@@ -93,6 +93,59 @@ def test_a_fork_let_go_comes_back_byte_for_byte(tmp_path: Path) -> None:
     anyio.run(main)
 
 
+def test_a_fork_let_go_while_a_fork_of_it_is_held_comes_back_by_its_name(
+    tmp_path: Path,
+) -> None:
+    """X forks from the first conversation, Y from X; X is let go. What X sent up to where Y
+    went its own way Y sent too: X's request still comes back to X (by its name, its records
+    filling it), not to a new fork of Y that would send X's replaced result whole."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=3)
+        start = [user("task"), call("t1"), answer("t1", "a" * 5_000)]
+        await send(conversations, start)
+        await send(conversations, [*start, call("t2"), answer("t2", "ok")])
+        x_messages = [*start, call("x1"), answer("x1", "b" * 10)]
+        x, _ = await send(conversations, x_messages)
+        x_messages += [call("x2"), answer("x2", "c" * 5_000)]
+        _, sent_x = await send(conversations, x_messages)
+        assert sent_x[6]["content"][0]["content"].startswith(TAG)
+        y_messages = [*start, call("x1"), answer("x1", "b" * 10), call("y1"), answer("y1", "y")]
+        await send(conversations, y_messages)
+        await send(
+            conversations, [*start, call("t2"), answer("t2", "ok"), call("t3"), answer("t3", "ok")]
+        )
+        await send(conversations, [*start, call("z1"), answer("z1", "z")])
+        assert x not in conversations.branches()
+        again, resent = await send(conversations, [*x_messages, call("x3"), answer("x3", "ok")])
+        assert again.name == x.name
+        assert resent[:7] == sent_x
+
+    anyio.run(main)
+
+
+def test_a_fork_let_go_never_goes_to_the_conversation_it_forked_from(tmp_path: Path) -> None:
+    """The first conversation rewinds to where X went its own way, then X is let go: X's next
+    request extends the first conversation's last, yet X sent what follows -- it goes to X."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=2)
+        start = [user("task"), call("t1"), answer("t1", "ok")]
+        first, _ = await send(conversations, start)
+        await send(conversations, [*start, call("t2"), answer("t2", "ok")])
+        x_messages = [*start, call("x1"), answer("x1", "b" * 5_000)]
+        x, sent_x = await send(conversations, x_messages)
+        assert sent_x[4]["content"][0]["content"].startswith(TAG)
+        assert (await send(conversations, start))[0] is first  # rewound to where X parted
+        await send(conversations, [user("task"), call("q"), answer("q", "q")])
+        assert x not in conversations.branches()
+        again, resent = await send(conversations, [*x_messages, call("x2"), answer("x2", "ok")])
+        assert again.name == x.name and again is not first
+        assert resent[:5] == sent_x
+
+    anyio.run(main)
+
+
 def test_a_family_loads_its_first_conversation_and_the_forks_written_last(
     tmp_path: Path,
 ) -> None:
@@ -118,6 +171,34 @@ def test_a_family_loads_its_first_conversation_and_the_forks_written_last(
         assert loaded == {None, names[4], names[5]}
         old, _resent = await send(fresh, [user("root"), OK, user("v1")])
         assert old.name == names[1] and fresh.held == 3
+
+    anyio.run(main)
+
+
+def test_after_a_restart_a_fork_not_loaded_gets_its_requests_with_its_bytes(
+    tmp_path: Path,
+) -> None:
+    """A new process loads a family's first conversation and the forks written last, and
+    reads what the others sent: a request of one not loaded goes to it, by its name, its
+    results as they went -- not to the first conversation, whose last request it extends."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=8)
+        start = [user("task"), call("t1"), answer("t1", "ok")]
+        first, _ = await send(conversations, start)
+        await send(conversations, [*start, call("t2"), answer("t2", "ok")])
+        forks = []
+        for k in range(5):
+            fork = [*start, call(f"x{k}"), answer(f"x{k}", f"{k}" * 5_000)]
+            branch, sent = await send(conversations, fork)
+            assert branch.name is not None and sent[4]["content"][0]["content"].startswith(TAG)
+            forks.append((fork, branch.name, sent))
+        assert (await send(conversations, start))[0] is first  # back to where they parted
+        fresh = registry(tmp_path, max_branches=2)
+        for fork, name, sent in forks[:3]:
+            again, resent = await send(fresh, [*fork, call("n"), answer("n", "ok")])
+            assert again.name == name
+            assert resent[:5] == sent
 
     anyio.run(main)
 

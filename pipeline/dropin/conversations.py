@@ -51,6 +51,7 @@ from pipeline.dropin.families import Branch, Family, NewBranch, named, new_to
 from pipeline.dropin.families import plan as place
 from pipeline.dropin.held_families import MAX_BRANCHES, MAX_HELD, MAX_HELD_BYTES, HeldFamilies
 from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
+from pipeline.dropin.session_log import expand
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
 from pipeline.messages import Message
@@ -88,6 +89,10 @@ T = TypeVar("T")
 def _call(fn: Callable[[], T]) -> T:
     return fn()
 
+
+GONE_READ = 256
+"""A family's conversations not held whose records are read when it is loaded, at most (the
+latest written): what they sent is then known, so their requests go to them."""
 
 _OPENINGS_KEPT = 64
 """Recent requests whose system prompt and first message are remembered with their digest."""
@@ -329,10 +334,21 @@ class Conversations:
 
     def _load_family(self, tenant: str, name: str, opening: bytes) -> Family:
         """A family as its records leave it: its first conversation and the others written
-        last, as many as a family holds (blocking: a listing and their records)."""
+        last, as many as a family holds; of the :data:`GONE_READ` written last before those,
+        what they sent (their records' chains), so that their requests go to them (blocking:
+        a listing and those records)."""
         states = self.states.within(tenant)
         family = Family(tenant, name, opening, states, self.root / tenant)
-        for branch_name in states.branches(name, newest=self._holding.max_branches - 1):
+        names = states.branches(name, by_time=True)  # the first, then the latest written last
+        first: list[str | None] = [None] if names[:1] == [None] else []
+        others = names[len(first) :]
+        cut = max(0, len(others) - (self._holding.max_branches - 1))
+        for branch_name in others[max(0, cut - GONE_READ) : cut]:
+            assert branch_name is not None
+            loaded = states.open(name, branch=branch_name, content_named=True).load()
+            if loaded is not None:
+                family.remember(branch_name, expand(loaded, named(name, branch_name)).chain)
+        for branch_name in first + others[cut:]:
             storage = states.open(name, branch=branch_name, content_named=True)
             tracker = TokenTracker.load(
                 calibration_path_for(family.calibration_root, name, branch_name)
@@ -438,6 +454,8 @@ class Conversations:
             if branch is made:
                 self._holding.added(family)
             self._set(family, branch, messages, plan.chain, plan.start, hold, size)
+            if branch is made:
+                family.adopt(branch)
             return branch
 
     def _set(

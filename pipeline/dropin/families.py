@@ -100,47 +100,94 @@ class Family:
     """Most recently routed first."""
     unsure: bool = False
     """Its records could not be read (the store was down): its conversations re-derive."""
+    gone: dict[bytes, str] = field(default_factory=dict)
+    """A chain digest no conversation held sent -> the name of the conversation not held
+    (let go, or not loaded; its records stay) that sent it first: a request that repeats it
+    goes to that one, made again by its name. The oldest past :data:`GONE_KEPT` are
+    forgotten."""
+    gone_ends: dict[bytes, str] = field(default_factory=dict)
+    """The chain digest of a conversation's last request -> its name, for those not held."""
 
     def register(self, branch: Branch, chain: list[bytes], start: int = 0) -> None:
         """``branch`` now ends with ``chain`` (new from ``start``), the most recent."""
         old = branch.chain
         if old and self.ends.get(old[-1]) is branch:
             del self.ends[old[-1]]
+        gone = self.gone
         for c in chain[start:]:
             self.owner.setdefault(c, branch)
+            if gone:
+                gone.pop(c, None)
         if chain:
             self.ends[chain[-1]] = branch
+            if branch.name is not None and self.gone_ends.get(chain[-1]) == branch.name:
+                del self.gone_ends[chain[-1]]
         branch.chain = chain
         if branch in self.recent:
             self.recent.remove(branch)
         self.recent.insert(0, branch)
 
+    def remember(self, name: str, chain: list[bytes]) -> None:
+        """The conversation ``name``, not held, sent ``chain`` (read from its records): what
+        no conversation held sent of it is kept by its name (:attr:`gone`)."""
+        for c in chain:
+            if c not in self.owner:
+                self.gone.setdefault(c, name)
+        if chain and chain[-1] not in self.ends:
+            self.gone_ends[chain[-1]] = name
+        self.keep_gone()
+
+    def adopt(self, branch: Branch) -> None:
+        """``branch``, new to the index, sent all of its chain: what a conversation not held
+        sent of it, ``branch`` stands for now (it is that one again, or shares it)."""
+        if not (self.gone or self.gone_ends):
+            return
+        for c in branch.chain:
+            if self.gone.pop(c, None) is not None:
+                self.owner.setdefault(c, branch)
+        for c in [c for c, name in self.gone_ends.items() if name == branch.name]:
+            del self.gone_ends[c]
+
     def forget(self, branch: Branch) -> None:
         """``branch`` no longer held (its records stay): out of the index. What it sent first,
-        another conversation that sent it too now stands for (the first found, most recent
-        first); what none other sent is not known any more -- a request that repeats it is
-        placed as one that shares less, and one of ``branch`` again makes it anew by its name,
-        which its records then fill (:meth:`WireSession._write_pending`)."""
+        another conversation held that sent it too now stands for (the first found, most
+        recent first); the rest, and its last request's end, are kept by its name
+        (:attr:`gone`): a request of ``branch`` again makes it anew by that name, and its
+        records then fill it (:meth:`WireSession._write_pending`)."""
         if self.branches.get(branch.name) is not branch:
             return
         del self.branches[branch.name]
         self.recent.remove(branch)
         for c in [c for c, b in self.ends.items() if b is branch]:
             del self.ends[c]
+        if branch.chain and branch.name is not None:
+            self.gone_ends[branch.chain[-1]] = branch.name
         # every entry, not only its chain's: a tail it sent before a moved cache mark too
         owned = [c for c, b in self.owner.items() if b is branch]
-        if not owned:
-            return
         holders: dict[bytes, Branch] = {}
-        for other in self.recent:
-            for c in other.chain:
-                holders.setdefault(c, other)
+        if owned:
+            for other in self.recent:
+                for c in other.chain:
+                    holders.setdefault(c, other)
         for c in owned:
             holder = holders.get(c)
-            if holder is None:
-                del self.owner[c]
-            else:
+            if holder is not None:
                 self.owner[c] = holder
+                continue
+            del self.owner[c]
+            if branch.name is not None:
+                self.gone[c] = branch.name
+        self.keep_gone()
+
+    def keep_gone(self) -> None:
+        """The oldest of :attr:`gone` and :attr:`gone_ends` past :data:`GONE_KEPT` forgotten."""
+        for index in (self.gone, self.gone_ends):
+            while len(index) > GONE_KEPT:
+                del index[next(iter(index))]
+
+
+GONE_KEPT = 16_384
+"""Digests of conversations not held a family keeps at most, each index (~100 bytes each)."""
 
 
 def plan(
@@ -154,17 +201,14 @@ def plan(
     if found is not None:
         branch, start = found
         chain = _chain(messages, start, branch.chain, opening, full)
-        known = start
-        while known < len(chain) and chain[known] in family.owner:
-            known += 1
-        if known == start or family.owner[chain[known - 1]] is branch:
+        known = _known(family, chain, start)
+        if known == start or family.owner.get(chain[known - 1]) is branch:
             return branch, chain, start
         # what follows its last request another conversation sent (a fork of that one
-        # that repeats its messages): placed by that one's, below, to send what it sent
+        # that repeats its messages, or one not held): placed by that one's, below, to send
+        # what it sent
     shared, chain = _shared_prefix(family, messages, opening, full)
-    known = 0
-    while known < len(chain) and chain[known] in family.owner:
-        known += 1
+    known = _known(family, chain, 0)
     start = min(shared, known)
     if not family.branches:
         return NewBranch(None, None, chain, 0, start)
@@ -174,14 +218,52 @@ def plan(
         return family.recent[0], chain, start
     if known == len(chain):
         end = chain[-1]  # all of it sent before: a retry, or a twin
-        return family.ends.get(end) or family.owner[end], chain, start
-    if chain[known - 1] in family.ends:
-        return family.ends[chain[known - 1]], chain, start
+        held = family.ends.get(end) or family.owner.get(end)
+        if held is not None:
+            return held, chain, start
+        return _again(family, family.gone_ends.get(end) or family.gone[end], chain, known, start)
+    last = chain[known - 1]
+    if last in family.ends:
+        return family.ends[last], chain, start
+    if last in family.gone_ends:  # it extends the last request of one not held
+        return _again(family, family.gone_ends[last], chain, known, start)
     name = f"f{chain[known].hex()[:16]}"
     existing = family.branches.get(name)
     if existing is not None:
         return existing, chain, start
-    return NewBranch(name, family.owner[chain[known - 1]], chain, known, start)
+    if last in family.gone:
+        # it goes its own way from one not held: from the held one it shares the most with
+        # (what it shares past that with the one not held is decided again)
+        return _again(family, name, chain, known, start)
+    return NewBranch(name, family.owner[last], chain, known, start)
+
+
+def _known(family: Family, chain: list[bytes], start: int) -> int:
+    """Where ``chain`` stops being sent before by a conversation of ``family``, held or not,
+    from ``start``."""
+    known = start
+    owner, gone = family.owner, family.gone
+    while known < len(chain) and (chain[known] in owner or chain[known] in gone):
+        known += 1
+    return known
+
+
+def _again(
+    family: Family, name: str, chain: list[bytes], known: int, start: int
+) -> tuple[Branch, list[bytes], int] | NewBranch:
+    """The conversation ``name`` made, inheriting from the held conversation that sent the
+    most of the request: one not held made again to take a request that repeats what it sent
+    (its own records then win over what it inherits: :meth:`WireSession._write_pending`), or
+    a new one that goes its own way from one not held."""
+    existing = family.branches.get(name)
+    if existing is not None:  # held again meanwhile
+        return existing, chain, start
+    at = known
+    while at and family.owner.get(chain[at - 1]) is None:
+        at -= 1
+    if not at:  # nothing of it held (a family's first conversation is): the most recent
+        return family.recent[0], chain, start
+    return NewBranch(name, family.owner[chain[at - 1]], chain, at, min(start, at))
 
 
 def _extends(family: Family, messages: list[Any]) -> tuple[Branch, int] | None:

@@ -14,15 +14,17 @@ Past either bound, the families least recently routed to are let go, all their c
 once: never the family just routed to, nor one with a conversation in a call or whose answer is
 still to be read (the bounds may be passed by those). A family holds at most
 :data:`MAX_BRANCHES` conversations itself (a client that forks one conversation again and again
-would otherwise grow the family just routed to without end): past it, or past the size with the
-other families let go, its least recently routed ones are let go -- never its first, the one
-just routed to, nor one busy as above.
+would otherwise grow the family just routed to without end): past it, or past the held size on
+its own, its least recently routed ones are let go -- never its first, the one just routed to,
+nor one busy as above.
 
 A conversation let go is freed at once (nothing it holds is left in a reference cycle); a request
 of one loads it from its records again, and it goes on with the same decisions, byte for byte,
 as a new process would. A family loaded holds its first conversation and the
-:data:`MAX_BRANCHES` less one others written last; a request of one of the rest makes it anew by
-its name, and its records fill it.
+:data:`MAX_BRANCHES` less one others written last (an object store's: the last in name order),
+and reads what the 256 written before those sent; the family keeps what the conversations it
+does not hold sent by their names (:attr:`~pipeline.dropin.families.Family.gone`), so that a
+request of one makes it anew by its name, and its records fill it.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class HeldFamilies:
     """The families held in memory and their bounds (see the module). ``max_held``: how many
     conversations; ``max_held_bytes``: what their last requests may come to (None: no bound);
     ``max_branches``: how many conversations one family holds (at least 2: its first and one
-    more); ``on_let_go``: told of each conversation let go. Not locked: its index calls it
-    under its own lock."""
+    more; no more than ``max_held`` if that is 2 or more); ``on_let_go``: told of each
+    conversation let go. Not locked: its index calls it under its own lock."""
 
     def __init__(
         self,
@@ -135,13 +137,13 @@ class HeldFamilies:
 
     def _trim(self, family: Family, keep: Branch) -> None:
         """Past :attr:`max_branches` conversations in ``family``, or past
-        :attr:`max_held_bytes` with the other families let go, let go of its least recently
-        routed conversations: never its first, ``keep``, nor a busy one."""
+        :attr:`max_held_bytes` on its own, let go of its least recently routed conversations:
+        never its first, ``keep``, nor a busy one."""
+        bound = self.max_held_bytes
+        size = sum(b.size for b in family.branches.values()) if bound is not None else 0
 
         def over() -> bool:
-            return len(family.branches) > self.max_branches or (
-                self.max_held_bytes is not None and self.size > self.max_held_bytes
-            )
+            return len(family.branches) > self.max_branches or (bound is not None and size > bound)
 
         if not over():
             return
@@ -154,6 +156,7 @@ class HeldFamilies:
             family.forget(branch)
             self.count -= 1
             self.size -= branch.size
+            size -= branch.size
             self._release(branch)
             gone += 1
         if gone:

@@ -284,11 +284,14 @@ class SessionStates:
         inner.location = f"{self.location.rstrip('/')}/{sub}"
         return inner
 
-    def branches(self, session_id: str, newest: int | None = None) -> list[str | None]:
-        """The branches ``session_id`` has records of (None for its first), in name order;
-        blocking (a directory listing, or one object-store LIST). ``newest``: at most this many
-        besides the first -- those written last on a local store, the last in name order on an
-        object store (whose listing gives no times)."""
+    def branches(
+        self, session_id: str, newest: int | None = None, *, by_time: bool = False
+    ) -> list[str | None]:
+        """The branches ``session_id`` has records of (None for its first, first), in name
+        order; blocking (a directory listing, or one object-store LIST). ``by_time``: the
+        others in the order they were last written, the latest last, on a local store (an
+        object store's listing gives no times: name order); ``newest``: at most this many of
+        the others, the latest written (so ordered)."""
         sid = validate_session_id(session_id)
         names: set[str] = set()
         written: dict[str, float] = {}
@@ -299,8 +302,12 @@ class SessionStates:
                 return []
             names = {e.name for e in entries}
             first = DECISIONS_FILE in names
-            found = {n[len("decisions.") : -len(".jsonl")] for n in names}
-            if newest is not None and len(found) > newest:
+            found = {
+                n[len("decisions.") : -len(".jsonl")]
+                for n in names
+                if n.startswith("decisions.") and n.endswith(".jsonl")
+            }
+            if by_time or (newest is not None and len(found) > newest):
                 for e in entries:
                     with contextlib.suppress(OSError):  # gone meanwhile: as if never written
                         written[e.name[len("decisions.") : -len(".jsonl")]] = e.stat().st_mtime
@@ -317,10 +324,11 @@ class SessionStates:
             first = "records" in dirs
             found = {d[len("records.") :] for d in dirs if d.startswith("records.")}
         others = sorted(b for b in found if _BRANCH.fullmatch(b))
-        if newest is not None and len(others) > newest:
-            by_time = sorted(others, key=lambda b: written.get(b, 0.0))  # stable: name order
-            kept = set(by_time[len(by_time) - newest :])
-            others = [b for b in others if b in kept]
+        if by_time or (newest is not None and len(others) > newest):
+            ordered = sorted(others, key=lambda b: written.get(b, 0.0))  # stable: name order
+            if newest is not None:
+                ordered = ordered[max(0, len(ordered) - newest) :]
+            others = ordered if by_time else [b for b in others if b in set(ordered)]
         return ([None] if first else []) + list(others)
 
     def secret(self) -> bytes:
