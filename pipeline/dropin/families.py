@@ -145,8 +145,9 @@ class Family:
         for c in branch.chain:
             if self.gone.pop(c, None) is not None:
                 self.owner.setdefault(c, branch)
-        for c in [c for c, name in self.gone_ends.items() if name == branch.name]:
-            del self.gone_ends[c]
+        # an end it had before is left: it names a conversation held again, which wins
+        if branch.chain:
+            self.gone_ends.pop(branch.chain[-1], None)
 
     def forget(self, branch: Branch) -> None:
         """``branch`` no longer held (its records stay): out of the index. What it sent first,
