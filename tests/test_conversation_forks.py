@@ -175,6 +175,53 @@ def test_a_family_loads_its_first_conversation_and_the_forks_written_last(
     anyio.run(main)
 
 
+@pytest.mark.parametrize("max_branches", [2, 8])
+def test_a_retry_of_a_fork_let_go_goes_to_the_fork_whose_last_request_it_is(
+    tmp_path: Path, max_branches: int
+) -> None:
+    """A retry goes to the conversation whose last request it is, held or let go, before
+    the one that sent that prefix first: alike whatever was let go."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=max_branches)
+        await send(conversations, [user("task"), call("t0"), answer("t0", "0" * 5_000)])
+        x = [user("task"), call("t1"), answer("t1", "1" * 5_000)]
+        await send(conversations, x)
+        third = [*x, call("t2"), answer("t2", "2" * 1_500)]
+        await send(conversations, third)
+        await send(conversations, [*third, call("t3"), answer("t3", "3")])
+        await send(conversations, [*x, call("t4"), answer("t4", "4" * 1_500)])
+        retried, _ = await send(conversations, x)
+        await send(conversations, [*third, call("t3"), answer("t3", "3")])
+        again, _ = await send(conversations, x)
+        assert again.name == retried.name
+
+    anyio.run(main)
+
+
+def test_a_line_that_goes_on_from_a_fork_let_go_keeps_that_forks_decisions(
+    tmp_path: Path,
+) -> None:
+    """Two lines extended one fork, the second took it over, then the fork was let go: the
+    first line going on is a fork of a conversation not held, and takes what that one
+    decided on the results they share from its records -- the same bytes as before."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=2)
+        await send(conversations, [user("task"), call("t0"), answer("t0", "0")])
+        f1 = [user("task"), call("t1"), answer("t1", "1" * 5_000)]
+        await send(conversations, f1)
+        line = [user("task"), call("t2"), answer("t2", "2" * 5_000)]
+        _, sent = await send(conversations, line)
+        assert sent[2]["content"][0]["content"].startswith(TAG)
+        await send(conversations, [*line, call("t3"), answer("t3", "3" * 1_500)])
+        await send(conversations, [*f1, call("t4"), answer("t4", "4" * 1_500)])
+        _, resent = await send(conversations, [*line, call("t5"), answer("t5", "5")])
+        assert resent[:3] == sent
+
+    anyio.run(main)
+
+
 def test_after_a_restart_a_fork_not_loaded_gets_its_requests_with_its_bytes(
     tmp_path: Path,
 ) -> None:

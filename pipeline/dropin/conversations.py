@@ -51,11 +51,11 @@ from pipeline.dropin.families import Branch, Family, NewBranch, named, new_to
 from pipeline.dropin.families import plan as place
 from pipeline.dropin.held_families import MAX_BRANCHES, MAX_HELD, MAX_HELD_BYTES, HeldFamilies
 from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
-from pipeline.dropin.session_log import expand
+from pipeline.dropin.session_log import decisions, expand
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
 from pipeline.messages import Message
-from pipeline.replacement import ReplacementRecord, read_results
+from pipeline.replacement import ReplacementRecord, ReplacementState, read_results
 from pipeline.store.sessions import SessionStates, SessionStorage
 from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.wire.digests import OpeningMemo, chain_of, opening_digest
@@ -503,6 +503,9 @@ class Conversations:
             missing = keys - inherited.decided_keys()
             if missing:
                 inherited.adopt(*self._decided_elsewhere(weakref.ref(family), parent.name, missing))
+            missing = keys - inherited.decided_keys()
+            if missing and plan.via is not None:  # the one not held it goes its own way from
+                inherited.adopt(*self._decided_by(family, plan.via, missing))
             inherited.chain = list(plan.chain)  # its first request, as this one sent it
             get_logger(session_id=named(family.name, plan.name)).info(
                 "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at
@@ -515,6 +518,21 @@ class Conversations:
             return session
 
         return Branch(family, plan.name, build(make))
+
+    @staticmethod
+    def _decided_by(
+        family: Family, name: str, keys: Collection[str]
+    ) -> tuple[list[ReplacementRecord], set[str]]:
+        """How the conversation ``name`` of ``family``, not held, decided the results ``keys``,
+        as its records say (blocking: a read of them; none when they cannot be read)."""
+        try:
+            loaded = family.states.open(family.name, branch=name, content_named=True).load()
+        except OSError:
+            return [], set()
+        if loaded is None:
+            return [], set()
+        restored = expand(loaded, named(family.name, name)).transcript
+        return decisions(restored, ReplacementState(), keys)
 
 
 def _result_keys(messages: Sequence[Any]) -> set[str]:

@@ -219,7 +219,10 @@ def plan(
         return family.recent[0], chain, start
     if known == len(chain):
         end = chain[-1]  # all of it sent before: a retry, or a twin
-        held = family.ends.get(end) or family.owner.get(end)
+        # the one whose last request it is, held or not, before the one that sent it first
+        held = family.ends.get(end)
+        if held is None and end not in family.gone_ends:
+            held = family.owner.get(end)
         if held is not None:
             return held, chain, start
         return _again(family, family.gone_ends.get(end) or family.gone[end], chain, known, start)
@@ -232,10 +235,8 @@ def plan(
     existing = family.branches.get(name)
     if existing is not None:
         return existing, chain, start
-    if last in family.gone:
-        # it goes its own way from one not held: from the held one it shares the most with
-        # (what it shares past that with the one not held is decided again)
-        return _again(family, name, chain, known, start)
+    if last in family.gone:  # it goes its own way from one not held
+        return _again(family, name, chain, known, start, via=family.gone[last])
     return NewBranch(name, family.owner[last], chain, known, start)
 
 
@@ -250,12 +251,18 @@ def _known(family: Family, chain: list[bytes], start: int) -> int:
 
 
 def _again(
-    family: Family, name: str, chain: list[bytes], known: int, start: int
+    family: Family,
+    name: str,
+    chain: list[bytes],
+    known: int,
+    start: int,
+    via: str | None = None,
 ) -> tuple[Branch, list[bytes], int] | NewBranch:
     """The conversation ``name`` made, inheriting from the held conversation that sent the
     most of the request: one not held made again to take a request that repeats what it sent
     (its own records then win over what it inherits: :meth:`WireSession._write_pending`), or
-    a new one that goes its own way from one not held."""
+    a new one that goes its own way from ``via``, not held (whose records then say what it
+    decided on the results past what the held one shares)."""
     existing = family.branches.get(name)
     if existing is not None:  # held again meanwhile
         return existing, chain, start
@@ -264,7 +271,7 @@ def _again(
         at -= 1
     if not at:  # nothing of it held (a family's first conversation is): the most recent
         return family.recent[0], chain, start
-    return NewBranch(name, family.owner[chain[at - 1]], chain, at, min(start, at))
+    return NewBranch(name, family.owner[chain[at - 1]], chain, at, min(start, at), via)
 
 
 def _extends(family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
@@ -329,13 +336,16 @@ def new_to(family: Family, messages: list[Any]) -> int:
 @dataclass(frozen=True)
 class NewBranch:
     """A conversation to make: its name, the one it goes another way from (None for a new
-    family's first), the request's chain, how many messages they share, where it is new."""
+    family's first), the request's chain, how many messages they share, where it is new;
+    ``via``: the conversation not held it goes its own way from, further than from
+    ``parent`` (its records say what it decided on the results they share)."""
 
     name: str | None
     parent: Branch | None
     chain: list[bytes]
     at: int
     start: int
+    via: str | None = None
 
 
 def family_key(family: Family) -> tuple[str, str]:
