@@ -26,6 +26,15 @@ def _family_index(conversations: Conversations) -> tuple[int, int, int]:
     return len(family.branches), len(family.owner), len(family.ends)
 
 
+async def _trunk(conversations: Conversations) -> list[dict[str, Any]]:
+    """A first conversation whose first result is replaced, gone on a round past it; its
+    first three messages (where forks go their own way)."""
+    start = [user("task"), call("t1"), answer("t1", "a" * 5_000)]
+    await send(conversations, start)
+    await send(conversations, [*start, call("t2"), answer("t2", "ok")])
+    return start
+
+
 def test_forks_of_one_conversation_are_held_up_to_the_bound_and_freed_past_it(
     tmp_path: Path,
 ) -> None:
@@ -76,9 +85,7 @@ def test_a_fork_let_go_comes_back_byte_for_byte(tmp_path: Path) -> None:
 
     async def main() -> None:
         conversations = registry(tmp_path, max_branches=2)
-        start = [user("task"), call("t1"), answer("t1", "a" * 5_000)]
-        await send(conversations, start)
-        await send(conversations, [*start, call("t2"), answer("t2", "ok")])
+        start = await _trunk(conversations)
         fork_b = [*start, call("t3"), answer("t3", "b" * 5_000)]
         first_b, sent_b = await send(conversations, fork_b)
         assert first_b.name is not None
@@ -102,9 +109,7 @@ def test_a_fork_let_go_while_a_fork_of_it_is_held_comes_back_by_its_name(
 
     async def main() -> None:
         conversations = registry(tmp_path, max_branches=3)
-        start = [user("task"), call("t1"), answer("t1", "a" * 5_000)]
-        await send(conversations, start)
-        await send(conversations, [*start, call("t2"), answer("t2", "ok")])
+        start = await _trunk(conversations)
         x_messages = [*start, call("x1"), answer("x1", "b" * 10)]
         x, _ = await send(conversations, x_messages)
         x_messages += [call("x2"), answer("x2", "c" * 5_000)]
