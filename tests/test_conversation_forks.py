@@ -259,3 +259,15 @@ def test_after_a_restart_a_fork_not_loaded_gets_its_requests_with_its_bytes(
 def test_a_branch_bound_below_two_is_refused(tmp_path: Path, bound: Any) -> None:
     with pytest.raises(ValueError, match="max_branches must be an integer of at least 2"):
         registry(tmp_path, max_branches=bound)
+
+
+def test_wrap_takes_the_branch_bound(tmp_path: Path) -> None:
+    import anthropic
+
+    from pipeline import Pipeline
+    from pipeline.dropin.wrap import wrap
+
+    client = anthropic.Anthropic(api_key="sk-ant-x", base_url="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="max_branches must be an integer of at least 2"):
+        wrap(client, root=tmp_path, pipeline=lambda: Pipeline([]), max_branches=1)
+    wrap(client, root=tmp_path, pipeline=lambda: Pipeline([]), max_branches=2)
