@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from pipeline.dropin.conversations import Branch, Conversations
-from tests.test_conversations import answer, call, registry, send, user
+from tests.test_conversations import KEY_A, answer, body, call, registry, send, user
 from tests.wire_support import TAG
 
 OK = {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}
@@ -96,6 +96,29 @@ def test_a_fork_let_go_comes_back_byte_for_byte(tmp_path: Path) -> None:
         assert again is not first_b and again.name == first_b.name
         assert resent[:5] == sent_b  # the same bytes, the replacement and its path included
         assert conversations.held == 2
+
+    anyio.run(main)
+
+
+def test_a_fork_made_again_by_its_name_takes_its_own_token_calibration(tmp_path: Path) -> None:
+    """A fork let go and made again starts from the token calibration it saved, as a
+    conversation loaded again does, not from its parent's."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path, max_branches=2)
+        start = await _trunk(conversations)
+        fork = [*start, call("t3"), answer("t3", "b" * 20_000)]
+        first, _ = await send(conversations, fork)
+        await first.session.save_calibration()
+        saved = first.session.ctx.token_tracker.state_dict()
+        await send(conversations, [*start, call("t4"), answer("t4", "c")])
+        assert first not in conversations.branches()
+        request = body([*fork, call("t5"), answer("t5", "ok")])
+        again = await conversations.route(request, KEY_A)
+        parent = next(b for b in conversations.branches() if b.name is None)
+        assert again.name == first.name
+        assert again.session.ctx.token_tracker.state_dict() == saved
+        assert saved != parent.session.ctx.token_tracker.state_dict()
 
     anyio.run(main)
 

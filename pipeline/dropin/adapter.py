@@ -179,10 +179,13 @@ class WireSession(ResponseObserving):
             loaded = Transcript(path=Path(self.storage.location), messages=[])
         self._calibration = calibration_path_for(root, self.storage.session_id, self.storage.branch)
         if "token_tracker" not in context:
-            if inherited is not None and inherited.tracker is not None:
-                context["token_tracker"] = TokenTracker.from_state_dict(inherited.tracker)
-            else:
+            # a branch made again by its name (let go, then asked for) has its own calibration
+            own = inherited is None or inherited.tracker is None or self._calibration.exists()
+            if own:
                 context["token_tracker"] = TokenTracker.load(self._calibration)
+            else:
+                assert inherited is not None and inherited.tracker is not None
+                context["token_tracker"] = TokenTracker.from_state_dict(inherited.tracker)
         context.setdefault("store", self.storage.store)
         self.ctx = SessionContext(
             self.session_id,
