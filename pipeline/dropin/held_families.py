@@ -85,11 +85,11 @@ class HeldFamilies:
             raise ValueError(f"max_branches must be an integer of at least 2, got {max_branches!r}")
         self.max_held = max_held
         self.max_held_bytes = max_held_bytes
-        self.max_branches = max_branches
+        self.max_branches = (
+            max_branches if max_held is None else max(2, min(max_branches, max_held))
+        )
         """How many conversations a family holds (no more than :attr:`max_held` either, but
         two at least: its first and one more)."""
-        if max_held is not None:
-            self.max_branches = max(2, min(max_branches, max_held))
         self.on_let_go = on_let_go
         self.families: OrderedDict[tuple[str, str], Family] = OrderedDict()
         """By tenant and name, least recently routed to first."""
@@ -140,6 +140,8 @@ class HeldFamilies:
         :attr:`max_held_bytes` on its own, let go of its least recently routed conversations:
         never its first, ``keep``, nor a busy one."""
         bound = self.max_held_bytes
+        if len(family.branches) <= self.max_branches and (bound is None or self.size <= bound):
+            return  # every call comes here: no sum over the family unless a bound is passed
         size = sum(b.size for b in family.branches.values()) if bound is not None else 0
 
         def over() -> bool:

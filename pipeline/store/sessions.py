@@ -284,14 +284,11 @@ class SessionStates:
         inner.location = f"{self.location.rstrip('/')}/{sub}"
         return inner
 
-    def branches(
-        self, session_id: str, newest: int | None = None, *, by_time: bool = False
-    ) -> list[str | None]:
+    def branches(self, session_id: str, *, by_time: bool = False) -> list[str | None]:
         """The branches ``session_id`` has records of (None for its first, first), in name
         order; blocking (a directory listing, or one object-store LIST). ``by_time``: the
         others in the order they were last written, the latest last, on a local store (an
-        object store's listing gives no times: name order); ``newest``: at most this many of
-        the others, the latest written (so ordered)."""
+        object store's listing gives no times: name order)."""
         sid = validate_session_id(session_id)
         names: set[str] = set()
         written: dict[str, float] = {}
@@ -307,7 +304,7 @@ class SessionStates:
                 for n in names
                 if n.startswith("decisions.") and n.endswith(".jsonl")
             }
-            if by_time or (newest is not None and len(found) > newest):
+            if by_time:
                 for e in entries:
                     with contextlib.suppress(OSError):  # gone meanwhile: as if never written
                         written[e.name[len("decisions.") : -len(".jsonl")]] = e.stat().st_mtime
@@ -324,12 +321,9 @@ class SessionStates:
             first = "records" in dirs
             found = {d[len("records.") :] for d in dirs if d.startswith("records.")}
         others = sorted(b for b in found if _BRANCH.fullmatch(b))
-        if by_time or (newest is not None and len(others) > newest):
-            ordered = sorted(others, key=lambda b: written.get(b, 0.0))  # stable: name order
-            if newest is not None:
-                ordered = ordered[max(0, len(ordered) - newest) :]
-            others = ordered if by_time else [b for b in others if b in set(ordered)]
-        return ([None] if first else []) + list(others)
+        if by_time:
+            others.sort(key=lambda b: written.get(b, 0.0))  # stable: name order among ties
+        return ([None] if first else []) + others
 
     def secret(self) -> bytes:
         """The store's tenancy secret (:mod:`pipeline.dropin.tenancy`), made at random the first
