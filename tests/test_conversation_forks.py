@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -294,3 +295,41 @@ def test_wrap_takes_the_branch_bound(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_branches must be an integer of at least 2"):
         wrap(client, root=tmp_path, pipeline=lambda: Pipeline([]), max_branches=1)
     wrap(client, root=tmp_path, pipeline=lambda: Pipeline([]), max_branches=2)
+
+
+def test_the_records_of_a_fork_not_held_are_read_off_the_event_loop(tmp_path: Path) -> None:
+    """A fork of a fork let go reads what that one decided from its records: on an object
+    store that is a read over the network, made in a worker thread, never on the event loop
+    that serves every other request."""
+    from obstore.store import MemoryStore
+
+    from pipeline.store.sessions import SessionStates
+    from tests.objectstore_support import Wrapped
+
+    loop_thread: list[int] = []
+    on_loop: list[str] = []
+
+    def read(path: str | None, **_kw: Any) -> None:
+        if loop_thread and threading.get_ident() == loop_thread[0]:
+            on_loop.append(str(path))
+
+    store = Wrapped(MemoryStore(), before={"get": read, "list": read})
+    states = SessionStates("memory:///conv", object_store=store, cool_down=None)
+
+    async def main() -> None:
+        loop_thread.append(threading.get_ident())
+        conversations = registry(tmp_path, max_branches=2, storage=states)
+        await send(conversations, [user("task"), call("t0"), answer("t0", "0")])
+        f1 = [user("task"), call("t1"), answer("t1", "1" * 5_000)]
+        await send(conversations, f1)
+        line = [user("task"), call("t2"), answer("t2", "2" * 5_000)]
+        _, sent = await send(conversations, line)
+        await send(conversations, [*line, call("t3"), answer("t3", "3" * 1_500)])
+        await send(conversations, [*f1, call("t4"), answer("t4", "4" * 1_500)])
+        before = store.calls.get("list", 0)
+        _, resent = await send(conversations, [*line, call("t5"), answer("t5", "5")])
+        assert resent[:3] == sent
+        assert store.calls.get("list", 0) > before  # the fork's records were read
+
+    anyio.run(main)
+    assert on_loop == []

@@ -58,6 +58,7 @@ from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord, ReplacementState, read_results
 from pipeline.store.sessions import SessionStates, SessionStorage
 from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.transcript import Transcript
 from pipeline.wire.digests import OpeningMemo, chain_of, opening_digest
 
 if TYPE_CHECKING:
@@ -93,6 +94,10 @@ def _call(fn: Callable[[], T]) -> T:
 GONE_READ = 256
 """A family's conversations not held whose records are read when it is loaded, at most (the
 latest written): what they sent is then known, so their requests go to them."""
+
+_READS_BEFORE = 3
+"""Reads of conversations not held one async request makes in worker threads before it is
+placed (each read may find the index changed, asking for another); past them, inline."""
 
 _OPENINGS_KEPT = 64
 """Recent requests whose system prompt and first message are remembered with their digest."""
@@ -187,8 +192,25 @@ class Conversations:
             if not family.unsure:  # (one the store could not give is held by no index)
                 # let go meanwhile, it is loaded again (the chain holds: it is the messages')
                 family = await self._family(tenant, name, opening)
-        # placed with no await since the family was found: it cannot be let go in between
-        return self._place(family, messages, opening, build=_call, hold=hold, full=full, size=size)
+        # placed with no await since the family was found: it cannot be let go in between;
+        # what a fork not held sent is read first, in a worker thread (a store may be remote)
+        read: dict[str, Transcript | None] = {}
+        while True:
+            inline = len(read) >= _READS_BEFORE  # the index kept changing under the reads
+            placed = self._place(
+                family,
+                messages,
+                opening,
+                build=_call,
+                hold=hold,
+                full=full,
+                size=size,
+                read=None if inline else read,
+            )
+            if isinstance(placed, Branch):
+                return placed
+            read[placed] = await anyio.to_thread.run_sync(self._records_of, family, placed)
+            family = await self._family(tenant, name, opening)  # (let go meanwhile: loaded)
 
     async def _family(self, tenant: str, name: str, opening: bytes) -> Family:
         family = self._holding.families.get((tenant, name))
@@ -235,7 +257,9 @@ class Conversations:
         tenancy = self._tenancy or self._make_tenancy()
         tenant, name, messages, opening = self._key(tenancy, body, headers, explicit)
         family = self._family_sync(tenant, name, opening, run)
-        return self._place(family, messages, opening, build=run, sync=True, hold=hold, size=size)
+        placed = self._place(family, messages, opening, build=run, sync=True, hold=hold, size=size)
+        assert isinstance(placed, Branch)  # (without ``read``, what it reads it reads inline)
+        return placed
 
     def done(self, branch: Branch) -> None:
         """A call routed with ``hold`` is through its pass."""
@@ -414,9 +438,12 @@ class Conversations:
         hold: bool = False,
         full: list[bytes] | None = None,
         size: int | None = None,
-    ) -> Branch:
+        read: dict[str, Transcript | None] | None = None,
+    ) -> Branch | str:
+        """The request's conversation; or, with ``read`` (what conversations not held sent,
+        read beforehand by name), the name of one whose records must be read first."""
         try:
-            return self._placed(family, messages, opening, build, sync, hold, full, size)
+            return self._placed(family, messages, opening, build, sync, hold, full, size, read)
         finally:
             self._write_released()
 
@@ -440,15 +467,21 @@ class Conversations:
         hold: bool,
         full: list[bytes] | None,
         size: int | None,
-    ) -> Branch:
+        read: dict[str, Transcript | None] | None,
+    ) -> Branch | str:
         with self._lock:
             plan = place(family, messages, opening, full)
             if isinstance(plan, tuple):
                 branch, chain, start = plan
                 self._set(family, branch, messages, chain, start, hold, size)
                 return branch
+        if plan.via is not None and read is not None and plan.via not in read:
+            return plan.via
         # a new conversation: made outside the index's lock (its parent read under its own)
-        made = self._new_branch(family, plan, messages, build, sync)
+        via = None
+        if plan.via is not None:
+            via = read[plan.via] if read is not None else self._records_of(family, plan.via)
+        made = self._new_branch(family, plan, messages, build, sync, via)
         with self._lock:
             branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
             if branch is made:
@@ -484,7 +517,10 @@ class Conversations:
         messages: list[Any],
         build: Callable[[Callable[[], Any]], Any],
         sync: bool,
+        via: Transcript | None,
     ) -> Branch:
+        """A conversation made for ``plan``; ``via``: the records of the one not held it goes
+        its own way from (:attr:`NewBranch.via`), as :meth:`_records_of` read them."""
         # a family's conversations share their results: each under its content's name
         storage = family.states.open(family.name, branch=plan.name, content_named=True)
         inherited = None
@@ -504,8 +540,8 @@ class Conversations:
             if missing:
                 inherited.adopt(*self._decided_elsewhere(weakref.ref(family), parent.name, missing))
             missing = keys - inherited.decided_keys()
-            if missing and plan.via is not None:  # the one not held it goes its own way from
-                inherited.adopt(*self._decided_by(family, plan.via, missing))
+            if missing and via is not None:  # the one not held it goes its own way from
+                inherited.adopt(*decisions(via, ReplacementState(), missing))
             inherited.chain = list(plan.chain)  # its first request, as this one sent it
             get_logger(session_id=named(family.name, plan.name)).info(
                 "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at
@@ -520,19 +556,14 @@ class Conversations:
         return Branch(family, plan.name, build(make))
 
     @staticmethod
-    def _decided_by(
-        family: Family, name: str, keys: Collection[str]
-    ) -> tuple[list[ReplacementRecord], set[str]]:
-        """How the conversation ``name`` of ``family``, not held, decided the results ``keys``,
-        as its records say (blocking: a read of them; none when they cannot be read)."""
+    def _records_of(family: Family, name: str) -> Transcript | None:
+        """What the conversation ``name`` of ``family``, not held, recorded (blocking: a read
+        of its records; None when they cannot be read): how it decided its results."""
         try:
             loaded = family.states.open(family.name, branch=name, content_named=True).load()
         except OSError:
-            return [], set()
-        if loaded is None:
-            return [], set()
-        restored = expand(loaded, named(family.name, name)).transcript
-        return decisions(restored, ReplacementState(), keys)
+            return None
+        return None if loaded is None else expand(loaded, named(family.name, name)).transcript
 
 
 def _result_keys(messages: Sequence[Any]) -> set[str]:
