@@ -49,15 +49,15 @@ import anyio.to_thread
 from pipeline.dropin.adapter import WireSession
 from pipeline.dropin.families import Branch, Family, NewBranch, named, new_to
 from pipeline.dropin.families import plan as place
+from pipeline.dropin.family_loading import load_family, records_of
 from pipeline.dropin.held_families import MAX_BRANCHES, MAX_HELD, MAX_HELD_BYTES, HeldFamilies
 from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
-from pipeline.dropin.session_log import decisions, expand
+from pipeline.dropin.session_log import decisions
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord, ReplacementState, read_results
 from pipeline.store.sessions import SessionStates, SessionStorage
-from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.transcript import Transcript
 from pipeline.wire.digests import OpeningMemo, chain_of, opening_digest
 
@@ -90,10 +90,6 @@ T = TypeVar("T")
 def _call(fn: Callable[[], T]) -> T:
     return fn()
 
-
-GONE_READ = 256
-"""A family's conversations not held whose records are read when it is loaded, at most (the
-latest written): what they sent is then known, so their requests go to them."""
 
 _READS_BEFORE = 3
 """Reads of conversations not held one async request makes in worker threads before it is
@@ -209,7 +205,7 @@ class Conversations:
             )
             if isinstance(placed, Branch):
                 return placed
-            read[placed] = await anyio.to_thread.run_sync(self._records_of, family, placed)
+            read[placed] = await anyio.to_thread.run_sync(records_of, family, placed)
             family = await self._family(tenant, name, opening)  # (let go meanwhile: loaded)
 
     async def _family(self, tenant: str, name: str, opening: bytes) -> Family:
@@ -357,34 +353,10 @@ class Conversations:
         return tenant, family_name(hint, opening), messages, opening
 
     def _load_family(self, tenant: str, name: str, opening: bytes) -> Family:
-        """A family as its records leave it: its first conversation and the others written
-        last, as many as a family holds; of the :data:`GONE_READ` written last before those,
-        what they sent (their records' chains), so that their requests go to them (blocking:
-        a listing and those records)."""
-        states = self.states.within(tenant)
-        family = Family(tenant, name, opening, states, self.root / tenant)
-        names = states.branches(name, by_time=True)  # the first, then the latest written last
-        first: list[str | None] = [None] if names[:1] == [None] else []
-        others = names[len(first) :]
-        cut = max(0, len(others) - (self._holding.max_branches - 1))
-        for branch_name in others[max(0, cut - GONE_READ) : cut]:
-            assert branch_name is not None
-            loaded = states.open(name, branch=branch_name, content_named=True).load()
-            if loaded is not None:
-                family.remember(branch_name, expand(loaded, named(name, branch_name)).chain)
-        for branch_name in first + others[cut:]:
-            storage = states.open(name, branch=branch_name, content_named=True)
-            tracker = TokenTracker.load(
-                calibration_path_for(family.calibration_root, name, branch_name)
-            )
-            session = self._session(
-                family, branch_name, storage, loaded=storage.load(), token_tracker=tracker
-            )
-            branch = Branch(family, branch_name, session)
-            family.branches[branch_name] = branch
-            family.register(branch, list(session.chain))
-        family.recent.reverse()  # the first conversation first
-        return family
+        """The family as its records leave it (blocking: :func:`load_family`)."""
+        states, calibration_root = self.states.within(tenant), self.root / tenant
+        key, bound = (tenant, name, opening), self._holding.max_branches
+        return load_family(states, calibration_root, key, bound, self._session)
 
     def _session(
         self, family: Family, name: str | None, storage: SessionStorage, **options: Any
@@ -480,7 +452,7 @@ class Conversations:
         # a new conversation: made outside the index's lock (its parent read under its own)
         via = None
         if plan.via is not None:
-            via = read[plan.via] if read is not None else self._records_of(family, plan.via)
+            via = read[plan.via] if read is not None else records_of(family, plan.via)
         made = self._new_branch(family, plan, messages, build, sync, via)
         with self._lock:
             branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
@@ -520,7 +492,7 @@ class Conversations:
         via: Transcript | None,
     ) -> Branch:
         """A conversation made for ``plan``; ``via``: the records of the one not held it goes
-        its own way from (:attr:`NewBranch.via`), as :meth:`_records_of` read them."""
+        its own way from (:attr:`NewBranch.via`), as :func:`records_of` read them."""
         # a family's conversations share their results: each under its content's name
         storage = family.states.open(family.name, branch=plan.name, content_named=True)
         inherited = None
@@ -554,16 +526,6 @@ class Conversations:
             return session
 
         return Branch(family, plan.name, build(make))
-
-    @staticmethod
-    def _records_of(family: Family, name: str) -> Transcript | None:
-        """What the conversation ``name`` of ``family``, not held, recorded (blocking: a read
-        of its records; None when they cannot be read): how it decided its results."""
-        try:
-            loaded = family.states.open(family.name, branch=name, content_named=True).load()
-        except OSError:
-            return None
-        return None if loaded is None else expand(loaded, named(family.name, name)).transcript
 
 
 def _result_keys(messages: Sequence[Any]) -> set[str]:
