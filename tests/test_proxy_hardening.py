@@ -329,3 +329,33 @@ def test_a_header_value_past_ascii_goes_upstream_as_the_clients_bytes(
         upstream.sock.close()
     assert status_line.split()[1] == b"200"
     assert b"\r\nx-odd: \xe9t\xe9\r\n" in heads[0].lower() + b"\r\n"
+
+
+def test_a_header_sent_on_two_lines_goes_upstream_whole(door: Any) -> None:
+    """Two ``anthropic-beta`` lines are one comma-joined value in HTTP: the upstream gets
+    both betas, not the last line's alone."""
+    url, upstream = door
+    headers = [
+        ("anthropic-beta", "interleaved-thinking-2025-05-14"),
+        ("anthropic-beta", "context-1m-2025-08-07"),
+    ]
+    response = httpx2.post(f"{url}/v1/messages", json=_request("hi"), headers=headers)
+    assert response.status_code == 200
+    betas = upstream.request_headers[-1]["anthropic-beta"]
+    assert betas == "interleaved-thinking-2025-05-14, context-1m-2025-08-07"
+
+
+@pytest.mark.parametrize("name", ["x-api-key", "authorization"])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_credential_sent_on_two_lines_is_refused(door: Any, name: str, path: str) -> None:
+    """A request whose credential header comes twice would be placed under one credential
+    and checked upstream under the other: it is a 400, and nothing goes upstream."""
+    url, upstream = door
+    sent = len(upstream.requests) + len(upstream.count_requests)
+    headers = [(name, "sk-ant-first"), (name, "sk-ant-second")]
+    response = httpx2.post(f"{url}{path}", json=_request("hi"), headers=headers)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert name in response.json()["error"]["message"]
+    assert "sk-ant" not in response.text
+    assert len(upstream.requests) + len(upstream.count_requests) == sent

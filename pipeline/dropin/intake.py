@@ -1,9 +1,11 @@
 """What the proxy does with a request around any conversation (:class:`Intake`): reads its
 body within the bound, answers it with an error shaped as the API's, counts and logs it; and
-the headers a request goes upstream with.
+the headers a request goes upstream with: a header sent on several lines goes as one, its
+values joined as HTTP joins them (``a, b``); a credential on several lines is refused, since the
+request would be placed under one and checked upstream under another.
 
-A request refused here (too large, compressed, cut off, its body too slow, not a Messages
-request) never reaches
+A request refused here (too large, compressed, cut off, its body too slow, a credential on
+two header lines, not a Messages request) never reaches
 a conversation or the upstream: it is counted (the ``http.server.request.duration`` histogram) and
 logged (``wire.request``) like any other, with the error's kind and never the body.
 """
@@ -20,12 +22,15 @@ from starlette.responses import JSONResponse, Response
 
 from pipeline.dropin.conversations import SESSION_HEADER
 from pipeline.dropin.metrics import WireMetrics
+from pipeline.dropin.tenancy import CREDENTIAL_HEADERS
 
 __all__ = ["MESSAGES", "Intake", "error", "forwarded", "unreachable"]
 
 MESSAGES = "/v1/messages"
 """The Messages API's path: where a Messages request goes upstream, whatever its spelling."""
 
+_JOINS = {"cookie": "; "}
+"""How the lines of a header are joined, where not with a comma."""
 # hop-by-hop and length headers are the proxy's own business on each side; the conversation's
 # name is the proxy's alone (the API never needs it)
 _DROP_REQUEST = {
@@ -85,9 +90,14 @@ class Intake:
         self.logged(started, status, error=cut, **fields)
 
     async def body_of(self, request: Request, started: float, **where: Any) -> bytes | Response:
-        """The request's body, or the response that refuses it (too large, compressed, not in
-        whole within :attr:`body_timeout`: 408, its connection closed; its client gone before
-        it was in)."""
+        """The request's body, or the response that refuses it (too large, compressed, a
+        credential on two lines, not in whole within :attr:`body_timeout`: 408, its connection
+        closed; its client gone before it was in)."""
+        for name in CREDENTIAL_HEADERS:
+            if len(request.headers.getlist(name)) > 1:
+                self.logged(started, 400, error="invalid_request_error", **where)
+                message = f"the {name} header was sent more than once: send one credential"
+                return error(400, "invalid_request_error", message, close=True)
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             message = f"content-encoding {encoding[:40]} is not supported: send the body as it is"
@@ -120,8 +130,15 @@ class Intake:
 
 
 def forwarded(request: Request) -> dict[str, str]:
-    """The headers ``request`` goes upstream with: its own, but the hop's and the proxy's."""
-    return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+    """The headers ``request`` goes upstream with: its own, but the hop's and the proxy's; one
+    sent on several lines as one (``a, b``; a cookie's ``a; b``), as HTTP reads them."""
+    out: dict[str, str] = {}
+    for name, value in request.headers.items():  # every line, names in lower case
+        if name in _DROP_REQUEST:
+            continue
+        before = out.get(name)
+        out[name] = value if before is None else f"{before}{_JOINS.get(name, ', ')}{value}"
+    return out
 
 
 def unreachable(exc: httpx2.HTTPError) -> Response:

@@ -20,13 +20,14 @@ import hmac
 import re
 from collections.abc import Mapping
 
-__all__ = ["SHARED_TENANT", "TENANT_PATTERN", "Tenancy", "credential_of"]
+__all__ = ["CREDENTIAL_HEADERS", "SHARED_TENANT", "TENANT_PATTERN", "Tenancy", "credential_of"]
 
 SHARED_TENANT = "shared"
 """The tenant of every request under ``Tenancy(single=True)``."""
 TENANT_PATTERN = re.compile(r"t-[0-9a-f]{20}|shared")
 """Every name a tenant gets (what a store's tenant directories are called)."""
-_CREDENTIAL_HEADERS = ("x-api-key", "authorization")
+CREDENTIAL_HEADERS = ("x-api-key", "authorization")
+"""The headers whose values are a request's credential (names in lower case)."""
 MIN_SECRET_BYTES = 16
 
 
@@ -60,6 +61,6 @@ def credential_of(headers: Mapping[str, str]) -> bytes:
     """The credential a request carries, as one byte string (its ``x-api-key`` and
     ``Authorization`` headers, names matched without case; empty values where it has none):
     what a tenant is a digest of. Secret: digest it before keeping it."""
-    found = {k.lower(): v for k, v in headers.items() if k.lower() in _CREDENTIAL_HEADERS}
-    material = "\n".join(f"{name}:{found.get(name, '')}" for name in _CREDENTIAL_HEADERS)
+    found = {k.lower(): v for k, v in headers.items() if k.lower() in CREDENTIAL_HEADERS}
+    material = "\n".join(f"{name}:{found.get(name, '')}" for name in CREDENTIAL_HEADERS)
     return material.encode("utf-8", "surrogatepass")
