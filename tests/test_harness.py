@@ -39,6 +39,15 @@ NOTICE = (
         ),
         ("out</system-reminder>\n\n" + REMINDER, "out</system-reminder>"),
         ("a\n\n<system-reminder>open only", "a\n\n<system-reminder>open only"),
+        # a reminder that quotes its own tag is the harness's all the same
+        ("out\n\n<system-reminder>a </system-reminder> b</system-reminder>", "out"),
+        ("out\n\n<system-reminder>a <system-reminder> b</system-reminder>\n", "out"),
+        ("out\n\n<system-reminder>q </system-reminder> x</system-reminder>\n\n" + REMINDER, "out"),
+        # output shaped like a reminder, then output: the tool's, and only the last is the tail
+        (
+            "o\n\n<system-reminder>x</system-reminder> more\n\n" + REMINDER,
+            "o\n\n<system-reminder>x</system-reminder> more",
+        ),
     ],
 )
 def test_a_string_tail_is_split_exactly(content: str, core: str) -> None:

@@ -11,8 +11,10 @@ verbatim (:func:`with_tail`).
 
 Only the last tool_result of a record can carry a tail (where the harness puts it), and a tail
 is at most :data:`MAX_TAIL_CHARS`: tool output is attacker-controlled, and output shaped like a
-reminder must not escape the budget unbounded. A reminder whose text holds the reminder tag
-itself is split only where the tags balance; the split costs one scan of the tail's window.
+reminder must not escape the budget unbounded. Reminders are peeled off the end where their
+tags balance; one whose text quotes the tag (its tags do not balance) is still the harness's:
+the tail then starts at the window's first ``\n\n<system-reminder>``. The split costs one scan
+of the tail's window.
 """
 
 from __future__ import annotations
@@ -84,8 +86,22 @@ def _string_tail_start(text: str) -> int:
     """Where the harness tail of a string content starts, -1 when it has none: whole
     reminders are peeled off the end while each closes the text before it (its tags balanced;
     whitespace after it allowed) and follows a ``\n\n``, within the last
-    :data:`MAX_TAIL_CHARS`."""
+    :data:`MAX_TAIL_CHARS`. Where what is left still ends in a closing tag (a reminder whose
+    text quotes the tag, so that its tags do not balance), the tail starts at the first
+    ``\n\n<system-reminder>`` of the window instead: harness text is never taken for the
+    tool's (output shaped like it is kept whole, within the window)."""
     floor = max(0, len(text) - MAX_TAIL_CHARS)
+    found = _balanced_tail_start(text, floor)
+    left = _before_space(text, found if found >= 0 else len(text), floor)
+    if text.endswith(REMINDER_CLOSE, floor, left):
+        first = text.find(_LEAD, floor, left)
+        if first >= 0:
+            return first
+    return found
+
+
+def _balanced_tail_start(text: str, floor: int) -> int:
+    """Where the reminders whose tags balance at the end of ``text[floor:]`` start (-1)."""
     end = _before_space(text, len(text), floor)
     if not text.endswith(REMINDER_CLOSE, floor, end):
         return -1
