@@ -737,3 +737,39 @@ def test_a_long_pass_off_the_loop_is_beneath_its_request_span(tmp_path: Path) ->
     (request,) = spans.named("wire.request")
     (run,) = spans.named("pipeline.run")
     assert run.parent is not None and run.parent.span_id == request.context.span_id
+
+
+@pytest.mark.parametrize("usage", [10.0, "10", -1, True])
+def test_a_reply_whose_usage_the_tracker_refuses_still_reaches_the_caller(
+    tmp_path: Path, usage: Any
+) -> None:
+    """The SDK takes usage it would not count (a float, a string, a negative): the wrapped
+    client returns the reply as the SDK alone does; the tracker estimates on without it."""
+    from pipeline.testing import RawReply
+
+    reply = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [{"type": "text", "text": "fine"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": usage, "output_tokens": 2},
+    }
+
+    def odd(_body: dict[str, Any]) -> RawReply:
+        return RawReply(json.dumps(reply).encode())
+
+    ask = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    with ScriptedMessagesServer(odd) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        synced = wrap(raw, root=tmp_path / "s")
+        assert synced.messages.create(**ask).content[0].text == "fine"  # type: ignore[union-attr]
+
+        async def main() -> str:
+            client = wrap(sdk_client(server.base_url), root=tmp_path / "a")
+            message = await client.messages.create(**ask)
+            return message.content[0].text  # type: ignore[union-attr]
+
+        assert anyio.run(main) == "fine"

@@ -6,6 +6,7 @@ pipeline. The one module of the drop-ins that imports the anthropic SDK (heavy: 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -207,12 +208,13 @@ class SluicegateMiddleware(anthropic.Middleware):
                 return response
             if response.status_code == 200:
                 message = await response.parse()
-                usage, rid = getattr(message, "usage", None), getattr(message, "id", None)
                 _observed(seen, message)
-                if usage is not None and isinstance(rid, str):
-                    await session.observe_async(
-                        rid, usage.model_dump(), model=str(message.model), call=call
-                    )
+                usage = _usage_of(message)
+                if usage is not None:
+                    with contextlib.suppress(ValueError):  # usage it refuses: estimate on
+                        await session.observe_async(
+                            message.id, usage, model=str(message.model), call=call
+                        )
             if not session.settle_in(SYNCS):  # the call's records made durable after it
                 await session.settle()
         seen.end()
@@ -293,19 +295,30 @@ def _observed(seen: WireRequest, message: Any) -> None:
     rid, model = getattr(message, "id", None), getattr(message, "model", None)
     edits: Any = getattr(message, "context_management", None)
     if edits is not None and hasattr(edits, "model_dump"):
-        edits = edits.model_dump()
+        edits = edits.model_dump(warnings=False)
     seen.observed(
         response_id=rid if isinstance(rid, str) else None,
         model=str(model) if model is not None else None,
-        usage=usage.model_dump() if usage is not None else None,
+        usage=usage.model_dump(warnings=False) if usage is not None else None,
         context_management=edits,
     )
 
 
-def _observe(session: WireSession, message: Any, call: Call | None) -> None:
+def _usage_of(message: Any) -> dict[str, Any] | None:
+    """A parsed reply's usage, to observe (None: it has none, or no id to record it by)."""
     usage = getattr(message, "usage", None)
-    if usage is not None and isinstance(getattr(message, "id", None), str):
-        session.observe(message.id, usage.model_dump(), model=str(message.model), call=call)
+    if usage is None or not isinstance(getattr(message, "id", None), str):
+        return None
+    return usage.model_dump(warnings=False)  # type: ignore[no-any-return]
+
+
+def _observe(session: WireSession, message: Any, call: Call | None) -> None:
+    usage = _usage_of(message)
+    if usage is not None:
+        # usage the SDK took but the tracker refuses (a float, a negative): the reply is the
+        # caller's all the same, and the tracker estimates on without it
+        with contextlib.suppress(ValueError):
+            session.observe(message.id, usage, model=str(message.model), call=call)
 
 
 class _AsyncTap(httpx2.AsyncByteStream):
