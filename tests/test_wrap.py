@@ -773,3 +773,32 @@ def test_a_reply_whose_usage_the_tracker_refuses_still_reaches_the_caller(
             return message.content[0].text  # type: ignore[union-attr]
 
         assert anyio.run(main) == "fine"
+
+
+@pytest.mark.parametrize("where", ["system", "tools", "request"])
+def test_no_breakpoint_is_added_for_a_client_that_marks_outside_its_messages(
+    tmp_path: Path, where: str
+) -> None:
+    """A client that marks its system prompt or tools (four marks there are the API's most),
+    or asks for the whole request to be cached, sets its own: none is added."""
+    mark = {"type": "ephemeral"}
+    ask: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "go"}]}],
+    }
+    if where == "system":
+        ask["system"] = [{"type": "text", "text": f"s{k}", "cache_control": mark} for k in range(4)]
+    elif where == "tools":
+        schema = {"type": "object", "properties": {}}
+        ask["tools"] = [
+            {"name": f"t{k}", "input_schema": schema, "cache_control": mark} for k in range(4)
+        ]
+    else:
+        ask["extra_body"] = {"cache_control": mark}
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        wrap(raw, root=tmp_path, cache_breakpoint=True).messages.create(**ask)
+        (sent,) = server.requests
+    assert sent["messages"] == ask["messages"]
+    assert json.dumps(sent).count('"cache_control"') == (1 if where == "request" else 4)

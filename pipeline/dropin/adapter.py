@@ -75,7 +75,7 @@ from pipeline.tokens import TokenTracker, calibration_path_for
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript.read import Transcript
 from pipeline.wire.cache import WireCache
-from pipeline.wire.caching import add_cache_breakpoint
+from pipeline.wire.caching import add_cache_breakpoint, marked_outside_messages
 from pipeline.wire.digests import chain_of, opening_digest
 from pipeline.wire.request_fields import merge_betas as beta_header
 
@@ -341,7 +341,9 @@ class WireSession(ResponseObserving):
         """The ``messages`` to send for a request whose own are ``messages``."""
         return (await self._prepare(messages))[0]
 
-    async def _prepare(self, messages: Sequence[MessageParam]) -> tuple[list[MessageParam], Call]:
+    async def _prepare(
+        self, messages: Sequence[MessageParam], marked: bool = False
+    ) -> tuple[list[MessageParam], Call]:
         await self._answers_in()
         await self.catch_up()  # what the last response left for later, first
         if self._pending is not None:
@@ -378,7 +380,7 @@ class WireSession(ResponseObserving):
         self._projected = await self.pipeline.run(records, self.ctx)
         # the new messages the client sent as they are: their own dicts
         request = self._wire.to_api(self._projected, given=messages[self._first_new :])
-        if self.cache_breakpoint and not self._wire.breakpoints:
+        if self.cache_breakpoint and not marked and not self._wire.breakpoints:
             add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
         return request, call
 
@@ -472,7 +474,8 @@ class WireSession(ResponseObserving):
         await self._answers_in()  # the last response read, then learned from under its request
         await self.catch_up()
         self.ctx.token_tracker.set_request(system=body.get("system"), tools=body.get("tools"))
-        messages, call = await self._prepare(body.get("messages") or [])
+        marked = self.cache_breakpoint and marked_outside_messages(body)
+        messages, call = await self._prepare(body.get("messages") or [], marked)
         return {**body, "messages": messages}, call
 
     def _sync(self, messages: Sequence[Any]) -> list[Message]:

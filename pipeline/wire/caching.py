@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
 
-__all__ = ["add_cache_breakpoint", "param_breakpoints", "place_cache_breakpoint"]
+__all__ = [
+    "add_cache_breakpoint",
+    "marked_outside_messages",
+    "param_breakpoints",
+    "place_cache_breakpoint",
+]
 
 _NO_BREAKPOINT = frozenset({"thinking", "redacted_thinking"})
 """Blocks that cannot carry ``cache_control``."""
@@ -19,6 +25,20 @@ def param_breakpoints(param: MessageParam) -> int:
     if not isinstance(content, list):
         return 0
     return sum(1 for b in content if isinstance(b, dict) and "cache_control" in b)
+
+
+def marked_outside_messages(body: Mapping[str, Any]) -> bool:
+    """Whether a request sets its own cache breakpoints outside its messages: on its system
+    prompt's blocks, on a tool, or for the whole request (a top-level ``cache_control``). A
+    client that does manages its caching itself (and may have used all four breakpoints)."""
+    if body.get("cache_control") is not None:
+        return True
+    for group in (body.get("system"), body.get("tools")):
+        if isinstance(group, list) and any(
+            isinstance(b, Mapping) and b.get("cache_control") is not None for b in group
+        ):
+            return True
+    return False
 
 
 def add_cache_breakpoint(request: list[MessageParam]) -> bool:
