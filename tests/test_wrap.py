@@ -802,3 +802,27 @@ def test_no_breakpoint_is_added_for_a_client_that_marks_outside_its_messages(
         (sent,) = server.requests
     assert sent["messages"] == ask["messages"]
     assert json.dumps(sent).count('"cache_control"') == (1 if where == "request" else 4)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "system", "content": "x"}],
+        [{"role": "user", "content": 5}],
+        ["hello"],
+        [{"role": "user", "content": ["x"]}],
+    ],
+)
+def test_a_request_the_pass_cannot_read_goes_as_it_came(tmp_path: Path, messages: Any) -> None:
+    """Messages the pass cannot read go to the API as the SDK alone sends them: the API
+    judges them (a 400 there, ``anthropic.BadRequestError``), not a bare ``ValueError`` here."""
+    ask = {"model": "m", "max_tokens": 5, "messages": messages}
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        wrap(raw, root=tmp_path / "s").messages.create(**ask)
+
+        async def main() -> None:
+            await wrap(sdk_client(server.base_url), root=tmp_path / "a").messages.create(**ask)
+
+        anyio.run(main)
+        assert [r["messages"] for r in server.requests] == [messages, messages]

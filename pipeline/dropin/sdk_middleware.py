@@ -196,6 +196,11 @@ class SluicegateMiddleware(anthropic.Middleware):
                     body, call = await session.prepare_call(request.json)
                 else:
                     body, call = await self._pass_maybe_elsewhere(branch, request.json)
+            except ValueError as exc:
+                _unread(session, exc)
+                response = await call_next(request)
+                seen.end(status=response.status_code)
+                return response
             finally:
                 self.conversations.done(branch)
             passed = time.monotonic() - passing
@@ -269,6 +274,11 @@ class SluicegateMiddleware(anthropic.Middleware):
                 with session.sync_lock:
                     body, call = run_pass(lambda: session.prepare_call(request.json))
                     report = session.ctx.report
+            except ValueError as exc:
+                _unread(session, exc)
+                response = call_next(request)
+                seen.end(status=response.status_code)
+                return response
             finally:
                 self.conversations.done(branch)
             passed = time.monotonic() - passing
@@ -287,6 +297,14 @@ class SluicegateMiddleware(anthropic.Middleware):
                 session.settle_sync()
         seen.end()
         return response
+
+
+def _unread(session: WireSession, exc: ValueError) -> None:
+    """A request whose messages the pass cannot read (a role or a content the API would
+    refuse): it goes as it came, and the API answers it as it would the SDK alone (a 400,
+    ``anthropic.BadRequestError``); logged with the error's kind, never its text (which may
+    quote the messages)."""
+    session.ctx.logger.warning("wire.request_unread", error=type(exc).__name__)
 
 
 def _observed(seen: WireRequest, message: Any) -> None:
