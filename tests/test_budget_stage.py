@@ -599,3 +599,26 @@ def test_the_grouping_scan_keeps_little_a_round() -> None:
     for i in range(len(messages) - 1, -1, -1):  # undone to nothing, step by step
         scan.pop(i, {}, set())
     assert (scan.groups, scan.tool_names, scan.sizes, scan.first_pos) == ([], {}, {}, {})
+
+
+@pytest.mark.asyncio
+async def test_a_breakpoint_inside_a_persisted_result_stays_on_the_result(tmp_path: Path) -> None:
+    """A client's ``cache_control`` on a text block inside a result that is persisted goes
+    onto the result's block (the same one mark, about where it was), never lost; a mark on
+    the result's block already is all it keeps."""
+    ctx = make_ctx(tmp_path, store=CountingStore())
+    mark = {"type": "ephemeral", "ttl": "1h"}
+    inner = [
+        {"type": "text", "text": "a" * 30_000},
+        {"type": "text", "text": "b" * 30_000, "cache_control": mark},
+    ]
+    outer = {"type": "ephemeral"}
+    big = [
+        assistant("r1", tool_use("x"), tool_use("y")),
+        results(tool_result("x", inner), tool_result("y", inner, cache_control=outer)),
+    ]
+    out = await Pipeline([ToolResultBudget()]).run(big, ctx)
+    x, y = out[1].content  # type: ignore[misc]
+    assert isinstance(x["content"], str) and x["cache_control"] == mark
+    assert isinstance(y["content"], str) and y["cache_control"] == outer
+    assert json.dumps([m.content for m in out]).count("cache_control") == 2

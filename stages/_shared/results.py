@@ -59,7 +59,8 @@ def by_id(texts: Mapping[str, str]) -> ContentFor:
 def patch_message(m: Message, content_for: ContentFor) -> Message:
     """``m`` with the tool_results ``content_for`` names carrying their new content; ``m``
     itself when nothing changes. Every other block field (``tool_use_id``, ``is_error``,
-    ``cache_control``) is kept, and so is text a harness appended to the last result
+    ``cache_control``) is kept -- a client's breakpoint inside the content replaced goes onto
+    the block -- and so is text a harness appended to the last result
     (:mod:`pipeline.wire.harness`): the new content takes the place of the tool's output only.
     ``content_for`` is called once per tool_result block, in order."""
     blocks: list[Block] | None = None
@@ -74,8 +75,27 @@ def patch_message(m: Message, content_for: ContentFor) -> Message:
             continue
         if blocks is None:
             blocks = list(m.content)  # type: ignore[arg-type]  # tool_results: a list
-        blocks[j] = {**b, "content": new}
+        mark = None if "cache_control" in b else _inner_mark(b.get("content"), new)
+        blocks[j] = {**b, "content": new} if mark is None else {**b, "content": new, **mark}
     return m if blocks is None else m.with_content(blocks)
+
+
+def _inner_mark(old: Any, new: Any) -> dict[str, Any] | None:
+    """The client's cache breakpoint on a block inside a result's content that its new
+    content no longer holds (the last, where several), to go on the result's block instead:
+    the request keeps as many breakpoints, about where the client put them."""
+    if not isinstance(old, list) or _marked(new) is not None:
+        return None
+    mark = _marked(old)
+    return None if mark is None else {"cache_control": mark}
+
+
+def _marked(content: Any) -> Any:
+    if isinstance(content, list):
+        for block in reversed(content):
+            if isinstance(block, Mapping) and block.get("cache_control") is not None:
+                return block["cache_control"]
+    return None
 
 
 def patch_results(messages: list[Message], content_for: ContentFor, at: Iterable[int]) -> int:
