@@ -4,6 +4,7 @@ conversations at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Callable
@@ -226,3 +227,41 @@ def test_shutdown_lets_a_request_in_flight_finish(tmp_path: Path) -> None:
         sent = upstream.requests
     assert answers == ["finished"]  # graceful: the request in flight was answered
     assert "context_management" in sent[0]  # what a stage asked of the request went upstream
+
+
+def test_two_proxies_on_one_local_store_taking_turns_send_one_conversations_bytes(
+    tmp_path: Path,
+) -> None:
+    """Two proxies on one directory, a conversation's calls going to each in turn: each asks
+    the store for news before a call (one ``lstat``), so an earlier result goes out in one
+    form on every call, as one proxy alone sends it."""
+
+    def run(root: Path, proxies: int) -> list[str]:
+        with ScriptedMessagesServer(script) as upstream, contextlib.ExitStack() as stack:
+            urls = [
+                stack.enter_context(proxy(upstream.base_url, root, budget_only))
+                for _ in range(proxies)
+            ]
+
+            async def calls() -> None:
+                messages: list[dict[str, Any]] = [{"role": "user", "content": "turns task"}]
+                for call in range(8):
+                    async with sdk_client(urls[call % proxies]) as client:
+                        response = await client.messages.create(
+                            model="m",
+                            max_tokens=10,
+                            messages=messages,  # type: ignore[arg-type]
+                        )
+                    blocks = [b.model_dump(exclude_none=True) for b in response.content]
+                    messages += [
+                        {"role": "assistant", "content": blocks},
+                        results(response.content),
+                    ]
+
+            anyio.run(calls)
+            return [json.dumps(b) for b in upstream.requests]
+
+    alone = run(tmp_path / "one", 1)
+    turns = run(tmp_path / "two", 2)
+    assert sum(r.count(TAG) for r in alone) > 10
+    assert portable(turns, tmp_path / "two") == portable(alone, tmp_path / "one")

@@ -309,3 +309,25 @@ def test_session_states_open_many_sessions_on_one_store(
         unreachable.check()
     assert "cannot list the store" in str(caught.value)
     assert SECRET_KEY not in str(caught.value) and gone.endpoint not in str(caught.value)
+
+
+def test_a_local_log_tells_another_writers_records_from_its_own(tmp_path: Path) -> None:
+    """A local store's conversation asks for news as an object store's does: its own
+    appends are none, another writer's (another client of the store, another program) are,
+    until it loads again; a log removed is news too."""
+    ours = open_session_state(tmp_path, "s")
+    theirs = open_session_state(tmp_path, "s")
+    assert ours.load() is None and not ours.changed_elsewhere()
+    ours.records.append_stage_record("test", {"k": 1})
+    ours.records.append_stage_record("test", {"k": 2})
+    assert not ours.changed_elsewhere()
+    assert theirs.load() is not None and not theirs.changed_elsewhere()
+    theirs.records.append_stage_record("test", {"k": 3})
+    assert ours.changed_elsewhere() and not theirs.changed_elsewhere()
+    loaded = ours.load()
+    assert loaded is not None and len(loaded.stage_records) == 3
+    assert not ours.changed_elsewhere()
+    ours.records.append_stage_record("test", {"k": 4})
+    assert theirs.changed_elsewhere() and not ours.changed_elsewhere()
+    (tmp_path / "s" / "decisions.jsonl").unlink()
+    assert ours.changed_elsewhere()

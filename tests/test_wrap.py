@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import tempfile
 from pathlib import Path
@@ -826,3 +827,44 @@ def test_a_request_the_pass_cannot_read_goes_as_it_came(tmp_path: Path, messages
 
         anyio.run(main)
         assert [r["messages"] for r in server.requests] == [messages, messages]
+
+
+@pytest.mark.parametrize("second", ["sync", "async", "process"])
+def test_clients_taking_turns_on_one_store_send_the_same_bytes(tmp_path: Path, second: str) -> None:
+    """Two wrapped clients on one store (another client of the same program, or a program
+    started anew for each call) taking turns on one conversation: each asks the store for
+    news before its call, so an earlier result goes out in one form on every call, whoever
+    sends it -- never the preview from one client and the whole output from the other."""
+    with ScriptedMessagesServer(script) as server:
+
+        def make() -> Any:
+            raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+            return wrap(raw, root=tmp_path)
+
+        first = make()
+        other = make() if second == "sync" else None
+
+        def call(k: int, messages: list[dict[str, Any]]) -> Any:
+            if k % 2 == 0:
+                return first.messages.create(model="m", max_tokens=10, messages=messages)
+            if second == "process":  # a new client each time: what a new program would hold
+                return make().messages.create(model="m", max_tokens=10, messages=messages)
+            if second == "sync":
+                return other.messages.create(model="m", max_tokens=10, messages=messages)
+
+            async def run() -> Any:
+                client = wrap(sdk_client(server.base_url), root=tmp_path)
+                return await client.messages.create(model="m", max_tokens=10, messages=messages)
+
+            return anyio.run(run)
+
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "shared work"}]
+        for k in range(6):
+            response = call(k, messages)
+            blocks = [b.model_dump(exclude_none=True) for b in response.content]
+            messages += [{"role": "assistant", "content": blocks}, results(response.content)]
+        sent = [r["messages"] for r in server.requests]
+    for before, after in itertools.pairwise(sent):
+        assert after[: len(before)] == before  # the prefix as sent the call before
+    assert all(visible({"messages": s}) <= 200_000 * len(s) for s in sent)
+    assert any(TAG in json.dumps(m) for m in sent[1])

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -286,6 +286,46 @@ class Conversations:
         """Every conversation held in memory."""
         with self._lock:
             return self._holding.branches()
+
+    async def current(self, branch: Branch) -> bool:
+        """Whether ``branch`` is as its records leave it. When another writer recorded calls
+        of it since (another worker of a shared store, another client or program on the same
+        files), it is loaded again: False, place the request again. Asking an object store is
+        a request, made in a worker thread; a local file's length is read inline. A store that
+        cannot be asked or read: True, and from then on the conversation decides again what
+        no record tells it of (:meth:`WireSession.store_unread`)."""
+        session = branch.session
+        try:
+            changed = session.storage.changed_elsewhere
+            moved = await anyio.to_thread.run_sync(changed) if self.states.shared else changed()
+            if moved:
+                await self.reload(branch)
+        except OSError as exc:
+            self._unread(session, exc)
+            return True
+        return not moved
+
+    def current_sync(
+        self, branch: Branch, run: Callable[[Callable[[], Awaitable[None]]], None]
+    ) -> bool:
+        """:meth:`current` for a synchronous caller: the store asked inline, a load by ``run``
+        (which runs a coroutine to its end: the sync ``wrap``'s own loop)."""
+        session = branch.session
+        try:
+            moved = session.storage.changed_elsewhere()
+            if moved:
+                run(lambda: self.reload(branch))
+        except OSError as exc:
+            self._unread(session, exc)
+            return True
+        return not moved
+
+    @staticmethod
+    def _unread(session: WireSession, exc: OSError) -> None:
+        session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
+        # another worker may have served calls this one cannot read of: what it decided on
+        # their results is decided again here, alike, rather than taken as sent whole
+        session.store_unread()
 
     async def reload(self, branch: Branch) -> None:
         """Load ``branch``'s session again from its records (another worker served it), in a

@@ -248,30 +248,6 @@ def build_app(
         client=upstream_client,
     )
 
-    async def current(branch: Branch) -> bool:
-        """Whether ``branch`` is as its records leave it; when another worker recorded calls
-        of it since, it is loaded again (False: place the request again)."""
-        if not states.shared:
-            return True  # local files: this process is the only writer
-        session = branch.session
-        try:
-            moved = await anyio.to_thread.run_sync(session.storage.changed_elsewhere)
-        except OSError as exc:
-            session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
-            # another worker may have served calls this one cannot read of: what it decided on
-            # their results is decided again here, alike, rather than taken as sent whole
-            session.store_unread()
-            return True
-        if not moved:
-            return True
-        try:
-            await conversations.reload(branch)
-        except OSError as exc:
-            session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
-            session.store_unread()
-            return True
-        return False
-
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok")
 
@@ -322,7 +298,7 @@ def build_app(
             # it on); its upstream call runs outside: a slow or abandoned one holds up nobody
             async with branch.call_lock:
                 last = attempt == _PLACE_ATTEMPTS - 1
-                if not await current(branch) and not last:
+                if not await conversations.current(branch) and not last:
                     continue  # another worker moved it on: place the request again
                 session = branch.session
                 call_request = WireRequest(

@@ -46,6 +46,11 @@ def _is_messages_call(request: Any) -> bool:
     )
 
 
+_PLACE_ATTEMPTS = 3
+"""Times a call is routed at most while another client of the store keeps moving its
+conversation on (the last goes as placed)."""
+
+
 class SluicegateMiddleware(anthropic.Middleware):
     """The SDK middleware :func:`wrap` installs (usable directly with ``with_middleware``).
 
@@ -159,6 +164,30 @@ class SluicegateMiddleware(anthropic.Middleware):
         own = {k: v for k, v in (request.headers or {}).items() if isinstance(v, str)}
         return {**self.client_headers, **own}
 
+    async def _current(self, branch: Branch) -> bool:
+        """Whether ``branch``, routed with ``hold``, is as its records leave it; when another
+        client of the store moved it on, it is loaded again and its hold let go (False: route
+        the request again)."""
+        try:
+            current = await self.conversations.current(branch)
+        except BaseException:
+            self.conversations.done(branch)
+            raise
+        if not current:
+            self.conversations.done(branch)
+        return current
+
+    def _current_sync(self, branch: Branch) -> bool:
+        """:meth:`_current` for the synchronous client (a load on its own loop)."""
+        try:
+            current = self.conversations.current_sync(branch, run_pass)
+        except BaseException:
+            self.conversations.done(branch)
+            raise
+        if not current:
+            self.conversations.done(branch)
+        return current
+
     def _routed(self, branch: Branch, request: Any) -> tuple[WireSession, WireRequest]:
         """The session of a call routed with ``hold``, and its request's span and line (the
         hold let go should these fail: the pass that lets it go would not run)."""
@@ -184,9 +213,12 @@ class SluicegateMiddleware(anthropic.Middleware):
             return await call_next(request)
         # held until its pass is through: its family is not let go meanwhile (its pass may
         # ask the family's other conversations how they sent a result)
-        branch = await self.conversations.route(
-            request.json, self._headers(request), explicit=self.session_id, hold=True
-        )
+        for attempt in range(_PLACE_ATTEMPTS):
+            branch = await self.conversations.route(
+                request.json, self._headers(request), explicit=self.session_id, hold=True
+            )
+            if attempt == _PLACE_ATTEMPTS - 1 or await self._current(branch):
+                break
         session, seen = self._routed(branch, request)
         with seen.active():
             passing = time.monotonic()
@@ -260,13 +292,16 @@ class SluicegateMiddleware(anthropic.Middleware):
         (:attr:`WireSession.sync_lock`)."""
         if not _is_messages_call(request):
             return call_next(request)
-        branch = self.conversations.route_sync(
-            request.json,
-            self._headers(request),
-            explicit=self.session_id,
-            build=in_worker,
-            hold=True,
-        )
+        for attempt in range(_PLACE_ATTEMPTS):
+            branch = self.conversations.route_sync(
+                request.json,
+                self._headers(request),
+                explicit=self.session_id,
+                build=in_worker,
+                hold=True,
+            )
+            if attempt == _PLACE_ATTEMPTS - 1 or self._current_sync(branch):
+                break
         session, seen = self._routed(branch, request)
         with seen.active():
             passing = time.monotonic()

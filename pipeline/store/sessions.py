@@ -92,8 +92,8 @@ class SessionStorage:
     """The read-back tool for the results ``store`` persists."""
     changed_elsewhere: Callable[[], bool] = lambda: False
     """Whether another writer appended records that ``load`` has not returned yet (blocking:
-    one request of the store). The local backend has one writer, this process: always False.
-    A worker that keeps a session in memory asks before each call and loads again when True."""
+    one request of an object store; a local file's length, one ``lstat``). A worker or client
+    that keeps a session in memory asks before each call and loads again when True."""
     branch: str | None = None
     """Which branch of the session's records this is: None for its first, ``f<16 hex>`` for
     another (a conversation that went another way from a point of this one; its results share
@@ -396,7 +396,14 @@ def _local(
     records = TranscriptWriter(path, sid, fsync_each=fsync_each, hold_open=True)
 
     def load() -> Transcript | None:
-        return load_transcript(path, strict=False) if path.exists() else None
+        try:
+            size = os.lstat(path).st_size  # before it is read: more found later is news
+        except FileNotFoundError:
+            records.loaded(0)
+            return None
+        loaded = load_transcript(path, strict=False)
+        records.loaded(size)
+        return loaded
 
     return SessionStorage(
         session_id=sid,
@@ -405,6 +412,7 @@ def _local(
         records=records,
         load=load,
         reader=PersistedOutputReader(store.directory),
+        changed_elsewhere=records.changed_elsewhere,
         branch=branch,
         sync=None if fsync_each else records.sync,
     )

@@ -223,6 +223,9 @@ class TranscriptWriter(JsonlRecordWriter):
         )
         self._waiting: list[bytes] = []
         """Lines held back (:meth:`append_stage_record_later`), written before the next ones."""
+        self.known_size: int | None = None
+        """The file's length as this writer knows it -- what was loaded (:meth:`loaded`), then
+        what it appended -- or None when never told: see :meth:`changed_elsewhere`."""
         _WRITERS.add(self)  # a forked child resets its lock (held, maybe, by another thread)
         self._last_uuid = _last_uuid(self.path)
 
@@ -307,12 +310,33 @@ class TranscriptWriter(JsonlRecordWriter):
         if held is not None:
             held.used()
 
+    def loaded(self, size: int) -> None:
+        """The file was read up to ``size`` bytes (0: it does not exist): what this writer
+        appends from now on counts from there."""
+        self.known_size = size
+
+    def changed_elsewhere(self) -> bool:
+        """Whether another writer (another client of the store, another process) appended to
+        the file since it was :meth:`loaded` or this writer last appended: its length is not
+        the one this writer knows (one ``lstat``; False when never told a length)."""
+        known = self.known_size
+        if known is None:
+            return False
+        try:
+            return os.lstat(self.path).st_size != known
+        except FileNotFoundError:
+            return known != 0
+
     def _append(self, fd: int, size: int, payload: bytes) -> None:
         # After a crash the file may end in a torn line: start on a fresh line, or the first
         # record appended now would be glued to it and lost with it.
         if size and os.pread(fd, 1, size - 1) != b"\n":
             payload = b"\n" + payload
         os.write(fd, payload)
+        if self.known_size == size or (self.known_size is None and size == 0):
+            # the file was as this writer knew it: it now knows it to here (else another
+            # writer's lines came between, and it stays behind: a check says so)
+            self.known_size = size + len(payload)
         if self.fsync_each:
             os.fsync(fd)
         else:
