@@ -343,6 +343,9 @@ def test_a_header_sent_on_two_lines_goes_upstream_whole(door: Any) -> None:
     assert response.status_code == 200
     betas = upstream.request_headers[-1]["anthropic-beta"]
     assert betas == "interleaved-thinking-2025-05-14, context-1m-2025-08-07"
+    twice = [("anthropic-version", "2023-06-01"), ("anthropic-version", "2023-06-01")]
+    assert httpx2.post(f"{url}/v1/messages", json=_request("hi"), headers=twice).is_success
+    assert upstream.request_headers[-1]["anthropic-version"] == "2023-06-01"  # still valid
 
 
 @pytest.mark.parametrize("name", ["x-api-key", "authorization"])

@@ -331,3 +331,16 @@ def test_a_local_log_tells_another_writers_records_from_its_own(tmp_path: Path) 
     assert theirs.changed_elsewhere() and not ours.changed_elsewhere()
     (tmp_path / "s" / "decisions.jsonl").unlink()
     assert ours.changed_elsewhere()
+
+
+def test_a_log_another_writer_made_first_is_news(tmp_path: Path) -> None:
+    """A conversation made without loading (new to the store) whose log another writer made
+    first: that is news, also after it appends, until it loads."""
+    late = open_session_state(tmp_path, "s")
+    first = open_session_state(tmp_path, "s")
+    assert first.load() is None
+    first.records.append_stage_record("test", {"k": 1})
+    assert late.changed_elsewhere()
+    late.records.append_stage_record("test", {"k": 2})
+    assert late.changed_elsewhere()  # its own append hides nothing
+    assert late.load() is not None and not late.changed_elsewhere()

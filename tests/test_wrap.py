@@ -774,6 +774,9 @@ def test_a_reply_whose_usage_the_tracker_refuses_still_reaches_the_caller(
             return message.content[0].text  # type: ignore[union-attr]
 
         assert anyio.run(main) == "fine"
+    for store in ("s", "a"):  # the response is recorded all the same, without its usage
+        (log,) = (tmp_path / store).glob("*/*/decisions.jsonl")
+        assert '"msg_1"' in log.read_text()
 
 
 @pytest.mark.parametrize("where", ["system", "tools", "request"])
@@ -820,13 +823,16 @@ def test_a_request_the_pass_cannot_read_goes_as_it_came(tmp_path: Path, messages
     ask = {"model": "m", "max_tokens": 5, "messages": messages}
     with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as server:
         raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
-        wrap(raw, root=tmp_path / "s").messages.create(**ask)
+        named = {"x-sluicegate-session": "private-name"}  # the conversation's: never sent
+        wrap(raw, root=tmp_path / "s").messages.create(**ask, extra_headers=named)
 
         async def main() -> None:
-            await wrap(sdk_client(server.base_url), root=tmp_path / "a").messages.create(**ask)
+            client = wrap(sdk_client(server.base_url), root=tmp_path / "a")
+            await client.messages.create(**ask, extra_headers=named)
 
         anyio.run(main)
         assert [r["messages"] for r in server.requests] == [messages, messages]
+        assert not any("x-sluicegate-session" in h for h in server.request_headers)
 
 
 @pytest.mark.parametrize("second", ["sync", "async", "process"])
@@ -868,3 +874,32 @@ def test_clients_taking_turns_on_one_store_send_the_same_bytes(tmp_path: Path, s
         assert after[: len(before)] == before  # the prefix as sent the call before
     assert all(visible({"messages": s}) <= 200_000 * len(s) for s in sent)
     assert any(TAG in json.dumps(m) for m in sent[1])
+
+
+def test_no_breakpoint_is_added_for_a_client_that_marks_inside_its_results(
+    tmp_path: Path,
+) -> None:
+    """Marks inside a tool result's content are the client's too (the API counts them): with
+    four there, none is added."""
+    mark = {"type": "ephemeral"}
+    texts = [{"type": "text", "text": f"part {k}", "cache_control": mark} for k in range(4)]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "x", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": texts}],
+        },
+    ]
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        wrap(raw, root=tmp_path, cache_breakpoint=True).messages.create(
+            model="m",
+            max_tokens=10,
+            messages=messages,  # type: ignore[arg-type]
+        )
+        (sent,) = server.requests
+    assert sent["messages"] == messages

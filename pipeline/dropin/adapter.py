@@ -91,6 +91,7 @@ __all__ = [
     "Call",
     "EventStreamUsage",
     "Inherited",
+    "UnreadableMessage",
     "WireSession",
     "beta_header",
 ]
@@ -100,6 +101,11 @@ Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
 
 REPLACEMENT_RECORD = "content-replacement"
 """What a failure to append replacement records is logged as (the transcript's own type)."""
+
+
+class UnreadableMessage(ValueError):
+    """A request's message the pass cannot read (a role or a content the API refuses): the
+    request is refused (the proxy: a 400) or goes as it came (``wrap``: the API judges it)."""
 
 
 class _Load(enum.Enum):
@@ -513,4 +519,4 @@ class WireSession(ResponseObserving):
                 response_id = f"msg_wire_{link.hex()[:24]}"
             return Message.from_param(param, uuid=uid, message_id=response_id, usage=usage)
         except ValueError as exc:
-            raise ValueError(f"messages[{index}]: {exc}") from None
+            raise UnreadableMessage(f"messages[{index}]: {exc}") from None

@@ -131,14 +131,13 @@ class Intake:
 
 def forwarded(request: Request) -> dict[str, str]:
     """The headers ``request`` goes upstream with: its own, but the hop's and the proxy's; one
-    sent on several lines as one (``a, b``; a cookie's ``a; b``), as HTTP reads them."""
-    out: dict[str, str] = {}
+    sent on several lines as one (``a, b``; a cookie's ``a; b``), as HTTP reads them, a value
+    repeated once (a header sent twice alike stays valid)."""
+    lines: dict[str, dict[str, None]] = {}
     for name, value in request.headers.items():  # every line, names in lower case
-        if name in _DROP_REQUEST:
-            continue
-        before = out.get(name)
-        out[name] = value if before is None else f"{before}{_JOINS.get(name, ', ')}{value}"
-    return out
+        if name not in _DROP_REQUEST:
+            lines.setdefault(name, {})[value] = None
+    return {name: _JOINS.get(name, ", ").join(values) for name, values in lines.items()}
 
 
 def unreachable(exc: httpx2.HTTPError) -> Response:

@@ -248,9 +248,17 @@ class ResponseObserving:
     def _response(
         self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None
     ) -> tuple[Usage | None, dict[str, Any], list[bytes]]:
-        """Remember a response for the message that will answer it; its usage (``ValueError``
-        when malformed), the record to append and the chain that record leaves on disk."""
-        parsed = Usage.from_mapping(usage) if usage is not None else None
+        """Remember a response for the message that will answer it; its usage (None when it
+        has none, or usage the tracker refuses: a float, a negative -- the response is
+        recorded without it, logged), the record to append and the chain that record leaves
+        on disk."""
+        try:
+            parsed = Usage.from_mapping(usage) if usage is not None else None
+        except ValueError as exc:
+            # the field and the rule, never the value (an upstream's to send)
+            reason = str(exc).split(", got", 1)[0][:200]
+            self.ctx.logger.warning("wire_session.usage_refused", error=reason)
+            parsed, usage = None, None
         call = call or self.last_call or Call(len(self._params), tuple(self.chain))
         self._responses[call.index] = (response_id, parsed)
         chain, disk = list(call.chain), self._disk_chain

@@ -19,7 +19,7 @@ import anyio.to_thread
 import httpx2
 
 from pipeline.core import Pipeline
-from pipeline.dropin.adapter import Call, WireSession
+from pipeline.dropin.adapter import Call, UnreadableMessage, WireSession
 from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
 from pipeline.dropin.event_stream import EventStreamUsage
 from pipeline.dropin.metrics import WireMetrics
@@ -134,10 +134,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         session = branch.session
         report = session.ctx.report
         body = merge_request_fields(body, report.request_extras)
-        headers: dict[str, Any] = {
-            k: v for k, v in (request.headers or {}).items() if k.lower() != SESSION_HEADER
-        }
-        headers[SESSION_HEADER] = anthropic.omit  # the conversation's name never leaves
+        headers = _headers_out(request)
         if report.betas:
             headers["anthropic-beta"] = merge_betas(headers.get("anthropic-beta"), report.betas)
         options = request.options
@@ -228,9 +225,9 @@ class SluicegateMiddleware(anthropic.Middleware):
                     body, call = await session.prepare_call(request.json)
                 else:
                     body, call = await self._pass_maybe_elsewhere(branch, request.json)
-            except ValueError as exc:
+            except UnreadableMessage as exc:
                 _unread(session, exc)
-                response = await call_next(request)
+                response = await call_next(request.copy(headers=_headers_out(request)))
                 seen.end(status=response.status_code)
                 return response
             finally:
@@ -309,9 +306,9 @@ class SluicegateMiddleware(anthropic.Middleware):
                 with session.sync_lock:
                     body, call = run_pass(lambda: session.prepare_call(request.json))
                     report = session.ctx.report
-            except ValueError as exc:
+            except UnreadableMessage as exc:
                 _unread(session, exc)
-                response = call_next(request)
+                response = call_next(request.copy(headers=_headers_out(request)))
                 seen.end(status=response.status_code)
                 return response
             finally:
@@ -334,7 +331,16 @@ class SluicegateMiddleware(anthropic.Middleware):
         return response
 
 
-def _unread(session: WireSession, exc: ValueError) -> None:
+def _headers_out(request: Any) -> dict[str, Any]:
+    """The request's headers, less the conversation's name, which never leaves."""
+    headers: dict[str, Any] = {
+        k: v for k, v in (request.headers or {}).items() if k.lower() != SESSION_HEADER
+    }
+    headers[SESSION_HEADER] = anthropic.omit
+    return headers
+
+
+def _unread(session: WireSession, exc: UnreadableMessage) -> None:
     """A request whose messages the pass cannot read (a role or a content the API would
     refuse): it goes as it came, and the API answers it as it would the SDK alone (a 400,
     ``anthropic.BadRequestError``); logged with the error's kind, never its text (which may

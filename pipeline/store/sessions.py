@@ -398,7 +398,7 @@ def _local(
     def load() -> Transcript | None:
         try:
             size = os.lstat(path).st_size  # before it is read: more found later is news
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             records.loaded(0)
             return None
         loaded = load_transcript(path, strict=False)

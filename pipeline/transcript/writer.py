@@ -313,19 +313,21 @@ class TranscriptWriter(JsonlRecordWriter):
     def loaded(self, size: int) -> None:
         """The file was read up to ``size`` bytes (0: it does not exist): what this writer
         appends from now on counts from there."""
-        self.known_size = size
+        with self._lock:
+            self.known_size = size
 
     def changed_elsewhere(self) -> bool:
         """Whether another writer (another client of the store, another process) appended to
         the file since it was :meth:`loaded` or this writer last appended: its length is not
-        the one this writer knows (one ``lstat``; False when never told a length)."""
-        known = self.known_size
-        if known is None:
-            return False
-        try:
-            return os.lstat(self.path).st_size != known
-        except FileNotFoundError:
-            return known != 0
+        the one this writer knows (one ``lstat``). Never told a length, and never having
+        written, a file with anything in it is news: another writer made it first."""
+        with self._lock:  # not between an append of this writer's and its count
+            known = self.known_size
+            try:
+                size = os.lstat(self.path).st_size
+            except (FileNotFoundError, NotADirectoryError):
+                return bool(known)
+            return size != (known or 0)
 
     def _append(self, fd: int, size: int, payload: bytes) -> None:
         # After a crash the file may end in a torn line: start on a fresh line, or the first

@@ -20,11 +20,19 @@ _NO_BREAKPOINT = frozenset({"thinking", "redacted_thinking"})
 
 
 def param_breakpoints(param: MessageParam) -> int:
-    """How many blocks of one message carry ``cache_control``."""
+    """How many blocks of one message carry ``cache_control``, those inside a tool result's
+    content included (the API counts every one against its four)."""
     content: Any = param["content"]
     if not isinstance(content, list):
         return 0
-    return sum(1 for b in content if isinstance(b, dict) and "cache_control" in b)
+    marks = 0
+    for block in content:
+        if isinstance(block, dict):
+            marks += "cache_control" in block
+            inner = block.get("content")
+            if isinstance(inner, list):
+                marks += sum(1 for b in inner if isinstance(b, dict) and "cache_control" in b)
+    return marks
 
 
 def marked_outside_messages(body: Mapping[str, Any]) -> bool:
