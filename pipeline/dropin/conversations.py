@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -53,6 +53,7 @@ from pipeline.dropin.family_loading import load_family, records_of
 from pipeline.dropin.held_families import MAX_BRANCHES, MAX_HELD, MAX_HELD_BYTES, HeldFamilies
 from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
 from pipeline.dropin.session_log import decisions
+from pipeline.dropin.store_news import StoreNews
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
 from pipeline.messages import Message
@@ -99,7 +100,7 @@ _OPENINGS_KEPT = 64
 """Recent requests whose system prompt and first message are remembered with their digest."""
 
 
-class Conversations:
+class Conversations(StoreNews):
     """Every conversation a drop-in serves, found by tenant and prefix (see the module).
 
     ``pipeline``: a factory of each conversation's stages; ``storage``: where their state lives
@@ -286,68 +287,6 @@ class Conversations:
         """Every conversation held in memory."""
         with self._lock:
             return self._holding.branches()
-
-    async def current(self, branch: Branch) -> bool:
-        """Whether ``branch`` is as its records leave it. When another writer recorded calls
-        of it since (another worker of a shared store, another client or program on the same
-        files), it is loaded again: False, place the request again. Asking an object store is
-        a request, made in a worker thread; a local file's length is read inline. A store that
-        cannot be asked or read: True, and from then on the conversation decides again what
-        no record tells it of (:meth:`WireSession.store_unread`)."""
-        session = branch.session
-        try:
-            changed = session.storage.changed_elsewhere
-            moved = await anyio.to_thread.run_sync(changed) if self.states.shared else changed()
-            if moved:
-                await self.reload(branch)
-        except OSError as exc:
-            self._unread(session, exc)
-            return True
-        return not moved
-
-    def current_sync(
-        self, branch: Branch, run: Callable[[Callable[[], Awaitable[None]]], None]
-    ) -> bool:
-        """:meth:`current` for a synchronous caller: the store asked inline, a load by ``run``
-        (which runs a coroutine to its end: the sync ``wrap``'s own loop)."""
-        session = branch.session
-        try:
-            moved = session.storage.changed_elsewhere()
-            if moved:
-                run(lambda: self.reload(branch))
-        except OSError as exc:
-            self._unread(session, exc)
-            return True
-        return not moved
-
-    @staticmethod
-    def _unread(session: WireSession, exc: OSError) -> None:
-        session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
-        # another worker may have served calls this one cannot read of: what it decided on
-        # their results is decided again here, alike, rather than taken as sent whole
-        session.store_unread()
-
-    async def reload(self, branch: Branch) -> None:
-        """Load ``branch``'s session again from its records (another worker served it), in a
-        worker thread; the index learns what its records say it sent. ``OSError`` when the
-        store cannot be read."""
-        family = branch.family
-        await branch.session.save_calibration()  # what it learned since its last save
-        session = await WireSession.open(
-            branch.conversation_id,
-            family.calibration_root,
-            self.pipeline(),
-            storage=branch.session.storage,
-            opening=family.opening,
-            **self.context,
-        )
-        session.elsewhere = functools.partial(
-            self._decided_elsewhere, weakref.ref(family), branch.name
-        )
-        with self._lock:
-            branch.session = session
-            branch.params = []
-            family.register(branch, list(session.chain))
 
     def _unsure(self, tenant: str, name: str, opening: bytes) -> Family:
         """The family of a request whose records a shared store could not give (it is down):
