@@ -903,3 +903,30 @@ def test_no_breakpoint_is_added_for_a_client_that_marks_inside_its_results(
         )
         (sent,) = server.requests
     assert sent["messages"] == messages
+
+
+def test_each_message_goes_as_its_own_message(tmp_path: Path) -> None:
+    """At the wire a message is a message: two user messages in a row stay two (no ``\\n``
+    added at a seam), and a user message's blocks keep their order."""
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "x", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "first"},
+                {"type": "tool_result", "tool_use_id": "t1", "content": "out"},
+            ],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "more"}]},
+    ]
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = wrap(raw, root=tmp_path)
+        client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
+        client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
+        assert [r["messages"] for r in server.requests] == [messages, messages]

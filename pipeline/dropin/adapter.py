@@ -60,7 +60,7 @@ from pipeline.dropin.session_log import (
 )
 from pipeline.dropin.session_writes import SessionWrites
 from pipeline.kept_list import shared_start
-from pipeline.messages import Message, Usage, uuid5_text
+from pipeline.messages import WIRE_MESSAGE, Message, Usage, uuid5_text
 from pipeline.replacement import (
     DECIDED_RECORD_STAGE,
     ReplacementRecord,
@@ -511,12 +511,14 @@ class WireSession(ResponseObserving):
         uid = uuid5_text(link)
         try:
             if not (isinstance(param, Mapping) and param.get("role") == "assistant"):
-                return Message.from_param(param, uuid=uid)
+                return Message.from_param(param, uuid=uid, subtype=WIRE_MESSAGE)
             # an answer this session did not observe: an id of its own place, so that two
             # equal answers (a model repeating a call with the same id) stay two messages
             response_id, usage = self._responses.get(index, (None, None))
             if response_id is None:
                 response_id = f"msg_wire_{link.hex()[:24]}"
-            return Message.from_param(param, uuid=uid, message_id=response_id, usage=usage)
+            return Message.from_param(
+                param, uuid=uid, message_id=response_id, usage=usage, subtype=WIRE_MESSAGE
+            )
         except ValueError as exc:
             raise UnreadableMessage(f"messages[{index}]: {exc}") from None
