@@ -59,7 +59,11 @@ class ToolPolicies:
         for name, value in self.declared.items():
             _check_limit(name, value)
         for name, value in self.overrides.items():
-            _check_limit(name, value)
+            if math.isinf(_check_limit(name, value)):  # ignored, it would mislead
+                raise ValueError(
+                    f"override for tool {name!r} must be finite (a tool that is never to be "
+                    f"persisted declares math.inf), got {value!r}"
+                )
         _check_limit("<cap>", self.cap)
 
     @classmethod

@@ -260,14 +260,18 @@ class ToolResultBudget:
 
             # 3. the per-message budget over what is left
             eligible = [c for c in bounded if c.key not in state.seen_ids]
-            # frozen: seen earlier and sent whole, or a per-tool write that just failed
-            frozen_size = sum(
-                c.size
+            # frozen: seen earlier and sent whole, or a per-tool write that just failed; a
+            # never-persist tool's result is out of the sum on every pass, not only its first
+            # (how passes split a message must not change what is decided)
+            frozen = [
+                c
                 for c in group
                 if c.key in state.seen_ids
                 and c.key not in state.replacements
                 and c.key not in unbounded_keys
-            )
+                and not policies.never_persist(c.tool_name)
+            ]
+            frozen_size = sum(c.size for c in frozen)
             fresh_size = sum(c.size for c in eligible)
             selected = select_fresh_to_replace(eligible, frozen_size, self.limit)
             selected_keys = {c.key for c in selected}
@@ -287,7 +291,10 @@ class ToolResultBudget:
             # what the message sends now, its persisted results aside
             visible = frozen_size + sum(c.size for c in eligible if c.key not in state.replacements)
             if visible > self.limit:
-                fits = frozen_size > self.limit
+                # over by what the model saw whole before this pass alone; a write that just
+                # failed is this pass's own excess
+                saw = sum(c.size for c in frozen if c.key not in fresh_keys)
+                fits = saw > self.limit
                 outcome = GroupOutcome.FROZEN_OVER_BUDGET if fits else GroupOutcome.OVER_BUDGET
             else:
                 outcome = GroupOutcome.PERSISTED if records else GroupOutcome.UNDER_BUDGET

@@ -518,10 +518,13 @@ class Runner:
                 for i in bounded
                 if i not in expected_new
             ]
+            # a never-persist tool's result is out of the sum, on this pass or a later one
             frozen_size = sum(
                 spec_size(s.original[i])
                 for i in group
-                if k[i] in before.seen_ids and k[i] not in before.replacements
+                if k[i] in before.seen_ids
+                and k[i] not in before.replacements
+                and s.tool_of[i] != "Read"
             )
             for i in spec_greedy(eligible, frozen_size, limit):
                 expected_new[i] = "per_message"

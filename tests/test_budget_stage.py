@@ -622,3 +622,46 @@ async def test_a_breakpoint_inside_a_persisted_result_stays_on_the_result(tmp_pa
     assert isinstance(x["content"], str) and x["cache_control"] == mark
     assert isinstance(y["content"], str) and y["cache_control"] == outer
     assert json.dumps([m.content for m in out]).count("cache_control") == 2
+
+
+@pytest.mark.asyncio
+async def test_a_never_persist_result_is_out_of_the_sum_on_every_pass(tmp_path: Path) -> None:
+    """A never-persist tool's result (``Read``) is out of the per-message sum whether it came
+    in this pass or an earlier one: how passes split a message never changes a decision."""
+    use = assistant("r1", tool_use("r", "Read"), tool_use("o", "Other"))
+    read = results(tool_result("r", "r" * 180_000))
+    other = results(tool_result("o", "o" * 30_000))
+    pipe = Pipeline([ToolResultBudget()])
+    together = await pipe.run([use, read, other], make_ctx(tmp_path / "one"))
+    ctx = make_ctx(tmp_path / "two")
+    await pipe.run([use, read], ctx)
+    split = await pipe.run([use, read, other], ctx)
+    assert contents(together)["o"] == contents(split)["o"] == "o" * 30_000
+
+
+@pytest.mark.asyncio
+async def test_a_result_whose_write_failed_leaves_its_message_over_budget(tmp_path: Path) -> None:
+    """A fresh result over its tool's limit whose write fails: the message is over budget by
+    this pass's own failure (``over_budget``), not by what the model saw whole before."""
+    failing = CountingStore(fail=OSError(errno.EIO, "I/O error"))
+    ctx = make_ctx(tmp_path, store=failing, exporter=(exp := SpanRecorder()))
+    await Pipeline([ToolResultBudget()]).run(parallel_turn("r1", {"big": 250_000}), ctx)
+    (group,) = exp.attributes(SPAN_BUDGET_GROUP)
+    assert group[ATTR.OUTCOME] == "over_budget"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"overrides": {"X": math.inf}}, "override for tool 'X' must be finite"),
+        ({"overrides": {"X": math.nan}}, "must be a number"),
+        ({"overrides": {"X": 0}}, "must be > 0"),
+        ({"declared": {"X": -1}}, "must be > 0"),
+        ({"cap": True}, "must be a number"),
+    ],
+)
+def test_a_limit_the_policies_would_not_honour_is_refused(kwargs: Any, message: str) -> None:
+    """An override is a finite number > 0 (an infinite one would be ignored: refused, not
+    silently dropped); every limit is a number, not a bool."""
+    with pytest.raises(ValueError, match=message):
+        ToolPolicies(**kwargs)

@@ -73,14 +73,16 @@ def test_default_method_is_calibrated_and_reference_is_selectable() -> None:
 
 
 def test_text_is_round_len_over_4() -> None:
-    # round() halves to even: 2 chars -> 0.5 -> 0; 6 chars -> 1.5 -> 2; 10 -> 2.5 -> 2
-    assert [rough_tokens_for_text("x" * n) for n in (0, 1, 2, 3, 6, 10, 400)] == [
-        0,
+    # as JavaScript's Math.round, a half up: 2 chars -> 0.5 -> 1; 6 -> 1.5 -> 2; 10 -> 2.5 -> 3
+    # (Python's round() would give 0, 2, 2: halves to the even)
+    assert [rough_tokens_for_text("x" * n) for n in (0, 1, 2, 3, 6, 10, 1002, 400)] == [
         0,
         0,
         1,
+        1,
         2,
-        2,
+        3,
+        251,
         100,
     ]
 

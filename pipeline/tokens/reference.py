@@ -29,8 +29,11 @@ __all__ = [
 
 
 def rough_tokens_for_text(text: str) -> int:
-    """``round(len/4)``; 2 chars/token for JSON-family text (dense punctuation)."""
-    return round(len(text) / (2 if looks_like_json(text) else 4))
+    """``round(len/4)`` as JavaScript's ``Math.round`` rounds (a half up, where Python's
+    ``round`` goes to the even: 10 chars are 3 tokens, not 2); 2 chars/token for JSON-family
+    text (dense punctuation)."""
+    per = 2 if looks_like_json(text) else 4
+    return (2 * len(text) + per) // (2 * per)
 
 
 def rough_tokens_for_messages(messages: Iterable[Message]) -> int:
