@@ -516,3 +516,20 @@ def test_packed_vectors_add_as_add_does(columns: list[list[float]]) -> None:
     for v, p in zip(vectors, packed, strict=True):
         assert ContentVector.unpack(p).data.tobytes() == (ContentVector.sum_of([v])).data.tobytes()
         assert len(p) == 17 * sum(1 for i in range(half) if v.data[i] or v.data[half + i])
+
+
+def test_a_tool_calls_numbers_are_counted_as_javascript_writes_them() -> None:
+    """``JSON.stringify`` writes ``1.0`` as ``1`` and a NaN as ``null``: a tool call's input
+    is counted from that text, not from Python's (``1.0``, ``NaN``)."""
+
+    def call(value: Any) -> dict[str, Any]:
+        return {
+            "type": "tool_use",
+            "id": "t",
+            "name": "n",
+            "input": {f"k{i}": value for i in range(20)},
+        }
+
+    assert rough_tokens_for_block(call(1.0)) == rough_tokens_for_block(call(1))
+    assert rough_tokens_for_block(call(float("nan"))) == rough_tokens_for_block(call(None))
+    assert rough_tokens_for_block(call(2.5)) > rough_tokens_for_block(call(2))

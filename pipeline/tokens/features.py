@@ -13,6 +13,7 @@ blocks are turned into JSON, one block at a time.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -90,6 +91,24 @@ JavaScript's ``JSON.stringify`` writes it (the reference's count of a tool call'
 building an encoder per block (every new tool call is measured by each estimator)."""
 
 
+def _as_javascript(value: Any) -> Any:
+    """``value`` with the numbers JavaScript's ``JSON.stringify`` writes otherwise than
+    Python's encoder made alike: an integral float as an integer (``1.0`` is written ``1``),
+    a NaN or an infinity as null. The same object when nothing in it changes."""
+    kind = type(value)
+    if kind is float:
+        if not math.isfinite(value):
+            return None
+        return int(value) if value.is_integer() and abs(value) < 1e21 else value
+    if kind is dict:
+        out = {k: _as_javascript(v) for k, v in value.items()}
+        return value if all(out[k] is v for k, v in value.items()) else out
+    if kind is list:
+        items = [_as_javascript(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    return value
+
+
 def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segment]:
     btype = block.get("type")
     if btype == "text":
@@ -102,7 +121,7 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
         yield Segment("media", block=block)
     elif btype == "tool_use":
         name = str(block.get("name") or "")
-        yield Segment("tool_use", name + _JSON.encode(block.get("input")))
+        yield Segment("tool_use", name + _JSON.encode(_as_javascript(block.get("input"))))
     elif btype == "tool_result":
         yield Segment("tool_result")
         failed = bool(block.get("is_error"))
