@@ -165,25 +165,26 @@ class SluicegateMiddleware(anthropic.Middleware):
         """Whether ``branch``, routed with ``hold``, is as its records leave it; when another
         client of the store moved it on, it is loaded again and its hold let go (False: route
         the request again)."""
-        try:
-            current = await self.conversations.current(branch)
-        except BaseException:
-            self.conversations.done(branch)
-            raise
-        if not current:
-            self.conversations.done(branch)
-        return current
+        with self._hold_kept_if(branch) as current:
+            current[0] = await self.conversations.current(branch)
+        return current[0]
 
     def _current_sync(self, branch: Branch) -> bool:
         """:meth:`_current` for the synchronous client (a load on its own loop)."""
+        with self._hold_kept_if(branch) as current:
+            current[0] = self.conversations.current_sync(branch, run_pass)
+        return current[0]
+
+    @contextlib.contextmanager
+    def _hold_kept_if(self, branch: Branch) -> Iterator[list[bool]]:
+        """The hold of ``branch`` let go unless the block sets the flag it is given (and let
+        go when the block raises)."""
+        kept = [False]
         try:
-            current = self.conversations.current_sync(branch, run_pass)
-        except BaseException:
-            self.conversations.done(branch)
-            raise
-        if not current:
-            self.conversations.done(branch)
-        return current
+            yield kept
+        finally:
+            if not kept[0]:
+                self.conversations.done(branch)
 
     def _routed(self, branch: Branch, request: Any) -> tuple[WireSession, WireRequest]:
         """The session of a call routed with ``hold``, and its request's span and line (the
