@@ -760,3 +760,59 @@ def test_fuzz_option_values(
             _strict_json(line)
     if code != 0:
         assert "error" in err or "usage:" in err, (args, code, err)
+
+
+def test_a_replay_store_that_cannot_be_written_is_refused_before_any_work(
+    session: Path, tmp_path: Path
+) -> None:
+    """A ``--store`` under a file (a typo) or a link to nowhere is exit 2 before the replay,
+    as the demo's is, not a replay whose every persist fails."""
+    blocker = tmp_path / "f"
+    blocker.write_text("")
+    nowhere = tmp_path / "link"
+    nowhere.symlink_to(tmp_path / "missing" / "deeper")
+    for store in (blocker / "sub", nowhere):
+        code, out, err = run_main("replay", session, "--store", store)
+        assert_clean_error(code, err, 2, "--store")
+        assert out == ""
+
+
+def test_dump_options_are_refused_where_nothing_is_dumped(session: Path, tmp_path: Path) -> None:
+    """``--dump-calls``/``--dump-format`` without ``--dump-requests``, and ``--dump-requests``
+    with ``--compare`` (several pipelines): refused, not ignored."""
+    cases = [
+        (["--dump-calls", "0"], "--dump-calls requires --dump-requests"),
+        (["--dump-format", "delta"], "--dump-format requires --dump-requests"),
+        (["--compare", "none,default", "--dump-requests", tmp_path / "d"], "--dump-requests"),
+    ]
+    for extra, message in cases:
+        code, out, err = run_main("replay", session, "--store", tmp_path / "s", *extra)
+        assert_clean_error(code, err, 2, message)
+        assert out == "" and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("content", [b"[" * 100_000, b'{"m": {"input": 1, "output": \xff}}'])
+def test_a_price_table_too_deep_or_not_utf8_is_a_clean_error(
+    session: Path, tmp_path: Path, content: bytes
+) -> None:
+    prices = tmp_path / "p.json"
+    prices.write_bytes(content)
+    code, _out, err = run_main(
+        "replay", session, "--store", tmp_path / "s", "--compare", "none", "--prices", prices
+    )
+    assert_clean_error(code, err, 2, "--prices", str(prices))
+
+
+def test_the_agent_takes_no_per_call_output_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent prints its answer: ``--json`` and the dumps are not its options (exit 2),
+    rather than options it would ignore; an empty ``--session-id`` is refused."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://127.0.0.1:9")  # never reached
+    monkeypatch.chdir(tmp_path)
+    for extra in (["--json"], ["--dump-requests", str(tmp_path / "d")], ["--progress"]):
+        code, _out, err = run_main("agent", "go", "--model", "m", *extra)
+        assert code == 2 and "unrecognized arguments" in err
+    code, _out, err = run_main("agent", "go", "--model", "m", "--session-id", "")
+    assert code == 2 and "--session-id" in err

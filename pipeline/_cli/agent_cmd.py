@@ -101,6 +101,8 @@ def run_agent(
         transcript = loaded.path
     else:
         try:
+            if args.session_id == "":
+                raise CliError("--session-id: give a non-empty id (or none: a random one)")
             session_id = validate_session_id(args.session_id or str(uuid.uuid4()))
         except ValueError as exc:
             raise CliError(f"--session-id: {exc}") from None

@@ -287,9 +287,8 @@ def store_root(options: ReplayOptions, *, prefix: str = "sluicegate-") -> Iterat
     temporary directory that is removed when the block ends (returns, fails or is
     interrupted) unless ``--keep-store`` was given.
 
-    A ``--store`` is never removed. A ``--store`` that is not a directory is refused. One that
-    cannot be written is not: the budget then sends each result whole (``persist failed``), as
-    a live session would.
+    A ``--store`` is never removed; the commands check it can be written before any work
+    (:func:`writable_dir`).
     """
     if options.store is not None:
         if options.store.exists() and not options.store.is_dir():

@@ -102,7 +102,12 @@ def load_prices(path: str | Path) -> dict[str, Price]:
     ``cache_write_factor`` and ``cache_read_factor``; every value a finite number >= 0.
     ``ValueError`` names the bad entry.
     """
-    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a price table") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a price table is a JSON object of model fragment → prices")
     table: dict[str, Price] = {}

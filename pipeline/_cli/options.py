@@ -23,7 +23,7 @@ STORE_HELP = (
     "or interrupted with Ctrl-C) unless --keep-store"
 )
 KEEP_STORE_HELP = (
-    "keep the temporary store made when no --store is given (the demo's transcript is in it "
+    "keep the temporary store made when no --store is given (for the demo, its transcript "
     "too): its location is printed in the summary (and in the JSON summary's 'store', with "
     "'store_kept': true). Delete it when done. Has no effect with --store"
 )
@@ -50,7 +50,7 @@ tracing:
 
 exit codes: 0 ok, 1 the command failed part-way (a stage stopped the session, an
   output could not be written), 2 bad usage or bad input, 130 interrupted (Ctrl-C),
-  143 terminated (SIGTERM); a temporary store is removed either way.
+  143 terminated (SIGTERM); a temporary store (replay's, demo's) is removed either way.
 """
 
 

@@ -432,6 +432,9 @@ def _add_agent_parser(sub: Any) -> None:
         "--resume", type=Path, metavar="TRANSCRIPT", help="continue the session of this transcript"
     )
     agent_p.add_argument("--session-id", help="id of a new session (default: random)")
-    add_replay_options(agent_p, temporary_store=False, store_help=AGENT_STORE_HELP)
+    # the agent prints its answer: no per-call table, JSON lines, dumps or progress bar
+    add_replay_options(
+        agent_p, temporary_store=False, store_help=AGENT_STORE_HELP, per_call_output=False
+    )
     add_object_store_options(agent_p)
     agent_p.set_defaults(handler=cmd_agent, store=None)

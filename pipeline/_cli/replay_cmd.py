@@ -28,6 +28,7 @@ from pipeline._cli.common import (
     session_id_for,
     store_root,
     with_tracing,
+    writable_dir,
     writable_file,
 )
 from pipeline._cli.dumps import RequestDumper
@@ -366,10 +367,23 @@ def _compare_into(
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.store is not None:  # a typo must not make every persist fail, quietly
+        writable_dir(args.store, "--store")
     options = ReplayOptions.from_args(args)
     # option errors are reported before the transcript is read (it may be large)
     setup: CompareSetup | None = None
+    if args.dump_requests is None:
+        for flag, given in (
+            ("--dump-calls", args.dump_calls),
+            ("--dump-format", args.dump_format != "full"),
+        ):
+            if given:
+                raise CliError(f"{flag} requires --dump-requests")
     if args.compare is not None:
+        if args.dump_requests is not None:
+            raise CliError(
+                "--dump-requests is not taken with --compare (it dumps one pipeline's requests)"
+            )
         setup = prepare_compare(args, options)
     else:
         for flag, value in (("--prices", args.prices), ("--plot", args.plot)):
