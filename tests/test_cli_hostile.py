@@ -816,3 +816,33 @@ def test_the_agent_takes_no_per_call_output_options(
         assert code == 2 and "unrecognized arguments" in err
     code, _out, err = run_main("agent", "go", "--model", "m", "--session-id", "")
     assert code == 2 and "--session-id" in err
+
+
+def test_an_answer_printed_on_a_terminal_cannot_act_on_it(tmp_path: Path) -> None:
+    """The model's answer on a terminal: an escape sequence in it is shown, not obeyed (it
+    could recolour, retitle or clear the terminal); its lines and tabs stay. Piped, the answer
+    is printed as it came."""
+    import pty
+
+    from pipeline.testing import Reply, ScriptedMessagesServer
+
+    answer = "done \x1b[31mred\x1b]0;title\x07\nline two\tend"
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": answer}])) as server:
+        env = clean_env(ANTHROPIC_API_KEY="k", ANTHROPIC_BASE_URL=server.base_url)
+        command = [sys.executable, "-m", "pipeline", "agent", "go", "--model", "m"]
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: the command on the pseudo-terminal
+            os.chdir(tmp_path / ".")
+            os.execve(sys.executable, command, env)
+        shown = b""
+        with contextlib.suppress(OSError):  # EIO once the child has closed the terminal
+            while chunk := os.read(fd, 65536):
+                shown += chunk
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+        piped = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+    text = shown.decode()
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "\\x1b[31mred\\x1b]0;title\\x07" in text and "\x1b" not in text
+    assert "line two\tend" in text
+    assert piped.returncode == 0 and piped.stdout == answer + "\n"

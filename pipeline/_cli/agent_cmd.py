@@ -22,7 +22,7 @@ from pipeline._cli.common import (
     object_store_states,
     with_tracing,
 )
-from pipeline._cli.safe_text import terminal_safe
+from pipeline._cli.safe_text import readable_safe, terminal_safe
 from pipeline.context import SessionContext
 from pipeline.policies import ToolPolicies
 from pipeline.store.files import TOOL_RESULTS_SUBDIR, validate_session_id
@@ -211,6 +211,8 @@ def _run_locked(
         result = anyio.run(run)
     except AgentAPIError as exc:
         raise CliError(f"API error: {exc}", EXIT_FAILED) from None
-    print(encodable(result.text))  # a lone surrogate in the answer cannot be printed
+    answer = encodable(result.text)  # a lone surrogate in the answer cannot be printed
+    # on a terminal, an escape sequence in the answer must not act on it (piped: as it came)
+    print(readable_safe(answer) if sys.stdout.isatty() else answer)
     print(f"[{result.stop_reason} after {result.turns} calls]", file=sys.stderr)
     return EXIT_OK

@@ -8,7 +8,7 @@ needs nothing (``json.dumps`` escapes control characters itself).
 
 from __future__ import annotations
 
-__all__ = ["terminal_safe"]
+__all__ = ["readable_safe", "terminal_safe"]
 
 
 _SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -39,3 +39,11 @@ def terminal_safe(text: str, limit: int = MAX_SHOWN) -> str:
     if not cut.isprintable():  # the common case is checked in C
         cut = "".join(ch if ch.isprintable() else _escape(ch) for ch in cut)
     return f"{cut}…({len(text):,} chars)" if long else cut
+
+
+def readable_safe(text: str) -> str:
+    """Text to be read whole on a terminal (a model's answer): :func:`terminal_safe`'s escapes
+    for every character a terminal would act on, its lines and tabs kept, never cut."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else _escape(ch) for ch in text)
