@@ -1072,3 +1072,20 @@ def test_a_request_equal_to_its_conversations_last_but_not_the_same_objects_is_d
         assert conversations.off_loop == 1
 
     anyio.run(main)
+
+
+def test_what_a_replaced_session_writes_after_a_reload_is_news(tmp_path: Path) -> None:
+    """A conversation loaded again (another writer moved it on) gets a writer of its own on a
+    local store: what the session it replaced still writes (a response recorded late) is
+    news to it, not its own."""
+
+    async def main() -> None:
+        conversations = registry(tmp_path)
+        branch, _ = await send(conversations, [user("task"), call("t1"), answer("t1", "x")])
+        old = branch.session
+        await conversations.reload(branch)
+        assert branch.session is not old and await conversations.current(branch)
+        old.storage.records.append_stage_record("late", {"k": 1})
+        assert not await conversations.current(branch)  # news: loaded again
+
+    anyio.run(main)

@@ -88,11 +88,17 @@ class StoreNews:
         store cannot be read."""
         family = branch.family
         await branch.session.save_calibration()  # what it learned since its last save
+        storage = branch.session.storage
+        if not storage.shared:
+            # a writer of its own: what the session it replaces still writes (a response
+            # recorded late) is then news to it, not its own (an object store's log is kept,
+            # which a new one would read whole again)
+            storage = family.states.open(family.name, branch=branch.name, content_named=True)
         session = await WireSession.open(
             branch.conversation_id,
             family.calibration_root,
             self.pipeline(),
-            storage=branch.session.storage,
+            storage=storage,
             opening=family.opening,
             **self.context,
         )
