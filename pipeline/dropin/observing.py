@@ -87,9 +87,10 @@ class ResponseObserving:
     @property
     def records_wait(self) -> bool:
         """Whether a response's record may be written after its client has the response: on
-        a store no other worker reads whose appends are page-cache writes (made durable
-        later); not on an object store (another worker must find it first) nor where each
-        record is to be durable before the proxy goes on (``fsync_each``)."""
+        a local store whose appends are page-cache writes (made durable later; another writer
+        sharing the directory finds the record as news once it is written); not on an object
+        store (another worker must find it first) nor where each record is to be durable
+        before the proxy goes on (``fsync_each``)."""
         return not self.storage.shared and not appends_block(self.ctx.transcript)
 
     @property
