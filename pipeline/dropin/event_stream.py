@@ -3,7 +3,6 @@ proxy and the wrapped client learn from a streamed response without holding it b
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -125,12 +124,10 @@ class EventStreamUsage:
         """The stream has gone by: the session observes the response (once)."""
         taken = self._take()
         if taken is not None:
-            with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
-                self.session.observe(*taken, call=self.call)
+            self.session.observe(*taken, call=self.call)  # (usage it refuses: recorded without)
 
     async def aclose(self) -> None:
         """:meth:`close`, the session's writes in a worker thread."""
         taken = self._take()
         if taken is not None:
-            with contextlib.suppress(ValueError):
-                await self.session.observe_async(*taken, call=self.call, defer=self.defer)
+            await self.session.observe_async(*taken, call=self.call, defer=self.defer)

@@ -75,6 +75,7 @@ from pipeline.dropin.limits import (
 )
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.relay import relay as _relay
+from pipeline.dropin.store_news import PLACE_ATTEMPTS
 from pipeline.dropin.sync_passes import LongPasses
 from pipeline.dropin.tenancy import Tenancy, credential_of
 from pipeline.dropin.upstream import Upstream, unless_left
@@ -99,8 +100,6 @@ __all__ = [
 
 DEFAULT_UPSTREAM = "https://api.anthropic.com"
 
-_PLACE_ATTEMPTS = 3
-"""How many times a request is placed: again when another worker moved its conversation on."""
 _PASSTHROUGH = "/{path:path}"
 
 _CONNECT_TIMEOUT = 30.0
@@ -270,7 +269,7 @@ def build_app(
             return refused(started, 400, "invalid_request_error", "request body nested too deeply")
         except ValueError as exc:  # what the API would say of it, before any upstream call
             return refused(started, 400, "invalid_request_error", str(exc)[:300])
-        for attempt in range(_PLACE_ATTEMPTS):
+        for attempt in range(PLACE_ATTEMPTS):
             try:
                 size = held_size(len(raw), len(body["messages"]))
                 branch = await conversations.route(body, headers, unchanging=True, size=size)
@@ -297,7 +296,7 @@ def build_app(
             # one pass of a conversation at a time (with the check that no other worker moved
             # it on); its upstream call runs outside: a slow or abandoned one holds up nobody
             async with branch.call_lock:
-                last = attempt == _PLACE_ATTEMPTS - 1
+                last = attempt == PLACE_ATTEMPTS - 1
                 if not await conversations.current(branch) and not last:
                     continue  # another worker moved it on: place the request again
                 session = branch.session

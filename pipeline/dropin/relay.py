@@ -225,8 +225,6 @@ class _UsageReader:
                 context_management=message.get("context_management"),
             )
         if isinstance(usage, dict) and isinstance(rid, str):
-            with contextlib.suppress(ValueError):  # usage the tracker refuses: estimate on
-                model = str(message.get("model"))
-                await self.session.observe_async(
-                    rid, usage, model=model, call=self.call, defer=True
-                )
+            # usage the tracker refuses is recorded without it (WireSession.observe_async)
+            model = str(message.get("model"))
+            await self.session.observe_async(rid, usage, model=model, call=self.call, defer=True)

@@ -23,6 +23,7 @@ from pipeline.dropin.adapter import Call, UnreadableMessage, WireSession
 from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
 from pipeline.dropin.event_stream import EventStreamUsage
 from pipeline.dropin.metrics import WireMetrics
+from pipeline.dropin.store_news import PLACE_ATTEMPTS
 from pipeline.dropin.sync_passes import LongPasses, in_worker, run_pass
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.dropin.thread_sync import SYNCS
@@ -44,11 +45,6 @@ def _is_messages_call(request: Any) -> bool:
         and isinstance(request.json, Mapping)
         and isinstance(request.json.get("messages"), list)
     )
-
-
-_PLACE_ATTEMPTS = 3
-"""Times a call is routed at most while another client of the store keeps moving its
-conversation on (the last goes as placed)."""
 
 
 class SluicegateMiddleware(anthropic.Middleware):
@@ -211,11 +207,11 @@ class SluicegateMiddleware(anthropic.Middleware):
             return await call_next(request)
         # held until its pass is through: its family is not let go meanwhile (its pass may
         # ask the family's other conversations how they sent a result)
-        for attempt in range(_PLACE_ATTEMPTS):
+        for attempt in range(PLACE_ATTEMPTS):
             branch = await self.conversations.route(
                 request.json, self._headers(request), explicit=self.session_id, hold=True
             )
-            if attempt == _PLACE_ATTEMPTS - 1 or await self._current(branch):
+            if attempt == PLACE_ATTEMPTS - 1 or await self._current(branch):
                 break
         session, seen = self._routed(branch, request)
         with seen.active():
@@ -246,10 +242,9 @@ class SluicegateMiddleware(anthropic.Middleware):
                 _observed(seen, message)
                 usage = _usage_of(message)
                 if usage is not None:
-                    with contextlib.suppress(ValueError):  # usage it refuses: estimate on
-                        await session.observe_async(
-                            message.id, usage, model=str(message.model), call=call
-                        )
+                    await session.observe_async(
+                        message.id, usage, model=str(message.model), call=call
+                    )
             if not session.settle_in(SYNCS):  # the call's records made durable after it
                 await session.settle()
         seen.end()
@@ -290,7 +285,7 @@ class SluicegateMiddleware(anthropic.Middleware):
         (:attr:`WireSession.sync_lock`)."""
         if not _is_messages_call(request):
             return call_next(request)
-        for attempt in range(_PLACE_ATTEMPTS):
+        for attempt in range(PLACE_ATTEMPTS):
             branch = self.conversations.route_sync(
                 request.json,
                 self._headers(request),
@@ -298,7 +293,7 @@ class SluicegateMiddleware(anthropic.Middleware):
                 build=in_worker,
                 hold=True,
             )
-            if attempt == _PLACE_ATTEMPTS - 1 or self._current_sync(branch):
+            if attempt == PLACE_ATTEMPTS - 1 or self._current_sync(branch):
                 break
         session, seen = self._routed(branch, request)
         with seen.active():
@@ -375,10 +370,7 @@ def _usage_of(message: Any) -> dict[str, Any] | None:
 def _observe(session: WireSession, message: Any, call: Call | None) -> None:
     usage = _usage_of(message)
     if usage is not None:
-        # usage the SDK took but the tracker refuses (a float, a negative): the reply is the
-        # caller's all the same, and the tracker estimates on without it
-        with contextlib.suppress(ValueError):
-            session.observe(message.id, usage, model=str(message.model), call=call)
+        session.observe(message.id, usage, model=str(message.model), call=call)
 
 
 class _AsyncTap(httpx2.AsyncByteStream):

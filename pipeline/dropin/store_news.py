@@ -25,7 +25,11 @@ from pipeline.dropin.families import Branch, Family
 from pipeline.replacement import ReplacementRecord
 from pipeline.store.sessions import SessionStates
 
-__all__ = ["StoreNews"]
+__all__ = ["PLACE_ATTEMPTS", "StoreNews"]
+
+PLACE_ATTEMPTS = 3
+"""How many times a request is placed at most while another writer of the store keeps moving
+its conversation on (the proxy's and ``wrap``'s: the last goes as placed)."""
 
 
 class StoreNews:
