@@ -13,101 +13,30 @@ its own, never sent another result's replacement.
 
 from __future__ import annotations
 
-import hashlib
-import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
-from pipeline.messages import Block, Message, thread_start
+from pipeline.messages import Message, thread_start
+from pipeline.result_keys import DIGEST_HEX, KEY_SEPARATOR, result_key, tool_use_id_of
 from pipeline.tokens.checks import bounded_repr
-from pipeline.wire.canonical import canonical_json
-from pipeline.wire.harness import last_result_index, split_tail
+from pipeline.tool_results import last_response_start, read_results
+from pipeline.wire.harness import split_tail
 
 __all__ = [
     "DECIDED_RECORD_STAGE",
-    "MAX_REPLACEMENT_CHARS",
-    "PERSISTED_OUTPUT_TAG",
     "ReplacementRecord",
     "ReplacementState",
-    "ResultSlot",
-    "answered_results",
-    "candidate_size",
-    "content_digest",
-    "is_candidate",
-    "is_candidate_content",
-    "is_replacement_text",
-    "iter_tool_results",
-    "read_results",
-    "result_key",
-    "tool_use_id_of",
+    "decided_in",
+    "decided_record",
 ]
-
-PERSISTED_OUTPUT_TAG = "<persisted-output>"
-PERSISTED_OUTPUT_CLOSING_TAG = "</persisted-output>"
-
-#: The longest text a genuine replacement can be: a 2,000-char preview, a path of up to 4,096
-#: chars (PATH_MAX) and the frame around them.
-MAX_REPLACEMENT_CHARS = 2_000 + 4_096 + 256
-
-
-def is_replacement_text(content: Any) -> bool:
-    """Text that can be a replacement written by a budget or a per-tool gate: it opens and
-    closes with the tag and is no longer than a replacement can be.
-
-    Tool output is attacker-controlled: a longer text that merely begins with the tag is
-    ordinary output, gated and budgeted like any other (a short one that imitates a
-    replacement is no larger than a real one).
-    """
-    return (
-        isinstance(content, str)
-        and len(content) <= MAX_REPLACEMENT_CHARS
-        and content.startswith(PERSISTED_OUTPUT_TAG)
-        and content.rstrip().endswith(PERSISTED_OUTPUT_CLOSING_TAG)
-    )
 
 
 #: The ``stage`` of the ``stage-record`` a budget pass writes with the results it decided to send
 #: whole (``{"decided": [[tool_use_id, digest], ...]}``; ``{"seen": [ids]}`` before results were
 #: bound to their content): a resumed session freezes exactly those, wherever they stand.
 DECIDED_RECORD_STAGE = "tool_result_budget"
-
-_DIGEST = re.compile(r"[0-9a-f]{32}")
-_KEY_SEPARATOR = "#"
-
-
-def content_digest(content: Any) -> str:
-    """32 hex digits of SHA-256 over a result's output (its core: see
-    :mod:`pipeline.wire.harness`): a string as it is, a block list as compact JSON with its keys
-    sorted and without ``cache_control`` (a client moves its breakpoints between calls).
-    ``ValueError`` for content nested too deeply to write."""
-    if isinstance(content, str):
-        data = b"s" + content.encode("utf-8", "surrogatepass")
-    else:
-        plain = (
-            [_without_cache_control(b) for b in content] if isinstance(content, list) else content
-        )
-        data = b"j" + canonical_json(plain, what="tool result content")
-    return hashlib.sha256(data).hexdigest()[:32]
-
-
-def _without_cache_control(block: Any) -> Any:
-    if isinstance(block, Mapping) and "cache_control" in block:
-        return {k: v for k, v in block.items() if k != "cache_control"}
-    return block
-
-
-def result_key(tool_use_id: str, core: Any) -> str:
-    """The ledger's key for a result: its id and the digest of its output,
-    ``<tool_use_id>#<32 hex>``."""
-    return f"{tool_use_id}{_KEY_SEPARATOR}{content_digest(core)}"
-
-
-def tool_use_id_of(key: str) -> str:
-    """The ``tool_use_id`` part of a ledger key (a legacy key, a bare id, is the id)."""
-    head, sep, tail = key.rpartition(_KEY_SEPARATOR)
-    return head if sep and _DIGEST.fullmatch(tail) else key
 
 
 class _StageRecordLike(Protocol):
@@ -137,12 +66,12 @@ def decided_in(stage_records: Iterable[_StageRecordLike]) -> set[str]:
                     and len(pair) == 2
                     and isinstance(pair[0], str)
                     and isinstance(pair[1], str)
-                    and _DIGEST.fullmatch(pair[1])
+                    and DIGEST_HEX.fullmatch(pair[1])
                 ):
-                    decided.add(f"{pair[0]}{_KEY_SEPARATOR}{pair[1]}")
+                    decided.add(f"{pair[0]}{KEY_SEPARATOR}{pair[1]}")
         seen = record.data.get("seen")
         if isinstance(seen, list):
-            decided.update(f"{t}{_KEY_SEPARATOR}" for t in seen if isinstance(t, str))
+            decided.update(f"{t}{KEY_SEPARATOR}" for t in seen if isinstance(t, str))
     return decided
 
 
@@ -155,7 +84,7 @@ def decided_record(keys: Iterable[str]) -> dict[str, Any]:
         tid = tool_use_id_of(key)
         if tid == key:
             bare.append(key)
-        elif tid + _KEY_SEPARATOR == key:
+        elif tid + KEY_SEPARATOR == key:
             bare.append(tid)  # decided_in's form of a legacy id
         else:
             pairs.append([tid, key[len(tid) + 1 :]])
@@ -181,7 +110,7 @@ class ReplacementRecord:
         """The ledger key of the result it replaced (the bare id for a legacy record)."""
         if self.digest is None:
             return self.tool_use_id
-        return f"{self.tool_use_id}{_KEY_SEPARATOR}{self.digest}"
+        return f"{self.tool_use_id}{KEY_SEPARATOR}{self.digest}"
 
     def to_json(self) -> dict[str, str]:
         """The transcript shape: ``{"kind", "tool_use_id", "digest", "replacement"}``."""
@@ -205,143 +134,9 @@ class ReplacementRecord:
             raise ValueError(f"replacement record {shown}: replacement is not a string")
         if not isinstance(kind, str):
             raise ValueError(f"replacement record {shown}: bad kind {bounded_repr(kind)}")
-        if digest is not None and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+        if digest is not None and not (isinstance(digest, str) and DIGEST_HEX.fullmatch(digest)):
             raise ValueError(f"replacement record {shown}: bad digest {bounded_repr(digest)}")
         return cls(tool_use_id=tool_use_id, replacement=replacement, kind=kind, digest=digest)
-
-
-def _content_has_image(content: Any) -> bool:
-    return isinstance(content, list) and any(
-        isinstance(b, Mapping) and b.get("type") == "image" for b in content
-    )
-
-
-def content_is_empty(content: Any) -> bool:
-    """None, "", whitespace, ``[]``, or only blank text blocks."""
-    if content is None:
-        return True
-    if isinstance(content, str):
-        return not content.strip()
-    if isinstance(content, list):
-        return all(
-            isinstance(b, Mapping)
-            and b.get("type") == "text"
-            and not str(b.get("text") or "").strip()
-            for b in content
-        )
-    return False
-
-
-def candidate_size(content: Any) -> int:
-    """Characters a tool_result's content counts for: ``len(str)`` or the sum of its text blocks."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(
-            len(b["text"])
-            for b in content
-            if isinstance(b, Mapping) and b.get("type") == "text" and isinstance(b.get("text"), str)
-        )
-    return 0
-
-
-def is_candidate_content(core: Any) -> bool:
-    """Output (a result's core: see :mod:`pipeline.wire.harness`) the budget may decide on: not
-    blank (blank results get the placeholder, never a decision), not a replacement, no
-    image."""
-    if content_is_empty(core) or is_replacement_text(core):
-        return False
-    return not _content_has_image(core)
-
-
-def is_candidate(block: Mapping[str, Any], *, last: bool = False) -> bool:
-    """A tool_result the budget may decide on (``last``: it is the last tool_result of its
-    record, whose harness tail is not part of the output: see :func:`read_results`)."""
-    if block.get("type") != "tool_result":
-        return False
-    content = block.get("content")
-    return is_candidate_content(split_tail(content)[0] if last else content)
-
-
-@dataclass(frozen=True, slots=True)
-class ResultSlot:
-    """One tool_result block as the stages read it."""
-
-    block: Mapping[str, Any]
-    tool_use_id: str | None
-    """None when the block has no string id (nothing can address it)."""
-    core: Any
-    """The tool's output: the content less the harness tail (:mod:`pipeline.wire.harness`)."""
-    empty: bool
-    key: str | None
-    """The ledger key (:func:`result_key`) of a candidate, None for anything else."""
-
-
-def read_results(m: Message) -> Iterator[ResultSlot]:
-    """Every tool_result block of a user record that is a mapping, in order, read as the stages
-    read it: the harness tail split off the last one, a candidate keyed by id and digest."""
-    if m.type != "user" or not isinstance(m.content, list):
-        return
-    last = last_result_index(m.content)
-    for j, b in enumerate(m.content):
-        if not isinstance(b, Mapping) or b.get("type") != "tool_result":
-            continue
-        tid = b.get("tool_use_id")
-        content = b.get("content")
-        core = split_tail(content)[0] if j == last else content
-        if not isinstance(tid, str):
-            yield ResultSlot(b, None, core, content_is_empty(core), None)
-        elif content_is_empty(core):
-            yield ResultSlot(b, tid, core, True, None)
-        elif is_candidate_content(core):
-            yield ResultSlot(b, tid, core, False, result_key(tid, core))
-        else:
-            yield ResultSlot(b, tid, core, False, None)
-
-
-def iter_tool_results(messages: Iterable[Message]) -> Iterable[tuple[Message, Block]]:
-    """Every tool_result block held by a user message, in order."""
-    for m in messages:
-        if m.type == "user" and isinstance(m.content, list):
-            for b in m.content:
-                if b.get("type") == "tool_result":
-                    yield m, b
-
-
-def _last_response_start(messages: Sequence[Message]) -> int:
-    """Index of the first record of the last real response (-1 if none). A response may be
-    recorded in fragments with its tool results between them; none of those results was sent
-    before the response was complete."""
-    start = -1
-    last_id: str | None = None
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if m.type != "assistant" or m.is_synthetic:
-            continue
-        if start == -1:
-            start, last_id = i, m.message_id
-        elif last_id is not None and m.message_id == last_id:
-            start = i
-        else:
-            break
-    return start
-
-
-def answered_results(
-    messages: Sequence[Message], first: int = 0, *, rebuilt: bool = False
-) -> set[str]:
-    """The ledger keys of the results in ``messages[first:]`` that stand before the last real
-    response: the model answered after them, so they were sent (by position, as
-    :meth:`ReplacementState.reconstruct` counts them). Reads from ``first`` on only.
-    ``rebuilt``: the caller's ledger was just reconstructed from ``messages``, so it holds every
-    such key from the thread's start on: only those before it are read."""
-    last = _last_response_start(messages)
-    if rebuilt:
-        last = min(last, thread_start(messages))
-    keys: set[str] = set()
-    for i in range(first, last):
-        keys.update(slot.key for slot in read_results(messages[i]) if slot.key is not None)
-    return keys
 
 
 class _Counter:
@@ -566,7 +361,7 @@ class ReplacementState:
         an earlier one); bound to their output, they apply only to it, should it come.
         """
         state = cls()
-        last_response = _last_response_start(messages)
+        last_response = last_response_start(messages)
         present: set[str] = set()
         first_key: dict[str, str] = {}  # tool_use_id -> key of its first present result
         sent: set[str] = set()
@@ -577,12 +372,12 @@ class ReplacementState:
                     continue
                 present.add(key)
                 first_key.setdefault(tid, key)
-                legacy = first_key[tid] == key and f"{tid}{_KEY_SEPARATOR}" in decided
+                legacy = first_key[tid] == key and f"{tid}{KEY_SEPARATOR}" in decided
                 if i < last_response or key in decided or legacy:
                     sent.add(key)
         state.seen_ids |= sent
         if keep_absent:
-            state.seen_ids |= {k for k in decided if _DIGEST.fullmatch(k.rpartition("#")[2])}
+            state.seen_ids |= {k for k in decided if DIGEST_HEX.fullmatch(k.rpartition("#")[2])}
         for record in records:
             if record.kind != "tool-result":
                 continue

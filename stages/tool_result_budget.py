@@ -28,11 +28,7 @@ from pipeline import Message, SessionContext
 from pipeline.context import PersistedResult
 from pipeline.gate import Persisted, describe_error, persist_content
 from pipeline.policies import MAX_TOOL_RESULTS_PER_MESSAGE_CHARS
-from pipeline.replacement import (
-    DECIDED_RECORD_STAGE,
-    ReplacementRecord,
-    decided_record,
-)
+from pipeline.replacement import DECIDED_RECORD_STAGE, ReplacementRecord, decided_record
 from pipeline.store.records import hold_back
 from pipeline.tracing import (
     ATTR,

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from pipeline import Message, Usage
-from pipeline.replacement import result_key, tool_use_id_of
+from pipeline.result_keys import result_key, tool_use_id_of
 
 
 def tool_use(tool_use_id: str, name: str = "Bash", **inp: Any) -> dict[str, Any]:

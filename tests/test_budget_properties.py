@@ -50,7 +50,8 @@ from pipeline import (
     to_api,
 )
 from pipeline.gate import persist_content
-from pipeline.replacement import ReplacementRecord, content_digest, decided_in
+from pipeline.replacement import ReplacementRecord, decided_in
+from pipeline.result_keys import content_digest
 from pipeline.testing import QuietLogger
 from pipeline.wire.pairing import check_pairing
 from stages import ToolResultBudget

@@ -22,7 +22,8 @@ from pipeline import (
     to_api,
 )
 from pipeline.gate import build_replacement, format_size, gate_tool_result, generate_preview
-from pipeline.replacement import ReplacementRecord, content_digest
+from pipeline.replacement import ReplacementRecord
+from pipeline.result_keys import content_digest
 from pipeline.store.files import FileToolResultStore
 from pipeline.testing import SpanRecorder
 from pipeline.tracing import ATTR, SPAN_BUDGET_GROUP

@@ -24,7 +24,8 @@ pytest.importorskip("obstore", reason="the objectstore extra (obstore) is not in
 from obstore.exceptions import AlreadyExistsError
 
 from pipeline import Message, Pipeline, SessionContext, ToolPolicies, to_api
-from pipeline.replacement import PERSISTED_OUTPUT_TAG, ReplacementRecord
+from pipeline.replacement import ReplacementRecord
+from pipeline.result_keys import PERSISTED_OUTPUT_TAG
 from pipeline.store.files import FileToolResultStore, StoreError
 from pipeline.store.object_reader import ObjectOutputReader
 from pipeline.store.object_records import ObjectRecordLog

@@ -25,8 +25,10 @@ from pipeline import (
     load_transcript,
     to_api,
 )
-from pipeline.replacement import ReplacementRecord, answered_results, content_digest, decided_in
+from pipeline.replacement import ReplacementRecord, decided_in
+from pipeline.result_keys import content_digest
 from pipeline.testing import QuietLogger
+from pipeline.tool_results import answered_results
 from pipeline.transcript.read import StageRecord
 from stages import ToolResultBudget
 from tests.builders import assistant, key, results, tool_result, tool_use, user_text

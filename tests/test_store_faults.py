@@ -76,7 +76,8 @@ from pipeline import (
     to_api,
 )
 from pipeline.gate import gate_tool_result
-from pipeline.replacement import PERSISTED_OUTPUT_TAG, ReplacementState
+from pipeline.replacement import ReplacementState
+from pipeline.result_keys import PERSISTED_OUTPUT_TAG
 from pipeline.store.files import OsFileOps
 from pipeline.testing import QuietLogger, SpanRecorder
 from pipeline.tracing import ATTR

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from pipeline import Message, TranscriptWriter, Usage, load_transcript, to_api
-from pipeline.replacement import ReplacementRecord, content_digest
+from pipeline.replacement import ReplacementRecord
+from pipeline.result_keys import content_digest
 from pipeline.transcript.read import LineProblem, TranscriptError
 
 SESSION = "5f0c1e2a-0000-4000-8000-000000000001"

@@ -61,17 +61,13 @@ from pipeline.dropin.session_log import (
 from pipeline.dropin.session_writes import SessionWrites
 from pipeline.kept_list import shared_start
 from pipeline.messages import WIRE_MESSAGE, Message, Usage, uuid5_text
-from pipeline.replacement import (
-    DECIDED_RECORD_STAGE,
-    ReplacementRecord,
-    answered_results,
-    decided_record,
-)
+from pipeline.replacement import DECIDED_RECORD_STAGE, ReplacementRecord, decided_record
 from pipeline.spans import content_safe_span
 from pipeline.store.files import validate_session_id
 from pipeline.store.records import append_where_it_belongs
 from pipeline.store.sessions import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.tool_results import answered_results
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript.read import Transcript
 from pipeline.wire.cache import WireCache

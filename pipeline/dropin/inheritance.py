@@ -15,12 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.replacement import (
-    DECIDED_RECORD_STAGE,
-    ReplacementRecord,
-    decided_in,
-    decided_record,
-)
+from pipeline.replacement import DECIDED_RECORD_STAGE, ReplacementRecord, decided_in, decided_record
 from pipeline.transcript.read import StageRecord
 
 __all__ = ["FORK_RECORD", "Inherited"]

@@ -20,8 +20,8 @@ from pipeline.replacement import (
     ReplacementState,
     decided_in,
     decided_record,
-    tool_use_id_of,
 )
+from pipeline.result_keys import tool_use_id_of
 from pipeline.transcript.read import StageRecord, Transcript
 
 __all__ = [

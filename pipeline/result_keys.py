@@ -1,0 +1,90 @@
+"""How the ledger names a result and tells a replacement: the key (the tool_use_id and a
+digest of the output) and the text a replacement is.
+
+A decision is bound to what it decided on: the key for a result is its ``tool_use_id`` *and* a
+digest of its output (:func:`result_key`), so a decision is re-applied only to the content it
+was made from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.wire.canonical import canonical_json
+
+__all__ = [
+    "DIGEST_HEX",
+    "KEY_SEPARATOR",
+    "MAX_REPLACEMENT_CHARS",
+    "PERSISTED_OUTPUT_CLOSING_TAG",
+    "PERSISTED_OUTPUT_TAG",
+    "content_digest",
+    "is_replacement_text",
+    "result_key",
+    "tool_use_id_of",
+]
+
+PERSISTED_OUTPUT_TAG = "<persisted-output>"
+PERSISTED_OUTPUT_CLOSING_TAG = "</persisted-output>"
+
+#: The longest text a genuine replacement can be: a 2,000-char preview, a path of up to 4,096
+#: chars (PATH_MAX) and the frame around them.
+MAX_REPLACEMENT_CHARS = 2_000 + 4_096 + 256
+
+
+def is_replacement_text(content: Any) -> bool:
+    """Text that can be a replacement written by a budget or a per-tool gate: it opens and
+    closes with the tag and is no longer than a replacement can be.
+
+    Tool output is attacker-controlled: a longer text that merely begins with the tag is
+    ordinary output, gated and budgeted like any other (a short one that imitates a
+    replacement is no larger than a real one).
+    """
+    return (
+        isinstance(content, str)
+        and len(content) <= MAX_REPLACEMENT_CHARS
+        and content.startswith(PERSISTED_OUTPUT_TAG)
+        and content.rstrip().endswith(PERSISTED_OUTPUT_CLOSING_TAG)
+    )
+
+
+DIGEST_HEX = re.compile(r"[0-9a-f]{32}")
+"""A key's digest part: 32 lowercase hex digits."""
+KEY_SEPARATOR = "#"
+"""Between a key's id and its digest."""
+
+
+def content_digest(content: Any) -> str:
+    """32 hex digits of SHA-256 over a result's output (its core: see
+    :mod:`pipeline.wire.harness`): a string as it is, a block list as compact JSON with its keys
+    sorted and without ``cache_control`` (a client moves its breakpoints between calls).
+    ``ValueError`` for content nested too deeply to write."""
+    if isinstance(content, str):
+        data = b"s" + content.encode("utf-8", "surrogatepass")
+    else:
+        plain = (
+            [_without_cache_control(b) for b in content] if isinstance(content, list) else content
+        )
+        data = b"j" + canonical_json(plain, what="tool result content")
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _without_cache_control(block: Any) -> Any:
+    if isinstance(block, Mapping) and "cache_control" in block:
+        return {k: v for k, v in block.items() if k != "cache_control"}
+    return block
+
+
+def result_key(tool_use_id: str, core: Any) -> str:
+    """The ledger's key for a result: its id and the digest of its output,
+    ``<tool_use_id>#<32 hex>``."""
+    return f"{tool_use_id}{KEY_SEPARATOR}{content_digest(core)}"
+
+
+def tool_use_id_of(key: str) -> str:
+    """The ``tool_use_id`` part of a ledger key (a legacy key, a bare id, is the id)."""
+    head, sep, tail = key.rpartition(KEY_SEPARATOR)
+    return head if sep and DIGEST_HEX.fullmatch(tail) else key
