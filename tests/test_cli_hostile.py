@@ -358,6 +358,24 @@ def test_a_full_stdout_is_one_error_line_and_exit_1(
     )
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("command", ["--help", "replay --help", "proxy --help"])
+def test_help_on_a_full_stdout_is_one_error_line_and_exit_1(command: str) -> None:
+    proc = _shell(f'"$PY" -m pipeline {command} > /dev/full')
+    assert proc.returncode == 1
+    assert (
+        proc.stderr
+        == "sluicegate: error: cannot write to standard output: No space left on device\n"
+    )
+
+
+def test_help_and_usage_errors_keep_their_exit_codes() -> None:
+    assert _shell('"$PY" -m pipeline --help > /dev/null').returncode == 0
+    usage = _shell('"$PY" -m pipeline --no-such-option')
+    assert usage.returncode == 2
+    assert "sluicegate: error:" in usage.stderr
+
+
 def test_a_closed_stdout_is_one_error_line_and_exit_1(session: Path, tmp_path: Path) -> None:
     proc = _shell(f'"$PY" -m pipeline replay {session} --json --store {tmp_path} >&-')
     assert proc.returncode == 1

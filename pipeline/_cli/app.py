@@ -78,10 +78,35 @@ class _Termination:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (``sluicegate`` console script entry)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = _parsed(argv)
+    except OutputError as exc:  # ``--help`` or a usage message that could not be written
+        if not exc.broken_pipe:
+            print(f"sluicegate: error: {exc}", file=sys.stderr)
+        return exc.code
     termination = _Termination()
     with termination.installed():
         return _run(args, termination)
+
+
+def _parsed(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; what argparse writes before it exits (help, a usage error) is flushed
+    then, so a full device is :class:`OutputError`, not an exit 0 with the text lost."""
+    stdout = sys.stdout
+    if stdout is None:
+        return build_parser().parse_args(argv)
+    sys.stdout = GuardedStdout(stdout)
+    try:
+        return build_parser().parse_args(argv)
+    except (SystemExit, OutputError):
+        try:
+            sys.stdout.flush()
+        except OutputError:
+            _discard_stdout(stdout)
+            raise
+        raise
+    finally:
+        sys.stdout = stdout
 
 
 def _run(args: argparse.Namespace, termination: _Termination) -> int:
