@@ -22,16 +22,33 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline.dropin.conversations import SESSION_HEADER
+from pipeline.dropin.wrap import wrap
 from pipeline.store.sessions import SECRET_NAME, SessionStates
 from pipeline.store.spool import Spool
 from pipeline.testing import QuietLogger, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.objectstore_support import Outage, Wrapped, keys_of
-from tests.test_fleet import PER_MESSAGE, PREFIX, TAG, Conversation, results_of, script
+from tests.test_fleet import PER_MESSAGE, PREFIX, SID, TAG, Conversation, results_of, script
 from tests.wire_support import proxy
 
 pytest.importorskip("uvicorn", reason="the proxy extra is not installed")
 obstore = pytest.importorskip("obstore", reason="the objectstore extra is not installed")
+
+
+class RecordsLag:
+    """A fault hook: while ``on``, a record object that lists cannot be read yet (a store whose
+    reads lag its listings), as a ``FileNotFoundError``."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __call__(self, path: str, **_kwargs: Any) -> None:
+        if self.on and "/records/" in path:
+            raise FileNotFoundError(path)
+
+    def hooks(self) -> dict[str, Any]:
+        """``before`` for :class:`Wrapped`: before each ``get``."""
+        return {"get": self}
 
 
 def budget() -> Pipeline:
@@ -40,13 +57,19 @@ def budget() -> Pipeline:
 
 @contextlib.contextmanager
 def worker(
-    upstream: str, root: Path, memory: Any, switch: Outage, *, spool: bool = True
+    upstream: str,
+    root: Path,
+    memory: Any,
+    switch: Outage | RecordsLag,
+    *,
+    spool: bool = True,
+    store: Wrapped | None = None,
 ) -> Iterator[str]:
     """A proxy on ``memory`` behind ``switch`` (no circuit breaker: each call asks the store,
-    so the test needs no waiting), its spool under ``root``."""
+    so the test needs no waiting), its spool under ``root``; ``store``: the wrapper to use."""
     states = SessionStates(
         "memory:///" + PREFIX,
-        object_store=Wrapped(memory, before=switch.hooks()),
+        object_store=store or Wrapped(memory, before=switch.hooks()),
         cool_down=None,
         spool=root / "spool" if spool else None,
     )
@@ -113,6 +136,130 @@ def test_workers_that_cannot_read_the_store_send_what_a_fleet_without_an_outage_
         assert len(Spool(tmp_path / name / "spool")) == 0, name
     stored = [k for k in keys_of(memory, PREFIX) if "/tool-results/" in k]
     assert len(stored) == len(persisted) == len({k.rsplit("/", 1)[1] for k in stored})
+
+
+def test_a_worker_whose_reads_lag_for_a_call_is_placed_as_it_served_it(tmp_path: Path) -> None:
+    """B, a call behind at call 5, finds news it cannot read (records that list but answer not
+    found, every try): the call goes as placed. Its next call (8, the store well again) is
+    that conversation's, not a new one's: B loads what A and C recorded meanwhile and sends
+    what they sent -- a result they sent as a preview is never sent whole."""
+    calls = 9
+    expected, secret = reference(tmp_path, calls)
+    route = ["a", "a", "a", "b", "a", "b", "c", "a", "b"]
+    memory = obstore.store.MemoryStore()
+    memory.put(f"{PREFIX}/{SECRET_NAME}", secret)
+    well, lag = Outage(down=False), RecordsLag()
+    with ScriptedMessagesServer(script) as upstream, contextlib.ExitStack() as stack:
+        urls = {
+            name: stack.enter_context(
+                worker(upstream.base_url, tmp_path / name, memory, lag if name == "b" else well)
+            )
+            for name in "abc"
+        }
+        warm_up(urls["b"])
+        conversation = Conversation()
+        for k, name in enumerate(route):
+            lag.on = k == 5
+            conversation.call(urls[name])
+        requests = [r for r in upstream.requests if r["messages"][0]["content"] != "hi"]
+    assert len(requests) == calls
+    for k in range(calls):
+        assert json.dumps(requests[k]) == json.dumps(expected[k]), (k, route[k])
+    branches = {k.split("/")[3] for k in keys_of(memory, PREFIX) if "/records" in k}
+    assert branches == {"records", "records-snapshots"}, branches
+
+
+def test_a_worker_whose_listings_lag_sends_what_the_fleet_sent(tmp_path: Path) -> None:
+    """C joins at call 6 and its listings find nothing six times in a row (a store whose
+    listings lag its writes), though the records' numbers say there are some: the call goes
+    as placed, deciding what no record tells it of again -- as A and B decided it -- rather
+    than taking the conversation for one new to the store and every earlier result for sent
+    whole (at its next call, once its listings are well again)."""
+    calls = 10
+    expected, secret = reference(tmp_path, calls)
+    route = ["a", "a", "a", "b", "a", "b", "c", "a", "b", "c"]
+    memory = obstore.store.MemoryStore()
+    memory.put(f"{PREFIX}/{SECRET_NAME}", secret)
+    well = Outage(down=False)
+    lagging = Wrapped(memory, before=well.hooks())
+    with ScriptedMessagesServer(script) as upstream, contextlib.ExitStack() as stack:
+        urls = {
+            name: stack.enter_context(
+                worker(
+                    upstream.base_url,
+                    tmp_path / name,
+                    memory,
+                    well,
+                    store=lagging if name == "c" else None,
+                )
+            )
+            for name in "abc"
+        }
+        warm_up(urls["c"])
+        conversation = Conversation()
+        for k, name in enumerate(route):
+            if k == 6:
+                lagging.stale_lists = 6
+            conversation.call(urls[name])
+        requests = [r for r in upstream.requests if r["messages"][0]["content"] != "hi"]
+    assert len(requests) == calls
+    for k in range(calls):
+        assert json.dumps(requests[k]) == json.dumps(expected[k]), (k, route[k])
+
+
+class WrappedClients(Conversation):
+    """The conversation sent by wrapped clients, one per name, each on its own view of one
+    store (a program per host of a fleet), rather than through proxies."""
+
+    def __init__(self, upstream: str, tmp_path: Path, stores: dict[str, Wrapped]) -> None:
+        super().__init__()
+        self.upstream, self.tmp_path, self.stores = upstream, tmp_path, stores
+
+    def client(self, url: str) -> anthropic.Anthropic:
+        found = self._clients.get(url)
+        if found is None:
+            states = SessionStates(
+                "memory:///" + PREFIX,
+                object_store=self.stores[url],
+                cool_down=None,
+                spool=self.tmp_path / url / "spool",
+            )
+            raw = anthropic.Anthropic(
+                base_url=self.upstream,
+                api_key="k",
+                max_retries=0,
+                default_headers={SESSION_HEADER: SID},
+            )
+            found = wrap(raw, root=self.tmp_path / url, pipeline=budget, storage=states)
+            self._clients[url] = found
+        return found
+
+
+def test_wrapped_clients_whose_listings_lag_send_what_one_client_sends(tmp_path: Path) -> None:
+    """``wrap`` as the proxy: B's listings find nothing six times in a row when it joins (call
+    3), though the records' numbers say there are some; it decides again what no record
+    tells it of, and every request is what one client alone sends."""
+    route = ["a", "a", "a", "b", "a", "b"]
+    memory = obstore.store.MemoryStore()
+    with ScriptedMessagesServer(script) as upstream:
+        alone = WrappedClients(upstream.base_url, tmp_path / "alone", {"a": Wrapped(memory)})
+        for _ in route:
+            alone.call("a")
+        expected = list(upstream.requests)
+    secret = bytes(memory.get(f"{PREFIX}/{SECRET_NAME}").bytes())
+    memory = obstore.store.MemoryStore()
+    memory.put(f"{PREFIX}/{SECRET_NAME}", secret)
+    stores = {"a": Wrapped(memory), "b": Wrapped(memory)}
+    with ScriptedMessagesServer(script) as upstream:
+        fleet = WrappedClients(upstream.base_url, tmp_path / "fleet", stores)
+        for k, name in enumerate(route):
+            if k == 3:
+                stores["b"].stale_lists = 6
+            fleet.call(name)
+        requests = list(upstream.requests)
+    assert len(requests) == len(route)
+    for k in range(len(route)):
+        assert json.dumps(requests[k]) == json.dumps(expected[k]), (k, route[k])
 
 
 def test_without_a_spool_a_result_persisted_in_the_outage_is_sent_whole(tmp_path: Path) -> None:

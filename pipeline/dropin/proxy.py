@@ -296,8 +296,9 @@ def build_app(
             # one pass of a conversation at a time (with the check that no other worker moved
             # it on); its upstream call runs outside: a slow or abandoned one holds up nobody
             async with branch.call_lock:
-                last = attempt == PLACE_ATTEMPTS - 1
-                if not await conversations.current(branch) and not last:
+                if attempt == PLACE_ATTEMPTS - 1:
+                    conversations.still_moving(branch)
+                elif not await conversations.current(branch):
                     continue  # another worker moved it on: place the request again
                 session = branch.session
                 call_request = WireRequest(

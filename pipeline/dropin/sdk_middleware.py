@@ -211,7 +211,9 @@ class SluicegateMiddleware(anthropic.Middleware):
             branch = await self.conversations.route(
                 request.json, self._headers(request), explicit=self.session_id, hold=True
             )
-            if attempt == PLACE_ATTEMPTS - 1 or await self._current(branch):
+            if attempt == PLACE_ATTEMPTS - 1:
+                self.conversations.still_moving(branch)
+            elif await self._current(branch):
                 break
         session, seen = self._routed(branch, request)
         with seen.active():
@@ -293,7 +295,9 @@ class SluicegateMiddleware(anthropic.Middleware):
                 build=in_worker,
                 hold=True,
             )
-            if attempt == PLACE_ATTEMPTS - 1 or self._current_sync(branch):
+            if attempt == PLACE_ATTEMPTS - 1:
+                self.conversations.still_moving(branch)
+            elif self._current_sync(branch):
                 break
         session, seen = self._routed(branch, request)
         with seen.active():

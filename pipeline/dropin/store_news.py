@@ -80,6 +80,16 @@ class StoreNews:
         return not moved
 
     @staticmethod
+    def still_moving(branch: Branch) -> None:
+        """The last of :data:`PLACE_ATTEMPTS`: the store still had news the last load did not
+        bring (another writer kept moving the conversation on, or records that list are not
+        readable yet). The request goes as placed -- not loaded again, which would leave the
+        session that serves it unplaced -- and its conversation decides again what no record
+        tells it of (:meth:`WireSession.store_unread`), as a worker that cannot read does."""
+        branch.session.ctx.logger.warning("wire_session.still_moving")
+        branch.session.store_unread()
+
+    @staticmethod
     def _unread(session: WireSession, exc: OSError) -> None:
         session.ctx.logger.warning("wire_session.refresh_failed", error=type(exc).__name__)
         # another worker may have served calls this one cannot read of: what it decided on
