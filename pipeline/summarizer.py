@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
+import anyio
+
 if TYPE_CHECKING:  # the SDK is heavy to import: only AnthropicSummarizer needs it, at run time
     import anthropic
     from anthropic.types import MessageParam
@@ -12,10 +14,14 @@ if TYPE_CHECKING:  # the SDK is heavy to import: only AnthropicSummarizer needs 
 
 __all__ = [
     "DEFAULT_SUMMARY_PROMPT",
+    "SUMMARY_TIMEOUT",
     "AnthropicSummarizer",
     "Summarizer",
     "SummaryError",
     "SummaryPromptTooLong",
+    "SummaryTimeout",
+    "ask_summary",
+    "check_summary_timeout",
 ]
 
 DEFAULT_SUMMARY_PROMPT = (
@@ -32,6 +38,38 @@ class SummaryError(RuntimeError):
 
 class SummaryPromptTooLong(SummaryError):
     """The summary request itself exceeded the model's context: send less and retry."""
+
+
+SUMMARY_TIMEOUT = 600.0
+"""Seconds a stage waits for one summary by default (the anthropic SDK's own request
+timeout): a summariser that never answers counts as a failed summary, not a turn that never
+ends."""
+
+
+def check_summary_timeout(value: object) -> float:
+    """A summary timeout: seconds > 0 (``math.inf``: wait as long as the summariser takes)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"summary_timeout must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+async def ask_summary(
+    summarizer: Summarizer, messages: Sequence[MessageParam], timeout: float = SUMMARY_TIMEOUT
+) -> str:
+    """``summarizer``'s summary of ``messages``, checked: :class:`SummaryError` when it is not
+    text (a ``str`` subclass is taken as its plain text) or takes longer than ``timeout``
+    seconds; what the summariser raises propagates (:class:`SummaryPromptTooLong` included)."""
+    with anyio.move_on_after(timeout) as waited:
+        text = await summarizer.summarize(messages)
+    if waited.cancelled_caught:
+        raise SummaryTimeout(f"no summary within {timeout:g} s")
+    if not isinstance(text, str):
+        raise SummaryError(f"summarizer returned {type(text).__name__}, not str")
+    return str(text)
+
+
+class SummaryTimeout(SummaryError):
+    """The summariser gave no answer within the stage's ``summary_timeout``."""
 
 
 @runtime_checkable

@@ -17,6 +17,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pipeline import Message, PipelineHalt, SessionContext, to_api
 from pipeline.messages import context_start, new_uuid
+from pipeline.summarizer import (
+    SUMMARY_TIMEOUT,
+    Summarizer,
+    SummaryPromptTooLong,
+    ask_summary,
+    check_summary_timeout,
+)
 from pipeline.tokens import find_anchor
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._shared import (
@@ -28,10 +35,8 @@ from stages._shared import (
 )
 from stages._shared.args import check_bool, check_int, check_summarizer
 
-if TYPE_CHECKING:  # pipeline.summarizer imports the (slow) SDK: types only here
+if TYPE_CHECKING:  # the SDK is slow to import: its types only here
     from anthropic.types import MessageParam
-
-    from pipeline.summarizer import Summarizer
 
 __all__ = ["SUMMARY_PREFIX", "Autocompact", "ContextWindowExceeded", "Thresholds"]
 
@@ -131,7 +136,9 @@ class Autocompact:
       stage never compacts but still warns and blocks. On "prompt too long" the oldest rounds
       are dropped from the request (a previous summary is kept), at most ``max_retries`` times.
     - A summary is discarded when empty or not smaller, in the token tracker's estimate (the
-      one the thresholds use), than the span it replaces. Errors and discards count as
+      one the thresholds use), than the span it replaces. A summary that is not text, or that
+      takes longer than ``summary_timeout`` seconds (600; ``math.inf``: no limit), is an
+      error (``summary_error``). Errors and discards count as
       failures; after ``max_failures`` in a row the session stops trying (``circuit_open``);
       a success resets the count.
     - ``block=True``: raise :class:`ContextWindowExceeded` when the size is still at the
@@ -159,7 +166,9 @@ class Autocompact:
         max_failures: int = 3,
         max_retries: int = 3,
         block: bool = False,
+        summary_timeout: float = SUMMARY_TIMEOUT,
     ) -> None:
+        self.summary_timeout = check_summary_timeout(summary_timeout)
         check_int("context_window", context_window, minimum=1)
         check_int("max_output_tokens", max_output_tokens)
         check_int("buffer_tokens", buffer_tokens, minimum=BLOCKING_BUFFER)  # compact first
@@ -263,8 +272,6 @@ class Autocompact:
             return Decision.SKIP, Reason.NOTHING_ELIGIBLE
         cut = usable[-1]
         span = view[start:cut]
-        from pipeline.summarizer import SummaryPromptTooLong  # imports the SDK: only when used
-
         try:
             text, retries = await self._summarize(summarizer, view, start, cut, cuts)
         except Exception as exc:  # a failed summary must never fail the turn
@@ -303,8 +310,6 @@ class Autocompact:
         Each retry drops the oldest rounds; a previous summary at the head is kept, as it stands
         for everything older still.
         """
-        from pipeline.summarizer import SummaryError, SummaryPromptTooLong
-
         head = view[start : start + 1] if view[start].is_compact_summary else []
         begin = start + len(head)
         for retry in range(self.max_retries + 1):
@@ -312,7 +317,7 @@ class Autocompact:
             if wire and wire[0]["role"] == "assistant":
                 wire.insert(0, cast("MessageParam", {"role": "user", "content": RETRY_MARKER}))
             try:
-                text = await summarizer.summarize(wire)
+                text = await ask_summary(summarizer, wire, self.summary_timeout)
             except SummaryPromptTooLong:
                 later = [c for c in cuts if begin < c < cut]
                 if retry == self.max_retries or not later:
@@ -320,8 +325,6 @@ class Autocompact:
                 # drop at least one round, a fifth of what is left (reference: 20%)
                 begin = later[max(1, len(later) // 5) - 1]
                 continue
-            if not isinstance(text, str):
-                raise SummaryError(f"summarizer returned {type(text).__name__}, not str")
             return text, retry
         raise AssertionError("unreachable")  # the loop returns or raises
 

@@ -30,7 +30,13 @@ from typing import Any
 from pipeline import Message, SessionContext, to_api
 from pipeline.kept_list import KeptList
 from pipeline.messages import block_type, stable_uuid, thread_start
-from pipeline.summarizer import Summarizer, SummaryPromptTooLong
+from pipeline.summarizer import (
+    SUMMARY_TIMEOUT,
+    Summarizer,
+    SummaryPromptTooLong,
+    ask_summary,
+    check_summary_timeout,
+)
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._shared import (
     DEFAULT_CONTEXT_WINDOW,
@@ -143,7 +149,9 @@ class ContextCollapse:
     ``context_window`` (tokens, default 200,000); commit at ``commit_fraction`` (0.9) of it,
     collapsing enough of the oldest rounds to reach ``target_fraction`` (0.6), at most
     ``max_span_fraction`` (0.5) of the window per summary request; keep the last
-    ``keep_recent_rounds`` rounds (8); stop after ``max_failures`` (3) failures in a row.
+    ``keep_recent_rounds`` rounds (8); stop after ``max_failures`` (3) failures in a row. A
+    summary that is not text, or that takes longer than ``summary_timeout`` seconds (600;
+    ``math.inf``: no limit), is a failure (``summary_error``).
     ``incremental=False`` re-derives everything from the whole history on every pass (same
     results, the cost of a full rescan: a baseline for benchmarks).
     """
@@ -164,8 +172,10 @@ class ContextCollapse:
         keep_recent_rounds: int = 8,
         max_failures: int = 3,
         incremental: bool = True,
+        summary_timeout: float = SUMMARY_TIMEOUT,
     ) -> None:
         self.summarizer = check_summarizer(summarizer)
+        self.summary_timeout = check_summary_timeout(summary_timeout)
         self.context_window = check_int("context_window", context_window, minimum=1)
         self.commit_fraction = check_fraction("commit_fraction", commit_fraction)
         self.target_fraction = check_fraction("target_fraction", target_fraction)
@@ -281,7 +291,8 @@ class ContextCollapse:
         facts[ATTR.SPAN_MESSAGES] = len(span)
         facts[ATTR.SPAN_TOKENS] = span_tokens
         try:
-            text = (await self.summarizer.summarize(to_api(span))).strip()
+            summary = ask_summary(self.summarizer, to_api(span), self.summary_timeout)
+            text = (await summary).strip()
         except SummaryPromptTooLong:
             state.failures += 1
             state.span_cap = max(1, (state.span_cap or span_tokens) // 2)  # ask for less next time

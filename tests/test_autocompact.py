@@ -11,6 +11,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from anthropic.types import MessageParam
 
@@ -395,6 +396,42 @@ async def test_useless_summaries_are_discarded(
     [d] = decisions(exporter)
     assert (d["decision"], d["reason"], d["failures"]) == ("discard", reason, 1)
     assert ctx.records_for("autocompact") == []
+
+
+class Hostile:
+    """A summariser answering what a summariser must not: ``reply`` (not text), or never."""
+
+    def __init__(self, reply: Any = None, *, hang: bool = False) -> None:
+        self.reply, self.hang, self.asked = reply, hang, 0
+
+    async def summarize(self, messages: Sequence[MessageParam]) -> Any:
+        self.asked += 1
+        if self.hang:
+            await anyio.sleep_forever()
+        return self.reply
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("summarizer", "error"),
+    [(Hostile(b"bytes"), "SummaryError"), (Hostile(hang=True), "SummaryTimeout")],
+    ids=["bytes", "hang"],
+)
+async def test_a_summary_that_is_not_text_or_never_comes_is_a_failure(
+    tmp_path: Path, exporter: SpanRecorder, summarizer: Hostile, error: str
+) -> None:
+    ctx = make_ctx(tmp_path, exporter)
+    msgs = conversation(OVER)
+    stage = Autocompact(summarizer, summary_timeout=0.05, max_failures=2, **SMALL)
+    for _ in range(3):
+        assert await stage(msgs, ctx) is msgs
+    found = [(d["decision"], d["reason"], d.get("error")) for d in decisions(exporter)]
+    assert found == [
+        ("fail", "summary_error", error),
+        ("fail", "summary_error", error),
+        ("skip", "circuit_open", None),
+    ]
+    assert summarizer.asked == 2
 
 
 @pytest.mark.asyncio

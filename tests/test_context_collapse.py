@@ -215,6 +215,50 @@ async def test_summary_failures_never_fail_the_turn(
         assert second == first
 
 
+class Hostile:
+    """A summariser answering what a summariser must not: ``reply`` (not text), or never."""
+
+    def __init__(self, reply: Any = None, *, hang: bool = False) -> None:
+        self.reply, self.hang, self.asked = reply, hang, 0
+
+    async def summarize(self, messages: Sequence[MessageParam]) -> Any:
+        self.asked += 1
+        if self.hang:
+            await anyio.sleep_forever()
+        return self.reply
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "summarizer",
+    [Hostile(b"bytes summary"), Hostile(None), Hostile(["a"]), Hostile(hang=True)],
+    ids=["bytes", "none", "list", "hang"],
+)
+async def test_a_summary_that_is_not_text_or_never_comes_is_a_failure(
+    tmp_path: Path, summarizer: Hostile
+) -> None:
+    """Not text, or no answer within ``summary_timeout``: the pass goes on uncollapsed, the
+    failure is counted, and after ``max_failures`` the stage stops asking."""
+    spans = Spans()
+    ctx = make_ctx(tmp_path, spans)
+    history = over_commit()
+    stage = collapse(summarizer, summary_timeout=0.05, max_failures=2)
+    for _ in range(3):
+        assert await run(stage, history, ctx) == history
+    assert [decision(spans, k) for k in range(3)] == [
+        ("fail", "summary_error"),
+        ("fail", "summary_error"),
+        ("skip", "circuit_open"),
+    ]
+    assert summarizer.asked == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "5", True])
+def test_a_summary_timeout_must_be_seconds_above_zero(bad: Any) -> None:
+    with pytest.raises(ValueError, match="summary_timeout"):
+        collapse(FakeSummarizer(), summary_timeout=bad)
+
+
 # --------------------------------------------------------------------------------------------
 # Resume and sessions
 # --------------------------------------------------------------------------------------------
