@@ -46,7 +46,14 @@ class Stage(Protocol):
 
 
 class StageError(RuntimeError):
-    """A stage raised or returned something that is not a message list; names the stage."""
+    """A stage raised or returned something that is not a message list; names the stage.
+    ``stage``: its name; ``cause``: the type of what it raised (or returned), which, unlike
+    the message, never holds content."""
+
+    def __init__(self, message: str, *, stage: str = "", cause: str = "") -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.cause = cause
 
 
 class PipelineHalt(RuntimeError):
@@ -249,11 +256,17 @@ class Pipeline:
                 raise
             except Exception as exc:
                 span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-                raise StageError(f"stage {st.name!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise StageError(
+                    f"stage {st.name!r} failed: {type(exc).__name__}: {exc}",
+                    stage=st.name,
+                    cause=type(exc).__name__,
+                ) from exc
             if not isinstance(out, list):
                 span.set_status(Status(StatusCode.ERROR, "StageError"))
                 raise StageError(
-                    f"stage {st.name!r} returned {type(out).__name__}, expected list[Message]"
+                    f"stage {st.name!r} returned {type(out).__name__}, expected list[Message]",
+                    stage=st.name,
+                    cause=type(out).__name__,
                 )
             span.set_attribute(ATTR.STAGE_CHANGED, out is not messages)
             span.set_attribute(ATTR.MESSAGES_OUT, len(out))

@@ -20,9 +20,10 @@ import httpx2
 import pytest
 
 from pipeline import Pipeline
+from pipeline.core import FunctionStage
 from pipeline.dropin.wrap import wrap
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
-from stages import ToolResultBudget
+from stages import Autocompact, ToolResultBudget
 from tests.cli_support import clean_env
 from tests.sdk_support import sdk_client
 from tests.wire_support import TAG, CutUpstream, proxy, read_request
@@ -362,3 +363,65 @@ def test_a_credential_sent_on_two_lines_is_refused(door: Any, name: str, path: s
     assert name in response.json()["error"]["message"]
     assert "sk-ant" not in response.text
     assert len(upstream.requests) + len(upstream.count_requests) == sent
+
+
+# --------------------------------------------------------------------------------------------
+# A pass that fails: answered as the API would, counted and logged once, no content anywhere
+# --------------------------------------------------------------------------------------------
+
+SECRET = "PATIENT-RECORD-4711"
+
+
+def _failing_pipeline() -> Pipeline:
+    async def redact(messages: list[Any], ctx: Any) -> list[Any]:
+        raise ValueError(f"could not parse: {SECRET}")
+
+    return Pipeline([ToolResultBudget(), FunctionStage("redact", redact)])
+
+
+def _blocking_pipeline() -> Pipeline:
+    return Pipeline([Autocompact(context_window=60_000, max_output_tokens=8_000, block=True)])
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "messages", "status", "kind", "says"),
+    [
+        (_failing_pipeline, [{"role": "user", "content": "hi"}], 500, "api_error", "'redact'"),
+        (
+            _blocking_pipeline,
+            [{"role": "user", "content": "word " * 60_000}],
+            400,
+            "invalid_request_error",
+            "blocking limit",
+        ),
+        (_budget, [{"role": "system", "content": "x"}], 400, "invalid_request_error", "role"),
+    ],
+    ids=["stage-raises", "stage-refuses", "unreadable"],
+)
+def test_a_pass_that_fails_is_an_api_error_logged_once_without_content(
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    pipeline: Any,
+    messages: list[dict[str, Any]],
+    status: int,
+    kind: str,
+    says: str,
+) -> None:
+    logger = QuietLogger()
+    with ScriptedMessagesServer(_reply) as upstream:
+        with proxy(upstream.base_url, tmp_path, pipeline, logger=logger) as url:
+            answer = httpx2.post(
+                f"{url}/v1/messages",
+                json={"model": "m", "max_tokens": 5, "messages": messages},
+                headers={"x-api-key": "k"},
+            )
+        assert upstream.requests == []  # nothing sent
+    assert answer.status_code == status
+    body = answer.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind
+    assert says in body["error"]["message"]
+    lines = [kw for _level, event, kw in logger.events if event == "wire.request"]
+    assert len(lines) == 1 and lines[0]["status"] == status
+    printed = capfd.readouterr().err
+    assert SECRET not in answer.text + repr(logger.events) + printed
+    assert "Traceback" not in printed
