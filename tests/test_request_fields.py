@@ -58,6 +58,17 @@ def test_a_malformed_client_value_goes_as_sent(hostile: Any) -> None:
     assert merged["context_management"] == hostile
 
 
+def test_a_compaction_request_gets_no_context_management() -> None:
+    """A client's own compaction request (``compaction``) cannot carry ``context_management``
+    (the API refuses the two together): the stages' edits are not added to it; a ``null``
+    ``compaction`` is no compaction request."""
+    extras = {"context_management": {"edits": [CLEARING]}, "x": 1}
+    asked = merge_request_fields({"compaction": {"type": "summarize"}}, extras)
+    assert asked == {"compaction": {"type": "summarize"}, "x": 1}
+    merged = merge_request_fields({"compaction": None}, extras)
+    assert merged["context_management"] == {"edits": [CLEARING]}
+
+
 def test_betas_are_a_union() -> None:
     assert merge_betas(" b-2 ,a-1,,", ["c-3", "a-1"]) == "a-1,b-2,c-3"
     assert merge_betas(None, ["z", "z"]) == "z"

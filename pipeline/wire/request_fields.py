@@ -15,7 +15,8 @@ proxy, ``wrap`` and the agent put them on the request with :func:`merge_request_
 
 A client ``context_management`` of ``null`` is taken as not sent. One that is not an object,
 or whose ``edits`` is not a list, is sent as the client sent it (the API judges it); the
-stages' edits are then not added.
+stages' edits are then not added. Nor are they to a compaction request (a client's own
+``compaction``, not ``null``): the API refuses ``context_management`` beside it.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ CLEAR_THINKING_EDIT = "clear_thinking_20251015"
 """The edit the API requires first in ``context_management.edits`` when others are given."""
 
 _CONTEXT_MANAGEMENT = "context_management"
+_COMPACTION = "compaction"
 
 
 def merge_request_fields(body: Mapping[str, Any], extras: Mapping[str, Any]) -> dict[str, Any]:
     """``body`` with the fields the stages asked for (``extras``) merged in (see the module)."""
     merged = dict(body)
     for name, value in extras.items():
+        if name == _CONTEXT_MANAGEMENT and body.get(_COMPACTION) is not None:
+            continue  # a compaction request: the API takes no context_management with it
         if merged.get(name) is None:  # absent, or null: the client set nothing
             merged[name] = value
         elif name == _CONTEXT_MANAGEMENT:
