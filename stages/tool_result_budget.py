@@ -441,8 +441,8 @@ class ToolResultBudget:
                 "tool_result_budget.decision",
                 decision=decision,
                 reason=reason,
-                tool_use_id=c.tool_use_id,
-                tool_name=c.tool_name,
+                tool_use_id=bounded_attribute(c.tool_use_id),
+                tool_name=c.tool_name and bounded_attribute(c.tool_name),
                 chars=c.size,
                 **{k: v for k, v in fields.items() if v is not None},
             )

@@ -425,3 +425,30 @@ def test_a_pass_that_fails_is_an_api_error_logged_once_without_content(
     printed = capfd.readouterr().err
     assert SECRET not in answer.text + repr(logger.events) + printed
     assert "Traceback" not in printed
+
+
+def test_what_a_client_names_is_cut_in_log_lines_as_in_spans(tmp_path: Path) -> None:
+    """A 3,000-char model, a 20,000-char tool name and id: the access line and the budget's
+    decision line carry them cut as the span attributes are (256 chars)."""
+    tid, name = "toolu_" + "i" * 20_000, "T" * 20_000
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": tid, "name": name}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid, "content": "ok"}]},
+    ]
+    messages[1]["content"][0]["input"] = {}
+    logger = QuietLogger()
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, _budget, logger=logger) as url,
+    ):
+        answer = httpx2.post(
+            f"{url}/v1/messages",
+            json={"model": "m" * 3_000, "max_tokens": 5, "messages": messages},
+            headers={"x-api-key": "k"},
+        )
+    assert answer.status_code == 200
+    (line,) = [kw for _, event, kw in logger.events if event == "wire.request"]
+    (decided,) = [kw for _, event, kw in logger.events if event == "tool_result_budget.decision"]
+    assert len(line["model"]) == 256
+    assert len(decided["tool_use_id"]) == len(decided["tool_name"]) == 256

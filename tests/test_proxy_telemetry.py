@@ -107,6 +107,8 @@ def test_the_proxy_exports_its_spans_and_metrics_and_logs_each_request(tmp_path:
         ]
         assert passed.end_ns <= call.start_ns <= call.end_ns <= span.end_ns
         assert call.attributes["http.response.status_code"] == 200 and call.status == "UNSET"
+        for ids in ("gen_ai.conversation.id", "sluicegate.call"):  # as every span of the call
+            assert call.attributes[ids] == span.attributes[ids]
         assert not any("x" * 100 in str(v) for v in call.attributes.values())
     points = receiver.points
     answered = {"http.response.status_code": 200, "http.route": "/v1/messages"}

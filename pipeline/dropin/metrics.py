@@ -32,7 +32,7 @@ from typing import TypeVar, cast
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from pipeline.tracing import ATTR, METRIC, TRACER_NAME, AttributeValue
+from pipeline.tracing import ATTR, METRIC, TRACER_NAME, AttributeValue, bounded_attribute
 
 __all__ = ["WireMetrics"]
 
@@ -48,11 +48,19 @@ _TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 
 _SECOND_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 
 
+MAX_MODEL_LABELS = 64
+"""Distinct ``gen_ai.request.model`` labels a drop-in's metrics give; later models are
+counted under :data:`OTHER_MODELS`."""
+OTHER_MODELS = "other"
+
+
 class WireMetrics:
     """The instruments of a drop-in, made once from ``meter_provider`` (default: the global
     one)."""
 
     def __init__(self, meter_provider: metrics.MeterProvider | None = None) -> None:
+        self._models: set[str] = set()
+        """The model labels given so far (at most :data:`MAX_MODEL_LABELS`)."""
         meter = self._meter = metrics.get_meter(TRACER_NAME, meter_provider=meter_provider)
         self._provider = meter_provider or metrics.get_meter_provider()
         self.http_duration = meter.create_histogram(
@@ -153,6 +161,18 @@ class WireMetrics:
         if kept_off:
             self.kept_off.add(kept_off)
 
+    def _model_label(self, model: str) -> str:
+        """``model`` as a label: cut as a span attribute is, and :data:`OTHER_MODELS` once
+        :data:`MAX_MODEL_LABELS` others were given (the client names the model: each name a
+        series of every instrument it labels, without this bound)."""
+        label = bounded_attribute(model)
+        models = self._models
+        if label not in models:
+            if len(models) >= MAX_MODEL_LABELS:
+                return OTHER_MODELS
+            models.add(label)
+        return label
+
     def upstream(
         self, *, seconds: float, model: str | None, status: int, tokens: Mapping[str, int]
     ) -> None:
@@ -163,7 +183,7 @@ class WireMetrics:
             ATTR.PROVIDER_NAME: "anthropic",
         }
         if model:
-            attributes[ATTR.REQUEST_MODEL] = model
+            attributes[ATTR.REQUEST_MODEL] = self._model_label(model)
         if status >= 400:
             attributes[ATTR.ERROR_TYPE] = str(status)
         self.operation_duration.record(seconds, attributes)

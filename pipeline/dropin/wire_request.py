@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from pipeline.tracing import ATTR, SPAN_WIRE_UPSTREAM, AttributeValue
+from pipeline.tracing import ATTR, SPAN_WIRE_UPSTREAM, AttributeValue, bounded_attribute
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -117,7 +117,8 @@ class WireRequest:
         self.session = session
         self.metrics = metrics
         self.started = time.monotonic()
-        self.model = body.get("model") if isinstance(body.get("model"), str) else None
+        model = body.get("model")
+        self.model = bounded_attribute(model) if isinstance(model, str) else None
         messages = body.get("messages")
         self.fields: dict[str, Any] = {
             "session_id": session.session_id,
@@ -131,7 +132,7 @@ class WireRequest:
         self.fields["call"] = session.ctx.call
         attributes: dict[str, AttributeValue] = {ATTR.REQUEST_STREAM: self.fields["stream"]}
         if self.model:
-            attributes[ATTR.REQUEST_MODEL] = self.model[:256]
+            attributes[ATTR.REQUEST_MODEL] = self.model
         if tenant:
             attributes[ATTR.TENANT] = tenant
         if chars_in is not None:
@@ -183,9 +184,14 @@ class WireRequest:
             )
         self.sent_at = time.monotonic()
         if self.upstream_span is None:
+            # this request's call number, whatever call of the session started since
+            ids: dict[str, AttributeValue] = {ATTR.CONVERSATION_ID: self.session.session_id}
+            if self.fields["call"] is not None:
+                ids[ATTR.CALL] = self.fields["call"]
             self.upstream_span = self.session.ctx.tracer.start_span(
                 SPAN_WIRE_UPSTREAM,
                 context=trace.set_span_in_context(self.span),
+                attributes=ids,
                 record_exception=False,
                 set_status_on_exception=False,
             )
@@ -213,10 +219,11 @@ class WireRequest:
         """What the response said of itself: id, model, usage, applied context edits."""
         attributes: dict[str, AttributeValue] = {}
         if response_id:
-            attributes[ATTR.RESPONSE_ID] = response_id[:256]
-            self.fields["response_id"] = response_id[:256]
+            attributes[ATTR.RESPONSE_ID] = self.fields["response_id"] = bounded_attribute(
+                response_id
+            )
         if model:
-            attributes[ATTR.RESPONSE_MODEL] = model[:256]
+            attributes[ATTR.RESPONSE_MODEL] = bounded_attribute(model)
         if usage is not None:
             counts = usage_attributes(usage)
             attributes.update(counts)
