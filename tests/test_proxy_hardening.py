@@ -26,7 +26,7 @@ from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import Autocompact, ToolResultBudget
 from tests.cli_support import clean_env
 from tests.sdk_support import sdk_client
-from tests.wire_support import TAG, CutUpstream, proxy, read_request
+from tests.wire_support import TAG, CutUpstream, StalledStream, proxy, read_request
 
 LIMIT = 200_000
 
@@ -195,6 +195,29 @@ def test_a_client_gone_during_its_upload_is_logged_in_one_line(tmp_path: Path) -
         assert upstream.requests == []
     [(_, _, told)] = [x for x in logger.events if x[1] == "wire.request"]
     assert (told["status"], told["error"]) == (499, "client_disconnected")
+
+
+def test_a_client_gone_mid_stream_is_logged_as_gone(tmp_path: Path) -> None:
+    """A client that leaves while its stream goes on (Esc in Claude Code): the request's line
+    and span say ``client_disconnected`` (a warning: its usage was never read), under the
+    status it had."""
+    upstream = StalledStream()
+    logger = QuietLogger()
+    try:
+        with proxy(upstream.url, tmp_path, _budget, logger=logger) as url:
+            with httpx2.stream(
+                "POST", f"{url}/v1/messages", json={**_request("hi"), "stream": True}
+            ) as answer:
+                assert next(answer.iter_bytes()).startswith(b"event: ping")
+            deadline = time.monotonic() + 10
+            while not any(e == "wire.request" for _, e, _ in logger.events):
+                assert time.monotonic() < deadline, logger.events
+                time.sleep(0.02)
+    finally:
+        upstream.release.set()
+        upstream.sock.close()
+    [(level, _, told)] = [x for x in logger.events if x[1] == "wire.request"]
+    assert (level, told["status"], told["error"]) == ("warning", 200, "client_disconnected")
 
 
 def test_an_upstream_stream_cut_mid_chunk_is_cut_for_the_client_and_logged_once(

@@ -333,6 +333,26 @@ class CutUpstream(RawUpstream):
         )
 
 
+class StalledStream(RawUpstream):
+    """An upstream that answers 200, sends the first event of a stream and then waits until
+    ``release`` is set (a model still writing), then closes."""
+
+    threaded = True
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        super().__init__()
+
+    def answer(self, conn: socket.socket) -> None:
+        read_request(conn)
+        event = b'event: ping\ndata: {"type": "ping"}\n\n'
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(event), event)
+        )
+        self.release.wait(30)
+
+
 class OffTheLoop:
     """Tells whether a blocking step ran off the event loop: the step calls :meth:`wait`, which
     waits for :meth:`free`, a task of the loop -- run on the loop, the step would wait for

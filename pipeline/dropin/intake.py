@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from pipeline.dropin.conversations import SESSION_HEADER
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.tenancy import CREDENTIAL_HEADERS
+from pipeline.dropin.wire_request import CLIENT_LEFT
 
 __all__ = ["MESSAGES", "Intake", "error", "forwarded", "unreachable"]
 
@@ -115,7 +116,7 @@ class Intake:
                         return self._too_large(started, size, **where)
                     chunks.append(chunk)
         except ClientDisconnect:  # gone before its body was in: nobody to answer
-            self.logged(started, 499, error="client_disconnected", **where)
+            self.logged(started, 499, error=CLIENT_LEFT, **where)
             return Response(status_code=499)
         except TimeoutError:
             self.logged(started, 408, error="request_timeout", **where)

@@ -80,7 +80,7 @@ from pipeline.dropin.store_news import PLACE_ATTEMPTS
 from pipeline.dropin.sync_passes import LongPasses
 from pipeline.dropin.tenancy import Tenancy, credential_of
 from pipeline.dropin.upstream import Upstream, unless_left
-from pipeline.dropin.wire_request import WireRequest
+from pipeline.dropin.wire_request import CLIENT_LEFT, WireRequest
 from pipeline.logs import get_logger
 from pipeline.store.sessions import SessionStates
 from pipeline.store.spool import SPOOL_DIR
@@ -287,7 +287,7 @@ def build_app(
                     logged(started, failed.status_code, error=type(exc).__name__, chars_in=len(raw))
                     return failed
                 if upstream_response is None:
-                    logged(started, 499, error="client_disconnected", chars_in=len(raw))
+                    logged(started, 499, error=CLIENT_LEFT, chars_in=len(raw))
                     return Response(status_code=499)
                 end = functools.partial(
                     intake.relayed_end, started, upstream_response.status_code,
@@ -346,7 +346,7 @@ def build_app(
                     metrics.request(status=failed.status_code, seconds=time.monotonic() - started)
                     return _settled(failed, session, synced)
                 if upstream_response is None:  # the call was cancelled with it
-                    call_request.end(status=499, error="client_disconnected")
+                    call_request.end(status=499, error=CLIENT_LEFT)
                     metrics.request(status=499, seconds=time.monotonic() - started)
                     return _settled(Response(status_code=499), session, synced)
                 call_request.answered(upstream_response.status_code)
@@ -448,9 +448,9 @@ async def _send_as_is(client: Upstream, request: Request, raw: bytes) -> httpx2.
 
 
 def _ended(
-    request: WireRequest, metrics: WireMetrics, started: float, status: int, _cut: str | None
+    request: WireRequest, metrics: WireMetrics, started: float, status: int, cut: str | None
 ) -> None:
-    request.end()  # a cut body: the request knows (WireRequest.cut_off)
+    request.end(error=cut)  # the upstream's body cut (WireRequest.cut_off), or the client gone
     metrics.request(status=status, seconds=time.monotonic() - started)
 
 

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from pipeline.dropin.adapter import Call, WireSession
 from pipeline.dropin.event_stream import EventStreamUsage
 from pipeline.dropin.limits import MAX_ANSWER_BYTES
-from pipeline.dropin.wire_request import WireRequest
+from pipeline.dropin.wire_request import CLIENT_LEFT, WireRequest
 from pipeline.logs import get_logger
 
 __all__ = ["relay"]
@@ -103,6 +103,13 @@ def relay(
                 # span, metrics and log line) rather than after it
                 relayed.whole = True
                 yield b""
+        except BaseException as exc:
+            # closed, or cancelled while it waited on the upstream, before its end: the client
+            # went away meanwhile
+            left = isinstance(exc, GeneratorExit | anyio.get_cancelled_exc_class())
+            if left and not (relayed.whole or relayed.cut):
+                relayed.cut_by = CLIENT_LEFT
+            raise
         finally:
             # each runs, whatever the one before it raised; the last pushed runs first
             async with contextlib.AsyncExitStack() as ends:

@@ -32,7 +32,10 @@ if TYPE_CHECKING:
     from pipeline.dropin.adapter import WireSession
     from pipeline.dropin.metrics import WireMetrics
 
-__all__ = ["WireRequest", "usage_attributes"]
+__all__ = ["CLIENT_LEFT", "WireRequest", "usage_attributes"]
+
+CLIENT_LEFT = "client_disconnected"
+"""The error of a request whose client went away before its answer was whole."""
 
 _USAGE_ATTRIBUTES = (
     ("output_tokens", ATTR.USAGE_OUTPUT_TOKENS),
