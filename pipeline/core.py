@@ -114,6 +114,8 @@ class Pipeline:
     def __init__(self, stages: Iterable[Stage]) -> None:
         self._stages: tuple[Stage, ...] = tuple(stages)
         for s in self._stages:
+            if isinstance(s, type):  # its class attributes look like a stage's
+                raise TypeError(f"{s.__name__} is a class: give a stage, {s.__name__}(...)")
             if not isinstance(getattr(s, "name", None), str) or not callable(s):
                 raise TypeError(f"{s!r} is not a stage (needs a str .name and async __call__)")
         names = [s.name for s in self._stages]

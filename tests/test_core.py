@@ -145,6 +145,21 @@ def test_non_stages_are_rejected() -> None:
             Pipeline([bad])  # type: ignore[list-item]
 
 
+def test_a_stage_class_is_rejected_when_given_not_when_run() -> None:
+    """A stage's class has its ``name`` and is callable: refused, naming the fix."""
+
+    class Passing:
+        name = "passing"
+
+        async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+            return messages
+
+    with pytest.raises(TypeError, match=r"Passing is a class: give a stage, Passing\(...\)"):
+        Pipeline([Passing])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="is a class"):
+        Pipeline([Passing()]).replace("passing", Passing)  # type: ignore[arg-type]
+
+
 def test_function_stage_and_decorator() -> None:
     async def f(messages: list[Message], ctx: SessionContext) -> list[Message]:
         return messages
