@@ -7,12 +7,15 @@ request would be placed under one and checked upstream under another.
 A request refused here (too large, compressed, cut off, its body too slow, a credential on
 two header lines, not a Messages request) never reaches
 a conversation or the upstream: it is counted (the ``http.server.request.duration`` histogram) and
-logged (``wire.request``) like any other, with the error's kind and never the body.
+logged (``wire.request``) like any other, with the error's kind and never the body. So is a
+request whose pipeline pass failed (:meth:`Intake.pass_failed`): answered as the API would,
+before anything goes upstream.
 """
 
 from __future__ import annotations
 
 import time
+import traceback
 from typing import Any
 
 import anyio
@@ -20,10 +23,11 @@ import httpx2
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pipeline.core import PipelineHalt, StageError
 from pipeline.dropin.conversations import SESSION_HEADER
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.tenancy import CREDENTIAL_HEADERS
-from pipeline.dropin.wire_request import CLIENT_LEFT
+from pipeline.dropin.wire_request import CLIENT_LEFT, WireRequest
 
 __all__ = ["MESSAGES", "Intake", "error", "forwarded", "unreachable"]
 
@@ -83,6 +87,27 @@ class Intake:
     def refused(self, started: float, status: int, kind: str, message: str) -> Response:
         """A request answered here, before any conversation: counted and logged."""
         self.logged(started, status, error=kind)
+        return error(status, kind, message)
+
+    def pass_failed(self, exc: Exception, call: WireRequest, started: float) -> Response:
+        """The answer to a request whose pass failed, as the API would put it, counted and
+        logged once (its ``wire.request`` line and span say the error): a request the pass
+        cannot read or a stage refused (``PipelineHalt``: ``Autocompact(block=True)``) is a 400;
+        a stage that failed, or anything else, a 500 naming the stage and the exception's type
+        -- never its message, which can hold content (nor a traceback, which would print it)."""
+        if isinstance(exc, ValueError | PipelineHalt):
+            status, kind, message = 400, "invalid_request_error", str(exc)[:300]
+        elif isinstance(exc, StageError):
+            status, kind = 500, "api_error"
+            message = f"stage {exc.stage[:100]!r} failed ({exc.cause}); nothing was sent upstream"
+        else:
+            status, kind = 500, "api_error"
+            message = f"the proxy failed ({type(exc).__name__}); nothing was sent upstream"
+            frame = traceback.extract_tb(exc.__traceback__)[-1:]
+            where = f"{frame[0].filename}:{frame[0].lineno}" if frame else None
+            self.logger.error("wire.pass_failed", error=type(exc).__name__, where=where)
+        call.end(status=status, error=kind if status == 400 else type(exc).__name__)
+        self.metrics.request(status=status, seconds=time.monotonic() - started)
         return error(status, kind, message)
 
     def relayed_end(self, started: float, status: int, cut: str | None, **fields: Any) -> None:

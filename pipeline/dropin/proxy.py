@@ -40,7 +40,6 @@ import contextlib
 import functools
 import os
 import time
-import traceback
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from pipeline.core import Pipeline, PipelineHalt, StageError
+from pipeline.core import Pipeline
 from pipeline.dropin.adapter import WireSession
 from pipeline.dropin.conversations import (
     MAX_HELD,
@@ -323,7 +322,7 @@ def build_app(
                         else:
                             prepared, call = await session.prepare_call(body)
                     except Exception as exc:  # answered as the API would: never a traceback
-                        refusal = _pass_failed(exc, call_request, intake, started, logger)
+                        refusal = intake.pass_failed(exc, call_request, started)
                         return _settled(refusal, session, synced)
                     extras = session.ctx.report.request_extras
                     merged = merge_request_fields(prepared, extras)
@@ -452,30 +451,6 @@ def _ended(
 ) -> None:
     request.end(error=cut)  # the upstream's body cut (WireRequest.cut_off), or the client gone
     metrics.request(status=status, seconds=time.monotonic() - started)
-
-
-def _pass_failed(
-    exc: Exception, call: WireRequest, intake: Intake, started: float, logger: Any
-) -> Response:
-    """The answer to a request whose pass failed, as the API would put it, counted and logged
-    once (its ``wire.request`` line and span say the error): a request the pass cannot read
-    or a stage refused (``PipelineHalt``: ``Autocompact(block=True)``) is a 400; a stage that
-    failed, or anything else, a 500 naming the stage and the exception's type -- never its
-    message, which can hold content (nor a traceback, which would print it)."""
-    if isinstance(exc, ValueError | PipelineHalt):
-        status, kind, message = 400, "invalid_request_error", str(exc)[:300]
-    elif isinstance(exc, StageError):
-        status, kind = 500, "api_error"
-        message = f"stage {exc.stage[:100]!r} failed ({exc.cause}); nothing was sent upstream"
-    else:
-        status, kind = 500, "api_error"
-        message = f"the proxy failed ({type(exc).__name__}); nothing was sent upstream"
-        frame = traceback.extract_tb(exc.__traceback__)[-1:]
-        where = f"{frame[0].filename}:{frame[0].lineno}" if frame else None
-        logger.error("wire.pass_failed", error=type(exc).__name__, where=where)
-    call.end(status=status, error=kind if status == 400 else type(exc).__name__)
-    intake.metrics.request(status=status, seconds=time.monotonic() - started)
-    return error(status, kind, message)
 
 
 def _settled(response: Response, session: WireSession, group: GroupSync) -> Response:
