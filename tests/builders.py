@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+import anyio
 
 from pipeline import Message, Usage
 from pipeline.result_keys import result_key, tool_use_id_of
@@ -70,3 +72,17 @@ def by_id(by_key: Mapping[str, str]) -> dict[str, str]:
         assert tid not in out, f"two ledger keys for the id {tid!r}: {sorted(by_key)}"
         out[tid] = v
     return out
+
+
+class HostileSummarizer:
+    """A summariser answering what a summariser must not: ``reply`` (not text), or never
+    (``hang``); ``asked`` counts its requests."""
+
+    def __init__(self, reply: Any = None, *, hang: bool = False) -> None:
+        self.reply, self.hang, self.asked = reply, hang, 0
+
+    async def summarize(self, messages: Sequence[Any]) -> Any:
+        self.asked += 1
+        if self.hang:
+            await anyio.sleep_forever()
+        return self.reply

@@ -11,7 +11,6 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from anthropic.types import MessageParam
 
@@ -36,7 +35,14 @@ from pipeline.tokens import rough_tokens_for_messages, rough_tokens_for_text
 from pipeline.transcript.read import StageRecord
 from pipeline.wire.pairing import check_pairing
 from stages.autocompact import SUMMARY_PREFIX, Autocompact, ContextWindowExceeded, Thresholds
-from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.builders import (
+    HostileSummarizer,
+    assistant,
+    results,
+    tool_result,
+    tool_use,
+    user_text,
+)
 from tests.sdk_support import sdk_client
 
 # A small window keeps the numbers readable: effective 52,000, compact at 39,000, warn at
@@ -398,27 +404,17 @@ async def test_useless_summaries_are_discarded(
     assert ctx.records_for("autocompact") == []
 
 
-class Hostile:
-    """A summariser answering what a summariser must not: ``reply`` (not text), or never."""
-
-    def __init__(self, reply: Any = None, *, hang: bool = False) -> None:
-        self.reply, self.hang, self.asked = reply, hang, 0
-
-    async def summarize(self, messages: Sequence[MessageParam]) -> Any:
-        self.asked += 1
-        if self.hang:
-            await anyio.sleep_forever()
-        return self.reply
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("summarizer", "error"),
-    [(Hostile(b"bytes"), "SummaryError"), (Hostile(hang=True), "SummaryTimeout")],
+    [
+        (HostileSummarizer(b"bytes"), "SummaryError"),
+        (HostileSummarizer(hang=True), "SummaryTimeout"),
+    ],
     ids=["bytes", "hang"],
 )
 async def test_a_summary_that_is_not_text_or_never_comes_is_a_failure(
-    tmp_path: Path, exporter: SpanRecorder, summarizer: Hostile, error: str
+    tmp_path: Path, exporter: SpanRecorder, summarizer: HostileSummarizer, error: str
 ) -> None:
     ctx = make_ctx(tmp_path, exporter)
     msgs = conversation(OVER)

@@ -36,6 +36,7 @@ from pipeline.tracing import ATTR
 from pipeline.transcript.read import StageRecord
 from stages import ContextCollapse, HistorySnip, default_stages
 from stages.context_collapse import SUMMARY_HEADER
+from tests.builders import HostileSummarizer
 from tests.rounds_support import (
     PROPERTY,
     Spans,
@@ -215,27 +216,19 @@ async def test_summary_failures_never_fail_the_turn(
         assert second == first
 
 
-class Hostile:
-    """A summariser answering what a summariser must not: ``reply`` (not text), or never."""
-
-    def __init__(self, reply: Any = None, *, hang: bool = False) -> None:
-        self.reply, self.hang, self.asked = reply, hang, 0
-
-    async def summarize(self, messages: Sequence[MessageParam]) -> Any:
-        self.asked += 1
-        if self.hang:
-            await anyio.sleep_forever()
-        return self.reply
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "summarizer",
-    [Hostile(b"bytes summary"), Hostile(None), Hostile(["a"]), Hostile(hang=True)],
+    [
+        HostileSummarizer(b"bytes summary"),
+        HostileSummarizer(None),
+        HostileSummarizer(["a"]),
+        HostileSummarizer(hang=True),
+    ],
     ids=["bytes", "none", "list", "hang"],
 )
 async def test_a_summary_that_is_not_text_or_never_comes_is_a_failure(
-    tmp_path: Path, summarizer: Hostile
+    tmp_path: Path, summarizer: HostileSummarizer
 ) -> None:
     """Not text, or no answer within ``summary_timeout``: the pass goes on uncollapsed, the
     failure is counted, and after ``max_failures`` the stage stops asking."""
