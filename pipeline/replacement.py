@@ -5,10 +5,10 @@ once it has been replaced, the same replacement string must be sent forever afte
 remembers both, and the records written to the transcript let a resumed session rebuild it.
 
 A decision is bound to what it decided on: the ledger's key for a result is its
-``tool_use_id`` *and* a digest of its output (:func:`result_key`), so a decision is re-applied
-only to the content it was made from. A result that reuses an id with other content -- a
-client's own ids repeated, a conversation mistaken for another -- is a new result, decided on
-its own, never sent another result's replacement.
+``tool_use_id`` *and* a digest of its output (:func:`~pipeline.result_keys.result_key`), so
+a decision is re-applied only to the content it was made from. A result that reuses an id
+with other content -- a client's own ids repeated, a conversation mistaken for another -- is
+a new result, decided on its own, never sent another result's replacement.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def decided_record(keys: Iterable[str]) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class ReplacementRecord:
     """One replaced tool_result: the exact string the model was shown instead of the output,
-    and the digest of that output (:func:`content_digest`; None in a record written before
-    results were bound to their content)."""
+    and the digest of that output (:func:`~pipeline.result_keys.content_digest`; None in a
+    record written before results were bound to their content)."""
 
     tool_use_id: str
     replacement: str
@@ -258,9 +258,9 @@ class _CountedDict(dict[str, str]):
 
 
 class ReplacementState:
-    """``seen_ids``: the key (:func:`result_key`: id and output digest) of every result that
-    passed a budget decision; ``replacements``: the subset that was replaced, mapped to the
-    exact string the model was shown.
+    """``seen_ids``: the key (:func:`~pipeline.result_keys.result_key`: id and output digest)
+    of every result that passed a budget decision; ``replacements``: the subset that was
+    replaced, mapped to the exact string the model was shown.
 
     Both may be read and changed like a set and a dict (or assigned anew); :attr:`version`
     moves with every change, so a stage can tell in O(1) that the ledger is as it left it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
@@ -50,7 +51,10 @@ def check_summary_timeout(value: object) -> float:
     """A summary timeout: seconds > 0 (``math.inf``: wait as long as the summariser takes)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"summary_timeout must be a number of seconds > 0, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past any float: no limit, as math.inf
+        return math.inf
 
 
 async def ask_summary(
@@ -65,7 +69,7 @@ async def ask_summary(
         raise SummaryTimeout(f"no summary within {timeout:g} s")
     if not isinstance(text, str):
         raise SummaryError(f"summarizer returned {type(text).__name__}, not str")
-    return str(text)
+    return str.__str__(text)  # a subclass's own __str__ is not the text
 
 
 class SummaryTimeout(SummaryError):

@@ -89,7 +89,8 @@ class ResultSlot:
     """The tool's output: the content less the harness tail (:mod:`pipeline.wire.harness`)."""
     empty: bool
     key: str | None
-    """The ledger key (:func:`result_key`) of a candidate, None for anything else."""
+    """The ledger key (:func:`~pipeline.result_keys.result_key`) of a candidate, None for
+    anything else."""
 
 
 def read_results(m: Message) -> Iterator[ResultSlot]:

@@ -37,3 +37,16 @@ def test_models_a_client_names_are_labels_bounded_in_length_and_number() -> None
     assert OTHER_MODELS in models and "claude-test" in models
     assert max(len(m) for m in models) <= MAX_ATTRIBUTE_CHARS
     provider.shutdown()
+
+
+def test_the_bound_holds_for_every_app_on_one_provider() -> None:
+    """Each ``wrap``ped client and proxy app makes its own ``WireMetrics``: on one meter
+    provider they share the bound."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    for app in range(5):
+        metrics = WireMetrics(provider)
+        for k in range(MAX_MODEL_LABELS):
+            metrics.upstream(seconds=0.1, model=f"app{app}-model{k}", status=200, tokens={})
+    assert len(set(_models(reader))) == MAX_MODEL_LABELS + 1
+    provider.shutdown()

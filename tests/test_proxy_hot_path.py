@@ -418,3 +418,38 @@ def test_a_held_back_record_is_written_when_the_upstreams_close_fails(tmp_path: 
     ended, records = anyio.run(run)
     assert ended == ["client_disconnected"]  # the request ends, saying its client left
     assert '"wire_session.response"' in records
+
+
+@pytest.mark.parametrize("gone", [False, True], ids=["stays", "gone"])
+def test_a_held_answer_whose_send_fails_ends_its_request_as_its_client_gone(
+    tmp_path: Path, gone: bool
+) -> None:
+    """A JSON answer is held whole, then sent in one piece: when that send fails (a server of
+    ASGI 2.4 tells a client gone so) the request ends with ``client_disconnected``; sent, it
+    ends clean."""
+
+    async def run() -> list[str | None]:
+        session = await WireSession.open("s", tmp_path, _budget())
+        _, call = await session.prepare_call(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        answer = {"id": "msg_1", "model": "m", "usage": {"input_tokens": 1, "output_tokens": 1}}
+        transport = httpx2.MockTransport(lambda _r: httpx2.Response(200, json=answer))
+        ended: list[str | None] = []
+        async with httpx2.AsyncClient(transport=transport, base_url="http://u") as client:
+            upstream = await client.send(client.build_request("POST", "/v1/messages"), stream=True)
+            response = relay(upstream, session, call, end=ended.append)
+            assert response.held
+
+            async def send(message: Any) -> None:
+                if gone and message["type"] == "http.response.body":
+                    raise OSError("client gone")
+
+            async def receive() -> Any:
+                await anyio.sleep_forever()
+
+            with contextlib.suppress(Exception):
+                await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return ended
+
+    assert anyio.run(run) == (["client_disconnected"] if gone else [None])

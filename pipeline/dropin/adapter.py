@@ -289,7 +289,7 @@ class WireSession(ResponseObserving):
     def inherit(self, at: int, results: Collection[str] | None = None) -> Inherited:
         """What a conversation that shares this one's first ``at`` messages, then goes another
         way, starts from: this one's decisions on the results it holds (``results``: their
-        ledger keys, :func:`~pipeline.replacement.result_key`; default all; a decision applies
+        ledger keys, :func:`~pipeline.result_keys.result_key`; default all; a decision applies
         only to the output it was made on), this one's other stage records (they name records
         by the digest of all before them: they apply only to what the two share), the responses
         this one observed for the shared part and its token tracker's state. A copy, taken

@@ -43,13 +43,16 @@ _WATCHED: dict[int, tuple[object, _Watched]] = {}
 """By meter provider (held, so that its id stays its own): what its gauges of conversations
 held sum (:meth:`WireMetrics.watch_held`)."""
 _WATCHED_LOCK = threading.Lock()
+_MODELS: dict[int, tuple[object, set[str]]] = {}
+"""By meter provider (held, as above): the model labels its instruments were given."""
 
 _TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304]
 _SECOND_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 
 
 MAX_MODEL_LABELS = 64
-"""Distinct ``gen_ai.request.model`` labels a drop-in's metrics give; later models are
+"""Distinct ``gen_ai.request.model`` labels the drop-ins' metrics give on one meter provider
+(every proxy app and ``wrap``ped client on it); later models are
 counted under :data:`OTHER_MODELS`."""
 OTHER_MODELS = "other"
 
@@ -59,10 +62,13 @@ class WireMetrics:
     one)."""
 
     def __init__(self, meter_provider: metrics.MeterProvider | None = None) -> None:
-        self._models: set[str] = set()
-        """The model labels given so far (at most :data:`MAX_MODEL_LABELS`)."""
         meter = self._meter = metrics.get_meter(TRACER_NAME, meter_provider=meter_provider)
         self._provider = meter_provider or metrics.get_meter_provider()
+        with _WATCHED_LOCK:
+            entry = _MODELS.setdefault(id(self._provider), (self._provider, set()))
+        self._models = entry[1]
+        """The model labels given on this provider (by every app on it: at most
+        :data:`MAX_MODEL_LABELS`)."""
         self.http_duration = meter.create_histogram(
             METRIC.HTTP_SERVER_DURATION,
             unit="s",
@@ -168,9 +174,10 @@ class WireMetrics:
         label = bounded_attribute(model)
         models = self._models
         if label not in models:
-            if len(models) >= MAX_MODEL_LABELS:
-                return OTHER_MODELS
-            models.add(label)
+            with _WATCHED_LOCK:
+                if len(models) >= MAX_MODEL_LABELS:
+                    return OTHER_MODELS
+                models.add(label)
         return label
 
     def upstream(

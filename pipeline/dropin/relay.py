@@ -107,7 +107,7 @@ def relay(
             # closed, or cancelled while it waited on the upstream, before its end: the client
             # went away meanwhile
             left = isinstance(exc, GeneratorExit | anyio.get_cancelled_exc_class())
-            if left and not (relayed.whole or relayed.cut):
+            if left and not (relayed.ended or relayed.cut):
                 relayed.cut_by = CLIENT_LEFT
             raise
         finally:
@@ -144,6 +144,8 @@ class _Relayed(StreamingResponse):
     """Set by the body before it yields its last chunk, when it knows that one is the last: the
     chunk then ends the response, and what the body does after it (the request's end: its
     span, metrics and log line) is no longer between the client and its response."""
+    ended = False
+    """Whether the client was sent the response's end (else it went away before)."""
     held = False
     """Whether the body is read whole before any of it is sent (a JSON answer, recorded
     first): nothing is left for a client's leaving to stop, so no task listens for it."""
@@ -171,10 +173,12 @@ class _Relayed(StreamingResponse):
                 more = not self.whole
                 await send({"type": "http.response.body", "body": chunk, "more_body": more})
                 if not more:
+                    self.ended = True
                     break
             else:
                 if not self.cut:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    self.ended = True
         finally:
             if isinstance(body, AsyncGenerator):
                 # its end (the upstream closed, the request's end told): once the client has

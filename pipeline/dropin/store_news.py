@@ -84,10 +84,13 @@ class StoreNews:
         """The last of :data:`PLACE_ATTEMPTS`: the store still had news the last load did not
         bring (another writer kept moving the conversation on, or records that list are not
         readable yet). The request goes as placed -- not loaded again, which would leave the
-        session that serves it unplaced -- and its conversation decides again what no record
-        tells it of (:meth:`WireSession.store_unread`), as a worker that cannot read does."""
-        branch.session.ctx.logger.warning("wire_session.still_moving")
-        branch.session.store_unread()
+        session that serves it unplaced -- and, on a store with a spool (a fleet's), its
+        conversation decides again what no record tells it of
+        (:meth:`WireSession.store_unread`), as a worker that cannot read does; elsewhere it
+        goes a move behind."""
+        session = branch.session
+        session.ctx.logger.warning("wire_session.still_moving", session_id=session.session_id)
+        session.store_unread()
 
     @staticmethod
     def _unread(session: WireSession, exc: OSError) -> None:
