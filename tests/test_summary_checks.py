@@ -46,7 +46,7 @@ def test_what_is_not_text_is_a_summary_error(reply: Any) -> None:
 
 
 def test_no_answer_in_time_is_a_summary_timeout() -> None:
-    with pytest.raises(SummaryTimeout, match="within 0.05 s"):
+    with pytest.raises(SummaryTimeout, match=r"within 0\.05 s"):
         anyio.run(ask_summary, HostileSummarizer(hang=True), [], 0.05)
 
 
