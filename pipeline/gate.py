@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from pipeline.result_keys import (
+from pipeline.results.keys import (
     PERSISTED_OUTPUT_CLOSING_TAG,
     PERSISTED_OUTPUT_TAG,
     is_replacement_text,
 )
+from pipeline.results.reading import candidate_size, content_is_empty
 from pipeline.store.files import ToolResultStore
-from pipeline.tool_results import candidate_size, content_is_empty
 from pipeline.tracing import Decision, Reason
 
 __all__ = [

@@ -5,7 +5,7 @@ once it has been replaced, the same replacement string must be sent forever afte
 remembers both, and the records written to the transcript let a resumed session rebuild it.
 
 A decision is bound to what it decided on: the ledger's key for a result is its
-``tool_use_id`` *and* a digest of its output (:func:`~pipeline.result_keys.result_key`), so
+``tool_use_id`` *and* a digest of its output (:func:`~pipeline.results.keys.result_key`), so
 a decision is re-applied only to the content it was made from. A result that reuses an id
 with other content -- a client's own ids repeated, a conversation mistaken for another -- is
 a new result, decided on its own, never sent another result's replacement.
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
 from pipeline.messages import Message, thread_start
-from pipeline.result_keys import DIGEST_HEX, KEY_SEPARATOR, result_key, tool_use_id_of
+from pipeline.results.keys import DIGEST_HEX, KEY_SEPARATOR, result_key, tool_use_id_of
+from pipeline.results.reading import last_response_start, read_results
 from pipeline.tokens.checks import bounded_repr
-from pipeline.tool_results import last_response_start, read_results
 from pipeline.wire.harness import split_tail
 
 __all__ = [
@@ -97,7 +97,7 @@ def decided_record(keys: Iterable[str]) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class ReplacementRecord:
     """One replaced tool_result: the exact string the model was shown instead of the output,
-    and the digest of that output (:func:`~pipeline.result_keys.content_digest`; None in a
+    and the digest of that output (:func:`~pipeline.results.keys.content_digest`; None in a
     record written before results were bound to their content)."""
 
     tool_use_id: str
@@ -258,7 +258,7 @@ class _CountedDict(dict[str, str]):
 
 
 class ReplacementState:
-    """``seen_ids``: the key (:func:`~pipeline.result_keys.result_key`: id and output digest)
+    """``seen_ids``: the key (:func:`~pipeline.results.keys.result_key`: id and output digest)
     of every result that passed a budget decision; ``replacements``: the subset that was
     replaced, mapped to the exact string the model was shown.
 

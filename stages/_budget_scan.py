@@ -45,7 +45,7 @@ from typing import Any
 from pipeline.kept_list import InputLog, KeptList
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementState
-from pipeline.tool_results import read_results
+from pipeline.results.reading import read_results
 from stages._group_scan import GroupScan, Name, result_name, step_slots
 from stages._shared import patch_message
 

@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.messages import Message
-from pipeline.result_keys import is_replacement_text
+from pipeline.results.keys import is_replacement_text
+from pipeline.results.reading import content_is_empty
 from pipeline.tokens import find_anchor, rough_tokens_for_block, rough_tokens_for_messages
-from pipeline.tool_results import content_is_empty
 from pipeline.wire.harness import split_tail
 from stages._shared import CLEARED_PLACEHOLDER, ContentFor, result_ids, tool_results
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline.gate import empty_result_text, is_persistable
 from pipeline.messages import Message
-from pipeline.tool_results import ResultSlot, candidate_size, read_results
+from pipeline.results.reading import ResultSlot, candidate_size, read_results
 
 __all__ = ["Candidate", "GroupScan", "Name", "collect_groups", "result_name", "step_slots"]
 

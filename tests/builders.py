@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 
 from pipeline import Message, Usage
-from pipeline.result_keys import result_key, tool_use_id_of
+from pipeline.results.keys import result_key, tool_use_id_of
 
 
 def tool_use(tool_use_id: str, name: str = "Bash", **inp: Any) -> dict[str, Any]:

@@ -11,9 +11,9 @@ import pytest
 
 from pipeline import Pipeline, SessionContext, ToolPolicies, load_transcript
 from pipeline.gate import is_persistable, persist_content
-from pipeline.result_keys import PERSISTED_OUTPUT_TAG
+from pipeline.results.keys import PERSISTED_OUTPUT_TAG
+from pipeline.results.reading import candidate_size
 from pipeline.store.files import FileToolResultStore
-from pipeline.tool_results import candidate_size
 from pipeline.transcript.replay import replay_messages
 from pipeline.wire.pairing import check_pairing
 from stages import ToolResultBudget

@@ -51,7 +51,7 @@ from pipeline import (
 )
 from pipeline.gate import persist_content
 from pipeline.replacement import ReplacementRecord, decided_in
-from pipeline.result_keys import content_digest
+from pipeline.results.keys import content_digest
 from pipeline.testing import QuietLogger
 from pipeline.wire.pairing import check_pairing
 from stages import ToolResultBudget

@@ -23,7 +23,7 @@ from pipeline import (
 )
 from pipeline.gate import build_replacement, format_size, gate_tool_result, generate_preview
 from pipeline.replacement import ReplacementRecord
-from pipeline.result_keys import content_digest
+from pipeline.results.keys import content_digest
 from pipeline.store.files import FileToolResultStore
 from pipeline.testing import SpanRecorder
 from pipeline.tracing import ATTR, SPAN_BUDGET_GROUP

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeline import Message, Usage
 from pipeline.incremental import AppendWatch
 from pipeline.messages import SYNTHETIC_MODEL
-from pipeline.result_keys import PERSISTED_OUTPUT_TAG
+from pipeline.results.keys import PERSISTED_OUTPUT_TAG
 from pipeline.tokens import rough_tokens_for_messages
 from stages._clear_index import ClearIndex
 from stages._clearable import Gains, HistoryAt, rough_tokens_priced, scan_clearable

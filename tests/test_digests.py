@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.result_keys import content_digest
+from pipeline.results.keys import content_digest
 from pipeline.wire import canonical
 from pipeline.wire.canonical import canonical_json as _canonical
 from pipeline.wire.digests import message_digest

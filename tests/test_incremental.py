@@ -40,8 +40,8 @@ from pipeline import (
     SessionContext,
     to_api,
 )
+from pipeline.results.reading import read_results
 from pipeline.testing import MemoryStore, RecordReads, assert_same_messages
-from pipeline.tool_results import read_results
 from pipeline.tracing import SPAN_BUDGET_GROUP, Decision, decision_span_name
 from stages import ToolResultBudget
 from tests.builders import assistant, key, results, tool_result, tool_use, user_text

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOMS = ("agent", "dropin", "store", "testing", "tokens", "transcript", "wire")
+ROOMS = ("agent", "dropin", "results", "store", "testing", "tokens", "transcript", "wire")
 
 
 def _modules(package: str) -> dict[str, Path]:

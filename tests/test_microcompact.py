@@ -38,7 +38,7 @@ from pipeline import (
     to_api,
 )
 from pipeline.agent import Agent
-from pipeline.result_keys import is_replacement_text
+from pipeline.results.keys import is_replacement_text
 from pipeline.testing import Reply, ScriptedMessagesServer, ScriptError, SpanRecorder
 from pipeline.tokens import rough_tokens_for_messages
 from pipeline.tools import tool

@@ -25,7 +25,7 @@ from obstore.exceptions import AlreadyExistsError
 
 from pipeline import Message, Pipeline, SessionContext, ToolPolicies, to_api
 from pipeline.replacement import ReplacementRecord
-from pipeline.result_keys import PERSISTED_OUTPUT_TAG
+from pipeline.results.keys import PERSISTED_OUTPUT_TAG
 from pipeline.store.files import FileToolResultStore, StoreError
 from pipeline.store.object_reader import ObjectOutputReader
 from pipeline.store.object_records import ObjectRecordLog

@@ -23,7 +23,7 @@ from obstore.store import MemoryStore
 
 from pipeline import Message, Pipeline, SessionContext, ToolPolicies, to_api
 from pipeline.gate import describe_error
-from pipeline.result_keys import PERSISTED_OUTPUT_TAG, content_digest
+from pipeline.results.keys import PERSISTED_OUTPUT_TAG, content_digest
 from pipeline.store import object_reader as objectreader
 from pipeline.store.files import StoreError
 from pipeline.store.object_reader import ObjectOutputReader, index_lines

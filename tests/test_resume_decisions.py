@@ -26,9 +26,9 @@ from pipeline import (
     to_api,
 )
 from pipeline.replacement import ReplacementRecord, decided_in
-from pipeline.result_keys import content_digest
+from pipeline.results.keys import content_digest
+from pipeline.results.reading import answered_results
 from pipeline.testing import QuietLogger
-from pipeline.tool_results import answered_results
 from pipeline.transcript.read import StageRecord
 from stages import ToolResultBudget
 from tests.builders import assistant, key, results, tool_result, tool_use, user_text

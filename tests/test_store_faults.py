@@ -77,7 +77,7 @@ from pipeline import (
 )
 from pipeline.gate import gate_tool_result
 from pipeline.replacement import ReplacementState
-from pipeline.result_keys import PERSISTED_OUTPUT_TAG
+from pipeline.results.keys import PERSISTED_OUTPUT_TAG
 from pipeline.store.files import OsFileOps
 from pipeline.testing import QuietLogger, SpanRecorder
 from pipeline.tracing import ATTR

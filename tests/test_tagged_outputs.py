@@ -13,10 +13,10 @@ import pytest
 
 from pipeline import Pipeline, SessionContext, ToolPolicies, to_api
 from pipeline.gate import gate_tool_result, persist_content
-from pipeline.result_keys import MAX_REPLACEMENT_CHARS, is_replacement_text
+from pipeline.results.keys import MAX_REPLACEMENT_CHARS, is_replacement_text
+from pipeline.results.reading import is_candidate
 from pipeline.store.files import FileToolResultStore
 from pipeline.testing import QuietLogger
-from pipeline.tool_results import is_candidate
 from pipeline.tracing import Decision, Reason
 from stages import ToolResultBudget
 from tests.builders import assistant, results, tool_result, tool_use, user_text

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline import Message, TranscriptWriter, Usage, load_transcript, to_api
 from pipeline.replacement import ReplacementRecord
-from pipeline.result_keys import content_digest
+from pipeline.results.keys import content_digest
 from pipeline.transcript.read import LineProblem, TranscriptError
 
 SESSION = "5f0c1e2a-0000-4000-8000-000000000001"

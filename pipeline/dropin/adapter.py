@@ -62,12 +62,12 @@ from pipeline.dropin.session_writes import SessionWrites
 from pipeline.kept_list import shared_start
 from pipeline.messages import WIRE_MESSAGE, Message, Usage, uuid5_text
 from pipeline.replacement import DECIDED_RECORD_STAGE, ReplacementRecord, decided_record
+from pipeline.results.reading import answered_results
 from pipeline.spans import content_safe_span
 from pipeline.store.files import validate_session_id
 from pipeline.store.records import append_where_it_belongs
 from pipeline.store.sessions import DECISIONS_FILE, SessionStorage, open_session_state
 from pipeline.tokens import TokenTracker, calibration_path_for
-from pipeline.tool_results import answered_results
 from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript.read import Transcript
 from pipeline.wire.cache import WireCache
@@ -289,7 +289,7 @@ class WireSession(ResponseObserving):
     def inherit(self, at: int, results: Collection[str] | None = None) -> Inherited:
         """What a conversation that shares this one's first ``at`` messages, then goes another
         way, starts from: this one's decisions on the results it holds (``results``: their
-        ledger keys, :func:`~pipeline.result_keys.result_key`; default all; a decision applies
+        ledger keys, :func:`~pipeline.results.keys.result_key`; default all; a decision applies
         only to the output it was made on), this one's other stage records (they name records
         by the digest of all before them: they apply only to what the two share), the responses
         this one observed for the shared part and its token tracker's state. A copy, taken

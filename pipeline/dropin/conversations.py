@@ -58,8 +58,8 @@ from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord, ReplacementState
+from pipeline.results.reading import read_results
 from pipeline.store.sessions import SessionStates, SessionStorage
-from pipeline.tool_results import read_results
 from pipeline.transcript import Transcript
 from pipeline.wire.digests import OpeningMemo, chain_of, opening_digest
 

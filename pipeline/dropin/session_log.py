@@ -21,7 +21,7 @@ from pipeline.replacement import (
     decided_in,
     decided_record,
 )
-from pipeline.result_keys import tool_use_id_of
+from pipeline.results.keys import tool_use_id_of
 from pipeline.transcript.read import StageRecord, Transcript
 
 __all__ = [

@@ -60,13 +60,13 @@ from pipeline import (  # noqa: E402
     to_api,
 )
 from pipeline.gate import empty_result_text, is_persistable, persist_content  # noqa: E402
-from pipeline.result_keys import result_key  # noqa: E402
-from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
-from pipeline.tool_results import (  # noqa: E402
+from pipeline.results.keys import result_key  # noqa: E402
+from pipeline.results.reading import (  # noqa: E402
     candidate_size,
     content_is_empty,
     is_candidate_content,
 )
+from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
 from pipeline.transcript.replay import replay_messages  # noqa: E402
 from pipeline.wire.harness import last_result_index, split_tail, with_tail  # noqa: E402
 from stages import ToolResultBudget, default_stages  # noqa: E402

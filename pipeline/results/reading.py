@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.messages import Block, Message, thread_start
-from pipeline.result_keys import is_replacement_text, result_key
+from pipeline.results.keys import is_replacement_text, result_key
 from pipeline.wire.harness import last_result_index, split_tail
 
 __all__ = [
@@ -89,7 +89,7 @@ class ResultSlot:
     """The tool's output: the content less the harness tail (:mod:`pipeline.wire.harness`)."""
     empty: bool
     key: str | None
-    """The ledger key (:func:`~pipeline.result_keys.result_key`) of a candidate, None for
+    """The ledger key (:func:`~pipeline.results.keys.result_key`) of a candidate, None for
     anything else."""
 
 
