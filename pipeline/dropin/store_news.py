@@ -86,8 +86,8 @@ class StoreNews:
         readable yet). The request goes as placed -- not loaded again, which would leave the
         session that serves it unplaced -- and, on a store with a spool (a fleet's), its
         conversation decides again what no record tells it of
-        (:meth:`WireSession.store_unread`), as a worker that cannot read does; elsewhere it
-        goes a move behind."""
+        (:meth:`WireSession.store_unread`), as a worker that cannot read does; elsewhere on
+        the conversation as last loaded."""
         session = branch.session
         session.ctx.logger.warning("wire_session.still_moving", session_id=session.session_id)
         session.store_unread()
