@@ -237,3 +237,45 @@ def test_load_of_a_mutated_saved_state_never_raises(
     _estimates_are_sane(tracker)
     with contextlib.suppress(ValueError):  # the only exception a malformed state may raise
         TokenTracker.from_state_dict(state)
+
+
+_PROGRAM = """
+import sys
+import anthropic
+from pipeline.testing import Reply, ScriptedMessagesServer
+from stages import wrap
+
+def reply(body):
+    return Reply([{"type": "text", "text": "ok " * 40}])
+
+with ScriptedMessagesServer(reply) as server:
+    raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+    client = wrap(raw, root=sys.argv[1])
+    messages = [{"role": "user", "content": "start " * 200}]
+    for k in range(6):  # well within the seconds between two throttled writes
+        answer = client.messages.create(model="m", max_tokens=50, messages=messages)
+        messages += [
+            {"role": "assistant", "content": answer.content[0].text},
+            {"role": "user", "content": f"step {k} " * 300},
+        ]
+"""
+
+
+def test_a_program_that_exits_leaves_what_its_calibration_learned(tmp_path: Path) -> None:
+    """Writes are spaced seconds apart; what was learned since the last one is written when
+    the interpreter exits, so the program run again estimates -- and its stages that decide
+    on estimates decide -- as it would have."""
+    import subprocess
+    import sys
+
+    from tests.cli_support import clean_env
+
+    subprocess.run(
+        [sys.executable, "-c", _PROGRAM, str(tmp_path / "root")],
+        check=True,
+        env=clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+        timeout=120,
+    )
+    (path,) = (tmp_path / "root").rglob("token-calibration*.json")
+    state = json.loads(path.read_text())
+    assert len(state["errors"]) >= 5  # every call after the first was learned from
