@@ -180,6 +180,31 @@ async def test_tool_exception_becomes_an_error_result(
 
 
 @pytest.mark.asyncio
+async def test_a_tool_output_no_result_can_carry_is_an_error_result(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    """A tool that returns bytes, or blocks JSON cannot write: the model sees that call's
+    error, and the turn goes on with every other call's result recorded."""
+
+    @tool(input_schema={"type": "object", "properties": {"kind": {"type": "string"}}})
+    async def odd(kind: str) -> Any:
+        """Returns what it is asked to."""
+        return {"bytes": b"\xff", "blocks": [{"type": "text", "text": b"x"}]}.get(kind, "fine")
+
+    calls = [
+        tool_call(f"t{k}", "odd", kind=kind) for k, kind in enumerate(["ok", "bytes", "blocks"])
+    ]
+    server = server_factory(scripted(calls))
+    agent = new_agent(server, tmp_path, tools=[odd])
+    result = await agent.run("go")
+    assert result.text == "all done"
+    sent = server.requests[1]["messages"][2]["content"]
+    assert sent[0] == {"type": "tool_result", "tool_use_id": "t0", "content": "fine"}
+    assert sent[1]["is_error"] and "returned bytes, not text or blocks" in sent[1]["content"]
+    assert sent[2]["is_error"] and "blocks JSON cannot carry" in sent[2]["content"]
+
+
+@pytest.mark.asyncio
 async def test_cancellation_mid_tools_leaves_a_valid_history(
     server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
 ) -> None:

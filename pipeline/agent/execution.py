@@ -4,6 +4,7 @@ cancellation."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
@@ -90,7 +91,7 @@ async def execute_tool_call(
             block |= {"content": "Error: tool input must be a JSON object.", "is_error": True}
         else:
             try:
-                block["content"] = await t.handler(tool_input)
+                block["content"] = _checked_output(await t.handler(tool_input))
             except Exception as exc:  # the model sees the error; the loop goes on
                 block |= {"content": f"Error: {type(exc).__name__}: {exc}", "is_error": True}
                 span.set_attribute(ATTR.ERROR, type(exc).__name__)
@@ -121,3 +122,22 @@ async def execute_tool_call(
             )
         gated_log.append(GatedResult(tool_use_id, name, gated.decision, gated.size, gated.path))
         done[tool_use_id] = gated.block
+
+
+class ToolOutputError(TypeError):
+    """A tool returned what is neither text nor JSON content blocks."""
+
+
+def _checked_output(output: object) -> object:
+    """``output`` when a tool_result can carry it (text, a list of JSON blocks, or None: an
+    empty result); :class:`ToolOutputError` otherwise, which the model sees as the call's
+    error -- the turn and the other calls' results go on."""
+    if output is None or isinstance(output, str):
+        return output
+    if isinstance(output, list) and all(isinstance(b, dict) for b in output):
+        try:
+            json.dumps(output, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ToolOutputError(f"the tool returned blocks JSON cannot carry ({exc})") from None
+        return output
+    raise ToolOutputError(f"the tool returned {type(output).__name__}, not text or blocks")
