@@ -205,6 +205,36 @@ async def test_a_tool_output_no_result_can_carry_is_an_error_result(
 
 
 @pytest.mark.asyncio
+async def test_a_call_cut_off_at_max_tokens_is_not_run(
+    server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
+) -> None:
+    """A response that reached ``max_tokens`` may end in a half-written tool call: that call
+    is answered with an error, never run on its possibly incomplete input; the calls before
+    it are whole and run; the model is asked again."""
+    ran: list[str] = []
+
+    @tool(input_schema={"type": "object", "properties": {"cmd": {"type": "string"}}})
+    async def shell(cmd: str) -> str:
+        """Runs a command."""
+        ran.append(cmd)
+        return "ran"
+
+    def script(body: dict[str, Any]) -> Reply:
+        if len(body["messages"]) == 1:
+            calls = [tool_call("t1", "shell", cmd="ls"), tool_call("t2", "shell", cmd="rm -rf /tm")]
+            return Reply(calls, stop_reason="max_tokens")
+        return Reply([{"type": "text", "text": "all done"}])
+
+    server = server_factory(script)
+    agent = new_agent(server, tmp_path, tools=[shell])
+    result = await agent.run("go")
+    assert ran == ["ls"] and result.text == "all done"
+    first, cut = server.requests[1]["messages"][2]["content"]
+    assert first["content"] == "ran"
+    assert cut["is_error"] and "reached max_tokens" in cut["content"]
+
+
+@pytest.mark.asyncio
 async def test_cancellation_mid_tools_leaves_a_valid_history(
     server_factory: Callable[..., ScriptedMessagesServer], tmp_path: Path
 ) -> None:

@@ -36,14 +36,21 @@ async def run_tool_calls(
     tool_uses: list[Block],
     gated: list[GatedResult],
     record: Callable[[list[Message]], Awaitable[None]],
+    *,
+    refused: Mapping[str, str] | None = None,
 ) -> None:
     """Run every tool call concurrently and ``record`` one user message answering them all,
-    also when cancelled (a call that did not finish gets :data:`CANCELLED_RESULT`)."""
-    done: dict[str, Block] = {}
+    also when cancelled (a call that did not finish gets :data:`CANCELLED_RESULT`).
+    ``refused``: calls not to run, by id, each answered with its error text instead."""
+    done: dict[str, Block] = {
+        tid: {"type": "tool_result", "tool_use_id": tid, "content": text, "is_error": True}
+        for tid, text in (refused or {}).items()
+    }
     try:
         async with anyio.create_task_group() as tg:
             for tu in tool_uses:
-                tg.start_soon(execute_tool_call, ctx, tools, tu, done, gated)
+                if tu["id"] not in done:
+                    tg.start_soon(execute_tool_call, ctx, tools, tu, done, gated)
     finally:
         blocks = [
             done.get(tu["id"])

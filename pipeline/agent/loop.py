@@ -1,7 +1,8 @@
 """An agent loop on ``anthropic.AsyncAnthropic`` that runs the pipeline before every call.
 
 Each turn: the pipeline projects the history, ``to_api`` builds the request, the model answers,
-its usage feeds the token tracker, every ``tool_use`` runs (parallel ones concurrently), each
+its usage feeds the token tracker, every ``tool_use`` runs (parallel ones concurrently; not
+one a ``max_tokens`` stop may have cut off, answered with an error instead), each
 result passes the per-tool gate as it is produced, and the results are appended in tool_use
 order. The transcript (Claude Code JSONL) is appended as the loop goes, so a session can be
 resumed with byte-identical budget decisions. The loop takes a :class:`Pipeline`; it never names
@@ -326,7 +327,7 @@ class Agent:
             tool_uses = [b for b in message.blocks if b.get("type") == "tool_use"]
             gated: list[GatedResult] = []
             if tool_uses:
-                await self._run_tools(tool_uses, gated)
+                await self._run_tools(tool_uses, gated, refused=_cut_call(message))
             if self.on_turn is not None:
                 self.on_turn(
                     TurnLog(
@@ -389,6 +390,28 @@ class Agent:
         if self.ctx.transcript is not None:
             await anyio.to_thread.run_sync(self.ctx.transcript.append_messages, messages)
 
-    async def _run_tools(self, tool_uses: list[Block], gated: list[GatedResult]) -> None:
-        """Run every tool call concurrently; always answer each one, even on cancellation."""
-        await run_tool_calls(self.ctx, self.tools, tool_uses, gated, self._record)
+    async def _run_tools(
+        self, tool_uses: list[Block], gated: list[GatedResult], *, refused: dict[str, str]
+    ) -> None:
+        """Run every tool call concurrently (but those ``refused``, answered with their error);
+        always answer each one, even on cancellation."""
+        await run_tool_calls(self.ctx, self.tools, tool_uses, gated, self._record, refused=refused)
+
+
+CUT_CALL_RESULT = (
+    "Error: not run: the response reached max_tokens while this call was written, so its "
+    "input may be incomplete. Call the tool again."
+)
+"""What a tool call cut off by ``max_tokens`` is answered with, instead of being run."""
+
+
+def _cut_call(message: Message) -> dict[str, str]:
+    """The call a response cut off at ``max_tokens`` may hold half-written (its last block,
+    when that is a tool_use): never run on an input that may be incomplete."""
+    blocks = message.blocks
+    if message.stop_reason != "max_tokens" or not blocks:
+        return {}
+    last = blocks[-1]
+    if last.get("type") != "tool_use" or not isinstance(last.get("id"), str):
+        return {}
+    return {last["id"]: CUT_CALL_RESULT}
