@@ -16,6 +16,7 @@ from pipeline import Message, TranscriptWriter, Usage, load_transcript, to_api
 from pipeline.replacement import ReplacementRecord
 from pipeline.results.keys import content_digest
 from pipeline.transcript.read import LineProblem, TranscriptError
+from pipeline.wire.pairing import check_pairing
 
 SESSION = "5f0c1e2a-0000-4000-8000-000000000001"
 
@@ -185,7 +186,11 @@ def test_loads_a_claude_code_session(tmp_path: Path) -> None:
 
 def test_blocks_from_different_lines_share_their_key_strings(tmp_path: Path) -> None:
     # one copy of "tool_use_id" per block was a tenth of a long session's memory
-    path = _write(tmp_path / "session.jsonl", _session_records() + _session_records())
+    again = [
+        {**r, "uuid": r["uuid"] + "-again"} if isinstance(r, dict) and "uuid" in r else r
+        for r in _session_records()
+    ]  # the same content in other records (a record repeated exactly is read once)
+    path = _write(tmp_path / "session.jsonl", _session_records() + again)
     results = [
         b
         for m in load_transcript(path).messages
@@ -464,3 +469,31 @@ def test_a_sync_after_the_log_was_removed_makes_nothing_durable_and_does_not_fai
     shutil.rmtree(tmp_path / "s")
     writer.sync()
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_record_written_twice_is_read_once(tmp_path: Path, strict: bool) -> None:
+    """A line repeated exactly (the same record twice: a prompt, a response) is read once and
+    reported; a record that only shares its uuid with another is not a repeat."""
+    path = tmp_path / "t.jsonl"
+    writer = TranscriptWriter(path, "s")
+    prompt = Message.user("go")
+    answer = Message.assistant(
+        [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}],
+        message_id="r1",
+        usage=Usage(input_tokens=5),
+    )
+    result = Message.user([{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}])
+    writer.append_messages([prompt, answer, result])
+    lines = path.read_text().splitlines(keepends=True)
+    twin = json.loads(lines[2])
+    twin["message"]["content"][0]["content"] = "other"  # its uuid, another record
+    path.write_text("".join([lines[0], lines[0], lines[1], lines[1], lines[2]]))
+    path.write_text(path.read_text() + json.dumps(twin) + "\n")
+    loaded = load_transcript(path, strict=strict)
+    assert [m.uuid for m in loaded.messages] == [prompt.uuid, answer.uuid, result.uuid, result.uuid]
+    assert check_pairing(to_api(loaded.messages[:3])) == []
+    assert [(p.line, p.reason) for p in loaded.problems] == [
+        (2, "a repeated record (line 1 again): read once"),
+        (4, "a repeated record (line 3 again): read once"),
+    ]

@@ -338,6 +338,8 @@ def load_transcript_lines(
     shapes: dict[str, Mapping[str, Any]] = {}
     requests: list[tuple[int, int, int, Mapping[str, Any]]] = []
     blobs: list[tuple[int, int, int, Mapping[str, Any]]] = []
+    read: dict[str, tuple[int, int]] = {}
+    """A message record's uuid -> (the hash of its line, its line number)."""
     for lineno, line in enumerate(lines, start=1):
         if lineno == 1 and line.startswith(BOM):
             line = line[1:]  # a byte order mark some editors write: only at the file's start
@@ -376,6 +378,12 @@ def load_transcript_lines(
                 result.skipped_types[rtype] += 1
             else:
                 msg = _parse_message(raw)
+                first = read.setdefault(msg.uuid, (hash(line), lineno))
+                if first[1] != lineno and first[0] == hash(line):
+                    # the same record written twice (a line repeated): read once
+                    repeated = f"a repeated record (line {first[1]} again): read once"
+                    result.problems.append(LineProblem(lineno, repeated))
+                    continue
                 (side if msg.is_sidechain else main).append(msg)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             reason = f"malformed record: {bounded_text(str(exc), _MAX_REASON)}"
