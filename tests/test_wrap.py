@@ -17,7 +17,7 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline.dropin.wrap import wrap as wrap_with
-from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.testing import RawReply, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget, wrap
 from tests.sdk_support import sdk_client
 from tests.wire_support import (
@@ -930,3 +930,38 @@ def test_each_message_goes_as_its_own_message(tmp_path: Path) -> None:
         client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
         client.messages.create(model="m", max_tokens=10, messages=messages)  # type: ignore[arg-type]
         assert [r["messages"] for r in server.requests] == [messages, messages]
+
+
+def test_a_200_that_is_not_a_message_comes_back_as_the_sdk_alone_gives_it(
+    tmp_path: Path,
+) -> None:
+    """A 200 whose body is not JSON (a gateway's cut answer): ``with_raw_response`` hands it
+    back to be read, and ``create`` fails with the SDK's own error -- as without ``wrap``."""
+    broken = RawReply(b'{"type": "message", ', content_type="application/json")
+    ask = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    with ScriptedMessagesServer(lambda _b: broken) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = wrap(raw, root=tmp_path / "s")
+        answer = client.messages.with_raw_response.create(**ask)
+        assert answer.http_response.text == broken.body.decode()
+        with pytest.raises(json.JSONDecodeError):
+            client.messages.create(**ask)
+
+        async def main() -> str:
+            wrapped = wrap(sdk_client(server.base_url), root=tmp_path / "a")
+            answer = await wrapped.messages.with_raw_response.create(**ask)
+            return answer.http_response.text
+
+        assert anyio.run(main) == broken.body.decode()
+
+
+def test_a_copy_with_another_key_is_that_keys_tenant(tmp_path: Path) -> None:
+    """The tenant is the credential a request goes with: a ``with_options(api_key=...)`` copy
+    of a wrapped client files its conversations under its own key's tenant."""
+    ask = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    with ScriptedMessagesServer(lambda _b: Reply([{"type": "text", "text": "ok"}])) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k1", max_retries=0)
+        client = wrap(raw, root=tmp_path)
+        client.messages.create(**ask)
+        client.with_options(api_key="k2").messages.create(**ask)
+    assert len(list(tmp_path.glob("t-*"))) == 2

@@ -57,10 +57,12 @@ class SluicegateMiddleware(anthropic.Middleware):
     conversations that open differently, or go different ways, never share a ledger).
     ``tenancy``: how requests are told apart by credential (default: by the API key the
     request carries; ``Tenancy(single=True)``: one tenant). ``client_headers``: the headers
-    every request of the client goes with (its credentials, its default headers: the SDK adds
-    them after the middleware), read by :func:`wrap` from the client it wraps; a request's own
-    headers win. ``max_conversations``: how many conversations are held in memory (the least
-    recently used are let go past it, and load from their records when they come back).
+    every request of the client goes with (its credentials, its default headers), read by
+    :func:`wrap` from the client it wraps, for a request that reaches the middleware without
+    them; a request's own headers win (the SDK puts the client's on each request first, so a
+    ``with_options(api_key=...)`` copy's key is its tenant). ``max_conversations``: how many
+    conversations are held in memory (the least recently used are let go past it, and load
+    from their records when they come back).
     ``context``: keyword arguments of each session (``cache_breakpoint``, tool policies, a
     tracer, a logger). ``raw_bodies``: send each prepared body as the bytes the middleware
     writes, encoding only what is new in it since the conversation's last call
@@ -239,8 +241,8 @@ class SluicegateMiddleware(anthropic.Middleware):
             if response.status_code == 200 and request.stream:
                 _tap(session, response.http_response, call, seen)  # it ends with the stream
                 return response
-            if response.status_code == 200:
-                message = await response.parse()
+            message = await _read_async(session, response) if response.status_code == 200 else None
+            if message is not None:
                 _observed(seen, message)
                 usage = _usage_of(message)
                 if usage is not None:
@@ -321,8 +323,8 @@ class SluicegateMiddleware(anthropic.Middleware):
             if response.status_code == 200 and request.stream:
                 _tap(session, response.http_response, call, seen)  # it ends with the stream
                 return response
-            if response.status_code == 200:
-                message = response.parse()
+            message = _read(session, response) if response.status_code == 200 else None
+            if message is not None:
                 _observed(seen, message)
                 _observe(session, message, call)
             if not session.settle_in(SYNCS):  # the call's records made durable after it
@@ -346,6 +348,30 @@ def _unread(session: WireSession, exc: UnreadableMessage) -> None:
     ``anthropic.BadRequestError``); logged with the error's kind, never its text (which may
     quote the messages)."""
     session.ctx.logger.warning("wire.request_unread", error=type(exc).__name__)
+
+
+async def _read_async(session: WireSession, response: Any) -> Any:
+    """:func:`_read` for the async client."""
+    try:
+        return await response.parse()
+    except (ValueError, anthropic.APIError) as exc:
+        _answer_unread(session, exc)
+        return None
+
+
+def _read(session: WireSession, response: Any) -> Any:
+    """A 200's message, parsed as the SDK parses it; None when it is not one (invalid JSON, a
+    gateway's HTML): not observed, and the caller gets the response as the SDK alone gives it
+    (``with_raw_response``'s text, or the SDK's own error)."""
+    try:
+        return response.parse()
+    except (ValueError, anthropic.APIError) as exc:
+        _answer_unread(session, exc)
+        return None
+
+
+def _answer_unread(session: WireSession, exc: Exception) -> None:
+    session.ctx.logger.warning("wire_session.answer_unread", error=type(exc).__name__)
 
 
 def _observed(seen: WireRequest, message: Any) -> None:

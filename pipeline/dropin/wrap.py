@@ -62,9 +62,11 @@ def wrap(
     this client's conversations; ``tenancy``, ``max_conversations``: see
     :class:`SluicegateMiddleware`.
 
-    The client's credentials and default headers are read here, once: a copy of the wrapped
-    client made with other credentials (``with_options(api_key=...)``) keeps this one's
-    tenant, so wrap each key's client to keep its conversations apart.
+    A request's tenant is the credential it goes with: the SDK puts the client's on each
+    request before its middleware, so a copy made with other credentials
+    (``with_options(api_key=...)``) is that key's tenant. The wrapped client's credentials and
+    default headers are also read here, once, for a request that reaches the middleware
+    without them.
 
     ``raw_bodies=True``: send each prepared body as bytes written here, encoding only what is
     new since the conversation's last call (a long history costs much less to send), for the
