@@ -1245,12 +1245,18 @@ def test_load_transcript_hopelessly_deep_nesting_is_a_clear_error(tmp_path: Path
             "ok",
             uuid="ok",
         )
+        then = Line(
+            dump({"type": "user", "uuid": "ok2", "message": {"role": "user", "content": "hi"}}),
+            "message",
+            "ok again",
+            uuid="ok2",
+        )
         path = tmp_path / "deep.jsonl"
-        write_lines(path, [ok, line, ok])
+        write_lines(path, [ok, line, then])
         lenient = load_transcript(path, strict=False)
         assert [p.line for p in lenient.problems] == [2]
         assert re.search("recursion|nested deeper", lenient.problems[0].reason)
-        assert [m.uuid for m in lenient.messages] == ["ok", "ok"]
+        assert [m.uuid for m in lenient.messages] == ["ok", "ok2"]
         with pytest.raises(
             TranscriptError, match=rf"^{re.escape(str(path))}:2: malformed record: "
         ):

@@ -321,14 +321,18 @@ class ObjectRecordLog(JsonlRecordWriter):
                     yield line
 
         loaded = load_transcript_lines(lines(), self.layout.records_dir, strict=False)
-        for problem in loaded.problems:
-            at = bisect.bisect_right(starts, problem.line) - 1
-            self.logger.warning(
-                "records.malformed_line",
-                key=names[at],
-                line=problem.line - starts[at] + 1,
-                reason=problem.reason,
-            )
+        for event, found in (
+            ("records.malformed_line", loaded.problems),
+            ("records.repeated_line", loaded.repeated),
+        ):
+            for problem in found:
+                at = bisect.bisect_right(starts, problem.line) - 1
+                self.logger.warning(
+                    event,
+                    key=names[at],
+                    line=problem.line - starts[at] + 1,
+                    reason=problem.reason,
+                )
         if loaded.messages:
             with self._lock:
                 self._last_uuid = loaded.messages[-1].uuid

@@ -122,6 +122,9 @@ class Transcript:
     """Sub-agent records interleaved with the main thread and left out of it."""
     problems: list[LineProblem] = field(default_factory=list)
     """Malformed lines skipped by a ``strict=False`` load."""
+    repeated: list[LineProblem] = field(default_factory=list)
+    """Message records written twice (a line repeated exactly, its uuid and all), each read
+    once: the later line, and the earlier it repeats in its reason. Never fatal."""
     stage_records: list[StageRecord] = field(default_factory=list)
     """``stage-record`` entries in file order (:meth:`TranscriptWriter.append_stage_record`)."""
 
@@ -381,8 +384,8 @@ def load_transcript_lines(
                 first = read.setdefault(msg.uuid, (hash(line), lineno))
                 if first[1] != lineno and first[0] == hash(line):
                     # the same record written twice (a line repeated): read once
-                    repeated = f"a repeated record (line {first[1]} again): read once"
-                    result.problems.append(LineProblem(lineno, repeated))
+                    again = f"repeats line {first[1]}: read once"
+                    result.repeated.append(LineProblem(lineno, again))
                     continue
                 (side if msg.is_sidechain else main).append(msg)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
