@@ -495,6 +495,6 @@ def test_a_record_written_twice_is_read_once(tmp_path: Path, strict: bool) -> No
     assert check_pairing(to_api(loaded.messages[:3])) == []
     assert loaded.problems == []  # nothing malformed: a strict load reads it too
     assert [(p.line, p.reason) for p in loaded.repeated] == [
-        (2, "repeats line 1: read once"),
-        (4, "repeats line 3: read once"),
+        (2, "repeats an earlier record: read once"),
+        (4, "repeats an earlier record: read once"),
     ]

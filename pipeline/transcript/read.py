@@ -9,6 +9,7 @@ sidechain records. The loaded thread is the non-sidechain records where there ar
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -185,6 +186,11 @@ def _shared_opt(value: str | None) -> str | None:
     return None if value is None else shared(value)
 
 
+def _same_record(a: Message, b: Message) -> bool:
+    """Whether two records of one uuid say the same: every field alike."""
+    return dataclasses.astuple(a) == dataclasses.astuple(b)
+
+
 def _parse_message(raw: Mapping[str, Any]) -> Message:
     rtype = raw["type"]
     common: dict[str, Any] = {
@@ -341,8 +347,10 @@ def load_transcript_lines(
     shapes: dict[str, Mapping[str, Any]] = {}
     requests: list[tuple[int, int, int, Mapping[str, Any]]] = []
     blobs: list[tuple[int, int, int, Mapping[str, Any]]] = []
-    read: dict[str, tuple[int, int]] = {}
-    """A message record's uuid -> (the hash of its line, its line number)."""
+    seen: set[str] = set()
+    """Every message record's uuid (the records' own strings)."""
+    first: dict[str, Message] | None = None
+    """The first record of each uuid, made when a uuid first comes again (rare)."""
     for lineno, line in enumerate(lines, start=1):
         if lineno == 1 and line.startswith(BOM):
             line = line[1:]  # a byte order mark some editors write: only at the file's start
@@ -381,12 +389,20 @@ def load_transcript_lines(
                 result.skipped_types[rtype] += 1
             else:
                 msg = _parse_message(raw)
-                first = read.setdefault(msg.uuid, (hash(line), lineno))
-                if first[1] != lineno and first[0] == hash(line):
-                    # the same record written twice (a line repeated): read once
-                    again = f"repeats line {first[1]}: read once"
-                    result.repeated.append(LineProblem(lineno, again))
-                    continue
+                if msg.uuid in seen:
+                    if first is None:
+                        first = {}
+                        for m in (*main, *side):
+                            first.setdefault(m.uuid, m)
+                    if _same_record(first[msg.uuid], msg):
+                        # the same record written twice (a line repeated): read once
+                        again = "repeats an earlier record: read once"
+                        result.repeated.append(LineProblem(lineno, again))
+                        continue
+                else:
+                    seen.add(msg.uuid)
+                    if first is not None:
+                        first[msg.uuid] = msg
                 (side if msg.is_sidechain else main).append(msg)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             reason = f"malformed record: {bounded_text(str(exc), _MAX_REASON)}"
