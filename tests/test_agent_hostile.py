@@ -6,6 +6,7 @@ The real SDK talks to the scripted server over HTTP; the CLI runs as a subproces
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -66,9 +67,13 @@ PARTLY_ANSWERED = (
 Script = Callable[[dict[str, Any]], Reply | ScriptError | RawReply]
 
 
+_IDS = itertools.count()
+
+
 def _message(**over: Any) -> bytes:
+    """A response body; its id new each time (a response never reuses one) unless given."""
     body: dict[str, Any] = {
-        "id": "msg_x",
+        "id": f"msg_{next(_IDS)}",
         "type": "message",
         "role": "assistant",
         "model": "m",
@@ -178,8 +183,25 @@ def test_an_id_reused_from_rounds_the_request_no_longer_holds_is_refused(tmp_pat
     assert check_pairing(to_api(loaded.messages)) == []
 
 
+def test_a_response_id_reused_from_an_earlier_turn_is_refused(tmp_path: Path) -> None:
+    """A response answering with an earlier one's id would be sent as a part of that one (the
+    two merged into one message, the next request broken): refused as a malformed answer,
+    nothing of it recorded."""
+    replies = iter(
+        [_message(id="msg_a", content=_uses("t1"), stop_reason="tool_use"), _message(id="msg_a")]
+    )
+    with ScriptedMessagesServer(lambda _b: RawReply(next(replies))) as server:
+        agent = _agent(server, tmp_path)
+        with pytest.raises(AgentAPIError, match="an earlier response's") as caught:
+            anyio.run(agent.run, "hello")
+    assert caught.value.kind == "bad_response"
+    loaded = load_transcript(tmp_path / "s1" / "transcript.jsonl")
+    assert [m.message_id for m in loaded.messages if m.type == "assistant"] == ["msg_a"]
+    assert check_pairing(to_api(loaded.messages)) == []
+
+
 def test_a_tool_use_id_reused_from_an_earlier_turn_is_refused(tmp_path: Path) -> None:
-    replies = iter([_message(content=_uses("same"), stop_reason="tool_use")] * 2)
+    replies = iter([_message(content=_uses("same"), stop_reason="tool_use") for _ in range(2)])
     with ScriptedMessagesServer(lambda _b: RawReply(next(replies))) as server:
         agent = _agent(server, tmp_path)
         with pytest.raises(AgentAPIError, match="already used"):

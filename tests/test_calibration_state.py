@@ -279,3 +279,27 @@ def test_a_program_that_exits_leaves_what_its_calibration_learned(tmp_path: Path
     (path,) = (tmp_path / "root").rglob("token-calibration*.json")
     state = json.loads(path.read_text())
     assert len(state["errors"]) >= 5  # every call after the first was learned from
+
+
+def test_a_staged_calibration_is_written_before_its_conversation_loads_again(
+    tmp_path: Path,
+) -> None:
+    """``wrap`` stages each call's calibration for its sync thread; a conversation opened
+    again in the process meanwhile (a second client, one let go) writes it first, and a
+    conversation whose directory was removed is not made again."""
+    from pipeline.dropin.calibration import CalibrationSaves, write_staged_at
+
+    tracker = _trained()
+    path = tmp_path / "conv" / "token-calibration.json"
+    path.parent.mkdir()
+    saves = CalibrationSaves(path, tracker.state_dict)
+    saves.learned()
+    assert saves.stage() and not path.exists()  # staged: the sync thread writes it later
+    write_staged_at(path)
+    assert TokenTracker.load(path).state_dict() == tracker.state_dict()
+    saves.learned()
+    assert saves.stage()
+    path.unlink()
+    path.parent.rmdir()  # the conversation removed meanwhile
+    saves.write_staged()
+    assert not path.parent.exists()

@@ -112,6 +112,7 @@ class Agent:
         self._wire = WireCache()  # each request built from what changed since the last one
         self._turns_running = 0
         self._ids: set[str] = set()
+        self._response_ids: set[str] = set()
         self._ids_seen: tuple[int, Message | None] = (0, None)
         self.system = system
         self.max_tokens = max_tokens
@@ -354,7 +355,7 @@ class Agent:
                     request,
                     model=self.model,
                     max_tokens=self.max_tokens,
-                    known_tool_ids=self._tool_ids,  # read when the response has arrived
+                    known_ids=self._known_ids,  # read when the response has arrived
                     **kwargs,
                 )
             except AgentAPIError as error:
@@ -367,23 +368,29 @@ class Agent:
                 )
                 await anyio.sleep(wait)
 
-    def _tool_ids(self) -> set[str]:
+    def _known_ids(self) -> tuple[set[str], set[str]]:
         """Every tool_use id of the history (a response reusing one could never be answered,
-        and the ledger keys decisions by id), kept up to date as the history grows."""
+        and the ledger keys decisions by id) and every response id (one reused would merge
+        two responses), kept up to date as the history grows."""
         history, seen = self.history, self._ids_seen
         if seen[0] > len(history) or (seen[0] and history[seen[0] - 1] is not seen[1]):
             self._ids.clear()  # not the history last seen grown: read it again
+            self._response_ids.clear()
             seen = (0, None)
         for i in range(seen[0], len(history)):
             m = history[i]
-            if m.type == "assistant" and isinstance(m.content, list):
+            if m.type != "assistant":
+                continue
+            if m.message_id is not None:
+                self._response_ids.add(m.message_id)
+            if isinstance(m.content, list):
                 self._ids.update(
                     b["id"]
                     for b in m.content
                     if b.get("type") == "tool_use" and isinstance(b.get("id"), str)
                 )
         self._ids_seen = (len(history), history[-1] if history else None)
-        return self._ids
+        return self._ids, self._response_ids
 
     async def _record(self, messages: list[Message]) -> None:
         self.history.extend(messages)

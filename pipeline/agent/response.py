@@ -73,6 +73,7 @@ def message_from_response(
     response: object,
     *,
     known_tool_ids: Set[str],
+    known_response_ids: Set[str] = frozenset(),
     request: Any = None,
     status: int | None = None,
     request_id: str | None = None,
@@ -81,7 +82,9 @@ def message_from_response(
     naming the first thing wrong when the response is not a well-formed message.
 
     ``known_tool_ids``: the tool_use ids of the conversation so far (the API rejects a request
-    that uses one twice, so a response that reuses one could never be answered).
+    that uses one twice, so a response that reuses one could never be answered);
+    ``known_response_ids``: its responses' ids (a response reusing one would be taken for a
+    part of that one, the two sent as one message).
     """
 
     def bad(why: str) -> AgentAPIError:
@@ -93,6 +96,8 @@ def message_from_response(
     message_id, model, stop_reason = response.id, response.model, response.stop_reason
     if not isinstance(message_id, str) or not message_id:
         raise bad(f"its id is {_brief(message_id)}")
+    if message_id in known_response_ids:
+        raise bad(f"its id {_brief(message_id)} is an earlier response's")
     if not isinstance(model, str):
         raise bad(f"its model is {_brief(model)}")
     if stop_reason is not None and not isinstance(stop_reason, str):
@@ -136,12 +141,12 @@ async def call_messages(
     *,
     model: str,
     max_tokens: int,
-    known_tool_ids: Callable[[], Set[str]],
+    known_ids: Callable[[], tuple[Set[str], Set[str]]],
     **kwargs: Any,
 ) -> Message:
     """One Messages API call; the response checked and made a record, or AgentAPIError.
-    ``known_tool_ids`` is asked once the response has arrived: a concurrent turn of the same
-    conversation may have recorded more ids during the call."""
+    ``known_ids`` (the conversation's tool_use ids and response ids) is asked once the response
+    has arrived: a concurrent turn of the same conversation may have recorded more meanwhile."""
     try:
         raw = await client.messages.with_raw_response.create(
             model=encodable(model), max_tokens=max_tokens, messages=request, **kwargs
@@ -168,4 +173,7 @@ async def call_messages(
         raise AgentAPIError(
             "bad_response", f"the API answered with a malformed message: {why}", **where
         ) from None
-    return message_from_response(response, known_tool_ids=known_tool_ids(), **where)
+    tool_ids, response_ids = known_ids()
+    return message_from_response(
+        response, known_tool_ids=tool_ids, known_response_ids=response_ids, **where
+    )

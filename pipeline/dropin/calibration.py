@@ -2,17 +2,17 @@
 
 The token tracker learns from every observed response; writing its state each time is a JSON
 dump and a file write per call. It is written when the first call has been observed (a new
-process starts warm), then at most every :data:`CALIBRATION_EVERY` seconds, whenever the
-owner asks (a conversation reloaded, a server shutting down), and when the interpreter exits
-(what it learned since its last write: a program run again starts where it stopped, and its
-stages that decide on estimates decide as it would have). A write that fails is tried again
-at the next chance. The calibration is an estimate, not a decision: a crash costs at most
-that much learning.
+process starts warm), then at most every :data:`CALIBRATION_EVERY` seconds, and whenever the
+owner asks (a conversation reloaded, a server shutting down). ``wrap`` writes it after every
+call instead, off the caller's thread (:meth:`CalibrationSaves.stage`, the thread that makes
+its records durable): a program run again starts where it stopped, and its stages that
+decide on estimates decide as it would have. A write that fails is tried again at the next
+chance. The calibration is an estimate, not a decision: a crash costs at most that much
+learning.
 """
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import threading
@@ -23,26 +23,23 @@ from typing import Any
 
 from pipeline.tokens import TokenTracker
 
-__all__ = ["CALIBRATION_EVERY", "CalibrationSaves"]
+__all__ = ["CALIBRATION_EVERY", "CalibrationSaves", "write_staged_at"]
 
 CALIBRATION_EVERY = 2.0
 """Seconds between two writes of a conversation's token calibration."""
 
 
-_UNSAVED: weakref.WeakSet[CalibrationSaves] = weakref.WeakSet()
-"""The saves whose tracker learned since their last write: written at the interpreter's exit."""
-_UNSAVED_LOCK = threading.Lock()
+_STAGED: weakref.WeakValueDictionary[str, CalibrationSaves] = weakref.WeakValueDictionary()
+"""By calibration path: the saves with a state staged and maybe not written yet."""
 
 
-@atexit.register
-def _write_unsaved() -> None:
-    with _UNSAVED_LOCK:
-        unsaved = list(_UNSAVED)
-        _UNSAVED.clear()
-    for saves in unsaved:
-        state = saves.due(now=True)
-        if state is not None:
-            saves.write(state)
+def write_staged_at(path: str | os.PathLike[str]) -> None:
+    """Write the state staged for ``path`` now, if one waits (blocking): a conversation
+    opened again in the same process (a second client, one let go and loaded again) starts
+    from what the first learned, not from the write before it."""
+    saves = _STAGED.get(os.fspath(path))
+    if saves is not None:
+        saves.write_staged()
 
 
 class CalibrationSaves:
@@ -56,12 +53,13 @@ class CalibrationSaves:
         """The tracker learned since its state was last written."""
         self._saved = -math.inf
         """When it was last written (monotonic seconds)."""
+        self._staging = threading.Lock()
+        self._staged: dict[str, Any] | None = None
+        """The state :meth:`stage` took, not yet written."""
 
     def learned(self) -> None:
         """The tracker learned from a call."""
         self._dirty = True
-        with _UNSAVED_LOCK:
-            _UNSAVED.add(self)
 
     def due(self, *, now: bool = False) -> dict[str, Any] | None:
         """The state to write when the tracker learned since the last write and that write is
@@ -71,6 +69,26 @@ class CalibrationSaves:
             return None
         self._dirty, self._saved = False, at
         return self._state()
+
+    def stage(self) -> bool:
+        """Take the state to write when the tracker learned since the last write, whatever that
+        write's age (on the owner's thread); :meth:`write_staged` writes it (on any thread).
+        Whether there is one."""
+        state = self.due(now=True)
+        if state is None:
+            return False
+        with self._staging:
+            self._staged = state
+        _STAGED[os.fspath(self.path)] = self
+        return True
+
+    def write_staged(self) -> None:
+        """Write the state :meth:`stage` took last, if not written yet (blocking; no fsync:
+        an estimate). Safe from any thread; the latest state staged wins."""
+        with self._staging:
+            state, self._staged = self._staged, None
+        if state is not None:  # (not into a conversation removed meanwhile)
+            TokenTracker.save_state(self.path, state, durable=False, parents=False)
 
     def write(self, state: Mapping[str, Any], *, durable: bool = True) -> None:
         """Write ``state`` (blocking: a worker thread's job on an event loop); a write that

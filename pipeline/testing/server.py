@@ -226,7 +226,10 @@ class ScriptedMessagesServer:
             }
         )
         message = {
-            "id": f"msg_scripted_{number:04d}",
+            # unique within a conversation as the API's are, also across servers (a session
+            # resumed against a new one is answered with an id none of its responses had: each
+            # of its requests holds more messages than the last), and the same run to run
+            "id": f"msg_scripted_{number:04d}_{_length(body)}",
             "type": "message",
             "role": "assistant",
             "model": str(body.get("model") or self.model),
@@ -338,3 +341,9 @@ def messages_api(script: Script | None = None) -> Iterator[dict[str, str]]:
 
     with ScriptedMessagesServer(script or answer) as server:
         yield {"base_url": server.base_url, "api_key": "offline"}
+
+
+def _length(body: Mapping[str, Any]) -> int:
+    """How many messages a request holds: a response id's own part."""
+    messages = body.get("messages")
+    return len(messages) if isinstance(messages, list) else 0

@@ -39,13 +39,20 @@ def calibration_path_for(
 
 
 def write_state(
-    path: str | os.PathLike[str], state: Mapping[str, Any], *, durable: bool = True
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    durable: bool = True,
+    parents: bool = True,
 ) -> bool:
     """Write ``state`` as JSON to ``path`` atomically (temp file, fsync, rename); False, and a
     warning logged, when it cannot. ``durable=False``: no fsync (still atomic for readers and
     a crash of the process; a machine losing power may leave the old state or none, which a
-    load reads as a cold start)."""
+    load reads as a cold start). ``parents=False``: a directory gone meanwhile (its
+    conversation removed) is not made again: False, and nothing written or logged."""
     target = Path(path)
+    if not parents and not target.parent.is_dir():
+        return False
     data = json.dumps(state, separators=(",", ":")).encode("utf-8")
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
     try:

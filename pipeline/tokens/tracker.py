@@ -374,12 +374,17 @@ class TokenTracker:
 
     @staticmethod
     def save_state(
-        path: str | os.PathLike[str], state: Mapping[str, Any], *, durable: bool = True
+        path: str | os.PathLike[str],
+        state: Mapping[str, Any],
+        *,
+        durable: bool = True,
+        parents: bool = True,
     ) -> bool:
         """Write a :meth:`state_dict` taken earlier, as :meth:`save` does: the snapshot is
         taken on the event loop, the write (an fsync) goes to a worker thread. ``durable=False``:
-        without the fsync (see :func:`~pipeline.tokens.state_file.write_state`)."""
-        return write_state(path, state, durable=durable)
+        without the fsync; ``parents=False``: not into a directory gone meanwhile (see
+        :func:`~pipeline.tokens.state_file.write_state`)."""
+        return write_state(path, state, durable=durable, parents=parents)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, method: Method = "calibrated") -> TokenTracker:

@@ -187,8 +187,15 @@ def _shared_opt(value: str | None) -> str | None:
 
 
 def _same_record(a: Message, b: Message) -> bool:
-    """Whether two records of one uuid say the same: every field alike."""
-    return dataclasses.astuple(a) == dataclasses.astuple(b)
+    """Whether two records of one uuid are the same record: every field written alike (as
+    JSON: ``1`` is not ``1.0`` nor ``true``, and keys keep their order)."""
+    return _written(a) == _written(b)
+
+
+def _written(m: Message) -> str:
+    usage = m.usage.to_mapping() if m.usage is not None else None
+    fields = [getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "usage"]
+    return json.dumps([fields, usage], ensure_ascii=True)
 
 
 def _parse_message(raw: Mapping[str, Any]) -> Message:
