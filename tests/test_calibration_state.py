@@ -252,8 +252,12 @@ with ScriptedMessagesServer(reply) as server:
     raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
     client = wrap(raw, root=sys.argv[1])
     messages = [{"role": "user", "content": "start " * 200}]
-    for k in range(6):  # well within the seconds between two throttled writes
-        answer = client.messages.create(model="m", max_tokens=50, messages=messages)
+    for k in range(6):  # calls in quick succession, then the program ends
+        if sys.argv[2] == "stream":
+            with client.messages.stream(model="m", max_tokens=50, messages=messages) as stream:
+                answer = stream.get_final_message()
+        else:
+            answer = client.messages.create(model="m", max_tokens=50, messages=messages)
         messages += [
             {"role": "assistant", "content": answer.content[0].text},
             {"role": "user", "content": f"step {k} " * 300},
@@ -261,17 +265,20 @@ with ScriptedMessagesServer(reply) as server:
 """
 
 
-def test_a_program_that_exits_leaves_what_its_calibration_learned(tmp_path: Path) -> None:
-    """Writes are spaced seconds apart; what was learned since the last one is written when
-    the interpreter exits, so the program run again estimates -- and its stages that decide
-    on estimates decide -- as it would have."""
+@pytest.mark.parametrize("call", ["create", "stream"])
+def test_a_program_that_exits_leaves_what_its_calibration_learned(
+    tmp_path: Path, call: str
+) -> None:
+    """``wrap`` writes each call's calibration off the caller's thread, and what waits is
+    written when the interpreter exits: the program run again estimates -- and its stages
+    that decide on estimates decide -- as it would have."""
     import subprocess
     import sys
 
     from tests.cli_support import clean_env
 
     subprocess.run(
-        [sys.executable, "-c", _PROGRAM, str(tmp_path / "root")],
+        [sys.executable, "-c", _PROGRAM, str(tmp_path / "root"), call],
         check=True,
         env=clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
         timeout=120,
@@ -287,7 +294,7 @@ def test_a_staged_calibration_is_written_before_its_conversation_loads_again(
     """``wrap`` stages each call's calibration for its sync thread; a conversation opened
     again in the process meanwhile (a second client, one let go) writes it first, and a
     conversation whose directory was removed is not made again."""
-    from pipeline.dropin.calibration import CalibrationSaves, write_staged_at
+    from pipeline.dropin.calibration import CalibrationSaves, load_calibration
 
     tracker = _trained()
     path = tmp_path / "conv" / "token-calibration.json"
@@ -295,8 +302,7 @@ def test_a_staged_calibration_is_written_before_its_conversation_loads_again(
     saves = CalibrationSaves(path, tracker.state_dict)
     saves.learned()
     assert saves.stage() and not path.exists()  # staged: the sync thread writes it later
-    write_staged_at(path)
-    assert TokenTracker.load(path).state_dict() == tracker.state_dict()
+    assert load_calibration(path).state_dict() == tracker.state_dict()
     saves.learned()
     assert saves.stage()
     path.unlink()

@@ -46,7 +46,7 @@ import anyio.to_thread
 
 from pipeline.context import SessionContext
 from pipeline.core import Pipeline
-from pipeline.dropin.calibration import CalibrationSaves, write_staged_at
+from pipeline.dropin.calibration import CalibrationSaves, load_calibration
 from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
 from pipeline.dropin.inheritance import FORK_RECORD, Inherited
 from pipeline.dropin.observing import ANSWER_WAIT, Call, ResponseObserving
@@ -184,8 +184,7 @@ class WireSession(ResponseObserving):
             # a branch made again by its name (let go, then asked for) has its own calibration
             own = inherited is None or inherited.tracker is None or self._calibration.exists()
             if own:
-                write_staged_at(self._calibration)  # what this process learned, first
-                context["token_tracker"] = TokenTracker.load(self._calibration)
+                context["token_tracker"] = load_calibration(self._calibration)
             else:
                 assert inherited is not None and inherited.tracker is not None
                 context["token_tracker"] = TokenTracker.from_state_dict(inherited.tracker)
@@ -261,7 +260,7 @@ class WireSession(ResponseObserving):
         loaded = await anyio.to_thread.run_sync(resolved.load)
         if "token_tracker" not in options:  # a local file, but a read all the same
             path = calibration_path_for(root, resolved.session_id, resolved.branch)
-            options["token_tracker"] = await anyio.to_thread.run_sync(_load_calibration, path)
+            options["token_tracker"] = await anyio.to_thread.run_sync(load_calibration, path)
         return cls(sid, root, pipeline, storage=resolved, loaded=loaded, **options)
 
     @staticmethod
@@ -519,9 +518,3 @@ class WireSession(ResponseObserving):
             )
         except ValueError as exc:
             raise UnreadableMessage(f"messages[{index}]: {exc}") from None
-
-
-def _load_calibration(path: Path) -> TokenTracker:
-    """The tracker saved at ``path``, after what this process staged for it (blocking)."""
-    write_staged_at(path)
-    return TokenTracker.load(path)

@@ -23,7 +23,7 @@ from typing import Any
 
 from pipeline.tokens import TokenTracker
 
-__all__ = ["CALIBRATION_EVERY", "CalibrationSaves", "write_staged_at"]
+__all__ = ["CALIBRATION_EVERY", "CalibrationSaves", "load_calibration"]
 
 CALIBRATION_EVERY = 2.0
 """Seconds between two writes of a conversation's token calibration."""
@@ -33,13 +33,15 @@ _STAGED: weakref.WeakValueDictionary[str, CalibrationSaves] = weakref.WeakValueD
 """By calibration path: the saves with a state staged and maybe not written yet."""
 
 
-def write_staged_at(path: str | os.PathLike[str]) -> None:
-    """Write the state staged for ``path`` now, if one waits (blocking): a conversation
-    opened again in the same process (a second client, one let go and loaded again) starts
-    from what the first learned, not from the write before it."""
+def load_calibration(path: str | os.PathLike[str]) -> TokenTracker:
+    """The tracker saved at ``path`` (:meth:`TokenTracker.load`; blocking), after writing the
+    state this process staged for it, if one waits: a conversation opened again in the same
+    process (a second client, one let go and loaded again) starts from what it learned last,
+    not from the write before."""
     saves = _STAGED.get(os.fspath(path))
     if saves is not None:
         saves.write_staged()
+    return TokenTracker.load(path)
 
 
 class CalibrationSaves:

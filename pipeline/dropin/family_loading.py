@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.dropin.adapter import WireSession
+from pipeline.dropin.calibration import load_calibration
 from pipeline.dropin.families import Branch, Family, named
 from pipeline.dropin.session_log import expand
 from pipeline.store.sessions import SessionStates
-from pipeline.tokens import TokenTracker, calibration_path_for
+from pipeline.tokens import calibration_path_for
 from pipeline.transcript import Transcript
 
 __all__ = ["GONE_READ", "MakeSession", "load_family", "records_of"]
@@ -54,7 +55,7 @@ def load_family(
             family.remember(branch_name, expand(loaded, named(name, branch_name)).chain)
     for branch_name in first + others[cut:]:
         storage = states.open(name, branch=branch_name, content_named=True)
-        tracker = TokenTracker.load(calibration_path_for(calibration_root, name, branch_name))
+        tracker = load_calibration(calibration_path_for(calibration_root, name, branch_name))
         options: dict[str, Any] = {"loaded": storage.load(), "token_tracker": tracker}
         made = session(family, branch_name, storage, **options)
         branch = Branch(family, branch_name, made)

@@ -249,8 +249,7 @@ class SluicegateMiddleware(anthropic.Middleware):
                     await session.observe_async(
                         message.id, usage, model=str(message.model), call=call
                     )
-            if not session.settle_in(SYNCS):  # the call's records made durable after it
-                await session.settle()
+            await _settled(session)  # the call's records made durable after it
         seen.end()
         return response
 
@@ -327,8 +326,7 @@ class SluicegateMiddleware(anthropic.Middleware):
             if message is not None:
                 _observed(seen, message)
                 _observe(session, message, call)
-            if not session.settle_in(SYNCS):  # the call's records made durable after it
-                session.settle_sync()
+            _settled_sync(session)  # the call's records made durable after it
         seen.end()
         return response
 
@@ -403,6 +401,19 @@ def _observe(session: WireSession, message: Any, call: Call | None) -> None:
         session.observe(message.id, usage, model=str(message.model), call=call)
 
 
+async def _settled(session: WireSession) -> None:
+    """The call's records made durable after it (and its calibration written), in the
+    syncing thread where that is all there is, else here."""
+    if not session.settle_in(SYNCS):
+        await session.settle()
+
+
+def _settled_sync(session: WireSession) -> None:
+    """:func:`_settled` for the synchronous client."""
+    if not session.settle_in(SYNCS):
+        session.settle_sync()
+
+
 class _AsyncTap(httpx2.AsyncByteStream):
     def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
         self.inner, self.reader, self.seen = inner, reader, seen
@@ -412,6 +423,7 @@ class _AsyncTap(httpx2.AsyncByteStream):
             self.reader.feed(chunk)
             yield chunk
         await self.reader.aclose()  # the whole stream went by: its usage is complete
+        await _settled(self.reader.session)
         self.seen.end()
 
     async def aclose(self) -> None:
@@ -430,6 +442,7 @@ class _SyncTap(httpx2.SyncByteStream):
             self.reader.feed(chunk)
             yield chunk
         self.reader.close()
+        _settled_sync(self.reader.session)
         self.seen.end()
 
     def close(self) -> None:

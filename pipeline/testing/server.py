@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -157,6 +158,8 @@ class ScriptedMessagesServer:
         self.count_requests: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._run = secrets.token_hex(3)
+        """This server's own part of every response id."""
         self._server = _Server(("127.0.0.1", 0), self._handler_class())
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
@@ -226,10 +229,9 @@ class ScriptedMessagesServer:
             }
         )
         message = {
-            # unique within a conversation as the API's are, also across servers (a session
-            # resumed against a new one is answered with an id none of its responses had: each
-            # of its requests holds more messages than the last), and the same run to run
-            "id": f"msg_scripted_{number:04d}_{_length(body)}",
+            # unique as the API's are, also across servers: a session resumed against a new
+            # one is never answered with an id one of its responses had
+            "id": f"msg_scripted_{number:04d}_{self._run}",
             "type": "message",
             "role": "assistant",
             "model": str(body.get("model") or self.model),
@@ -341,9 +343,3 @@ def messages_api(script: Script | None = None) -> Iterator[dict[str, str]]:
 
     with ScriptedMessagesServer(script or answer) as server:
         yield {"base_url": server.base_url, "api_key": "offline"}
-
-
-def _length(body: Mapping[str, Any]) -> int:
-    """How many messages a request holds: a response id's own part."""
-    messages = body.get("messages")
-    return len(messages) if isinstance(messages, list) else 0
