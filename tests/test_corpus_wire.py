@@ -131,6 +131,7 @@ def test_replayed_requests_are_valid_and_prefix_stable(
     transcript = _load(path)
     messages = transcript.messages
     assert transcript.problems == []
+    assert transcript.repeated == transcript.out_of_order == []  # Claude Code writes neither
     calls = find_calls(messages)
     assert calls, "every corpus session made at least one API call"
 

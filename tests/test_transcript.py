@@ -498,3 +498,20 @@ def test_a_record_written_twice_is_read_once(tmp_path: Path, strict: bool) -> No
         (2, "repeats an earlier record: read once"),
         (4, "repeats an earlier record: read once"),
     ]
+
+
+def test_records_moved_out_of_order_are_read_where_they_stand_and_listed(
+    tmp_path: Path,
+) -> None:
+    """Records are read in file order; one whose ``parentUuid`` names a record further down
+    (lines swapped by hand) is listed, so the change is named rather than silent."""
+    path = tmp_path / "t.jsonl"
+    writer = TranscriptWriter(path, "s")
+    writer.append_messages([Message.user("go"), Message.assistant("ok", message_id="r1")])
+    writer.append_messages([Message.user("more")])
+    first, second, third = path.read_text().splitlines(keepends=True)
+    assert load_transcript(path).out_of_order == []
+    path.write_text(second + first + third)
+    loaded = load_transcript(path)
+    assert [m.content for m in loaded.messages] == ["ok", "go", "more"]  # as they stand
+    assert [p.line for p in loaded.out_of_order] == [1]

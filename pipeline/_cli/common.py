@@ -249,12 +249,16 @@ def _report_skipped(transcript: Transcript) -> None:
             f"{terminal_safe(str(transcript.path))}",
             file=sys.stderr,
         )
-    for p in transcript.repeated[:_MAX_PROBLEMS_SHOWN]:
-        where = f"{transcript.path}:{p.line}: {p.reason}"
-        print(f"sluicegate: warning: {terminal_safe(where)}", file=sys.stderr)
-    if len(transcript.repeated) > _MAX_PROBLEMS_SHOWN:
-        more = len(transcript.repeated) - _MAX_PROBLEMS_SHOWN
-        print(f"sluicegate: ... and {more} more repeated records", file=sys.stderr)
+    for noted, what in (
+        (transcript.repeated, "repeated records"),
+        (transcript.out_of_order, "records out of order"),
+    ):
+        for p in noted[:_MAX_PROBLEMS_SHOWN]:
+            where = f"{transcript.path}:{p.line}: {p.reason}"
+            print(f"sluicegate: warning: {terminal_safe(where)}", file=sys.stderr)
+        if len(noted) > _MAX_PROBLEMS_SHOWN:
+            more = len(noted) - _MAX_PROBLEMS_SHOWN
+            print(f"sluicegate: ... and {more} more {what}", file=sys.stderr)
 
 
 def session_id_for(transcript: Transcript) -> str:

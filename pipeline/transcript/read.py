@@ -125,7 +125,10 @@ class Transcript:
     """Malformed lines skipped by a ``strict=False`` load."""
     repeated: list[LineProblem] = field(default_factory=list)
     """Message records written twice (a line repeated exactly, its uuid and all), each read
-    once: the later line, and the earlier it repeats in its reason. Never fatal."""
+    once. Never fatal."""
+    out_of_order: list[LineProblem] = field(default_factory=list)
+    """Message records whose ``parentUuid`` names a record further down the file (lines
+    moved by hand, say): read where they stand, and listed. Never fatal."""
     stage_records: list[StageRecord] = field(default_factory=list)
     """``stage-record`` entries in file order (:meth:`TranscriptWriter.append_stage_record`)."""
 
@@ -358,6 +361,8 @@ def load_transcript_lines(
     """Every message record's uuid (the records' own strings)."""
     first: dict[str, Message] | None = None
     """The first record of each uuid, made when a uuid first comes again (rare)."""
+    ahead: list[tuple[int, str]] = []
+    """(line, parentUuid) of each message record whose parent was not read before it."""
     for lineno, line in enumerate(lines, start=1):
         if lineno == 1 and line.startswith(BOM):
             line = line[1:]  # a byte order mark some editors write: only at the file's start
@@ -410,6 +415,9 @@ def load_transcript_lines(
                     seen.add(msg.uuid)
                     if first is not None:
                         first[msg.uuid] = msg
+                parent = raw.get("parentUuid")
+                if isinstance(parent, str) and parent not in seen:
+                    ahead.append((lineno, parent))
                 (side if msg.is_sidechain else main).append(msg)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             reason = f"malformed record: {bounded_text(str(exc), _MAX_REASON)}"
@@ -422,6 +430,11 @@ def load_transcript_lines(
             result.session_id = raw["sessionId"]
         if result.version is None and isinstance(raw.get("version"), str):
             result.version = raw["version"][:40]
+    result.out_of_order = [
+        LineProblem(lineno, "its parent record comes later in the file: read where it stands")
+        for lineno, parent in ahead
+        if parent in seen
+    ]
     on_side = not main and bool(side)
     if on_side:
         result.messages = side
