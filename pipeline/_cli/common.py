@@ -236,29 +236,23 @@ def load(path: Path, *, lenient: bool) -> Transcript:
 
 
 def _report_skipped(transcript: Transcript) -> None:
-    problems = transcript.problems
-    for p in problems[:_MAX_PROBLEMS_SHOWN]:
-        where = f"{transcript.path}:{p.line}: {p.reason}"
-        print(f"sluicegate: skipped {terminal_safe(where)}", file=sys.stderr)
-    if len(problems) > _MAX_PROBLEMS_SHOWN:
-        more = len(problems) - _MAX_PROBLEMS_SHOWN
-        print(f"sluicegate: ... and {more} more skipped lines", file=sys.stderr)
-    if problems:
-        print(
-            f"sluicegate: {len(problems)} malformed line(s) skipped in "
-            f"{terminal_safe(str(transcript.path))}",
-            file=sys.stderr,
-        )
-    for noted, what in (
-        (transcript.repeated, "repeated records"),
-        (transcript.out_of_order, "records out of order"),
+    for noted, told, what in (
+        (transcript.problems, "skipped", "skipped lines"),
+        (transcript.repeated, "warning:", "repeated records"),
+        (transcript.out_of_order, "warning:", "records out of order"),
     ):
         for p in noted[:_MAX_PROBLEMS_SHOWN]:
             where = f"{transcript.path}:{p.line}: {p.reason}"
-            print(f"sluicegate: warning: {terminal_safe(where)}", file=sys.stderr)
+            print(f"sluicegate: {told} {terminal_safe(where)}", file=sys.stderr)
         if len(noted) > _MAX_PROBLEMS_SHOWN:
             more = len(noted) - _MAX_PROBLEMS_SHOWN
             print(f"sluicegate: ... and {more} more {what}", file=sys.stderr)
+    if transcript.problems:
+        print(
+            f"sluicegate: {len(transcript.problems)} malformed line(s) skipped in "
+            f"{terminal_safe(str(transcript.path))}",
+            file=sys.stderr,
+        )
 
 
 def session_id_for(transcript: Transcript) -> str:
