@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
@@ -22,7 +21,6 @@ __all__ = [
     "SummaryPromptTooLong",
     "SummaryTimeout",
     "ask_summary",
-    "check_summary_timeout",
 ]
 
 DEFAULT_SUMMARY_PROMPT = (
@@ -45,16 +43,6 @@ SUMMARY_TIMEOUT = 600.0
 """Seconds a stage waits for one summary by default (the anthropic SDK's own request
 timeout): a summariser that never answers counts as a failed summary, not a turn that never
 ends."""
-
-
-def check_summary_timeout(value: object) -> float:
-    """A summary timeout: seconds > 0 (``math.inf``: wait as long as the summariser takes)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"summary_timeout must be a number of seconds > 0, got {value!r}")
-    try:
-        return float(value)
-    except OverflowError:  # an int past any float: no limit, as math.inf
-        return math.inf
 
 
 async def ask_summary(

@@ -22,7 +22,6 @@ from pipeline.summarizer import (
     Summarizer,
     SummaryPromptTooLong,
     ask_summary,
-    check_summary_timeout,
 )
 from pipeline.tokens import find_anchor
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
@@ -33,7 +32,7 @@ from stages._shared import (
     record_decision,
     session_state,
 )
-from stages._shared.args import check_bool, check_int, check_summarizer
+from stages._shared.args import check_bool, check_int, check_seconds, check_summarizer
 
 if TYPE_CHECKING:  # the SDK is slow to import: its types only here
     from anthropic.types import MessageParam
@@ -168,7 +167,7 @@ class Autocompact:
         block: bool = False,
         summary_timeout: float = SUMMARY_TIMEOUT,
     ) -> None:
-        self.summary_timeout = check_summary_timeout(summary_timeout)
+        self.summary_timeout = check_seconds("summary_timeout", summary_timeout)
         check_int("context_window", context_window, minimum=1)
         check_int("max_output_tokens", max_output_tokens)
         check_int("buffer_tokens", buffer_tokens, minimum=BLOCKING_BUFFER)  # compact first

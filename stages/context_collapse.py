@@ -35,7 +35,6 @@ from pipeline.summarizer import (
     Summarizer,
     SummaryPromptTooLong,
     ask_summary,
-    check_summary_timeout,
 )
 from pipeline.tracing import ATTR, AttributeValue, Decision, Reason
 from stages._shared import (
@@ -45,7 +44,14 @@ from stages._shared import (
     RoundView,
     record_decision,
 )
-from stages._shared.args import check_below, check_bool, check_fraction, check_int, check_summarizer
+from stages._shared.args import (
+    check_below,
+    check_bool,
+    check_fraction,
+    check_int,
+    check_seconds,
+    check_summarizer,
+)
 from stages._shared.records import RoundRecord, restore_round_records
 
 __all__ = ["SUMMARY_HEADER", "ContextCollapse"]
@@ -175,7 +181,7 @@ class ContextCollapse:
         summary_timeout: float = SUMMARY_TIMEOUT,
     ) -> None:
         self.summarizer = check_summarizer(summarizer)
-        self.summary_timeout = check_summary_timeout(summary_timeout)
+        self.summary_timeout = check_seconds("summary_timeout", summary_timeout)
         self.context_window = check_int("context_window", context_window, minimum=1)
         self.commit_fraction = check_fraction("commit_fraction", commit_fraction)
         self.target_fraction = check_fraction("target_fraction", target_fraction)

@@ -14,8 +14,8 @@ from pipeline.summarizer import (
     SummaryError,
     SummaryTimeout,
     ask_summary,
-    check_summary_timeout,
 )
+from stages._shared.args import check_seconds
 from tests.builders import HostileSummarizer
 
 
@@ -54,10 +54,10 @@ def test_no_answer_in_time_is_a_summary_timeout() -> None:
     ("given", "taken"), [(1, 1.0), (0.5, 0.5), (math.inf, math.inf), (10**400, math.inf)]
 )
 def test_a_summary_timeout_is_seconds_above_zero(given: Any, taken: float) -> None:
-    assert check_summary_timeout(given) == taken
+    assert check_seconds("summary_timeout", given) == taken
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), "5", True, None])
 def test_a_bad_summary_timeout_is_refused_by_name(bad: Any) -> None:
     with pytest.raises(ValueError, match="summary_timeout"):
-        check_summary_timeout(bad)
+        check_seconds("summary_timeout", bad)

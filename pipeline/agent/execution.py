@@ -25,7 +25,7 @@ from pipeline.tracing import (
     tool_span_name,
 )
 
-__all__ = ["CANCELLED_RESULT", "execute_tool_call", "run_tool_calls"]
+__all__ = ["CANCELLED_RESULT", "CUT_CALL_RESULT", "cut_call", "execute_tool_call", "run_tool_calls"]
 
 CANCELLED_RESULT = "Tool execution was cancelled before it finished."
 
@@ -148,3 +148,22 @@ def _checked_output(output: object) -> object:
             raise ToolOutputError(f"the tool returned blocks JSON cannot carry ({exc})") from None
         return output
     raise ToolOutputError(f"the tool returned {type(output).__name__}, not text or blocks")
+
+
+CUT_CALL_RESULT = (
+    "Error: not run: the response reached max_tokens while this call was written, so its "
+    "input may be incomplete. Call the tool again."
+)
+"""What a tool call cut off by ``max_tokens`` is answered with, instead of being run."""
+
+
+def cut_call(message: Message) -> dict[str, str]:
+    """The call a response cut off at ``max_tokens`` may hold half-written (its last block,
+    when that is a tool_use): never run on an input that may be incomplete."""
+    blocks = message.blocks
+    if message.stop_reason != "max_tokens" or not blocks:
+        return {}
+    last = blocks[-1]
+    if last.get("type") != "tool_use" or not isinstance(last.get("id"), str):
+        return {}
+    return {last["id"]: CUT_CALL_RESULT}

@@ -22,7 +22,7 @@ from anthropic.types import MessageParam, ToolParam
 from opentelemetry.trace import Status, StatusCode
 from structlog.contextvars import bound_contextvars
 
-from pipeline.agent.execution import CANCELLED_RESULT, run_tool_calls
+from pipeline.agent.execution import CANCELLED_RESULT, cut_call, run_tool_calls
 from pipeline.agent.repair import INTERRUPTED_RESULT
 from pipeline.agent.response import call_messages
 from pipeline.agent.results import AgentAPIError, AgentResult, GatedResult, TurnLog
@@ -328,7 +328,7 @@ class Agent:
             tool_uses = [b for b in message.blocks if b.get("type") == "tool_use"]
             gated: list[GatedResult] = []
             if tool_uses:
-                await self._run_tools(tool_uses, gated, refused=_cut_call(message))
+                await self._run_tools(tool_uses, gated, refused=cut_call(message))
             if self.on_turn is not None:
                 self.on_turn(
                     TurnLog(
@@ -403,22 +403,3 @@ class Agent:
         """Run every tool call concurrently (but those ``refused``, answered with their error);
         always answer each one, even on cancellation."""
         await run_tool_calls(self.ctx, self.tools, tool_uses, gated, self._record, refused=refused)
-
-
-CUT_CALL_RESULT = (
-    "Error: not run: the response reached max_tokens while this call was written, so its "
-    "input may be incomplete. Call the tool again."
-)
-"""What a tool call cut off by ``max_tokens`` is answered with, instead of being run."""
-
-
-def _cut_call(message: Message) -> dict[str, str]:
-    """The call a response cut off at ``max_tokens`` may hold half-written (its last block,
-    when that is a tool_use): never run on an input that may be incomplete."""
-    blocks = message.blocks
-    if message.stop_reason != "max_tokens" or not blocks:
-        return {}
-    last = blocks[-1]
-    if last.get("type") != "tool_use" or not isinstance(last.get("id"), str):
-        return {}
-    return {last["id"]: CUT_CALL_RESULT}

@@ -9,24 +9,31 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import anyio
 import anyio.to_thread
-import httpx2
 
 from pipeline.core import Pipeline
 from pipeline.dropin.adapter import Call, UnreadableMessage, WireSession
 from pipeline.dropin.conversations import MAX_HELD, SESSION_HEADER, Branch, Conversations
-from pipeline.dropin.event_stream import EventStreamUsage
 from pipeline.dropin.metrics import WireMetrics
+from pipeline.dropin.sdk_answers import (
+    observe,
+    observe_async,
+    read_answer,
+    read_answer_async,
+    settled,
+    settled_sync,
+    tap,
+    told,
+)
 from pipeline.dropin.store_news import PLACE_ATTEMPTS
 from pipeline.dropin.sync_passes import LongPasses, in_worker, run_pass
 from pipeline.dropin.tenancy import Tenancy
-from pipeline.dropin.thread_sync import SYNCS
 from pipeline.dropin.wire_request import WireRequest
 from pipeline.spans import beside_sdk_call
 from pipeline.store.files import validate_session_id
@@ -239,17 +246,15 @@ class SluicegateMiddleware(anthropic.Middleware):
             response = await call_next(outgoing)
             seen.answered(response.status_code)
             if response.status_code == 200 and request.stream:
-                _tap(session, response.http_response, call, seen)  # it ends with the stream
+                tap(session, response.http_response, call, seen)  # it ends with the stream
                 return response
-            message = await _read_async(session, response) if response.status_code == 200 else None
+            message = (
+                await read_answer_async(session, response) if response.status_code == 200 else None
+            )
             if message is not None:
-                _observed(seen, message)
-                usage = _usage_of(message)
-                if usage is not None:
-                    await session.observe_async(
-                        message.id, usage, model=str(message.model), call=call
-                    )
-            await _settled(session)  # the call's records made durable after it
+                told(seen, message)
+                await observe_async(session, message, call)
+            await settled(session)  # the call's records made durable after it
         seen.end()
         return response
 
@@ -320,13 +325,13 @@ class SluicegateMiddleware(anthropic.Middleware):
             response = call_next(outgoing)
             seen.answered(response.status_code)
             if response.status_code == 200 and request.stream:
-                _tap(session, response.http_response, call, seen)  # it ends with the stream
+                tap(session, response.http_response, call, seen)  # it ends with the stream
                 return response
-            message = _read(session, response) if response.status_code == 200 else None
+            message = read_answer(session, response) if response.status_code == 200 else None
             if message is not None:
-                _observed(seen, message)
-                _observe(session, message, call)
-            _settled_sync(session)  # the call's records made durable after it
+                told(seen, message)
+                observe(session, message, call)
+            settled_sync(session)  # the call's records made durable after it
         seen.end()
         return response
 
@@ -346,122 +351,6 @@ def _unread(session: WireSession, exc: UnreadableMessage) -> None:
     ``anthropic.BadRequestError``); logged with the error's kind, never its text (which may
     quote the messages)."""
     session.ctx.logger.warning("wire.request_unread", error=type(exc).__name__)
-
-
-async def _read_async(session: WireSession, response: Any) -> Any:
-    """:func:`_read` for the async client."""
-    try:
-        return await response.parse()
-    except (ValueError, anthropic.APIError) as exc:
-        _answer_unread(session, exc)
-        return None
-
-
-def _read(session: WireSession, response: Any) -> Any:
-    """A 200's message, parsed as the SDK parses it; None when it is not one (invalid JSON, a
-    gateway's HTML): not observed, and the caller gets the response as the SDK alone gives it
-    (``with_raw_response``'s text, or the SDK's own error)."""
-    try:
-        return response.parse()
-    except (ValueError, anthropic.APIError) as exc:
-        _answer_unread(session, exc)
-        return None
-
-
-def _answer_unread(session: WireSession, exc: Exception) -> None:
-    session.ctx.logger.warning("wire_session.answer_unread", error=type(exc).__name__)
-
-
-def _observed(seen: WireRequest, message: Any) -> None:
-    """What a parsed response says of itself, to the request's span and line."""
-    usage = getattr(message, "usage", None)
-    rid, model = getattr(message, "id", None), getattr(message, "model", None)
-    edits: Any = getattr(message, "context_management", None)
-    if edits is not None and hasattr(edits, "model_dump"):
-        edits = edits.model_dump(warnings=False)
-    seen.observed(
-        response_id=rid if isinstance(rid, str) else None,
-        model=str(model) if model is not None else None,
-        usage=usage.model_dump(warnings=False) if usage is not None else None,
-        context_management=edits,
-    )
-
-
-def _usage_of(message: Any) -> dict[str, Any] | None:
-    """A parsed reply's usage, to observe (None: it has none, or no id to record it by)."""
-    usage = getattr(message, "usage", None)
-    if usage is None or not isinstance(getattr(message, "id", None), str):
-        return None
-    return usage.model_dump(warnings=False)  # type: ignore[no-any-return]
-
-
-def _observe(session: WireSession, message: Any, call: Call | None) -> None:
-    usage = _usage_of(message)
-    if usage is not None:
-        session.observe(message.id, usage, model=str(message.model), call=call)
-
-
-async def _settled(session: WireSession) -> None:
-    """The call's records made durable after it (and its calibration written), in the
-    syncing thread where that is all there is, else here."""
-    if not session.settle_in(SYNCS):
-        await session.settle()
-
-
-def _settled_sync(session: WireSession) -> None:
-    """:func:`_settled` for the synchronous client."""
-    if not session.settle_in(SYNCS):
-        session.settle_sync()
-
-
-class _AsyncTap(httpx2.AsyncByteStream):
-    def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
-        self.inner, self.reader, self.seen = inner, reader, seen
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self.inner:
-            self.reader.feed(chunk)
-            yield chunk
-        await self.reader.aclose()  # the whole stream went by: its usage is complete
-        await _settled(self.reader.session)
-        self.seen.end()
-
-    async def aclose(self) -> None:
-        try:
-            await self.inner.aclose()
-        finally:
-            self.seen.end()  # the caller left early: the request is over all the same
-
-
-class _SyncTap(httpx2.SyncByteStream):
-    def __init__(self, inner: Any, reader: EventStreamUsage, seen: WireRequest) -> None:
-        self.inner, self.reader, self.seen = inner, reader, seen
-
-    def __iter__(self) -> Iterator[bytes]:
-        for chunk in self.inner:
-            self.reader.feed(chunk)
-            yield chunk
-        self.reader.close()
-        _settled_sync(self.reader.session)
-        self.seen.end()
-
-    def close(self) -> None:
-        try:
-            self.inner.close()
-        finally:
-            self.seen.end()
-
-
-def _tap(session: WireSession, http: Any, call: Call | None, seen: WireRequest) -> None:
-    """Let the session observe a streamed response's usage as the caller reads it; the
-    request ends with the stream."""
-    reader = EventStreamUsage(session, call, seen)
-    stream = http.stream
-    http.stream = (
-        _AsyncTap(stream, reader, seen)
-        if isinstance(stream, httpx2.AsyncByteStream)
-        else _SyncTap(stream, reader, seen)
-    )
 
 
 def sends_body_as_given(client: Any) -> bool:

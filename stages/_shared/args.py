@@ -58,6 +58,16 @@ def check_positive(name: str, value: object) -> float:
     return value
 
 
+def check_seconds(name: str, value: object) -> float:
+    """A number of seconds > 0, as a float (``math.inf``, or an int past any float: no
+    limit)."""
+    checked = check_positive(name, value)
+    try:
+        return float(checked)
+    except OverflowError:
+        return math.inf
+
+
 def check_minutes(name: str, value: object) -> float:
     """A finite number of minutes ``>= 0``."""
     if (
