@@ -288,24 +288,92 @@ def test_a_program_that_exits_leaves_what_its_calibration_learned(
     assert len(state["errors"]) >= 5  # every call after the first was learned from
 
 
-def test_a_staged_calibration_is_written_before_its_conversation_loads_again(
-    tmp_path: Path,
-) -> None:
-    """``wrap`` stages each call's calibration for its sync thread; a conversation opened
-    again in the process meanwhile (a second client, one let go) writes it first, and a
-    conversation whose directory was removed is not made again."""
+def test_a_calibration_is_rewritten_in_place_and_never_made_again(tmp_path: Path) -> None:
+    """``wrap``'s per-call write: the first one creates the file, later ones write over it in
+    place (no new directory entry: a program may remove its root right after a call), and a
+    conversation removed meanwhile is not made again."""
     from pipeline.dropin.calibration import CalibrationSaves, load_calibration
 
     tracker = _trained()
     path = tmp_path / "conv" / "token-calibration.json"
     path.parent.mkdir()
     saves = CalibrationSaves(path, tracker.state_dict)
+    saves.rewrite()
+    assert not path.exists()  # nothing learned, nothing written
     saves.learned()
-    assert saves.stage() and not path.exists()  # staged: the sync thread writes it later
+    saves.rewrite()
+    inode = path.stat().st_ino
     assert load_calibration(path).state_dict() == tracker.state_dict()
+    path.write_bytes(path.read_bytes() + b" " * 300)  # an older, longer state
     saves.learned()
-    assert saves.stage()
+    saves.rewrite()
+    assert path.stat().st_ino == inode  # the same file: written over, not replaced
+    assert json.loads(path.read_bytes()) == tracker.state_dict()
+    assert {p.name for p in path.parent.iterdir()} == {path.name}
     path.unlink()
     path.parent.rmdir()  # the conversation removed meanwhile
-    saves.write_staged()
+    saves.learned()
+    saves.rewrite()
     assert not path.parent.exists()
+
+
+def test_rewriting_in_place_pads_a_longer_state_and_cuts_a_much_longer_one(
+    tmp_path: Path,
+) -> None:
+    from pipeline.tokens.state_file import PAD_LIMIT, rewrite_state
+
+    path = tmp_path / "state.json"
+    assert rewrite_state(path, {"a": 1}) is None and not path.exists()  # never creates
+    path.write_bytes(b'{"a":"' + b"x" * 100 + b'"}')
+    assert rewrite_state(path, {"a": 2})
+    assert path.stat().st_size == 108 and json.loads(path.read_bytes()) == {"a": 2}
+    path.write_bytes(b'{"a":"' + b"x" * (PAD_LIMIT + 10) + b'"}')
+    assert rewrite_state(path, {"a": 3})
+    assert path.read_bytes() == b'{"a":3}'
+
+
+def test_rewriting_over_what_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    from pipeline.tokens.state_file import rewrite_state
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text("{}")
+    with structlog.testing.capture_logs() as logs:
+        assert rewrite_state(fifo, {"a": 1}) is False  # never blocks on a reader
+        assert rewrite_state(link, {"a": 1}) is False  # never through a link
+    assert (tmp_path / "elsewhere.json").read_text() == "{}"
+    assert [e["event"] for e in logs] == ["token_calibration.save_failed"] * 2
+
+
+def test_a_calibration_is_written_before_the_call_returns(tmp_path: Path) -> None:
+    """What a call taught the tracker is on disk when the call returns, and nothing is
+    written under the root after: a program that removes its root right after its last call
+    (a temporary directory) never races a write of ours."""
+    import anthropic
+
+    from pipeline.dropin.wrap import SYNCS
+    from pipeline.testing import Reply, ScriptedMessagesServer
+    from stages import wrap
+
+    def reply(body: Any) -> Reply:
+        return Reply([{"type": "text", "text": "ok " * 40}])
+
+    root = tmp_path / "root"
+    with ScriptedMessagesServer(reply) as server:
+        raw = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+        client = wrap(raw, root=root)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "start " * 200}]
+        for k in range(4):
+            answer = client.messages.create(model="m", max_tokens=50, messages=messages)
+            (path,) = root.rglob("token-calibration*.json")
+            assert len(json.loads(path.read_bytes())["errors"]) == k  # this call's, already
+            messages += [
+                {"role": "assistant", "content": answer.content[0].text},
+                {"role": "user", "content": f"step {k} " * 300},
+            ]
+        listing = sorted(p.relative_to(root) for p in root.rglob("*"))
+        SYNCS.flush()  # what the sync thread had left: fsyncs only
+        assert sorted(p.relative_to(root) for p in root.rglob("*")) == listing
+        raw.close()

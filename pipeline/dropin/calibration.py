@@ -4,9 +4,11 @@ The token tracker learns from every observed response; writing its state each ti
 dump and a file write per call. It is written when the first call has been observed (a new
 process starts warm), then at most every :data:`CALIBRATION_EVERY` seconds, and whenever the
 owner asks (a conversation reloaded, a server shutting down). ``wrap`` writes it after every
-call instead, off the caller's thread (:meth:`CalibrationSaves.stage`, the thread that makes
-its records durable): a program run again starts where it stopped, and its stages that
-decide on estimates decide as it would have. A write that fails is tried again at the next
+call instead, on the call's own path and in place (:meth:`CalibrationSaves.rewrite`: a JSON
+dump and a ``pwrite``, ~15 µs; the first write of a conversation creates the file): a program
+run again starts where it stopped, and its stages that decide on estimates decide as it
+would have; and once a call has returned, nothing new appears under the root on its account
+(a program may remove its root right after). A write that fails is tried again at the next
 chance. The calibration is an estimate, not a decision: a crash costs at most that much
 learning.
 """
@@ -17,11 +19,11 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from pipeline.tokens import TokenTracker
+from pipeline.tokens.state_file import rewrite_state, write_state
 
 __all__ = ["CALIBRATION_EVERY", "CalibrationSaves", "load_calibration"]
 
@@ -29,19 +31,16 @@ CALIBRATION_EVERY = 2.0
 """Seconds between two writes of a conversation's token calibration."""
 
 
-_STAGED: weakref.WeakValueDictionary[str, CalibrationSaves] = weakref.WeakValueDictionary()
-"""By calibration path: the saves with a state staged and maybe not written yet."""
+_REWRITING = threading.Lock()
+"""Held around each in-place write and each load: a conversation opened again in this process
+(a second client's thread) never reads a state half rewritten."""
 
 
 def load_calibration(path: str | os.PathLike[str]) -> TokenTracker:
-    """The tracker saved at ``path`` (:meth:`TokenTracker.load`; blocking), after writing the
-    state this process staged for it, if one waits: a conversation opened again in the same
-    process (a second client, one let go and loaded again) starts from what it learned last,
-    not from the write before."""
-    saves = _STAGED.get(os.fspath(path))
-    if saves is not None:
-        saves.write_staged()
-    return TokenTracker.load(path)
+    """The tracker saved at ``path`` (:meth:`TokenTracker.load`; blocking), never while this
+    process rewrites it in place."""
+    with _REWRITING:
+        return TokenTracker.load(path)
 
 
 class CalibrationSaves:
@@ -55,9 +54,6 @@ class CalibrationSaves:
         """The tracker learned since its state was last written."""
         self._saved = -math.inf
         """When it was last written (monotonic seconds)."""
-        self._staging = threading.Lock()
-        self._staged: dict[str, Any] | None = None
-        """The state :meth:`stage` took, not yet written."""
 
     def learned(self) -> None:
         """The tracker learned from a call."""
@@ -72,25 +68,20 @@ class CalibrationSaves:
         self._dirty, self._saved = False, at
         return self._state()
 
-    def stage(self) -> bool:
-        """Take the state to write when the tracker learned since the last write, whatever that
-        write's age (on the owner's thread); :meth:`write_staged` writes it (on any thread).
-        Whether there is one."""
+    def rewrite(self) -> None:
+        """Write the state, when the tracker learned since the last write (blocking, ~15 µs:
+        on the owner's thread), in place (:func:`~pipeline.tokens.state_file.rewrite_state`);
+        the first time, a new file written atomically; not into a conversation removed
+        meanwhile. A failed write is tried again after the next call."""
         state = self.due(now=True)
         if state is None:
-            return False
-        with self._staging:
-            self._staged = state
-        _STAGED[os.fspath(self.path)] = self
-        return True
-
-    def write_staged(self) -> None:
-        """Write the state :meth:`stage` took last, if not written yet (blocking; no fsync:
-        an estimate). Safe from any thread; the latest state staged wins."""
-        with self._staging:
-            state, self._staged = self._staged, None
-        if state is not None:  # (not into a conversation removed meanwhile)
-            TokenTracker.save_state(self.path, state, durable=False, parents=False)
+            return
+        with _REWRITING:
+            done = rewrite_state(self.path, state)
+            if done is None:  # no file yet
+                done = write_state(self.path, state, durable=False, parents=False)
+        if not done:
+            self._dirty = True
 
     def write(self, state: Mapping[str, Any], *, durable: bool = True) -> None:
         """Write ``state`` (blocking: a worker thread's job on an event loop); a write that

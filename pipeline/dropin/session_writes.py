@@ -90,16 +90,15 @@ class SessionWrites:
     def settle_in(self, syncer: ThreadSync) -> bool:
         """:meth:`settle_sync` with the records' ``fsync`` handed to ``syncer``'s thread, when
         that and the calibration are all there is (a local store whose appends were written
-        at once); the calibration too, after every call that taught it something (its state
-        taken here, written there: a process that ends, or loads the conversation again,
-        finds it). False, doing nothing, when there is more (an object store's spool and
-        snapshot): the caller settles itself."""
+        at once); the calibration written here after every call that taught it something,
+        in place (a process that ends, or loads the conversation again, finds it; nothing is
+        left to write under the root once the call returns). False, doing nothing, when there
+        is more (an object store's spool and snapshot): the caller settles itself."""
         storage = self.storage
         if storage.sync is None or storage.drain is not None or storage.compact is not None:
             return False
         syncer.add(self.sync_records)
-        if self.saves.stage():  # each call's: a program run again decides as this one would
-            syncer.add(self.saves.write_staged)
+        self.saves.rewrite()  # each call's: a program run again decides as this one would
         return True
 
     def settle_sync(self) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_STATE_BYTES",
     "calibration_path_for",
     "read_state_file",
+    "rewrite_state",
     "write_state",
 ]
 
@@ -73,6 +74,50 @@ def write_state(
     except OSError as exc:
         get_logger().warning("token_calibration.save_failed", path=str(target), error=str(exc))
         return False
+    return True
+
+
+PAD_LIMIT = 64 * 1024
+"""A state rewritten in place over a longer one is padded with spaces up to this many bytes
+(the file stays valid JSON at every moment); past it, the file is cut to the new length."""
+
+
+def rewrite_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> bool | None:
+    """Write ``state`` over the file at ``path`` in place: no new directory entry, no fsync;
+    None when there is no such file (:func:`write_state` creates it), False, a warning logged,
+    when it cannot be written (not a regular file, a failed write).
+
+    For a writer that must leave nothing behind once it returns (``wrap``'s caller: a program
+    that removes its root right after a call). A longer old state is padded over with spaces
+    (JSON ignores them): a crash, or a reader in another process at that very moment, sees
+    the old state, the new one, or, at worst, a mix that a load reads as a cold start."""
+    data = json.dumps(state, separators=(",", ":")).encode("utf-8")
+    target = os.fspath(path)
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        get_logger().warning("token_calibration.save_failed", path=target, error=str(exc))
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # O_NONBLOCK: a FIFO planted there never blocks
+            raise OSError("not a regular file")
+        gap = st.st_size - len(data)
+        if 0 < gap <= PAD_LIMIT:
+            data += b" " * gap
+        view = memoryview(data)
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], written)
+        if gap > PAD_LIMIT:
+            os.ftruncate(fd, len(data))
+    except OSError as exc:
+        get_logger().warning("token_calibration.save_failed", path=target, error=str(exc))
+        return False
+    finally:
+        os.close(fd)
     return True
 
 
