@@ -10,7 +10,7 @@ output never applies to another output that reuses its id.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline.gate import empty_result_text, is_persistable
@@ -37,7 +37,8 @@ def result_name(slot: ResultSlot, tool_names: Mapping[str, str]) -> Name | None:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A tool_result the budget may decide on, and where it sits. ``content`` is the tool's
-    output (the harness tail split off: :mod:`pipeline.wire.harness`); ``key`` its ledger key."""
+    output (the harness tail split off: :mod:`pipeline.wire.harness`), None once the result
+    is decided (:meth:`GroupScan.settle`); ``key`` its ledger key."""
 
     msg_index: int
     tool_use_id: str
@@ -122,6 +123,17 @@ class GroupScan:
         else:
             pairs = ((k, replacements[k]) for k in counts if k in replacements)
         return sum(counts[k] * max(0, self.sizes[k] - len(r)) for k, r in pairs)
+
+    def settle(self, first_group: int) -> None:
+        """Every candidate from group ``first_group`` on is decided: let go of their outputs
+        (what persisting one needs). A decided result is never persisted later, and a scan
+        that holds no output keeps none alive once the records let go of theirs (a replay
+        that reads each output only while a request can carry it)."""
+        closed = self.closed
+        for i in range(first_group, len(closed)):
+            if any(c.content is not None for c in closed[i]):
+                closed[i] = tuple(_settled(c) for c in closed[i])
+        self.current = [_settled(c) for c in self.current]
 
     @property
     def groups(self) -> list[list[Candidate]]:
@@ -247,6 +259,10 @@ class GroupScan:
         if u.closed_group:
             # everything scanned after this message is undone, so the open group is empty
             self.current = list(self.closed.pop())
+
+
+def _settled(c: Candidate) -> Candidate:
+    return c if c.content is None else replace(c, content=None)
 
 
 def _restore(d: dict[str, str], key: str, previous: str | None) -> None:

@@ -195,6 +195,7 @@ class ToolResultBudget:
                 scan.reapplied += scan.cand_count.get(key, 0)
         touched.update(replaced_now)
         cache.update_output(messages, start, touched, state.replacements)
+        scan.settle(first_group)
         cache.seal(state, replaced_now)
         return cache.output(messages)
 

@@ -220,13 +220,14 @@ def safe_url(url: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def load(path: Path, *, lenient: bool) -> Transcript:
-    """Load a transcript or raise :class:`CliError` naming the file (and line)."""
+def load(path: Path, *, lenient: bool, defer_texts: int | None = None) -> Transcript:
+    """Load a transcript or raise :class:`CliError` naming the file (and line);
+    ``defer_texts``: see :func:`~pipeline.transcript.read.load_transcript`."""
     if not path.is_file():
         reason = "no such file" if not path.exists() else "not a regular file"
         raise CliError(f"{path}: {reason}")
     try:
-        transcript = load_transcript(path, strict=not lenient)
+        transcript = load_transcript(path, strict=not lenient, defer_texts=defer_texts)
     except TranscriptError as exc:
         raise CliError(f"{exc.path}:{exc.line}: {exc.reason}") from None
     except (OSError, UnicodeError) as exc:

@@ -49,6 +49,7 @@ from pipeline.spans import content_safe_span
 from pipeline.store.files import TOOL_RESULTS_SUBDIR
 from pipeline.store.records import RecordLog
 from pipeline.tracing import ATTR, SPAN_REPLAY
+from pipeline.transcript.deferred import DEFER_AT, TranscriptChanged
 from pipeline.transcript.read import Transcript
 from pipeline.transcript.replay import CallResult, find_calls, replay_messages
 from stages import registry as stage_registry
@@ -106,9 +107,15 @@ async def _replay_calls(
     with content_safe_span(
         ctx.tracer, SPAN_REPLAY, attributes={ATTR.CONVERSATION_ID: ctx.session_id}
     ) as session:
-        # each call is printed (and dumped) before the next: the request list can be shared
+        # each call is printed (and dumped) before the next: the request list can be shared,
+        # and an output no later request carries goes back to the file
         async for result in replay_messages(
-            transcript.messages, pipe, ctx, requests=transcript.requests, shared=True
+            transcript.messages,
+            pipe,
+            ctx,
+            requests=transcript.requests,
+            shared=True,
+            release=transcript.deferred_texts > 0,
         ):
             chars = run.counted(result)
             progress.clear()
@@ -227,7 +234,11 @@ def _replay_into(
     log = get_logger(session_id=session_id)
     log.info("replay.start", transcript=str(transcript.path), calls=progress.total)
     with run.calls(str(transcript.path), first=progress.clear):
-        anyio.run(_replay_calls, transcript, pipe, run, progress)
+        try:
+            anyio.run(_replay_calls, transcript, pipe, run, progress)
+        except TranscriptChanged as exc:
+            progress.clear()
+            raise CliError(str(exc), EXIT_FAILED) from None
     summary = run.summary
     log.info("replay.done", calls=summary.calls, persisted=summary.persisted)
     return EXIT_OK
@@ -392,7 +403,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         options.pipeline()
 
     def go(tracer: trace.Tracer | None, _provider: TracerProvider | None) -> int:
-        transcript = load(args.transcript, lenient=args.lenient)
+        # one replay reads each long output while its requests can carry it; a comparison
+        # runs several over the same records
+        defer = DEFER_AT if setup is None else None
+        transcript = load(args.transcript, lenient=args.lenient, defer_texts=defer)
         # the loaded session lives until the end and never forms cycles to collect: keep the
         # collector from walking it again and again (an application's choice, not the library's)
         gc.freeze()

@@ -29,6 +29,7 @@ from pipeline.messages import (
 )
 from pipeline.replacement import ReplacementRecord
 from pipeline.tokens.checks import bounded_repr, bounded_text
+from pipeline.transcript.deferred import Deferral, deferred_in, fill, read_deferred
 from pipeline.transcript.recorded import (
     API_REQUEST,
     API_REQUEST_BLOB,
@@ -131,6 +132,9 @@ class Transcript:
     moved by hand, say): read where they stand, and listed. Never fatal."""
     stage_records: list[StageRecord] = field(default_factory=list)
     """``stage-record`` entries in file order (:meth:`TranscriptWriter.append_stage_record`)."""
+    deferred_texts: int = 0
+    """Tool outputs left in the file (``load_transcript(defer_texts=...)``), each a
+    :class:`~pipeline.transcript.deferred.DeferredText` in its block."""
 
     def records_for(self, stage: str) -> list[Mapping[str, Any]]:
         """The data of every record stage ``stage`` wrote, in order."""
@@ -198,7 +202,7 @@ def _same_record(a: Message, b: Message) -> bool:
 def _written(m: Message) -> str:
     usage = m.usage.to_mapping() if m.usage is not None else None
     fields = [getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "usage"]
-    return json.dumps([fields, usage], ensure_ascii=True)
+    return json.dumps([fields, usage], ensure_ascii=True, default=read_deferred)
 
 
 def _parse_message(raw: Mapping[str, Any]) -> Message:
@@ -311,7 +315,11 @@ def _check_depth(raw: Any, line: str) -> None:
 
 
 def load_transcript(
-    path: str | os.PathLike[str], *, strict: bool = True, recorded_wire: bool = True
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    recorded_wire: bool = True,
+    defer_texts: int | None = None,
 ) -> Transcript:
     """Read a Claude Code session JSONL file.
 
@@ -324,8 +332,24 @@ def load_transcript(
     not render to what the call recorded sending (its ``api-request`` chain and
     ``api-request-blob`` records) is replaced by the recorded messages, so that
     :func:`~pipeline.wire.form.to_api` rebuilds exactly what was sent (``Transcript.wire_check``).
+
+    ``defer_texts``: every tool_result text output of at least this many characters is left
+    in the file, its block holding a :class:`~pipeline.transcript.deferred.DeferredText`
+    instead (for a replay that reads each while a request can carry it:
+    :mod:`pipeline.transcript.deferred`). Not with recorded requests, which are checked
+    against the records' text: those are read whole.
     """
     p = Path(path)
+    if defer_texts is not None:
+        deferral = Deferral(p, defer_texts)
+        with p.open("rb") as raw:
+            return load_transcript_lines(
+                deferral.lines(raw),
+                p,
+                strict=strict,
+                recorded_wire=recorded_wire,
+                _deferral=deferral,
+            )
     # JSONL lines end at "\n" only: a bare "\r" is JSON whitespace inside a record
     with p.open("r", encoding="utf-8", errors="surrogateescape", newline="\n") as fh:
         return load_transcript_lines(fh, p, strict=strict, recorded_wire=recorded_wire)
@@ -344,6 +368,7 @@ def load_transcript_lines(
     *,
     strict: bool = True,
     recorded_wire: bool = True,
+    _deferral: Deferral | None = None,
 ) -> Transcript:
     """:func:`load_transcript` on lines already read: ``lines`` as iterating a file opened
     with ``newline="\n"`` yields them (see :func:`jsonl_lines`); ``name`` is what
@@ -418,6 +443,8 @@ def load_transcript_lines(
                 parent = raw.get("parentUuid")
                 if isinstance(parent, str) and parent not in seen:
                     ahead.append((lineno, parent))
+                if _deferral is not None and msg.type == "user":
+                    _deferral.defer_outputs(msg.content)
                 (side if msg.is_sidechain else main).append(msg)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             reason = f"malformed record: {bounded_text(str(exc), _MAX_REASON)}"
@@ -445,6 +472,13 @@ def load_transcript_lines(
         parse_request(raw, shapes, at_side if on_side else at_main, lineno)
         for at_main, at_side, lineno, raw in requests
     ]
+    if _deferral is not None and _deferral.count:
+        if recorded_wire and (blobs or result.requests):  # compared as text: read them back
+            for m in (*main, *side):
+                for b in deferred_in(m.content):
+                    fill(b)
+        else:
+            result.deferred_texts = _deferral.count
     if recorded_wire and (blobs or result.requests):
         result.messages, result.requests, result.wire_check = apply_recorded_wire(
             result.messages,

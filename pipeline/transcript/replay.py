@@ -18,6 +18,7 @@ one, so the estimators are still measured on every call whose pass removed nothi
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from pipeline.messages import Message, Usage, holds_compaction
 from pipeline.spans import content_safe_span
 from pipeline.tokens import Observation, TokenTracker
 from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute
+from pipeline.transcript.deferred import DeferredText, defer, deferred_in, fill
 from pipeline.transcript.recorded import RecordedRequest
 from pipeline.wire.cache import WireCache, request_chars
 from pipeline.wire.pairing import PairingProblem
@@ -157,6 +159,7 @@ async def replay_messages(
     *,
     requests: Sequence[RecordedRequest] = (),
     shared: bool = False,
+    release: bool = False,
 ) -> AsyncIterator[CallResult]:
     """Yield, call by call, what ``pipeline`` would have sent for the recorded session.
 
@@ -173,15 +176,34 @@ async def replay_messages(
     brings up to date for the next call (valid until the loop asks for the next result), not
     a new list per call; the CLI reads each call before the next. A long session's replay then
     costs what changed per call, not a list of its whole history.
+
+    Tool outputs a loader left in the file (``load_transcript(defer_texts=...)``) are read
+    into their blocks as the replay reaches their records. ``release=True`` (with
+    ``shared=True``) puts each back in the file once no later request can carry it: the
+    request that first had it previewed (the budget's decision is frozen), or the first
+    request that no longer carries it (cleared, snipped, summarised: those stages never give
+    back what they took). The replay then holds the outputs its requests carry, not every
+    output of the session; the records' blocks change in place, and a list of ``messages``
+    gets the responses with their replayed usage: the messages are the replay's until it
+    ends (a second copy of each response would cost what the outputs saved).
     """
+    if release and not shared:
+        raise ValueError("release=True needs shared=True: each request read before the next")
     reference = TokenTracker("reference")
-    history = list(messages)  # responses get their replayed usage here, never in ``messages``
+    # responses get their replayed usage here, never in ``messages`` unless they are the
+    # replay's
+    history = messages if release and isinstance(messages, list) else list(messages)
     calls = find_calls(messages)
-    fragments: dict[str, list[int]] = {}
+    fragments: dict[str, int | list[int]] = {}
+    """Where each response's records with usage are: one index, as most are, or several."""
     for i, m in enumerate(messages):
         if m.type == "assistant" and m.message_id is not None and m.usage is not None:
-            fragments.setdefault(m.message_id, []).append(i)
-    wire = WireCache()
+            at = fragments.setdefault(m.message_id, i)
+            if at != i:
+                fragments[m.message_id] = [*at, i] if isinstance(at, list) else [at, i]
+    wire = WireCache(track_dropped=release)
+    live: dict[int, tuple[dict[str, Any], DeferredText]] = {}
+    """Outputs read back from the file and not yet put back, by their block's id."""
     anchored = 0  # removed tokens already taken off the usage the pipeline anchors on
     # One list grown call by call, as a live loop grows its history: a fresh slice per call
     # would copy the whole history every call.
@@ -197,7 +219,11 @@ async def replay_messages(
             yielded = time.monotonic()
         if call.index < len(sent):
             del sent[call.index :]
-        sent.extend(history[len(sent) : call.index])
+        reached = history[len(sent) : call.index]
+        read = _read_back(reached)
+        if release:
+            live.update((id(b), (b, h)) for b, h in read)
+        sent.extend(reached)
         while k < len(recorded) and recorded[k].position <= call.index:
             k += 1  # the call's own request: the last one recorded before its response
         if k:
@@ -239,6 +265,8 @@ async def replay_messages(
             pairing_problems=wire.pairing.problems,
             request_tokens=ctx.token_tracker.request_tokens,
         )
+        if live:
+            _put_back(live, wire.dropped, report.persisted, read)
         if call.usage is not None:
             usage = less_usage(call.usage, removed) if removed else call.usage
             # as a live loop: the request as projected is what the usage is paired with; a
@@ -251,8 +279,9 @@ async def replay_messages(
                 )
                 for name, tracker in (("default", ctx.token_tracker), ("reference", reference))
             }
+            at = fragments.get(call.message_id, [])
             if removed:
-                for i in fragments.get(call.message_id, ()):
+                for i in (at,) if isinstance(at, int) else at:
                     m = history[i]
                     if m.usage is not None:
                         history[i] = replace(m, usage=less_usage(m.usage, removed))
@@ -260,3 +289,38 @@ async def replay_messages(
                             sent[i] = history[i]
             anchored = removed
         yield result
+
+
+def _read_back(records: Sequence[Message]) -> list[tuple[dict[str, Any], DeferredText]]:
+    """Read the deferred outputs of ``records`` into their blocks: (block, handle) each."""
+    read = []
+    for m in records:
+        if m.type == "user":
+            for b in deferred_in(m.content):
+                handle = fill(b)
+                assert handle is not None
+                read.append((b, handle))
+    return read
+
+
+def _put_back(
+    live: dict[int, tuple[dict[str, Any], DeferredText]],
+    dropped: Sequence[Any],
+    persisted: Sequence[PersistedResult],
+    read: Sequence[tuple[dict[str, Any], DeferredText]],
+) -> None:
+    """Put back the outputs no later request can carry: those ``dropped`` from the request,
+    and those of this call's records the budget ``persisted`` (sent as a preview from the
+    start; an id that two of them share is left alone)."""
+    for b in dropped:
+        entry = live.pop(id(b), None)
+        if entry is not None:
+            defer(*entry)
+    if persisted:
+        ids = Counter(h.tool_use_id for _, h in read)
+        for p in persisted:
+            if ids[p.tool_use_id] != 1:
+                continue
+            for b, h in read:
+                if h.tool_use_id == p.tool_use_id and live.pop(id(b), None) is not None:
+                    defer(b, h)

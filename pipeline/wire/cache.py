@@ -50,8 +50,12 @@ class WireCache:
     copies.)
     """
 
-    def __init__(self, *, editable: int = 2) -> None:
+    def __init__(self, *, editable: int = 2, track_dropped: bool = False) -> None:
         self.editable = editable
+        self.track_dropped = track_dropped
+        self.dropped: list[Any] = []
+        """With ``track_dropped``: the tool_result blocks the last request no longer carries
+        that the one before carried (a stage cleared or removed them), each as itself."""
         self._log = InputLog()
         self._shared: list[MessageParam] = []
         """The list ``to_api(shared=True)`` returns (its first ``_shared_plain`` are params)."""
@@ -85,6 +89,8 @@ class WireCache:
         """
         # by content list: a param is taken only where its list is the entry's own
         self._given = {id(p["content"]): p for p in given if _plain(p)}
+        if self.dropped:
+            self.dropped = []
         try:
             self._extend(messages)
         except BaseException:
@@ -178,8 +184,10 @@ class WireCache:
         # a change at the thread's first record (a summary, say) may move where it starts
         if self._fresh or restart or first <= self._start:
             self._fresh = False
+            before = self._params
             self._reset(thread_start(messages))
             self._feed(messages, self._start, 0)
+            self._note_dropped(before, self._params)
             return
         entries = len(self._wire.entries)
         rollback, r0 = self._rollback(first)
@@ -243,7 +251,9 @@ class WireCache:
             rebuilt[e] = part.entries[0]
         for e, entry in rebuilt.items():
             self._wire.entries[e] = entry
+            was = self._params[e]
             param = self._params[e] = self._param(entry)
+            self._note_dropped((was,), (param,))
             chars, marks = param_chars(param), param_breakpoints(param)
             self.chars += chars - self._chars[e]
             self.breakpoints += marks - self._breakpoints[e]
@@ -261,6 +271,14 @@ class WireCache:
         if theirs is not None and theirs["content"] is content and theirs["role"] == param["role"]:
             return cast("MessageParam", theirs)
         return param
+
+    def _note_dropped(self, old: Sequence[Any], new: Sequence[Any]) -> None:
+        """With ``track_dropped``: add the tool_result blocks of params ``old`` that the
+        params ``new`` replacing them do not hold to :attr:`dropped`."""
+        if not self.track_dropped or not old:
+            return
+        kept = {id(b) for p in new for b in _result_blocks(p)}
+        self.dropped += [b for p in old for b in _result_blocks(p) if id(b) not in kept]
 
     def _rollback(self, first: int) -> tuple[int, int]:
         """The first entry a record from ``first`` on went into, and the record to feed from:
@@ -295,6 +313,7 @@ class WireCache:
         keep = min(keep, low, before)
         fresh = [self._param(e) for e in wire.entries[keep:]]
         self._changed_from = min(self._changed_from, keep)
+        self._note_dropped(self._params[keep:], fresh)
         del self._params[keep:]
         self._params += fresh
         self.chars -= sum(self._chars[keep:])
@@ -308,6 +327,13 @@ class WireCache:
         self._breakpoints += marked
         self.breakpoints += sum(marked)
         self.pairing.update(self._params, keep)
+
+
+def _result_blocks(param: Any) -> list[Any]:
+    content = param["content"]
+    if type(content) is not list:
+        return []
+    return [b for b in content if type(b) is dict and b.get("type") == "tool_result"]
 
 
 def _plain(param: Any) -> bool:

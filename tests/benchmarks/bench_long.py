@@ -19,10 +19,12 @@ Not a test: it prints figures, each side by side with a baseline measured in the
    tokens (a clear, a snip) apart; against the same request built the plain way (``to_api`` +
    ``check_pairing`` over the whole request) at the end.
 3. ``memory``: peak RSS of ``python -m pipeline replay FILE --json`` on the 4,000-call session
-   above an idle CLI (a 1-call session), as a multiple of the transcript's size; whether any
-   tool-result text was copied (equal strings that are not the loaded objects) in any request;
-   and where the memory goes, traced (``traced_memory.py``: loading, the request, rewritten
-   records, the components' state), with what a 1.5x target would leave for that state.
+   above an idle CLI (a 1-call session), as a multiple of the transcript's size; what loading
+   alone takes, every output kept and with the long ones left in the file until the replay
+   reads them (as the command loads); whether any tool-result text was copied (equal strings
+   that are not the loaded objects) in any request; and where the memory goes, traced
+   (``traced_memory.py``, replayed as the command replays: loading, the request, rewritten
+   records, the components' state, the outputs read back).
 4. ``dumps``: ``--dump-requests`` on the 500-call session: the whole array re-serialised per
    call (as before) against fragments, against deltas; CPU and bytes written.
 """
@@ -59,6 +61,7 @@ from pipeline import (  # noqa: E402
 )
 from pipeline.kept_list import KeptList  # noqa: E402
 from pipeline.testing import MemoryStore, QuietLogger  # noqa: E402
+from pipeline.transcript.deferred import DEFER_AT  # noqa: E402
 from pipeline.transcript.replay import find_calls, replay_messages  # noqa: E402
 from pipeline.wire.cache import WireCache, request_chars  # noqa: E402
 from pipeline.wire.caching import place_cache_breakpoint  # noqa: E402
@@ -325,18 +328,21 @@ import pipeline.transcript.replay, pipeline.transcript.read as t
 page = os.sysconf("SC_PAGE_SIZE") // 1024
 with open("/proc/self/statm") as f:
     before = int(f.read().split()[1]) * page
-t.load_transcript(sys.argv[1])
+t.load_transcript(sys.argv[1], defer_texts=int(sys.argv[2]) or None)
 print(json.dumps({"before": before, "after": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
 
-def load_rss_child(path: Path) -> None:
+def load_rss_child(path: Path, defer: int) -> None:
     """Print what loading ``path`` adds to a fresh process (KiB): its resident size once the
     imports are done, and its peak after loading. A new interpreter for it: a process started
     by a large one inherits that one's peak (Linux keeps the high-water mark across exec), so
     only the resident size before loading is measured directly (Linux: ``/proc``)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _LOAD, str(path)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _LOAD, str(path), str(defer)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     print(proc.stdout.strip())
 
@@ -379,12 +385,16 @@ def bench_memory(calls: int) -> None:
         f"peak RSS {peak / 1024:.1f} MiB, idle CLI {base / 1024:.1f} MiB: the replay adds "
         f"{grown / 2**20:.1f} MiB = {grown / size:.2f}x the transcript ({size / 1e6:.1f} MB)"
     )
-    load = _run_child("_load_rss", str(path))
+    load = _run_child("_load_rss", str(path), "0")
+    whole = (load["after"] - load["before"]) * 1024
+    load = _run_child("_load_rss", str(path), str(DEFER_AT))
     loaded = (load["after"] - load["before"]) * 1024
     print(
-        f"of which loading the transcript alone (parsed records, every text kept): "
-        f"{loaded / 2**20:.1f} MiB = {loaded / size:.2f}x; the replay's own state (stage "
-        f"caches, token estimates, the request cache) the rest: {(grown - loaded) / size:.2f}x"
+        f"loading the transcript alone, every output kept: {whole / 2**20:.1f} MiB = "
+        f"{whole / size:.2f}x; as the command loads it (outputs of {DEFER_AT:,} characters "
+        f"and more left in the file): {loaded / 2**20:.1f} MiB = {loaded / size:.2f}x; the "
+        f"replay (stage caches, token estimates, the request cache, the outputs read back) "
+        f"the rest: {(grown - loaded) / size:.2f}x"
     )
     copies, sent = anyio.run(_copied_texts, path)
     print(f"tool-result texts sent: {sent:,}; sent as copies of the loaded strings: {copies}")
@@ -401,6 +411,7 @@ def bench_memory(calls: int) -> None:
         "rewritten": "records the stages rewrote",
         "state": "the components' state",
         "replay": "the replay's bookkeeping",
+        "read back": "outputs read back",
         "other": "other",
     }
     print(
@@ -462,7 +473,7 @@ def bench_dumps(calls: int) -> None:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_load_rss":
-        load_rss_child(Path(sys.argv[2]))
+        load_rss_child(Path(sys.argv[2]), int(sys.argv[3]))
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_replay":
         replay_child(Path(sys.argv[2]), sys.argv[3])

@@ -7,7 +7,10 @@ of what the replay added since, by the module that asked for each allocation: ``
 request cache's params and pairing index: what the call sends), ``rewritten`` (records the
 stages send rewritten: cleared results, previews), ``state`` (the incremental components: the
 stages' caches and watches, the token estimators, the ledger) and ``replay`` (the replay's own
-bookkeeping: its history, its calls, responses with lowered usage). An allocation is charged to
+bookkeeping: its history, its calls, responses with lowered usage) and ``read back`` (outputs
+left in the file at loading, read while a request can carry them). Replayed as the ``replay``
+command replays (long outputs deferred, put back once no request carries them). An
+allocation is charged to
 the innermost frame in one of those modules, past the helpers every one of them uses (records,
 kept lists, dataclasses). Also ``records``: how many the transcript holds. Not a test;
 ``bench_long.py`` runs it in a child process.
@@ -30,6 +33,7 @@ import anyio  # noqa: E402
 
 from pipeline import Pipeline, SessionContext, ToolPolicies, load_transcript  # noqa: E402
 from pipeline.testing import QuietLogger  # noqa: E402
+from pipeline.transcript.deferred import DEFER_AT  # noqa: E402
 from pipeline.transcript.replay import find_calls, replay_messages  # noqa: E402
 from stages import default_stages  # noqa: E402
 
@@ -42,6 +46,8 @@ _OWNERS = (
     ("stages/_shared/results.py", "rewritten"),
     ("pipeline/gate.py", "rewritten"),
     ("pipeline/transcript/replay.py", "replay"),
+    ("pipeline/transcript/deferred.py", "read back"),
+    ("json/decoder.py", "read back"),  # only the outputs read back parse JSON after loading
     ("stages/", "state"),
     ("pipeline/", "state"),
 )
@@ -60,7 +66,7 @@ def _owner(traceback: tracemalloc.Traceback) -> str:
 
 async def _replay(path: Path, root: str) -> dict[str, int]:
     tracemalloc.start(3)  # deep enough to pass the helpers; deeper costs minutes
-    transcript = load_transcript(path)
+    transcript = load_transcript(path, defer_texts=DEFER_AT)  # as the replay command
     gc.collect()
     loaded = tracemalloc.take_snapshot()
     at = max(1, len(find_calls(transcript.messages)) - 10)
@@ -70,7 +76,7 @@ async def _replay(path: Path, root: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     n = 0
     async for _ in replay_messages(
-        transcript.messages, Pipeline(default_stages()), ctx, shared=True
+        transcript.messages, Pipeline(default_stages()), ctx, shared=True, release=True
     ):
         n += 1
         if n == at:  # the request of this call still held, as a caller holds it
