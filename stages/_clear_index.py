@@ -86,7 +86,7 @@ class ClearIndex:
             # counted while ``gains`` still holds its results' prices, which the index then
             # keeps as gains (a settled block is not scanned again: its price is let go)
             tokens = _rough_or_unknown(messages[i], gains) if price else -1
-            for j, b in tool_results(messages[i]):
+            for _, b in tool_results(messages[i]):
                 tid = b.get("tool_use_id")
                 if not isinstance(tid, str):
                     continue
@@ -97,7 +97,7 @@ class ClearIndex:
                 if r is None:
                     r = results[tid] = ClearableResult(tid, first_position=self.count)
                     self.cleared_count += tid in cleared
-                r.positions.append((i, j))
+                r.positions += (i,)
                 r.last_position = self.count
                 by_last.pop(tid, None)
                 by_last[tid] = None
@@ -206,7 +206,7 @@ class ClearView:
             return settled or late
         return replace(
             settled,
-            positions=[*settled.positions, *late.positions],
+            positions=settled.positions + late.positions,
             last_position=late.last_position,
             protected=settled.protected or late.protected,
             tokens_before_anchor=settled.tokens_before_anchor + late.tokens_before_anchor,

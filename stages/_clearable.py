@@ -7,7 +7,7 @@ output); this module is that read.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -112,8 +112,9 @@ class ClearableResult:
     first_position: int = 0
     """The position (among tool_results with an id, from the thread start) of its first
     occurrence."""
-    positions: list[tuple[int, int]] = field(default_factory=list)
-    """(message index, block index) of each occurrence, in order."""
+    positions: tuple[int, ...] = ()
+    """The message index of each occurrence, in order (a tuple: most results occur once, and
+    a long session holds thousands)."""
     last_position: int = -1
     protected: bool = False
     """In the newest turn, or with content microcompact never touches."""
@@ -229,7 +230,7 @@ def scan_clearable(
     results: dict[str, ClearableResult] = {}
     newest: set[str] = set()
     for i in range(start, len(messages)):
-        for j, b in tool_results(messages[i]):
+        for _, b in tool_results(messages[i]):
             tid = b.get("tool_use_id")
             if not isinstance(tid, str):
                 continue
@@ -244,7 +245,7 @@ def scan_clearable(
             r = results.get(tid)
             if r is None:
                 r = results[tid] = ClearableResult(tid, first_position=position)
-            r.positions.append((i, j))
+            r.positions += (i,)
             r.last_position = position
             if in_newest_turn or is_protected_content(b.get("content")):
                 r.protected = True

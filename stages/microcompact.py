@@ -318,7 +318,7 @@ class Microcompact:
             if r.tool_use_id not in newest
             and not r.protected
             and r.reclaim > 0
-            and all(at >= live for at, _ in r.positions)
+            and all(at >= live for at in r.positions)
         ]
         reclaimable = sum(r.reclaim for r in eligible)
         facts[ATTR.KEPT] = found.kept(state.cleared)
@@ -351,7 +351,7 @@ class Microcompact:
         state.index.note_cleared(new)
         if anchor_id is not None:
             state.since.setdefault(anchor_id, []).extend(new)
-        at = sorted({i for r in eligible for i, _ in r.positions})
+        at = sorted({i for r in eligible for i in r.positions})
         if current is not p.messages:  # its own list, kept from the last pass: patched in place
             out, changed = current, patch_results(current, clears(new), at)
         else:
