@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -47,18 +47,16 @@ import anyio
 import anyio.to_thread
 
 from pipeline.dropin.adapter import WireSession
+from pipeline.dropin.branching import decided_elsewhere, inherited_by
 from pipeline.dropin.families import Branch, Family, NewBranch, named, new_to
 from pipeline.dropin.families import plan as place
 from pipeline.dropin.family_loading import load_family, records_of
 from pipeline.dropin.held_families import MAX_BRANCHES, MAX_HELD, MAX_HELD_BYTES, HeldFamilies
 from pipeline.dropin.naming import SESSION_HEADER, conversation_hint, family_name
-from pipeline.dropin.session_log import decisions
 from pipeline.dropin.store_news import StoreNews
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
-from pipeline.messages import Message
-from pipeline.replacement import ReplacementRecord, ReplacementState
-from pipeline.results.reading import read_results
+from pipeline.replacement import ReplacementRecord
 from pipeline.store.sessions import SessionStates, SessionStorage
 from pipeline.transcript import Transcript
 from pipeline.wire.digests import OpeningMemo, chain_of, opening_digest
@@ -358,26 +356,8 @@ class Conversations(StoreNews):
     def _decided_elsewhere(
         self, held: weakref.ref[Family], name: str | None, keys: Collection[str]
     ) -> tuple[list[ReplacementRecord], set[str]]:
-        """How the family's other conversations decided the results ``keys`` (none once the
-        family was let go). Each lookup is one step whatever another thread does
-        (:meth:`WireSession.decisions_on`), so no lock of theirs is taken: one of them may be
-        in a pass that asks the same of this one."""
-        family = held()
-        if family is None:
-            return [], set()
-        with self._lock:
-            others = [b for b in family.recent if b.name != name]
-        records: list[ReplacementRecord] = []
-        seen: set[str] = set()
-        missing = set(keys)
-        for other in others:
-            if not missing:
-                break
-            found, whole = other.session.decisions_on(missing)
-            records += found
-            seen |= whole
-            missing -= {r.key for r in found} | whole
-        return records, seen
+        """:func:`~pipeline.dropin.branching.decided_elsewhere` under this index's lock."""
+        return decided_elsewhere(self._lock, held, name, keys)
 
     def _place(
         self,
@@ -476,27 +456,12 @@ class Conversations(StoreNews):
         # a family's conversations share their results: each under its content's name
         storage = family.states.open(family.name, branch=plan.name, content_named=True)
         inherited = None
-        parent = plan.parent
-        if parent is not None:
-            keys = _result_keys(messages)
-            if sync:
-                with parent.session.sync_lock:
-                    inherited = parent.session.inherit(plan.at, keys)
-            else:
-                inherited = parent.session.inherit(plan.at, keys)
-            # a result the parent never decided may have been decided by another conversation
-            # of the family -- this client's own, whose last request no record placed (its
-            # response was lost, then the process): bound to their output, those decisions are
-            # what this output was sent as
-            missing = keys - inherited.decided_keys()
-            if missing:
-                inherited.adopt(*self._decided_elsewhere(weakref.ref(family), parent.name, missing))
-            missing = keys - inherited.decided_keys()
-            if missing and via is not None:  # the one not held it goes its own way from
-                inherited.adopt(*decisions(via, ReplacementState(), missing))
-            inherited.chain = list(plan.chain)  # its first request, as this one sent it
+        if plan.parent is not None:
+            inherited = inherited_by(family, plan, messages, sync, via, self._decided_elsewhere)
             get_logger(session_id=named(family.name, plan.name)).info(
-                "wire_session.forked", parent=parent.conversation_id, shared_messages=plan.at
+                "wire_session.forked",
+                parent=plan.parent.conversation_id,
+                shared_messages=plan.at,
             )
 
         def make() -> WireSession:
@@ -506,18 +471,3 @@ class Conversations(StoreNews):
             return session
 
         return Branch(family, plan.name, build(make))
-
-
-def _result_keys(messages: Sequence[Any]) -> set[str]:
-    """The ledger keys of the tool results a request holds (what a branch inherits decisions
-    on): the other conversation's decisions on anything else stay with it."""
-    keys: set[str] = set()
-    for param in messages:
-        if not (isinstance(param, Mapping) and param.get("role") == "user"):
-            continue
-        try:
-            record = Message.from_param(param)
-            keys.update(slot.key for slot in read_results(record) if slot.key is not None)
-        except ValueError:  # a message the pass will refuse: it inherits nothing
-            continue
-    return keys

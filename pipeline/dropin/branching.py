@@ -1,0 +1,98 @@
+"""What a new conversation of a family starts from: the decisions of the one it goes its own way
+from, completed by those of the family's others (:func:`inherited_by`)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from pipeline.dropin.families import Family, NewBranch
+from pipeline.dropin.inheritance import Inherited
+from pipeline.dropin.session_log import decisions
+from pipeline.messages import Message
+from pipeline.replacement import ReplacementRecord, ReplacementState
+from pipeline.results.reading import read_results
+from pipeline.transcript import Transcript
+
+__all__ = ["Elsewhere", "decided_elsewhere", "inherited_by", "result_keys"]
+
+Elsewhere = Callable[
+    [weakref.ref[Family], str | None, Collection[str]], tuple[list[ReplacementRecord], set[str]]
+]
+"""How a family's conversations other than the one named decided results (their keys)."""
+
+
+def decided_elsewhere(
+    lock: threading.Lock, held: weakref.ref[Family], name: str | None, keys: Collection[str]
+) -> tuple[list[ReplacementRecord], set[str]]:
+    """How the family's conversations other than ``name`` decided the results ``keys`` (none
+    once the family was let go); ``lock`` guards the family's list. Each lookup is one step
+    whatever another thread does (:meth:`WireSession.decisions_on`), so no lock of theirs is
+    taken: one of them may be in a pass that asks the same of this one."""
+    family = held()
+    if family is None:
+        return [], set()
+    with lock:
+        others = [b for b in family.recent if b.name != name]
+    records: list[ReplacementRecord] = []
+    seen: set[str] = set()
+    missing = set(keys)
+    for other in others:
+        if not missing:
+            break
+        found, whole = other.session.decisions_on(missing)
+        records += found
+        seen |= whole
+        missing -= {r.key for r in found} | whole
+    return records, seen
+
+
+def inherited_by(
+    family: Family,
+    plan: NewBranch,
+    messages: Sequence[Any],
+    sync: bool,
+    via: Transcript | None,
+    elsewhere: Elsewhere,
+) -> Inherited:
+    """What the conversation ``plan`` makes in ``family`` starts from: its parent's decisions
+    on the results its first request holds (``sync``: taken under the parent's lock for
+    synchronous callers), then the family's others' (``elsewhere``) and those of ``via`` (the
+    records of the one not held it goes its own way from) on any its parent never decided."""
+    parent = plan.parent
+    assert parent is not None
+    keys = result_keys(messages)
+    if sync:
+        with parent.session.sync_lock:
+            inherited = parent.session.inherit(plan.at, keys)
+    else:
+        inherited = parent.session.inherit(plan.at, keys)
+    # a result the parent never decided may have been decided by another conversation of the
+    # family -- this client's own, whose last request no record placed (its response was
+    # lost, then the process): bound to their output, those decisions are what this output
+    # was sent as
+    missing = keys - inherited.decided_keys()
+    if missing:
+        inherited.adopt(*elsewhere(weakref.ref(family), parent.name, missing))
+    missing = keys - inherited.decided_keys()
+    if missing and via is not None:  # the one not held it goes its own way from
+        inherited.adopt(*decisions(via, ReplacementState(), missing))
+    inherited.chain = list(plan.chain)  # its first request, as this one sent it
+    return inherited
+
+
+def result_keys(messages: Sequence[Any]) -> set[str]:
+    """The ledger keys of the tool results a request holds (what a branch inherits decisions
+    on): the other conversation's decisions on anything else stay with it."""
+    keys: set[str] = set()
+    for param in messages:
+        if not (isinstance(param, Mapping) and param.get("role") == "user"):
+            continue
+        try:
+            record = Message.from_param(param)
+            keys.update(slot.key for slot in read_results(record) if slot.key is not None)
+        except ValueError:  # a message the pass will refuse: it inherits nothing
+            continue
+    return keys
