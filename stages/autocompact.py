@@ -182,6 +182,13 @@ class Autocompact:
         warning = max(0, compact - WARNING_BUFFER)
         self.thresholds = Thresholds(effective, compact, warning, effective - BLOCKING_BUFFER)
 
+    @property
+    def rereads_outputs(self) -> bool:
+        """Whether a later pass may read a tool output this stage has already met again
+        (:func:`~pipeline.transcript.replay.rereading_stages`): a summariser may be given what it
+        summarised before."""
+        return self.summarizer is not None
+
     def __repr__(self) -> str:
         return f"Autocompact(summarizer={self.summarizer!r}, thresholds={self.thresholds})"
 

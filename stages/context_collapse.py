@@ -194,6 +194,13 @@ class ContextCollapse:
         )
 
     @property
+    def rereads_outputs(self) -> bool:
+        """Whether a later pass may read a tool output this stage has already met again
+        (:func:`~pipeline.transcript.replay.rereading_stages`): a summariser may be given what it
+        summarised before; a rescan reads everything."""
+        return self.summarizer is not None or not self.incremental
+
+    @property
     def commit_tokens(self) -> int:
         """Commit a new collapse when the estimate reaches this many tokens."""
         return int(self.context_window * self.commit_fraction)

@@ -175,6 +175,13 @@ class HistorySnip:
         )
 
     @property
+    def rereads_outputs(self) -> bool:
+        """Whether a later pass may read a tool output this stage has already met again
+        (:func:`~pipeline.transcript.replay.rereading_stages`): only when it rescans every pass
+        (``incremental=False``)."""
+        return not self.incremental
+
+    @property
     def trigger_tokens(self) -> int:
         """Snip when the estimate reaches this many tokens."""
         return int(self.context_window * self.trigger_fraction)

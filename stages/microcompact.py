@@ -159,6 +159,14 @@ class Microcompact:
         """Wall-clock time, read only when no record after the last response has a timestamp
         (tests pass a fixed one)."""
 
+    @property
+    def rereads_outputs(self) -> bool:
+        """Whether a later pass may read a tool output this stage has already met again
+        (:func:`~pipeline.transcript.replay.rereading_stages`): only when it rescans every pass
+        (``incremental=False``); an output it cleared is re-applied from its own state (a result
+        with a harness tail is never let go: the tail is read again)."""
+        return not self.incremental
+
     def __repr__(self) -> str:
         return (
             f"Microcompact(keep={self.keep}, idle_minutes={self.idle_minutes:g}, "

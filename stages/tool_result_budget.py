@@ -95,6 +95,14 @@ class ToolResultBudget:
         # whole history): for measuring the cache, or to rule it out when chasing a problem.
         self.incremental = check_bool("incremental", incremental)
 
+    @property
+    def rereads_outputs(self) -> bool:
+        """Whether a later pass may read a tool output this stage has already met again
+        (:func:`~pipeline.transcript.replay.rereading_stages`): only when it rescans every pass
+        (``incremental=False``); its cache keeps each result's size and key, and lets go of a
+        decided output."""
+        return not self.incremental
+
     def __repr__(self) -> str:
         off = "" if self.incremental else ", incremental=False"
         return f"ToolResultBudget(limit={self.limit!r}{off})"

@@ -269,9 +269,8 @@ with ScriptedMessagesServer(reply) as server:
 def test_a_program_that_exits_leaves_what_its_calibration_learned(
     tmp_path: Path, call: str
 ) -> None:
-    """``wrap`` writes each call's calibration off the caller's thread, and what waits is
-    written when the interpreter exits: the program run again estimates -- and its stages
-    that decide on estimates decide -- as it would have."""
+    """``wrap`` writes each call's calibration before the call returns: the program run again
+    estimates -- and its stages that decide on estimates decide -- as it would have."""
     import subprocess
     import sys
 
@@ -332,19 +331,33 @@ def test_rewriting_in_place_pads_a_longer_state_and_cuts_a_much_longer_one(
     assert path.read_bytes() == b'{"a":3}'
 
 
-def test_rewriting_over_what_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+def test_what_is_planted_in_place_of_the_file_is_replaced_never_written_through(
+    tmp_path: Path,
+) -> None:
+    """A link, a FIFO or a hard link where the calibration belongs is replaced by a file of
+    its own (as an atomic write replaces it), never written through nor kept failing."""
+    from pipeline.dropin.calibration import CalibrationSaves
     from pipeline.tokens.state_file import rewrite_state
 
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    link = tmp_path / "link"
-    link.symlink_to(tmp_path / "elsewhere.json")
-    (tmp_path / "elsewhere.json").write_text("{}")
-    with structlog.testing.capture_logs() as logs:
-        assert rewrite_state(fifo, {"a": 1}) is False  # never blocks on a reader
-        assert rewrite_state(link, {"a": 1}) is False  # never through a link
-    assert (tmp_path / "elsewhere.json").read_text() == "{}"
-    assert [e["event"] for e in logs] == ["token_calibration.save_failed"] * 2
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("not yours")
+    tracker = _trained()
+    for plant in ("symlink", "fifo", "hardlink"):
+        path = tmp_path / plant / "token-calibration.json"
+        path.parent.mkdir()
+        if plant == "symlink":
+            path.symlink_to(elsewhere)
+        elif plant == "fifo":
+            os.mkfifo(path)
+        else:
+            os.link(elsewhere, path)
+        assert rewrite_state(path, {"a": 1}) is None, plant
+        saves = CalibrationSaves(path, tracker.state_dict)
+        saves.learned()
+        saves.rewrite()
+        assert path.is_file() and not path.is_symlink(), plant
+        assert json.loads(path.read_bytes()) == tracker.state_dict(), plant
+        assert elsewhere.read_text() == "not yours", plant
 
 
 def test_a_calibration_is_written_before_the_call_returns(tmp_path: Path) -> None:

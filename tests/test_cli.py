@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -514,7 +515,7 @@ def test_corpus_replay_of_a_small_session(tmp_path: Path) -> None:
 def test_estimate_error_statistics() -> None:
     s = ReplaySummary("s", Path("."), 1, 1)
     # relative errors: -0.5, -0.2, -0.05, 0.0, +0.1 ... +0.9 (10 values)
-    s.relative_errors = [-0.5, -0.2, -0.05, 0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9]
+    s.relative_errors = array("d", [-0.5, -0.2, -0.05, 0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9])
     assert s.median_abs_error == pytest.approx((0.3 + 0.5) / 2)
     assert s.p95_abs_error == pytest.approx(0.9)  # nearest rank: ceil(9.5) = 10th of 10
     assert s.undercount_share == pytest.approx(0.2)  # -0.5 and -0.2; -0.05 is within 10%

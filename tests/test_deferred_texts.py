@@ -227,3 +227,78 @@ def test_the_replay_command_names_a_transcript_changed_under_it(tmp_path: Path) 
     with pytest.raises(CliError, match="changed after it was loaded") as raised:
         run_replay(t, ReplayOptions(json=True, progress=False), None, store)
     assert raised.value.code == EXIT_FAILED
+
+
+def _write(path: Path, records: list[Message]) -> Path:
+    TranscriptWriter(path, "s").append_messages(records)
+    return path
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        tool_result("t1", [{"type": "text", "text": "B" * 300_000}]),  # a list: persisted
+        tool_result("t1", "C" * 300_000),  # a string: persisted and deferred too
+    ],
+)
+def test_an_output_whose_id_comes_twice_is_never_put_back(tmp_path: Path, second: Any) -> None:
+    """A stage that clears or previews by id may give an output back when its id comes
+    again: those stay read."""
+    path = _write(
+        tmp_path / "s.jsonl",
+        [
+            user_text("go"),
+            assistant("m1", tool_use("t1"), usage=Usage(input_tokens=10)),
+            results(tool_result("t1", "A" * 5000)),
+            results(second),
+            assistant("m2", tool_use("t2"), usage=Usage(input_tokens=2000)),
+            results(tool_result("t2", "ok")),
+            assistant("m3", {"type": "text", "text": "done"}, usage=Usage(input_tokens=2100)),
+        ],
+    )
+    plain, _ = _replayed(path, defer=False, every=1)
+    deferred, t = _replayed(path, defer=True, every=1)
+    assert deferred == plain
+    assert not [b for m in t.messages for b in deferred_in(m.content)]
+
+
+def test_an_output_with_harness_text_is_never_put_back(tmp_path: Path) -> None:
+    """Harness text after an output is read from the output again when a stage re-applies a
+    clear: an output that carries some stays read."""
+    tail = "\n\n<system-reminder>remember</system-reminder>"
+    path = _write(
+        tmp_path / "s.jsonl",
+        [
+            user_text("go"),
+            assistant("m1", tool_use("t1"), usage=Usage(input_tokens=10)),
+            results(tool_result("t1", "A" * 60_000 + tail)),  # persisted: previewed
+            assistant("m2", {"type": "text", "text": "done"}, usage=Usage(input_tokens=2000)),
+        ],
+    )
+    plain, _ = _replayed(path, defer=False, every=1)
+    deferred, t = _replayed(path, defer=True, every=1)
+    assert deferred == plain
+    assert not [b for m in t.messages for b in deferred_in(m.content)]
+
+
+def test_a_pipeline_that_may_read_an_output_again_puts_none_back(tmp_path: Path) -> None:
+    from pipeline._cli.common import ReplayOptions
+    from pipeline._cli.replay_cmd import deferred_from
+    from pipeline.transcript.replay import rereading_stages
+    from stages import ToolResultBudget
+
+    assert rereading_stages(Pipeline(default_stages())) == []
+    assert deferred_from(ReplayOptions()) == 1024
+    rescanning = ReplayOptions(stage_specs=("microcompact=clear-every-turn",))
+    assert deferred_from(rescanning) is None
+    assert rereading_stages(rescanning.pipeline()) == ["microcompact"]
+    pipe = Pipeline([ToolResultBudget(incremental=False)])
+    t = load_transcript(_session(tmp_path / "s.jsonl"), defer_texts=1024)
+    ctx = SessionContext("s", tmp_path, store=MemoryStore(), logger=QuietLogger(keep=False))
+
+    async def go() -> None:
+        async for _ in replay_messages(t.messages, pipe, ctx, shared=True, release=True):
+            pass
+
+    with pytest.raises(ValueError, match="tool_result_budget may read an output again"):
+        anyio.run(go)

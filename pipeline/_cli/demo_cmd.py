@@ -25,9 +25,8 @@ from pipeline._cli.common import (
     writable_file,
 )
 from pipeline._cli.dumps import is_dump_name
-from pipeline._cli.replay_cmd import Run, run_replay
+from pipeline._cli.replay_cmd import Run, deferred_from, run_replay
 from pipeline._cli.safe_text import terminal_safe
-from pipeline.transcript.deferred import DEFER_AT
 from pipeline.transcript.read import TranscriptWriter
 from pipeline.transcript.replay import CallResult
 
@@ -78,7 +77,7 @@ def _demo_in(args: argparse.Namespace, options: ReplayOptions, store: StoreDir) 
             if not options.json:
                 shown = _transcript_note(path, store, args.out)
                 print(f"generated a Claude Code session (seed {args.seed}): {shown}")
-            transcript = load(path, lenient=False, defer_texts=DEFER_AT)
+            transcript = load(path, lenient=False, defer_texts=deferred_from(options))
             return run_replay(transcript, options, tracer, store)
         return run_live_demo(
             demo.generate_session(args.seed),

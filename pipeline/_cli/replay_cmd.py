@@ -51,7 +51,12 @@ from pipeline.store.records import RecordLog
 from pipeline.tracing import ATTR, SPAN_REPLAY
 from pipeline.transcript.deferred import DEFER_AT, TranscriptChanged
 from pipeline.transcript.read import Transcript
-from pipeline.transcript.replay import CallResult, find_calls, replay_messages
+from pipeline.transcript.replay import (
+    CallResult,
+    find_calls,
+    replay_messages,
+    rereading_stages,
+)
 from stages import registry as stage_registry
 from stages.autocompact import ContextWindowExceeded
 
@@ -198,6 +203,13 @@ class Run:
                 first()
             why = halted(exc) if isinstance(exc, PipelineHalt) else str(exc)
             raise CliError(f"{where}: call {self.summary.calls}: {why}", EXIT_FAILED) from None
+
+
+def deferred_from(options: ReplayOptions) -> int | None:
+    """From how many characters a replay with ``options`` leaves tool outputs in the file
+    until it reaches them (and puts them back once no request can carry them): None when a
+    stage of its pipeline may read an output again."""
+    return None if rereading_stages(options.pipeline()) else DEFER_AT
 
 
 def run_replay(
@@ -403,9 +415,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         options.pipeline()
 
     def go(tracer: trace.Tracer | None, _provider: TracerProvider | None) -> int:
-        # one replay reads each long output while its requests can carry it; a comparison
-        # runs several over the same records
-        defer = DEFER_AT if setup is None else None
+        defer = deferred_from(options) if setup is None else None  # (--compare: several)
         transcript = load(args.transcript, lenient=args.lenient, defer_texts=defer)
         # the loaded session lives until the end and never forms cycles to collect: keep the
         # collector from walking it again and again (an application's choice, not the library's)

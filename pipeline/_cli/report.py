@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -55,13 +56,15 @@ class ReplaySummary:
     calls_with_pairing_problems: int = 0
     """Requests the Messages API would reject for their tool pairing."""
     calls_with_actual_tokens: int = 0
-    relative_errors: list[float] = dataclasses.field(default_factory=list)
-    """(estimated − actual) / actual, for calls whose actual count is known and > 0."""
-    part_pairs: dict[str, list[tuple[int, int]]] = dataclasses.field(
-        default_factory=lambda: {name: [] for name in ESTIMATORS}
+    relative_errors: array[float] = dataclasses.field(default_factory=lambda: array("d"))
+    """(estimated − actual) / actual, for calls whose actual count is known and > 0 (an
+    array: a long session's replay has thousands)."""
+    part_pairs: dict[str, array[int]] = dataclasses.field(
+        default_factory=lambda: {name: array("q") for name in ESTIMATORS}
     )
-    """Per estimator: (estimated part, real growth since the anchor) of each call where the
-    growth is measurable (an anchor, no compaction since it, known usage)."""
+    """Per estimator: estimated part, then real growth since the anchor, of each call where
+    the growth is measurable (an anchor, no compaction since it, known usage), one after the
+    other."""
 
     request_tokens: int | None = None
     """Tokens of the system prompt and tools the last call's estimate counted (None: the
@@ -93,7 +96,9 @@ class ReplaySummary:
                 self.relative_errors.append((result.estimated_tokens - actual) / actual)
         for name, obs in result.observations.items():
             if obs.real_growth is not None:
-                self.part_pairs.setdefault(name, []).append((obs.estimated_part, obs.real_growth))
+                pairs = self.part_pairs.setdefault(name, array("q"))
+                pairs.append(obs.estimated_part)
+                pairs.append(obs.real_growth)
 
     def add_pairing(self, problems: int) -> None:
         """Count the pairing problems of the call just added."""
@@ -103,7 +108,8 @@ class ReplaySummary:
     def part_errors(self, estimator: str) -> ErrorStats:
         """Error of ``estimator``'s estimated part against the real growth since the anchor
         (relative figures on calls that grew by >= 2,000 tokens)."""
-        return ErrorStats.from_pairs(self.part_pairs.get(estimator, []))
+        flat = self.part_pairs.get(estimator, array("q"))
+        return ErrorStats.from_pairs(zip(flat[::2], flat[1::2], strict=True))
 
     @property
     def median_abs_error(self) -> float | None:

@@ -78,7 +78,7 @@ class CalibrationSaves:
             return
         with _REWRITING:
             done = rewrite_state(self.path, state)
-            if done is None:  # no file yet
+            if done is None:  # none of its own yet (or something planted there: replaced)
                 done = write_state(self.path, state, durable=False, parents=False)
         if not done:
             self._dirty = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -83,9 +84,11 @@ PAD_LIMIT = 64 * 1024
 
 
 def rewrite_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> bool | None:
-    """Write ``state`` over the file at ``path`` in place: no new directory entry, no fsync;
-    None when there is no such file (:func:`write_state` creates it), False, a warning logged,
-    when it cannot be written (not a regular file, a failed write).
+    """Write ``state`` over the file at ``path`` in place: no new directory entry, no fsync.
+    None when there is no file of its own there to write over -- none, or one that is not a
+    regular file with one name (a link or a FIFO planted there, a hard link): the caller
+    writes it anew with :func:`write_state`, which replaces what is there. False, a warning
+    logged, when the write fails.
 
     For a writer that must leave nothing behind once it returns (``wrap``'s caller: a program
     that removes its root right after a call). A longer old state is padded over with spaces
@@ -94,16 +97,19 @@ def rewrite_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> boo
     data = json.dumps(state, separators=(",", ":")).encode("utf-8")
     target = os.fspath(path)
     try:
+        # O_NOFOLLOW: a link is never written through; O_NONBLOCK: a FIFO never blocks
         fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link, a FIFO nobody reads
+            return None
         get_logger().warning("token_calibration.save_failed", path=target, error=str(exc))
         return False
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # O_NONBLOCK: a FIFO planted there never blocks
-            raise OSError("not a regular file")
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return None
         gap = st.st_size - len(data)
         if 0 < gap <= PAD_LIMIT:
             data += b" " * gap

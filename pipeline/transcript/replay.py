@@ -18,7 +18,6 @@ one, so the estimators are still measured on every call whose pass removed nothi
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -38,12 +37,21 @@ from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute
 from pipeline.transcript.deferred import DeferredText, defer, deferred_in, fill
 from pipeline.transcript.recorded import RecordedRequest
 from pipeline.wire.cache import WireCache, request_chars
+from pipeline.wire.harness import REMINDER_OPEN
 from pipeline.wire.pairing import PairingProblem
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
-__all__ = ["Call", "CallResult", "find_calls", "less_usage", "replay_messages", "request_chars"]
+__all__ = [
+    "Call",
+    "CallResult",
+    "find_calls",
+    "less_usage",
+    "replay_messages",
+    "request_chars",
+    "rereading_stages",
+]
 
 _YIELD_EVERY = 0.02  # seconds
 
@@ -181,19 +189,33 @@ async def replay_messages(
     into their blocks as the replay reaches their records. ``release=True`` (with
     ``shared=True``) puts each back in the file once no later request can carry it: the
     request that first had it previewed (the budget's decision is frozen), or the first
-    request that no longer carries it (cleared, snipped, summarised: those stages never give
-    back what they took). The replay then holds the outputs its requests carry, not every
-    output of the session; the records' blocks change in place, and a list of ``messages``
-    gets the responses with their replayed usage: the messages are the replay's until it
-    ends (a second copy of each response would cost what the outputs saved).
+    request that no longer carries it (cleared, snipped). That rests on every stage of
+    ``pipeline`` declaring that it never reads an output again once it has met it
+    (``rereads_outputs = False``: :func:`rereading_stages` names those that do not, and
+    ``ValueError`` refuses them); an output whose tool id occurs twice in the session, or
+    that carries harness text (a ``<system-reminder>``), is never put back. The replay then
+    holds the outputs its requests carry, not every output of the session; the records'
+    blocks change in place, and a list of ``messages`` gets the responses with their
+    replayed usage: the messages are the replay's until it ends (a second copy of each
+    response would cost what the outputs saved).
     """
     if release and not shared:
         raise ValueError("release=True needs shared=True: each request read before the next")
+    rereading = rereading_stages(pipeline) if release else []
+    if rereading:
+        raise ValueError(
+            f"release=True: stage(s) {', '.join(rereading)} may read an output again "
+            "(rereads_outputs is not False)"
+        )
+    kept_ids = _repeated_ids(messages) if release else set()
+    """Tool ids that occur twice: their outputs are never put back (a stage that clears by
+    id may give one back when the id comes again)."""
     reference = TokenTracker("reference")
     # responses get their replayed usage here, never in ``messages`` unless they are the
     # replay's
     history = messages if release and isinstance(messages, list) else list(messages)
     calls = find_calls(messages)
+    calls.reverse()  # taken from the end as they come: a call replayed is let go
     fragments: dict[str, int | list[int]] = {}
     """Where each response's records with usage are: one index, as most are, or several."""
     for i, m in enumerate(messages):
@@ -211,7 +233,8 @@ async def replay_messages(
     recorded = sorted(requests, key=lambda r: r.position)
     k = 0
     yielded = time.monotonic()
-    for call in calls:
+    while calls:
+        call = calls.pop()
         if time.monotonic() - yielded >= _YIELD_EVERY:
             # a pass takes no trip through the event loop: a long replay gives other tasks
             # (and the cancellation a Ctrl-C becomes) a turn now and then, not every call
@@ -222,7 +245,11 @@ async def replay_messages(
         reached = history[len(sent) : call.index]
         read = _read_back(reached)
         if release:
-            live.update((id(b), (b, h)) for b, h in read)
+            live.update(
+                (id(b), (b, h))
+                for b, h in read
+                if h.tool_use_id not in kept_ids and REMINDER_OPEN not in b["content"]
+            )
         sent.extend(reached)
         while k < len(recorded) and recorded[k].position <= call.index:
             k += 1  # the call's own request: the last one recorded before its response
@@ -311,16 +338,33 @@ def _put_back(
 ) -> None:
     """Put back the outputs no later request can carry: those ``dropped`` from the request,
     and those of this call's records the budget ``persisted`` (sent as a preview from the
-    start; an id that two of them share is left alone)."""
+    start)."""
     for b in dropped:
         entry = live.pop(id(b), None)
         if entry is not None:
             defer(*entry)
     if persisted:
-        ids = Counter(h.tool_use_id for _, h in read)
-        for p in persisted:
-            if ids[p.tool_use_id] != 1:
-                continue
-            for b, h in read:
-                if h.tool_use_id == p.tool_use_id and live.pop(id(b), None) is not None:
-                    defer(b, h)
+        previewed = {p.tool_use_id for p in persisted}
+        for b, h in read:
+            if h.tool_use_id in previewed and live.pop(id(b), None) is not None:
+                defer(b, h)
+
+
+def rereading_stages(pipeline: Pipeline) -> list[str]:
+    """The stages of ``pipeline`` that may read a tool output again on a later pass (their
+    ``rereads_outputs`` is not False): a replay cannot put outputs back under them."""
+    return [s.name for s in pipeline.stages if getattr(s, "rereads_outputs", True) is not False]
+
+
+def _repeated_ids(messages: Sequence[Message]) -> set[str]:
+    """The tool ids that more than one tool_result of ``messages`` answers."""
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for m in messages:
+        if m.type == "user":
+            for b in m.blocks:
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    tid = b.get("tool_use_id")
+                    if isinstance(tid, str):
+                        (repeated if tid in seen else seen).add(tid)
+    return repeated
