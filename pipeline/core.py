@@ -35,7 +35,10 @@ class Stage(Protocol):
     copy of the whole list per stage. :meth:`Pipeline.run` hands its caller a list of its own.
     A stage that sets ``readonly_input = True`` promises never to mutate its input list (the
     library's stages do); any other stage is given a copy, so that a stage that edits its
-    input in place cannot corrupt what an earlier stage keeps.
+    input in place cannot corrupt what an earlier stage keeps. A stage that sets
+    ``rereads_outputs = False`` promises that a later pass never reads a tool output it has
+    already met (a replay may then put outputs back in their file:
+    :func:`~pipeline.transcript.replay.rereading_stages`).
     """
 
     name: str
