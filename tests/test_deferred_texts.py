@@ -256,6 +256,10 @@ def test_an_output_whose_id_comes_twice_is_never_put_back(tmp_path: Path, second
             assistant("m3", {"type": "text", "text": "done"}, usage=Usage(input_tokens=2100)),
         ],
     )
+    _alike_and_every_output_read(path)
+
+
+def _alike_and_every_output_read(path: Path) -> None:
     plain, _ = _replayed(path, defer=False, every=1)
     deferred, t = _replayed(path, defer=True, every=1)
     assert deferred == plain
@@ -275,10 +279,7 @@ def test_an_output_with_harness_text_is_never_put_back(tmp_path: Path) -> None:
             assistant("m2", {"type": "text", "text": "done"}, usage=Usage(input_tokens=2000)),
         ],
     )
-    plain, _ = _replayed(path, defer=False, every=1)
-    deferred, t = _replayed(path, defer=True, every=1)
-    assert deferred == plain
-    assert not [b for m in t.messages for b in deferred_in(m.content)]
+    _alike_and_every_output_read(path)
 
 
 def test_a_pipeline_that_may_read_an_output_again_puts_none_back(tmp_path: Path) -> None:
