@@ -22,6 +22,7 @@ from pipeline.results.keys import (
 from pipeline.results.reading import candidate_size, content_is_empty
 from pipeline.store.files import ToolResultStore
 from pipeline.tracing import Decision, Reason
+from pipeline.wire.deferred import DeferredText
 
 __all__ = [
     "PREVIEW_SIZE_CHARS",
@@ -91,7 +92,7 @@ def empty_result_text(tool_name: str | None) -> str:
 
 def is_persistable(content: Any) -> bool:
     """A string, or a block list of text blocks only."""
-    if isinstance(content, str):
+    if isinstance(content, str) or type(content) is DeferredText:
         return True
     return isinstance(content, list) and all(
         isinstance(b, Mapping) and b.get("type") == "text" for b in content

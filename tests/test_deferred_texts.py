@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import string
 import tempfile
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +162,9 @@ def test_the_budget_keeps_no_output_it_decided(tmp_path: Path) -> None:
     assert len(candidates) == 2 and all(c.content is None for c in candidates)
 
 
-def _replayed(path: Path, *, defer: bool, every: int) -> tuple[list[Any], Any]:
+def _replayed(
+    path: Path, *, defer: bool, every: int, pipe: Pipeline | None = None
+) -> tuple[list[Any], Any]:
     """Per call: its chars, estimate and persisted ids, and every ``every``-th request whole
     (as a digest); and the transcript replayed."""
     t = load_transcript(path, strict=False, defer_texts=1024 if defer else None)
@@ -176,7 +181,7 @@ def _replayed(path: Path, *, defer: bool, every: int) -> tuple[list[Any], Any]:
         n = 0
         async for r in replay_messages(
             t.messages,
-            Pipeline(default_stages()),
+            pipe or Pipeline(default_stages()),
             ctx,
             requests=t.requests,
             shared=True,
@@ -303,3 +308,54 @@ def test_a_pipeline_that_may_read_an_output_again_puts_none_back(tmp_path: Path)
 
     with pytest.raises(ValueError, match="tool_result_budget may read an output again"):
         anyio.run(go)
+
+
+def _past_the_price_cache(path: Path, calls: int) -> Path:
+    """More records than the token estimator's price cache holds (4,096) before the calls,
+    then calls whose long outputs microcompact clears and history snip prices again."""
+    rng = random.Random(1)
+    clock = [datetime(2026, 11, 30, 9, 0, tzinfo=UTC)]
+
+    def stamp() -> str:
+        clock[0] += timedelta(seconds=2)
+        return clock[0].isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+    records = [Message.user("Start.", timestamp=stamp())]
+    records += [Message.user(f"note {k}", timestamp=stamp()) for k in range(4_200)]
+    for i in range(calls):
+        tid = f"toolu_{i:04d}"
+        use = {"type": "tool_use", "id": tid, "name": "Notes" if i % 2 else "Bash", "input": {}}
+        usage = Usage(
+            input_tokens=3,
+            cache_creation_input_tokens=100,
+            cache_read_input_tokens=1_000 + 2_000 * i,
+            output_tokens=20,
+        )
+        records.append(
+            Message.assistant([use], message_id=f"msg_{i:04d}", usage=usage, timestamp=stamp())
+        )
+        body = "\n".join("".join(rng.choices(string.ascii_letters + " ", k=89)) for _ in range(88))
+        result = {"type": "tool_result", "tool_use_id": tid, "content": f"{tid}\n{body}"}
+        records.append(Message.user([result], timestamp=stamp()))
+    done = [{"type": "text", "text": "done"}]
+    records.append(Message.assistant(done, message_id="msg_end", timestamp=stamp()))
+    return _write(path, records)
+
+
+def test_a_stage_that_prices_a_put_back_output_again_reads_it_from_the_file(
+    tmp_path: Path,
+) -> None:
+    """History snip prices its input again once the estimator's cache has let a record go;
+    the outputs microcompact cleared are still in that input: each is read from the file
+    for it, so the snip decides as it would have."""
+    path = _past_the_price_cache(tmp_path / "s.jsonl", 40)
+    stages = (
+        "microcompact=clear-oldest:trigger_tokens=10000:min_reclaim_tokens=1000:keep=3",
+        "history_snip=snip-middle:context_window=20000:keep_recent_rounds=2",
+    )
+    from pipeline._cli.common import pipeline_for
+
+    plain, _ = _replayed(path, defer=False, every=4, pipe=pipeline_for(stages, 200_000))
+    deferred, t = _replayed(path, defer=True, every=4, pipe=pipeline_for(stages, 200_000))
+    assert deferred == plain
+    assert sum(1 for m in t.messages for _ in deferred_in(m.content)) > 10  # put back

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.wire.canonical import canonical_json
+from pipeline.wire.deferred import resolved
 
 __all__ = [
     "DIGEST_HEX",
@@ -62,6 +63,7 @@ def content_digest(content: Any) -> str:
     :mod:`pipeline.wire.harness`): a string as it is, a block list as compact JSON with its keys
     sorted and without ``cache_control`` (a client moves its breakpoints between calls).
     ``ValueError`` for content nested too deeply to write."""
+    content = resolved(content)
     if isinstance(content, str):
         data = b"s" + content.encode("utf-8", "surrogatepass")
     else:

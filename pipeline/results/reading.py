@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeline.messages import Block, Message, thread_start
 from pipeline.results.keys import is_replacement_text, result_key
+from pipeline.wire.deferred import resolved
 from pipeline.wire.harness import last_result_index, split_tail
 
 __all__ = [
@@ -33,6 +34,7 @@ def _content_has_image(content: Any) -> bool:
 
 def content_is_empty(content: Any) -> bool:
     """None, "", whitespace, ``[]``, or only blank text blocks."""
+    content = resolved(content)
     if content is None:
         return True
     if isinstance(content, str):
@@ -49,6 +51,7 @@ def content_is_empty(content: Any) -> bool:
 
 def candidate_size(content: Any) -> int:
     """Characters a tool_result's content counts for: ``len(str)`` or the sum of its text blocks."""
+    content = resolved(content)
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):

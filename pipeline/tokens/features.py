@@ -24,6 +24,7 @@ from pipeline.messages import Message
 from pipeline.tokens.media import IMAGE_TOKENS, image_tokens
 from pipeline.tokens.priors import CLASS_INDEX, CLASSES, FEATURE_INDEX
 from pipeline.tokens.text_stats import TextKind, text_class, text_stats
+from pipeline.wire.deferred import resolved
 
 __all__ = [
     "ContentVector",
@@ -125,7 +126,7 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
     elif btype == "tool_result":
         yield Segment("tool_result")
         failed = bool(block.get("is_error"))
-        content = block.get("content")
+        content = resolved(block.get("content"))
         if isinstance(content, str):
             yield Segment("text", content, error=failed)
         elif isinstance(content, list):

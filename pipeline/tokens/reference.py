@@ -19,6 +19,7 @@ from pipeline.tokens.media import IMAGE_TOKENS
 from pipeline.tokens.priors import model_family
 from pipeline.tokens.stats import EstimateDetail
 from pipeline.tokens.text_stats import looks_like_json
+from pipeline.wire.deferred import resolved
 
 __all__ = [
     "ReferenceEstimator",
@@ -47,7 +48,7 @@ def rough_tokens_for_block(block: Mapping[str, Any]) -> int:
     if not isinstance(block, Mapping):
         return 0
     if block.get("type") == "tool_result":
-        content = block.get("content")
+        content = resolved(block.get("content"))
         if isinstance(content, str):  # the commonest block: its wrapper is free, its text not
             return rough_tokens_for_text(content)
     return _priced(block_segments(block))

@@ -23,6 +23,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pipeline.wire.deferred import resolved
+
 __all__ = [
     "MAX_TAIL_CHARS",
     "REMINDER_CLOSE",
@@ -57,6 +59,7 @@ def split_tail(content: Any) -> tuple[Any, Any]:
     """``(core, tail)`` of a tool_result's content: the tool's output and the harness text
     appended to it (a string, a list of text blocks, or None when there is none). ``core`` is
     ``content`` itself when there is no tail."""
+    content = resolved(content)  # an output left in its file: its text
     if isinstance(content, str):
         at = _string_tail_start(content)
         return (content, None) if at < 0 else (content[:at], content[at:])
