@@ -22,7 +22,7 @@ from pipeline.results.keys import (
 from pipeline.results.reading import candidate_size, content_is_empty
 from pipeline.store.files import ToolResultStore
 from pipeline.tracing import Decision, Reason
-from pipeline.wire.deferred import DeferredText
+from pipeline.wire.deferred import DeferredText, resolved
 
 __all__ = [
     "PREVIEW_SIZE_CHARS",
@@ -120,6 +120,7 @@ async def persist_content(store: ToolResultStore, tool_use_id: str, content: Any
     """
     if not is_persistable(content):
         raise ValueError("only strings and lists of text blocks can be persisted")
+    content = resolved(content)  # an output left in its file: its text
     if isinstance(content, str):
         text, ext = content, "txt"
     else:

@@ -359,3 +359,24 @@ def test_a_stage_that_prices_a_put_back_output_again_reads_it_from_the_file(
     deferred, t = _replayed(path, defer=True, every=4, pipe=pipeline_for(stages, 200_000))
     assert deferred == plain
     assert sum(1 for m in t.messages for _ in deferred_in(m.content)) > 10  # put back
+
+
+def test_a_session_that_reuses_a_tool_id_puts_no_output_back(tmp_path: Path) -> None:
+    """History snip gives a snipped run back when a reused id makes a pair cross its cut:
+    in such a session every output stays read."""
+    from pipeline._cli.common import pipeline_for
+
+    records = [user_text("go")]
+    for i in range(60):
+        tid = "t5" if i == 40 else f"t{i}"  # call 40 reuses call 5's id
+        usage = Usage(input_tokens=100 + 1400 * i)
+        records.append(assistant(f"m{i}", tool_use(tid, "Read"), usage=usage))
+        records.append(results(tool_result(tid, f"output {i}\n" + "x" * 5000)))
+    done = {"type": "text", "text": "done"}
+    records.append(assistant("end", done, usage=Usage(input_tokens=90000)))
+    path = _write(tmp_path / "s.jsonl", records)
+    snip = ("history_snip=snip-middle:context_window=30000",)
+    plain, _ = _replayed(path, defer=False, every=1, pipe=pipeline_for(snip, 200_000))
+    deferred, t = _replayed(path, defer=True, every=1, pipe=pipeline_for(snip, 200_000))
+    assert deferred == plain
+    assert not [b for m in t.messages for b in deferred_in(m.content)]

@@ -107,7 +107,7 @@ def read_results(m: Message) -> Iterator[ResultSlot]:
             continue
         tid = b.get("tool_use_id")
         content = b.get("content")
-        core = split_tail(content)[0] if j == last else content
+        core = split_tail(content)[0] if j == last else resolved(content)
         if not isinstance(tid, str):
             yield ResultSlot(b, None, core, content_is_empty(core), None)
         elif content_is_empty(core):

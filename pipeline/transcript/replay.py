@@ -185,19 +185,18 @@ async def replay_messages(
     a new list per call; the CLI reads each call before the next. A long session's replay then
     costs what changed per call, not a list of its whole history.
 
-    Tool outputs a loader left in the file (``load_transcript(defer_texts=...)``) are read
-    into their blocks as the replay reaches their records. ``release=True`` (with
-    ``shared=True``) puts each back in the file once no later request can carry it: the
-    request that first had it previewed (the budget's decision is frozen), or the first
-    request that no longer carries it (cleared, snipped). That rests on every stage of
-    ``pipeline`` declaring that it never reads an output again once it has met it
-    (``rereads_outputs = False``: :func:`rereading_stages` names those that do not, and
-    ``ValueError`` refuses them); an output whose tool id occurs twice in the session, or
-    that carries harness text (a ``<system-reminder>``), is never put back. The replay then
-    holds the outputs its requests carry, not every output of the session; the records'
-    blocks change in place, and a list of ``messages`` gets the responses with their
-    replayed usage: the messages are the replay's until it ends (a second copy of each
-    response would cost what the outputs saved).
+    Tool outputs a loader left in the file (``load_transcript(defer_texts=...)``) are read into
+    their blocks as the replay reaches their records. ``release=True`` (with ``shared=True``)
+    puts each back in the file once no later request can carry it: the request that first had it
+    previewed (the budget's decision is frozen), or the first request that no longer carries it
+    (cleared, snipped). That rests on every stage of ``pipeline`` declaring that it never reads
+    an output again once it has met it (``rereads_outputs = False``: :func:`rereading_stages`
+    names those that do not, and ``ValueError`` refuses them); in a session that gives two tool
+    calls or two results one id, no output is put back, nor one that carries harness text (a
+    ``<system-reminder>``). The replay then holds the outputs its requests carry, not every
+    output of the session; the records' blocks change in place, and a list of ``messages`` gets
+    the responses with their replayed usage: the messages are the replay's until it ends (a
+    second copy of each response would cost what the outputs saved).
     """
     if release and not shared:
         raise ValueError("release=True needs shared=True: each request read before the next")
@@ -207,9 +206,10 @@ async def replay_messages(
             f"release=True: stage(s) {', '.join(rereading)} may read an output again "
             "(rereads_outputs is not False)"
         )
-    kept_ids = _repeated_ids(messages) if release else set()
-    """Tool ids that occur twice: their outputs are never put back (a stage that clears by
-    id may give one back when the id comes again)."""
+    if release and _reuses_an_id(messages):
+        # a stage that pairs, clears or snips by id may give back what it took when an id
+        # comes again (a snipped run whose pair now crosses the cut): every output stays
+        release = False
     reference = TokenTracker("reference")
     # responses get their replayed usage here, never in ``messages`` unless they are the
     # replay's
@@ -245,11 +245,7 @@ async def replay_messages(
         reached = history[len(sent) : call.index]
         read = _read_back(reached)
         if release:
-            live.update(
-                (id(b), (b, h))
-                for b, h in read
-                if h.tool_use_id not in kept_ids and REMINDER_OPEN not in b["content"]
-            )
+            live.update((id(b), (b, h)) for b, h in read if REMINDER_OPEN not in b["content"])
         sent.extend(reached)
         while k < len(recorded) and recorded[k].position <= call.index:
             k += 1  # the call's own request: the last one recorded before its response
@@ -356,15 +352,22 @@ def rereading_stages(pipeline: Pipeline) -> list[str]:
     return [s.name for s in pipeline.stages if getattr(s, "rereads_outputs", True) is not False]
 
 
-def _repeated_ids(messages: Sequence[Message]) -> set[str]:
-    """The tool ids that more than one tool_result of ``messages`` answers."""
-    seen: set[str] = set()
-    repeated: set[str] = set()
+def _reuses_an_id(messages: Sequence[Message]) -> bool:
+    """Whether two tool calls of ``messages``, or two tool results, share an id."""
+    uses: set[str] = set()
+    results: set[str] = set()
     for m in messages:
-        if m.type == "user":
-            for b in m.blocks:
-                if isinstance(b, dict) and b.get("type") == "tool_result":
-                    tid = b.get("tool_use_id")
-                    if isinstance(tid, str):
-                        (repeated if tid in seen else seen).add(tid)
-    return repeated
+        if m.type not in ("user", "assistant"):
+            continue
+        for b in m.blocks:
+            if not isinstance(b, dict):
+                continue
+            kind = b.get("type")
+            tid = b.get("id") if kind == "tool_use" else b.get("tool_use_id")
+            seen = uses if kind == "tool_use" else results if kind == "tool_result" else None
+            if seen is None or not isinstance(tid, str):
+                continue
+            if tid in seen:
+                return True
+            seen.add(tid)
+    return False
