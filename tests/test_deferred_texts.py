@@ -9,7 +9,6 @@ import random
 import string
 import tempfile
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -314,31 +313,16 @@ def _past_the_price_cache(path: Path, calls: int) -> Path:
     """More records than the token estimator's price cache holds (4,096) before the calls,
     then calls whose long outputs microcompact clears and history snip prices again."""
     rng = random.Random(1)
-    clock = [datetime(2026, 11, 30, 9, 0, tzinfo=UTC)]
-
-    def stamp() -> str:
-        clock[0] += timedelta(seconds=2)
-        return clock[0].isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-    records = [Message.user("Start.", timestamp=stamp())]
-    records += [Message.user(f"note {k}", timestamp=stamp()) for k in range(4_200)]
+    records = [user_text("Start."), *(user_text(f"note {k}") for k in range(4_200))]
     for i in range(calls):
         tid = f"toolu_{i:04d}"
-        use = {"type": "tool_use", "id": tid, "name": "Notes" if i % 2 else "Bash", "input": {}}
-        usage = Usage(
-            input_tokens=3,
-            cache_creation_input_tokens=100,
-            cache_read_input_tokens=1_000 + 2_000 * i,
-            output_tokens=20,
-        )
+        cached = Usage(input_tokens=3, cache_read_input_tokens=1_000 + 2_000 * i, output_tokens=20)
         records.append(
-            Message.assistant([use], message_id=f"msg_{i:04d}", usage=usage, timestamp=stamp())
+            assistant(f"msg_{i:04d}", tool_use(tid, "Notes" if i % 2 else "Bash"), usage=cached)
         )
-        body = "\n".join("".join(rng.choices(string.ascii_letters + " ", k=89)) for _ in range(88))
-        result = {"type": "tool_result", "tool_use_id": tid, "content": f"{tid}\n{body}"}
-        records.append(Message.user([result], timestamp=stamp()))
-    done = [{"type": "text", "text": "done"}]
-    records.append(Message.assistant(done, message_id="msg_end", timestamp=stamp()))
+        lines = ("".join(rng.choices(string.ascii_letters + " ", k=89)) for _ in range(88))
+        records.append(results(tool_result(tid, tid + "\n" + "\n".join(lines))))
+    records.append(assistant("msg_end", {"type": "text", "text": "done"}))
     return _write(path, records)
 
 
