@@ -17,10 +17,10 @@ import pytest
 
 from pipeline import Message, Pipeline, SessionContext, ToolPolicies, TranscriptWriter, Usage
 from pipeline.testing import MemoryStore, QuietLogger
-from pipeline.transcript.deferred import DeferredText, TranscriptChanged, deferred_in, fill
 from pipeline.transcript.read import load_transcript
 from pipeline.transcript.replay import replay_messages
 from pipeline.wire.cache import WireCache
+from pipeline.wire.deferred import DeferredText, TranscriptChanged, deferred_in, fill
 from stages import default_stages
 from tests.benchmarks.long_session import write as write_long_session
 from tests.builders import assistant, results, tool_result, tool_use, user_text

@@ -49,7 +49,7 @@ from pipeline.spans import content_safe_span
 from pipeline.store.files import TOOL_RESULTS_SUBDIR
 from pipeline.store.records import RecordLog
 from pipeline.tracing import ATTR, SPAN_REPLAY
-from pipeline.transcript.deferred import DEFER_AT, TranscriptChanged
+from pipeline.transcript.deferred import DEFER_AT
 from pipeline.transcript.read import Transcript
 from pipeline.transcript.replay import (
     CallResult,
@@ -57,6 +57,7 @@ from pipeline.transcript.replay import (
     replay_messages,
     rereading_stages,
 )
+from pipeline.wire.deferred import TranscriptChanged
 from stages import registry as stage_registry
 from stages.autocompact import ContextWindowExceeded
 

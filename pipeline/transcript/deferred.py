@@ -1,16 +1,18 @@
-"""Tool outputs left in the transcript file until a replay reaches them (:class:`DeferredText`).
+"""Tool outputs left in the transcript file until a replay reaches them: the loader's side
+(:class:`Deferral`; the handle is :class:`~pipeline.wire.deferred.DeferredText`).
 
 A long session's tool outputs are most of its transcript, and a replay needs each only while
 a request can carry it: from the call that first sees it to the call whose request clears
 it, previews it or drops it. ``load_transcript(path, defer_texts=N)`` keeps, in place of
 every tool_result output of at least ``N`` characters, a handle naming where its line lies in
-the file; :func:`fill` reads it back into its block, and :func:`defer` puts the handle back
+the file; :func:`~pipeline.wire.deferred.fill` reads it back into its block, and
+:func:`~pipeline.wire.deferred.defer` puts the handle back
 once nothing will read the output again. The replay does both
 (:func:`~pipeline.transcript.replay.replay_messages` with ``release=True``), so it holds the
 outputs a request can carry, not the whole session's.
 
 A line that no longer holds the output its handle names (the file rewritten meanwhile) is
-:class:`TranscriptChanged`, never another output.
+:class:`~pipeline.wire.deferred.TranscriptChanged`, never another output.
 """
 
 from __future__ import annotations
@@ -18,29 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.wire.deferred import (
-    DeferredText,
-    TextSource,
-    TranscriptChanged,
-    crc32_of,
-    defer,
-    deferred_in,
-    fill,
-    resolved,
-)
+from pipeline.wire.deferred import DeferredText, TextSource, crc32_of
 
-__all__ = [
-    "DEFER_AT",
-    "Deferral",
-    "DeferredText",
-    "TextSource",
-    "TranscriptChanged",
-    "defer",
-    "deferred_in",
-    "fill",
-    "read_deferred",
-    "resolved",
-]
+__all__ = ["DEFER_AT", "Deferral", "read_deferred"]
 
 DEFER_AT = 1024
 """Characters from which the ``replay`` command leaves an output in the file: the outputs

@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.messages import Message
 from pipeline.replacement import ReplacementRecord
 from pipeline.tokens.checks import bounded_text
-from pipeline.transcript.deferred import Deferral, deferred_in, fill
+from pipeline.transcript.deferred import Deferral
 from pipeline.transcript.recorded import (
     API_REQUEST,
     API_REQUEST_BLOB,
@@ -51,6 +51,7 @@ from pipeline.transcript.writer import (
     encode_records,
     message_to_record,
 )
+from pipeline.wire.deferred import deferred_in, fill
 
 __all__ = [
     "MAX_NESTING",
@@ -133,7 +134,7 @@ class Transcript:
     """``stage-record`` entries in file order (:meth:`TranscriptWriter.append_stage_record`)."""
     deferred_texts: int = 0
     """Tool outputs left in the file (``load_transcript(defer_texts=...)``), each a
-    :class:`~pipeline.transcript.deferred.DeferredText` in its block."""
+    :class:`~pipeline.wire.deferred.DeferredText` in its block."""
 
     def records_for(self, stage: str) -> list[Mapping[str, Any]]:
         """The data of every record stage ``stage`` wrote, in order."""
@@ -166,7 +167,7 @@ def load_transcript(
     :func:`~pipeline.wire.form.to_api` rebuilds exactly what was sent (``Transcript.wire_check``).
 
     ``defer_texts``: every tool_result text output of at least this many characters is left
-    in the file, its block holding a :class:`~pipeline.transcript.deferred.DeferredText`
+    in the file, its block holding a :class:`~pipeline.wire.deferred.DeferredText`
     instead (for a replay that reads each while a request can carry it:
     :mod:`pipeline.transcript.deferred`). Not with recorded requests, which are checked
     against the records' text: those are read whole.

@@ -34,9 +34,9 @@ from pipeline.messages import Message, Usage, holds_compaction
 from pipeline.spans import content_safe_span
 from pipeline.tokens import Observation, TokenTracker
 from pipeline.tracing import ATTR, SPAN_REPLAY_CALL, bounded_attribute
-from pipeline.transcript.deferred import DeferredText, defer, deferred_in, fill
 from pipeline.transcript.recorded import RecordedRequest
 from pipeline.wire.cache import WireCache, request_chars
+from pipeline.wire.deferred import DeferredText, defer, deferred_in, fill
 from pipeline.wire.harness import REMINDER_OPEN
 from pipeline.wire.pairing import PairingProblem
 

@@ -276,7 +276,7 @@ class WireCache:
         """With ``track_dropped``: add the tool_result blocks of params ``old`` that the
         params ``new`` replacing them do not hold to :attr:`dropped`."""
         if not self.track_dropped or not old:
-            return
+            return  # (a slice of the params is made only for a caller that tracks)
         kept = {id(b) for p in new for b in _result_blocks(p)}
         self.dropped += [b for p in old for b in _result_blocks(p) if id(b) not in kept]
 
@@ -313,7 +313,8 @@ class WireCache:
         keep = min(keep, low, before)
         fresh = [self._param(e) for e in wire.entries[keep:]]
         self._changed_from = min(self._changed_from, keep)
-        self._note_dropped(self._params[keep:], fresh)
+        if self.track_dropped:
+            self._note_dropped(self._params[keep:], fresh)
         del self._params[keep:]
         self._params += fresh
         self.chars -= sum(self._chars[keep:])

@@ -52,13 +52,6 @@ class TextSource:
             fd = self._fd
         return os.pread(fd, length, offset)
 
-    def close(self) -> None:
-        """Close the file (a later read opens it again)."""
-        with self._opening:
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
         if fd is not None:

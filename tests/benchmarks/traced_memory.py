@@ -40,13 +40,13 @@ from stages import default_stages  # noqa: E402
 _HELPERS = ("pipeline/messages.py", "pipeline/kept_list.py", "dataclasses.py", "<string>")
 """Allocations made here are charged to the module that called them."""
 _OWNERS = (
+    ("pipeline/wire/deferred.py", "read back"),  # before the rest of wire/
     ("pipeline/wire", "request"),  # wire.py and wire_cache.py
     ("pipeline/wire/pairing.py", "request"),
     ("pipeline/wire/caching.py", "request"),
     ("stages/_shared/results.py", "rewritten"),
     ("pipeline/gate.py", "rewritten"),
     ("pipeline/transcript/replay.py", "replay"),
-    ("pipeline/transcript/deferred.py", "read back"),
     ("json/decoder.py", "read back"),  # only the outputs read back parse JSON after loading
     ("stages/", "state"),
     ("pipeline/", "state"),
