@@ -17,7 +17,15 @@ from pipeline.tracing import (
     start_current_span,
 )
 
-__all__ = ["FunctionStage", "Pipeline", "PipelineHalt", "Stage", "StageError", "stage"]
+__all__ = [
+    "FunctionStage",
+    "Pipeline",
+    "PipelineHalt",
+    "Stage",
+    "StageError",
+    "rereading_stages",
+    "stage",
+]
 
 StageFn = Callable[[list[Message], SessionContext], Awaitable[list[Message]]]
 
@@ -37,8 +45,8 @@ class Stage(Protocol):
     library's stages do); any other stage is given a copy, so that a stage that edits its
     input in place cannot corrupt what an earlier stage keeps. A stage that sets
     ``rereads_outputs = False`` promises that a later pass never reads a tool output it has
-    already met (a replay may then put outputs back in their file:
-    :func:`~pipeline.transcript.replay.rereading_stages`).
+    already met (a replay may then put outputs back in their file, a proxy leave them in the
+    requests that carry them: :func:`rereading_stages`).
     """
 
     name: str
@@ -276,3 +284,9 @@ class Pipeline:
             span.set_attribute(ATTR.STAGE_CHANGED, out is not messages)
             span.set_attribute(ATTR.MESSAGES_OUT, len(out))
         return out
+
+
+def rereading_stages(pipeline: Pipeline) -> list[str]:
+    """The stages of ``pipeline`` that may read a tool output again on a later pass (their
+    ``rereads_outputs`` is not False): outputs must stay in memory under them."""
+    return [s.name for s in pipeline.stages if getattr(s, "rereads_outputs", True) is not False]

@@ -185,7 +185,7 @@ class Autocompact:
     @property
     def rereads_outputs(self) -> bool:
         """Whether a later pass may read a tool output this stage has already met again
-        (:func:`~pipeline.transcript.replay.rereading_stages`): a summariser may be given what it
+        (:func:`~pipeline.core.rereading_stages`): a summariser may be given what it
         summarised before."""
         return self.summarizer is not None
 

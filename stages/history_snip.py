@@ -177,7 +177,7 @@ class HistorySnip:
     @property
     def rereads_outputs(self) -> bool:
         """Whether a later pass may read a tool output this stage has already met again
-        (:func:`~pipeline.transcript.replay.rereading_stages`): only when it rescans every pass
+        (:func:`~pipeline.core.rereading_stages`): only when it rescans every pass
         (``incremental=False``)."""
         return not self.incremental
 

@@ -162,7 +162,7 @@ class Microcompact:
     @property
     def rereads_outputs(self) -> bool:
         """Whether a later pass may read a tool output this stage has already met again
-        (:func:`~pipeline.transcript.replay.rereading_stages`): only when it rescans every pass
+        (:func:`~pipeline.core.rereading_stages`): only when it rescans every pass
         (``incremental=False``); an output it cleared is re-applied from its own state (a result
         with a harness tail is never let go: the tail is read again)."""
         return not self.incremental

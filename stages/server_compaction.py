@@ -53,7 +53,7 @@ class ServerCompaction:
     name = "autocompact"
     rereads_outputs = False
     """It reads the request it is given, never an output another stage took out of it
-    (:func:`~pipeline.transcript.replay.rereading_stages`)."""
+    (:func:`~pipeline.core.rereading_stages`)."""
     strategy = "server-compact"
     may_break_cache = False
     readonly_input = True

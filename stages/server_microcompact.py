@@ -43,7 +43,7 @@ class ServerSideMicrocompact:
     name = "microcompact"
     rereads_outputs = False
     """It reads the request it is given, never an output another stage took out of it
-    (:func:`~pipeline.transcript.replay.rereading_stages`)."""
+    (:func:`~pipeline.core.rereading_stages`)."""
     strategy = "server-clear"
     may_break_cache = False
     readonly_input = True

@@ -98,7 +98,7 @@ class ToolResultBudget:
     @property
     def rereads_outputs(self) -> bool:
         """Whether a later pass may read a tool output this stage has already met again
-        (:func:`~pipeline.transcript.replay.rereading_stages`): only when it rescans every pass
+        (:func:`~pipeline.core.rereading_stages`): only when it rescans every pass
         (``incremental=False``); its cache keeps each result's size and key, and lets go of a
         decided output."""
         return not self.incremental

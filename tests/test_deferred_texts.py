@@ -289,7 +289,7 @@ def test_an_output_with_harness_text_is_never_put_back(tmp_path: Path) -> None:
 def test_a_pipeline_that_may_read_an_output_again_puts_none_back(tmp_path: Path) -> None:
     from pipeline._cli.common import ReplayOptions
     from pipeline._cli.replay_cmd import deferred_from
-    from pipeline.transcript.replay import rereading_stages
+    from pipeline.core import rereading_stages
     from stages import ToolResultBudget
 
     assert rereading_stages(Pipeline(default_stages())) == []

@@ -179,12 +179,14 @@ def test_what_the_proxy_parsed_of_a_conversation_let_go_is_freed(
     limit = {"max_conversations": 1} if bound == "conversations" else {"max_held_bytes": 30_000}
     outputs = [f"output {k} " + "z" * 20_000 for k in range(3)]
 
-    def alive(text: str) -> int:
-        # content lists holding the result (a dict of strings alone is not tracked by gc)
+    def alive(k: int) -> int:
+        # content lists holding the result, its text or the handle the proxy holds for it
+        # (a dict of strings alone is not tracked by gc)
         return sum(
             1
             for o in gc.get_objects()
-            if type(o) is list and any(type(b) is dict and b.get("content") == text for b in o)
+            if type(o) is list
+            and any(type(b) is dict and b.get("tool_use_id") == f"toolu_{k}" for b in o)
         )
 
     with (
@@ -205,7 +207,7 @@ def test_what_the_proxy_parsed_of_a_conversation_let_go_is_freed(
             del body
         upstream.requests.clear()  # what the upstream was sent, kept by the test's server
         gc.collect()
-        held = [alive(output) for output in outputs]
+        held = [alive(k) for k in range(len(outputs))]
     assert held[:2] == [0, 0] and held[2] >= 1  # the last conversation alone is held
 
 

@@ -42,7 +42,7 @@ from pipeline._cli.report import (
 )
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.context import SessionContext
-from pipeline.core import Pipeline, PipelineHalt, StageError
+from pipeline.core import Pipeline, PipelineHalt, StageError, rereading_stages
 from pipeline.logs import get_logger
 from pipeline.policies import ToolPolicies
 from pipeline.spans import content_safe_span
@@ -55,7 +55,6 @@ from pipeline.transcript.replay import (
     CallResult,
     find_calls,
     replay_messages,
-    rereading_stages,
 )
 from pipeline.wire.deferred import TranscriptChanged
 from stages import registry as stage_registry

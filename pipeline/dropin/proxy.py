@@ -52,7 +52,8 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, request_response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.core import Pipeline
 from pipeline.dropin.adapter import WireSession
@@ -85,6 +86,8 @@ from pipeline.store.sessions import SessionStates
 from pipeline.store.spool import SPOOL_DIR
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.body_writer import BodyWriter
+from pipeline.wire.held_outputs import hold_outputs as hold
+from pipeline.wire.held_outputs import serving, serving_scope
 from pipeline.wire.kept_bodies import MAX_KEPT_BYTES
 from pipeline.wire.request_fields import merge_betas, merge_request_fields
 
@@ -134,6 +137,7 @@ def build_app(
     fsync_each: bool = False,
     long_pass: int | None = None,
     upstream_client: str = "auto",
+    hold_outputs: bool = True,
     **context: Any,
 ) -> Starlette:
     """The proxy as an ASGI app. ``pipeline``: a factory of each conversation's stages;
@@ -158,6 +162,9 @@ def build_app(
     ``POST`` to a path ending in ``/v1/messages`` (a client whose base URL has a path, a
     trailing slash, doubled slashes) is a Messages request, sent upstream to ``/v1/messages``;
     a path with a ``.`` or ``..`` segment (also percent-encoded) is refused with 400.
+    ``hold_outputs``: leave a held conversation's long tool outputs in the request that
+    carries them again, rather than in memory (:mod:`pipeline.wire.held_outputs`; only under
+    stages that never read an output again).
     ``upstream_timeout``: seconds an upstream call may take to answer (then 504
     ``timeout_error``); a client that goes away meanwhile cancels it. A conversation is held
     for one call's pass only, never while its upstream call runs. ``max_conversations``: how
@@ -255,6 +262,7 @@ def build_app(
         raw = await intake.body_of(request, started)
         if isinstance(raw, Response):
             return raw
+        serving(raw)  # where the outputs held in requests are read, for this request
         headers = dict(request.headers)
         try:
             # a long body new to the reader is parsed off the loop, which serves the others
@@ -331,6 +339,8 @@ def build_app(
                     content = sent.write(
                         branch.key, merged, fast=fast, unchanging=kept, source=source
                     )
+                    if hold_outputs and fast and source is not None and session.holds_outputs:
+                        hold(source.messages, source.ends, source.array_open, session.first_new)
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )
@@ -415,10 +425,22 @@ def build_app(
 
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
-        Route(MESSAGES, messages, methods=["POST"]),
+        Route(MESSAGES, _ServingScope(request_response(messages)), methods=["POST"]),
         Route(_PASSTHROUGH, passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+class _ServingScope:
+    """An ASGI app run within :func:`~pipeline.wire.held_outputs.serving_scope`: the body a
+    request named is let go of once its response has gone."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with serving_scope():
+            await self.app(scope, receive, send)
 
 
 SPOOL_DRAIN_EVERY = 5.0

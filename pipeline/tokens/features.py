@@ -24,7 +24,7 @@ from pipeline.messages import Message
 from pipeline.tokens.media import IMAGE_TOKENS, image_tokens
 from pipeline.tokens.priors import CLASS_INDEX, CLASSES, FEATURE_INDEX
 from pipeline.tokens.text_stats import TextKind, text_class, text_stats
-from pipeline.wire.deferred import resolved
+from pipeline.wire.deferred import resolved, text_or
 
 __all__ = [
     "ContentVector",
@@ -86,7 +86,7 @@ def block_segments(block: Mapping[str, Any]) -> Iterator[Segment]:
         raise ValueError("a content block is nested too deeply to measure") from None
 
 
-_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=text_or(str))
 """``json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)``: JSON as
 JavaScript's ``JSON.stringify`` writes it (the reference's count of a tool call's input), without
 building an encoder per block (every new tool call is measured by each estimator)."""

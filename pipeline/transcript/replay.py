@@ -28,7 +28,7 @@ from opentelemetry import trace
 from structlog.contextvars import bound_contextvars
 
 from pipeline.context import PersistedResult, SessionContext
-from pipeline.core import Pipeline
+from pipeline.core import Pipeline, rereading_stages
 from pipeline.kept_list import KeptList
 from pipeline.messages import Message, Usage, holds_compaction
 from pipeline.spans import content_safe_span
@@ -50,7 +50,6 @@ __all__ = [
     "less_usage",
     "replay_messages",
     "request_chars",
-    "rereading_stages",
 ]
 
 _YIELD_EVERY = 0.02  # seconds
@@ -190,13 +189,14 @@ async def replay_messages(
     puts each back in the file once no later request can carry it: the request that first had it
     previewed (the budget's decision is frozen), or the first request that no longer carries it
     (cleared, snipped). That rests on every stage of ``pipeline`` declaring that it never reads
-    an output again once it has met it (``rereads_outputs = False``: :func:`rereading_stages`
-    names those that do not, and ``ValueError`` refuses them); in a session that gives two tool
-    calls or two results one id, no output is put back, nor one that carries harness text (a
-    ``<system-reminder>``). The replay then holds the outputs its requests carry, not every
-    output of the session; the records' blocks change in place, and a list of ``messages`` gets
-    the responses with their replayed usage: the messages are the replay's until it ends (a
-    second copy of each response would cost what the outputs saved).
+    an output again once it has met it (``rereads_outputs = False``:
+    :func:`~pipeline.core.rereading_stages` names those that do not, and ``ValueError`` refuses
+    them); in a session that gives two tool calls or two results one id, no output is put back,
+    nor one that carries harness text (a ``<system-reminder>``). The replay then holds the
+    outputs its requests carry, not every output of the session; the records' blocks change in
+    place, and a list of ``messages`` gets the responses with their replayed usage: the messages
+    are the replay's until it ends (a second copy of each response would cost what the outputs
+    saved).
     """
     if release and not shared:
         raise ValueError("release=True needs shared=True: each request read before the next")
@@ -344,12 +344,6 @@ def _put_back(
         for b, h in read:
             if h.tool_use_id in previewed and live.pop(id(b), None) is not None:
                 defer(b, h)
-
-
-def rereading_stages(pipeline: Pipeline) -> list[str]:
-    """The stages of ``pipeline`` that may read a tool output again on a later pass (their
-    ``rereads_outputs`` is not False): a replay cannot put outputs back under them."""
-    return [s.name for s in pipeline.stages if getattr(s, "rereads_outputs", True) is not False]
 
 
 def _reuses_an_id(messages: Sequence[Message]) -> bool:

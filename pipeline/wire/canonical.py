@@ -8,10 +8,15 @@ from typing import Any
 
 import msgspec
 
+from pipeline.wire.deferred import text_or
+
 __all__ = ["canonical_json"]
 
 # what json.dumps builds on every call with these options: built once
-_ENCODER = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
+# (an output held out of memory as its text: pipeline.wire.held_outputs)
+_ENCODER = json.JSONEncoder(
+    sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=text_or(repr)
+)
 _FAST = msgspec.json.Encoder(order="sorted")
 _ALIKE = frozenset({str, int, bool, type(None)})
 """The leaf types msgspec writes as the standard library does, byte for byte (a float is

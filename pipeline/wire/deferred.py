@@ -1,12 +1,14 @@
-"""A tool output left in its transcript file (:class:`DeferredText`), read back where it is
+"""A tool output left in the bytes it came in (:class:`DeferredText`), read back where it is
 needed.
 
-A replay that holds only the outputs its requests carry leaves the others in the file
-(:mod:`pipeline.transcript.deferred`); a block whose ``content`` is a :class:`DeferredText`
-holds the handle instead of the text. :func:`resolved` gives a content's text wherever a
-reader may meet a handle (pricing, classifying, digesting an output): such a read costs a
-read of its line, never a wrong answer. A line that no longer holds the output its handle
-names (the file rewritten meanwhile) is :class:`TranscriptChanged`, never another output.
+A replay that holds only the outputs its requests carry leaves the others in the transcript
+file (:mod:`pipeline.transcript.deferred`); the proxy leaves a held conversation's long
+outputs in the request that carries them again (:mod:`pipeline.wire.held_outputs`). A block
+whose ``content`` is a :class:`DeferredText` holds the handle instead of the text.
+:func:`resolved` gives a content's text wherever a reader may meet a handle (pricing,
+classifying, digesting, encoding an output): such a read costs a parse of its record, never a
+wrong answer. Bytes that no longer hold the output a handle names are the source's error
+(:class:`TranscriptChanged` for a file), never another output.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
+    "DeferredSource",
     "DeferredText",
     "TextSource",
     "TranscriptChanged",
@@ -28,11 +31,26 @@ __all__ = [
     "deferred_in",
     "fill",
     "resolved",
+    "text_or",
 ]
 
 
 class TranscriptChanged(ValueError):
     """A deferred output's line no longer holds it: the transcript changed after loading."""
+
+
+class DeferredSource(Protocol):
+    """Where deferred outputs lie: the bytes of the record that holds one, parsed."""
+
+    def message(self, offset: int, length: int) -> Any:
+        """The message (``{"role", "content"}``) in the ``length`` bytes at ``offset``;
+        ``OSError`` when they cannot be read, ``ValueError`` when they are not one."""
+        ...
+
+    def unreadable(self, handle: DeferredText, why: str | None) -> ValueError:
+        """The error for ``handle``'s output: it cannot be read (``why``: the reason) or is
+        no longer where the handle says (None)."""
+        ...
 
 
 class TextSource:
@@ -52,6 +70,23 @@ class TextSource:
             fd = self._fd
         return os.pread(fd, length, offset)
 
+    def message(self, offset: int, length: int) -> Any:
+        """The message of the transcript record on the line at ``offset``."""
+        data = self.read(offset, length)
+        return json.loads(data.decode("utf-8", "surrogateescape"))["message"]
+
+    def unreadable(self, handle: DeferredText, why: str | None) -> ValueError:
+        """:class:`TranscriptChanged`, naming the file."""
+        name = repr(handle.tool_use_id[:64])
+        if why is not None:
+            return TranscriptChanged(
+                f"{self.path}: the output of {name} cannot be read again: {why}"
+            )
+        return TranscriptChanged(
+            f"{self.path}: the output of {name} is no longer at byte {handle.offset}: the "
+            "transcript changed after it was loaded"
+        )
+
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
         if fd is not None:
@@ -60,11 +95,12 @@ class TextSource:
 
 @dataclass(frozen=True, slots=True)
 class DeferredText:
-    """Where a tool_result's output lies: the ``block``-th block of the user record on the
-    line of ``length`` bytes at ``offset``; the output is ``chars`` characters long, and
-    ``crc`` is the CRC-32 of its UTF-8 bytes (another output of the same length is caught)."""
+    """Where a tool_result's output lies: the ``block``-th block of the message in the
+    ``length`` bytes at ``offset`` of ``source`` (a transcript's line, a request's message);
+    the output is ``chars`` characters long, and ``crc`` is the CRC-32 of its UTF-8 bytes
+    (another output of the same length is caught)."""
 
-    source: TextSource
+    source: DeferredSource
     offset: int
     length: int
     block: int
@@ -73,18 +109,16 @@ class DeferredText:
     crc: int
 
     def read(self) -> str:
-        """The output, read from the file again; :class:`TranscriptChanged` when the line no
-        longer holds it."""
+        """The output, read from its bytes again; the source's error
+        (:meth:`DeferredSource.unreadable`) when they no longer hold it."""
         try:
-            data = self.source.read(self.offset, self.length)
+            message = self.source.message(self.offset, self.length)
         except OSError as exc:
-            raise TranscriptChanged(
-                f"{self.source.path}: the output of {self.tool_use_id[:64]!r} cannot be read "
-                f"again: {exc.strerror or exc}"
-            ) from exc
+            raise self.source.unreadable(self, exc.strerror or str(exc)) from exc
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise self.source.unreadable(self, None) from exc
         try:
-            raw = json.loads(data.decode("utf-8", "surrogateescape"))
-            block = raw["message"]["content"][self.block]
+            block = message["content"][self.block]
             text = block["content"]
             if (
                 not isinstance(text, str)
@@ -93,11 +127,8 @@ class DeferredText:
                 or crc32_of(text) != self.crc
             ):
                 raise ValueError("another output")
-        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
-            raise TranscriptChanged(
-                f"{self.source.path}: the output of {self.tool_use_id[:64]!r} is no longer at "
-                f"byte {self.offset}: the transcript changed after it was loaded"
-            ) from exc
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise self.source.unreadable(self, None) from exc
         return text
 
 
@@ -129,5 +160,20 @@ def deferred_in(content: Any) -> list[dict[str, Any]]:
 
 
 def resolved(content: Any) -> Any:
-    """``content``, its text read back from the file when it is a :class:`DeferredText`."""
+    """``content``, its text read back from its bytes when it is a :class:`DeferredText`."""
     return content.read() if type(content) is DeferredText else content
+
+
+def text_or(fallback: Any) -> Any:
+    """An encoder's hook (``json``'s ``default``, msgspec's ``enc_hook``) that writes a
+    :class:`DeferredText` as its text and anything else as ``fallback`` does (None: refused
+    with ``TypeError``, as the encoders refuse what they cannot write)."""
+
+    def hook(value: Any) -> Any:
+        if type(value) is DeferredText:
+            return value.read()
+        if fallback is None:
+            raise TypeError(f"{type(value).__name__} is not JSON")
+        return fallback(value)
+
+    return hook

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from pipeline.wire.deferred import text_or
+
 __all__ = ["dumps_body", "encodable", "fast_encode", "has_lone_surrogate", "loads_body"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -149,11 +151,13 @@ def dumps_body(value: Any, *, fast: bool = True) -> bytes:
             return _encode(value)
         except (TypeError, ValueError, OverflowError):  # UnicodeEncodeError is a ValueError
             pass
-    return json.dumps(value).encode("utf-8")
+    return json.dumps(value, default=_TEXT).encode("utf-8")
 
 
+_TEXT = text_or(None)
+"""Outputs held out of memory written as their text (:mod:`pipeline.wire.held_outputs`)."""
 _decode = msgspec.json.Decoder().decode
-_encode = msgspec.json.Encoder().encode
+_encode = msgspec.json.Encoder(enc_hook=_TEXT).encode
 fast_encode = _encode
 """The fast encoder :func:`dumps_body` uses (JSON bytes; ``TypeError``, ``ValueError`` or
 ``OverflowError`` for what it cannot write): pieces it writes, joined, are its whole."""
