@@ -45,7 +45,6 @@ HOLD_AT = 1024
 a conversation's text, and a handle costs ~150 bytes."""
 
 
-
 class _Serving:
     """The body a request's task serves, let go of when the request ends (a context may
     outlive its task: a timer's callback holds a copy)."""
