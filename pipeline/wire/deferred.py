@@ -17,7 +17,6 @@ import json
 import os
 import threading
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -93,20 +92,46 @@ class TextSource:
             os.close(fd)
 
 
-@dataclass(frozen=True, slots=True)
 class DeferredText:
     """Where a tool_result's output lies: the ``block``-th block of the message in the
     ``length`` bytes at ``offset`` of ``source`` (a transcript's line, a request's message);
     the output is ``chars`` characters long, and ``crc`` is the CRC-32 of its UTF-8 bytes
-    (another output of the same length is caught)."""
+    (another output of the same length is caught). Not a dataclass: an encoder that writes
+    dataclasses as objects (msgspec) must hand it to its hook (:func:`text_or`) instead."""
 
-    source: DeferredSource
-    offset: int
-    length: int
-    block: int
-    tool_use_id: str
-    chars: int
-    crc: int
+    __slots__ = ("block", "chars", "crc", "length", "offset", "source", "tool_use_id")
+
+    def __init__(
+        self,
+        source: DeferredSource,
+        offset: int,
+        length: int,
+        block: int,
+        tool_use_id: str,
+        chars: int,
+        crc: int,
+    ) -> None:
+        self.source = source
+        self.offset = offset
+        self.length = length
+        self.block = block
+        self.tool_use_id = tool_use_id
+        self.chars = chars
+        self.crc = crc
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.source, self.offset, self.length, self.block, self.tool_use_id, self.chars)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not DeferredText:
+            return NotImplemented
+        return self._key() == other._key() and self.crc == other.crc
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"DeferredText({self.tool_use_id[:64]!r}, {self.chars} chars at {self.offset})"
 
     def read(self) -> str:
         """The output, read from its bytes again; the source's error

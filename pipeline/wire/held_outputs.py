@@ -7,10 +7,12 @@ at the same byte offset: the prefix is the same bytes from the body's first byte
 text of an output the proxy has passed on is in every later request of its conversation again,
 at the same place, and the proxy need not hold it between calls. Once a request has been
 written, each tool_result output of at least :data:`HOLD_AT` characters among its new messages
-becomes a :class:`~pipeline.wire.deferred.DeferredText` naming its message's bytes; a reader
-that meets one (:func:`~pipeline.wire.deferred.resolved`, the encoders' hooks) parses it from
-the body being served (:func:`serving`). The body writer takes an unchanged message's bytes
-from the request without reading it, so a conversation's later calls read none.
+(the last message's a call later) becomes a :class:`~pipeline.wire.deferred.DeferredText`
+naming its message's bytes; a reader that meets one (:func:`~pipeline.wire.deferred.resolved`,
+the encoders' hooks) parses it from the body being served (:func:`serving`). The body writer
+takes an unchanged message's bytes from the request without reading it, so a growing
+conversation's later calls read none; a stage that looks at an old output again (microcompact
+weighing its oldest kept result, the messages after a snip's cut written again) reads a few.
 
 A handle is read only from the request being served in this task, checked against the output's
 length and CRC-32: bytes that hold another output (a request that no longer carries it) are
@@ -90,9 +92,14 @@ def serving_scope() -> Iterator[None]:
 class BodySource:
     """The request body being served (:func:`serving`), where held outputs are read back."""
 
+    def __init__(self) -> None:
+        self.reads = 0
+        """Outputs read back so far (a conversation's later calls read none)."""
+
     def message(self, offset: int, length: int) -> Any:
         """The message in the ``length`` bytes at ``offset`` of the body being served (after
         the ``[`` or ``,`` and spaces before it)."""
+        self.reads += 1
         box = _SERVING.get()
         raw = box.raw if box is not None else None
         if raw is None:
@@ -114,13 +121,16 @@ BODY = BodySource()
 
 
 def hold_outputs(messages: Sequence[Any], ends: Sequence[int], array_open: int, first: int) -> int:
-    """Leave the long text outputs of ``messages[first:]`` (parsed from a body whose messages
-    array opens at ``array_open``, message ``i`` ending at byte ``ends[i]``) in that body:
-    each becomes a handle naming its message's bytes. How many were left. The blocks are
-    changed in place: every holder of the parsed message (the reader's kept body, the
-    records, the wire form) lets go of the text."""
+    """Leave the long text outputs of the messages from ``first - 1`` on but the last
+    (parsed from a body whose messages array opens at ``array_open``, message ``i`` ending at
+    byte ``ends[i]``; ``first``: the first new to its conversation) in that body: each becomes a
+    handle naming its message's bytes. How many were left. The last message waits a call: the
+    next request sends it without the cache marker the proxy may have added, so its bytes are
+    written again, which reads its outputs. The blocks are changed in place: every holder of
+    the parsed message (the reader's kept body, the records, the wire form) lets go of the
+    text."""
     held = 0
-    for i in range(first, min(len(messages), len(ends))):
+    for i in range(max(0, first - 1), min(len(messages), len(ends)) - 1):
         message = messages[i]
         content = message.get("content") if type(message) is dict else None
         if type(content) is not list:

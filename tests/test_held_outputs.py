@@ -1,0 +1,301 @@
+"""The proxy leaves a held conversation's long tool outputs in the request that carries them
+again (:mod:`pipeline.wire.held_outputs`): what it sends upstream is the same, request by
+request, as when it holds every output in memory; it reads an output back only from the
+request being served; and it holds none under a stage that reads outputs again."""
+
+from __future__ import annotations
+
+import contextvars
+import gc
+import json
+import random
+import re
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+from pipeline import Pipeline
+from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.wire.deferred import DeferredText, resolved
+from pipeline.wire.encoding import dumps_body
+from pipeline.wire.held_outputs import (
+    BODY,
+    HOLD_AT,
+    OutputNotCarried,
+    hold_outputs,
+    serving,
+    serving_scope,
+)
+from stages import HistorySnip, Microcompact, ToolResultBudget, default_stages
+from tests.builders import tool_result, tool_use
+from tests.wire_support import proxy
+
+_TENANT = re.compile(r"t-[0-9a-f]{20}")
+SIZES = (40, 900, HOLD_AT, 3_000, 12_000, 60_000)
+"""Output lengths: under and at the line, long, and past the budget's 50K per tool."""
+
+
+def _reply(_body: dict[str, Any]) -> Reply:
+    return Reply([{"type": "text", "text": "ok"}])
+
+
+def _output(rng: random.Random, tid: str) -> Any:
+    size = rng.choice(SIZES)
+    text = f"[{tid}] " + "".join(rng.choice('abcdefgh \n"\\é') for _ in range(64)) * (size // 64)
+    roll = rng.random()
+    if roll < 0.1:  # a harness's reminder after the output
+        return text + "\n<system-reminder>the file changed</system-reminder>"
+    if roll < 0.18:  # an output given as blocks
+        return [{"type": "text", "text": text}]
+    if roll < 0.22:  # a character past U+FFFF, escaped by some clients
+        return text + "\U0001f916"
+    return text
+
+
+def _round(rng: random.Random, tag: str, k: int) -> list[dict[str, Any]]:
+    ids = [f"toolu_{tag}_{k:03d}_{j}" for j in range(rng.choice((1, 1, 2, 4)))]
+    name = rng.choice(("Bash", "Read", "Grep"))
+    results: list[dict[str, Any]] = [tool_result(t, _output(rng, t)) for t in ids]
+    if rng.random() < 0.15:
+        results.append({"type": "text", "text": "<system-reminder>todo list</system-reminder>"})
+    return [
+        {"role": "assistant", "content": [tool_use(t, name) for t in ids]},
+        {"role": "user", "content": results},
+    ]
+
+
+def sessions(seed: int, steps: int = 36) -> Iterator[bytes]:
+    """Request bodies as clients send them (compact JSON): conversations that grow, retry a
+    call, fork from an earlier request, rewind, edit an earlier message and move a cache
+    marker to their last message, in a random order."""
+    rng = random.Random(seed)
+    live: list[list[dict[str, Any]]] = []
+    seen: list[list[dict[str, Any]]] = []
+    for step in range(steps):
+        move = rng.random()
+        if not live or move < 0.08:
+            msgs: list[dict[str, Any]] = [{"role": "user", "content": f"task {seed}.{step}"}]
+            live.append(msgs)
+        msgs = rng.choice(live)
+        if move < 0.55 or len(msgs) < 3:
+            msgs += _round(rng, f"{seed}_{step}", len(msgs))
+        elif move < 0.65:
+            pass  # the same request again (a retry)
+        elif move < 0.75 and seen:
+            msgs = [*rng.choice(seen)[:-2], *_round(rng, f"f{seed}_{step}", step)]
+            live.append(msgs)  # a fork of an earlier request
+        elif move < 0.85:
+            del msgs[-2:]  # a rewind
+            msgs += _round(rng, f"r{seed}_{step}", step)
+        else:
+            at = rng.randrange(1, len(msgs) - 1)
+            if msgs[at]["role"] == "user" and isinstance(msgs[at]["content"], list):
+                content = [dict(b) for b in msgs[at]["content"]]
+                content.append({"type": "text", "text": f"edited at {step}"})
+                msgs[at] = {"role": "user", "content": content}
+        seen.append(list(msgs))
+        sent = [dict(m) for m in msgs]
+        if rng.random() < 0.5 and isinstance(sent[-1]["content"], list):
+            last = [dict(b) for b in sent[-1]["content"]]
+            last[-1]["cache_control"] = {"type": "ephemeral"}
+            sent[-1] = {**sent[-1], "content": last}
+        body = {"model": "m", "max_tokens": 5, "messages": sent}
+        yield json.dumps(body, ensure_ascii=rng.random() < 0.2, separators=(",", ":")).encode()
+
+
+PIPELINES: dict[str, Callable[[], Pipeline]] = {
+    "default": lambda: Pipeline(default_stages(context_window=60_000)),
+    "clearing": lambda: Pipeline(
+        [
+            ToolResultBudget(limit=30_000),
+            HistorySnip(context_window=40_000, keep_recent_rounds=2),
+            Microcompact(keep=2, trigger_tokens=4_000, min_reclaim_tokens=200),
+        ]
+    ),
+}
+
+
+def _sent_upstream(
+    tmp_path: Path, name: str, bodies: list[bytes], *, hold: bool
+) -> tuple[list[str], int]:
+    """What the upstream was sent for ``bodies``, each as JSON text; outputs read back."""
+    reads = BODY.reads
+    with ExitStack() as stack:
+        upstream = stack.enter_context(ScriptedMessagesServer(_reply))
+        url = stack.enter_context(
+            proxy(upstream.base_url, tmp_path / name, PIPELINES[name], hold_outputs=hold)
+        )
+        with httpx2.Client(timeout=60) as client:
+            for raw in bodies:
+                answer = client.post(
+                    f"{url}/v1/messages", content=raw, headers={"content-type": "application/json"}
+                )
+                assert answer.status_code == 200, answer.text
+        # the store's place and its tenant's name (under each store's own secret) aside
+        root = str(tmp_path / name)
+        sent = [
+            _TENANT.sub("t-*", json.dumps(b).replace(root, "<root>")) for b in upstream.requests
+        ]
+    return sent, BODY.reads - reads
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+@pytest.mark.parametrize("seed", range(3))
+def test_the_proxy_sends_the_same_requests_holding_outputs_in_them_or_in_memory(
+    tmp_path: Path, name: str, seed: int
+) -> None:
+    bodies = list(sessions(seed))
+    held, _reads = _sent_upstream(tmp_path / "held", name, bodies, hold=True)
+    kept, _ = _sent_upstream(tmp_path / "kept", name, bodies, hold=False)
+    assert len(held) == len(kept) == len(bodies)
+    for k, (a, b) in enumerate(zip(held, kept, strict=True)):
+        assert a == b, f"request {k} differs"
+
+
+def _grown(
+    tmp_path: Path, pipeline: Callable[[], Pipeline], sizes: list[int]
+) -> tuple[list[int], int, int]:
+    """A conversation grown a round a call through the proxy, its outputs ``sizes`` long: the
+    outputs read back by each call, and the outputs held as handles and as text at the end
+    (the test server's copy of the last request aside)."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    reads: list[int] = []
+    with ExitStack() as stack:
+        upstream = stack.enter_context(ScriptedMessagesServer(_reply))
+        url = stack.enter_context(proxy(upstream.base_url, tmp_path, pipeline))
+        with httpx2.Client(timeout=60) as client:
+            for k, size in enumerate(sizes):
+                tid = f"toolu_{k:03d}"
+                messages.append({"role": "assistant", "content": [tool_use(tid)]})
+                messages.append({"role": "user", "content": [tool_result(tid, "y" * size)]})
+                body = {"model": "m", "max_tokens": 5, "messages": messages}
+                before = BODY.reads
+                assert client.post(f"{url}/v1/messages", json=body).status_code == 200
+                reads.append(BODY.reads - before)
+        gc.collect()
+        last = {id(b) for m in upstream.requests[-1]["messages"] for b in m["content"]}
+        blocks = [
+            o
+            for o in gc.get_objects()
+            if type(o) is dict and o.get("type") == "tool_result" and id(o) not in last
+        ]
+    handles = sum(type(b["content"]) is DeferredText for b in blocks)
+    texts = sum(type(b["content"]) is str and len(b["content"]) >= HOLD_AT for b in blocks)
+    return reads, handles, texts
+
+
+def test_a_growing_conversation_holds_its_outputs_and_reads_none_back(tmp_path: Path) -> None:
+    """Call after call, the outputs already passed on are handles (the last request's a call
+    later), and nothing reads them."""
+    reads, handles, texts = _grown(tmp_path, PIPELINES["default"], [5_000] * 20)
+    assert (handles, texts) == (19, 0)
+    assert sum(reads) == 0
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_what_a_call_reads_back_does_not_grow_with_the_conversation(
+    tmp_path: Path, name: str
+) -> None:
+    """What the stages read again (microcompact's oldest kept result, the outputs after a
+    snip's cut, which the writer writes again) is a few outputs a call, never the history."""
+    sizes = [random.Random(k).choice((2_000, 8_000, 20_000)) for k in range(60)]
+    reads, handles, texts = _grown(tmp_path, PIPELINES[name], sizes)
+    assert texts == 0 and handles > 0
+    assert sum(reads) <= 2 * len(sizes) and max(reads) <= 20, reads
+
+
+def test_no_output_is_held_under_a_stage_that_reads_outputs_again(tmp_path: Path) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    with ExitStack() as stack:
+        upstream = stack.enter_context(ScriptedMessagesServer(_reply))
+        url = stack.enter_context(
+            proxy(upstream.base_url, tmp_path, lambda: Pipeline(default_stages(incremental=False)))
+        )
+        with httpx2.Client(timeout=60) as client:
+            for k in range(3):
+                tid = f"toolu_{k:03d}"
+                messages.append({"role": "assistant", "content": [tool_use(tid)]})
+                messages.append({"role": "user", "content": [tool_result(tid, "y" * 5_000)]})
+                body = {"model": "m", "max_tokens": 5, "messages": messages}
+                assert client.post(f"{url}/v1/messages", json=body).status_code == 200
+        gc.collect()
+        handles = [
+            o
+            for o in gc.get_objects()
+            if type(o) is dict and type(o.get("content")) is DeferredText
+        ]
+    assert handles == []
+
+
+def _parsed(raw: bytes) -> tuple[list[Any], list[int], int]:
+    from pipeline.wire.body_reader import BodyReader
+
+    _body, _fast, source = BodyReader().read_source(raw)
+    assert source is not None
+    return list(source.messages), list(source.ends), source.array_open
+
+
+def _body_of(*outputs: str) -> bytes:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    for k, text in enumerate(outputs):
+        messages.append({"role": "assistant", "content": [tool_use(f"t{k}")]})
+        messages.append({"role": "user", "content": [tool_result(f"t{k}", text)]})
+    messages.append({"role": "assistant", "content": "done"})  # the last waits a call
+    return dumps_body({"model": "m", "messages": messages})
+
+
+def test_a_held_output_is_read_from_the_request_being_served_only() -> None:
+    """Read where the body being served carries it, it is its text; where another body is
+    served, or none, it is :class:`OutputNotCarried`, never another output."""
+    text = "é" * 1_500 + '\n"quoted"\\'
+    raw = _body_of("short", text)
+    messages, ends, opening = _parsed(raw)
+    assert hold_outputs(messages, ends, opening, 0) == 1
+    handle = messages[4]["content"][0]["content"]
+    assert type(handle) is DeferredText and type(messages[2]["content"][0]["content"]) is str
+
+    def read_in(body: bytes | None) -> Any:
+        def run() -> Any:
+            with serving_scope():
+                if body is not None:
+                    serving(body)
+                return resolved(handle)
+
+        return contextvars.copy_context().run(run)
+
+    assert read_in(raw) == text
+    assert read_in(raw + b" ") == text  # the same bytes at the same place
+    other = _body_of("short", "ë" * 1_500 + '\n"quoted"\\')  # the same length, other text
+    for body in (other, _body_of("short"), None):
+        with pytest.raises(OutputNotCarried, match="'t1' is not in the request being served"):
+            read_in(body)
+
+
+def test_the_body_served_is_let_go_of_when_its_request_ends() -> None:
+    raw = _body_of("x" * 2_000)
+    messages, ends, opening = _parsed(raw)
+    hold_outputs(messages, ends, opening, 0)
+    handle = messages[2]["content"][0]["content"]
+
+    def run() -> contextvars.Context:
+        with serving_scope():
+            serving(raw)
+            assert resolved(handle) == "x" * 2_000
+            kept = contextvars.copy_context()  # what a timer's callback would hold
+        return kept
+
+    kept = contextvars.copy_context().run(run)
+    with pytest.raises(OutputNotCarried, match="no request is being served"):
+        kept.run(resolved, handle)
+
+
+def test_short_outputs_and_other_blocks_stay_as_they_are() -> None:
+    text = "z" * (HOLD_AT - 1)
+    raw = _body_of(text)
+    messages, ends, opening = _parsed(raw)
+    assert hold_outputs(messages, ends, opening, 0) == 0
+    assert messages[2]["content"][0]["content"] == text
