@@ -299,3 +299,85 @@ def test_short_outputs_and_other_blocks_stay_as_they_are() -> None:
     messages, ends, opening = _parsed(raw)
     assert hold_outputs(messages, ends, opening, 0) == 0
     assert messages[2]["content"][0]["content"] == text
+
+
+PREVIEW = (
+    "<persisted-output>\nOutput too large (40.0KB). Full output saved to: /tmp/x/toolu_p_000.txt"
+    "\n\nPreview (first 2KB):\n" + "line of output\n" * 100 + "...\n</persisted-output>"
+)
+
+
+def _compact(messages: list[Any]) -> bytes:
+    body = {"model": "m", "max_tokens": 5, "messages": messages}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def test_a_held_preview_a_client_sent_is_never_cleared_over(tmp_path: Path) -> None:
+    """A ``<persisted-output>`` preview long enough to be held is still a preview to
+    microcompact when it re-applies its clears after an edit: kept, as when it is in memory."""
+    assert len(PREVIEW) >= HOLD_AT
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    for k in range(6):
+        tid = f"toolu_p_{k:03d}"
+        msgs.append({"role": "assistant", "content": [tool_use(tid)]})
+        msgs.append({"role": "user", "content": [tool_result(tid, f"{k} " + "y" * 5_000)]})
+    bodies = [_compact(msgs[:k]) for k in (3, 5, 7, 9, 11, 13)]
+    edited = json.loads(json.dumps(msgs))
+    edited[2]["content"][0]["content"] = PREVIEW  # the client's own preview now
+    bodies.append(_compact(edited))
+    rewound = edited[:-2]
+    for k in (50, 51):
+        tid = f"toolu_q_{k:03d}"
+        rewound.append({"role": "assistant", "content": [tool_use(tid)]})
+        rewound.append({"role": "user", "content": [tool_result(tid, "z" * 5_000)]})
+        bodies.append(_compact(rewound))
+    held, _ = _sent_upstream(tmp_path / "held", "clearing", bodies, hold=True)
+    kept, _ = _sent_upstream(tmp_path / "kept", "clearing", bodies, hold=False)
+    assert held == kept
+    last = json.loads(held[-1])["messages"][2]["content"][0]["content"]
+    assert last == PREVIEW
+
+
+def test_a_messages_request_to_another_path_leaves_no_body_behind(tmp_path: Path) -> None:
+    """A base URL with a path (``/anthropic/v1/messages``) is served by the same handler: the
+    body it names is let go of when the request ends, as on ``/v1/messages``."""
+    from pipeline.wire import held_outputs
+
+    def bodies_named() -> int:
+        gc.collect()
+        return sum(
+            1 for o in gc.get_objects() if type(o) is held_outputs._Serving and o.raw is not None
+        )
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    with ExitStack() as stack:
+        upstream = stack.enter_context(ScriptedMessagesServer(_reply))
+        url = stack.enter_context(proxy(upstream.base_url, tmp_path, PIPELINES["default"]))
+        with httpx2.Client(timeout=60) as client:
+            for k in range(4):
+                tid = f"toolu_{k:03d}"
+                messages.append({"role": "assistant", "content": [tool_use(tid)]})
+                messages.append({"role": "user", "content": [tool_result(tid, "y" * 50_000)]})
+                for path in ("/anthropic/v1/messages", "/v1/messages/", "/v1/messages"):
+                    answer = client.post(
+                        url + path, json={"model": "m", "max_tokens": 5, "messages": messages}
+                    )
+                    assert answer.status_code == 200
+        assert bodies_named() == 0
+
+
+def test_a_body_is_served_only_within_a_scope() -> None:
+    with pytest.raises(RuntimeError, match="outside a serving_scope"):
+        contextvars.copy_context().run(serving, b"{}")
+
+
+def test_a_held_output_counts_its_characters_without_being_read() -> None:
+    """The request's visible text (what its token estimate goes by) is the same held or not."""
+    from pipeline.wire.chars import request_chars
+
+    raw = _body_of("short", "w" * 3_000)
+    messages, ends, opening = _parsed(raw)
+    before = request_chars(messages)
+    reads = BODY.reads
+    assert hold_outputs(messages, ends, opening, 0) == 1
+    assert request_chars(messages) == before and BODY.reads == reads

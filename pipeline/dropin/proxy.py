@@ -426,7 +426,12 @@ def build_app(
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
         Route(MESSAGES, _ServingScope(request_response(messages)), methods=["POST"]),
-        Route(_PASSTHROUGH, passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+        Route(
+            _PASSTHROUGH,
+            # (a Messages request to another path is served by ``messages`` from there)
+            _ServingScope(request_response(passthrough)),
+            methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+        ),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.wire.canonical import canonical_json
-from pipeline.wire.deferred import resolved
+from pipeline.wire.deferred import DeferredText, resolved
 
 __all__ = [
     "DIGEST_HEX",
@@ -44,6 +44,10 @@ def is_replacement_text(content: Any) -> bool:
     ordinary output, gated and budgeted like any other (a short one that imitates a
     replacement is no larger than a real one).
     """
+    if type(content) is DeferredText:  # an output held out of memory: read only if it may be one
+        if content.chars > MAX_REPLACEMENT_CHARS:
+            return False
+        content = content.read()
     return (
         isinstance(content, str)
         and len(content) <= MAX_REPLACEMENT_CHARS

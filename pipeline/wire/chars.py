@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pipeline.wire.deferred import DeferredText
+
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
@@ -26,6 +28,8 @@ def _block_chars(block: Any) -> int:
         content = block.get("content")
         if isinstance(content, str):
             return len(content)
+        if type(content) is DeferredText:  # held out of memory: its length is known
+            return content.chars
         if isinstance(content, list):
             return sum(_block_chars(b) for b in content)
     return 0

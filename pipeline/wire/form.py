@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
 from pipeline.messages import Block, Message, thread_start
+from pipeline.wire.deferred import resolved
 from pipeline.wire.encoding import encodable
 
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
@@ -97,7 +98,7 @@ def _fold_reminder(blocks: list[Block], texts: list[str]) -> list[Block] | None:
         block = blocks[i]
         if block.get("type") != "tool_result":
             continue
-        inner = block.get("content")
+        inner = resolved(block.get("content"))  # (an output held out of memory: its text)
         folded = dict(block)  # the record's block is shared: never edit it
         if isinstance(inner, list):
             folded["content"] = [*inner, *({"type": "text", "text": t} for t in texts)]

@@ -67,12 +67,12 @@ class OutputNotCarried(ValueError):
 
 def serving(raw: bytes) -> None:
     """Make ``raw`` the request body held outputs are read from, for this task (a request's
-    handler and what it runs: worker threads and passes get a copy of its context) until its
-    :func:`serving_scope` ends."""
+    handler and what it runs: worker threads and passes get a copy of its context) until the
+    :func:`serving_scope` it runs in ends; ``RuntimeError`` outside one (nothing would let go
+    of the body: a copy of the context, a timer's, may outlive the request)."""
     box = _SERVING.get()
     if box is None:
-        box = _Serving()
-        _SERVING.set(box)
+        raise RuntimeError("serving() outside a serving_scope()")
     box.raw = raw
 
 

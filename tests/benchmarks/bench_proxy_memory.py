@@ -4,6 +4,7 @@ read from ``/proc`` (Linux).
 
     python tests/benchmarks/bench_proxy_memory.py [--conversations 16] [--messages 1000]
         [--calls 10] [--claude-code-text] [--spaced-json] [--max-held-size SIZE] [--traced]
+        [--corpus DIR]
 
 Each conversation opens with ``--messages`` messages (~2K-character tool results) and then makes
 ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's resident
@@ -17,12 +18,15 @@ Bodies are compact JSON, as the anthropic SDKs and Claude Code write them; ``--s
 spaced, as Python's ``json.dumps`` writes by default (the proxy then keeps the bytes it sent on:
 see ``pipeline.wire.body_writer``). ``--max-held-size SIZE``: the proxy's option (what the
 conversations it holds last sent may come to; past it it lets the least recently used go), to
-see its resident size stay bounded when the conversations' requests come to more. ``--traced``:
-the proxy served in this process instead (the same app, on a thread), its allocations traced
-while the conversations grow, and what they left charged to the module that made each one: where
-a conversation's memory goes (charged where it was made, not to what holds it: the request
-bodies the body reader keeps are joined in ``pipeline/dropin/proxy.py``). Not a test: it prints
-figures.
+see its resident size stay bounded when the conversations' requests come to more.
+``--traced``: the proxy served in this process instead (the same app, on a thread), its
+allocations traced while the conversations grow, and what they left charged to the module that
+made each one: where a conversation's memory goes (charged where it was made, not to what holds
+it: the request bodies the body reader keeps are joined in ``pipeline/dropin/proxy.py``).
+``--corpus DIR``: the conversations are the Claude Code sessions of a corpus of transcripts
+instead (``claude-code_*/**/*.jsonl``, the ``--conversations`` largest), each sent in
+``--calls`` growing requests cut after a user message, as Claude Code writes JSON: what a held
+conversation costs with real outputs. Not a test: it prints figures.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -74,6 +79,7 @@ def main() -> int:
     parser.add_argument("--traced", action="store_true")
     parser.add_argument("--spaced-json", action="store_true")
     parser.add_argument("--max-held-size", metavar="SIZE", help="the proxy's own option")
+    parser.add_argument("--corpus", type=Path, help="real sessions' transcripts instead")
     args = parser.parse_args()
     bench_peers.SPACED_JSON = args.spaced_json
     if args.traced:
@@ -87,8 +93,7 @@ def main() -> int:
             subprocess.check_output(["pgrep", "-n", "-f", "--", f"--store {store}/p"], text=True)
         )
         with httpx.Client(timeout=300) as client:
-            warm = bench_peers.Conversation(10, "warm")
-            bench_peers.call(client, url, warm, warm.next_body())
+            warm_up(client, url, args)
             before, _ = resident(pid)
             sizes = list(conversations(client, url, args))
             last = sum(size for size, _ in sizes)
@@ -113,6 +118,11 @@ def main() -> int:
 
 
 def heading(args: argparse.Namespace) -> str:
+    if args.corpus is not None:
+        return (
+            f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; the {args.conversations} "
+            f"largest Claude Code sessions of {args.corpus}, {args.calls} calls each"
+        )
     return (
         f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {args.conversations} "
         f"conversations of {args.messages:,} messages and {args.calls} calls each"
@@ -121,11 +131,68 @@ def heading(args: argparse.Namespace) -> str:
     )
 
 
+def warm_up(client: httpx.Client, url: str, args: argparse.Namespace) -> None:
+    """What a first request costs once in a process (its imports, its caches), paid before
+    measuring: with ``--corpus``, a session of it not measured (the one after the largest
+    ``--conversations``), sent whole."""
+    if args.corpus is None:
+        warm = bench_peers.Conversation(10, "warm")
+        bench_peers.call(client, url, warm, warm.next_body())
+        return
+    files = _corpus_files(args.corpus)[args.conversations :]
+    for path in files[:1]:
+        _send(client, url, path, _messages_of(path))
+
+
+def _corpus_files(corpus: Path) -> list[Path]:
+    return sorted(corpus.glob("claude-code_*/**/*.jsonl"), key=lambda f: -f.stat().st_size)
+
+
+def _messages_of(path: Path) -> list[Any]:
+    from pipeline.transcript.read import load_transcript
+    from pipeline.wire.form import to_api
+
+    return list(to_api(load_transcript(path, strict=False).messages))
+
+
+def _send(client: httpx.Client, url: str, path: Path, messages: list[Any]) -> int:
+    """One request of ``messages`` as Claude Code writes it; its size."""
+    body = {"model": "m", "max_tokens": 10, "messages": messages}
+    raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    answer = client.post(
+        url + "/v1/messages",
+        content=raw,
+        headers={"content-type": "application/json", "x-api-key": "k"},
+    )
+    if answer.status_code != 200:
+        raise RuntimeError(f"{path.name}: {answer.status_code} {answer.text[:200]}")
+    return len(raw)
+
+
+def corpus_conversations(
+    client: httpx.Client, url: str, args: argparse.Namespace
+) -> Iterator[tuple[int, int]]:
+    """``--corpus``: each of the largest Claude Code sessions sent in ``args.calls`` growing
+    requests; yields its last request's size and messages."""
+    for path in _corpus_files(args.corpus)[: args.conversations]:
+        messages = _messages_of(path)
+        cuts = [i + 1 for i, m in enumerate(messages) if m["role"] == "user" and i > 0]
+        if not cuts:
+            continue
+        step = max(1, len(cuts) // args.calls)
+        for end in [*cuts[step - 1 :: step][: args.calls - 1], cuts[-1]]:
+            size = _send(client, url, path, messages[:end])
+        yield size, end
+
+
 def conversations(
     client: httpx.Client, url: str, args: argparse.Namespace
 ) -> Iterator[tuple[int, int]]:
     """Each conversation grown through the proxy at ``url``; yields its last request's size
     and messages."""
+    if args.corpus is not None:
+        yield from corpus_conversations(client, url, args)
+        return
     for k in range(args.conversations):
         conversation = bench_peers.Conversation(
             args.messages, f"c{k}", claude_code_text=args.claude_code_text
@@ -149,8 +216,7 @@ def traced(args: argparse.Namespace) -> int:
         store = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         url = stack.enter_context(proxy(upstream, store / "p", stages))
         with httpx.Client(timeout=300) as client:
-            warm = bench_peers.Conversation(10, "warm")
-            bench_peers.call(client, url, warm, warm.next_body())
+            warm_up(client, url, args)
             gc.collect()
             tracemalloc.start()
             before = tracemalloc.take_snapshot()
