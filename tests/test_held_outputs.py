@@ -10,6 +10,7 @@ import gc
 import json
 import random
 import re
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -164,12 +165,13 @@ def _grown(
     the end."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
     reads: list[int] = []
+    tag = f"toolu_grown_{uuid.uuid4().hex[:8]}_"  # this call's blocks among the process's
     with ExitStack() as stack:
         upstream = stack.enter_context(ScriptedMessagesServer(_reply))
         url = stack.enter_context(proxy(upstream.base_url, tmp_path, pipeline))
         with httpx2.Client(timeout=60) as client:
             for k, size in enumerate(sizes):
-                tid = f"toolu_{k:03d}"
+                tid = f"{tag}{k:03d}"
                 messages.append({"role": "assistant", "content": [tool_use(tid)]})
                 messages.append({"role": "user", "content": [tool_result(tid, "y" * size)]})
                 body = {"model": "m", "max_tokens": 5, "messages": messages}
@@ -191,11 +193,14 @@ def _grown(
             for o in gc.get_objects()
             if type(o) is list
             for b in o
-            if type(b) is dict and b.get("type") == "tool_result" and id(b) not in last
+            if type(b) is dict
+            and str(b.get("tool_use_id")).startswith(tag)
+            and b.get("type") == "tool_result"
+            and id(b) not in last
         }
         blocks = list(found.values())
-    handles = sum(type(b["content"]) is DeferredText for b in blocks)
-    texts = sum(type(b["content"]) is str and len(b["content"]) >= HOLD_AT for b in blocks)
+    handles = sum(type(b.get("content")) is DeferredText for b in blocks)
+    texts = sum(type(b.get("content")) is str and len(b["content"]) >= HOLD_AT for b in blocks)
     return reads, handles, texts
 
 
