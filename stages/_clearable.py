@@ -162,9 +162,11 @@ def clears(texts: Mapping[str, str]) -> ContentFor:
 
     def content_for(block: Mapping[str, Any]) -> str | None:
         tid = block.get("tool_use_id")
-        if not isinstance(tid, str) or is_preview(block.get("content")):
+        text = texts.get(tid) if isinstance(tid, str) else None
+        # (the text first: an output held out of memory is read only for a result cleared)
+        if text is None or is_preview(block.get("content")):
             return None
-        return texts.get(tid)
+        return text
 
     return content_for
 

@@ -42,7 +42,9 @@ def is_replacement_text(content: Any) -> bool:
 
     Tool output is attacker-controlled: a longer text that merely begins with the tag is
     ordinary output, gated and budgeted like any other (a short one that imitates a
-    replacement is no larger than a real one).
+    replacement is no larger than a real one). An output held out of memory
+    (:class:`~pipeline.wire.deferred.DeferredText`) short enough to be one is read back, and
+    its source's error (``OutputNotCarried``, ``TranscriptChanged``) raised when it cannot be.
     """
     if type(content) is DeferredText:  # an output held out of memory: read only if it may be one
         if content.chars > MAX_REPLACEMENT_CHARS:
