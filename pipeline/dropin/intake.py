@@ -2,7 +2,9 @@
 body within the bound, answers it with an error shaped as the API's, counts and logs it; and
 the headers a request goes upstream with: a header sent on several lines goes as one, its
 values joined as HTTP joins them (``a, b``); a credential on several lines is refused, since the
-request would be placed under one and checked upstream under another.
+request would be placed under one and checked upstream under another. A Messages request is
+served within a scope (:class:`ServingScope`) that names its body as the one held outputs are
+read from (:mod:`pipeline.wire.held_outputs`) and lets go of it once the response has gone.
 
 A request refused here (too large, compressed, cut off, its body too slow, a credential on
 two header lines, not a Messages request) never reaches
@@ -22,14 +24,16 @@ import anyio
 import httpx2
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.core import PipelineHalt, StageError
 from pipeline.dropin.conversations import SESSION_HEADER
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.tenancy import CREDENTIAL_HEADERS
 from pipeline.dropin.wire_request import CLIENT_LEFT, WireRequest
+from pipeline.wire.held_outputs import serving_scope
 
-__all__ = ["MESSAGES", "Intake", "error", "forwarded", "unreachable"]
+__all__ = ["MESSAGES", "Intake", "ServingScope", "error", "forwarded", "unreachable"]
 
 MESSAGES = "/v1/messages"
 """The Messages API's path: where a Messages request goes upstream, whatever its spelling."""
@@ -182,3 +186,16 @@ def error(status: int, kind: str, message: str, *, close: bool = False) -> Respo
     headers = {"connection": "close"} if close else None
     body = {"type": "error", "error": {"type": kind, "message": message}}
     return JSONResponse(body, status, headers=headers)
+
+
+class ServingScope:
+    """An ASGI app (a route of the proxy's) run within
+    :func:`~pipeline.wire.held_outputs.serving_scope`: the body a request named as the one its
+    held outputs are read from is let go of once its response has gone."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with serving_scope():
+            await self.app(scope, receive, send)

@@ -53,7 +53,6 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route, request_response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.core import Pipeline
 from pipeline.dropin.adapter import WireSession
@@ -65,7 +64,7 @@ from pipeline.dropin.conversations import (
 )
 from pipeline.dropin.group_sync import GroupSync
 from pipeline.dropin.held_families import MAX_BRANCHES, held_size
-from pipeline.dropin.intake import MESSAGES, Intake, error, forwarded, unreachable
+from pipeline.dropin.intake import MESSAGES, Intake, ServingScope, error, forwarded, unreachable
 from pipeline.dropin.limits import (
     BODY_TIMEOUT,
     MAX_ANSWER_BYTES,
@@ -87,7 +86,7 @@ from pipeline.store.spool import SPOOL_DIR
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.body_writer import BodyWriter
 from pipeline.wire.held_outputs import hold_outputs as hold
-from pipeline.wire.held_outputs import serving, serving_scope
+from pipeline.wire.held_outputs import serving
 from pipeline.wire.kept_bodies import MAX_KEPT_BYTES
 from pipeline.wire.request_fields import merge_betas, merge_request_fields
 
@@ -425,27 +424,15 @@ def build_app(
 
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
-        Route(MESSAGES, _ServingScope(request_response(messages)), methods=["POST"]),
+        Route(MESSAGES, ServingScope(request_response(messages)), methods=["POST"]),
         Route(
             _PASSTHROUGH,
             # (a Messages request to another path is served by ``messages`` from there)
-            _ServingScope(request_response(passthrough)),
+            ServingScope(request_response(passthrough)),
             methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
         ),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
-
-
-class _ServingScope:
-    """An ASGI app run within :func:`~pipeline.wire.held_outputs.serving_scope`: the body a
-    request named is let go of once its response has gone."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with serving_scope():
-            await self.app(scope, receive, send)
 
 
 SPOOL_DRAIN_EVERY = 5.0
