@@ -22,6 +22,7 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline.testing import Reply, ScriptedMessagesServer
+from pipeline.wire.body_writer import Source
 from pipeline.wire.deferred import DeferredText, resolved
 from pipeline.wire.encoding import dumps_body
 from pipeline.wire.held_outputs import (
@@ -231,12 +232,12 @@ def test_no_output_is_held_under_a_stage_that_reads_outputs_again(tmp_path: Path
     assert handles == 0 and texts >= 3 and sum(reads) == 0
 
 
-def _parsed(raw: bytes) -> tuple[list[Any], list[int], int]:
+def _parsed(raw: bytes) -> tuple[list[Any], Source]:
     from pipeline.wire.body_reader import BodyReader
 
     _body, _fast, source = BodyReader().read_source(raw)
     assert source is not None
-    return list(source.messages), list(source.ends), source.array_open
+    return list(source.messages), source
 
 
 def _body_of(*outputs: str) -> bytes:
@@ -253,8 +254,8 @@ def test_a_held_output_is_read_from_the_request_being_served_only() -> None:
     served, or none, it is :class:`OutputNotCarried`, never another output."""
     text = "é" * 1_500 + '\n"quoted"\\'
     raw = _body_of("short", text)
-    messages, ends, opening = _parsed(raw)
-    assert hold_outputs(messages, ends, opening, 0) == 1
+    messages, source = _parsed(raw)
+    assert hold_outputs(source, 0) == 1
     handle = messages[4]["content"][0]["content"]
     assert type(handle) is DeferredText and type(messages[2]["content"][0]["content"]) is str
 
@@ -277,8 +278,8 @@ def test_a_held_output_is_read_from_the_request_being_served_only() -> None:
 
 def test_the_body_served_is_let_go_of_when_its_request_ends() -> None:
     raw = _body_of("x" * 2_000)
-    messages, ends, opening = _parsed(raw)
-    hold_outputs(messages, ends, opening, 0)
+    messages, source = _parsed(raw)
+    hold_outputs(source, 0)
     handle = messages[2]["content"][0]["content"]
 
     def run() -> contextvars.Context:
@@ -296,8 +297,8 @@ def test_the_body_served_is_let_go_of_when_its_request_ends() -> None:
 def test_short_outputs_and_other_blocks_stay_as_they_are() -> None:
     text = "z" * (HOLD_AT - 1)
     raw = _body_of(text)
-    messages, ends, opening = _parsed(raw)
-    assert hold_outputs(messages, ends, opening, 0) == 0
+    messages, source = _parsed(raw)
+    assert hold_outputs(source, 0) == 0
     assert messages[2]["content"][0]["content"] == text
 
 
@@ -380,8 +381,8 @@ def test_a_held_output_counts_its_characters_without_being_read() -> None:
     from pipeline.wire.chars import request_chars
 
     raw = _body_of("short", "w" * 3_000)
-    messages, ends, opening = _parsed(raw)
+    messages, source = _parsed(raw)
     before = request_chars(messages)
     reads = BODY.reads
-    assert hold_outputs(messages, ends, opening, 0) == 1
+    assert hold_outputs(source, 0) == 1
     assert request_chars(messages) == before and BODY.reads == reads

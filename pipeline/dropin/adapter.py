@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from pipeline.context import SessionContext
-from pipeline.core import Pipeline, rereading_stages
+from pipeline.core import Pipeline
 from pipeline.dropin.calibration import CalibrationSaves, load_calibration
 from pipeline.dropin.event_stream import EventStreamUsage  # public here before it had a module
 from pipeline.dropin.family_placement import Decided, FamilyPlacement
@@ -383,12 +383,6 @@ class WireSession(ResponseObserving, FamilyPlacement):
         """Where the last request prepared stopped repeating the one before it: its first
         message new to this session."""
         return self._first_new
-
-    @property
-    def holds_outputs(self) -> bool:
-        """Whether outputs may be left out of memory between calls: no stage of its pipeline
-        reads an output again on a later pass (:func:`~pipeline.core.rereading_stages`)."""
-        return not rereading_stages(self.pipeline)
 
     def _sync(self, messages: Sequence[Any]) -> list[Message]:
         """The request's records: the last request's for as long as this one repeats it, a new

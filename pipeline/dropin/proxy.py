@@ -54,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route, request_response
 
-from pipeline.core import Pipeline
+from pipeline.core import Pipeline, rereading_stages
 from pipeline.dropin.adapter import WireSession
 from pipeline.dropin.conversations import (
     MAX_HELD,
@@ -338,8 +338,10 @@ def build_app(
                     content = sent.write(
                         branch.key, merged, fast=fast, unchanging=kept, source=source
                     )
-                    if hold_outputs and fast and source is not None and session.holds_outputs:
-                        hold(source.messages, source.ends, source.array_open, session.first_new)
+                    # (only under stages that read an output once: pipeline.core)
+                    readers = rereading_stages(session.pipeline)
+                    if hold_outputs and fast and source is not None and not readers:
+                        hold(source, session.first_new)
                     call_request.prepared(
                         session.ctx.report, time.monotonic() - passing, len(content)
                     )

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -120,12 +121,13 @@ class DeferredText:
         self.crc = crc
 
     def _key(self) -> tuple[Any, ...]:
-        return (self.source, self.offset, self.length, self.block, self.tool_use_id, self.chars)
+        return (self.source, self.offset, self.length, self.block, self.tool_use_id, self.crc)
 
     def __eq__(self, other: object) -> bool:
+        # (a request's parsed messages are compared by value: equal handles, equal outputs)
         if type(other) is not DeferredText:
             return NotImplemented
-        return self._key() == other._key() and self.crc == other.crc
+        return self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())
@@ -189,7 +191,7 @@ def resolved(content: Any) -> Any:
     return content.read() if type(content) is DeferredText else content
 
 
-def text_or(fallback: Any) -> Any:
+def text_or(fallback: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
     """An encoder's hook (``json``'s ``default``, msgspec's ``enc_hook``) that writes a
     :class:`DeferredText` as its text and anything else as ``fallback`` does (None: refused
     with ``TypeError``, as the encoders refuse what they cannot write)."""

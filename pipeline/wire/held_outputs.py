@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from pipeline.wire.body_writer import Source
 from pipeline.wire.deferred import DeferredText, crc32_of
 
 __all__ = [
@@ -120,22 +121,21 @@ BODY = BodySource()
 """The one source: every handle reads the body its task serves."""
 
 
-def hold_outputs(messages: Sequence[Any], ends: Sequence[int], array_open: int, first: int) -> int:
-    """Leave the long text outputs of the messages from ``first - 1`` on but the last
-    (parsed from a body whose messages array opens at ``array_open``, message ``i`` ending at
-    byte ``ends[i]``; ``first``: the first new to its conversation) in that body: each becomes a
-    handle naming its message's bytes. How many were left. The last message waits a call: the
-    next request sends it without the cache marker the proxy may have added, so its bytes are
-    written again, which reads its outputs. The blocks are changed in place: every holder of
-    the parsed message (the reader's kept body, the records, the wire form) lets go of the
-    text."""
+def hold_outputs(source: Source, first: int) -> int:
+    """Leave the long text outputs of ``source``'s messages from ``first - 1`` on but the last
+    (``first``: the first new to its conversation) in its body: each becomes a handle naming
+    its message's bytes. How many were left. The last message waits a call: the next request
+    sends it without the cache marker the proxy may have added, so its bytes are written again,
+    which reads its outputs. The blocks are changed in place: every holder of the parsed
+    message (the reader's kept body, the records, the wire form) lets go of the text."""
+    messages, ends = source.messages, source.ends
     held = 0
     for i in range(max(0, first - 1), min(len(messages), len(ends)) - 1):
         message = messages[i]
         content = message.get("content") if type(message) is dict else None
         if type(content) is not list:
             continue
-        start = ends[i - 1] if i else array_open
+        start = ends[i - 1] if i else source.array_open
         for k, block in enumerate(content):
             if type(block) is not dict or block.get("type") != "tool_result":
                 continue
