@@ -3,14 +3,17 @@ not as fresh pages each time (glibc only), unless the operator chose otherwise."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
 import pytest
 
 import pipeline._cli.allocator as allocator
@@ -127,3 +130,74 @@ def test_the_proxy_command_tunes_it_unless_told(tmp_path: Path) -> None:
     assert told["left_alone"] == "--system-allocator"
     (chosen,) = _allocator_events(tmp_path, GLIBC_TUNABLES="glibc.malloc.arena_max=1")
     assert "GLIBC_TUNABLES" in chosen["left_alone"]
+
+
+@glibc
+def test_the_proxy_command_trims_the_heap_when_idle(tmp_path: Path) -> None:
+    (tuned,) = _allocator_events(tmp_path)
+    assert tuned["idle_trim"] == allocator.IDLE_TRIM
+    (told,) = _allocator_events(tmp_path, "--system-allocator")
+    assert "idle_trim" not in told
+
+
+def _resident(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@glibc
+def test_a_quiet_proxy_gives_freed_bodies_back(tmp_path: Path) -> None:
+    """Large bodies read, parsed and freed leave their pages in the heap (kept for the next
+    body); a second of quiet gives them back."""
+    with proxy_process("http://127.0.0.1:9", tmp_path / "s") as (
+        url,
+        _lines,
+        _code,
+    ):
+        pid = int(
+            subprocess.check_output(["pgrep", "-n", "-f", "--", f"--store {tmp_path}/s"], text=True)
+        )
+        with httpx.Client(timeout=60) as client:
+            for k in range(3):
+                body = {
+                    "model": "m",
+                    "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "x" * (8 * 2**20 + k)}],
+                }
+                client.post(url + "/v1/messages", json=body, headers={"x-api-key": "k"})
+        busy = _resident(pid)
+        time.sleep(allocator.IDLE_TRIM + 1.5)
+        rested = _resident(pid)
+    # each body held ~3x its size at once (bytes, text, parsed): ~24 MiB kept, then given back
+    assert busy - rested > 8 * 2**20, (busy, rested)
+
+
+@pytest.mark.asyncio
+async def test_idle_trim_waits_for_quiet_and_trims_once() -> None:
+    trims: list[float] = []
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("path") == "/slow":
+            await release.wait()
+
+    idle = allocator.IdleTrim(app, lambda: trims.append(time.monotonic()), idle=0.05)
+    slow = asyncio.create_task(idle({"type": "http", "path": "/slow"}, None, None))
+    await idle({"type": "http", "path": "/"}, None, None)
+    await asyncio.sleep(0.2)
+    assert trims == []  # a request still in flight
+    release.set()
+    await slow
+    await asyncio.sleep(0.2)
+    assert len(trims) == 1 and idle.trims == 1
+    await asyncio.sleep(0.2)
+    assert len(trims) == 1  # once a quiet spell
+    await idle({"type": "lifespan"}, None, None)
+    await asyncio.sleep(0.2)
+    assert len(trims) == 1  # not a request
+    await idle({"type": "http", "path": "/"}, None, None)
+    await asyncio.sleep(0.2)
+    assert len(trims) == 2

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipeline._cli.allocator import HEAP_BLOCKS, KEEP_FREED, tune_allocator
+from pipeline._cli.allocator import (
+    HEAP_BLOCKS,
+    IDLE_TRIM,
+    KEEP_FREED,
+    IdleTrim,
+    heap_trimmer,
+    tune_allocator,
+)
 from pipeline._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -110,6 +117,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             upstream_client=client,
             **context,
         )
+        # for the process's life: glibc's moving thresholds cannot be had back
+        untuned = "--system-allocator" if args.system_allocator else tune_allocator()
+        trim = heap_trimmer() if untuned is None else None
+        served: Any = app if trim is None else IdleTrim(app, trim)
         sock = _listen(args.host, args.port)
         port = sock.getsockname()[1]
         where = f"http://{args.host}:{port}"
@@ -134,7 +145,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
         server = _announcing(
             uvicorn.Config(
-                app,
+                served,
                 # under --log-json its lines go through the JSON handler (logging_setup)
                 log_config=None if args.log_json else uvicorn.config.LOGGING_CONFIG,
                 log_level="warning",
@@ -154,10 +165,13 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         asyncio_log.addFilter(AcceptRetryAfterClose())
         # and uvicorn's line for each request answered 503 past --max-connections
         logging.getLogger("uvicorn.error").addFilter(OnceIn("Exceeded concurrency limit"))
-        # for the process's life: glibc's moving thresholds cannot be had back
-        untuned = "--system-allocator" if args.system_allocator else tune_allocator()
         if untuned is None:
-            log.debug("proxy.allocator", heap_blocks=HEAP_BLOCKS, keep_freed=KEEP_FREED)
+            log.debug(
+                "proxy.allocator",
+                heap_blocks=HEAP_BLOCKS,
+                keep_freed=KEEP_FREED,
+                idle_trim=IDLE_TRIM if trim is not None else None,
+            )
         else:
             log.debug("proxy.allocator", left_alone=untuned)
         log.debug("proxy.serving", http=parser, loop=loop, upstream_client=client)

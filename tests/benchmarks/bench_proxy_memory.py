@@ -8,8 +8,10 @@ read from ``/proc`` (Linux).
 
 Each conversation opens with ``--messages`` messages (~2K-character tool results) and then makes
 ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's resident
-size before and after, what it grew by, and that against the size of the last request of every
-conversation (the conversation's wire text: what a client re-sends each call). The growth holds
+size before and after (right after the last answer, and at rest: a second of quiet later, once
+it has given the C heap's free pages back), what it grew by, and that against the size of the
+last request of every conversation (the conversation's wire text: what a client re-sends each
+call). The growth holds
 the conversations (their records, the stages' state, the wire form) and what the proxy keeps to
 read and write the next requests in the size of what is new in them (the last bodies as parsed,
 one a conversation held; the bytes written of its own, at most 32 MiB). ``--claude-code-text``:
@@ -39,6 +41,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
@@ -52,9 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_peers  # noqa: E402
 import httpx2 as httpx  # noqa: E402
 
+from pipeline._cli.allocator import IDLE_TRIM  # noqa: E402
 from pipeline.dropin.held_families import held_size  # noqa: E402
 from tests.wire_support import proxy, proxy_process  # noqa: E402
 
+_REST = IDLE_TRIM + 1.0
+"""Seconds waited before a resident size is read at rest: the proxy gives the C heap's free
+pages back once it has been idle for a second (``pipeline._cli.allocator``)."""
 _TOP = 14
 """Modules printed by ``--traced`` (the rest are summed)."""
 
@@ -94,20 +101,25 @@ def main() -> int:
         )
         with httpx.Client(timeout=300) as client:
             warm_up(client, url, args)
+            time.sleep(_REST)
             before, _ = resident(pid)
             sizes = list(conversations(client, url, args))
             last = sum(size for size, _ in sizes)
             held = sum(held_size(size, n) for size, n in sizes)
+            busy, _ = resident(pid)
+            time.sleep(_REST)
             after, peak = resident(pid)
     grown = after - before
     print(heading(args))
     print(
-        f"the proxy's resident size: {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB "
-        f"after (peak {peak / 2**20:.1f} MiB)"
+        f"the proxy's resident size: {before / 2**20:.1f} MiB before, {busy / 2**20:.1f} MiB "
+        f"right after the last answer, {after / 2**20:.1f} MiB at rest (peak "
+        f"{max(peak, busy) / 2**20:.1f} MiB)"
     )
+    print(f"right after the last answer: {(busy - before) / last:.2f}x a conversation's wire text")
     print(
         f"grown by {grown / 2**20:.1f} MiB for {last / 2**20:.1f} MiB of last requests: "
-        f"{grown / last:.2f}x a conversation's wire text"
+        f"{grown / last:.2f}x a conversation's wire text at rest"
         + (f" (the proxy held at most {args.max_held_size} of them)" if args.max_held_size else "")
     )
     print(
