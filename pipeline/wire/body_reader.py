@@ -271,10 +271,11 @@ def _finish(
             text = raw[offsets.byte :].decode("utf-8")
             offsets = _Offsets(raw, text, 0, offsets.byte)
         pos = _next_message(text, offsets.char) if messages else _skip(text, offsets.char)
+        ids: dict[str, str] = {}  # a call's id and its result's: one string
         while text[pos : pos + 1] != "]":
             start = pos
             value, pos = _DECODER.raw_decode(text, pos)
-            value = shared_message(value)  # held as long as its conversation: one "role"
+            value = shared_message(value, ids)  # held as long as its conversation: one "role"
             # text decoded strictly from UTF-8 holds no surrogate: only a \uD8xx-\uDFxx
             # escape makes one, so a value whose text has no "\ud" (any case) needs no walk
             if (

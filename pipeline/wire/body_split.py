@@ -67,6 +67,7 @@ def split_new(
     if len(items) < k:
         return None
     found: list[Any] = []
+    ids: dict[str, str] = {}  # a call's id and its result's: one string
     at: list[int] = []
     for j, item in enumerate(items[k:], start=k):
         if j:
@@ -79,7 +80,7 @@ def split_new(
             value = _ANY.decode(item)
         except msgspec.DecodeError:
             return None
-        found.append(shared_message(value))
+        found.append(shared_message(value, ids))
         pos += len(item)
         at.append(pos)
     if _skip_bytes(raw, pos) != close:
