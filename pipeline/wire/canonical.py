@@ -1,5 +1,12 @@
 """The canonical JSON that digests are taken of (:func:`canonical_json`): the bytes every
-stored digest was made from, written fast where that gives the same bytes."""
+stored digest was made from, written fast where that gives the same bytes.
+
+msgspec writes a string that is not ASCII from the UTF-8 form CPython makes of it and then
+keeps on the string for as long as it lives (``PyUnicode_AsUTF8AndSize``): a message a
+conversation holds would carry a second copy of each such text from its first digest on (0.12x
+of a real Claude Code session's wire text). :func:`leaf_kinds` tells a value msgspec writes
+without one (:data:`ASCII`) from one the standard library writes alike instead (:data:`ALIKE`),
+whose strings it only reads."""
 
 from __future__ import annotations
 
@@ -8,9 +15,9 @@ from typing import Any
 
 import msgspec
 
-from pipeline.wire.deferred import text_or
+from pipeline.wire.deferred import DeferredText, text_or
 
-__all__ = ["canonical_json"]
+__all__ = ["ALIKE", "ASCII", "OTHER", "canonical_json", "leaf_kinds"]
 
 # what json.dumps builds on every call with these options: built once
 # (an output held out of memory as its text: pipeline.wire.held_outputs)
@@ -34,9 +41,9 @@ def canonical_json(value: Any, *, what: str = "content") -> bytes:
     (``ensure_ascii=False``, a lone surrogate passed through, anything else by its ``repr``),
     in UTF-8; ``ValueError`` naming ``what`` for a value nested too deeply to write, the
     standard library's for one that holds itself. What msgspec writes alike
-    (:func:`_written_alike`), it writes: ~3-7 times as fast, and digests are a new
+    (:func:`leaf_kinds` says :data:`ASCII`), it writes: ~3-7 times as fast, and digests are a new
     conversation's first cost (one per message)."""
-    if _written_alike(value):
+    if leaf_kinds(value) == ASCII:
         try:
             return _FAST.encode(value)
         except (TypeError, ValueError, RecursionError):
@@ -48,16 +55,26 @@ def canonical_json(value: Any, *, what: str = "content") -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def _written_alike(value: Any) -> bool:
-    """Whether ``value`` holds only dicts with keys of the exact type ``str``, lists, tuples
-    and leaves of :data:`_ALIKE`'s exact types, at most :data:`_DEEPEST` levels deep (the two
-    writers give up on nesting at different depths) and :data:`_MOST_ITEMS` values in all (a
-    value that holds itself would never end: the standard library says so)."""
-    level, items = [value], 0
+ASCII = 0
+"""Dicts with keys of the exact type ``str``, lists, tuples and leaves of :data:`_ALIKE`'s exact
+types, every string ASCII: msgspec writes them as the standard library does."""
+ALIKE = 1
+"""As :data:`ASCII`, but with a string that is not ASCII or a held output
+(:class:`~pipeline.wire.deferred.DeferredText`, written as its text) among them: the standard
+library writes it alike without keeping a UTF-8 copy on a string (see the module)."""
+OTHER = 2
+"""Anything else, or more than :data:`_DEEPEST` levels deep or :data:`_MOST_ITEMS` values."""
+
+
+def leaf_kinds(value: Any) -> int:
+    """:data:`ASCII`, :data:`ALIKE` or :data:`OTHER`: which of the two writers ``value`` is
+    for (the two give up on nesting at different depths, and a value that holds itself would
+    never end: the standard library says so)."""
+    level, items, kinds = [value], 0, ASCII
     for _ in range(_DEEPEST):
         items += len(level)
         if items > _MOST_ITEMS:
-            return False
+            return OTHER
         below: list[Any] = []
         push = below.extend
         for v in level:
@@ -65,13 +82,20 @@ def _written_alike(value: Any) -> bool:
             if kind is dict:
                 for key in v:
                     if type(key) is not str:  # a subclass may sort by its own rules
-                        return False
+                        return OTHER
+                    if not key.isascii():
+                        kinds = ALIKE
                 push(v.values())
             elif kind is list or kind is tuple:
                 push(v)
+            elif kind is str:
+                if not v.isascii():  # a flag the string carries
+                    kinds = ALIKE
+            elif kind is DeferredText:
+                kinds = ALIKE
             elif kind not in _ALIKE:
-                return False
+                return OTHER
         if not below:
-            return True
+            return kinds
         level = below
-    return False
+    return OTHER

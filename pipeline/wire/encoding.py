@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from pipeline.wire.canonical import ALIKE, leaf_kinds
 from pipeline.wire.deferred import text_or
 
 __all__ = ["dumps_body", "encodable", "fast_encode", "has_lone_surrogate", "loads_body"]
@@ -157,10 +158,25 @@ def dumps_body(value: Any, *, fast: bool = True) -> bytes:
 _TEXT = text_or(None)
 """Outputs held out of memory written as their text (:mod:`pipeline.wire.held_outputs`)."""
 _decode = msgspec.json.Decoder().decode
-_encode = msgspec.json.Encoder(enc_hook=_TEXT).encode
+_msgspec_encode = msgspec.json.Encoder(enc_hook=_TEXT).encode
+# json.dumps(value, ensure_ascii=False, separators=(",", ":")), built once
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=_TEXT).encode
+
+
+def _encode(value: Any) -> bytes:
+    # a value whose strings are not all ASCII, the standard library writes: msgspec would leave
+    # a UTF-8 copy on each such string for as long as it lives (pipeline.wire.canonical)
+    if leaf_kinds(value) == ALIKE:
+        return _COMPACT(value).encode("utf-8")
+    return _msgspec_encode(value)
+
+
 fast_encode = _encode
 """The fast encoder :func:`dumps_body` uses (JSON bytes; ``TypeError``, ``ValueError`` or
-``OverflowError`` for what it cannot write): pieces it writes, joined, are its whole."""
+``OverflowError`` for what it cannot write): pieces it writes, joined, are its whole. It writes
+what msgspec writes; a value whose strings are not all ASCII is written by the standard library,
+alike, so that no string it holds keeps a UTF-8 copy of itself (see
+:mod:`pipeline.wire.canonical`)."""
 
 
 def has_lone_surrogate(value: Any) -> bool:

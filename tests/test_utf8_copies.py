@@ -1,0 +1,88 @@
+"""Writing a value whose strings are not all ASCII leaves no UTF-8 copy on its strings.
+
+msgspec writes such a string from the UTF-8 form CPython makes of it and keeps on it for as long
+as it lives; a conversation the proxy holds would carry a second copy of every such text from
+its first digest on. ``sys.getsizeof`` counts that copy."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from typing import Any
+
+import msgspec
+import pytest
+
+from pipeline.wire.canonical import ALIKE, ASCII, OTHER, canonical_json, leaf_kinds
+from pipeline.wire.digests import message_digest
+from pipeline.wire.encoding import dumps_body, fast_encode
+
+
+def _message() -> Any:
+    # parsed, as the body reader parses it: fresh strings
+    return json.loads(
+        json.dumps(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "naïve café " * 200},
+                    {"type": "tool_result", "tool_use_id": "toolu_é", "content": "日本語" * 300},
+                ],
+            }
+        )
+    )
+
+
+def _sizes(value: Any) -> list[int]:
+    out = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            out.append(sys.getsizeof(v))
+        elif isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            stack += v
+    return out
+
+
+@pytest.mark.parametrize(
+    "write",
+    [canonical_json, fast_encode, dumps_body, message_digest],
+    ids=["canonical_json", "fast_encode", "dumps_body", "message_digest"],
+)
+def test_writing_leaves_no_utf8_copy_on_the_strings(write: Any) -> None:
+    message = _message()
+    before = _sizes(message)
+    write(message)
+    assert _sizes(message) == before
+    # what msgspec alone does (the reason): the text grows by its UTF-8 form
+    msgspec.json.encode(message)
+    assert sum(_sizes(message)) > sum(before) + 3000
+
+
+def test_the_bytes_are_msgspecs_own() -> None:
+    rng = random.Random(7)
+    alphabet = [chr(c) for c in range(0x300)] + ["😀", "\u2028", "日", "\U0010ffff", '"', "\\"]
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        value = [{"type": "text", "text": text, text: [rng.randint(-(10**20), 10**20), None]}]
+        assert fast_encode(value) == msgspec.json.encode(value)
+        assert dumps_body(value) == msgspec.json.encode(value)
+
+
+def test_leaf_kinds() -> None:
+    assert leaf_kinds({"a": ["b", 1, True, None]}) == ASCII
+    assert leaf_kinds({"a": ["é"]}) == ALIKE
+    assert leaf_kinds({"é": 1}) == ALIKE
+    assert leaf_kinds({"a": 1.5}) == OTHER
+    assert leaf_kinds({"é": 1.5}) == OTHER  # a float: msgspec writes it its own way
+
+
+def test_a_lone_surrogate_is_still_written_by_the_standard_library() -> None:
+    value = {"text": "é\ud800"}
+    assert dumps_body(value) == json.dumps(value).encode()
+    with pytest.raises(ValueError):
+        fast_encode(value)
