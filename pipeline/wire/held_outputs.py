@@ -43,9 +43,10 @@ __all__ = [
     "serving_scope",
 ]
 
-HOLD_AT = 1024
-"""Characters from which an output is left in the request: the outputs this long are most of
-a conversation's text, and a handle costs ~150 bytes."""
+HOLD_AT = 256
+"""Characters from which an output is left in the request: a handle costs ~150 bytes, such a
+string 300 and more (from 1,024 characters, real Claude Code sessions held 0.06x of their wire
+text more)."""
 
 
 class _Serving:
