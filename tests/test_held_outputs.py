@@ -5,11 +5,13 @@ request being served; and it holds none under a stage that reads outputs again."
 
 from __future__ import annotations
 
+import base64
 import contextvars
 import gc
 import json
 import random
 import re
+import struct
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -59,16 +61,43 @@ def _output(rng: random.Random, tid: str) -> Any:
     return text
 
 
+def _text(rng: random.Random, tag: str) -> str:
+    size = rng.choice(SIZES[:4])
+    return f"[{tag}] " + "".join(rng.choice('ijkl \n"é') for _ in range(32)) * (size // 32)
+
+
+def _png(rng: random.Random) -> str:
+    """A base64 PNG of a random size, padded: its header is what the token estimate reads."""
+    width, height = rng.randrange(1, 4000), rng.randrange(1, 4000)
+    head = b"\x89PNG\r\n\x1a\n" + struct.pack(">I4sII", 13, b"IHDR", width, height)
+    return base64.b64encode(head + b"\x00" * rng.choice((50, 600, 9_000))).decode()
+
+
 def _round(rng: random.Random, tag: str, k: int) -> list[dict[str, Any]]:
+    """A call and its results, with (at random) the other blocks whose long texts the proxy
+    holds: a tool call's long input, the answer's text and thinking, an image, a user's text."""
     ids = [f"toolu_{tag}_{k:03d}_{j}" for j in range(rng.choice((1, 1, 2, 4)))]
     name = rng.choice(("Bash", "Read", "Grep"))
     results: list[dict[str, Any]] = [tool_result(t, _output(rng, t)) for t in ids]
     if rng.random() < 0.15:
         results.append({"type": "text", "text": "<system-reminder>todo list</system-reminder>"})
-    return [
-        {"role": "assistant", "content": [tool_use(t, name) for t in ids]},
-        {"role": "user", "content": results},
-    ]
+    if rng.random() < 0.2:
+        results.append({"type": "text", "text": _text(rng, tag)})
+    if rng.random() < 0.15:
+        source = {"type": "base64", "media_type": "image/png", "data": _png(rng)}
+        results.append({"type": "image", "source": source})
+    calls: list[dict[str, Any]] = []
+    if rng.random() < 0.2:
+        thinking = _text(rng, tag + "t")
+        calls.append({"type": "thinking", "thinking": thinking, "signature": "Eo" * 200})
+    if rng.random() < 0.3:
+        calls.append({"type": "text", "text": _text(rng, tag + "a")})
+    for t in ids:
+        long = rng.random() < 0.4
+        calls.append(
+            tool_use(t, name, command=_text(rng, t) if long else "ls", n=3, file_path="/x")
+        )
+    return [{"role": "assistant", "content": calls}, {"role": "user", "content": results}]
 
 
 def sessions(seed: int, steps: int = 36) -> Iterator[bytes]:
@@ -245,7 +274,8 @@ def _body_of(*outputs: str) -> bytes:
     for k, text in enumerate(outputs):
         messages.append({"role": "assistant", "content": [tool_use(f"t{k}")]})
         messages.append({"role": "user", "content": [tool_result(f"t{k}", text)]})
-    messages.append({"role": "assistant", "content": "done"})  # the last waits a call
+    # the last two wait a call
+    messages += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "ok"}]
     return dumps_body({"model": "m", "messages": messages})
 
 
@@ -386,3 +416,127 @@ def test_a_held_output_counts_its_characters_without_being_read() -> None:
     reads = BODY.reads
     assert hold_outputs(source, 0) == 1
     assert request_chars(messages) == before and BODY.reads == reads
+
+
+def _every_kind(rng: random.Random) -> list[dict[str, Any]]:
+    """Messages holding a long text of every kind the proxy leaves in the request."""
+    long = 'naïve \\ "text"\n' * 40
+    return [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "think " + long, "signature": "Eo" * 300},
+                {"type": "text", "text": "answer " + long},
+                tool_use("t0", "Write", file_path="/a", content="file " + long, n=2),
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                tool_result("t0", "out " + long),
+                {"type": "text", "text": "user " + long},
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": _png(rng)},
+                },
+                {
+                    "type": "document",
+                    "source": {
+                        "type": "base64",
+                        "media_type": "application/pdf",
+                        "data": "JVBE" * 100,
+                    },
+                },
+            ],
+        },
+        {"role": "assistant", "content": "done"},  # the last two wait a call
+        {"role": "user", "content": "ok"},
+    ]
+
+
+def test_every_reader_of_a_held_text_reads_what_it_would_in_memory() -> None:
+    """The proxy's readers of a message's texts (token features and the rough estimate, the
+    visible characters, the digests, the writer's encoding) give for a message whose long
+    texts are held what they give for it in memory."""
+    from pipeline.messages import Message
+    from pipeline.tokens.features import content_vector
+    from pipeline.tokens.priors import FEATURES
+    from pipeline.tokens.reference import rough_tokens_for_messages
+    from pipeline.wire.chars import param_chars
+    from pipeline.wire.digests import message_digest
+    from pipeline.wire.encoding import fast_encode
+
+    messages = _every_kind(random.Random(3))
+    raw = dumps_body({"model": "m", "messages": messages})
+    parsed, source = _parsed(raw)
+    assert hold_outputs(source, 0) == 8
+    weights = [1.0] * len(FEATURES)
+    with serving_scope():
+        serving(raw)
+        for held, kept in zip(parsed[1:3], messages[1:3], strict=True):
+            assert held != kept  # handles in it
+            a, b = Message.from_param(held), Message.from_param(kept)
+            assert content_vector(a, weights).data == content_vector(b, weights).data
+            assert rough_tokens_for_messages([a]) == rough_tokens_for_messages([b])
+            assert message_digest(held) == message_digest(kept)
+            assert fast_encode(held) == fast_encode(kept)
+        # a held tool input counts its characters and quotes, not its escapes: not read back
+        reads = BODY.reads
+        assert param_chars(parsed[2]) == param_chars(messages[2])
+        assert abs(param_chars(parsed[1]) - param_chars(messages[1])) <= long_escapes(messages)
+        assert BODY.reads == reads
+
+
+def long_escapes(messages: list[dict[str, Any]]) -> int:
+    """What repr adds to a tool input's long value: one per escaped character."""
+    value = messages[1]["content"][2]["input"]["content"]
+    return len(repr(value)) - len(value) - 2
+
+
+def test_a_held_text_of_another_block_is_never_read() -> None:
+    """A text handle checks its place (block, path), its length and its CRC: the bytes of
+    another message, or of this one with another text there, are :class:`OutputNotCarried`."""
+    messages = _every_kind(random.Random(4))
+    raw = dumps_body({"model": "m", "messages": messages})
+    parsed, source = _parsed(raw)
+    hold_outputs(source, 0)
+    handle = parsed[1]["content"][1]["text"]
+    assert type(handle) is DeferredText and handle.path == ("text",)
+    changed = json.loads(json.dumps(messages))
+    changed[1]["content"][1]["text"] = changed[1]["content"][1]["text"].replace("a", "b")
+    with serving_scope():
+        serving(raw)
+        assert str(handle) == messages[1]["content"][1]["text"]
+        serving(dumps_body({"model": "m", "messages": changed}))
+        with pytest.raises(OutputNotCarried, match="text of block 1"):
+            handle.read()
+
+
+def test_a_growing_conversation_reads_none_of_its_held_texts_back(tmp_path: Path) -> None:
+    """Rounds with every kind of long text, call after call under the default stages (none of
+    which acts on so short a history): all held (the last two messages' a call later), none
+    read back."""
+    rng = random.Random(5)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    reads = 0
+    with ExitStack() as stack:
+        upstream = stack.enter_context(ScriptedMessagesServer(_reply))
+        url = stack.enter_context(
+            proxy(upstream.base_url, tmp_path, lambda: Pipeline(default_stages()))
+        )
+        with httpx2.Client(timeout=60) as client:
+            for k in range(12):
+                kinds = _every_kind(rng)[1:3]
+                tid = f"toolu_every_{uuid.uuid4().hex[:8]}_{k}"
+                kinds[0]["content"][2]["id"] = kinds[1]["content"][0]["tool_use_id"] = tid
+                messages += kinds
+                body = {"model": "m", "max_tokens": 5, "messages": messages}
+                before = BODY.reads
+                assert client.post(f"{url}/v1/messages", json=body).status_code == 200
+                reads += BODY.reads - before
+            gc.collect()
+            handles = [o for o in gc.get_objects() if type(o) is DeferredText]
+    assert reads == 0
+    # seven or eight texts a round (an image may be short), the last round's a call later
+    assert len({(h.offset, h.block, h.path) for h in handles}) >= 7 * 11

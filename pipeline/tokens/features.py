@@ -113,9 +113,9 @@ def _as_javascript(value: Any) -> Any:
 def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segment]:
     btype = block.get("type")
     if btype == "text":
-        yield Segment("text", str(block.get("text") or ""), error=error)
+        yield Segment("text", str(resolved(block.get("text")) or ""), error=error)
     elif btype == "thinking":
-        yield Segment("thinking", str(block.get("thinking") or ""))
+        yield Segment("thinking", str(resolved(block.get("thinking")) or ""))
     elif btype == "redacted_thinking":
         yield Segment("thinking", str(block.get("data") or ""))
     elif btype in ("image", "document"):
@@ -230,7 +230,7 @@ def _add_media(vec: ContentVector, block: Mapping[str, Any], weights: Sequence[f
     if block.get("type") == "document":
         source = block.get("source")
         if isinstance(source, Mapping) and source.get("type") == "text":
-            _add_text(vec, str(source.get("data") or ""), "text", weights)
+            _add_text(vec, str(resolved(source.get("data")) or ""), "text", weights)
             return
         vec.data[CLASS_INDEX["media"]] += IMAGE_TOKENS  # PDFs and the like: no cheap size
         return

@@ -9,6 +9,8 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.wire.deferred import resolved
+
 __all__ = ["IMAGE_TOKENS", "image_size", "image_tokens"]
 
 IMAGE_TOKENS = 2_000
@@ -79,7 +81,7 @@ def image_tokens(block: Mapping[str, Any]) -> float:
     source = block.get("source")
     if not isinstance(source, Mapping) or source.get("type") != "base64":
         return float(IMAGE_TOKENS)
-    size = image_size(str(source.get("data") or ""))
+    size = image_size(str(resolved(source.get("data")) or ""))
     if size is None or size[0] <= 0 or size[1] <= 0:
         return float(IMAGE_TOKENS)
     w, h = float(size[0]), float(size[1])

@@ -23,7 +23,10 @@ from pipeline.wire.pairing import PairingError, PairingIndex
 if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
-__all__ = ["WireCache", "request_chars"]
+__all__ = ["EDITABLE", "WireCache", "request_chars"]
+
+EDITABLE = 2
+"""The last messages of a request a :class:`WireCache` hands on as fresh copies, by default."""
 
 
 class WireCache:
@@ -50,7 +53,7 @@ class WireCache:
     copies.)
     """
 
-    def __init__(self, *, editable: int = 2, track_dropped: bool = False) -> None:
+    def __init__(self, *, editable: int = EDITABLE, track_dropped: bool = False) -> None:
         self.editable = editable
         self.track_dropped = track_dropped
         self.dropped: list[Any] = []

@@ -14,21 +14,36 @@ if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
 __all__ = ["param_chars", "request_chars"]
 
 
+def _text_chars(value: Any) -> int:
+    if type(value) is DeferredText:  # held out of memory: its length is known
+        return value.chars
+    return len(str(value or ""))
+
+
+def _input_chars(given: Any) -> int:
+    if type(given) is not dict or not any(type(v) is DeferredText for v in given.values()):
+        return len(repr(given))
+    # a value held out of memory counts as its characters and its quotes: not read back
+    held = {k: v for k, v in given.items() if type(v) is DeferredText}
+    rest = {k: ("" if k in held else v) for k, v in given.items()}
+    return len(repr(rest)) + sum(h.chars for h in held.values())
+
+
 def _block_chars(block: Any) -> int:
     if not isinstance(block, dict):
         return 0
     btype = block.get("type")
     if btype == "text":
-        return len(str(block.get("text") or ""))
+        return _text_chars(block.get("text"))
     if btype == "thinking":
-        return len(str(block.get("thinking") or ""))
+        return _text_chars(block.get("thinking"))
     if btype == "tool_use":
-        return len(str(block.get("name") or "")) + len(repr(block.get("input")))
+        return len(str(block.get("name") or "")) + _input_chars(block.get("input"))
     if btype == "tool_result":
         content = block.get("content")
         if isinstance(content, str):
             return len(content)
-        if type(content) is DeferredText:  # held out of memory: its length is known
+        if type(content) is DeferredText:
             return content.chars
         if isinstance(content, list):
             return sum(_block_chars(b) for b in content)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = [
+    "OUTPUT",
     "DeferredSource",
     "DeferredText",
     "TextSource",
@@ -93,14 +94,21 @@ class TextSource:
             os.close(fd)
 
 
-class DeferredText:
-    """Where a tool_result's output lies: the ``block``-th block of the message in the
-    ``length`` bytes at ``offset`` of ``source`` (a transcript's line, a request's message);
-    the output is ``chars`` characters long, and ``crc`` is the CRC-32 of its UTF-8 bytes
-    (another output of the same length is caught). Not a dataclass: an encoder that writes
-    dataclasses as objects (msgspec) must hand it to its hook (:func:`text_or`) instead."""
+OUTPUT = ("content",)
+"""The path of a tool_result's output in its block."""
 
-    __slots__ = ("block", "chars", "crc", "length", "offset", "source", "tool_use_id")
+
+class DeferredText:
+    """Where a text lies: at ``path`` in the ``block``-th block of the message in the
+    ``length`` bytes at ``offset`` of ``source`` (a transcript's line, a request's message) --
+    a tool_result's output (:data:`OUTPUT`), or, in a request, a tool call's input value, a
+    text, a thinking block's text or signature, an image's data. ``tool_use_id``: the id of
+    that block's tool call or result ("" for a block without one); the text is ``chars``
+    characters long, and ``crc`` is the CRC-32 of its UTF-8 bytes (another text of the same
+    length is caught). ``str()`` reads it. Not a dataclass: an encoder that writes dataclasses
+    as objects (msgspec) must hand it to its hook (:func:`text_or`) instead."""
+
+    __slots__ = ("block", "chars", "crc", "length", "offset", "path", "source", "tool_use_id")
 
     def __init__(
         self,
@@ -111,6 +119,7 @@ class DeferredText:
         tool_use_id: str,
         chars: int,
         crc: int,
+        path: tuple[str, ...] = OUTPUT,
     ) -> None:
         self.source = source
         self.offset = offset
@@ -119,9 +128,18 @@ class DeferredText:
         self.tool_use_id = tool_use_id
         self.chars = chars
         self.crc = crc
+        self.path = path
 
     def _key(self) -> tuple[Any, ...]:
-        return (self.source, self.offset, self.length, self.block, self.tool_use_id, self.crc)
+        return (
+            self.source,
+            self.offset,
+            self.length,
+            self.block,
+            self.tool_use_id,
+            self.crc,
+            self.path,
+        )
 
     def __eq__(self, other: object) -> bool:
         # (a request's parsed messages are compared by value: equal handles, equal outputs)
@@ -133,10 +151,17 @@ class DeferredText:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        return f"DeferredText({self.tool_use_id[:64]!r}, {self.chars} chars at {self.offset})"
+        return (
+            f"DeferredText({self.tool_use_id[:64]!r}, {'.'.join(self.path)[:64]}, "
+            f"{self.chars} chars at {self.offset})"
+        )
+
+    def __str__(self) -> str:
+        # a reader that takes any value as text (str(value or "")) gets the text, not a repr
+        return self.read()
 
     def read(self) -> str:
-        """The output, read from its bytes again; the source's error
+        """The text, read from its bytes again; the source's error
         (:meth:`DeferredSource.unreadable`) when they no longer hold it."""
         try:
             message = self.source.message(self.offset, self.length)
@@ -146,15 +171,18 @@ class DeferredText:
             raise self.source.unreadable(self, None) from exc
         try:
             block = message["content"][self.block]
-            text = block["content"]
+            ident = block.get("tool_use_id", block.get("id", "")) if self.tool_use_id else ""
+            text = block
+            for step in self.path:
+                text = text[step]
             if (
                 not isinstance(text, str)
-                or block["tool_use_id"] != self.tool_use_id
+                or ident != self.tool_use_id
                 or len(text) != self.chars
                 or crc32_of(text) != self.crc
             ):
-                raise ValueError("another output")
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
+                raise ValueError("another text")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise self.source.unreadable(self, None) from exc
         return text
 

@@ -31,7 +31,8 @@ from contextvars import ContextVar
 from typing import Any
 
 from pipeline.wire.body_writer import Source
-from pipeline.wire.deferred import DeferredText, crc32_of
+from pipeline.wire.cache import EDITABLE
+from pipeline.wire.deferred import OUTPUT, DeferredText, crc32_of
 
 __all__ = [
     "BODY",
@@ -112,9 +113,13 @@ class BodySource:
 
     def unreadable(self, handle: DeferredText, why: str | None) -> ValueError:
         """:class:`OutputNotCarried`."""
+        what = (
+            f"the output of {handle.tool_use_id[:64]!r}"
+            if handle.path == OUTPUT
+            else f"the {'.'.join(handle.path)[:64]} of block {handle.block}"
+        )
         return OutputNotCarried(
-            f"the output of {handle.tool_use_id[:64]!r} is not in the request being served"
-            + (f": {why}" if why is not None else "")
+            f"{what} is not in the request being served" + (f": {why}" if why is not None else "")
         )
 
 
@@ -123,29 +128,90 @@ BODY = BodySource()
 
 
 def hold_outputs(source: Source, first: int) -> int:
-    """Leave the long text outputs of ``source``'s messages from ``first - 1`` on but the last
+    """Leave the long texts of ``source``'s messages from ``first - 2`` on but the last two
     (``first``: the first new to its conversation) in its body: each becomes a handle naming
-    its message's bytes. How many were left. The last message waits a call: the next request
-    sends it without the cache marker the proxy may have added, so its bytes are written again,
-    which reads its outputs. The blocks are changed in place: every holder of the parsed
-    message (the reader's kept body, the records, the wire form) lets go of the text."""
+    its message's bytes. How many were left. The last two messages wait a call: the wire form
+    hands them on as fresh copies (:data:`~pipeline.wire.cache.EDITABLE`), which the proxy may
+    mark for the cache, so the next request's writer writes their bytes again, which reads
+    their texts. The blocks are changed in place: every holder of the parsed message (the
+    reader's kept body, the records, the wire form) lets go of the text.
+
+    The texts left: a tool_result's output when it is a string (a block list is read by the
+    harness split and the preview checks: left as it is), each string value of a tool call's
+    input, a text block's text, a thinking block's text and signature, and the data of a
+    base64 image or document -- each of :data:`HOLD_AT` characters and more."""
     messages, ends = source.messages, source.ends
     held = 0
-    for i in range(max(0, first - 1), min(len(messages), len(ends)) - 1):
+    for i in range(max(0, first - EDITABLE), min(len(messages), len(ends)) - EDITABLE):
         message = messages[i]
         content = message.get("content") if type(message) is dict else None
         if type(content) is not list:
             continue
         start = ends[i - 1] if i else source.array_open
+        length = ends[i] - start
         for k, block in enumerate(content):
-            if type(block) is not dict or block.get("type") != "tool_result":
-                continue
-            text = block.get("content")
-            tool_use_id = block.get("tool_use_id")
-            if type(text) is not str or len(text) < HOLD_AT or type(tool_use_id) is not str:
-                continue
-            block["content"] = DeferredText(
-                BODY, start, ends[i] - start, k, tool_use_id, len(text), crc32_of(text)
-            )
-            held += 1
+            if type(block) is dict:
+                held += _hold_block(block, k, start, length)
     return held
+
+
+_TEXT = ("text",)
+_THINKING = ("thinking",)
+_SIGNATURE = ("signature",)
+_DATA = ("source", "data")
+_INPUT_PATHS: dict[str, tuple[str, str]] = {}
+"""One path tuple for each input name met (a few: ``command``, ``content``, ``new_string``...)."""
+_INPUT_NAMES = 1024
+"""Input names given a shared path, at most (past it, each handle has its own)."""
+
+
+def _hold_block(block: dict[str, Any], k: int, start: int, length: int) -> int:
+    kind = block.get("type")
+    if kind == "tool_result":
+        ident = block.get("tool_use_id")
+        return type(ident) is str and _hold(block, "content", k, start, length, ident, OUTPUT)
+    if kind == "tool_use":
+        ident, given = block.get("id"), block.get("input")
+        if type(ident) is not str or type(given) is not dict:
+            return 0
+        held = 0
+        for name, value in given.items():
+            if type(name) is str and type(value) is str and len(value) >= HOLD_AT:
+                held += _hold(given, name, k, start, length, ident, _input_path(name))
+        return held
+    if kind == "text":
+        return _hold(block, "text", k, start, length, "", _TEXT)
+    if kind == "thinking":
+        return _hold(block, "thinking", k, start, length, "", _THINKING) + _hold(
+            block, "signature", k, start, length, "", _SIGNATURE
+        )
+    if kind in ("image", "document"):
+        data = block.get("source")
+        if type(data) is dict and data.get("type") == "base64":
+            return _hold(data, "data", k, start, length, "", _DATA)
+    return 0
+
+
+def _input_path(name: str) -> tuple[str, str]:
+    path = _INPUT_PATHS.get(name)
+    if path is None:
+        path = ("input", name)
+        if len(_INPUT_PATHS) < _INPUT_NAMES:
+            _INPUT_PATHS[name] = path
+    return path
+
+
+def _hold(
+    holder: dict[str, Any],
+    key: str,
+    k: int,
+    start: int,
+    length: int,
+    ident: str,
+    path: tuple[str, ...],
+) -> bool:
+    text = holder.get(key)
+    if type(text) is not str or len(text) < HOLD_AT:
+        return False
+    holder[key] = DeferredText(BODY, start, length, k, ident, len(text), crc32_of(text), path)
+    return True
