@@ -143,9 +143,10 @@ class PairingIndex:
         del self._registered[start:]
         for i in range(start, len(params)):
             problems, registered = _entry_problems(params, i, self._first_use)
-            # most messages have neither: share one empty tuple rather than keep two lists each
+            # most messages have neither: share one empty tuple rather than keep two lists
+            # each; an assistant's ids as a tuple (48 bytes for one, a list 88)
             self._problems.append(problems or ())
-            self._registered.append(registered or ())
+            self._registered.append(tuple(registered))
             self.count += len(problems)
 
     @property
