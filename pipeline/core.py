@@ -45,8 +45,11 @@ class Stage(Protocol):
     library's stages do); any other stage is given a copy, so that a stage that edits its
     input in place cannot corrupt what an earlier stage keeps. A stage that sets
     ``rereads_outputs = False`` promises that a later pass never reads a tool output it has
-    already met (a replay may then put outputs back in their file, a proxy leave them in the
-    requests that carry them: :func:`rereading_stages`).
+    already met, nor any other long text of a message it has met (a tool call's input value, a
+    text, a thinking block, an image's data): a replay may then put outputs back in their
+    file, a proxy leave those texts in the requests that carry them
+    (:func:`rereading_stages`). A reader that may meet one anyway gets its text with ``str()``
+    or :func:`pipeline.wire.deferred.resolved`, which read it back.
     """
 
     name: str
@@ -287,6 +290,7 @@ class Pipeline:
 
 
 def rereading_stages(pipeline: Pipeline) -> list[str]:
-    """The stages of ``pipeline`` that may read a tool output again on a later pass (their
-    ``rereads_outputs`` is not False): outputs must stay in memory under them."""
+    """The stages of ``pipeline`` that may read a tool output (or another long text of a
+    message) again on a later pass (their ``rereads_outputs`` is not False): such texts must
+    stay in memory under them."""
     return [s.name for s in pipeline.stages if getattr(s, "rereads_outputs", True) is not False]

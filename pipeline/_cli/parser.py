@@ -274,7 +274,7 @@ def _add_proxy_parser(sub: Any) -> None:
         metavar="SIZE",
         help="what the last requests of the conversations held may come to, each counted as "
         "its body's bytes and 2 KiB a message (e.g. 512M; the proxy's memory grows by "
-        "~1-1.5 times it); past it the least recently used are "
+        "~0.7-1.5 times it); past it the least recently used are "
         f"let go as past --max-conversations (default {MAX_HELD_BYTES >> 20}M)",
     )
     limits.add_argument(

@@ -7,7 +7,7 @@ request counted as nothing leaves its conversation's size as it was). The proxy 
 request as its body's bytes and :data:`MESSAGE_COST` a message (:func:`held_size`): each
 message holds records and the stages' state beyond its text, ~2 KB however short it is, so a
 body of many short messages holds far more than its bytes. The proxy's resident size, its body
-caches included, grows by ~1-1.5 times what the conversations held come to
+caches included, grows by ~0.7-1.5 times what the conversations held come to
 (``tests/benchmarks/bench_proxy_memory.py``).
 
 Past either bound, the families least recently routed to are let go, all their conversations at
@@ -48,7 +48,7 @@ MAX_HELD = 256
 """How many conversations are held in memory by default."""
 MAX_HELD_BYTES = 512 << 20
 """What the last requests of the conversations held may come to by default (512 MiB, as
-:func:`held_size` counts them: the proxy's resident size grows by ~1-1.5 times that)."""
+:func:`held_size` counts them: the proxy's resident size grows by ~0.7-1.5 times that)."""
 MAX_BRANCHES = 32
 """How many conversations one family holds in memory by default (forks, edits, rewinds of one
 conversation; its records keep the others)."""

@@ -18,7 +18,7 @@ HTTP and GenAI semantic conventions where they exist (:mod:`pipeline.tracing` ho
 - ``sluicegate.conversations.held`` ({conversation}) and ``sluicegate.conversations.held.size``
   (By), gauges read when the metrics are collected: the conversations the proxy holds in
   memory and what their last requests come to, each its body's bytes and 2 KiB a message
-  (its resident size grows by ~1-1.5 times that; both bounded: ``--max-conversations``,
+  (its resident size grows by ~0.7-1.5 times that; both bounded: ``--max-conversations``,
   ``--max-held-size``).
 """
 

@@ -1,24 +1,25 @@
-"""A held conversation's long tool outputs left in the request that carries them
+"""A held conversation's long texts left in the request that carries them
 (:func:`hold_outputs`), read back from the request being served where a reader needs one.
 
 A client re-sends its whole conversation on every call, and the body reader hands each message
 of a repeated prefix back as the object it parsed before (:mod:`pipeline.wire.body_reader`),
-at the same byte offset: the prefix is the same bytes from the body's first byte on. So the
-text of an output the proxy has passed on is in every later request of its conversation again,
-at the same place, and the proxy need not hold it between calls. Once a request has been
-written, each tool_result output of at least :data:`HOLD_AT` characters among its new messages
-(the last message's a call later) becomes a :class:`~pipeline.wire.deferred.DeferredText`
-naming its message's bytes; a reader that meets one (:func:`~pipeline.wire.deferred.resolved`,
-the encoders' hooks) parses it from the body being served (:func:`serving`). The body writer
-takes an unchanged message's bytes from the request without reading it, so a growing
-conversation's later calls read none; a stage that looks at an old output again (microcompact
-weighing its oldest kept result, the messages after a snip's cut written again) reads a few.
+at the same byte offset: the prefix is the same bytes from the body's first byte on. So a text
+the proxy has passed on is in every later request of its conversation again, at the same
+place, and the proxy need not hold it between calls. Once a request has been written, each
+text of at least :data:`HOLD_AT` characters among its new messages (the last two messages' a
+call later) -- a tool output, a tool call's input value, a text or thinking block, an image's
+data -- becomes a :class:`~pipeline.wire.deferred.DeferredText` naming its message's bytes;
+a reader that meets one (``str()``, :func:`~pipeline.wire.deferred.resolved`, the encoders'
+hooks) parses it from the body being served (:func:`serving`). The body writer takes an
+unchanged message's bytes from the request without reading it, so a growing conversation's
+later calls read none; a stage that looks at an old output again (microcompact weighing its
+oldest kept result, the messages after a snip's cut written again) reads a few.
 
-A handle is read only from the request being served in this task, checked against the output's
-length and CRC-32: bytes that hold another output (a request that no longer carries it) are
-:class:`OutputNotCarried`, never another conversation's text. The proxy holds outputs only
-under a pipeline whose stages never read an output again on a later pass (``rereads_outputs =
-False``: :func:`~pipeline.core.rereading_stages`).
+A handle is read only from the request being served in this task, checked against its block's
+tool id, its place in the block, its length and CRC-32: bytes that hold another text (a
+request that no longer carries it) are :class:`OutputNotCarried`, never another
+conversation's text. The proxy holds texts only under a pipeline whose stages never read one
+again on a later pass (``rereads_outputs = False``: :func:`~pipeline.core.rereading_stages`).
 """
 
 from __future__ import annotations
