@@ -540,3 +540,48 @@ def test_a_growing_conversation_reads_none_of_its_held_texts_back(tmp_path: Path
     assert reads == 0
     # seven or eight texts a round (an image may be short), the last round's a call later
     assert len({(h.offset, h.block, h.path) for h in handles}) >= 7 * 11
+
+
+def test_a_held_input_is_checked_by_its_calls_id_whatever_else_the_block_holds() -> None:
+    long = "x" * 300
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            # a stray "tool_use_id" on a call: its input is checked by the call's own "id"
+            "content": [{**tool_use("t1", command=long), "tool_use_id": "zz"}],
+        },
+        {"role": "user", "content": [tool_result("t1", "ok")]},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "b"},
+    ]
+    raw = dumps_body({"model": "m", "messages": messages})
+    parsed, source = _parsed(raw)
+    assert hold_outputs(source, 0) == 1
+    with serving_scope():
+        serving(raw)
+        assert str(parsed[1]["content"][0]["input"]["command"]) == long
+
+
+def test_a_long_input_name_is_not_kept_once_its_handle_is_gone() -> None:
+    """The shared paths of input names are a few short ones: a client's long name lives as
+    long as its handle."""
+    from pipeline.wire import held_outputs
+
+    name = "n" * 5_000
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t", "name": "X", "input": {name: "v" * 300}}],
+        },
+        {"role": "user", "content": [tool_result("t", "ok")]},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "b"},
+    ]
+    _parsed_messages, source = _parsed(dumps_body({"model": "m", "messages": messages}))
+    assert hold_outputs(source, 0) == 1
+    assert name not in held_outputs._INPUT_PATHS
+    assert (
+        "command" in held_outputs._input_path("command") and "command" in held_outputs._INPUT_PATHS
+    )

@@ -96,6 +96,8 @@ class TextSource:
 
 OUTPUT = ("content",)
 """The path of a tool_result's output in its block."""
+_ID_KEYS = {"content": "tool_use_id", "input": "id"}
+"""The key of the id a held text's block is checked by, by its path's first step."""
 
 
 class DeferredText:
@@ -171,7 +173,8 @@ class DeferredText:
             raise self.source.unreadable(self, None) from exc
         try:
             block = message["content"][self.block]
-            ident = block.get("tool_use_id", block.get("id", "")) if self.tool_use_id else ""
+            # a tool call's id for its input, a result's for its output (none for the rest)
+            ident = block.get(_ID_KEYS[self.path[0]]) if self.tool_use_id else ""
             text = block
             for step in self.path:
                 text = text[step]

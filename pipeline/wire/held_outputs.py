@@ -34,6 +34,7 @@ from typing import Any
 from pipeline.wire.body_writer import Source
 from pipeline.wire.cache import EDITABLE
 from pipeline.wire.deferred import OUTPUT, DeferredText, crc32_of
+from pipeline.wire.shared_strings import SHARED_MAX
 
 __all__ = [
     "BODY",
@@ -161,7 +162,8 @@ _THINKING = ("thinking",)
 _SIGNATURE = ("signature",)
 _DATA = ("source", "data")
 _INPUT_PATHS: dict[str, tuple[str, str]] = {}
-"""One path tuple for each input name met (a few: ``command``, ``content``, ``new_string``...)."""
+"""One path tuple for each input name met (a few: ``command``, ``content``, ``new_string``...);
+names of at most :data:`~pipeline.wire.shared_strings.SHARED_MAX` characters."""
 _INPUT_NAMES = 1024
 """Input names given a shared path, at most (past it, each handle has its own)."""
 
@@ -197,7 +199,8 @@ def _input_path(name: str) -> tuple[str, str]:
     path = _INPUT_PATHS.get(name)
     if path is None:
         path = ("input", name)
-        if len(_INPUT_PATHS) < _INPUT_NAMES:
+        # a client's names, kept for the process's life: a few short ones, never a long one
+        if len(name) <= SHARED_MAX and len(_INPUT_PATHS) < _INPUT_NAMES:
             _INPUT_PATHS[name] = path
     return path
 
