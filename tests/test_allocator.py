@@ -9,7 +9,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -151,16 +154,25 @@ def _resident(pid: int) -> int:
 @glibc
 def test_a_quiet_proxy_gives_freed_bodies_back(tmp_path: Path) -> None:
     """Large bodies read, parsed and freed leave their pages in the heap (kept for the next
-    body); a second of quiet gives them back."""
-    with proxy_process("http://127.0.0.1:9", tmp_path / "s") as (
-        url,
-        _lines,
-        _code,
-    ):
+    body); a second of quiet gives them back. Their size is read while a request is still in
+    flight (its body not all sent), so that nothing is given back before it is read, however
+    slowly this test runs."""
+    release = threading.Event()
+
+    def held_open() -> Iterator[bytes]:
+        yield b'{"model": "m", "max_tokens": 1, "messages": ['
+        release.wait(60)
+        yield b"]}"
+
+    with proxy_process("http://127.0.0.1:9", tmp_path / "s") as (url, _lines, _code):
         pid = int(
             subprocess.check_output(["pgrep", "-n", "-f", "--", f"--store {tmp_path}/s"], text=True)
         )
-        with httpx.Client(timeout=60) as client:
+        headers = {"x-api-key": "k", "content-type": "application/json"}
+        with httpx.Client(timeout=60) as client, ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                client.post, url + "/v1/messages", content=held_open(), headers=headers
+            )
             for k in range(3):
                 body = {
                     "model": "m",
@@ -168,7 +180,9 @@ def test_a_quiet_proxy_gives_freed_bodies_back(tmp_path: Path) -> None:
                     "messages": [{"role": "user", "content": "x" * (8 * 2**20 + k)}],
                 }
                 client.post(url + "/v1/messages", json=body, headers={"x-api-key": "k"})
-        busy = _resident(pid)
+            busy = _resident(pid)
+            release.set()
+            pending.result()
         time.sleep(allocator.IDLE_TRIM + 1.5)
         rested = _resident(pid)
     # each body held ~3x its size at once (bytes, text, parsed): ~24 MiB kept, then given back
