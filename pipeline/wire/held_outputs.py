@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 HOLD_AT = 256
-"""Characters from which an output is left in the request: a handle costs ~150 bytes, such a
+"""Characters from which a text is left in the request: a handle costs ~150 bytes, such a
 string 300 and more (from 1,024 characters, real Claude Code sessions held 0.06x of their wire
 text more)."""
 
