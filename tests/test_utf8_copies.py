@@ -58,8 +58,16 @@ def test_writing_leaves_no_utf8_copy_on_the_strings(write: Any) -> None:
     before = _sizes(message)
     write(message)
     assert _sizes(message) == before
-    # what msgspec alone does (the reason): the text grows by its UTF-8 form
+
+
+def test_msgspec_alone_leaves_one() -> None:
+    """The reason (msgspec 0.23 on CPython 3.11, and earlier): a string it writes grows by its
+    UTF-8 form. Should a release stop that, this test says so and the workaround can go."""
+    message = _message()
+    before = _sizes(message)
     msgspec.json.encode(message)
+    if sum(_sizes(message)) <= sum(before):
+        pytest.skip("this msgspec leaves no UTF-8 copy on the strings it writes")
     assert sum(_sizes(message)) > sum(before) + 3000
 
 
