@@ -195,7 +195,7 @@ class ContextCollapse:
 
     @property
     def rereads_outputs(self) -> bool:
-        """Whether a later pass may read a tool output this stage has already met again
+        """Whether a later pass may read again a tool output (or another long text) it has met
         (:func:`~pipeline.core.rereading_stages`): a summariser may be given what it
         summarised before; a rescan reads everything."""
         return self.summarizer is not None or not self.incremental

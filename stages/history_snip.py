@@ -176,7 +176,7 @@ class HistorySnip:
 
     @property
     def rereads_outputs(self) -> bool:
-        """Whether a later pass may read a tool output this stage has already met again
+        """Whether a later pass may read again a tool output (or another long text) it has met
         (:func:`~pipeline.core.rereading_stages`): only when it rescans every pass
         (``incremental=False``)."""
         return not self.incremental

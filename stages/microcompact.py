@@ -161,7 +161,7 @@ class Microcompact:
 
     @property
     def rereads_outputs(self) -> bool:
-        """Whether a later pass may read a tool output this stage has already met again
+        """Whether a later pass may read again a tool output (or another long text) it has met
         (:func:`~pipeline.core.rereading_stages`): only when it rescans every pass
         (``incremental=False``); an output it cleared is re-applied from its own state (a result
         with a harness tail is never let go: the tail is read again)."""

@@ -97,7 +97,7 @@ class ToolResultBudget:
 
     @property
     def rereads_outputs(self) -> bool:
-        """Whether a later pass may read a tool output this stage has already met again
+        """Whether a later pass may read again a tool output (or another long text) it has met
         (:func:`~pipeline.core.rereading_stages`): only when it rescans every pass
         (``incremental=False``); its cache keeps each result's size and key, and lets go of a
         decided output."""
