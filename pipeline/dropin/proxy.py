@@ -161,9 +161,9 @@ def build_app(
     ``POST`` to a path ending in ``/v1/messages`` (a client whose base URL has a path, a
     trailing slash, doubled slashes) is a Messages request, sent upstream to ``/v1/messages``;
     a path with a ``.`` or ``..`` segment (also percent-encoded) is refused with 400.
-    ``hold_outputs``: leave a held conversation's long tool outputs in the request that
-    carries them again, rather than in memory (:mod:`pipeline.wire.held_outputs`; only under
-    stages that never read an output again).
+    ``hold_outputs``: leave a held conversation's long texts (tool outputs and inputs, texts,
+    thinking, image data) in the request that carries them again, rather than in memory
+    (:mod:`pipeline.wire.held_outputs`; only under stages that never read one again).
     ``upstream_timeout``: seconds an upstream call may take to answer (then 504
     ``timeout_error``); a client that goes away meanwhile cancels it. A conversation is held
     for one call's pass only, never while its upstream call runs. ``max_conversations``: how

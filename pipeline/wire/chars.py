@@ -21,12 +21,14 @@ def _text_chars(value: Any) -> int:
 
 
 def _input_chars(given: Any) -> int:
-    if type(given) is not dict or not any(type(v) is DeferredText for v in given.values()):
+    held = (
+        [v.chars for v in given.values() if type(v) is DeferredText] if type(given) is dict else []
+    )
+    if not held:
         return len(repr(given))
     # a value held out of memory counts as its characters and its quotes: not read back
-    held = {k: v for k, v in given.items() if type(v) is DeferredText}
-    rest = {k: ("" if k in held else v) for k, v in given.items()}
-    return len(repr(rest)) + sum(h.chars for h in held.values())
+    rest = {k: "" if type(v) is DeferredText else v for k, v in given.items()}
+    return len(repr(rest)) + sum(held)
 
 
 def _block_chars(block: Any) -> int:
