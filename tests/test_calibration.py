@@ -736,6 +736,34 @@ def test_the_vector_cache_keeps_little_a_record() -> None:
     assert cached / len(records) < 150
 
 
+def test_the_vector_cache_lets_go_of_a_history_no_call_has_priced_since() -> None:
+    """A history priced whole once (a first estimate without an anchor) is not kept for as long
+    as the conversation is: two calls that price only what came after their anchor later,
+    only those vectors are held -- and every estimate is what a fresh estimator gives."""
+    tracker = TokenTracker("calibrated")
+    estimator = tracker.estimator
+    assert isinstance(estimator, CalibratedEstimator)
+    history = [user_text(f"note {i}: " + "x" * (50 + i)) for i in range(300)]
+    tracker.estimate_detail(history, model=SONNET)
+    assert all(m in estimator._cache for m in history)
+    messages = list(history)
+    for call in range(3):
+        answer = Message.assistant(
+            [tool_use(f"t{call}", "Read", file_path="/a.py")],
+            message_id=f"m{call}",
+            usage=Usage(input_tokens=9_000 + 500 * call, output_tokens=40),
+            model=SONNET,
+        )
+        messages += [answer, results(tool_result(f"t{call}", CODE))]
+        before = tracker.estimate_detail(messages, model=SONNET)
+        fresh = CalibratedEstimator.from_state_dict(estimator.state_dict())
+        assert TokenTracker(estimator=fresh).estimate(messages, model=SONNET) == before.total
+        tracker.observe(messages, Usage(input_tokens=10_000 + 600 * call), model=SONNET)
+    held = set(estimator._cache) | set(estimator._older)
+    assert not held & set(history)
+    assert held <= set(messages[-6:])
+
+
 def test_the_vector_cache_lets_go_of_the_least_recently_used() -> None:
     """Bounded at ``cache_size`` records; a record priced again is kept over older ones, and
     what it gives is what pricing it afresh gives."""

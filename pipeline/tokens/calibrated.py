@@ -82,11 +82,12 @@ class CalibratedEstimator:
     :class:`~pipeline.tokens.Estimator`.
 
     The anchor is the caller's (:func:`pipeline.tokens.find_anchor`): this class only prices
-    and learns. Messages are immutable by convention, so each one is vectorised once (an LRU
-    keyed by identity; the entry holds the message so its id cannot be reused). An estimate
-    depends on the records, the anchor, the model and what it has observed (:attr:`observations`
-    counts the calls): it and the tracker reuse an answer until one of those changes, so set its
-    options when making it, not between calls.
+    and learns. Messages are immutable by convention, so each one is vectorised once while
+    it is in use (an LRU keyed by identity, the entry holding the message so its id cannot be
+    reused; a vector no estimate used during the last call is let go of at the next one). An
+    estimate depends on the records, the anchor, the model and what it has observed
+    (:attr:`observations` counts the calls): it and the tracker reuse an answer until one of
+    those changes, so set its options when making it, not between calls.
     """
 
     def __init__(
@@ -134,6 +135,11 @@ class CalibratedEstimator:
         # vector packed (~70 bytes, the array ~350): at 4,096 records a conversation, this
         # cache was the largest state a held conversation had after its content
         self._cache: dict[Message, bytes] = {}
+        # what the call before the last one learned from used (its vectors move back to
+        # _cache when used again): a history priced whole once (a first estimate without an
+        # anchor, a stage's first cut) is let go of two calls later, where a plain LRU kept
+        # it as long as the conversation was held (~0.13x of a held conversation's wire text)
+        self._older: dict[Message, bytes] = {}
         self._last_split: tuple[Usage | None, tuple[Message, ...], _Split] | None = None
         """The anchor usage, records from the anchor on and split of the latest estimate."""
         self._learned = 0
@@ -158,7 +164,9 @@ class CalibratedEstimator:
         cache = self._cache
         hit = cache.pop(message, None)
         if hit is None:
-            hit = content_vector(message, self._w).pack()
+            hit = self._older.pop(message, None)
+            if hit is None:
+                hit = content_vector(message, self._w).pack()
         cache[message] = hit  # the most recently used: last
         if len(cache) > self._cache_size:
             del cache[next(iter(cache))]  # the least recently used
@@ -306,6 +314,8 @@ class CalibratedEstimator:
     def learn_from(self, call: CallSeen) -> tuple[bool, str]:
         """Learn from one call: whether it learned, and why (not)."""
         split = self._split(call.messages, find_anchor(call.messages))
+        # a call's end: the vectors no estimate used since the last one are let go of
+        self._older, self._cache = self._cache, {}
         self._learned += 1  # whatever follows may change the state every estimate reads
         model, usage = call.model, call.usage
         family = model_family(model or split.anchor_model)
