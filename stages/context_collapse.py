@@ -253,7 +253,7 @@ class ContextCollapse:
             decision,
             reason,
             count=len(commits),
-            members=lambda: (u for c in commits for u in c.uuids),
+            members=lambda: frozenset(u for c in commits for u in c.uuids),
             freed=freed,
             facts=facts,
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 from pipeline.incremental import AppendWatch
@@ -22,8 +22,10 @@ class Projection:
 
     decisions: int
     """How many decisions the output applied."""
-    members: frozenset[str]
-    """The uuids those decisions name."""
+    members: Set[str]
+    """The uuids those decisions name: the stage's own set, read as it stands (its decisions
+    only accumulate, and a count of them other than :attr:`decisions` makes this output
+    stale whatever the set holds), so a history's worth of uuids is not copied."""
     out: list[Message]
     """What the pass sent, when it differed from its input: the stage's own list, extended in
     place by the next pass (its receivers only read it: see :class:`pipeline.core.Stage`)."""
@@ -35,7 +37,7 @@ class Projection:
         cls,
         last: Projection | None,
         decisions: int,
-        members: Callable[[], Iterable[str]],
+        members: Callable[[], Set[str]],
         out: list[Message],
         applied: int,
     ) -> Projection:
@@ -44,7 +46,7 @@ class Projection:
         is 0, which is not kept)."""
         named = last.members if last is not None and last.decisions == decisions else None
         if named is None:
-            named = frozenset(members())
+            named = members()
         return cls(decisions, named, out if applied else [], applied)
 
     def extend(

@@ -4,7 +4,7 @@ once the stage has acted (or not)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -115,7 +115,7 @@ class ProjectionPass(Generic[S]):
         reason: Reason,
         *,
         count: int,
-        members: Callable[[], Iterable[str]],
+        members: Callable[[], Set[str]],
         freed: int,
         facts: Mapping[str, AttributeValue],
     ) -> list[Message]:
