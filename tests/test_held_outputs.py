@@ -248,11 +248,14 @@ def test_what_a_call_reads_back_does_not_grow_with_the_conversation(
     tmp_path: Path, name: str
 ) -> None:
     """What the stages read again (microcompact's oldest kept result, the outputs after a
-    snip's cut, which the writer writes again) is a few outputs a call, never the history."""
-    sizes = [random.Random(k).choice((2_000, 8_000, 20_000)) for k in range(60)]
+    snip's cut, which the writer writes again, and the rounds a snip weighs when it acts: the
+    token estimator keeps a message's vector only while calls price it) is a few outputs a
+    call, never the history: no more late in the conversation than early."""
+    sizes = [random.Random(k).choice((2_000, 8_000, 20_000)) for k in range(90)]
     reads, handles, texts = _grown(tmp_path, PIPELINES[name], sizes)
     assert texts == 1 and handles > 0
-    assert sum(reads) <= 2 * len(sizes) and max(reads) <= 20, reads
+    assert sum(reads) <= 3 * len(sizes) and max(reads) <= 30, reads
+    assert max(reads[60:]) <= max(reads[30:60]) + 2, reads
 
 
 def test_no_output_is_held_under_a_stage_that_reads_outputs_again(tmp_path: Path) -> None:
