@@ -151,8 +151,11 @@ class BudgetCache:
         start = self.log.take(messages)
         touched: set[Name] = set()
         if start < scanned:
+            undone = self.log.removed  # the messages scanned from ``start`` on, as they were
+            if len(undone) != scanned - start:  # a pass that failed drops its cache: never
+                raise RuntimeError("the budget's scan and its input log disagree")
             for index in range(scanned - 1, start - 1, -1):
-                scan.pop(index, replacements, touched)
+                scan.pop(index, undone[index - start], replacements, touched)
             for p in [p for p in self.patches if p >= start]:
                 del self.patches[p]
             del self._sent[start:]

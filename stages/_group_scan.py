@@ -69,16 +69,31 @@ class _Undo:
     """Per tool_result block, in order: what it is sent as (what the output patch reads)."""
 
 
-_Step = _Undo | tuple[Name | None, ...] | None
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """An assistant message's step when none of its tool ids had a name before it: the rest
+    of what it added (its response id, its tool ids) is read back from the message when it is
+    undone. Four shared values stand for every such step (an :class:`_Undo` and its names,
+    ~150 bytes, were kept for every answer of a held conversation)."""
+
+    closed_group: bool
+    new_id: bool
+    """Its response id was new (see :attr:`_Undo.assistant_id`)."""
+
+
+_ANSWERS = {(c, n): _Answer(c, n) for c in (False, True) for n in (False, True)}
+
+_Step = _Undo | _Answer | tuple[Name | None, ...] | None
 """One message's step: None when it added nothing; a user message whose blocks all are
 mappings and whose results all have ids, its slots alone (its candidates are the slots named
-by a key: a string); else an :class:`_Undo`. A step is kept for every message of a held
-conversation: the tuple alone is ~90 bytes less than an object beside it."""
+by a key: a string); an assistant message whose tool ids are all new, an :class:`_Answer`;
+else an :class:`_Undo`. A step is kept for every message of a held conversation: the tuple
+alone is ~90 bytes less than an object beside it."""
 
 
 def step_slots(step: _Step) -> tuple[Name | None, ...]:
     """What one message's step says each of its tool_result blocks is sent as, in order."""
-    if step is None:
+    if step is None or type(step) is _Answer:
         return ()
     return step if type(step) is tuple else step.slots  # type: ignore[union-attr]
 
@@ -196,7 +211,7 @@ class GroupScan:
         self.malformed += u.malformed
         self.undo.append(u)
 
-    def _push_assistant(self, m: Message) -> _Undo | None:
+    def _push_assistant(self, m: Message) -> _Undo | _Answer | None:
         u: _Undo | None = None
         if m.message_id is None or m.message_id not in self.assistant_ids:
             u = _Undo()
@@ -219,16 +234,29 @@ class GroupScan:
             if names:
                 if u is None:
                     u = _Undo()
-                u.names = tuple(names)
-        return u
+                if any(n is not None for n in names[1::2]):
+                    u.names = tuple(names)
+                    return u
+        if u is None:
+            return None
+        return _ANSWERS[u.closed_group, u.assistant_id is not None]
 
-    def pop(self, index: int, replacements: Mapping[str, str], touched: set[Name]) -> None:
-        """Undo the last step (message ``index``); add the names it touched to ``touched``."""
+    def pop(
+        self, index: int, m: Message, replacements: Mapping[str, str], touched: set[Name]
+    ) -> None:
+        """Undo the last step (message ``index``, ``m`` as it was scanned); add the names it
+        touched to ``touched``."""
         u = self.undo.pop()
         if u is None:
             return
         if type(u) is tuple:
             u = _Undo(candidates=sum(type(n) is str for n in u), slots=u)
+        elif type(u) is _Answer:
+            u = _Undo(
+                closed_group=u.closed_group,
+                assistant_id=m.message_id if u.new_id else None,
+                names=tuple(x for tid in _tool_ids(m) for x in (tid, None)),
+            )
         assert isinstance(u, _Undo)
         for _ in range(u.candidates):
             key = self.current.pop().key
@@ -259,6 +287,17 @@ class GroupScan:
         if u.closed_group:
             # everything scanned after this message is undone, so the open group is empty
             self.current = list(self.closed.pop())
+
+
+def _tool_ids(m: Message) -> list[str]:
+    """The ids of ``m``'s tool_use blocks, in order, as :meth:`GroupScan.push` reads them."""
+    if not isinstance(m.content, list):
+        return []
+    return [
+        b["id"]
+        for b in m.content
+        if isinstance(b, Mapping) and b.get("type") == "tool_use" and isinstance(b.get("id"), str)
+    ]
 
 
 def _settled(c: Candidate) -> Candidate:
