@@ -588,3 +588,28 @@ def test_a_long_input_name_is_not_kept_once_its_handle_is_gone() -> None:
     assert (
         "command" in held_outputs._input_path("command") and "command" in held_outputs._INPUT_PATHS
     )
+
+
+def test_a_handle_keeps_its_place_in_one_int() -> None:
+    """A handle is what a held conversation keeps for every long text: its offset, length,
+    size and CRC-32 in one int, read back as they were given (each its own int beside the
+    handle cost ~75 bytes more a handle); values past what it can hold are refused."""
+    import tracemalloc
+
+    source = object()
+    given = [(10**12 + 7 * k, 2_900 + k, 2_800 + k, 2**32 - 1 - k) for k in range(5_000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        handles = [
+            DeferredText(source, o, n, 0, "toolu_x", c, crc)  # type: ignore[arg-type]
+            for o, n, c, crc in given
+        ]
+        each = (tracemalloc.get_traced_memory()[0] - before) / len(given)
+    finally:
+        tracemalloc.stop()
+    assert each < 140
+    assert [(h.offset, h.length, h.chars, h.crc) for h in handles] == given
+    for bad in ((-1, 1, 1, 0), (1 << 48, 1, 1, 0), (0, 1, 1 << 48, 0), (0, 1, 1, 1 << 32)):
+        with pytest.raises(ValueError, match="deferred text"):
+            DeferredText(source, bad[0], bad[1], 0, "t", bad[2], bad[3])  # type: ignore[arg-type]

@@ -94,6 +94,11 @@ class TextSource:
             os.close(fd)
 
 
+_BITS = 48
+_LIMIT = 1 << _BITS
+"""Offsets, lengths and sizes a handle holds: below 256 TiB."""
+_MASK = _LIMIT - 1
+
 OUTPUT = ("content",)
 """The path of a tool_result's output in its block."""
 _ID_KEYS = {"content": "tool_use_id", "input": "id"}
@@ -110,7 +115,7 @@ class DeferredText:
     length is caught). ``str()`` reads it. Not a dataclass: an encoder that writes dataclasses
     as objects (msgspec) must hand it to its hook (:func:`text_or`) instead."""
 
-    __slots__ = ("block", "chars", "crc", "length", "offset", "path", "source", "tool_use_id")
+    __slots__ = ("_where", "block", "path", "source", "tool_use_id")
 
     def __init__(
         self,
@@ -123,25 +128,40 @@ class DeferredText:
         crc: int,
         path: tuple[str, ...] = OUTPUT,
     ) -> None:
+        if not (0 <= offset < _LIMIT and 0 <= length < _LIMIT and 0 <= chars < _LIMIT):
+            raise ValueError(f"a deferred text's offset, length and size are below {_LIMIT}")
+        if not 0 <= crc < 1 << 32:
+            raise ValueError("a deferred text's crc is a CRC-32")
         self.source = source
-        self.offset = offset
-        self.length = length
+        # one int for four (each its own int object beside the handle: ~100 bytes more for
+        # every text a held conversation or a replay leaves in its bytes)
+        self._where = offset | length << _BITS | chars << 2 * _BITS | crc << 3 * _BITS
         self.block = block
         self.tool_use_id = tool_use_id
-        self.chars = chars
-        self.crc = crc
         self.path = path
 
+    @property
+    def offset(self) -> int:
+        """Where its bytes start in its source."""
+        return self._where & _MASK
+
+    @property
+    def length(self) -> int:
+        """How many bytes they are."""
+        return self._where >> _BITS & _MASK
+
+    @property
+    def chars(self) -> int:
+        """The text's length in characters."""
+        return self._where >> 2 * _BITS & _MASK
+
+    @property
+    def crc(self) -> int:
+        """The CRC-32 of the text's UTF-8 bytes."""
+        return self._where >> 3 * _BITS
+
     def _key(self) -> tuple[Any, ...]:
-        return (
-            self.source,
-            self.offset,
-            self.length,
-            self.block,
-            self.tool_use_id,
-            self.crc,
-            self.path,
-        )
+        return (self.source, self._where, self.block, self.tool_use_id, self.path)
 
     def __eq__(self, other: object) -> bool:
         # (a request's parsed messages are compared by value: equal handles, equal outputs)
