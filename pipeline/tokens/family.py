@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import operator
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,14 +42,17 @@ class FamilyModel:
 
     __slots__ = ("base_tokens", "chars", "mult", "n_obs", "p")
 
-    def __init__(self, mult: list[float], p: list[list[float]]) -> None:
-        self.mult = mult
+    def __init__(self, mult: Sequence[float], p: Sequence[Sequence[float]]) -> None:
+        # arrays of doubles, not lists of floats: every held conversation has one of these
+        # per model family (a float object and its slot are 32 bytes, a double 8: ~5 KB
+        # a model as lists, ~1.3 KB as arrays), and a double holds a float's value exactly
+        self.mult = array("d", mult)
         """One multiplier per class, on the base tokens."""
-        self.p = p
+        self.p = [array("d", row) for row in p]
         """Covariance of the multipliers."""
         self.n_obs = 0
-        self.chars = [0.0] * len(CLASSES)  # seen per class, for the chars/token report
-        self.base_tokens = [0.0] * len(CLASSES)
+        self.chars = array("d", bytes(8 * len(CLASSES)))  # for the chars/token report
+        self.base_tokens = array("d", bytes(8 * len(CLASSES)))
 
     @classmethod
     def from_prior(cls, mult: list[float], sd: Sequence[float]) -> FamilyModel:
@@ -75,28 +79,28 @@ class FamilyModel:
         mult = [max(_MIN_MULTIPLIER, self.mult[i] + gain[i] * innovation) for i in range(d)]
         if not all(math.isfinite(m) for m in mult):
             return
-        self.mult = mult
+        self.mult = array("d", mult)
         self.p = [
-            [pij - g * pxj for pij, pxj in zip(row, px, strict=True)]
+            array("d", [pij - g * pxj for pij, pxj in zip(row, px, strict=True)])
             for row, g in zip(p, gain, strict=True)
         ]
 
     def copy(self) -> FamilyModel:
         """An independent copy (lists copied, never shared)."""
-        model = FamilyModel(list(self.mult), [list(row) for row in self.p])
+        model = FamilyModel(self.mult, self.p)
         model.n_obs = self.n_obs
-        model.chars = list(self.chars)
-        model.base_tokens = list(self.base_tokens)
+        model.chars = array("d", self.chars)
+        model.base_tokens = array("d", self.base_tokens)
         return model
 
     def to_json(self) -> dict[str, Any]:
         """JSON-serialisable state."""
         return {
             "mult": dict(zip(CLASSES, self.mult, strict=True)),
-            "p": [list(row) for row in self.p],
+            "p": [row.tolist() for row in self.p],
             "n_obs": self.n_obs,
-            "chars": list(self.chars),
-            "base_tokens": list(self.base_tokens),
+            "chars": self.chars.tolist(),
+            "base_tokens": self.base_tokens.tolist(),
         }
 
     @classmethod
@@ -130,9 +134,9 @@ class FamilyModel:
         model = cls(mults, p)
         model.n_obs = check_int(raw.get("n_obs", 0), "n_obs", low=0, high=10**12)
         if "chars" in raw:
-            model.chars = check_numbers(raw["chars"], "chars", d, low=0.0, high=_MAX_COUNT)
+            chars = check_numbers(raw["chars"], "chars", d, low=0.0, high=_MAX_COUNT)
+            model.chars = array("d", chars)
         if "base_tokens" in raw:
-            model.base_tokens = check_numbers(
-                raw["base_tokens"], "base_tokens", d, low=0.0, high=_MAX_COUNT
-            )
+            base = check_numbers(raw["base_tokens"], "base_tokens", d, low=0.0, high=_MAX_COUNT)
+            model.base_tokens = array("d", base)
         return model
