@@ -139,6 +139,31 @@ def test_unchanged_messages_are_the_same_records(tmp_path: Path) -> None:
     anyio.run(run)
 
 
+def test_an_answer_the_session_did_not_observe_is_named_by_its_place(tmp_path: Path) -> None:
+    """A history that came before the session (a proxy restarted, a client that kept its
+    own): each answer's response id is its record's name -- the same one string, unique to
+    its place -- and the one answer the session observed keeps the id it came with."""
+
+    async def run() -> None:
+        client, session = Client(), _session(tmp_path)
+        for _ in range(3):
+            client.answer()
+        await session.prepare(client.params)
+        answers = [r for r in session._records if r.type == "assistant"]
+        assert len(answers) == 3
+        assert all(r.message_id is r.uuid for r in answers)
+        assert len({r.message_id for r in answers}) == 3
+        response_id, usage = client.answer()
+        session.observe(response_id, usage, model="claude-test")
+        await session.prepare(client.params)
+        assert session._records[-2].message_id == response_id
+        assert [r.message_id for r in session._records if r.type == "assistant"][:3] == [
+            r.uuid for r in answers
+        ]
+
+    anyio.run(run)
+
+
 @pytest.mark.parametrize(
     "bad",
     [[1], [{"role": "system", "content": "x"}], [{"role": "user", "content": 5}]],

@@ -413,10 +413,12 @@ class WireSession(ResponseObserving, FamilyPlacement):
             if not (isinstance(param, Mapping) and param.get("role") == "assistant"):
                 return Message.from_param(param, uuid=uid, subtype=WIRE_MESSAGE)
             # an answer this session did not observe: an id of its own place, so that two
-            # equal answers (a model repeating a call with the same id) stay two messages
+            # equal answers (a model repeating a call with the same id) stay two messages --
+            # the record's own name, one string for both (a history that came before this
+            # process held an id string beside the name for each of its answers)
             response_id, usage = self._responses.get(index, (None, None))
             if response_id is None:
-                response_id = f"msg_wire_{link.hex()[:24]}"
+                response_id = uid
             return Message.from_param(
                 param, uuid=uid, message_id=response_id, usage=usage, subtype=WIRE_MESSAGE
             )
