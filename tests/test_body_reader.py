@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from pipeline.wire import body_reader, body_split, kept_bodies
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body, loads_body
+from pipeline.wire.shared_strings import shared_message
 from tests.wire_support import OffTheLoop, stepped
 
 
@@ -239,6 +240,33 @@ def test_a_kept_body_holds_what_was_parsed_of_it_not_its_bytes(system: str) -> N
     assert len(reader._kept) == 1
     assert sys.getrefcount(raw) == references  # the body itself is not kept
     assert held < len(content) + 10_000, held
+
+
+def test_a_kept_body_costs_a_digest_and_an_end_a_message_beside_what_was_parsed() -> None:
+    """Beside the parsed messages (what parsing them alone leaves), a kept body holds a
+    message's digest (16 bytes) and where it ends (8 bytes, in an array: an int object for
+    each end was ~40)."""
+    n = 20_000
+    msgs = [{"role": ("user", "assistant")[i % 2], "content": f"m{i}"} for i in range(n)]
+    raw = json.dumps({"model": "m", "messages": msgs}, separators=(",", ":")).encode()
+    del msgs
+    gc.collect()
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        alone = [shared_message(m) for m in json.loads(raw)["messages"]]
+        parsed = tracemalloc.get_traced_memory()[0] - start
+        del alone
+        gc.collect()
+        reader = BodyReader()
+        start = tracemalloc.get_traced_memory()[0]
+        body, _fast = reader.read(raw)
+        del body
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert (held - parsed) / n < 32
 
 
 def test_a_body_is_read_against_bodies_sent_with_its_credential_only() -> None:

@@ -29,7 +29,8 @@ import functools
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable
+from array import array
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pipeline.wire.body_split import split_new, worth_splitting
@@ -248,7 +249,7 @@ def _continue(raw: bytes, old: KeptBody, k: int) -> KeptBody:
 def _finish(
     offsets: _Offsets,
     array_open: int,
-    ends: list[int],
+    ends: Sequence[int],
     messages: list[Any],
     before: list[tuple[str, Any]],
     old: KeptBody | None = None,
@@ -259,7 +260,7 @@ def _finish(
     last ``kept_tail`` bytes ``old``'s, not new)."""
     raw, text = offsets.raw, offsets.text
     reused = len(ends)
-    ends, messages = list(ends), list(messages)
+    ends, messages = array("q", ends), list(messages)
     first_lone = None
     if old is not None and old.first_lone is not None and old.first_lone < len(messages):
         first_lone = old.first_lone

@@ -8,6 +8,7 @@ one at a time by the reader instead: the scans cover the whole body."""
 from __future__ import annotations
 
 import re
+from array import array
 from typing import Any
 
 import msgspec
@@ -39,7 +40,7 @@ def worth_splitting(raw: bytes, start: int, kept_tail: int = 0) -> bool:
 def split_new(
     raw: bytes,
     array_open: int,
-    ends: list[int],
+    ends: array[int],
     messages: list[Any],
     start: int,
     kept_tail: int = 0,
@@ -86,7 +87,7 @@ def split_new(
     if _skip_bytes(raw, pos) != close:
         return None
     messages += found
-    ends += at
+    ends.extend(at)
     return close
 
 

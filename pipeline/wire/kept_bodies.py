@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import os
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -77,8 +78,8 @@ class KeptBody:
     """What it counts against ``max_bytes`` (:func:`cost`)."""
     array_open: int
     """Where the messages array's content starts (after its ``[``), in bytes."""
-    ends: list[int]
-    """Where each message's text ends, in bytes."""
+    ends: array[int]
+    """Where each message's text ends, in bytes (8 bytes an end; as a list of ints, ~40)."""
     digests: bytes
     """The digest of the body's bytes up to ``array_open``, then up to each message's end."""
     messages: list[Any]
@@ -331,7 +332,7 @@ def _same_at(a: KeptBody, b: KeptBody, j: int) -> bool:
 
 
 def digests_of(
-    raw: bytes, array_open: int, ends: list[int], reused: int, old: KeptBody | None
+    raw: bytes, array_open: int, ends: Sequence[int], reused: int, old: KeptBody | None
 ) -> bytes:
     """The digests of ``raw`` up to ``array_open`` and up to each of ``ends``: ``old``'s for
     the first ``reused`` messages (the bytes it repeats of it), taken anew after them."""
@@ -360,7 +361,7 @@ def kept_tail(raw: bytes, old: KeptBody | None) -> int:
 
 
 def opening_of(
-    raw: bytes, array_open: int, ends: list[int], reused: int, old: KeptBody | None
+    raw: bytes, array_open: int, ends: Sequence[int], reused: int, old: KeptBody | None
 ) -> bytes:
     """``raw``'s opening: ``old``'s where it repeats ``old``'s first message (the same bytes,
     one object)."""
@@ -368,7 +369,7 @@ def opening_of(
     return old.opening if old is not None and reused else raw[:end]
 
 
-def cost(raw: bytes, opening: bytes, ends: list[int]) -> int:
+def cost(raw: bytes, opening: bytes, ends: Sequence[int]) -> int:
     """What a body counts against ``max_bytes``: its length, its opening and :data:`_OWN` a
     message."""
     return len(raw) + len(opening) + _OWN * len(ends)
