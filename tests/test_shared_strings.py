@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+import pytest
+
 from pipeline.wire.shared_strings import SHARED_MAX, shared, shared_message
 
 
@@ -59,3 +61,68 @@ def test_long_values_and_what_is_not_a_message_are_left_alone() -> None:
     assert shared_message(odd) is odd
     string_content = json.loads('{"role": "user", "content": "hello"}')
     assert shared_message(string_content) == {"role": "user", "content": "hello"}
+
+
+def test_a_message_s_small_dicts_share_their_key_tables() -> None:
+    """A parsed message's dicts (the message, its blocks, a call's input) are plain dicts to
+    every reader -- equal, in order, written alike, changed alike -- that share one key
+    table among the dicts of the same keys: ~110 bytes a block of three keys, ~190 each as
+    dicts of their own."""
+    import tracemalloc
+
+    import msgspec
+
+    parsed = [_parsed(k) for k in range(4_000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        shared_all = [shared_message(m) for m in parsed]
+        each = (tracemalloc.get_traced_memory()[0] - before) / len(parsed)
+    finally:
+        tracemalloc.stop()
+    # a message, its list, two blocks, an input dict and two ids: ~820 bytes as dicts of
+    # their own
+    assert each < 620
+    for k in (0, 1, 3_999):
+        one = shared_all[k]
+        assert type(one) is dict and all(type(b) is dict for b in one["content"])
+        assert one == _parsed(k)
+        assert json.dumps(one) == json.dumps(_parsed(k))
+        assert msgspec.json.encode(one) == msgspec.json.encode(_parsed(k))
+    block, plain = shared_all[0]["content"][0], _parsed(0)["content"][0]
+    for change in (
+        lambda d: d.update(content="changed"),
+        lambda d: d.update(is_error=True),
+        lambda d: d.pop("tool_use_id"),
+        lambda d: d.setdefault("cache_control", {"type": "ephemeral"}),
+    ):
+        change(block)
+        change(plain)
+        assert block == plain and list(block) == list(plain)
+    assert shared_all[1]["content"][0]["content"] == "z" * 500  # the others are left alone
+
+
+def test_hostile_keys_get_dicts_of_their_own_and_the_shapes_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keys that are not lower-case names (``__class__``, ``__dict__``), too many keys, and
+    key orders past the bound all give plain dicts, with the same keys and values."""
+    from pipeline.wire import shared_strings
+
+    monkeypatch.setattr(shared_strings, "_shapes", {})  # the process's own stay as they are
+
+    for block in (
+        {"__class__": 1, "type": "x"},
+        {"__dict__": {"a": 1}},
+        {"Type": "x", "ID": "y"},
+        {f"k{i}": i for i in range(20)},
+        {"a" * 40: 1},
+    ):
+        message = shared_message({"role": "user", "content": [dict(block)]})
+        assert message["content"][0] == block
+        assert list(message["content"][0]) == list(block)
+    for i in range(shared_strings.MAX_SHAPES + 50):
+        keys = (f"k{i}", "type")
+        made = shared_strings.keyed_alike(keys, [i, "t"])
+        assert made == dict(zip(keys, [i, "t"], strict=True)) and list(made) == list(keys)
+    assert len(shared_strings._shapes) <= shared_strings.MAX_SHAPES
