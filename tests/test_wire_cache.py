@@ -454,3 +454,38 @@ def test_a_new_message_is_the_param_it_was_made_from_where_that_is_plain() -> No
     nxt = {"role": "user", "content": "next"}
     later = cache.to_api([*records, Message.from_param(nxt)], given=[nxt])
     assert later[: len(taken)] == request[: len(taken)] and later[0] is params[0]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_pairing_index_taken_back_to_any_message_is_the_index_of_the_request(
+    seed: int,
+) -> None:
+    """Ids used twice, results without calls, edits at any message: after each update the
+    index's problems and tool_use ids are those of the request checked whole (what an edit
+    takes back is the ids first used from the edit on)."""
+    import random
+
+    from pipeline.wire.pairing import PairingIndex
+
+    rng = random.Random(seed)
+
+    def message(k: int) -> dict[str, Any]:
+        if k % 2:
+            ids = [f"t{rng.randrange(8)}" for _ in range(rng.randrange(3))]
+            return {"role": "assistant", "content": [tool_use(t) for t in ids] or "ok"}
+        ids = [f"t{rng.randrange(8)}" for _ in range(rng.randrange(3))]
+        return {"role": "user", "content": [tool_result(t, "out") for t in ids] or "go"}
+
+    index = PairingIndex()
+    request: list[dict[str, Any]] = []
+    for _ in range(40):
+        changed = rng.randrange(len(request) + 1)
+        request = request[:changed] + [message(k) for k in range(changed, changed + 3)]
+        index.update(request, changed)
+        assert index.problems == check_pairing(request)
+        first: dict[str, int] = {}
+        for i, m in enumerate(request):
+            if m["role"] == "assistant" and isinstance(m["content"], list):
+                for b in m["content"]:
+                    first.setdefault(b["id"], i)
+        assert dict(index._first_use) == first and list(index._first_use) == list(first)

@@ -126,8 +126,10 @@ class PairingIndex:
 
     def __init__(self) -> None:
         self._problems: list[Sequence[PairingProblem]] = []
-        self._registered: list[Sequence[str]] = []
         self._first_use: dict[str, int] = {}
+        """tool_use id -> the message that first used it, in the order of those messages (ids
+        are registered message by message): what a change from message ``k`` on takes back is
+        its tail, the ids first used at ``k`` or later."""
         self.count = 0
         """How many problems the request has."""
 
@@ -135,18 +137,15 @@ class PairingIndex:
         """Take the request ``params`` whose messages from ``changed_from`` on are new or
         changed (0: all of them)."""
         start = max(0, min(changed_from - 1, len(self._problems)))
-        for ids in self._registered[start:]:
-            for uid in ids:
-                del self._first_use[uid]
+        first_use = self._first_use
+        while first_use and next(reversed(first_use.values())) >= start:
+            first_use.popitem()
         self.count -= sum(map(len, self._problems[start:]))
         del self._problems[start:]
-        del self._registered[start:]
         for i in range(start, len(params)):
-            problems, registered = _entry_problems(params, i, self._first_use)
-            # most messages have neither: share one empty tuple rather than keep two lists
-            # each; an assistant's ids as a tuple (48 bytes for one, a list 88)
+            problems = _entry_problems(params, i, first_use)[0]
+            # most messages have none: share one empty tuple rather than keep a list each
             self._problems.append(problems or ())
-            self._registered.append(tuple(registered))
             self.count += len(problems)
 
     @property
