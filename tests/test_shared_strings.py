@@ -126,3 +126,18 @@ def test_hostile_keys_get_dicts_of_their_own_and_the_shapes_are_bounded(
         made = shared_strings.keyed_alike(keys, [i, "t"])
         assert made == dict(zip(keys, [i, "t"], strict=True)) and list(made) == list(keys)
     assert len(shared_strings._shapes) <= shared_strings.MAX_SHAPES
+    # past the bound the orders start afresh: a later conversation's blocks still share
+    # (a new table's first ~30 dicts are larger: the interpreter sizes their values down
+    # one dict at a time)
+    later = [
+        shared_message({"role": "user", "content": [{"type": "text", "text": f"{k}"}]})
+        for k in range(40)
+    ]
+    block = later[-1]["content"][0]
+    assert sys.getsizeof(block) < sys.getsizeof({"type": "text", "text": "39"})
+    # a key no table is made for is kept by nothing here, nor interned when long
+    long_key = "".join(["k"] * 100_000)
+    message = shared_message({"role": "user", "content": [{long_key: 1, "type": "x"}]})
+    assert all(len(k) <= 32 for keys in shared_strings._shapes for k in keys)
+    (kept,) = [k for k in message["content"][0] if len(k) > 64]
+    assert sys.intern("".join(["k"] * 100_000)) is not kept

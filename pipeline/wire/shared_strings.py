@@ -35,7 +35,7 @@ def shared_keys(block: dict[str, Any]) -> dict[str, Any]:
     """``block`` with its keys interned, in their order, its key table shared with every
     other dict of the same keys in the same order (see :func:`keyed_alike`)."""
     if not all(type(k) is str for k in block):
-        return {sys.intern(k) if type(k) is str else k: v for k, v in block.items()}
+        return {shared(k) if type(k) is str else k: v for k, v in block.items()}
     return keyed_alike(tuple(block), tuple(block.values()))
 
 
@@ -43,21 +43,22 @@ _SHAPE_KEY = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 """The keys a shared key table is made for: lower-case names (never an attribute of every
 object's, such as ``__class__``)."""
 MAX_SHAPES = 512
-"""Key orders given a shared table, at most, for the process's life (any past them: dicts of
-their own)."""
+"""Key orders given a shared table at once, at most: past them, the table of orders starts
+afresh (the dicts made keep their tables; an order in use again is given a new one), so that
+a client sending many orders neither holds memory nor leaves later conversations without."""
 _SHAPE_KEYS = 8
 """The most keys a shared table is made for."""
-_shapes: dict[tuple[str, ...], type | None] = {}
+_shapes: dict[tuple[str, ...], type] = {}
 
 
 def _shape(keys: tuple[str, ...]) -> type | None:
-    """The class whose instances' attribute dicts share ``keys``' table (None: none is made)."""
-    if len(_shapes) >= MAX_SHAPES or len(keys) > _SHAPE_KEYS:
+    """The class whose instances' attribute dicts share ``keys``' table (None: none is made,
+    and nothing of ``keys`` is kept)."""
+    if len(keys) > _SHAPE_KEYS or not all(_SHAPE_KEY.match(k) for k in keys):
         return None
-    shape = None
-    if all(_SHAPE_KEY.match(k) for k in keys):
-        shape = type("Shape", (), {"__module__": __name__})
-    _shapes[keys] = shape
+    if len(_shapes) >= MAX_SHAPES:
+        _shapes.clear()
+    shape = _shapes[keys] = type("Shape", (), {"__module__": __name__})
     return shape
 
 
@@ -67,14 +68,11 @@ def keyed_alike(keys: tuple[str, ...], values: tuple[Any, ...] | list[Any]) -> d
     (the interpreter's split table), ~110 bytes for a block of three keys against ~190 for a
     dict of its own. A parsed message holds two or three small dicts and a held conversation
     keeps every message parsed. A dict given a key it has not, or its keys in another order,
-    takes a table of its own as any dict would. Keys past :data:`MAX_SHAPES` orders, unusual
-    keys and long dicts get a dict of their own."""
-    try:
-        shape = _shapes[keys]
-    except KeyError:
-        shape = _shape(keys)
+    takes a table of its own as any dict would. Keys other than lower-case names of up to 32
+    characters, and dicts of more than eight keys, get a dict of their own."""
+    shape = _shapes.get(keys) or _shape(keys)
     if shape is None:
-        return {sys.intern(k): v for k, v in zip(keys, values, strict=True)}
+        return {shared(k): v for k, v in zip(keys, values, strict=True)}
     attrs: dict[str, Any] = vars(shape())
     attrs.update(zip(keys, values, strict=True))
     return attrs
