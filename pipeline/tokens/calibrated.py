@@ -135,10 +135,10 @@ class CalibratedEstimator:
         # vector packed (~70 bytes, the array ~350): at 4,096 records a conversation, this
         # cache was the largest state a held conversation had after its content
         self._cache: dict[Message, bytes] = {}
-        # what the call before the last one learned from used (its vectors move back to
-        # _cache when used again): a history priced whole once (a first estimate without an
-        # anchor, a stage's first cut) is let go of two calls later, where a plain LRU kept
-        # it as long as the conversation was held (~0.13x of a held conversation's wire text)
+        # the vectors the last call used (a call's end moves _cache here; one used again
+        # moves back): a history priced whole once (a first estimate without an anchor, a
+        # stage's first cut) is let go of two calls later, where a plain LRU kept it as long
+        # as the conversation was held (~0.13x of a held conversation's wire text)
         self._older: dict[Message, bytes] = {}
         self._last_split: tuple[Usage | None, tuple[Message, ...], _Split] | None = None
         """The anchor usage, records from the anchor on and split of the latest estimate."""

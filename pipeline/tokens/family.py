@@ -44,8 +44,8 @@ class FamilyModel:
 
     def __init__(self, mult: Sequence[float], p: Sequence[Sequence[float]]) -> None:
         # arrays of doubles, not lists of floats: every held conversation has one of these
-        # per model family (a float object and its slot are 32 bytes, a double 8: ~5 KB
-        # a model as lists, ~1.3 KB as arrays), and a double holds a float's value exactly
+        # per model family (a float object and its slot are 32 bytes, a double 8: ~5.2 KB
+        # a model as lists, ~2.4 KB as arrays), and a double holds a float's value exactly
         self.mult = array("d", mult)
         """One multiplier per class, on the base tokens."""
         self.p = [array("d", row) for row in p]

@@ -50,13 +50,12 @@ def _param_blocks(param: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def _entry_problems(
     params: Sequence[Mapping[str, Any]], i: int, first_use: dict[str, int]
-) -> tuple[list[PairingProblem], list[str]]:
-    """The problems of wire message ``i`` (it depends on its neighbours), and the tool_use ids
-    it is the first to use (added to ``first_use``, id -> message index)."""
+) -> list[PairingProblem]:
+    """The problems of wire message ``i`` (it depends on its neighbours); the tool_use ids it
+    is the first to use are added to ``first_use`` (id -> message index)."""
     param = params[i]
     blocks = _param_blocks(param)
     problems: list[PairingProblem] = []
-    registered: list[str] = []
     if param.get("role") == "assistant":
         uses: list[str] = []
         for b in blocks:
@@ -66,7 +65,6 @@ def _entry_problems(
                     problems.append(PairingProblem("duplicate_tool_use", uid, i))
                 else:
                     first_use[uid] = i
-                    registered.append(uid)
                 uses.append(uid)
         if uses:
             nxt = params[i + 1] if i + 1 < len(params) else None
@@ -96,7 +94,7 @@ def _entry_problems(
                     problems.append(PairingProblem("orphan_tool_result", tid, i))
                 elif counts[tid] == 2:
                     problems.append(PairingProblem("duplicate_tool_result", tid, i))
-    return problems, registered
+    return problems
 
 
 def check_pairing(request: Iterable[Mapping[str, Any]]) -> list[PairingProblem]:
@@ -108,7 +106,7 @@ def check_pairing(request: Iterable[Mapping[str, Any]]) -> list[PairingProblem]:
     first_use: dict[str, int] = {}
     problems: list[PairingProblem] = []
     for i in range(len(params)):
-        problems += _entry_problems(params, i, first_use)[0]
+        problems += _entry_problems(params, i, first_use)
     return problems
 
 
@@ -143,7 +141,7 @@ class PairingIndex:
         self.count -= sum(map(len, self._problems[start:]))
         del self._problems[start:]
         for i in range(start, len(params)):
-            problems = _entry_problems(params, i, first_use)[0]
+            problems = _entry_problems(params, i, first_use)
             # most messages have none: share one empty tuple rather than keep a list each
             self._problems.append(problems or ())
             self.count += len(problems)
