@@ -152,7 +152,9 @@ class BudgetCache:
         touched: set[Name] = set()
         if start < scanned:
             undone = self.log.removed  # the messages scanned from ``start`` on, as they were
-            if len(undone) != scanned - start:  # a pass that failed drops its cache: never
+            # cannot happen: the log and the scan move together, and a pass that fails drops
+            # its cache
+            if len(undone) != scanned - start:
                 raise RuntimeError("the budget's scan and its input log disagree")
             for index in range(scanned - 1, start - 1, -1):
                 scan.pop(index, undone[index - start], replacements, touched)
