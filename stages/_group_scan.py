@@ -222,21 +222,16 @@ class GroupScan:
             if m.message_id is not None:
                 self.assistant_ids.add(m.message_id)
                 u.assistant_id = m.message_id
-        if isinstance(m.content, list):
-            names: list[str | None] = []
-            for b in m.content:
-                if not isinstance(b, Mapping):  # hostile input: not a block, not a tool_use
-                    continue
-                if b.get("type") == "tool_use" and isinstance(b.get("id"), str):
-                    tid, name = b["id"], b.get("name")
-                    names += (tid, self.tool_names.get(tid))
-                    self.tool_names[tid] = name if isinstance(name, str) else ""
-            if names:
-                if u is None:
-                    u = _Undo()
-                if any(n is not None for n in names[1::2]):
-                    u.names = tuple(names)
-                    return u
+        names: list[str | None] = []
+        for tid, name in _tool_uses(m):
+            names += (tid, self.tool_names.get(tid))
+            self.tool_names[tid] = name if isinstance(name, str) else ""
+        if names:
+            if u is None:
+                u = _Undo()
+            if any(n is not None for n in names[1::2]):
+                u.names = tuple(names)
+                return u
         if u is None:
             return None
         return _ANSWERS[u.closed_group, u.assistant_id is not None]
@@ -255,7 +250,7 @@ class GroupScan:
             u = _Undo(
                 closed_group=u.closed_group,
                 assistant_id=m.message_id if u.new_id else None,
-                names=tuple(x for tid in _tool_ids(m) for x in (tid, None)),
+                names=tuple(x for tid, _name in _tool_uses(m) for x in (tid, None)),
             )
         assert isinstance(u, _Undo)
         for _ in range(u.candidates):
@@ -289,12 +284,14 @@ class GroupScan:
             self.current = list(self.closed.pop())
 
 
-def _tool_ids(m: Message) -> list[str]:
-    """The ids of ``m``'s tool_use blocks, in order, as :meth:`GroupScan.push` reads them."""
+def _tool_uses(m: Message) -> list[tuple[str, Any]]:
+    """The id and name of each of ``m``'s tool_use blocks with a string id, in order: what an
+    answer adds to the scan, and what undoing it takes back (an item that is not a mapping,
+    hostile input, is neither a block nor a tool_use)."""
     if not isinstance(m.content, list):
         return []
     return [
-        b["id"]
+        (b["id"], b.get("name"))
         for b in m.content
         if isinstance(b, Mapping) and b.get("type") == "tool_use" and isinstance(b.get("id"), str)
     ]
