@@ -4,7 +4,7 @@ read from ``/proc`` (Linux).
 
     python tests/benchmarks/bench_proxy_memory.py [--conversations 16] [--messages 1000]
         [--calls 10] [--claude-code-text] [--spaced-json] [--max-held-size SIZE] [--traced]
-        [--corpus DIR]
+        [--corpus DIR [--copies K]]
 
 Each conversation opens with ``--messages`` messages (~2K-character tool results) and then makes
 ``--calls`` calls, each sending the answer back with a new result. Printed: the proxy's resident
@@ -28,7 +28,9 @@ it: the request bodies the body reader keeps are joined in ``pipeline/dropin/pro
 ``--corpus DIR``: the conversations are the Claude Code sessions of a corpus of transcripts
 instead (``claude-code_*/**/*.jsonl``, the ``--conversations`` largest), each sent in
 ``--calls`` growing requests cut after a user message, as Claude Code writes JSON: what a held
-conversation costs with real outputs. Not a test: it prints figures.
+conversation costs with real outputs; ``--copies K``: each session sent as ``K`` conversations
+(each copy's first message opens with a line of its own), a load large enough that what a
+process pays once does not weigh on it. Not a test: it prints figures.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ def main() -> int:
     parser.add_argument("--spaced-json", action="store_true")
     parser.add_argument("--max-held-size", metavar="SIZE", help="the proxy's own option")
     parser.add_argument("--corpus", type=Path, help="real sessions' transcripts instead")
+    parser.add_argument(
+        "--copies", type=int, default=1, help="with --corpus: each session as this many"
+    )
     args = parser.parse_args()
     bench_peers.SPACED_JSON = args.spaced_json
     if args.traced:
@@ -134,6 +139,7 @@ def heading(args: argparse.Namespace) -> str:
         return (
             f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; the {args.conversations} "
             f"largest Claude Code sessions of {args.corpus}, {args.calls} calls each"
+            + (f", each sent as {args.copies} conversations" if args.copies > 1 else "")
         )
     return (
         f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {args.conversations} "
@@ -144,9 +150,14 @@ def heading(args: argparse.Namespace) -> str:
 
 
 def warm_up(client: httpx.Client, url: str, args: argparse.Namespace) -> None:
-    """What a first request costs once in a process (its imports, its caches), paid before
-    measuring: with ``--corpus``, a session of it not measured (the one after the largest
+    """What a first request costs once in a process (its imports, its caches: the token
+    estimator's masks grow once for a long text of wide characters), paid before measuring:
+    with ``--corpus``, a session of it not measured (the one after the largest
     ``--conversations``), sent whole."""
+    wide = "\u4e2d\u6587 \u00e9t\u00e9 " * 8_000  # the token estimator's masks grow once for it
+    _send(
+        client, url, Path("warm"), [{"role": "user", "content": [{"type": "text", "text": wide}]}]
+    )
     if args.corpus is None:
         warm = bench_peers.Conversation(10, "warm")
         bench_peers.call(client, url, warm, warm.next_body())
@@ -187,14 +198,27 @@ def corpus_conversations(
     """``--corpus``: each of the largest Claude Code sessions sent in ``args.calls`` growing
     requests; yields its last request's size and messages."""
     for path in _corpus_files(args.corpus)[: args.conversations]:
-        messages = _messages_of(path)
-        cuts = [i + 1 for i, m in enumerate(messages) if m["role"] == "user" and i > 0]
-        if not cuts:
-            continue
-        step = max(1, len(cuts) // args.calls)
-        for end in [*cuts[step - 1 :: step][: args.calls - 1], cuts[-1]]:
-            size = _send(client, url, path, messages[:end])
-        yield size, end
+        for copy in range(args.copies):
+            messages = _messages_of(path)
+            if copy:
+                messages[0] = _marked(messages[0], copy)
+            cuts = [i + 1 for i, m in enumerate(messages) if m["role"] == "user" and i > 0]
+            if not cuts:
+                continue
+            step = max(1, len(cuts) // args.calls)
+            for end in [*cuts[step - 1 :: step][: args.calls - 1], cuts[-1]]:
+                size = _send(client, url, path, messages[:end])
+            yield size, end
+
+
+def _marked(first: dict[str, Any], copy: int) -> dict[str, Any]:
+    """``first`` (a session's first message) opening with a line of its own: the copy is a
+    conversation of its own."""
+    content = first["content"]
+    mark = f"copy {copy}\n"
+    if isinstance(content, str):
+        return {**first, "content": mark + content}
+    return {**first, "content": [{"type": "text", "text": mark}, *content]}
 
 
 def conversations(
