@@ -613,3 +613,40 @@ def test_at_the_descriptor_limit_the_proxy_recovers_and_says_so_once(tmp_path: P
     floods = [line for line in lines if "out of system resource" in line]
     assert len(floods) <= 5, len(floods)
     assert not any("Traceback" in line for line in lines), "".join(lines)[-3000:]
+
+
+def test_a_conversation_met_with_its_history_keeps_one_key_a_result(tmp_path: Path) -> None:
+    """A conversation's first request that carries earlier results keys each of them twice (its
+    ledger rebuilt from where they stand, then the budget's scan): the proxy holds one string
+    for both, not two (~110 bytes a result, for as long as it holds the conversation)."""
+    import gc
+    import re
+
+    from stages import default_stages
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    for k in range(12):
+        messages.append({"role": "assistant", "content": [tool_use(f"toolu_keyed_{k:02d}")]})
+        messages.append({"role": "user", "content": [tool_result(f"toolu_keyed_{k:02d}", "out")]})
+    body = {"model": "m", "max_tokens": 5, "messages": messages}
+    key = re.compile(r"toolu_keyed_\d\d#[0-9a-f]{32}\Z")
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, lambda: Pipeline(default_stages())) as url,
+    ):
+        assert httpx2.post(f"{url}/v1/messages", json=body).status_code == 200
+        gc.collect()
+        objects: dict[str, set[int]] = {}
+        for o in gc.get_objects():
+            if isinstance(o, dict):
+                values: list[Any] = [*o, *o.values()]
+            elif isinstance(o, set | frozenset | list | tuple):
+                values = list(o)
+            else:
+                slots = (s for c in type(o).__mro__ for s in getattr(c, "__slots__", ()))
+                values = [getattr(o, s, None) for s in slots if isinstance(s, str)]
+            for v in values:
+                if type(v) is str and key.match(v):
+                    objects.setdefault(v, set()).add(id(v))
+    assert len(objects) == 12
+    assert all(len(ids) == 1 for ids in objects.values()), objects

@@ -31,6 +31,7 @@ from pipeline.dropin.conversations import SESSION_HEADER
 from pipeline.dropin.metrics import WireMetrics
 from pipeline.dropin.tenancy import CREDENTIAL_HEADERS
 from pipeline.dropin.wire_request import CLIENT_LEFT, WireRequest
+from pipeline.results.keys import keys_shared
 from pipeline.wire.held_outputs import serving_scope
 
 __all__ = ["MESSAGES", "Intake", "ServingScope", "error", "forwarded", "unreachable"]
@@ -191,11 +192,12 @@ def error(status: int, kind: str, message: str, *, close: bool = False) -> Respo
 class ServingScope:
     """An ASGI app (a route of the proxy's) run within
     :func:`~pipeline.wire.held_outputs.serving_scope`: the body a request named as the one its
-    held outputs are read from is let go of once its response has gone."""
+    held outputs are read from is let go of once its response has gone; and within
+    :func:`~pipeline.results.keys.keys_shared`: a result keyed twice in it is one string."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with serving_scope():
+        with serving_scope(), keys_shared():
             await self.app(scope, receive, send)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from pipeline.wire.canonical import canonical_json
@@ -24,6 +26,7 @@ __all__ = [
     "PERSISTED_OUTPUT_TAG",
     "content_digest",
     "is_replacement_text",
+    "keys_shared",
     "result_key",
     "tool_use_id_of",
 ]
@@ -86,10 +89,33 @@ def _without_cache_control(block: Any) -> Any:
     return block
 
 
+_SHARED: ContextVar[dict[str, str] | None] = ContextVar("sluicegate_result_keys", default=None)
+
+
+@contextmanager
+def keys_shared() -> Iterator[None]:
+    """Within it (a request's handling), the keys :func:`result_key` makes for one result are
+    one string object: a conversation first met with its history has its results keyed twice
+    in its first request (its ledger rebuilt from where they stand, then the budget's scan),
+    and both are kept as long as the conversation is held (~110 bytes a result). What it
+    shares is let go of at its end (also by a copy of its context that outlives it: a timer's
+    callback holds one)."""
+    shared: dict[str, str] = {}
+    token = _SHARED.set(shared)
+    try:
+        yield
+    finally:
+        shared.clear()
+        _SHARED.reset(token)
+
+
 def result_key(tool_use_id: str, core: Any) -> str:
     """The ledger's key for a result: its id and the digest of its output,
-    ``<tool_use_id>#<32 hex>``."""
-    return f"{tool_use_id}{KEY_SEPARATOR}{content_digest(core)}"
+    ``<tool_use_id>#<32 hex>`` (the same object for the same result within
+    :func:`keys_shared`)."""
+    key = f"{tool_use_id}{KEY_SEPARATOR}{content_digest(core)}"
+    shared = _SHARED.get()
+    return key if shared is None else shared.setdefault(key, key)
 
 
 def tool_use_id_of(key: str) -> str:
