@@ -39,6 +39,7 @@ from pipeline.tokens.features import content_vector
 from pipeline.tokens.media import image_size, image_tokens
 from pipeline.tokens.priors import model_family
 from pipeline.tokens.reference import NOTHING_TO_LEARN
+from pipeline.tokens.state_file import decode_state
 from pipeline.tokens.text_stats import text_class, text_stats
 from pipeline.tools import tool
 from pipeline.wire.form import to_api
@@ -538,7 +539,7 @@ async def test_a_resumed_agent_session_does_not_start_cold(
     await agent.run("go")
     live = agent.ctx.token_tracker
     assert live.estimator is not None and live.estimator.families["other"].n_obs >= 3
-    saved = json.loads(calibration_path_for(root, "sess").read_text())
+    saved = decode_state(calibration_path_for(root, "sess").read_bytes())
     assert saved == json.loads(json.dumps(live.state_dict()))
 
     resumed = Agent.resume(
@@ -554,7 +555,7 @@ async def test_a_resumed_agent_session_does_not_start_cold(
     assert tracker.error_stats().calls == live.error_stats().calls > 0
     resumed.add_tool(emit)
     await resumed.run("once more")  # and it keeps learning and saving
-    assert json.loads(calibration_path_for(root, "sess").read_text()) != saved
+    assert decode_state(calibration_path_for(root, "sess").read_bytes()) != saved
 
 
 @pytest.mark.asyncio

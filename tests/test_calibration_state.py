@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from pipeline import Message, TokenTracker, Usage
 from pipeline.tokens import calibration_path_for
+from pipeline.tokens.state_file import decode_state, encode_state
 from tests.builders import json_paths, results, tool_result, tool_use, user_text
 
 SONNET = "claude-sonnet-4-5"
@@ -307,7 +308,7 @@ def test_a_calibration_is_rewritten_in_place_and_never_made_again(tmp_path: Path
     saves.learned()
     saves.rewrite()
     assert path.stat().st_ino == inode  # the same file: written over, not replaced
-    assert json.loads(path.read_bytes()) == tracker.state_dict()
+    assert decode_state(path.read_bytes()) == tracker.state_dict()
     assert {p.name for p in path.parent.iterdir()} == {path.name}
     path.unlink()
     path.parent.rmdir()  # the conversation removed meanwhile
@@ -325,10 +326,44 @@ def test_rewriting_in_place_pads_a_longer_state_and_cuts_a_much_longer_one(
     assert rewrite_state(path, {"a": 1}) is None and not path.exists()  # never creates
     path.write_bytes(b'{"a":"' + b"x" * 100 + b'"}')
     assert rewrite_state(path, {"a": 2})
-    assert path.stat().st_size == 108 and json.loads(path.read_bytes()) == {"a": 2}
-    path.write_bytes(b'{"a":"' + b"x" * (PAD_LIMIT + 10) + b'"}')
+    assert path.stat().st_size == 108 and decode_state(path.read_bytes()) == {"a": 2}
+    path.write_bytes(b'{"a":"' + b"x" * (PAD_LIMIT + 100) + b'"}')
     assert rewrite_state(path, {"a": 3})
-    assert path.read_bytes() == b'{"a":3}'
+    assert path.read_bytes() == encode_state({"a": 3})
+
+
+def test_a_file_read_while_another_process_rewrites_it_loads_cold(tmp_path: Path) -> None:
+    """A reader in another process may read a state rewritten in place half old, half new:
+    valid JSON when the two lay out alike, yet a state neither wrote. Its check fails, and the
+    load starts cold, as documented, instead of taking a mix of two calibrations."""
+    from pipeline.tokens.state_file import rewrite_state, write_state
+
+    old = copy.deepcopy(SAVED)
+    new = copy.deepcopy(SAVED)
+    new["estimator"]["families"]["sonnet"]["n_obs"] = 7  # as long as 6
+    new["estimator"]["overhead"] = 10 ** (len(str(old["estimator"]["overhead"])) - 1)
+    path = tmp_path / "token-calibration.json"
+    assert write_state(path, old)
+    before = path.read_bytes()
+    assert rewrite_state(path, new)
+    after = path.read_bytes()
+    assert len(before) == len(after)
+    parts = [k for k in range(len(after)) if before[k] != after[k]]
+    cut = parts[len(parts) // 2]  # where a reader met the writer: new before, old after
+    assert before[:cut] != after[:cut] and before[cut:] != after[cut:]
+    path.write_bytes(after[:cut] + before[cut:])
+    with structlog.testing.capture_logs() as logs:
+        tracker = TokenTracker.load(path)
+    assert tracker.state_dict() == COLD
+    assert [e["event"] for e in logs] == ["token_calibration.load_failed"]
+    path.write_bytes(after)
+    assert TokenTracker.load(path).state_dict() == new  # the whole new state loads warm
+
+
+def test_a_state_saved_without_a_check_loads_as_it_is(tmp_path: Path) -> None:
+    path = tmp_path / "token-calibration.json"
+    path.write_text(json.dumps(SAVED, separators=(",", ":")), encoding="utf-8")
+    assert TokenTracker.load(path).state_dict() == SAVED
 
 
 def test_what_is_planted_in_place_of_the_file_is_replaced_never_written_through(
@@ -356,7 +391,7 @@ def test_what_is_planted_in_place_of_the_file_is_replaced_never_written_through(
         saves.learned()
         saves.rewrite()
         assert path.is_file() and not path.is_symlink(), plant
-        assert json.loads(path.read_bytes()) == tracker.state_dict(), plant
+        assert decode_state(path.read_bytes()) == tracker.state_dict(), plant
         assert elsewhere.read_text() == "not yours", plant
 
 

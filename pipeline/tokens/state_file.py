@@ -8,6 +8,7 @@ import os
 import re
 import secrets
 import stat
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ __all__ = [
     "CALIBRATION_FILE",
     "MAX_STATE_BYTES",
     "calibration_path_for",
+    "decode_state",
+    "encode_state",
     "read_state_file",
     "rewrite_state",
     "write_state",
@@ -40,6 +43,37 @@ def calibration_path_for(
     return Path(root) / session_id / f"token-calibration-{safe}.json"
 
 
+CHECK_KEY = "check"
+"""The state's last field: the CRC-32 of its JSON text without it, as 8 hex digits."""
+
+
+def encode_state(state: Mapping[str, Any]) -> bytes:
+    """``state`` as compact JSON, its check last (:data:`CHECK_KEY`): a file read while
+    another process writes it in place (:func:`rewrite_state`), partly old and partly new but
+    valid JSON, is told from either."""
+    if CHECK_KEY in state:
+        raise ValueError(f"a state may not hold the key {CHECK_KEY!r}")
+    data = json.dumps(state, separators=(",", ":")).encode("utf-8")
+    if not data.endswith(b"}") or data == b"{}":
+        return data
+    return data[:-1] + f',"{CHECK_KEY}":"{zlib.crc32(data):08x}"}}'.encode()
+
+
+def decode_state(data: bytes) -> Any:
+    """The state in ``data`` (:func:`encode_state`'s bytes, padded with spaces or not);
+    ``ValueError`` when it is not JSON or its check does not match its text (written by two
+    writers at once, or read in the middle of a write). A state saved before states carried a
+    check is read as it is."""
+    state = json.loads(data)
+    if not isinstance(state, dict) or CHECK_KEY not in state:
+        return state
+    check = state.pop(CHECK_KEY)
+    text = json.dumps(state, separators=(",", ":")).encode("utf-8")
+    if not isinstance(check, str) or check != f"{zlib.crc32(text):08x}":
+        raise ValueError("its check does not match its text (read while it was rewritten?)")
+    return state
+
+
 def write_state(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
@@ -55,7 +89,7 @@ def write_state(
     target = Path(path)
     if not parents and not target.parent.is_dir():
         return False
-    data = json.dumps(state, separators=(",", ":")).encode("utf-8")
+    data = encode_state(state)
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
     try:
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -93,8 +127,9 @@ def rewrite_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> boo
     For a writer that must leave nothing behind once it returns (``wrap``'s caller: a program
     that removes its root right after a call). A longer old state is padded over with spaces
     (JSON ignores them): a crash, or a reader in another process at that very moment, sees
-    the old state, the new one, or, at worst, a mix that a load reads as a cold start."""
-    data = json.dumps(state, separators=(",", ":")).encode("utf-8")
+    the old state, the new one, or, at worst, a mix, whose check (:func:`encode_state`) fails:
+    a load reads it as a cold start."""
+    data = encode_state(state)
     target = os.fspath(path)
     try:
         # O_NOFOLLOW: a link is never written through; O_NONBLOCK: a FIFO never blocks

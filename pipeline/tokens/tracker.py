@@ -19,7 +19,6 @@ saved next to the session (:func:`calibration_path_for`) so a resumed session st
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -44,6 +43,7 @@ from pipeline.tokens.request import RequestOverhead
 from pipeline.tokens.state_file import (
     CALIBRATION_FILE,
     calibration_path_for,
+    decode_state,
     read_state_file,
     write_state,
 )
@@ -391,12 +391,13 @@ class TokenTracker:
         """The tracker saved at ``path``; a fresh ``method`` tracker when there is none.
 
         An unreadable or malformed file is logged and ignored (the session starts cold): not
-        valid JSON, not a state :meth:`from_state_dict` accepts, not a regular file, or larger
+        valid JSON or not matching its check (read while another process rewrote it), not a
+        state :meth:`from_state_dict` accepts, not a regular file, or larger
         than :data:`MAX_STATE_BYTES`.
         """
         target = Path(path)
         try:
-            state = json.loads(read_state_file(target))
+            state = decode_state(read_state_file(target))
             return cls.from_state_dict(state)
         except FileNotFoundError:
             return cls(method)
