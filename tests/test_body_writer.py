@@ -4,6 +4,8 @@ bounded."""
 
 from __future__ import annotations
 
+import contextlib
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -278,32 +280,64 @@ def test_bodies_written_from_the_requests_bytes_are_what_dumps_body_writes(
             got: bytes | type[Exception] = writer.write(key, out, fast=fast, source=source)
         except Exception as exc:
             got = type(exc)
-        assert got == expected
+        if spacing == "spaced" and fast and isinstance(got, bytes):
+            _as_written_or_the_client_s(got, out, expected)
+        else:
+            assert got == expected
+
+
+def _as_written_or_the_client_s(got: bytes, out: dict[str, Any], expected: Any) -> None:
+    """``got`` reads as ``expected`` (what ``dumps_body`` writes of ``out``) and each of its
+    messages is that encoder's bytes of the message or Python's spaced ones (a spaced
+    client's, taken from its request)."""
+    import json
+
+    from pipeline.wire.body_reader import BodyReader
+    from pipeline.wire.encoding import fast_encode, spaced_encode
+
+    assert isinstance(expected, bytes) and dumps_body(json.loads(got)) == expected
+    _body, _fast, written = BodyReader().read_source(got)
+    if written is None:  # read by the standard library: no places to check
+        return
+    for i, message in enumerate(out["messages"]):
+        piece = bytes(got[written.start(i) : written.ends[i]])
+        encodings = []
+        for encode in (fast_encode, partial(spaced_encode, ascii_only=piece.isascii())):
+            with contextlib.suppress(ValueError):  # a lone surrogate, written escaped
+                encodings.append(encode(message))
+        assert piece in encodings
 
 
 def test_a_compact_client_s_messages_are_not_kept_between_bodies() -> None:
-    """A conversation whose client writes JSON as the SDKs do: its messages' bytes are taken
-    from each request and the writer keeps only what it wrote of its own (a message a stage
-    rewrote); written spaced, every message is kept, as before there was a source."""
+    """A conversation whose client writes JSON as the SDKs do, or spaced as Python's
+    ``json.dumps`` does: its messages' bytes are taken from each request and the writer keeps
+    only what it wrote of its own (a message a stage rewrote); written indented, every message
+    is kept, as before there was a source."""
+    import json
+
     from pipeline.wire.body_reader import BodyReader
 
     kept: dict[str, int] = {}
-    for spacing in ("compact", "spaced"):
+    for spacing in ("compact", "spaced", "pretty"):
         reader, writer = BodyReader(), BodyWriter()
-        msgs: list[Any] = [{"role": "user", "content": "go"}]
+        msgs: list[Any] = [{"role": "user", "content": "go \u00e9"}]
         for k in range(40):
             raw = _client_bytes({"model": "m", "messages": msgs}, spacing)
             body, fast, source = reader.read_source(raw)
             sent = list(body["messages"])
             sent[1:2] = [{"role": "assistant", "content": "cleared"}] if k else []
             out = {**body, "messages": sent}
-            assert writer.write("c", out, fast=fast, source=source) == dumps_body(out)
+            got = writer.write("c", out, fast=fast, source=source)
+            if spacing == "spaced":  # the client's own bytes: the messages it sent, spaced
+                assert json.loads(got) == out and b'"role": "user"' in got
+            else:
+                assert got == dumps_body(out)
             msgs = [*msgs, *_round(k)]
         kept[spacing] = sum(len(run.own or b"") for run in writer._kept["c"].runs)
         assert writer.reused > 0
     rewritten = len(b'{"role":"assistant","content":"cleared"}')
-    assert kept["compact"] == rewritten
-    assert kept["spaced"] > 40 * 100
+    assert kept["compact"] == kept["spaced"] == rewritten
+    assert kept["pretty"] > 40 * 100
 
 
 def test_a_body_in_many_runs_keeps_the_shortest_of_the_request_s_as_its_own() -> None:

@@ -10,20 +10,25 @@ objects takes those messages' bytes from there (one copy) and encodes only the r
 fields around them.
 
 Where the bytes of a run come from: a proxy has the request its messages came in (a
-:class:`Source`). A message whose bytes the writer would write are the request's own, at the
-same place after a lone ``,`` -- which is what a client writing compact JSON sends (the
-anthropic SDKs, Claude Code: JavaScript's ``JSON.stringify``), checked once, when the message
-is new -- is taken from the request's bytes, on this call and the next ones, while the request
-holds the same parsed object there (the body reader hands the same object again only for bytes
-it found the same, at the same place). The writer then keeps the bytes of the messages a stage
-rewrote and of a client's that it writes otherwise (spaced JSON, other escapes), not a copy of
-every body sent on (as large as the conversation's text again). Runs are at most
-:data:`_MAX_RUNS`: past that, the request's shortest runs are kept as its own bytes.
+:class:`Source`). A message whose bytes at its place in the request (after a ``,``, or a ``,``
+and a space) are exactly what the writer would write -- as a client writing compact JSON
+sends it (the anthropic SDKs, Claude Code: JavaScript's ``JSON.stringify``) -- or exactly what
+Python's ``json.dumps`` writes of it by default (spaced: ``requests``, httpx before 0.28),
+checked once, when the message is new, is taken from the request's bytes, on this call and
+the next ones, while the request holds the same parsed object there (the body reader hands the
+same object again only for bytes it found the same, at the same place). The writer then keeps
+the bytes of the messages a stage rewrote and of a client's that it writes otherwise (indented
+JSON, other escapes), not a copy of every body sent on (as large as the conversation's text
+again). Runs are at most :data:`_MAX_RUNS`: past that, the request's shortest runs are kept as
+its own bytes.
 
-The bytes are always those :func:`~pipeline.wire.encoding.dumps_body` writes (a test holds it
-to that over random sequences of bodies, from requests written compactly, spaced or indented):
-the same encoder writes each piece, and a JSON object is its members joined in order; a
-request's bytes are taken only where they are that encoder's. What the fast encoder cannot
+The bytes are those :func:`~pipeline.wire.encoding.dumps_body` writes, but for a spaced
+client's messages taken from its request, which are its own bytes (a test holds it to that
+over random sequences of bodies, from requests written compactly, spaced or indented): the
+same encoder writes each piece, and a JSON object is its members joined in order; a request's
+bytes are taken only where they are that encoder's, or the standard library's spaced encoding
+of the very object parsed from them (never bytes that parse to it otherwise: a key given
+twice, a number written another way). What the fast encoder cannot
 write (a lone surrogate), or a body read with the standard library (``fast=False``), goes to
 ``dumps_body`` whole. A message object is taken to be unchanged while it is the same object:
 messages are shared between requests and must not be changed in place (nothing here does; the
@@ -41,9 +46,15 @@ from dataclasses import dataclass
 from itertools import compress, count
 from typing import Any
 
-from pipeline.wire.encoding import dumps_body, fast_encode
+from pipeline.wire.encoding import dumps_body, fast_encode, spaced_encode
 
 __all__ = ["BodyWriter", "Source"]
+
+
+_SPACED_KEY = b'": '
+"""What follows the first key of a message Python's ``json.dumps`` writes (within
+:data:`_SPACED_LOOK` bytes of its start: ``{"role": ``, ``{"content": ``)."""
+_SPACED_LOOK = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,24 +70,34 @@ class Source:
     ends: Sequence[int]
     messages: Sequence[Any]
 
-    def same_bytes(self, i: int, piece: bytes) -> bool:
-        """Whether message ``i`` is ``piece`` in ``raw``, after a ``,`` alone (the first:
-        right after the ``[``): what lets a written body take those bytes from ``raw``."""
+    def same_bytes(self, i: int, piece: bytes, message: Any) -> bool:
+        """Whether message ``i`` is ``piece`` in ``raw`` (``message`` written as this writer
+        writes it), or ``message`` as Python's ``json.dumps`` writes it by default, after a
+        ``,`` or a ``,`` and a space (the first: right after the ``[``): what lets a written
+        body take those bytes from ``raw``."""
         if i >= len(self.ends) or i >= len(self.messages):
             return False
-        end = self.ends[i]
-        if i:
-            at = self.ends[i - 1]
-            if self.raw[at : at + 1] != b",":
-                return False
-            start = at + 1
-        else:
-            start = self.array_open
-        return end - start == len(piece) and self.raw.startswith(piece, start)
+        end, start = self.ends[i], self.start(i)
+        if i and self.raw[self.ends[i - 1] : self.ends[i - 1] + 1] != b",":
+            return False
+        if end - start == len(piece) and self.raw.startswith(piece, start):
+            return True
+        if self.raw.find(_SPACED_KEY, start, min(end, start + _SPACED_LOOK)) < 0:
+            return False  # (one encoding more tried only where the request looks spaced)
+        given = memoryview(self.raw)[start:end]
+        try:
+            spaced = spaced_encode(message, ascii_only=bytes(given).isascii())
+        except (TypeError, ValueError, OverflowError):
+            return False
+        return given == spaced
 
     def start(self, i: int) -> int:
-        """Where message ``i`` begins (one the writer found :meth:`same_bytes`)."""
-        return self.ends[i - 1] + 1 if i else self.array_open
+        """Where message ``i`` begins: past the ``,`` after the one before it, and a space
+        there."""
+        if not i:
+            return self.array_open
+        at = self.ends[i - 1] + 1
+        return at + 1 if self.raw[at : at + 1] == b" " else at
 
 
 @dataclass(slots=True)
@@ -222,7 +243,7 @@ class BodyWriter:
         self.reused += same
         for i in range(same, len(messages)):
             piece = encode(messages[i])
-            if source is not None and source.same_bytes(i, piece):
+            if source is not None and source.same_bytes(i, piece, messages[i]):
                 _add_source(runs, i)
             else:
                 _add_own(runs, i, piece)

@@ -17,7 +17,14 @@ import msgspec
 from pipeline.wire.canonical import ALIKE, leaf_kinds
 from pipeline.wire.deferred import text_or
 
-__all__ = ["dumps_body", "encodable", "fast_encode", "has_lone_surrogate", "loads_body"]
+__all__ = [
+    "dumps_body",
+    "encodable",
+    "fast_encode",
+    "has_lone_surrogate",
+    "loads_body",
+    "spaced_encode",
+]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _ENCODE_MAX = 65_536
@@ -169,6 +176,20 @@ def _encode(value: Any) -> bytes:
     if leaf_kinds(value) == ALIKE:
         return _COMPACT(value).encode("utf-8")
     return _msgspec_encode(value)
+
+
+_SPACED = {
+    ascii_only: json.JSONEncoder(ensure_ascii=ascii_only, default=_TEXT).encode
+    for ascii_only in (True, False)
+}
+
+
+def spaced_encode(value: Any, *, ascii_only: bool) -> bytes:
+    """``value`` as Python's ``json.dumps`` writes it by default (a space after each ``,`` and
+    ``:``; ``ascii_only``: non-ASCII characters escaped, as ``json.dumps``, ``requests`` and
+    httpx before 0.28 write a body), or ``ensure_ascii=False``; ``ValueError`` for what it
+    cannot write (a lone surrogate left unescaped)."""
+    return _SPACED[ascii_only](value).encode("utf-8")
 
 
 fast_encode = _encode
