@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import re
+import socket
 import sys
 import threading
 import time
@@ -35,9 +37,11 @@ from pipeline.dropin.upstream import Upstream, unless_left
 from pipeline.store.sessions import SessionStates
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from pipeline.wire import digests
+from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.digests import OpeningMemo, opening_digest
 from stages import ToolResultBudget
-from tests.wire_support import TAG, proxy
+from tests.builders import tool_result, tool_use
+from tests.wire_support import TAG, RawUpstream, proxy, read_request
 
 
 def _reply(_body: dict[str, Any]) -> Reply:
@@ -453,3 +457,72 @@ def test_a_held_answer_whose_send_fails_ends_its_request_as_its_client_gone(
         return ended
 
     assert anyio.run(run) == (["client_disconnected"] if gone else [None])
+
+
+class _Recorded(RawUpstream):
+    """An upstream that keeps each request body's bytes and answers ``ok``."""
+
+    threaded = True
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        super().__init__()
+
+    def answer(self, conn: socket.socket) -> None:
+        while request := read_request(conn):
+            self.bodies.append(request.partition(b"\r\n\r\n")[2])
+            reply = json.dumps(
+                {
+                    "id": f"msg_{len(self.bodies)}",
+                    "type": "message",
+                    "role": "assistant",
+                    "model": "m",
+                    "content": [{"type": "text", "text": "ok"}],
+                    "stop_reason": "end_turn",
+                    "usage": {"input_tokens": 10, "output_tokens": 1},
+                }
+            ).encode()
+            head = (
+                f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(reply)}"
+            )
+            conn.sendall(head.encode() + b"\r\n\r\n" + reply)
+
+
+def test_a_spaced_client_s_messages_go_upstream_as_its_own_bytes(tmp_path: Path) -> None:
+    """A client writing JSON as Python's ``json.dumps`` does by default (``requests``, httpx
+    before 0.28): the messages no stage changed go upstream as the bytes it sent -- what lets
+    the proxy keep none of them between calls -- and one a stage changed as the proxy writes it;
+    each request repeats the one before it, byte for byte, up to the messages it adds."""
+    upstream = _Recorded()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go \u00e9t\u00e9"}]
+    sent: list[bytes] = []
+    try:
+        with (
+            proxy(upstream.url, tmp_path, _budget, tenancy=None) as url,
+            httpx2.Client(timeout=30) as client,
+        ):
+            for k in range(6):
+                tid = f"toolu_spaced_{k}"
+                output = "x" * (60_000 if k == 2 else 100)  # one the budget replaces
+                messages.append({"role": "assistant", "content": [tool_use(tid)]})
+                messages.append({"role": "user", "content": [tool_result(tid, output)]})
+                raw = json.dumps({"model": "m", "max_tokens": 5, "messages": messages}).encode()
+                sent.append(raw)
+                answer = client.post(
+                    f"{url}/v1/messages", content=raw, headers={"content-type": "application/json"}
+                )
+                assert answer.status_code == 200, answer.text
+    finally:
+        upstream.sock.close()
+    assert len(upstream.bodies) == 6
+    first, last = json.dumps(messages[0]).encode(), upstream.bodies[-1]
+    assert first in last  # the client's bytes: spaced, its text escaped
+    for k in (0, 1, 3):  # results no stage changed
+        assert json.dumps(messages[2 + 2 * k]).encode() in last
+    replaced = json.loads(last)["messages"][6]["content"][0]["content"]
+    assert replaced.startswith("<persisted-output>")
+    for before, after in itertools.pairwise(upstream.bodies):
+        # up to its last message, which the proxy marked for the cache (the next does not)
+        _body, _fast, source = BodyReader().read_source(before)
+        assert source is not None
+        assert after.startswith(before[: source.start(len(source.ends) - 1)])
