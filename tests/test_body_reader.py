@@ -96,7 +96,11 @@ def _spoiled(raw: bytes, how: str) -> bytes:
     return raw
 
 
-@pytest.mark.parametrize("bulk", [False, True], ids=["one_at_a_time", "split_by_msgspec"])
+@pytest.mark.parametrize(
+    "bulk, head",
+    [(False, None), (True, None), (True, 5)],
+    ids=["one_at_a_time", "split_by_msgspec", "split_after_a_short_head"],
+)
 @settings(max_examples=300, deadline=None)
 @given(
     start=st.lists(messages, max_size=6),
@@ -105,19 +109,23 @@ def _spoiled(raw: bytes, how: str) -> bytes:
     ),
 )
 def test_any_sequence_of_bodies_reads_as_a_full_parse(
-    bulk: bool, start: list[Any], steps: list[Any]
+    bulk: bool, head: int | None, start: list[Any], steps: list[Any]
 ) -> None:
     """``bulk``: every body's new messages split and parsed by msgspec (at its thresholds, from
-    64 KB of new messages that are a quarter of the body)."""
-    saved = body_split.SPLIT_BYTES, body_split.SPLIT_SHARE
+    64 KB of new messages that are a quarter of the body); ``head``: a new body's first bytes
+    decoded for the fields before its messages (at most 64 KB at first), cut inside a field or
+    a character."""
+    saved = body_split.SPLIT_BYTES, body_split.SPLIT_SHARE, body_reader._HEAD
     if bulk:
         body_split.SPLIT_BYTES, body_split.SPLIT_SHARE = 0, 10**9
+    if head is not None:
+        body_reader._HEAD = head
     try:
         reader = BodyReader()
         for msgs, extra, (before, writer, tail) in stepped(start, steps, "extras"):
             _same_as_a_full_parse(reader, _spoiled(_body(msgs, extra, before, writer), tail))
     finally:
-        body_split.SPLIT_BYTES, body_split.SPLIT_SHARE = saved
+        body_split.SPLIT_BYTES, body_split.SPLIT_SHARE, body_reader._HEAD = saved
 
 
 @pytest.mark.parametrize("writer", [{}, {"separators": (",", ":")}, {"indent": 2}])
@@ -612,3 +620,77 @@ def test_bodies_read_while_a_long_one_is_parsed_elsewhere_are_all_kept() -> None
             assert got == loads_body(grown) and reader.reused - before == len(msgs)
 
     anyio.run(main)
+
+
+_ASTRAL = "Generated with Claude Code \U0001f916"
+"""A character past U+FFFF, as Claude Code's system prompt holds one: text decoded with it
+takes four bytes a character."""
+
+
+def _peak(work: Any) -> int:
+    """The most ``work()`` held allocated at once, beyond what it started with."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        work()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_first_body_is_not_decoded_whole_to_be_read() -> None:
+    """A body new to the reader, with a character past U+FFFF after its messages, as Claude
+    Code's: its messages are read from its bytes, and only its start is decoded (decoded
+    whole, the body peaked at ~5x its size, four bytes a character)."""
+    msgs = [{"role": "user", "content": f"m{k} " + "x" * 2_000} for k in range(200)]
+    tools = [{"name": f"tool{k}", "description": _ASTRAL * 40} for k in range(30)]
+    raw = json.dumps(
+        {"model": "m", "messages": msgs, "system": _ASTRAL, "tools": tools},
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode()
+    reader = BodyReader()
+    assert _peak(lambda: reader.read_source(raw)) < 2.5 * len(raw)
+    body, _fast, _source = BodyReader().read_source(raw)
+    assert body == json.loads(raw)
+
+
+def test_a_body_whose_fields_before_its_messages_are_long_reads_them_whole() -> None:
+    """Fields before the messages longer than the bytes decoded first, a character cut at
+    their end: decoded further, read as a full parse reads them."""
+    for pad in range(4):
+        system = "a" * (body_reader._HEAD - 12 + pad) + "\u00e9\U0001f916" * 9_000
+        msgs = [{"role": "user", "content": "go"}]
+        raw = json.dumps({"system": system, "messages": msgs}, ensure_ascii=False).encode()
+        body, fast, source = BodyReader().read_source(raw)
+        assert body == json.loads(raw) and fast and source is not None
+
+
+def test_the_fields_a_body_repeats_after_its_messages_are_not_decoded_again() -> None:
+    """A call that adds a round to a conversation whose system prompt and tools (after the
+    messages, ~80 KB, a character past U+FFFF among them: Claude Code's) are as before: what
+    it decodes is its new messages, not those fields again (four bytes a character)."""
+    tools = [{"name": f"tool{k}", "description": _ASTRAL * 100} for k in range(30)]
+    msgs: list[Any] = [{"role": "user", "content": "go"}]
+    reader = BodyReader()
+
+    def body() -> bytes:
+        return json.dumps(
+            {"model": "m", "messages": msgs, "system": _ASTRAL, "tools": tools},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        ).encode()
+
+    reader.read_source(body())
+    for k in range(3):
+        msgs += [
+            {"role": "assistant", "content": [{"type": "text", "text": f"step {k}"}]},
+            {"role": "user", "content": f"and {k}"},
+        ]
+        raw = body()
+        fields = len(json.dumps({"system": _ASTRAL, "tools": tools}, ensure_ascii=False).encode())
+        assert fields > 80_000
+        assert _peak(lambda raw=raw: reader.read_source(raw)) < fields  # ~4x it, decoded
+        assert reader.read_source(raw)[0] == json.loads(raw)

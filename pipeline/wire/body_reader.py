@@ -209,9 +209,46 @@ class _Offsets:
         return self.byte
 
 
+_HEAD = 64 * 1024
+"""Bytes of a new body decoded first, for the fields before its messages (eight times as many
+each time they run past them): the messages are read from the bytes (by msgspec), and a whole
+body decoded at once is four bytes a character when one of its characters is past U+FFFF --
+as Claude Code's system prompt has one, a first request's parse would peak at ~5x its size."""
+
+
 def _scan(raw: bytes) -> KeptBody:
     """A body parsed from scratch, with where its messages end."""
-    text = raw.decode("utf-8")
+    size = _HEAD
+    while True:
+        end = _char_boundary(raw, size)
+        text = raw[:end].decode("utf-8")
+        try:
+            before, pos = _fields_before(text)
+        except (_Unknown, ValueError):
+            if end == len(raw):
+                raise
+            size *= 8  # a field before the messages runs past the text decoded so far
+            continue
+        break
+    offsets = _Offsets(raw, text, 0, 0)
+    array_open = offsets.at(pos + 1)
+    if end < len(raw):  # the rest decoded only where msgspec does not read it (_finish)
+        offsets = _Offsets(raw, "", 0, array_open)
+    return _finish(offsets, array_open, [], [], before)
+
+
+def _char_boundary(raw: bytes, size: int) -> int:
+    """Where the first ``size`` bytes of ``raw`` end, moved back to the start of a UTF-8
+    character (all of ``raw`` when it is shorter)."""
+    end = min(size, len(raw))
+    while 0 < end < len(raw) and raw[end] & 0xC0 == 0x80:  # a continuation byte
+        end -= 1
+    return end
+
+
+def _fields_before(text: str) -> tuple[list[tuple[str, Any]], int]:
+    """The fields before ``messages`` in ``text`` (a body's start) and where its array
+    opens; ``_Unknown`` or ``ValueError`` when ``text`` does not hold them whole."""
     pos = _skip(text)
     if text[pos : pos + 1] != "{":
         raise _Unknown
@@ -229,9 +266,7 @@ def _scan(raw: bytes) -> KeptBody:
     pos = _skip(text, pos)
     if text[pos : pos + 1] != "[":
         raise _Unknown
-    offsets = _Offsets(raw, text, 0, 0)
-    array_open = offsets.at(pos + 1)
-    return _finish(offsets, array_open, [], [], before)
+    return before, pos
 
 
 def _continue(raw: bytes, old: KeptBody, k: int) -> KeptBody:
@@ -239,9 +274,11 @@ def _continue(raw: bytes, old: KeptBody, k: int) -> KeptBody:
     and past old's first ``k`` message ends: those messages, then the rest decoded and parsed.
     Where a message ends is an ASCII character, so the rest starts on a character."""
     pos = old.ends[k - 1] if k else old.array_open
-    # decoded only when it is read a message at a time (msgspec reads the bytes)
+    # decoded only when it is read a message at a time (msgspec reads the bytes), and not the
+    # fields after the messages that repeat old's (Claude Code's system prompt and tools: ~80
+    # KB a call, four bytes a character decoded, for the character past U+FFFF they hold)
     tail = kept_tail(raw, old)
-    text = "" if worth_splitting(raw, pos, tail) else raw[pos:].decode("utf-8")
+    text = "" if worth_splitting(raw, pos, tail) else raw[pos : len(raw) - tail].decode("utf-8")
     offsets = _Offsets(raw, text, 0, pos)
     return _finish(offsets, old.array_open, old.ends[:k], old.messages[:k], old.before, old, tail)
 
@@ -269,7 +306,7 @@ def _finish(
         after_at = close
     else:
         if not text:  # left undecoded for msgspec, which did not read it
-            text = raw[offsets.byte :].decode("utf-8")
+            text = raw[offsets.byte : len(raw) - kept_tail].decode("utf-8")
             offsets = _Offsets(raw, text, 0, offsets.byte)
         pos = _next_message(text, offsets.char) if messages else _skip(text, offsets.char)
         ids: dict[str, str] = {}  # a call's id and its result's: one string
