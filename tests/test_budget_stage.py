@@ -571,10 +571,11 @@ async def test_a_group_that_persisted_by_the_per_tool_limit_says_so(tmp_path: Pa
 
 def test_the_grouping_scan_keeps_little_a_round() -> None:
     """What the budget's undoable scan keeps for a round of a held conversation (a call and
-    its result), its result's key included: ~530 bytes. Kept as objects beside each step (an
+    its result), its result's key included: ~480 bytes. Kept as objects beside each step (an
     undo object for the result, a list of pairs for the call, a list per group), ~890; with
-    an undo object and its names for every call, ~670. Undone step by step, the call's part
-    read back from the call itself, it leaves nothing."""
+    an undo object and its names for every call, ~670; with a tuple of the result's one key,
+    ~530. Undone step by step, the call's part read back from the call itself, it leaves
+    nothing."""
     import gc
     import tracemalloc
 
@@ -597,7 +598,7 @@ def test_the_grouping_scan_keeps_little_a_round() -> None:
         kept = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert kept / 2_000 < 600
+    assert kept / 2_000 < 505
     assert [len(g) for g in scan.groups] == [1] * 2_000
     for i in range(len(messages) - 1, -1, -1):  # undone to nothing, step by step
         scan.pop(i, messages[i], {}, set())

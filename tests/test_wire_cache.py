@@ -489,3 +489,34 @@ def test_the_pairing_index_taken_back_to_any_message_is_the_index_of_the_request
                 for b in m["content"]:
                     first.setdefault(b["id"], i)
         assert dict(index._first_use) == first and list(index._first_use) == list(first)
+
+
+def test_what_the_cache_counts_of_each_message_is_8_bytes_a_number() -> None:
+    """Each message's visible characters and breakpoints are kept as 8-byte numbers: as ints
+    in lists, a count past 256 was an object of its own (~32 bytes) for every message of a held
+    conversation."""
+    import gc
+    import tracemalloc
+
+    history: list[Message] = [user_text("start")]
+    for k in range(2_000):
+        history += [
+            Message.assistant([tool_use(f"u{k}")], message_id=f"r{k}"),
+            results(tool_result(f"u{k}", "x" * (300 + k))),
+        ]
+    cache = WireCache()
+    cache.to_api(history[:1])
+    gc.collect()
+    tracemalloc.start()
+    try:
+        cache.to_api(history)
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    chars = sum(
+        stat.size
+        for stat in snapshot.statistics("lineno")
+        if stat.traceback[0].filename.endswith(("wire/chars.py", "wire/caching.py"))
+    )
+    assert chars / len(history) < 4  # what counting left: nothing a message
+    assert cache.chars == request_chars(to_api(history))

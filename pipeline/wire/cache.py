@@ -158,10 +158,13 @@ class WireCache:
         """Per entry: the index of the last record that went into it."""
         self._params: list[MessageParam] = []
         self._changed_from = 0
-        self._chars: list[int] = []
+        self._chars = array("q")
+        """Per entry: the characters of its visible text (8 bytes each; an int object of ~32
+        bytes each in a list)."""
         self.chars = 0
         """Characters of visible text in the last request (see :func:`request_chars`)."""
-        self._breakpoints: list[int] = []
+        self._breakpoints = array("q")
+        """Per entry: its blocks that carry ``cache_control``."""
         self.breakpoints = 0
         """Blocks of the last request that carry ``cache_control`` (the API allows four)."""
         self.pairing = PairingIndex()
@@ -323,12 +326,12 @@ class WireCache:
         self.chars -= sum(self._chars[keep:])
         del self._chars[keep:]
         counted = [param_chars(p) for p in fresh]
-        self._chars += counted
+        self._chars.extend(counted)
         self.chars += sum(counted)
         self.breakpoints -= sum(self._breakpoints[keep:])
         del self._breakpoints[keep:]
         marked = [param_breakpoints(p) for p in fresh]
-        self._breakpoints += marked
+        self._breakpoints.extend(marked)
         self.breakpoints += sum(marked)
         self.pairing.update(self._params, keep)
 
