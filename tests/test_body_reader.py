@@ -694,3 +694,15 @@ def test_the_fields_a_body_repeats_after_its_messages_are_not_decoded_again() ->
         assert fields > 80_000
         assert _peak(lambda raw=raw: reader.read_source(raw)) < fields  # ~4x it, decoded
         assert reader.read_source(raw)[0] == json.loads(raw)
+
+
+def test_a_run_of_continuation_bytes_at_the_head_s_end_is_not_walked_back() -> None:
+    """Where the bytes decoded first end inside a character, the cut moves back to its start:
+    three bytes at most; a longer run of continuation bytes is not UTF-8, and the body is
+    decoded whole (which refuses it at once) rather than walked back a byte at a time."""
+    head = b'{"system": "' + "\U0001f916".encode()
+    assert body_reader._char_boundary(head, len(head) - 1) == len(head) - 4
+    bad = b'{"system": "' + b"\x80" * 10_000 + b'", "messages": []}'
+    assert body_reader._char_boundary(bad, 5_000) == len(bad)
+    with pytest.raises(ValueError):
+        BodyReader().read_source(bad)

@@ -400,3 +400,19 @@ def test_what_it_keeps_counts_the_fields_and_the_messages_taken_from_the_request
         assert len(writer._kept) == 3 * kept
         if kept:
             assert writer._bytes >= 3 * 5_000
+
+
+def test_a_message_too_deep_to_write_spaced_is_not_taken_from_the_request() -> None:
+    """A message nested deeper than the standard library writes: not the request's bytes,
+    and no error (the writer encodes what it can itself, or says what it cannot)."""
+    from pipeline.wire.body_writer import Source
+
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]
+    message = {"role": "user", "content": deep}
+    raw = b'{"messages": [{"role": "user", "content": [[[]]]}]}'
+    source = Source(raw, raw.index(b"[") + 1, [len(raw) - 2], [message])
+    assert not source.same_bytes(0, b"{}", message)

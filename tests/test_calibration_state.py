@@ -425,3 +425,26 @@ def test_a_calibration_is_written_before_the_call_returns(tmp_path: Path) -> Non
         SYNCS.flush()  # what the sync thread had left: fsyncs only
         assert sorted(p.relative_to(root) for p in root.rglob("*")) == listing
         raw.close()
+
+
+def test_no_cut_of_an_in_place_rewrite_reads_as_a_state_neither_wrote() -> None:
+    """Every place a reader may meet an in-place rewrite (new bytes before it, old after),
+    the key names included: what it reads is the old state, the new one, or refused -- the
+    check comes first, so a file cut anywhere still starts with one."""
+    for shorter in (0, 1, 5, 12):  # a shorter new state is padded with spaces
+        old = encode_state({"version": 2, "alpha": "1" * 16, "n": 12})
+        fresh = encode_state({"version": 2, "bravo": "2" * (16 - shorter), "n": 34})
+        new = fresh + b" " * (len(old) - len(fresh))
+        assert len(old) == len(new)
+        for cut in range(len(new) + 1):
+            mixed = new[:cut] + old[cut:]
+            if mixed in (old, new):
+                continue
+            with pytest.raises(ValueError):
+                decode_state(mixed)
+
+
+def test_a_check_that_is_not_the_first_field_is_refused() -> None:
+    text = json.dumps({"version": 2, "check": "00000000"}).encode()
+    with pytest.raises(ValueError, match="first field"):
+        decode_state(text)

@@ -44,28 +44,34 @@ def calibration_path_for(
 
 
 CHECK_KEY = "check"
-"""The state's last field: the CRC-32 of its JSON text without it, as 8 hex digits."""
+"""The state's first field: the CRC-32 of its JSON text without it, as 8 hex digits."""
+_CHECKED = b'{"check":"'
+"""How every checked state begins: a file rewritten in place over one is the same there, so a
+read in the middle of the write meets the old check or the new one, never neither."""
 
 
 def encode_state(state: Mapping[str, Any]) -> bytes:
-    """``state`` as compact JSON, its check last (:data:`CHECK_KEY`): a file read while
+    """``state`` as compact JSON, its check first (:data:`CHECK_KEY`): a file read while
     another process writes it in place (:func:`rewrite_state`), partly old and partly new but
-    valid JSON, is told from either."""
+    valid JSON, is told from either. (A release before states carried a check refuses the key:
+    a state written here loads there as a cold start.)"""
     if CHECK_KEY in state:
         raise ValueError(f"a state may not hold the key {CHECK_KEY!r}")
     data = json.dumps(state, separators=(",", ":")).encode("utf-8")
-    if not data.endswith(b"}") or data == b"{}":
+    if not data.startswith(b"{") or data == b"{}":
         return data
-    return data[:-1] + f',"{CHECK_KEY}":"{zlib.crc32(data):08x}"}}'.encode()
+    return _CHECKED + f'{zlib.crc32(data):08x}",'.encode() + data[1:]
 
 
 def decode_state(data: bytes) -> Any:
     """The state in ``data`` (:func:`encode_state`'s bytes, padded with spaces or not);
     ``ValueError`` when it is not JSON or its check does not match its text (written by two
     writers at once, or read in the middle of a write). A state saved before states carried a
-    check is read as it is."""
+    check (one that does not begin with it) is read as it is."""
     state = json.loads(data)
-    if not isinstance(state, dict) or CHECK_KEY not in state:
+    if not data.startswith(_CHECKED):
+        if isinstance(state, dict) and CHECK_KEY in state:
+            raise ValueError(f"{CHECK_KEY!r} is not the state's first field")
         return state
     check = state.pop(CHECK_KEY)
     text = json.dumps(state, separators=(",", ":")).encode("utf-8")

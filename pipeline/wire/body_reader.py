@@ -239,11 +239,14 @@ def _scan(raw: bytes) -> KeptBody:
 
 def _char_boundary(raw: bytes, size: int) -> int:
     """Where the first ``size`` bytes of ``raw`` end, moved back to the start of a UTF-8
-    character (all of ``raw`` when it is shorter)."""
+    character (all of ``raw`` when it is shorter, or when more than three continuation bytes
+    stand there: not UTF-8, which decoding it whole says at once)."""
     end = min(size, len(raw))
-    while 0 < end < len(raw) and raw[end] & 0xC0 == 0x80:  # a continuation byte
+    for _ in range(4):
+        if not (0 < end < len(raw) and raw[end] & 0xC0 == 0x80):  # a continuation byte
+            return end
         end -= 1
-    return end
+    return len(raw)
 
 
 def _fields_before(text: str) -> tuple[list[tuple[str, Any]], int]:

@@ -82,12 +82,17 @@ class Source:
             return False
         if end - start == len(piece) and self.raw.startswith(piece, start):
             return True
+        # one encoding more, only where the request looks spaced and only of the message
+        # parsed there (or its equal: a string content's message is made anew), never a
+        # stage's (whose held texts it would read again)
         if self.raw.find(_SPACED_KEY, start, min(end, start + _SPACED_LOOK)) < 0:
-            return False  # (one encoding more tried only where the request looks spaced)
+            return False
         given = memoryview(self.raw)[start:end]
         try:
+            if message is not self.messages[i] and message != self.messages[i]:
+                return False
             spaced = spaced_encode(message, ascii_only=bytes(given).isascii())
-        except (TypeError, ValueError, OverflowError):
+        except (TypeError, ValueError, OverflowError, RecursionError):
             return False
         return given == spaced
 
