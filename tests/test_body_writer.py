@@ -416,3 +416,28 @@ def test_a_message_too_deep_to_write_spaced_is_not_taken_from_the_request() -> N
     raw = b'{"messages": [{"role": "user", "content": [[[]]]}]}'
     source = Source(raw, raw.index(b"[") + 1, [len(raw) - 2], [message])
     assert not source.same_bytes(0, b"{}", message)
+
+
+def test_only_a_spaced_request_s_messages_are_encoded_spaced_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The spaced encoding is tried only where a message's bytes look spaced: never for a
+    compact or an indented client's (each new message would be encoded twice for nothing),
+    once a new message for a spaced one's."""
+    from pipeline.wire import body_writer
+    from pipeline.wire.body_reader import BodyReader
+
+    tried: list[str] = []
+    real = body_writer.spaced_encode
+    monkeypatch.setattr(
+        body_writer, "spaced_encode", lambda m, **kw: tried.append("") or real(m, **kw)
+    )
+    for spacing, expected in (("compact", 0), ("pretty", 0), ("spaced", 2 * 10 + 1)):
+        tried.clear()
+        reader, writer = BodyReader(), BodyWriter()
+        msgs: list[Any] = [{"role": "user", "content": "go"}]
+        for k in range(10):
+            msgs = [*msgs, *_round(k)]
+            body, fast, source = reader.read_source(_client_bytes({"messages": msgs}, spacing))
+            writer.write("c", body, fast=fast, source=source)
+        assert len(tried) == expected, spacing

@@ -85,7 +85,10 @@ class Source:
         # one encoding more, only where the request looks spaced and only of the message
         # parsed there (or its equal: a string content's message is made anew), never a
         # stage's (whose held texts it would read again)
-        if self.raw.find(_SPACED_KEY, start, min(end, start + _SPACED_LOOK)) < 0:
+        if (
+            not self.raw.startswith(b'{"', start)  # (indented JSON opens on a new line)
+            or self.raw.find(_SPACED_KEY, start, min(end, start + _SPACED_LOOK)) < 0
+        ):
             return False
         given = memoryview(self.raw)[start:end]
         try:
