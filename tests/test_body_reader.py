@@ -13,7 +13,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.wire import body_reader, body_split, kept_bodies
+from pipeline.wire import body_reader, body_split, body_text, kept_bodies
 from pipeline.wire.body_reader import BodyReader
 from pipeline.wire.encoding import dumps_body, loads_body
 from pipeline.wire.shared_strings import shared_message
@@ -701,8 +701,8 @@ def test_a_run_of_continuation_bytes_at_the_head_s_end_is_not_walked_back() -> N
     three bytes at most; a longer run of continuation bytes is not UTF-8, and the body is
     decoded whole (which refuses it at once) rather than walked back a byte at a time."""
     head = b'{"system": "' + "\U0001f916".encode()
-    assert body_reader._char_boundary(head, len(head) - 1) == len(head) - 4
+    assert body_text.char_boundary(head, len(head) - 1) == len(head) - 4
     bad = b'{"system": "' + b"\x80" * 10_000 + b'", "messages": []}'
-    assert body_reader._char_boundary(bad, 5_000) == len(bad)
+    assert body_text.char_boundary(bad, 5_000) == len(bad)
     with pytest.raises(ValueError):
         BodyReader().read_source(bad)

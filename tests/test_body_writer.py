@@ -405,7 +405,7 @@ def test_what_it_keeps_counts_the_fields_and_the_messages_taken_from_the_request
 def test_a_message_too_deep_to_write_spaced_is_not_taken_from_the_request() -> None:
     """A message nested deeper than the standard library writes: not the request's bytes,
     and no error (the writer encodes what it can itself, or says what it cannot)."""
-    from pipeline.wire.body_writer import Source
+    from pipeline.wire.source import Source
 
     deep: list[Any] = []
     inner = deep
@@ -424,14 +424,12 @@ def test_only_a_spaced_request_s_messages_are_encoded_spaced_too(
     """The spaced encoding is tried only where a message's bytes look spaced: never for a
     compact or an indented client's (each new message would be encoded twice for nothing),
     once a new message for a spaced one's."""
-    from pipeline.wire import body_writer
+    from pipeline.wire import source
     from pipeline.wire.body_reader import BodyReader
 
     tried: list[str] = []
-    real = body_writer.spaced_encode
-    monkeypatch.setattr(
-        body_writer, "spaced_encode", lambda m, **kw: tried.append("") or real(m, **kw)
-    )
+    real = source.spaced_encode
+    monkeypatch.setattr(source, "spaced_encode", lambda m, **kw: tried.append("") or real(m, **kw))
     for spacing, expected in (("compact", 0), ("pretty", 0), ("spaced", 2 * 10 + 1)):
         tried.clear()
         reader, writer = BodyReader(), BodyWriter()

@@ -24,7 +24,6 @@ import pytest
 
 from pipeline import Pipeline
 from pipeline.testing import Reply, ScriptedMessagesServer
-from pipeline.wire.body_writer import Source
 from pipeline.wire.deferred import DeferredText, resolved
 from pipeline.wire.encoding import dumps_body
 from pipeline.wire.held_outputs import (
@@ -35,6 +34,7 @@ from pipeline.wire.held_outputs import (
     serving,
     serving_scope,
 )
+from pipeline.wire.source import Source
 from stages import HistorySnip, Microcompact, ToolResultBudget, default_stages
 from tests.builders import tool_result, tool_use
 from tests.wire_support import proxy

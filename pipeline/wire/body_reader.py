@@ -26,15 +26,22 @@ and errors. The parsed values are shared between requests: they must not be chan
 from __future__ import annotations
 
 import functools
-import json
-import math
-import re
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pipeline.wire.body_split import split_new, worth_splitting
-from pipeline.wire.body_writer import Source
+from pipeline.wire.body_text import (
+    DECODER,
+    NotTakenApart,
+    char_boundary,
+    fields_after,
+    fields_before,
+    maybe_surrogate,
+    maybe_surrogate_bytes,
+    next_message,
+    skip,
+)
 from pipeline.wire.encoding import has_lone_surrogate, loads_body
 from pipeline.wire.kept_bodies import (
     MAX_KEPT_BYTES,
@@ -47,32 +54,13 @@ from pipeline.wire.kept_bodies import (
     opening_of,
 )
 from pipeline.wire.shared_strings import shared_message
+from pipeline.wire.source import Source
 
 __all__ = ["OFF_LOOP_BYTES", "BodyReader"]
 
 OFF_LOOP_BYTES = 256 * 1024
 """New bytes from which :meth:`BodyReader.read_async` parses a body off its event loop (~0.4
 ms of parsing; a worker thread's hop costs ~0.1 ms)."""
-
-_WS = re.compile(r"[ \t\n\r]*")
-
-
-def _reject(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400: the fast codec would write it as null
-        raise ValueError(f"{text[:20]} is out of a float's range")
-    return value
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject, parse_float=_finite)
-
-
-class _Unknown(Exception):
-    """A body this reader does not take apart: parse it whole."""
 
 
 class BodyReader(KeptBodies):
@@ -129,7 +117,7 @@ class BodyReader(KeptBodies):
         at_least: int = OFF_LOOP_BYTES,
     ) -> tuple[Any, bool, Source | None]:
         """:meth:`read_async`, and where the body's messages are in ``raw`` (a
-        :class:`~pipeline.wire.body_writer.Source` for the writer of the body sent on), or
+        :class:`~pipeline.wire.source.Source` for the writer of the body sent on), or
         None for a body parsed whole."""
         key, best, k = self._found(raw, scope)
         new = len(raw) - (best.bound(k) if best is not None else 0)
@@ -177,7 +165,7 @@ def _parsed(raw: bytes, best: KeptBody | None, k: int) -> _Parsed:
     (its errors raised). Reads nothing but its arguments: any thread may run it."""
     try:
         return _continue(raw, best, k) if best is not None else _scan(raw)
-    except (_Unknown, ValueError, RecursionError):  # not UTF-8 among the ValueErrors
+    except (NotTakenApart, ValueError, RecursionError):  # not UTF-8 among the ValueErrors
         return loads_body(raw)
 
 
@@ -220,11 +208,11 @@ def _scan(raw: bytes) -> KeptBody:
     """A body parsed from scratch, with where its messages end."""
     size = _HEAD
     while True:
-        end = _char_boundary(raw, size)
+        end = char_boundary(raw, size)
         text = raw[:end].decode("utf-8")
         try:
-            before, pos = _fields_before(text)
-        except (_Unknown, ValueError):
+            before, pos = fields_before(text)
+        except (NotTakenApart, ValueError):
             if end == len(raw):
                 raise
             size *= 8  # a field before the messages runs past the text decoded so far
@@ -235,41 +223,6 @@ def _scan(raw: bytes) -> KeptBody:
     if end < len(raw):  # the rest decoded only where msgspec does not read it (_finish)
         offsets = _Offsets(raw, "", 0, array_open)
     return _finish(offsets, array_open, [], [], before)
-
-
-def _char_boundary(raw: bytes, size: int) -> int:
-    """Where the first ``size`` bytes of ``raw`` end, moved back to the start of a UTF-8
-    character (all of ``raw`` when it is shorter, or when more than three continuation bytes
-    stand there: not UTF-8, which decoding it whole says at once)."""
-    end = min(size, len(raw))
-    for _ in range(4):
-        if not (0 < end < len(raw) and raw[end] & 0xC0 == 0x80):  # a continuation byte
-            return end
-        end -= 1
-    return len(raw)
-
-
-def _fields_before(text: str) -> tuple[list[tuple[str, Any]], int]:
-    """The fields before ``messages`` in ``text`` (a body's start) and where its array
-    opens; ``_Unknown`` or ``ValueError`` when ``text`` does not hold them whole."""
-    pos = _skip(text)
-    if text[pos : pos + 1] != "{":
-        raise _Unknown
-    before: list[tuple[str, Any]] = []
-    pos = _skip(text, pos + 1)
-    while True:
-        if text[pos : pos + 1] == "}":
-            raise _Unknown  # no messages
-        name, pos = _key(text, pos)
-        if name == "messages":
-            break
-        value, pos = _DECODER.raw_decode(text, _skip(text, pos))
-        before.append((name, value))
-        pos = _after_value(text, pos)
-    pos = _skip(text, pos)
-    if text[pos : pos + 1] != "[":
-        raise _Unknown
-    return before, pos
 
 
 def _continue(raw: bytes, old: KeptBody, k: int) -> KeptBody:
@@ -311,23 +264,23 @@ def _finish(
         if not text:  # left undecoded for msgspec, which did not read it
             text = raw[offsets.byte : len(raw) - kept_tail].decode("utf-8")
             offsets = _Offsets(raw, text, 0, offsets.byte)
-        pos = _next_message(text, offsets.char) if messages else _skip(text, offsets.char)
+        pos = next_message(text, offsets.char) if messages else skip(text, offsets.char)
         ids: dict[str, str] = {}  # a call's id and its result's: one string
         while text[pos : pos + 1] != "]":
             start = pos
-            value, pos = _DECODER.raw_decode(text, pos)
+            value, pos = DECODER.raw_decode(text, pos)
             value = shared_message(value, ids)  # held as long as its conversation: one "role"
             # text decoded strictly from UTF-8 holds no surrogate: only a \uD8xx-\uDFxx
             # escape makes one, so a value whose text has no "\ud" (any case) needs no walk
             if (
                 first_lone is None
-                and _maybe_surrogate(text, start, pos)
+                and maybe_surrogate(text, start, pos)
                 and has_lone_surrogate(value)
             ):
                 first_lone = len(messages)
             messages.append(value)
             ends.append(offsets.at(pos))
-            pos = _next_message(text, pos)
+            pos = next_message(text, pos)
         after_at = offsets.at(pos)
     rest_size = len(raw) - after_at - 1
     # raw ends with old's fields (kept_tail): they are the fields after this array when it ends
@@ -336,17 +289,17 @@ def _finish(
     if old is not None and same:
         after, rest_digest = old.after, old.rest_digest
     else:
-        after = _fields_after(raw[after_at + 1 :].decode())
+        after = fields_after(raw[after_at + 1 :].decode())
         rest_digest = digest_of(memoryview(raw)[after_at + 1 :])
     names = [n for n, _ in before] + ["messages"] + [n for n, _ in after]
     if len(set(names)) != len(names):
-        raise _Unknown  # a key twice: the last one counts, as the full parse knows
+        raise NotTakenApart  # a key twice: the last one counts, as the full parse knows
     if old is not None and before is old.before and after is old.after:
         fields_lone = old.fields_lone  # the same fields (the tools, the system prompt): known
     else:
         fields_lone = (
-            _maybe_surrogate_bytes(raw, 0, array_open)
-            or _maybe_surrogate_bytes(raw, after_at, len(raw))
+            maybe_surrogate_bytes(raw, 0, array_open)
+            or maybe_surrogate_bytes(raw, after_at, len(raw))
         ) and has_lone_surrogate(dict([*before, *after]))
     digests = digests_of(raw, array_open, ends, reused, old)
     opening = opening_of(raw, array_open, ends, reused, old)
@@ -354,65 +307,3 @@ def _finish(
         cost(raw, opening, ends), array_open, ends, digests, messages, before, rest_size,
         rest_digest, after, first_lone, fields_lone, opening,
     )  # fmt: skip
-
-
-def _maybe_surrogate_bytes(raw: bytes, start: int, end: int) -> bool:
-    """:func:`_maybe_surrogate` of the bytes ``raw[start:end]`` (the escape is ASCII)."""
-    return raw.find(b"\\ud", start, end) >= 0 or raw.find(b"\\uD", start, end) >= 0
-
-
-def _maybe_surrogate(text: str, start: int, end: int) -> bool:
-    """Whether ``text[start:end]`` may spell a surrogate: it holds ``\\ud`` or ``\\uD``."""
-    return text.find("\\ud", start, end) >= 0 or text.find("\\uD", start, end) >= 0
-
-
-def _next_message(text: str, pos: int) -> int:
-    """After a message: past its comma to the next one, or at the array's ``]``."""
-    pos = _skip(text, pos)
-    if text[pos : pos + 1] == ",":
-        pos = _skip(text, pos + 1)
-        if text[pos : pos + 1] == "]":
-            raise _Unknown  # a trailing comma: the full parse says what is wrong
-    elif text[pos : pos + 1] != "]":
-        raise _Unknown
-    return pos
-
-
-def _fields_after(rest: str) -> list[tuple[str, Any]]:
-    """The fields that follow the messages array (``rest`` starts after its ``]``)."""
-    after: list[tuple[str, Any]] = []
-    pos = _skip(rest)
-    while rest[pos : pos + 1] == ",":
-        name, pos = _key(rest, _skip(rest, pos + 1))
-        value, pos = _DECODER.raw_decode(rest, _skip(rest, pos))
-        after.append((name, value))
-        pos = _skip(rest, pos)
-    if rest[pos : pos + 1] != "}" or rest[_skip(rest, pos + 1) :]:
-        raise _Unknown
-    return after
-
-
-def _skip(text: str, pos: int = 0) -> int:
-    """Past the whitespace at ``pos``."""
-    found = _WS.match(text, pos)
-    assert found is not None  # it matches nothing too
-    return found.end()
-
-
-def _key(text: str, pos: int) -> tuple[str, int]:
-    """An object key at ``pos`` and where its value starts (past the colon)."""
-    if text[pos : pos + 1] != '"':
-        raise _Unknown
-    name, pos = _DECODER.raw_decode(text, pos)
-    pos = _skip(text, pos)
-    if text[pos : pos + 1] != ":":
-        raise _Unknown
-    return name, pos + 1
-
-
-def _after_value(text: str, pos: int) -> int:
-    """Past the comma after a value (there must be one: ``messages`` is still to come)."""
-    pos = _skip(text, pos)
-    if text[pos : pos + 1] != ",":
-        raise _Unknown
-    return _skip(text, pos + 1)

@@ -31,10 +31,10 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from pipeline.wire.body_writer import Source
 from pipeline.wire.cache import EDITABLE
 from pipeline.wire.deferred import OUTPUT, DeferredText, crc32_of
 from pipeline.wire.shared_strings import SHARED_MAX
+from pipeline.wire.source import Source
 
 __all__ = [
     "BODY",
