@@ -243,7 +243,7 @@ class Message:
     def from_param(cls, param: Mapping[str, Any], **kw: Any) -> Message:
         """A record of one SDK ``MessageParam`` (``{"role", "content"}``), content as it is;
         ``ValueError`` naming what is wrong with a param the API would refuse too."""
-        if not isinstance(param, Mapping):
+        if not (type(param) is dict or isinstance(param, Mapping)):
             raise ValueError("a message param must be an object")
         role, content = param.get("role"), param.get("content")
         if role not in ("user", "assistant"):

@@ -170,7 +170,7 @@ class GroupScan:
             self.undo.append(None)
             return
         u = _Undo()
-        u.malformed = sum(1 for b in m.content if not isinstance(b, Mapping))
+        u.malformed = sum(1 for b in m.content if not (type(b) is dict or isinstance(b, Mapping)))
         slots: list[Name | None] = []
         for slot in read_results(m):
             name = result_name(slot, self.tool_names)
@@ -299,7 +299,9 @@ def _tool_uses(m: Message) -> list[tuple[str, Any]]:
     return [
         (b["id"], b.get("name"))
         for b in m.content
-        if isinstance(b, Mapping) and b.get("type") == "tool_use" and isinstance(b.get("id"), str)
+        if (type(b) is dict or isinstance(b, Mapping))
+        and b.get("type") == "tool_use"
+        and isinstance(b.get("id"), str)
     ]
 
 

@@ -221,6 +221,33 @@ def test_a_conversation_let_go_is_forgotten_and_read_whole_when_it_comes_back() 
     assert reader.read(_raw(more))[0]["messages"][0] is parsed_b[0]  # the other one still is
 
 
+def test_forgetting_looks_up_the_bodies_ending_alike_and_leaves_no_entry_behind() -> None:
+    """The reader finds the bodies to forget by their last message (not by a look at every
+    kept body), and its index of them holds nothing for a body it let go, by ``forget``, by
+    a body that continues it or past ``max_bodies``."""
+    reader = BodyReader(max_bodies=8)
+    parsed = []
+    for k in range(20):
+        msgs = [{"role": "user", "content": f"task {k} " + "x" * 300}]
+        parsed.append(reader.read(_raw(msgs))[0]["messages"])
+    assert len(reader._kept) == 8
+    shared_last = [*parsed[-1]]
+    assert reader.forget(parsed[0]) == 0  # let go past max_bodies already
+    assert reader.forget(shared_last) == 1
+    grown = [
+        {"role": "user", "content": "task 18 " + "x" * 300},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "go on"},
+    ]
+    reader.read(_raw(grown))  # continues the body of task 18, which it replaces
+    kept = {id(b) for b in reader._kept.values()}
+    indexed = {i for same in reader._by_last.values() for i in same}
+    assert indexed == {id(b) for b in reader._kept.values() if b.messages} == kept
+    for body in list(reader._kept.values()):
+        assert reader.forget(body.messages) == 1
+    assert not reader._kept and not reader._by_last
+
+
 @pytest.mark.parametrize("system", ["plain", "Generated with Claude Code \U0001f916", "\u2192"])
 def test_a_kept_body_holds_what_was_parsed_of_it_not_its_bytes(system: str) -> None:
     """The reader keeps neither the body's bytes nor a decoding of them (one character past

@@ -141,3 +141,22 @@ def test_hostile_keys_get_dicts_of_their_own_and_the_shapes_are_bounded(
     assert all(len(k) <= 32 for keys in shared_strings._shapes for k in keys)
     (kept,) = [k for k in message["content"][0] if len(k) > 64]
     assert sys.intern("".join(["k"] * 100_000)) is not kept
+
+
+def test_a_shared_message_holds_its_block_lists_at_their_size() -> None:
+    """A held conversation keeps every message's content list (and a tool_result's list of
+    blocks): each is as long as its items, with no room left for more (a comprehension's
+    list of one block keeps room for three more: 24 bytes)."""
+    inner = [{"type": "text", "text": "out"}]
+    message = shared_message(
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": inner}],
+        }
+    )
+    content = message["content"]
+    assert sys.getsizeof(content) == sys.getsizeof([None])
+    assert sys.getsizeof(content[0]["content"]) == sys.getsizeof([None])
+    assert content[0]["content"] == inner and content[0]["content"] is not inner
+    many = shared_message({"role": "user", "content": [{"type": "text", "text": "a"}] * 5})
+    assert sys.getsizeof(many["content"]) == sys.getsizeof([None] * 5)

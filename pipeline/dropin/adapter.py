@@ -410,7 +410,10 @@ class WireSession(ResponseObserving, FamilyPlacement):
         # the name of a record that follows other messages (stages name records by uuid)
         uid = uuid5_text(link)
         try:
-            if not (isinstance(param, Mapping) and param.get("role") == "assistant"):
+            if not (
+                (type(param) is dict or isinstance(param, Mapping))
+                and param.get("role") == "assistant"
+            ):
                 return Message.from_param(param, uuid=uid, subtype=WIRE_MESSAGE)
             # an answer this session did not observe: an id of its own place, so that two
             # equal answers (a model repeating a call with the same id) stay two messages --

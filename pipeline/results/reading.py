@@ -103,7 +103,7 @@ def read_results(m: Message) -> Iterator[ResultSlot]:
         return
     last = last_result_index(m.content)
     for j, b in enumerate(m.content):
-        if not isinstance(b, Mapping) or b.get("type") != "tool_result":
+        if not (type(b) is dict or isinstance(b, Mapping)) or b.get("type") != "tool_result":
             continue
         tid = b.get("tool_use_id")
         content = b.get("content")

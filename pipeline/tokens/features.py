@@ -69,7 +69,7 @@ def iter_segments(message: Message) -> Iterator[Segment]:
             yield Segment("text", content)
         return
     for block in content:
-        if isinstance(block, Mapping):
+        if type(block) is dict or isinstance(block, Mapping):
             try:
                 yield from _block_segments(block, error=False)
             except RecursionError:  # a block built past what JSON can be written for
@@ -131,7 +131,7 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
             yield Segment("text", content, error=failed)
         elif isinstance(content, list):
             for inner in content:
-                if isinstance(inner, Mapping):
+                if type(inner) is dict or isinstance(inner, Mapping):
                     yield from _block_segments(inner, error=failed)
     else:  # unknown and server blocks: their JSON, one block at a time
         yield Segment("other", _JSON.encode(block))

@@ -44,7 +44,7 @@ def _plain_blocks(content: Any) -> Any:
         return content
     out = []
     for b in content:
-        if isinstance(b, Mapping):
+        if type(b) is dict or isinstance(b, Mapping):
             plain = {k: v for k, v in b.items() if k != "cache_control"}
             inner = plain.get("content")
             if isinstance(inner, list):
@@ -58,7 +58,7 @@ def _plain_blocks(content: Any) -> Any:
 def message_digest(param: Any) -> bytes:
     """16 bytes that tell a message from any other, breakpoints (``cache_control``) aside;
     ``ValueError`` for content nested too deeply."""
-    if isinstance(param, Mapping):
+    if type(param) is dict or isinstance(param, Mapping):
         value: Any = {"role": param.get("role"), "content": _plain_blocks(param.get("content"))}
     else:
         value = param

@@ -50,7 +50,7 @@ def last_result_index(content: Any) -> int:
         return -1
     for j in range(len(content) - 1, -1, -1):
         b = content[j]
-        if isinstance(b, Mapping) and b.get("type") == "tool_result":
+        if (type(b) is dict or isinstance(b, Mapping)) and b.get("type") == "tool_result":
             return j
     return -1
 

@@ -138,6 +138,9 @@ class KeptBodies:
         self._alike: dict[tuple[bytes, bytes], dict[int, KeptBody]] = {}
         """By credential and opening, the kept bodies that open so, the latest kept last
         (they share one opening object)."""
+        self._by_last: dict[int, dict[int, KeptBody]] = {}
+        """By the identity of their last message, the kept bodies that have messages: what
+        :meth:`forget` looks for, without a look at every kept body."""
         self._count = 0
         self._bytes = 0
         self.digested = 0
@@ -271,12 +274,13 @@ class KeptBodies:
         """Let go of the kept bodies whose messages are ``messages`` (the same objects, the last
         one's identity and the count checked: the parse a conversation's last request was
         read into), so that a conversation let go from memory is not kept alive here; returns
-        how many. Costs a look at each kept body. A body let go too many is only parsed whole
-        again."""
+        how many. Costs a look at the kept bodies ending with that message. A body let go too
+        many is only parsed whole again."""
         if not messages:
             return 0
         last, n = messages[-1], len(messages)
-        gone = [b for b in self._kept.values() if len(b.messages) == n and b.messages[-1] is last]
+        alike = self._by_last.get(id(last), {})
+        gone = [b for b in alike.values() if len(b.messages) == n and b.messages[-1] is last]
         for body in gone:
             self._drop(body)
         return len(gone)
@@ -287,6 +291,11 @@ class KeptBodies:
             self._bytes -= body.size
 
     def _unscope(self, body: KeptBody) -> None:
+        if body.messages:
+            last = id(body.messages[-1])
+            same = self._by_last.get(last)
+            if same is not None and same.pop(id(body), None) is not None and not same:
+                del self._by_last[last]
         group = self._alike.get((body.scope, body.opening))
         if group is None or group.pop(id(body), None) is None or group:
             return
@@ -309,6 +318,8 @@ class KeptBodies:
         else:
             order.insert(at, body.opening)
         self._alike.setdefault((body.scope, body.opening), {})[id(body)] = body
+        if body.messages:
+            self._by_last.setdefault(id(body.messages[-1]), {})[id(body)] = body
         self._bytes += body.size
         while self._bytes > self.max_bytes or len(self._kept) > self.max_bodies:
             _, gone = self._kept.popitem(last=False)

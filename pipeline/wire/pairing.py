@@ -44,7 +44,7 @@ class PairingError(ValueError):
 def _param_blocks(param: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     content = param.get("content")
     if isinstance(content, list):
-        return [b for b in content if isinstance(b, Mapping)]
+        return [b for b in content if type(b) is dict or isinstance(b, Mapping)]
     return []
 
 

@@ -94,10 +94,19 @@ def _shared_block(block: Any, ids: dict[str, str]) -> Any:
         elif key == "input" and type(value) is dict:
             value = shared_keys(value) if value else {}
         elif key == "content" and type(value) is list:
-            value = [_shared_block(b, ids) for b in value]
+            value = _shared_blocks(value, ids)
         keys.append(key)
         values.append(value)
     return keyed_alike(tuple(keys), values)
+
+
+def _shared_blocks(blocks: list[Any], ids: dict[str, str]) -> list[Any]:
+    # a copy sized to the list (a comprehension's leaves room for ~3 more items: 24 bytes a
+    # one-block list, and a held conversation keeps every message's)
+    out = blocks.copy()
+    for i, block in enumerate(blocks):
+        out[i] = _shared_block(block, ids)
+    return out
 
 
 def shared_message(message: Any, ids: dict[str, str] | None = None) -> Any:
@@ -116,7 +125,7 @@ def shared_message(message: Any, ids: dict[str, str] | None = None) -> Any:
         if type(key) is not str:
             return message
         if key == "content" and type(value) is list:
-            value = [_shared_block(b, ids) for b in value]
+            value = _shared_blocks(value, ids)
         elif key == "role" and type(value) is str:
             value = shared(value)
         keys.append(key)
