@@ -139,6 +139,31 @@ def test_unchanged_messages_are_the_same_records(tmp_path: Path) -> None:
     anyio.run(run)
 
 
+def test_the_chain_a_session_keeps_is_one_list_for_its_call_and_its_records(
+    tmp_path: Path,
+) -> None:
+    """The digests of the last request's messages are one list for the session, the call
+    prepared and, once its response is recorded, what the records hold (each copy was 8 bytes
+    a message more for every conversation held); a later request gets a list of its own, so
+    the call prepared before it keeps the digests it was prepared with."""
+
+    async def run() -> None:
+        client, session = Client(), _session(tmp_path)
+        for _ in range(3):
+            await session.prepare(client.params)
+            call = session.last_call
+            assert call is not None and call.chain is session.chain
+            response_id, usage = client.answer()
+            await session.observe_async(response_id, usage, "m", call=call)
+            assert session._disk_chain is session.chain
+        before = session.chain
+        kept = list(before)
+        await session.prepare(client.params)
+        assert session.chain is not before and before == kept  # the call's list unchanged
+
+    anyio.run(run)
+
+
 def test_an_answer_the_session_did_not_observe_is_named_by_its_place(tmp_path: Path) -> None:
     """A history that came before the session (a proxy restarted, a client that kept its
     own): each answer's response id is its record's name -- the same one string, unique to

@@ -653,3 +653,45 @@ def test_a_conversation_met_with_its_history_keeps_one_key_a_result(tmp_path: Pa
                     objects.setdefault(v, set()).add(id(v))
     assert len(objects) == 12
     assert all(len(ids) == 1 for ids in objects.values()), objects
+
+
+def test_a_held_conversation_keeps_one_list_of_its_last_request_messages(tmp_path: Path) -> None:
+    """The last request's parsed messages are one list for the body reader, the router, the
+    conversation and the writer of the body sent on (8 bytes a message each; four copies
+    were kept), the request's values never being changed in place."""
+    import gc
+
+    from stages import default_stages
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    for k in range(30):
+        messages.append({"role": "assistant", "content": [tool_use(f"toolu_listed_{k:02d}")]})
+        messages.append({"role": "user", "content": [tool_result(f"toolu_listed_{k:02d}", "out")]})
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy(upstream.base_url, tmp_path, lambda: Pipeline(default_stages())) as url,
+    ):
+        for n in (41, len(messages)):  # a conversation, then its next call
+            body = {"model": "m", "max_tokens": 5, "messages": messages[:n]}
+            assert httpx2.post(f"{url}/v1/messages", json=body).status_code == 200
+        gc.collect()
+        # the proxy's lists of the last request's messages, from its first to its last: the
+        # ones whose first message is the proxy's parse of it (the test's own lists and the
+        # upstream's parse have theirs)
+        lists = [
+            o
+            for o in gc.get_objects()
+            if type(o) is list
+            and len(o) == len(messages)
+            and type(o[0]) is dict
+            and o[0] is not messages[0]
+            and o[0].get("content") == "go"
+        ]
+        by_first: dict[int, int] = {}
+        for o in lists:
+            by_first[id(o[0])] = by_first.get(id(o[0]), 0) + 1
+        held = max(by_first.values())
+    # the reader's (which the router, the conversation and the writer keep too) and the body
+    # sent on (the stages' output, of the same dicts where nothing changed), which the writer
+    # keeps to compare the next one with
+    assert held <= 2, held

@@ -137,7 +137,7 @@ class WireSession(ResponseObserving, FamilyPlacement):
         """The first link of this conversation's chain
         (:func:`~pipeline.wire.digests.opening_digest`:
         its system prompt and hint in it); None: the first message's alone."""
-        self._routed: tuple[Sequence[Any], list[bytes]] | None = None
+        self._routed: tuple[Sequence[Any], list[bytes], list[Any] | None] | None = None
         self.pipeline = pipeline
         self.cache_breakpoint = cache_breakpoint
         self.storage = self._storage_for(self.session_id, root, storage)
@@ -146,7 +146,7 @@ class WireSession(ResponseObserving, FamilyPlacement):
         self.chain: list[bytes] = []
         """The digests of the messages of the last request prepared (:mod:`pipeline.wire.digests`),
         as loaded from the records until the first."""
-        self._disk_chain: list[bytes] = []
+        self._disk_chain: Sequence[bytes] = []
         """The chain as the records hold it."""
         self._pending: Inherited | None = None
         self._served = False
@@ -204,7 +204,7 @@ class WireSession(ResponseObserving, FamilyPlacement):
         """Where the last request prepared stopped repeating the one before."""
         self._wire = WireCache()
         self._projected: list[Message] = []
-        self._unwritten: tuple[dict[str, Any], list[bytes]] | None = None
+        self._unwritten: tuple[dict[str, Any], Sequence[bytes]] | None = None
         """A response's record (and the chain it leaves) held back by ``observe_async(...,
         defer=True)``: see :meth:`catch_up`."""
         self._unlearned: list[tuple[Usage, str, bool]] = []
@@ -269,11 +269,15 @@ class WireSession(ResponseObserving, FamilyPlacement):
         return storage
 
     # -- records ------------------------------------------------------------------------------
-    def routed(self, messages: Sequence[Any], chain: list[bytes]) -> None:
+    def routed(
+        self, messages: Sequence[Any], chain: list[bytes], kept: list[Any] | None = None
+    ) -> None:
         """The digests of ``messages`` as the router computed them
         (:mod:`pipeline.dropin.conversations`):
-        when those very messages are prepared next, they are not digested again."""
-        self._routed = (messages, chain)
+        when those very messages are prepared next, they are not digested again, and
+        ``kept`` (a list of them that no one changes, the router's own) is the one this
+        session keeps of them rather than a copy of its own."""
+        self._routed = (messages, chain, kept)
 
     # -- per call ---------------------------------------------------------------------------
     async def prepare(self, messages: Sequence[MessageParam]) -> list[MessageParam]:
@@ -390,8 +394,9 @@ class WireSession(ResponseObserving, FamilyPlacement):
         prev, records = self._params, self._records
         same = shared_start(prev, messages)
         routed, self._routed = self._routed, None
+        params: list[Any] | None = None
         if routed is not None and routed[0] is messages and len(routed[1]) == len(messages):
-            chain = routed[1]
+            chain, params = routed[1], routed[2]
         else:
             first = messages[0] if messages else None
             opening = self.opening or opening_digest(None, "", first)
@@ -400,9 +405,11 @@ class WireSession(ResponseObserving, FamilyPlacement):
         # the same record where the request repeats the last one: the stages' work on it stands
         out = records[:same]
         out += [self._record(i, messages[i], chain[i]) for i in range(same, len(messages))]
-        self._params, self._records, self.chain = list(messages), out, chain
+        if params is None or len(params) != len(messages):
+            params = list(messages)
+        self._params, self._records, self.chain = params, out, chain
         self._first_new = same
-        self.last_call = Call(len(messages), tuple(chain))
+        self.last_call = Call(len(messages), chain)
         return out
 
     def _record(self, index: int, param: Any, link: bytes) -> Message:

@@ -202,6 +202,7 @@ class Conversations(StoreNews):
                 full=full,
                 size=size,
                 read=None if inline else read,
+                owned=unchanging,
             )
             if isinstance(placed, Branch):
                 return placed
@@ -371,11 +372,16 @@ class Conversations(StoreNews):
         full: list[bytes] | None = None,
         size: int | None = None,
         read: dict[str, Transcript | None] | None = None,
+        owned: bool = False,
     ) -> Branch | str:
         """The request's conversation; or, with ``read`` (what conversations not held sent,
-        read beforehand by name), the name of one whose records must be read first."""
+        read beforehand by name), the name of one whose records must be read first.
+        ``owned``: ``messages`` is a list no one changes (a body reader's parse), kept as it
+        is rather than copied."""
         try:
-            return self._placed(family, messages, opening, build, sync, hold, full, size, read)
+            return self._placed(
+                family, messages, opening, build, sync, hold, full, size, read, owned
+            )
         finally:
             self._write_released()
 
@@ -400,12 +406,13 @@ class Conversations(StoreNews):
         full: list[bytes] | None,
         size: int | None,
         read: dict[str, Transcript | None] | None,
+        owned: bool = False,
     ) -> Branch | str:
         with self._lock:
             plan = place(family, messages, opening, full)
             if isinstance(plan, tuple):
                 branch, chain, start = plan
-                self._set(family, branch, messages, chain, start, hold, size)
+                self._set(family, branch, messages, chain, start, hold, size, owned)
                 return branch
         if plan.via is not None and read is not None and plan.via not in read:
             return plan.via
@@ -418,7 +425,7 @@ class Conversations(StoreNews):
             branch = family.branches.setdefault(plan.name, made)  # or another's, made meanwhile
             if branch is made:
                 self._holding.added(family)
-            self._set(family, branch, messages, plan.chain, plan.start, hold, size)
+            self._set(family, branch, messages, plan.chain, plan.start, hold, size, owned)
             if branch is made:
                 family.adopt(branch)
             return branch
@@ -432,10 +439,13 @@ class Conversations(StoreNews):
         start: int,
         hold: bool = False,
         size: int | None = None,
+        owned: bool = False,
     ) -> None:
         family.register(branch, chain, start)
-        branch.params = list(messages)
-        branch.session.routed(messages, chain)
+        # one list of the request's messages for the branch, its session and the body's
+        # writer (8 bytes a message each), where no caller changes it
+        branch.params = messages if owned else list(messages)
+        branch.session.routed(messages, chain, branch.params)
         branch.calls += hold
         if not self._holding.routed(
             family, branch, size

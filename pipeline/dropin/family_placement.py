@@ -7,7 +7,7 @@ this conversation decided (what another conversation of the family sent each as,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import anyio.to_thread
 
@@ -49,7 +49,7 @@ class FamilyPlacement:
     elsewhere: Decided | None
     _responses: Responses
     _restored: Transcript | None
-    _disk_chain: list[bytes]
+    _disk_chain: Sequence[bytes]
     _pending: Inherited | None
     _served: bool
 

@@ -17,7 +17,7 @@ wrote durable.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +46,11 @@ be read (:meth:`ResponseObserving.answer_out`); then it goes on without it (logg
 class Call:
     """One prepared request, as its response is to be recorded: where the answer will stand
     and the digests of the request's messages (taken when it was prepared, so that a request of
-    the same conversation prepared meanwhile changes neither)."""
+    the same conversation prepared meanwhile changes neither: the session's list of them at
+    that time, which is never changed -- a later request gets a list of its own)."""
 
     index: int
-    chain: tuple[bytes, ...]
+    chain: Sequence[bytes]
 
 
 class ResponseObserving:
@@ -65,10 +66,10 @@ class ResponseObserving:
     _observing: anyio.Lock
     _params: list[Any]
     _projected: list[Message]
-    _disk_chain: list[bytes]
+    _disk_chain: Sequence[bytes]
     _pending: Inherited | None
     _responses: Responses
-    _unwritten: tuple[dict[str, Any], list[bytes]] | None
+    _unwritten: tuple[dict[str, Any], Sequence[bytes]] | None
     _unlearned: list[tuple[Usage, str, bool]]
     _unread: dict[object, None]
     _read: anyio.Event | None
@@ -248,7 +249,7 @@ class ResponseObserving:
 
     def _response(
         self, response_id: str, usage: Mapping[str, Any] | None, call: Call | None
-    ) -> tuple[Usage | None, dict[str, Any], list[bytes]]:
+    ) -> tuple[Usage | None, dict[str, Any], Sequence[bytes]]:
         """Remember a response for the message that will answer it; its usage (None when it
         has none, or usage the tracker refuses: a float, a negative -- the response is
         recorded without it, logged), the record to append and the chain that record leaves
@@ -260,9 +261,10 @@ class ResponseObserving:
             reason = str(exc).split(", got", 1)[0][:200]
             self.ctx.logger.warning("wire_session.usage_refused", error=reason)
             parsed, usage = None, None
-        call = call or self.last_call or Call(len(self._params), tuple(self.chain))
+        call = call or self.last_call or Call(len(self._params), self.chain)
         self._responses[call.index] = (response_id, parsed)
-        chain, disk = list(call.chain), self._disk_chain
+        # the call's own list (never changed): the records' chain once written, not a copy
+        chain, disk = call.chain, self._disk_chain
         start: int | None = shared_start(chain, disk)
         if start == len(chain) == len(disk):
             start = None  # the records hold this very chain
@@ -271,7 +273,7 @@ class ResponseObserving:
         data = response_record(call.index, response_id, usage, chain, start, fork)
         return parsed, data, chain
 
-    def _written(self, data: Mapping[str, Any], chain: list[bytes]) -> None:
+    def _written(self, data: Mapping[str, Any], chain: Sequence[bytes]) -> None:
         self._disk_chain = chain
         if "fork" in data:
             self._pending = None

@@ -19,8 +19,10 @@ Nothing depends on which earlier body a new one is read against: a message is re
 where its whole text is the same, so the parsed request is always the one a full parse gives.
 Anything the reader does not recognise (not UTF-8, not an object with a ``messages`` array, a
 key twice, ``NaN``) is parsed whole by :func:`~pipeline.wire.encoding.loads_body`, with its answers
-and errors. The parsed values are shared between requests: they must not be changed in place
-(nothing here does: every stage and the wire build new messages).
+and errors. The parsed values are shared between requests, the ``messages`` list included
+(the router, the conversation and the writer of the body sent on keep that one list): they
+must not be changed in place (nothing here does: every stage and the wire build new
+messages).
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def _parsed(raw: bytes, best: KeptBody | None, k: int) -> _Parsed:
 
 def _assembled(body: KeptBody) -> dict[str, Any]:
     out = dict(body.before)
-    out["messages"] = list(body.messages)
+    out["messages"] = body.messages  # the kept list itself: a request's values are never changed
     out.update(body.after)
     return out
 

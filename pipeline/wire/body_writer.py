@@ -134,7 +134,9 @@ class BodyWriter:
         a message written as the same bytes as the source's at its place is taken from the
         source's bytes and not kept (a client writing JSON as compactly as this writer does --
         the anthropic SDKs, Claude Code -- leaves it the bytes of the messages a stage
-        rewrote, not a copy of every body)."""
+        rewrote, not a copy of every body). The body's ``messages`` list and the values of
+        the ``unchanging`` fields are kept as they are, to be compared with the next body's
+        by identity: the caller must not change them in place afterwards."""
         last = self._kept.pop(key, None)
         if last is not None:
             self._bytes -= last.size
@@ -220,8 +222,10 @@ class BodyWriter:
         pieces.append(tail)
         # the source's objects are held only while a run takes its bytes
         taken = source is not None and any(run.own is None for run in runs)
-        inputs = list(source.messages) if taken and source is not None else None
-        written = _Written(runs, size, list(messages), inputs, fields, finite)
+        # the source's own list: a body reader's parse, never changed (see Source.messages)
+        inputs = source.messages if taken and source is not None else None
+        # the body's own list, as its messages' objects are: never changed by the caller
+        written = _Written(runs, size, messages, inputs, fields, finite)
         return b"".join(pieces), written
 
 

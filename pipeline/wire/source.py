@@ -30,6 +30,8 @@ class Source:
     array_open: int
     ends: Sequence[int]
     messages: Sequence[Any]
+    """The request's parsed messages: the reader's own list, which no one changes (the writer
+    keeps it as it is, to tell the next body's messages taken from the same bytes)."""
 
     def same_bytes(self, i: int, piece: bytes, message: Any) -> bool:
         """Whether message ``i`` is ``piece`` in ``raw`` (``message`` written as this writer
