@@ -221,6 +221,18 @@ def test_a_conversation_let_go_is_forgotten_and_read_whole_when_it_comes_back() 
     assert reader.read(_raw(more))[0]["messages"][0] is parsed_b[0]  # the other one still is
 
 
+def test_a_kept_body_counts_where_its_messages_end_in_4_bytes_each() -> None:
+    """A body under 4 GiB (every body a proxy takes) keeps where each of its messages ends in
+    4 bytes, not 8: a held conversation keeps one for every message; its next body too."""
+    reader = BodyReader()
+    msgs = [{"role": "user", "content": f"m{k} " + "x" * 40} for k in range(30)]
+    reader.read(_raw(msgs))
+    reader.read(_raw([*msgs, {"role": "assistant", "content": "ok"}]))
+    assert reader._kept
+    for body in reader._kept.values():
+        assert body.ends.itemsize == 4 and len(body.ends) >= 30
+
+
 def test_forgetting_looks_up_the_bodies_ending_alike_and_leaves_no_entry_behind() -> None:
     """The reader finds the bodies to forget by their last message (not by a look at every
     kept body), and its index of them holds nothing for a body it let go, by ``forget``, by

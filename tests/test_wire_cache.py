@@ -520,3 +520,41 @@ def test_what_the_cache_counts_of_each_message_is_8_bytes_a_number() -> None:
     )
     assert chars / len(history) < 4  # what counting left: nothing a message
     assert cache.chars == request_chars(to_api(history))
+
+
+def test_what_the_cache_keeps_of_each_message_is_its_entry_and_4_byte_indexes() -> None:
+    """A held conversation keeps the cache's entry and indexes for every message: the indexes
+    (record to entry, entry to its records, breakpoints) are 4 bytes each, and an entry is an
+    object of six slots (its two flags share one): 8 and 16 bytes less a message."""
+    import sys
+
+    class SixSlots:
+        __slots__ = ("a", "b", "c", "d", "e", "f")
+
+    history: list[Message] = [user_text("start")]
+    for k in range(50):
+        history += [
+            Message.assistant([tool_use(f"u{k}")], message_id=f"r{k}"),
+            results(tool_result(f"u{k}", "x" * 30)),
+        ]
+    cache = WireCache()
+    assert cache.to_api(history) == to_api(history)
+    for numbers in (cache._entry_of, cache._first_record, cache._last_record, cache._breakpoints):
+        assert numbers.itemsize == 4 and len(numbers) >= len(history) - 1
+    entries = cache._wire.entries
+    assert all(sys.getsizeof(e) == sys.getsizeof(SixSlots()) for e in entries)
+    merged = [e for e in entries if e.merged]
+    closed = [e for e in entries if e.closed]
+    assert not merged and not closed  # records of an agent's own: neither
+    entries[0].merged = True
+    assert entries[0].merged and not entries[0].closed
+    entries[0].merged = False
+    assert not entries[0].merged
+    # a message a client sent is a whole one (closed): the flags read apart
+    from pipeline.dropin.adapter import WIRE_MESSAGE
+
+    sent = [Message.from_param({"role": "user", "content": "go"}, subtype=WIRE_MESSAGE)]
+    wired = WireCache()
+    wired.to_api(sent)
+    (entry,) = wired._wire.entries
+    assert entry.closed and not entry.merged

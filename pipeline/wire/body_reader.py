@@ -255,7 +255,8 @@ def _finish(
     last ``kept_tail`` bytes ``old``'s, not new)."""
     raw, text = offsets.raw, offsets.text
     reused = len(ends)
-    ends, messages = array("q", ends), list(messages)
+    # 4 bytes an end where the body's offsets fit (a body of 4 GiB or more: 8)
+    ends, messages = array("I" if len(raw) < 1 << 32 else "q", ends), list(messages)
     first_lone = None
     if old is not None and old.first_lone is not None and old.first_lone < len(messages):
         first_lone = old.first_lone

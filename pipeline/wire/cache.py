@@ -150,11 +150,13 @@ class WireCache:
         self._wire = _Wire(share=True)
         self._start = start
         """Index of the first record the wire holds (after the last compact boundary)."""
-        self._entry_of = array("q")
+        # indexes of records and entries in 4 bytes each (a conversation of 2**31 records is
+        # past any memory), as the counts of breakpoints below
+        self._entry_of = array("i")
         """Per record from ``_start``: the entry it went into (-1: dropped)."""
-        self._first_record = array("q")
+        self._first_record = array("i")
         """Per entry: the index of the record that created it."""
-        self._last_record = array("q")
+        self._last_record = array("i")
         """Per entry: the index of the last record that went into it."""
         self._params: list[MessageParam] = []
         self._changed_from = 0
@@ -163,7 +165,7 @@ class WireCache:
         bytes each in a list)."""
         self.chars = 0
         """Characters of visible text in the last request (see :func:`request_chars`)."""
-        self._breakpoints = array("q")
+        self._breakpoints = array("i")
         """Per entry: its blocks that carry ``cache_control``."""
         self.breakpoints = 0
         """Blocks of the last request that carry ``cache_control`` (the API allows four)."""

@@ -79,7 +79,7 @@ class KeptBody:
     array_open: int
     """Where the messages array's content starts (after its ``[``), in bytes."""
     ends: array[int]
-    """Where each message's text ends, in bytes (8 bytes an end; as a list of ints, ~40)."""
+    """Where each message's text ends, in bytes (4 bytes an end; as a list of ints, ~40)."""
     digests: bytes
     """The digest of the body's bytes up to ``array_open``, then up to each message's end."""
     messages: list[Any]
