@@ -30,7 +30,9 @@ Code sends them (raw UTF-8, its system prompt with a character past U+FFFF), not
    the same load where every call opens a new conversation (a first call): what a call that
    adds a round costs, and the first calls' share of the load's CPU. On a machine the load
    keeps busy, the ratio of requests a second follows the ratio of all three processes' CPU a
-   request (the load's client and the upstream share it).
+   request (the load's client and the upstream share it); the ratio of the forwarder's own CPU
+   a request to the proxy's, printed beside it, is what the proxy would serve against the
+   forwarder where each alone was the bottleneck.
 3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
    1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
    3b: the same once the history snip has acted, with a ``cache_control`` mark on the last
@@ -513,9 +515,15 @@ def throughput(targets: dict[str, str], concurrency: int, seconds: float, rounds
     for forwarder in (n for n in rates if n.startswith("forwarder")):
         for name in (n for n in rates if n.startswith("proxy")):
             each = [p / f for p, f in zip(rates[name], rates[forwarder], strict=True)]
+            # the rates share the machine with the load and the upstream; the CPU a request
+            # is what each would serve where it alone was the bottleneck
+            used = ""
+            if cpu[name] and cpu[forwarder]:
+                share = statistics.median(cpu[forwarder]) / statistics.median(cpu[name])
+                used = f"; CPU a request, the forwarder's over the proxy's: {share:.2f}x"
             print(
                 f"{name}/{forwarder} {statistics.median(each):.2f}x"
-                f" (rounds {min(each):.2f}-{max(each):.2f})"
+                f" (rounds {min(each):.2f}-{max(each):.2f}){used}"
             )
     sys.stdout.flush()
 
