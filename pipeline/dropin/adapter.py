@@ -405,7 +405,7 @@ class WireSession(ResponseObserving, FamilyPlacement):
         # the same record where the request repeats the last one: the stages' work on it stands
         out = records[:same]
         out += [self._record(i, messages[i], chain[i]) for i in range(same, len(messages))]
-        if params is None or len(params) != len(messages):
+        if params is None:  # (the router's list is as long as the chain checked above)
             params = list(messages)
         self._params, self._records, self.chain = params, out, chain
         self._first_new = same

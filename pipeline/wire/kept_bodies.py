@@ -79,7 +79,8 @@ class KeptBody:
     array_open: int
     """Where the messages array's content starts (after its ``[``), in bytes."""
     ends: array[int]
-    """Where each message's text ends, in bytes (4 bytes an end; as a list of ints, ~40)."""
+    """Where each message's text ends, in bytes (4 bytes an end, 8 in a body of 4 GiB or more;
+    as a list of ints, ~40)."""
     digests: bytes
     """The digest of the body's bytes up to ``array_open``, then up to each message's end."""
     messages: list[Any]
