@@ -122,3 +122,74 @@ def test_the_proxy_keeps_the_clients_edits(tmp_path: Path) -> None:
     ):
         anyio.run(through, url)
         _assert_both_sent(server)
+
+
+# --------------------------------------------------------------------------------------------
+# a message's own fields besides role and content
+# --------------------------------------------------------------------------------------------
+
+_LONG = "o" * 60_000
+"""A tool output past the budget's 50K: its message goes on with new content."""
+
+
+def _history(note: str | None) -> list[dict[str, Any]]:
+    use = {"type": "tool_use", "id": "toolu_f1", "name": "Bash", "input": {"command": "ls"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_f1", "content": _LONG}
+    first: dict[str, Any] = {"role": "user", "content": "go"}
+    if note is not None:
+        first["x_note"] = note
+    return [
+        first,
+        {"role": "assistant", "content": [use], "x_turn": [1, {"k": None}]},
+        {"role": "user", "content": [result], "x_flag": True},
+    ]
+
+
+async def _calls_with_fields(client: Any) -> None:
+    history = _history("a")
+    for note in ("a", "b", None):
+        history = [*_history(note), *history[3:]]
+        await client.messages.create(model="claude-test", max_tokens=8, messages=history)
+        history += [
+            {"role": "assistant", "content": "ok", "x_said": len(history)},
+            {"role": "user", "content": "more"},
+        ]
+
+
+def _assert_fields_sent(server: ScriptedMessagesServer) -> None:
+    assert len(server.requests) == 3
+    for k, (body, note) in enumerate(zip(server.requests, ("a", "b", None), strict=True)):
+        sent = body["messages"]
+        assert sent[0].get("x_note") == note, k  # an edit of that field alone, and its removal
+        assert sent[1]["x_turn"] == [1, {"k": None}], k
+        # the budget replaced the output: a new message, with the client's field all the same
+        assert sent[2]["x_flag"] is True, k
+        assert "<persisted-output>" in sent[2]["content"][0]["content"], k
+        said = [m.get("x_said") for m in sent[3:] if m["role"] == "assistant"]
+        assert said == [3 + 2 * i for i in range(k)], k
+        assert [list(m)[:2] for m in sent] == [["role", "content"]] * len(sent), k
+
+
+def test_wrap_sends_a_message_s_own_fields_on(tmp_path: Path) -> None:
+    with ScriptedMessagesServer(_reply) as server:
+        client = wrap(sdk_client(server.base_url), root=tmp_path, pipeline=_pipeline)
+        anyio.run(_calls_with_fields, client)
+        _assert_fields_sent(server)
+
+
+def test_the_proxy_sends_a_message_s_own_fields_on(tmp_path: Path) -> None:
+    """A field of a message besides role and content (one the API adds later, or one it
+    refuses: then it refuses the request, as it would without the proxy) goes on as the
+    client sent it: on a message the stages left alone, on one they changed, and changed or
+    taken off in a later request."""
+
+    async def through(url: str) -> None:
+        async with sdk_client(url) as client:
+            await _calls_with_fields(client)
+
+    with (
+        ScriptedMessagesServer(_reply) as server,
+        proxy(server.base_url, tmp_path, _pipeline) as url,
+    ):
+        anyio.run(through, url)
+        _assert_fields_sent(server)

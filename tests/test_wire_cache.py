@@ -430,9 +430,9 @@ def test_a_message_of_one_record_holds_the_record_s_own_content_list() -> None:
 
 def test_a_new_message_is_the_param_it_was_made_from_where_that_is_plain() -> None:
     """``given``: a new message of one record is the very param the record was made from when
-    that param is exactly ``{"role", "content"}`` with the record's own list; a param with
-    another key, the keys in another order, or content the wire form must clean (a lone
-    surrogate) gets a new message, equal to ``to_api``'s."""
+    that param is ``{"role", "content"}`` with the record's own list (and other fields after
+    role, sent as they are); a param with its keys in another order, or content the wire form
+    must clean (a lone surrogate) gets a new message, equal to ``to_api``'s."""
     params: list[Any] = [{"role": "user", "content": [{"type": "text", "text": "go"}]}]
     for k in range(6):
         use = {"type": "tool_use", "id": f"t{k}", "name": "x", "input": {}}
@@ -448,9 +448,11 @@ def test_a_new_message_is_the_param_it_was_made_from_where_that_is_plain() -> No
     ]  # fmt: skip
     cache = WireCache()
     request = cache.to_api(records, given=params)
-    assert request == to_api(records)
+    expected = to_api(records)
+    expected[5] = {**expected[5], "extra": 1}
+    assert request == expected
     taken = [i for i, (q, p) in enumerate(zip(request, params, strict=True)) if q is p]
-    assert taken == [i for i in range(len(params) - 2) if i not in (3, 5, 7)]
+    assert taken == [i for i in range(len(params) - 2) if i not in (3, 7)]
     nxt = {"role": "user", "content": "next"}
     later = cache.to_api([*records, Message.from_param(nxt)], given=[nxt])
     assert later[: len(taken)] == request[: len(taken)] and later[0] is params[0]
@@ -558,3 +560,36 @@ def test_what_the_cache_keeps_of_each_message_is_its_entry_and_4_byte_indexes() 
     wired.to_api(sent)
     (entry,) = wired._wire.entries
     assert entry.closed and not entry.merged
+
+
+def test_a_record_s_fields_go_into_the_message_made_of_it_alone() -> None:
+    """``fields``: by record name, what a message had besides role and content, written after
+    them into the message made of that one record -- one the cache made anew (content a stage
+    changed, a string), the last ones handed on as fresh copies too; a message made of
+    several records gets none."""
+    use = {"type": "tool_use", "id": "t1", "name": "x", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "out"}
+    records = [
+        Message.user("go"),
+        Message.assistant([use], message_id="m1"),
+        Message.user([result]),
+        Message.user([{"type": "text", "text": "and"}]),  # merged into the one before
+        Message.assistant("done", message_id="m2"),
+        Message.user("next"),
+    ]
+    fields = {records[0].uuid: {"x": 1}, records[2].uuid: {"y": [2]}, records[4].uuid: {"z": 3}}
+    fields[records[5].uuid] = {"w": None}
+    cache = WireCache()
+    request = cache.to_api(records, fields=fields)
+    plain = to_api(records)
+    assert len(request) == len(plain) == 5
+    assert request[0] == {**plain[0], "x": 1}
+    assert request[1] == plain[1]
+    assert request[2] == plain[2]  # records 2 and 3 in one message: neither's fields
+    assert request[3] == {**plain[3], "z": 3} and request[4] == {**plain[4], "w": None}
+    assert [list(p)[:2] for p in request] == [["role", "content"]] * 5
+    # a stage's new record of the same name (new content) is sent with the fields too
+    edited = [records[0].with_content("went"), *records[1:]]
+    again = cache.to_api(edited, fields=fields)
+    assert again[0] == {"role": "user", "content": "went", "x": 1}
+    assert cache.to_api(edited) == again  # each message kept as it was made

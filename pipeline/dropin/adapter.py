@@ -69,6 +69,7 @@ from pipeline.transcript.read import Transcript
 from pipeline.wire.cache import WireCache
 from pipeline.wire.caching import add_cache_breakpoint, marked_outside_messages
 from pipeline.wire.digests import chain_of, opening_digest
+from pipeline.wire.message_fields import MessageFields
 from pipeline.wire.request_fields import merge_betas as beta_header
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ class WireSession(ResponseObserving, FamilyPlacement):
         self._first_new = 0
         """Where the last request prepared stopped repeating the one before."""
         self._wire = WireCache()
+        self._fields = MessageFields()
         self._projected: list[Message] = []
         self._unwritten: tuple[dict[str, Any], Sequence[bytes]] | None = None
         """A response's record (and the chain it leaves) held back by ``observe_async(...,
@@ -322,7 +324,9 @@ class WireSession(ResponseObserving, FamilyPlacement):
             await self._place_answered(placed)
         self._projected = await self.pipeline.run(records, self.ctx)
         # the new messages the client sent as they are: their own dicts
-        request = self._wire.to_api(self._projected, given=messages[self._first_new :])
+        request = self._wire.to_api(
+            self._projected, given=messages[self._first_new :], fields=self._fields.by_name
+        )
         if self.cache_breakpoint and not marked and not self._wire.breakpoints:
             add_cache_breakpoint(request)  # the client set none: ask for the prefix cache
         return request, call
@@ -405,6 +409,8 @@ class WireSession(ResponseObserving, FamilyPlacement):
         # the same record where the request repeats the last one: the stages' work on it stands
         out = records[:same]
         out += [self._record(i, messages[i], chain[i]) for i in range(same, len(messages))]
+        # what its messages carry besides role and content goes on with them
+        self._fields.update(records[same:] if self._fields.by_name else (), out, messages, same)
         if params is None:  # (the router's list is as long as the chain checked above)
             params = list(messages)
         self._params, self._records, self.chain = params, out, chain

@@ -7,7 +7,7 @@ from __future__ import annotations
 import operator
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import compress, count
 from typing import TYPE_CHECKING, Any, cast
@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # the SDK is heavy to import; only its types are used here
     from anthropic.types import MessageParam
 
 __all__ = ["EDITABLE", "WireCache", "request_chars"]
+
+_NO_FIELDS: Mapping[str, Mapping[str, Any]] = {}
 
 EDITABLE = 2
 """The last messages of a request a :class:`WireCache` hands on as fresh copies, by default."""
@@ -68,6 +70,7 @@ class WireCache:
         self._reset(0)
         self._fresh = True
         self._given: dict[int, Any] = {}
+        self._fields: Mapping[str, Mapping[str, Any]] = _NO_FIELDS
 
     def to_api(
         self,
@@ -75,14 +78,22 @@ class WireCache:
         *,
         shared: bool = False,
         given: Sequence[Any] = (),
+        fields: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> list[MessageParam]:
-        """Exactly ``to_api(messages)`` (and raises where it raises).
+        """Exactly ``to_api(messages)`` (and raises where it raises), but for ``fields``.
 
         ``given``: message params the records were made from (``Message.from_param``, which
         keeps a param's content list): a new message of one record whose param is exactly
         ``{"role": ..., "content": that list}`` is that param itself, not an equal copy (a
         proxy's request holds each message once: the dict the client's body was parsed into).
-        The caller must not change them, as it must not change the requests' messages.
+        The caller must not change them, as it must not change the requests' messages. A
+        param given with fields besides role and content is taken as it is, those too.
+
+        ``fields``: by record name, what a record's message had besides role and content
+        (:class:`~pipeline.wire.message_fields.MessageFields`), written after them into the
+        message made of that one record. A record's fields are read when its message is made:
+        a record the cache holds keeps the message it made (a request whose message differs
+        only there is a new record, :class:`~pipeline.dropin.adapter.WireSession`'s).
 
         ``shared=True`` returns the cache's own list, brought up to date in place (at the cost
         of what changed) rather than a new one: it is valid until the next call, which changes
@@ -92,6 +103,7 @@ class WireCache:
         """
         # by content list: a param is taken only where its list is the entry's own
         self._given = {id(p["content"]): p for p in given if _plain(p)}
+        self._fields = fields or _NO_FIELDS
         if self.dropped:
             self.dropped = []
         try:
@@ -102,7 +114,7 @@ class WireCache:
             self._fresh = True
             raise
         finally:
-            self._given = {}
+            self._given, self._fields = {}, _NO_FIELDS
         params, k = self._params, self.editable
         if shared:
             return self._shared_list()
@@ -260,7 +272,7 @@ class WireCache:
         for e, entry in rebuilt.items():
             self._wire.entries[e] = entry
             was = self._params[e]
-            param = self._params[e] = self._param(entry)
+            param = self._params[e] = self._param(entry, e, messages)
             self._note_dropped((was,), (param,))
             chars, marks = param_chars(param), param_breakpoints(param)
             self.chars += chars - self._chars[e]
@@ -270,14 +282,20 @@ class WireCache:
             self._changed_from = min(self._changed_from, min(rebuilt))
         return True
 
-    def _param(self, entry: _WireEntry) -> MessageParam:
-        """The entry's param: the given param whose content list it holds, if one is, else
-        a new one."""
+    def _param(self, entry: _WireEntry, e: int, messages: Sequence[Message]) -> MessageParam:
+        """Entry ``e``'s param: the given param whose content list it holds, if one is, else
+        a new one (with its record's fields, where it is made of one record that has any)."""
         param = _entry_to_param(entry)
         content: Any = param["content"]
         theirs = self._given.get(id(content)) if type(content) is list else None
         if theirs is not None and theirs["content"] is content and theirs["role"] == param["role"]:
             return cast("MessageParam", theirs)
+        if self._fields:
+            first = self._first_record[e]
+            if first == self._last_record[e]:
+                extra = self._fields.get(messages[first].uuid)
+                if extra:
+                    return cast("MessageParam", {**param, **extra})
         return param
 
     def _note_dropped(self, old: Sequence[Any], new: Sequence[Any]) -> None:
@@ -319,7 +337,7 @@ class WireCache:
                 else:
                     last_record[went] = idx
         keep = min(keep, low, before)
-        fresh = [self._param(e) for e in wire.entries[keep:]]
+        fresh = [self._param(e, j, messages) for j, e in enumerate(wire.entries[keep:], keep)]
         self._changed_from = min(self._changed_from, keep)
         if self.track_dropped:
             self._note_dropped(self._params[keep:], fresh)
@@ -346,12 +364,11 @@ def _result_blocks(param: Any) -> list[Any]:
 
 
 def _plain(param: Any) -> bool:
-    """A param ``{"role": ..., "content": [...]}``, those two keys in that order and no other:
-    what ``to_api`` makes of a record made from it (its blocks sent as they are)."""
+    """A param ``{"role": ..., "content": [...]}``, role first: what ``to_api`` makes of a
+    record made from it (its blocks sent as they are), and the fields it has besides."""
     return (
         type(param) is dict
-        and len(param) == 2
-        and next(iter(param)) == "role"
+        and next(iter(param), None) == "role"
         and type(param.get("content")) is list
     )
 
@@ -430,7 +447,13 @@ def _block_place(block: Any) -> tuple[Any, str] | None:
 
 
 def _fresh(param: MessageParam) -> MessageParam:
-    """A new message dict with a new content list (the blocks themselves are shared)."""
+    """A new message dict with a new content list (the blocks themselves are shared), and
+    the fields the message has besides."""
     content: Any = param["content"]
-    fresh = {"role": param["role"], "content": content if isinstance(content, str) else [*content]}
+    fresh: dict[str, Any] = {
+        "role": param["role"],
+        "content": content if isinstance(content, str) else [*content],
+    }
+    if len(param) > 2:
+        fresh = {**cast("dict[str, Any]", param), **fresh}
     return cast("MessageParam", fresh)

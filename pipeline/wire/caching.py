@@ -78,6 +78,7 @@ def place_cache_breakpoint(request: list[MessageParam]) -> int | None:
                 {**block, "cache_control": {"type": "ephemeral"}},
                 *blocks[j + 1 :],
             ]
-            request[i] = cast("MessageParam", {"role": param["role"], "content": marked})
+            # the message's other fields, if any, as they were
+            request[i] = cast("MessageParam", {**param, "content": marked})
             return i
     return None
