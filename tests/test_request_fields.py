@@ -3,6 +3,7 @@ fields are never dropped (``pipeline.wire.request_fields``), through ``wrap`` an
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,24 +105,37 @@ def _pipeline() -> Pipeline:
     return Pipeline([ToolResultBudget(), ServerSideMicrocompact(trigger_tokens=30_000, keep=2)])
 
 
-def test_wrap_keeps_the_clients_edits(tmp_path: Path) -> None:
+Calls = Callable[[Any], Awaitable[None]]
+
+
+def _through_wrap(tmp_path: Path, calls: Calls) -> ScriptedMessagesServer:
+    """The upstream that ``calls`` reached with a wrapped SDK client."""
     with ScriptedMessagesServer(_reply) as server:
-        client = wrap(sdk_client(server.base_url), root=tmp_path, pipeline=_pipeline)
-        anyio.run(_call, client)
-        _assert_both_sent(server)
+        anyio.run(calls, wrap(sdk_client(server.base_url), root=tmp_path, pipeline=_pipeline))
+    return server
 
 
-def test_the_proxy_keeps_the_clients_edits(tmp_path: Path) -> None:
+def _through_proxy(tmp_path: Path, calls: Calls) -> ScriptedMessagesServer:
+    """The upstream that ``calls`` reached with an SDK client pointed at the proxy."""
+
     async def through(url: str) -> None:
         async with sdk_client(url) as client:
-            await _call(client)
+            await calls(client)
 
     with (
         ScriptedMessagesServer(_reply) as server,
         proxy(server.base_url, tmp_path, _pipeline) as url,
     ):
         anyio.run(through, url)
-        _assert_both_sent(server)
+    return server
+
+
+def test_wrap_keeps_the_clients_edits(tmp_path: Path) -> None:
+    _assert_both_sent(_through_wrap(tmp_path, _call))
+
+
+def test_the_proxy_keeps_the_clients_edits(tmp_path: Path) -> None:
+    _assert_both_sent(_through_proxy(tmp_path, _call))
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,10 +185,7 @@ def _assert_fields_sent(server: ScriptedMessagesServer) -> None:
 
 
 def test_wrap_sends_a_message_s_own_fields_on(tmp_path: Path) -> None:
-    with ScriptedMessagesServer(_reply) as server:
-        client = wrap(sdk_client(server.base_url), root=tmp_path, pipeline=_pipeline)
-        anyio.run(_calls_with_fields, client)
-        _assert_fields_sent(server)
+    _assert_fields_sent(_through_wrap(tmp_path, _calls_with_fields))
 
 
 def test_the_proxy_sends_a_message_s_own_fields_on(tmp_path: Path) -> None:
@@ -182,14 +193,4 @@ def test_the_proxy_sends_a_message_s_own_fields_on(tmp_path: Path) -> None:
     refuses: then it refuses the request, as it would without the proxy) goes on as the
     client sent it: on a message the stages left alone, on one they changed, and changed or
     taken off in a later request."""
-
-    async def through(url: str) -> None:
-        async with sdk_client(url) as client:
-            await _calls_with_fields(client)
-
-    with (
-        ScriptedMessagesServer(_reply) as server,
-        proxy(server.base_url, tmp_path, _pipeline) as url,
-    ):
-        anyio.run(through, url)
-        _assert_fields_sent(server)
+    _assert_fields_sent(_through_proxy(tmp_path, _calls_with_fields))
