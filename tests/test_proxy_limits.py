@@ -5,6 +5,7 @@ memory."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import socket
 import threading
@@ -695,3 +696,44 @@ def test_a_held_conversation_keeps_one_list_of_its_last_request_messages(tmp_pat
     # sent on (the stages' output, of the same dicts where nothing changed), which the writer
     # keeps to compare the next one with
     assert held <= 2, held
+
+
+def _process_of(*parts: str) -> int:
+    """The process whose command line holds all of ``parts`` (Linux: ``/proc``)."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if all(part in cmdline for part in parts):
+            return int(entry.name)
+    raise AssertionError(f"no process runs {parts}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")
+def test_each_conversation_held_keeps_its_record_file_open(tmp_path: Path) -> None:
+    """The command keeps a record file open for each conversation it holds (within an eighth
+    of its descriptors), not the library's 64: past those, each call closed another's file
+    and opened its own again (~10 system calls a call)."""
+    from pipeline._cli.serving import records_held_open
+
+    conversations = 90
+    # the command raises its soft limit on open files to the hard one
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    room = records_held_open(hard if hard != resource.RLIM_INFINITY else 1 << 20, 100)
+    if room < conversations:
+        pytest.skip(f"{hard} descriptors hold {room} record files open, under {conversations}")
+    store = tmp_path / "store"
+    with (
+        ScriptedMessagesServer(_reply) as upstream,
+        proxy_process(upstream.base_url, store, "--max-conversations", "100") as (url, _, _),
+        httpx2.Client(timeout=30) as client,
+    ):
+        for k in range(conversations):
+            for turns in ((f"conversation {k}",), (f"conversation {k}", "on")):
+                response = client.post(f"{url}/v1/messages", json=_turns(*turns))
+                assert response.status_code == 200, response.text
+        fds = Path(f"/proc/{_process_of('pipeline', 'proxy', str(store))}/fd")
+        held = [os.readlink(fd) for fd in fds.iterdir() if fd.name.isdigit()]
+    # (a file's records are also opened a moment to be synced: each file counted once)
+    assert len({t for t in held if t.endswith("decisions.jsonl")}) == conversations

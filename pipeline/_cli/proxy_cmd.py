@@ -42,6 +42,7 @@ from pipeline.policies import ToolPolicies
 from pipeline.store.retention import PruneReport, prune_periodically, prune_store
 from pipeline.store.sessions import SessionStates
 from pipeline.store.spool import SPOOL_DIR
+from pipeline.transcript.open_files import OPEN_FILES
 
 PRUNE_INTERVAL = 3_600.0
 """Seconds between two prunes of the store while the proxy runs (``--retain``,
@@ -62,6 +63,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             OnceIn,
             connection_cap,
             raise_open_files,
+            records_held_open,
         )
         from pipeline.dropin.proxy import LONG_PASS, build_app
     except ImportError:
@@ -91,7 +93,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             raise CliError("--http httptools: httptools is not installed") from None
         loop = event_loop(args.loop)
         client = _upstream_client(args.upstream_client)
-        connections = args.max_connections or connection_cap(raise_open_files())
+        open_files = raise_open_files()
+        # each conversation held keeps its record file open: no call opens it again
+        OPEN_FILES.limit = records_held_open(open_files, args.max_conversations)
+        connections = args.max_connections or connection_cap(open_files, OPEN_FILES.limit)
         context: dict[str, Any] = {}
         if set_up.tracer is not None:
             context["tracer"] = set_up.tracer

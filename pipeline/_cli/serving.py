@@ -4,6 +4,11 @@ protocols it serves on, and their bounds on a request: :mod:`pipeline._cli.http_
 - **Connections below the descriptor limit.** The soft limit on open files is raised to the
   hard one at start (:func:`raise_open_files`); :func:`connection_cap` is how many client
   connections to serve at once so that each, with its upstream connection, fits under it.
+- **No call opens its records again.** Each conversation held keeps its record file open
+  between calls (:mod:`pipeline.transcript.open_files`); :func:`records_held_open` is how
+  many: one for each conversation the proxy holds, within an eighth of the descriptors. Past
+  the library's default bound (64), each call of a proxy serving more conversations closed
+  another's file and opened its own again (~10 system calls).
 - **One line, not a flood.** At the descriptor limit asyncio logs every failed ``accept``
   with a traceback; :class:`OnceIn` lets one such record through per interval. It also tries
   the listening socket again a second later, even once the server has closed it (a traceback
@@ -16,10 +21,19 @@ import logging
 import resource
 import time
 
-__all__ = ["AcceptRetryAfterClose", "OnceIn", "connection_cap", "raise_open_files"]
+from pipeline.transcript.open_files import MAX_OPEN
 
-_RESERVED = 128
-"""Descriptors kept out of the connection cap: the store's files, logs, the listening socket."""
+__all__ = [
+    "AcceptRetryAfterClose",
+    "OnceIn",
+    "connection_cap",
+    "raise_open_files",
+    "records_held_open",
+]
+
+_RESERVED = 64
+"""Descriptors kept out of the connection cap besides the record files held open: the store's
+other files, logs, the listening socket."""
 _MOST_OPEN_FILES = 1_048_576
 """Where the soft limit is raised to when the hard one is unlimited."""
 
@@ -38,10 +52,18 @@ def raise_open_files() -> int:
     return _MOST_OPEN_FILES if soft == resource.RLIM_INFINITY else soft
 
 
-def connection_cap(open_files: int) -> int:
+def records_held_open(open_files: int, conversations: int) -> int:
+    """How many record files to keep open between calls under ``open_files`` descriptors:
+    one for each of the ``conversations`` held, within an eighth of the descriptors, and
+    never fewer than the library's default (:data:`~pipeline.transcript.open_files.MAX_OPEN`)."""
+    return max(MAX_OPEN, min(conversations, open_files // 8))
+
+
+def connection_cap(open_files: int, records: int = MAX_OPEN) -> int:
     """How many client connections fit under ``open_files`` descriptors: each may hold an
-    upstream connection too, and some are kept for the rest (at least 16)."""
-    return max(16, (open_files - _RESERVED) // 2)
+    upstream connection too, and some are kept for the rest -- ``records`` record files held
+    open and a few more (at least 16)."""
+    return max(16, (open_files - _RESERVED - records) // 2)
 
 
 class OnceIn(logging.Filter):
