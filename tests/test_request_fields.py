@@ -194,3 +194,31 @@ def test_the_proxy_sends_a_message_s_own_fields_on(tmp_path: Path) -> None:
     client sent it: on a message the stages left alone, on one they changed, and changed or
     taken off in a later request."""
     _assert_fields_sent(_through_proxy(tmp_path, _calls_with_fields))
+
+
+def _typed(value: Any) -> list[dict[str, Any]]:
+    use = {"type": "tool_use", "id": "toolu_n1", "name": "f", "input": {"a": value}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_n1", "content": "r"}
+    return [
+        {"role": "user", "content": "go", "x_n": value},
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [result]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "more"}]},
+    ]
+
+
+def test_the_proxy_sends_what_json_tells_apart_that_python_holds_equal(tmp_path: Path) -> None:
+    """``1``, ``true`` and ``1.0`` (and ``0.0`` and ``-0.0``) are equal to Python: an earlier
+    message whose only change is one of them is still a changed message, sent as it now is
+    (before, what was built for the old one went on)."""
+    values: list[Any] = [1, True, 1.0, 1, 0.0, -0.0]
+
+    async def calls(client: Any) -> None:
+        for value in values:
+            await client.messages.create(model="m", max_tokens=8, messages=_typed(value))
+
+    sent = [body["messages"] for body in _through_proxy(tmp_path, calls).requests]
+    for got, value in zip(sent, values, strict=True):
+        for seen in (got[0]["x_n"], got[1]["content"][0]["input"]["a"]):
+            assert type(seen) is type(value) and repr(seen) == repr(value), (seen, value)

@@ -71,6 +71,7 @@ from pipeline.wire.caching import add_cache_breakpoint, marked_outside_messages
 from pipeline.wire.digests import chain_of, opening_digest
 from pipeline.wire.message_fields import MessageFields
 from pipeline.wire.request_fields import merge_betas as beta_header
+from pipeline.wire.same_values import same_start
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
@@ -401,6 +402,11 @@ class WireSession(ResponseObserving, FamilyPlacement):
         params: list[Any] | None = None
         if routed is not None and routed[0] is messages and len(routed[1]) == len(messages):
             chain, params = routed[1], routed[2]
+            if params is messages:
+                # a body reader's parse, kept as it is (a proxy's): where it parsed a message
+                # again, what JSON tells apart counts (1 is not true); a caller's own list
+                # (wrap's: every message a new dict each call) is compared by == alone
+                same = same_start(prev, messages, same)
         else:
             first = messages[0] if messages else None
             opening = self.opening or opening_digest(None, "", first)

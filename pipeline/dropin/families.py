@@ -16,6 +16,7 @@ import anyio
 from pipeline.dropin.adapter import WireSession
 from pipeline.store.sessions import SessionStates
 from pipeline.wire.digests import chain_of
+from pipeline.wire.same_values import same_start
 
 __all__ = ["Branch", "Family", "NewBranch", "family_key", "named", "plan"]
 
@@ -192,13 +193,21 @@ GONE_KEPT = 16_384
 
 
 def plan(
-    family: Family, messages: list[Any], opening: bytes, full: list[bytes] | None = None
+    family: Family,
+    messages: list[Any],
+    opening: bytes,
+    full: list[bytes] | None = None,
+    *,
+    strict: bool = False,
 ) -> tuple[Branch, list[bytes], int] | NewBranch:
     """Where a request goes in ``family`` (under the lock of the index that holds it): an
     existing conversation, with the request's chain and where it is new; or a conversation to
     make. ``full``: the request's whole chain, made beforehand (off an event loop: see
-    :func:`new_to`); else the part not known already is digested here."""
-    found = _extends(family, messages)
+    :func:`new_to`); else the part not known already is digested here. ``strict``: a message
+    that is not a conversation's own object there is compared as JSON tells values apart
+    (:func:`~pipeline.wire.same_values.same_value`: ``1`` is not ``true``) -- for a body
+    reader's parse, which hands on the same objects for the messages whose bytes repeat."""
+    found = _extends(family, messages, strict)
     if found is not None:
         branch, start = found
         chain = _chain(messages, start, branch.chain, opening, full)
@@ -208,7 +217,7 @@ def plan(
         # what follows its last request another conversation sent (a fork of that one
         # that repeats its messages, or one not held): placed by that one's, below, to send
         # what it sent
-    shared, chain = _shared_prefix(family, messages, opening, full)
+    shared, chain = _shared_prefix(family, messages, opening, full, strict)
     known = _known(family, chain, 0)
     start = min(shared, known)
     if not family.branches:
@@ -274,7 +283,7 @@ def _again(
     return NewBranch(name, family.owner[chain[at - 1]], chain, at, min(start, at), via)
 
 
-def _extends(family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
+def _extends(family: Family, messages: list[Any], strict: bool) -> tuple[Branch, int] | None:
     """The conversation whose last request this one extends furthest, compared by value
     (one message compared first to rule most out; of equal ones, the most recent): a retry
     of an earlier request of one conversation must not take another's that repeats it."""
@@ -285,13 +294,17 @@ def _extends(family: Family, messages: list[Any]) -> tuple[Branch, int] | None:
         m = len(params)
         if not m or m > n or m != len(branch.chain) or (best is not None and m <= best[1]):
             continue
-        if messages[m - 1] == params[m - 1] and messages[:m] == params:
+        if (
+            messages[m - 1] == params[m - 1]
+            and messages[:m] == params
+            and (not strict or same_start(messages, params, m) == m)
+        ):
             best = (branch, m)
     return best
 
 
 def _shared_prefix(
-    family: Family, messages: list[Any], opening: bytes, full: list[bytes] | None
+    family: Family, messages: list[Any], opening: bytes, full: list[bytes] | None, strict: bool
 ) -> tuple[int, list[bytes]]:
     """The request's chain, the part it shares by value with the most recent conversation
     taken from that one's (not digested again)."""
@@ -302,6 +315,8 @@ def _shared_prefix(
         limit = min(len(params), len(chain), len(messages))
         while shared < limit and messages[shared] == params[shared]:
             shared += 1
+        if strict:
+            shared = same_start(messages, params, shared)
         base = chain[:shared]
     return shared, _chain(messages, shared, base, opening, full)
 

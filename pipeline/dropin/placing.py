@@ -85,7 +85,7 @@ class Placing:
         owned: bool = False,
     ) -> Branch | str:
         with self._lock:
-            plan = place(family, messages, opening, full)
+            plan = place(family, messages, opening, full, strict=owned)
             if isinstance(plan, tuple):
                 branch, chain, start = plan
                 self._set(family, branch, messages, chain, start, hold, size, owned)
