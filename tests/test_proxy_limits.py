@@ -22,7 +22,7 @@ from pipeline.dropin.proxy import build_app
 from pipeline.testing import QuietLogger, Reply, ScriptedMessagesServer
 from stages import ToolResultBudget
 from tests.builders import tool_result, tool_use
-from tests.wire_support import TAG, proxy, proxy_process
+from tests.wire_support import TAG, process_running, proxy, proxy_process
 
 
 def _budget() -> Pipeline:
@@ -698,18 +698,6 @@ def test_a_held_conversation_keeps_one_list_of_its_last_request_messages(tmp_pat
     assert held <= 2, held
 
 
-def _process_of(*parts: str) -> int:
-    """The process whose command line holds all of ``parts`` (Linux: ``/proc``)."""
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if all(part in cmdline for part in parts):
-            return int(entry.name)
-    raise AssertionError(f"no process runs {parts}")
-
-
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")
 def test_each_conversation_held_keeps_its_record_file_open(tmp_path: Path) -> None:
     """The command keeps a record file open for each conversation it holds (within an eighth
@@ -733,7 +721,9 @@ def test_each_conversation_held_keeps_its_record_file_open(tmp_path: Path) -> No
             for turns in ((f"conversation {k}",), (f"conversation {k}", "on")):
                 response = client.post(f"{url}/v1/messages", json=_turns(*turns))
                 assert response.status_code == 200, response.text
-        fds = Path(f"/proc/{_process_of('pipeline', 'proxy', str(store))}/fd")
+        pid = process_running("pipeline", "proxy", str(store))
+        assert pid is not None
+        fds = Path(f"/proc/{pid}/fd")
         held = [os.readlink(fd) for fd in fds.iterdir() if fd.name.isdigit()]
     # (a file's records are also opened a moment to be synced: each file counted once)
     assert len({t for t in held if t.endswith("decisions.jsonl")}) == conversations

@@ -162,6 +162,19 @@ def free_port() -> int:
     raise RuntimeError("no free port found")
 
 
+def process_running(*parts: str) -> int | None:
+    """The process whose command line holds all of ``parts`` (Linux: ``/proc``; None where
+    none does, or there is no ``/proc``)."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if all(part in cmdline for part in parts):
+            return int(entry.name)
+    return None
+
+
 @contextmanager
 def proxy_process(
     upstream: str,

@@ -197,25 +197,13 @@ def cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pid_running(*parts: str) -> int | None:
-    """The process whose command line holds all of ``parts`` (Linux: ``/proc``)."""
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if all(part in cmdline for part in parts):
-            return int(entry.name)
-    return None
-
-
 @contextlib.contextmanager
 def proxy_command(upstream: str, store: Path) -> Iterator[str]:
     """``python -m pipeline proxy`` as users run it; yields its URL."""
-    from tests.wire_support import proxy_process
+    from tests.wire_support import process_running, proxy_process
 
     with proxy_process(upstream, store, "--max-connections", "1024") as (url, _lines, _code):
-        pid = _pid_running("pipeline", "proxy", str(store))
+        pid = process_running("pipeline", "proxy", str(store))
         if pid is not None:
             PIDS[url] = pid
         yield url
