@@ -3,11 +3,13 @@ fields are never dropped (``pipeline.wire.request_fields``), through ``wrap`` an
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx2
 import pytest
 
 from pipeline import Pipeline
@@ -222,3 +224,38 @@ def test_the_proxy_sends_what_json_tells_apart_that_python_holds_equal(tmp_path:
     for got, value in zip(sent, values, strict=True):
         for seen in (got[0]["x_n"], got[1]["content"][0]["input"]["a"]):
             assert type(seen) is type(value) and repr(seen) == repr(value), (seen, value)
+
+
+def test_the_proxy_compares_a_request_parsed_again_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose every message was parsed again (here: a body the fast parser refuses,
+    a ``NaN``, parsed whole each time) is compared with the last one message by message where
+    it is placed, and not a second time when its records are made."""
+    import pipeline.wire.same_values as same_values
+
+    looked: list[int] = []
+    compare = same_values.same_value
+
+    def counted(a: Any, b: Any) -> bool:
+        looked.append(1)
+        return compare(a, b)
+
+    monkeypatch.setattr(same_values, "same_value", counted)
+    turns = [{"role": "user", "content": "go"}]
+    with (
+        ScriptedMessagesServer(_reply) as server,
+        proxy(server.base_url, tmp_path, _pipeline) as url,
+        httpx2.Client(timeout=30) as client,
+    ):
+        for k in range(4):
+            body = json.dumps({"model": "m", "max_tokens": 8, "temperature": float("nan")})
+            sent = json.dumps(turns)
+            raw = body[:-1] + ', "messages": ' + sent + "}"
+            looked.clear()
+            response = client.post(
+                f"{url}/v1/messages", content=raw, headers={"content-type": "application/json"}
+            )
+            assert response.status_code == 200, response.text
+            assert len(looked) == (len(turns) - 2 if k else 0), k  # the last request's, once
+            turns += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"{k}"}]

@@ -70,3 +70,26 @@ def test_same_start_looks_only_where_the_objects_differ() -> None:
     assert same_start(a, b, 2) == 2
     assert same_start(a, a, 4) == 4
     assert same_start(a, b[:1], 4) == 1  # no further than the shorter list
+
+
+def test_a_value_nested_past_the_c_comparison_s_recursion_is_walked() -> None:
+    """Python's own ``==`` recurses in C and gives up (``RecursionError``) on values nested a
+    few hundred levels deep: the comparison goes on on a stack of its own, never raising."""
+    a: Any = [1]
+    b: Any = [1]
+    c: Any = [True]
+    for _ in range(5_000):
+        a, b, c = [a], [b], [c]
+    with pytest.raises(RecursionError):
+        _ = a == b
+    assert same_value(a, b)
+    assert not same_value(a, c)
+    assert not same_value(a, [[a]])
+
+
+def test_same_start_takes_the_first_positions_given_as_compared() -> None:
+    a: list[Any] = [{"n": 1}, {"n": 1}, {"n": 2}]
+    b: list[Any] = [{"n": True}, {"n": 1}, {"n": 2.0}]
+    assert same_start(a, b, 3) == 0
+    assert same_start(a, b, 3, start=1) == 2  # (the caller compared the first already)
+    assert same_start(a, b, 2, start=1) == 2

@@ -73,6 +73,9 @@ from pipeline.wire.message_fields import MessageFields
 from pipeline.wire.request_fields import merge_betas as beta_header
 from pipeline.wire.same_values import same_start
 
+_Routed = tuple[Sequence[Any], list[bytes], "list[Any] | None", tuple[int, Sequence[Any]]]
+"""What the router left for the next pass (:meth:`WireSession.routed`)."""
+
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
     from opentelemetry.context import Context
@@ -139,7 +142,7 @@ class WireSession(ResponseObserving, FamilyPlacement):
         """The first link of this conversation's chain
         (:func:`~pipeline.wire.digests.opening_digest`:
         its system prompt and hint in it); None: the first message's alone."""
-        self._routed: tuple[Sequence[Any], list[bytes], list[Any] | None] | None = None
+        self._routed: _Routed | None = None
         self.pipeline = pipeline
         self.cache_breakpoint = cache_breakpoint
         self.storage = self._storage_for(self.session_id, root, storage)
@@ -273,14 +276,20 @@ class WireSession(ResponseObserving, FamilyPlacement):
 
     # -- records ------------------------------------------------------------------------------
     def routed(
-        self, messages: Sequence[Any], chain: list[bytes], kept: list[Any] | None = None
+        self,
+        messages: Sequence[Any],
+        chain: list[bytes],
+        kept: list[Any] | None = None,
+        checked: tuple[int, Sequence[Any]] = (0, ()),
     ) -> None:
         """The digests of ``messages`` as the router computed them
         (:mod:`pipeline.dropin.conversations`):
         when those very messages are prepared next, they are not digested again, and
         ``kept`` (a list of them that no one changes, the router's own) is the one this
-        session keeps of them rather than a copy of its own."""
-        self._routed = (messages, chain, kept)
+        session keeps of them rather than a copy of its own. ``checked``: how many leading
+        messages the router found to be the same values as those of a list (this session's
+        last request, when it is that list: not compared again)."""
+        self._routed = (messages, chain, kept, checked)
 
     # -- per call ---------------------------------------------------------------------------
     async def prepare(self, messages: Sequence[MessageParam]) -> list[MessageParam]:
@@ -406,7 +415,8 @@ class WireSession(ResponseObserving, FamilyPlacement):
                 # a body reader's parse, kept as it is (a proxy's): where it parsed a message
                 # again, what JSON tells apart counts (1 is not true); a caller's own list
                 # (wrap's: every message a new dict each call) is compared by == alone
-                same = same_start(prev, messages, same)
+                checked, against = routed[3]
+                same = same_start(prev, messages, same, checked if against is prev else 0)
         else:
             first = messages[0] if messages else None
             opening = self.opening or opening_digest(None, "", first)

@@ -192,6 +192,12 @@ GONE_KEPT = 16_384
 """Digests of conversations not held a family keeps at most, each index (~100 bytes each)."""
 
 
+Placed = tuple["Branch", list[bytes], int, int]
+"""A request placed in a conversation held: it, the request's chain, where the request is new
+to it, and how many leading messages were found to be its last request's very values (its
+own objects, or equal as JSON tells values apart where ``strict``; 0 where not compared)."""
+
+
 def plan(
     family: Family,
     messages: list[Any],
@@ -199,11 +205,11 @@ def plan(
     full: list[bytes] | None = None,
     *,
     strict: bool = False,
-) -> tuple[Branch, list[bytes], int] | NewBranch:
+) -> Placed | NewBranch:
     """Where a request goes in ``family`` (under the lock of the index that holds it): an
-    existing conversation, with the request's chain and where it is new; or a conversation to
-    make. ``full``: the request's whole chain, made beforehand (off an event loop: see
-    :func:`new_to`); else the part not known already is digested here. ``strict``: a message
+    existing conversation (:data:`Placed`); or a conversation to make. ``full``: the
+    request's whole chain, made beforehand (off an event loop: see :func:`new_to`); else the
+    part not known already is digested here. ``strict``: a message
     that is not a conversation's own object there is compared as JSON tells values apart
     (:func:`~pipeline.wire.same_values.same_value`: ``1`` is not ``true``) -- for a body
     reader's parse, which hands on the same objects for the messages whose bytes repeat."""
@@ -213,7 +219,7 @@ def plan(
         chain = _chain(messages, start, branch.chain, opening, full)
         known = _known(family, chain, start)
         if known == start or family.owner.get(chain[known - 1]) is branch:
-            return branch, chain, start
+            return branch, chain, start, start
         # what follows its last request another conversation sent (a fork of that one
         # that repeats its messages, or one not held): placed by that one's, below, to send
         # what it sent
@@ -225,7 +231,7 @@ def plan(
     if not chain or known == 0:
         # no message known (a request without any, or conversations recorded before any
         # response): the most recent, whose decisions apply only to what they were made on
-        return family.recent[0], chain, start
+        return family.recent[0], chain, start, 0
     if known == len(chain):
         end = chain[-1]  # all of it sent before: a retry, or a twin
         # the one whose last request it is, held or not, before the one that sent it first
@@ -233,17 +239,17 @@ def plan(
         if held is None and end not in family.gone_ends:
             held = family.owner.get(end)
         if held is not None:
-            return held, chain, start
+            return held, chain, start, 0
         return _again(family, family.gone_ends.get(end) or family.gone[end], chain, known, start)
     last = chain[known - 1]
     if last in family.ends:
-        return family.ends[last], chain, start
+        return family.ends[last], chain, start, 0
     if last in family.gone_ends:  # it extends the last request of one not held
         return _again(family, family.gone_ends[last], chain, known, start)
     name = f"f{chain[known].hex()[:16]}"
     existing = family.branches.get(name)
     if existing is not None:
-        return existing, chain, start
+        return existing, chain, start, 0
     if last in family.gone:  # it goes its own way from one not held
         return _again(family, name, chain, known, start, via=family.gone[last])
     return NewBranch(name, family.owner[last], chain, known, start)
@@ -266,7 +272,7 @@ def _again(
     known: int,
     start: int,
     via: str | None = None,
-) -> tuple[Branch, list[bytes], int] | NewBranch:
+) -> Placed | NewBranch:
     """The conversation ``name`` made, inheriting from the held conversation that sent the
     most of the request: one not held made again to take a request that repeats what it sent
     (its own records then win over what it inherits: :meth:`WireSession._write_pending`), or
@@ -274,12 +280,12 @@ def _again(
     decided on the results past what the held one shares)."""
     existing = family.branches.get(name)
     if existing is not None:  # held again meanwhile
-        return existing, chain, start
+        return existing, chain, start, 0
     at = known
     while at and family.owner.get(chain[at - 1]) is None:
         at -= 1
     if not at:  # nothing of it held (a family's first conversation is): the most recent
-        return family.recent[0], chain, start
+        return family.recent[0], chain, start, 0
     return NewBranch(name, family.owner[chain[at - 1]], chain, at, min(start, at), via)
 
 

@@ -87,8 +87,8 @@ class Placing:
         with self._lock:
             plan = place(family, messages, opening, full, strict=owned)
             if isinstance(plan, tuple):
-                branch, chain, start = plan
-                self._set(family, branch, messages, chain, start, hold, size, owned)
+                branch, chain, start, checked = plan
+                self._set(family, branch, messages, chain, start, hold, size, owned, checked)
                 return branch
         if plan.via is not None and read is not None and plan.via not in read:
             return plan.via
@@ -116,12 +116,16 @@ class Placing:
         hold: bool = False,
         size: int | None = None,
         owned: bool = False,
+        checked: int = 0,
     ) -> None:
         family.register(branch, chain, start)
+        last = branch.params
         # one list of the request's messages for the branch, its session and the body's
         # writer (8 bytes a message each), where no caller changes it
         branch.params = messages if owned else list(messages)
-        branch.session.routed(messages, chain, branch.params)
+        # how many leading messages placing found the last request's own values: not
+        # compared again
+        branch.session.routed(messages, chain, branch.params, (checked, last))
         branch.calls += hold
         if not self._holding.routed(
             family, branch, size

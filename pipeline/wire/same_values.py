@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import compress
+from itertools import compress, islice
 from operator import is_not
 from typing import Any
 
@@ -24,10 +24,19 @@ def same_value(a: Any, b: Any) -> bool:
     and ``-0.0`` (values JSON writes differently); other types compared by ``==`` alone."""
     if a is b:
         return True
-    if a != b:  # in C: values that differ otherwise end here
-        return False
+    try:
+        if a != b:  # in C: values that differ otherwise end here
+            return False
+    except RecursionError:  # nested past what the C comparison's recursion takes
+        return _walked(a, b, values=True)
+    return _walked(a, b, values=False)
+
+
+def _walked(a: Any, b: Any, *, values: bool) -> bool:
+    """The walk of :func:`same_value` (on a stack of its own: no recursion), for values
+    equal by ``==`` (``values``: not known to be, compared here too)."""
     pairs: list[tuple[Any, Any]] = [(a, b)]
-    while pairs:  # equal by ==: a walk for a number of another type (no recursion)
+    while pairs:
         x, y = pairs.pop()
         if x is y:
             continue
@@ -35,19 +44,27 @@ def same_value(a: Any, b: Any) -> bool:
         if kind is not type(y):
             return False
         if kind is dict:
+            if values and (len(x) != len(y) or x.keys() != y.keys()):
+                return False
             # equal dicts hold the same keys (JSON's: strings, compared as such)
             pairs.extend((v, y[k]) for k, v in x.items())
         elif kind is list or kind is tuple:
+            if values and len(x) != len(y):
+                return False
             pairs.extend(zip(x, y, strict=True))
-        elif kind is float and x == 0.0 and math.copysign(1.0, x) != math.copysign(1.0, y):
+        elif kind is float:
+            if x != y or (x == 0.0 and math.copysign(1.0, x) != math.copysign(1.0, y)):
+                return False
+        elif values and x != y:
             return False
     return True
 
 
-def same_start(a: Sequence[Any], b: Sequence[Any], n: int) -> int:
+def same_start(a: Sequence[Any], b: Sequence[Any], n: int, start: int = 0) -> int:
     """How many of the first ``n`` items of ``a`` and ``b`` (equal by ``==`` there) are the
-    same value (:func:`same_value`): a position that holds one object in both costs no look."""
-    for i in compress(range(n), map(is_not, a, b)):
+    same value (:func:`same_value`), the first ``start`` taken as such: a position that holds
+    one object in both costs no look."""
+    for i in compress(range(start, n), islice(map(is_not, a, b), start, n)):
         if not same_value(a[i], b[i]):
             return i
     return min(n, len(a), len(b))
