@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import compress, islice
+from itertools import compress
 from operator import is_not
 from typing import Any
 
@@ -44,7 +44,7 @@ def _walked(a: Any, b: Any, *, values: bool) -> bool:
         if kind is not type(y):
             return False
         if kind is dict:
-            if values and (len(x) != len(y) or x.keys() != y.keys()):
+            if values and x.keys() != y.keys():
                 return False
             # equal dicts hold the same keys (JSON's: strings, compared as such)
             pairs.extend((v, y[k]) for k, v in x.items())
@@ -63,8 +63,9 @@ def _walked(a: Any, b: Any, *, values: bool) -> bool:
 def same_start(a: Sequence[Any], b: Sequence[Any], n: int, start: int = 0) -> int:
     """How many of the first ``n`` items of ``a`` and ``b`` (equal by ``==`` there) are the
     same value (:func:`same_value`), the first ``start`` taken as such: a position that holds
-    one object in both costs no look."""
-    for i in compress(range(start, n), islice(map(is_not, a, b), start, n)):
-        if not same_value(a[i], b[i]):
-            return i
+    one object in both costs no look, and the first ``start`` none at all."""
+    if start < n:
+        for i in compress(range(start, n), map(is_not, a[start:n], b[start:n])):
+            if not same_value(a[i], b[i]):
+                return i
     return min(n, len(a), len(b))
