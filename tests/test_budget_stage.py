@@ -716,3 +716,51 @@ def test_a_limit_the_policies_would_not_honour_is_refused(kwargs: Any, message: 
     silently dropped); every limit is a number, not a bool."""
     with pytest.raises(ValueError, match=message):
         ToolPolicies(**kwargs)
+
+
+def _result_chars_on_the_wire(msgs: list[Message]) -> int:
+    """Characters of every tool_result's content in the last API message (what the
+    per-message budget bounds), each copy counted."""
+    last = to_api(msgs)[-1]
+    return sum(
+        len(b["content"])
+        for b in last["content"]
+        if b.get("type") == "tool_result"  # type: ignore[union-attr]
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_result_sent_twice_in_a_message_counts_twice(tmp_path: Path) -> None:
+    """The same result (its id and output) twice in one API message goes on the wire twice:
+    the per-message budget weighs each copy, so the message stays within its limit."""
+    store = CountingStore()
+    ctx = make_ctx(tmp_path, store=store)
+    a, b = "a" * 30_000, "b" * 45_000
+    msgs = [
+        user_text("go"),
+        assistant("r1", tool_use("a", "Other"), tool_use("b", "Other")),
+        results(tool_result("a", a)),
+        results(tool_result("a", a), tool_result("b", b)),
+    ]
+    assert _result_chars_on_the_wire(msgs) == 105_000  # one copy each would be 75,000
+    out = await Pipeline([ToolResultBudget(limit=100_000)]).run(msgs, ctx)
+    # a's two copies free 60,000 together, more than b alone: one write, both replaced
+    assert [w[0] for w in store.writes] == ["a"]
+    assert _result_chars_on_the_wire(out) <= 100_000
+    assert [p.tool_use_id for p in ctx.report.persisted] == ["a"]
+    # on a later pass the group is all decided: nothing is written again
+    out2 = await Pipeline([ToolResultBudget(limit=100_000)]).run(msgs, ctx)
+    assert len(store.writes) == 1 and _result_chars_on_the_wire(out2) <= 100_000
+
+
+def test_selection_weighs_each_copy_of_a_result() -> None:
+    from stages.tool_result_budget import Candidate
+
+    def cand(i: str, size: int) -> Candidate:
+        return Candidate(0, i, "X", "", size, True, key=i)
+
+    fresh = [cand("a", 30), cand("b", 45)]
+    # one copy each: 75 fits 100; a twice: 105 does not, and a's copies free the most
+    assert select_fresh_to_replace(fresh, frozen_size=0, limit=100) == []
+    picked = select_fresh_to_replace(fresh, frozen_size=0, limit=100, copies={"a": 2})
+    assert [c.tool_use_id for c in picked] == ["a"]
