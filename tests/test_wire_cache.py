@@ -553,7 +553,7 @@ def test_what_the_cache_keeps_of_each_message_is_its_entry_and_4_byte_indexes() 
     entries[0].merged = False
     assert not entries[0].merged
     # a message a client sent is a whole one (closed): the flags read apart
-    from pipeline.dropin.adapter import WIRE_MESSAGE
+    from pipeline.messages import WIRE_MESSAGE
 
     sent = [Message.from_param({"role": "user", "content": "go"}, subtype=WIRE_MESSAGE)]
     wired = WireCache()

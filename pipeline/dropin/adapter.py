@@ -51,14 +51,14 @@ from pipeline.dropin.event_stream import EventStreamUsage  # public here before 
 from pipeline.dropin.family_placement import Decided, FamilyPlacement
 from pipeline.dropin.inheritance import FORK_RECORD, Inherited
 from pipeline.dropin.observing import ANSWER_WAIT, Call, ResponseObserving
+from pipeline.dropin.request_records import RequestRecords, Routed, UnreadableMessage
 from pipeline.dropin.session_log import (
     expand,
     rebuild,
     responses_in,
 )
 from pipeline.dropin.session_writes import SessionWrites
-from pipeline.kept_list import shared_start
-from pipeline.messages import WIRE_MESSAGE, Message, Usage, uuid5_text
+from pipeline.messages import Message, Usage
 from pipeline.results.reading import answered_results
 from pipeline.spans import content_safe_span
 from pipeline.store.files import validate_session_id
@@ -68,13 +68,8 @@ from pipeline.tracing import ATTR, SPAN_WIRE_REQUEST
 from pipeline.transcript.read import Transcript
 from pipeline.wire.cache import WireCache
 from pipeline.wire.caching import add_cache_breakpoint, marked_outside_messages
-from pipeline.wire.digests import chain_of, opening_digest
 from pipeline.wire.message_fields import MessageFields
 from pipeline.wire.request_fields import merge_betas as beta_header
-from pipeline.wire.same_values import same_start
-
-_Routed = tuple[Sequence[Any], list[bytes], "list[Any] | None", tuple[int, Sequence[Any]]]
-"""What the router left for the next pass (:meth:`WireSession.routed`)."""
 
 if TYPE_CHECKING:
     from anthropic.types import MessageParam
@@ -94,17 +89,12 @@ __all__ = [
 ]
 
 
-class UnreadableMessage(ValueError):
-    """A request's message the pass cannot read (a role or a content the API refuses): the
-    request is refused (the proxy: a 400) or goes as it came (``wrap``: the API judges it)."""
-
-
 class _Load(enum.Enum):
     NOW = "now"
     """Load the recorded decisions in the constructor (blocking)."""
 
 
-class WireSession(ResponseObserving, FamilyPlacement):
+class WireSession(ResponseObserving, FamilyPlacement, RequestRecords):
     """One conversation seen at the wire (see the module docstring).
 
     ``cache_breakpoint``: for a client that sets no ``cache_control`` itself, put one on the
@@ -142,7 +132,7 @@ class WireSession(ResponseObserving, FamilyPlacement):
         """The first link of this conversation's chain
         (:func:`~pipeline.wire.digests.opening_digest`:
         its system prompt and hint in it); None: the first message's alone."""
-        self._routed: _Routed | None = None
+        self._routed: Routed | None = None
         self.pipeline = pipeline
         self.cache_breakpoint = cache_breakpoint
         self.storage = self._storage_for(self.session_id, root, storage)
@@ -274,23 +264,6 @@ class WireSession(ResponseObserving, FamilyPlacement):
             raise ValueError(f"storage is for session {named!r}, not {session_id!r}")
         return storage
 
-    # -- records ------------------------------------------------------------------------------
-    def routed(
-        self,
-        messages: Sequence[Any],
-        chain: list[bytes],
-        kept: list[Any] | None = None,
-        checked: tuple[int, Sequence[Any]] = (0, ()),
-    ) -> None:
-        """The digests of ``messages`` as the router computed them
-        (:mod:`pipeline.dropin.conversations`):
-        when those very messages are prepared next, they are not digested again, and
-        ``kept`` (a list of them that no one changes, the router's own) is the one this
-        session keeps of them rather than a copy of its own. ``checked``: how many leading
-        messages the router found to be the same values as those of a list (this session's
-        last request, when it is that list: not compared again)."""
-        self._routed = (messages, chain, kept, checked)
-
     # -- per call ---------------------------------------------------------------------------
     async def prepare(self, messages: Sequence[MessageParam]) -> list[MessageParam]:
         """The ``messages`` to send for a request whose own are ``messages``."""
@@ -395,64 +368,3 @@ class WireSession(ResponseObserving, FamilyPlacement):
         marked = self.cache_breakpoint and marked_outside_messages(body)
         messages, call = await self._prepare(body.get("messages") or [], marked)
         return {**body, "messages": messages}, call
-
-    @property
-    def first_new(self) -> int:
-        """Where the last request prepared stopped repeating the one before it: its first
-        message new to this session."""
-        return self._first_new
-
-    def _sync(self, messages: Sequence[Any]) -> list[Message]:
-        """The request's records: the last request's for as long as this one repeats it, a new
-        record for every message from the first that differs on (digested from there on)."""
-        prev, records = self._params, self._records
-        same = shared_start(prev, messages)
-        routed, self._routed = self._routed, None
-        params: list[Any] | None = None
-        if routed is not None and routed[0] is messages and len(routed[1]) == len(messages):
-            chain, params = routed[1], routed[2]
-            if params is messages:
-                # a body reader's parse, kept as it is (a proxy's): where it parsed a message
-                # again, what JSON tells apart counts (1 is not true); a caller's own list
-                # (wrap's: every message a new dict each call) is compared by == alone
-                checked, against = routed[3]
-                same = same_start(prev, messages, same, checked if against is prev else 0)
-        else:
-            first = messages[0] if messages else None
-            opening = self.opening or opening_digest(None, "", first)
-            start = same if self._params and len(self.chain) >= same else 0
-            chain = chain_of(messages, start, self.chain, opening=opening)
-        # the same record where the request repeats the last one: the stages' work on it stands
-        out = records[:same]
-        out += [self._record(i, messages[i], chain[i]) for i in range(same, len(messages))]
-        # what its messages carry besides role and content goes on with them
-        self._fields.update(records[same:] if self._fields.by_name else (), out, messages, same)
-        if params is None:  # (the router's list is as long as the chain checked above)
-            params = list(messages)
-        self._params, self._records, self.chain = params, out, chain
-        self._first_new = same
-        self.last_call = Call(len(messages), chain)
-        return out
-
-    def _record(self, index: int, param: Any, link: bytes) -> Message:
-        # named by the digest of it and everything before it: the same in a new process, never
-        # the name of a record that follows other messages (stages name records by uuid)
-        uid = uuid5_text(link)
-        try:
-            if not (
-                (type(param) is dict or isinstance(param, Mapping))
-                and param.get("role") == "assistant"
-            ):
-                return Message.from_param(param, uuid=uid, subtype=WIRE_MESSAGE)
-            # an answer this session did not observe: an id of its own place, so that two
-            # equal answers (a model repeating a call with the same id) stay two messages --
-            # the record's own name, one string for both (a history that came before this
-            # process held an id string beside the name for each of its answers)
-            response_id, usage = self._responses.get(index, (None, None))
-            if response_id is None:
-                response_id = uid
-            return Message.from_param(
-                param, uuid=uid, message_id=response_id, usage=usage, subtype=WIRE_MESSAGE
-            )
-        except ValueError as exc:
-            raise UnreadableMessage(f"messages[{index}]: {exc}") from None

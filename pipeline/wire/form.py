@@ -251,7 +251,7 @@ class _Wire:
         """Take the next record (after the last compact boundary); return the index of the
         entry it went into, -1 when the wire drops it. Where a record goes depends on its type,
         subtype, response id and its blocks' types alone (``WireCache`` relies on it to rebuild
-        a message in place: keep ``pipeline.wire.cache._same_place`` in step)."""
+        a message in place: keep ``pipeline.wire.entry_patch.same_place`` in step)."""
         if m.type == "progress":
             return -1
         if m.type == "system" and m.subtype != "local_command":
