@@ -17,7 +17,7 @@ A pass costs what is new since the last pass of the same session: see
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import anyio
@@ -52,28 +52,22 @@ __all__ = ["Candidate", "ToolResultBudget", "collect_groups", "select_fresh_to_r
 
 
 def select_fresh_to_replace(
-    fresh: Sequence[Candidate],
-    frozen_size: int,
-    limit: float,
-    copies: Mapping[str, int] | None = None,
+    fresh: Sequence[Candidate], frozen_size: int, limit: float
 ) -> list[Candidate]:
     """Largest fresh results first (stable) until frozen + the rest fits ``limit`` .
 
     A candidate that cannot be persisted still counts toward the sum but is passed over. If the
-    frozen results alone exceed the limit, the overage is accepted. ``copies``: how many times
-    a result (by key) stands in the message, where more than once: each copy goes on the wire,
-    so each counts, and a result's size is that of its copies together.
+    frozen results alone exceed the limit, the overage is accepted.
     """
-    weighed = [(c, c.size * copies.get(c.key, 1) if copies else c.size) for c in fresh]
-    remaining = frozen_size + sum(size for _c, size in weighed)
+    remaining = frozen_size + sum(c.size for c in fresh)
     selected: list[Candidate] = []
-    for c, size in sorted(weighed, key=lambda pair: pair[1], reverse=True):
+    for c in sorted(fresh, key=lambda c: c.size, reverse=True):
         if remaining <= limit:
             break
         if not c.persistable:
             continue
         selected.append(c)
-        remaining -= size
+        remaining -= c.size
     return selected
 
 
@@ -242,15 +236,11 @@ class ToolResultBudget:
                 **group_facts,
             },
         ) as span:
-            # a result may repeat (the same id and output twice): decided once, each copy
-            # weighed (each goes on the wire)
+            # a result may repeat (the same id and output twice); decide each once
             fresh: list[Candidate] = []
             fresh_keys: set[str] = set()
-            copies: dict[str, int] = {}
             for c in group:
-                if c.key in fresh_keys:
-                    copies[c.key] = copies.get(c.key, 1) + 1
-                elif c.key not in state.seen_ids:
+                if c.key not in state.seen_ids and c.key not in fresh_keys:
                     fresh.append(c)
                     fresh_keys.add(c.key)
                     decided.append(c.key)  # every fresh result is decided below
@@ -287,8 +277,8 @@ class ToolResultBudget:
                 and not policies.never_persist(c.tool_name)
             ]
             frozen_size = sum(c.size for c in frozen)
-            fresh_size = sum(c.size * copies.get(c.key, 1) for c in eligible)
-            selected = select_fresh_to_replace(eligible, frozen_size, self.limit, copies)
+            fresh_size = sum(c.size for c in eligible)
+            selected = select_fresh_to_replace(eligible, frozen_size, self.limit)
             selected_keys = {c.key for c in selected}
             total = frozen_size + fresh_size  # what the per-message budget weighs
             over = int(total - self.limit) if total > self.limit else 0
@@ -304,9 +294,7 @@ class ToolResultBudget:
             )
 
             # what the message sends now, its persisted results aside
-            visible = frozen_size + sum(
-                c.size * copies.get(c.key, 1) for c in eligible if c.key not in state.replacements
-            )
+            visible = frozen_size + sum(c.size for c in eligible if c.key not in state.replacements)
             if visible > self.limit:
                 # over by what the model saw whole before this pass alone; a write that just
                 # failed is this pass's own excess
