@@ -259,7 +259,11 @@ class HistorySnip:
         """uuids of the oldest removable rounds whose tokens cover ``excess``."""
         messages = view.messages
         # a uuid that occurs twice would drop its twin elsewhere too: leave such rounds alone
-        twins = {u for u, c in Counter(m.uuid for m in messages).items() if c > 1}
+        # (most histories have none: one set tells, without counting each)
+        uuids = [m.uuid for m in messages]
+        twins: set[str] = set()
+        if len(set(uuids)) != len(uuids):
+            twins = {u for u, c in Counter(uuids).items() if c > 1}
         chosen: list[str] = []
         freed = 0
         for s, e, protected in view.rounds(self.keep_recent_rounds):

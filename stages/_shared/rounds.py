@@ -7,6 +7,7 @@ between rounds, and never drop the rounds a request depends on.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
@@ -38,29 +39,35 @@ def safe_cuts(messages: Sequence[Message]) -> list[bool]:
     last: dict[str, int] = {}
     for i, m in enumerate(messages):
         # a tool block without a string id pairs with nothing: it ties no two records together
-        keys: list[str] = []
-        if m.type == "assistant":
+        kind = m.type
+        if kind == "assistant":
             if m.message_id is not None:
-                keys.append("r:" + m.message_id)
-            keys += [
-                "t:" + b["id"]
-                for b in m.blocks
-                if block_type(b) == "tool_use" and isinstance(b.get("id"), str)
-            ]
-        elif m.type == "user":
-            keys += [
-                "t:" + b["tool_use_id"]
-                for b in m.blocks
-                if block_type(b) == "tool_result" and isinstance(b.get("tool_use_id"), str)
-            ]
-        for k in keys:
-            first.setdefault(k, i)
-            last[k] = i
+                k = "r:" + m.message_id
+                first.setdefault(k, i)
+                last[k] = i
+            field, block = "id", "tool_use"
+        elif kind == "user":
+            field, block = "tool_use_id", "tool_result"
+        else:
+            continue
+        content = m.content
+        if isinstance(content, str):  # no tool blocks
+            continue
+        for b in content:
+            if (
+                isinstance(b, dict)
+                and isinstance(tid := b.get(field), str)
+                and b.get("type") == block
+            ):
+                k = "t:" + tid
+                first.setdefault(k, i)
+                last[k] = i
     diff = [0] * (len(messages) + 2)
     for k, a in first.items():
-        if last[k] > a:
+        z = last[k]
+        if z > a:
             diff[a + 1] += 1
-            diff[last[k] + 1] -= 1
+            diff[z + 1] -= 1
     ok, cover = [], 0
     for p in range(len(messages) + 1):
         cover += diff[p]
@@ -93,12 +100,16 @@ def last_response(messages: Sequence[Message], start: int = 0) -> tuple[int, int
     return None
 
 
-def api_rounds(messages: Sequence[Message], ok: Sequence[bool]) -> list[tuple[int, int]]:
+def api_rounds(
+    messages: Sequence[Message], ok: Sequence[bool], start: int | None = None
+) -> list[tuple[int, int]]:
     """``[start, end)`` of every round after the prefix (the records before the first response
     after the last compact boundary or server compaction block: what precedes one is not read
-    by the API, and the block stays)."""
+    by the API, and the block stays). ``start``: ``live_start(messages)``, when the caller has
+    it."""
     n = len(messages)
-    cuts = [p for p in range(live_start(messages), n) if ok[p] and messages[p].type == "assistant"]
+    live = live_start(messages) if start is None else start
+    cuts = [p for p in range(live, n) if ok[p] and messages[p].type == "assistant"]
     bounds = [*cuts, n]
     return [(bounds[i], bounds[i + 1]) for i in range(len(cuts))]
 
@@ -111,20 +122,29 @@ def is_prompt(m: Message) -> bool:
 
 
 def protected_rounds(
-    messages: Sequence[Message], rounds: Sequence[tuple[int, int]], keep_recent: int
+    messages: Sequence[Message],
+    rounds: Sequence[tuple[int, int]],
+    keep_recent: int,
+    start: int | None = None,
 ) -> set[int]:
     """Rounds that must stay: the latest ones, and those holding the first user message, the
-    latest prompt and the usage anchor (removing the anchor would move the estimate's base)."""
+    latest prompt and the usage anchor (removing the anchor would move the estimate's base).
+    ``start``: ``live_start(messages)``, when the caller has it."""
     keep = set(range(max(0, len(rounds) - keep_recent), len(rounds)))
-    start = live_start(messages)
+    start = live_start(messages) if start is None else start
     first_user = next((i for i in range(start, len(messages)) if messages[i].type == "user"), None)
     prompt = next(
         (i for i in range(len(messages) - 1, start - 1, -1) if is_prompt(messages[i])), None
     )
     anchor = find_anchor(messages)
+    # rounds are in order and apart: the one that holds an index, if any, is the last that
+    # starts at or before it
+    starts = [s for s, _e in rounds]
     for idx in (first_user, prompt, anchor[0] if anchor else None):
         if idx is not None:
-            keep.update(r for r, (s, e) in enumerate(rounds) if s <= idx < e)
+            r = bisect_right(starts, idx) - 1
+            if r >= 0 and idx < rounds[r][1]:
+                keep.add(r)
     return keep
 
 
@@ -168,11 +188,16 @@ class RoundView:
         """:func:`safe_cuts` of the history."""
         return safe_cuts(self.messages)
 
+    @cached_property
+    def live(self) -> int:
+        """:func:`~pipeline.messages.live_start` of the history."""
+        return live_start(self.messages)
+
     def rounds(self, keep_recent: int) -> list[tuple[int, int, bool]]:
         """``(start, end, protected)`` of every round, oldest first (see
         :func:`protected_rounds` for which must stay)."""
-        rounds = api_rounds(self.messages, self.ok)
-        keep = protected_rounds(self.messages, rounds, keep_recent)
+        rounds = api_rounds(self.messages, self.ok, self.live)
+        keep = protected_rounds(self.messages, rounds, keep_recent, self.live)
         return [(s, e, i in keep) for i, (s, e) in enumerate(rounds)]
 
     def freed(self, kept: Sequence[Message], out: Sequence[Message]) -> int:
