@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.messages import COMPACTION_BLOCK, Message, block_type, live_start
+from pipeline.messages import COMPACTION_BLOCK, Message, Usage, block_type, live_start
 from pipeline.tokens import find_anchor
 from stages._shared.rounds import RoundView, api_rounds, is_prompt, protected_rounds, safe_cuts
 from tests.builders import assistant, results, tool_result, tool_use, user_text
@@ -66,10 +66,10 @@ def _model_protected(
 
 @st.composite
 def histories(draw: st.DrawFn) -> list[Message]:
-    """Turns of responses (fragments of one id, parallel tool calls, text), their results
-    (some late, some missing, some with an id of a subclass or none), prompts, and now and
-    then a compact boundary, a compaction block, a string content or an item that is no
-    block."""
+    """Turns of responses (fragments of one id, parallel tool calls, text; some with usage,
+    so the latest is the anchor), their results (some late, some missing, some with an id of a
+    subclass or none), prompts, and now and then a compact boundary, a compaction block, a
+    string content, an item that is no block or a block whose id field is not a tool's."""
     out: list[Message] = [user_text("start")]
     pending: list[str] = []
     for t in range(draw(st.integers(0, 14))):
@@ -81,7 +81,8 @@ def histories(draw: st.DrawFn) -> list[Message]:
             tids = list(
                 dict.fromkeys(draw(names).format(j) for j in range(draw(st.integers(1, 3))))
             )
-            out.append(assistant(rid, *(tool_use(x, "X") for x in tids)))
+            usage = Usage(input_tokens=10 * t) if draw(st.booleans()) else None
+            out.append(assistant(rid, *(tool_use(x, "X") for x in tids), usage=usage))
             answered = draw(st.lists(st.sampled_from(tids), unique=True))
             for x in answered:
                 tid: Any = _Id(x) if draw(st.booleans()) else x
@@ -94,7 +95,9 @@ def histories(draw: st.DrawFn) -> list[Message]:
         elif kind == "prompt":
             out.append(user_text(f"prompt {t}"))
         else:
-            odd = draw(st.sampled_from(["boundary", "compaction", "string", "item", "no id"]))
+            odd = draw(
+                st.sampled_from(["boundary", "compaction", "string", "item", "no id", "not a tool"])
+            )
             if odd == "boundary":
                 out.append(Message(type="system", subtype="compact_boundary", content=""))
             elif odd == "compaction":
@@ -103,7 +106,12 @@ def histories(draw: st.DrawFn) -> list[Message]:
             elif odd == "string":
                 out.append(Message.assistant("plain", message_id=rid))
             elif odd == "item":
-                out.append(Message.user(["not a block", {"type": "text", "text": "x"}]))
+                items: list[Any] = ["not a block", {"type": "text", "text": "x"}]
+                out.append(Message.user(items))
+            elif odd == "not a tool":  # a tool's id field on another block pairs nothing
+                tid = pending[0] if pending else "t0_0"
+                out.append(assistant(rid, {"type": "text", "text": "x", "id": tid}))
+                out.append(results({"type": "text", "text": "y", "tool_use_id": tid}))
             else:
                 out.append(results({"type": "tool_result", "tool_use_id": 7, "content": "x"}))
     return out

@@ -129,7 +129,8 @@ def protected_rounds(
 ) -> set[int]:
     """Rounds that must stay: the latest ones, and those holding the first user message, the
     latest prompt and the usage anchor (removing the anchor would move the estimate's base).
-    ``start``: ``live_start(messages)``, when the caller has it."""
+    ``rounds``: in order and apart, as :func:`api_rounds` gives them. ``start``:
+    ``live_start(messages)``, when the caller has it."""
     keep = set(range(max(0, len(rounds) - keep_recent), len(rounds)))
     start = live_start(messages) if start is None else start
     first_user = next((i for i in range(start, len(messages)) if messages[i].type == "user"), None)
