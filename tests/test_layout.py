@@ -55,7 +55,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     stack: list[str] = []
     on: set[str] = set()
     found: list[list[str]] = []
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
@@ -78,9 +77,16 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
             if len(part) > 1:
                 found.append(sorted(part))
 
-    for v in graph:
-        if v not in index:
-            visit(v)
+    # deep enough for any import chain, and given back: a test after this one in the same
+    # process counts on the interpreter's own limit
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        for v in graph:
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(limit)
     return found
 
 
