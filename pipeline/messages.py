@@ -248,10 +248,12 @@ class Message:
         role, content = param.get("role"), param.get("content")
         if role not in ("user", "assistant"):
             raise ValueError("a message param's role must be 'user' or 'assistant'")
-        if not isinstance(content, str | list):
+        if isinstance(content, list):
+            for b in content:  # (a loop: every message of a new conversation is read here)
+                if not isinstance(b, dict):
+                    raise ValueError("a message param's content holds a non-block")
+        elif not isinstance(content, str):
             raise ValueError("a message param's content must be a string or a list of blocks")
-        if isinstance(content, list) and not all(isinstance(b, dict) for b in content):
-            raise ValueError("a message param's content holds a non-block")
         return cls(type=role, content=content, **kw)
 
     @classmethod

@@ -203,13 +203,17 @@ class BudgetCache:
 
     def _patch(self, index: int, m: Message) -> None:
         apply = self.apply
-        names = iter(step_slots(self.scan.undo[index]))
+        slots = step_slots(self.scan.undo[index])
+        if apply.keys().isdisjoint(slots):
+            patched = m  # none of its results is sent otherwise (most, in a first pass)
+        else:
+            names = iter(slots)
 
-        def content_for(block: Mapping[str, Any]) -> str | None:
-            name = next(names, None)
-            return None if name is None else apply.get(name)
+            def content_for(block: Mapping[str, Any]) -> str | None:
+                name = next(names, None)
+                return None if name is None else apply.get(name)
 
-        patched = patch_message(m, content_for)
+            patched = patch_message(m, content_for)
         if patched is m:
             if self.patches.pop(index, None) is not None:
                 self._dirty.add(index)

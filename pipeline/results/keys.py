@@ -89,23 +89,28 @@ def _without_cache_control(block: Any) -> Any:
     return block
 
 
-_SHARED: ContextVar[dict[str, str] | None] = ContextVar("sluicegate_result_keys", default=None)
+_SHARED: ContextVar[tuple[dict[str, str], dict[str, str]] | None] = ContextVar(
+    "sluicegate_result_keys", default=None
+)
 
 
 @contextmanager
 def keys_shared() -> Iterator[None]:
     """Within it (a request's handling), the keys :func:`result_key` makes for one result are
-    one string object: a conversation first met with its history has its results keyed twice
-    in its first request (its ledger rebuilt from where they stand, then the budget's scan),
-    and both are kept as long as the conversation is held (~110 bytes a result). What it
-    shares is let go of at its end (also by a copy of its context that outlives it: a timer's
-    callback holds one)."""
-    shared: dict[str, str] = {}
-    token = _SHARED.set(shared)
+    one string object, and an output's digest is taken once: a conversation first met with
+    its history has its results keyed twice in its first request (its ledger rebuilt from
+    where they stand, then the budget's scan), and both keys are kept as long as the
+    conversation is held (~110 bytes a result), while a digest is a pass of SHA-256 over the
+    output (~10 % of such a request's work). What it shares is let go of at its end (also by
+    a copy of its context that outlives it: a timer's callback holds one)."""
+    keys: dict[str, str] = {}
+    digests: dict[str, str] = {}
+    token = _SHARED.set((keys, digests))
     try:
         yield
     finally:
-        shared.clear()
+        keys.clear()
+        digests.clear()
         _SHARED.reset(token)
 
 
@@ -113,9 +118,18 @@ def result_key(tool_use_id: str, core: Any) -> str:
     """The ledger's key for a result: its id and the digest of its output,
     ``<tool_use_id>#<32 hex>`` (the same object for the same result within
     :func:`keys_shared`)."""
-    key = f"{tool_use_id}{KEY_SEPARATOR}{content_digest(core)}"
     shared = _SHARED.get()
-    return key if shared is None else shared.setdefault(key, key)
+    if shared is None:
+        return f"{tool_use_id}{KEY_SEPARATOR}{content_digest(core)}"
+    keys, digests = shared
+    if type(core) is str:  # an output met again in the request: its digest, not another pass
+        digest = digests.get(core)
+        if digest is None:
+            digest = digests[core] = content_digest(core)
+    else:
+        digest = content_digest(core)
+    key = f"{tool_use_id}{KEY_SEPARATOR}{digest}"
+    return keys.setdefault(key, key)
 
 
 def tool_use_id_of(key: str) -> str:

@@ -43,7 +43,7 @@ from pipeline.tokens.checks import (
 )
 from pipeline.tokens.estimator import CallSeen
 from pipeline.tokens.family import FamilyModel, dot
-from pipeline.tokens.features import ContentVector, content_vector, is_wire_visible
+from pipeline.tokens.features import ContentVector, is_wire_visible, packed_vector
 from pipeline.tokens.priors import (
     CLASS_INDEX,
     CLASSES,
@@ -166,7 +166,7 @@ class CalibratedEstimator:
         if hit is None:
             hit = self._older.pop(message, None)
             if hit is None:
-                hit = content_vector(message, self._w).pack()
+                hit = packed_vector(message, self._w)
         cache[message] = hit  # the most recently used: last
         if len(cache) > self._cache_size:
             del cache[next(iter(cache))]  # the least recently used

@@ -16,7 +16,8 @@ import json
 import math
 import struct
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from operator import add, mul
 from typing import Any, Literal, NamedTuple
 
@@ -33,6 +34,7 @@ __all__ = [
     "content_vector",
     "is_wire_visible",
     "iter_segments",
+    "packed_vector",
 ]
 
 
@@ -121,8 +123,7 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
     elif btype in ("image", "document"):
         yield Segment("media", block=block)
     elif btype == "tool_use":
-        name = str(block.get("name") or "")
-        yield Segment("tool_use", name + _JSON.encode(_as_javascript(block.get("input"))))
+        yield Segment("tool_use", _call_text(block))
     elif btype == "tool_result":
         yield Segment("tool_result")
         failed = bool(block.get("is_error"))
@@ -135,6 +136,11 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
                     yield from _block_segments(inner, error=failed)
     else:  # unknown and server blocks: their JSON, one block at a time
         yield Segment("other", _JSON.encode(block))
+
+
+def _call_text(block: Mapping[str, Any]) -> str:
+    """What a tool_use costs as text: its name and its input's JSON."""
+    return str(block.get("name") or "") + _JSON.encode(_as_javascript(block.get("input")))
 
 
 _NC = len(CLASSES)
@@ -211,7 +217,11 @@ class ContentVector:
         return out
 
 
-def _add_text(vec: ContentVector, text: str, kind: TextKind, weights: Sequence[float]) -> None:
+_Sums = MutableMapping[int, float] | array  # type: ignore[type-arg]
+"""What prices are added into: a vector's array, or a map of the entries a price touched."""
+
+
+def _add_text(data: _Sums, text: str, kind: TextKind, weights: Sequence[float]) -> None:
     if not text:
         return
     stats = text_stats(text)
@@ -221,35 +231,97 @@ def _add_text(vec: ContentVector, text: str, kind: TextKind, weights: Sequence[f
         raise ValueError(f"{len(weights)} weights for {len(features)} features")
     base = sum(map(mul, weights, features))  # the products added in a loop's order
     # never below 12 chars/token: the negative blank-run weight must not price text at ~0
-    data = vec.data
     data[ci] += max(base, stats.chars / 12.0)
     data[_NC + ci] += stats.chars
 
 
-def _add_media(vec: ContentVector, block: Mapping[str, Any], weights: Sequence[float]) -> None:
+def _add_media(data: _Sums, block: Mapping[str, Any], weights: Sequence[float]) -> None:
     if block.get("type") == "document":
         source = block.get("source")
         if isinstance(source, Mapping) and source.get("type") == "text":
-            _add_text(vec, str(resolved(source.get("data")) or ""), "text", weights)
+            _add_text(data, str(resolved(source.get("data")) or ""), "text", weights)
             return
-        vec.data[CLASS_INDEX["media"]] += IMAGE_TOKENS  # PDFs and the like: no cheap size
+        data[CLASS_INDEX["media"]] += IMAGE_TOKENS  # PDFs and the like: no cheap size
         return
-    vec.data[CLASS_INDEX["media"]] += image_tokens(block)
+    data[CLASS_INDEX["media"]] += image_tokens(block)
 
 
 def content_vector(message: Message, weights: Sequence[float]) -> ContentVector:
     """Base tokens per class of one message's content; ``weights`` in :data:`FEATURES` order."""
-    vec = ContentVector()
+    return ContentVector.unpack(packed_vector(message, weights))
+
+
+def packed_vector(message: Message, weights: Sequence[float]) -> bytes:
+    """``content_vector(message, weights).pack()``, without the vector: a new conversation
+    prices every message it holds, and most touch one or two classes of ten."""
+    data: defaultdict[int, float] = defaultdict(float)
     tool_block = weights[FEATURE_INDEX["tool_blocks"]]
-    for seg in iter_segments(message):
-        if seg.kind == "media":
-            if seg.block is not None:
-                _add_media(vec, seg.block, weights)
+    content = message.content
+    if isinstance(content, str):
+        _add_text(data, content, "text", weights)
+        return _packed(data)
+    for block in content:
+        # the blocks most messages are made of, priced without their segments (the same
+        # additions, in the same order)
+        if type(block) is dict:
+            btype = block.get("type")
+            if btype == "tool_result":
+                inner = block.get("content")
+                if type(inner) is str:
+                    data[_STRUCTURE] += tool_block
+                    kind: TextKind = "error" if block.get("is_error") else "text"
+                    _add_text(data, inner, kind, weights)
+                    continue
+            elif btype == "text":
+                text = block.get("text")
+                if type(text) is str:
+                    _add_text(data, text, "text", weights)
+                    continue
+            elif btype == "tool_use":
+                try:
+                    call = _call_text(block)
+                except RecursionError:
+                    raise ValueError(
+                        f"record {message.uuid!r}: a content block is nested too deeply to measure"
+                    ) from None
+                data[_STRUCTURE] += tool_block
+                _add_text(data, call, "json", weights)
+                continue
+        elif not isinstance(block, Mapping):
             continue
-        if seg.kind in ("tool_use", "tool_result"):  # ids (sent twice) and block wrappers
-            vec.data[CLASS_INDEX["structure"]] += tool_block
-        _add_text(vec, seg.text, _text_kind(seg), weights)
-    return vec
+        try:
+            segments = list(_block_segments(block, error=False))
+        except RecursionError:  # a block built past what JSON can be written for
+            raise ValueError(
+                f"record {message.uuid!r}: a content block is nested too deeply to measure"
+            ) from None
+        for seg in segments:
+            _add_segment(data, seg, weights, tool_block)
+    return _packed(data)
+
+
+def _packed(data: Mapping[int, float]) -> bytes:
+    """The entries of ``data`` (tokens at a class's index, characters ``_NC`` on), as
+    :meth:`ContentVector.pack` packs a vector that holds them."""
+    entries = []
+    for i in sorted({k % _NC for k in data}):
+        tokens, chars = data.get(i, 0.0), data.get(_NC + i, 0.0)
+        if tokens or chars:
+            entries.append(_ENTRY.pack(i, tokens, chars))
+    return b"".join(entries)
+
+
+_STRUCTURE = CLASS_INDEX["structure"]
+
+
+def _add_segment(data: _Sums, seg: Segment, weights: Sequence[float], tool_block: float) -> None:
+    if seg.kind == "media":
+        if seg.block is not None:
+            _add_media(data, seg.block, weights)
+        return
+    if seg.kind in ("tool_use", "tool_result"):  # ids (sent twice) and block wrappers
+        data[_STRUCTURE] += tool_block
+    _add_text(data, seg.text, _text_kind(seg), weights)
 
 
 def _text_kind(seg: Segment) -> TextKind:
