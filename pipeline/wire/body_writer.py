@@ -226,6 +226,18 @@ class BodyWriter:
         inputs = source.messages if taken and source is not None else None
         # the body's own list, as its messages' objects are: never changed by the caller
         written = _Written(runs, size, messages, inputs, fields, finite)
+        if source is not None and len(pieces) == 3 and runs[0].own is None:
+            # every message the request's own bytes, and the fields around them too: the body
+            # is the request, byte for byte (no copy of it: ~0.2 ms a megabyte)
+            raw, start, end = source.raw, source.start(runs[0].first), source.ends[-1]
+            if (
+                runs[0].stop == len(source.ends)
+                and start == len(head)
+                and len(raw) - end == len(tail)
+                and raw.startswith(head)
+                and raw.endswith(tail)
+            ):
+                return raw, written
         return b"".join(pieces), written
 
 
