@@ -333,7 +333,8 @@ class ReplacementState:
     def replacement_for(self, tool_use_id: str, content: Any) -> str | None:
         """The text the model was shown instead of this result (its content as the client
         sends it, harness tail included or not), None when it was not replaced."""
-        return self.replacements.get(result_key(tool_use_id, split_tail(content)[0]))
+        core = split_tail(content)[0]
+        return self.replacements.get(result_key(tool_use_id, core, kept=core is content))
 
     @classmethod
     def reconstruct(

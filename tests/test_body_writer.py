@@ -358,6 +358,18 @@ def test_a_request_sent_on_unchanged_is_its_own_bytes_not_a_copy() -> None:
     rewritten = {**body, "messages": [*body["messages"][:-1], {"role": "user", "content": "x"}]}
     got = writer.write("c", rewritten, fast=fast, source=source)
     assert got is not raw and got == dumps_body(rewritten)
+    # the same messages with a field before or after them changed to one as long, or the last
+    # message left out: written anew, never the request's bytes
+    raw = _client_bytes({"model": "m", "messages": msgs, "z": 1}, "compact")
+    body, fast, source = reader.read_source(raw)
+    for out in (
+        {**body, "model": "n"},
+        {**body, "z": 2},
+        {**body, "messages": body["messages"][:-1]},
+    ):
+        got = writer.write("c", out, fast=fast, source=source)
+        assert got is not raw and got == dumps_body(out)
+    assert writer.write("c", dict(body), fast=fast, source=source) is raw
     spaced = _client_bytes({"model": "m", "max_tokens": 5, "messages": msgs}, "spaced")
     body, fast, source = reader.read_source(spaced)
     got = writer.write("c", dict(body), fast=fast, source=source)

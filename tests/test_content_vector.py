@@ -128,16 +128,26 @@ blocks = st.one_of(
 def test_the_price_is_the_segments_price(content: Any) -> None:
     message = Message.user(content, uuid="u")
     try:
-        expected: bytes | type[Exception] = by_segments(message).pack()
+        expected: bytes | str = by_segments(message).pack()
     except Exception as exc:  # whatever the walk raises, the price raises
-        expected = type(exc)
+        expected = repr(exc)
     try:
-        got: bytes | type[Exception] = packed_vector(message, WEIGHTS)
+        got: bytes | str = packed_vector(message, WEIGHTS)
     except Exception as exc:
-        got = type(exc)
+        got = repr(exc)
     assert got == expected
     if isinstance(got, bytes):
         assert content_vector(message, WEIGHTS).pack() == got
+
+
+def test_a_price_that_fails_fails_as_the_segments_walk_fails() -> None:
+    """Pricing a segment fails (weights of the wrong length) before a later segment of the
+    same block could: that error, as when each segment was priced as it came."""
+    later = {"type": "x", (1, 2): 1}  # a key JSON cannot write: its segment fails to form
+    block = {"type": "tool_result", "content": [{"type": "text", "text": "hi"}, later]}
+    message = Message.user([block], uuid="u")
+    with pytest.raises(ValueError, match="weights for"):
+        packed_vector(message, (*WEIGHTS, 1.0))
 
 
 def deep(levels: int) -> Any:

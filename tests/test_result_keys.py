@@ -1,9 +1,10 @@
 """A result's ledger key is its id and the SHA-256 of its output, inside a request's scope
-(``keys_shared``, where an output met twice is digested once) as outside it; what the scope
-keeps is let go of at its end."""
+(``keys_shared``, where an output the request holds is digested once) as outside it; what the
+scope keeps is let go of at its end, and an output read back or cut for the key is not kept."""
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import sys
@@ -29,6 +30,7 @@ class Text(str):
 
 
 outputs = st.one_of(
+    st.sampled_from(["", "a", "ab", "abc", "b", "ba"]),  # prefixes of one another
     st.text(),
     st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1),
     st.builds(Text, st.text()),
@@ -36,21 +38,42 @@ outputs = st.one_of(
 )
 
 
-@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), outputs), min_size=1, max_size=8))
-def test_a_key_in_a_request_is_the_key_by_definition(results: list[tuple[str, Any]]) -> None:
+@given(
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), outputs, st.booleans()), min_size=1, max_size=8)
+)
+def test_a_key_in_a_request_is_the_key_by_definition(results: list[tuple[str, Any, bool]]) -> None:
     # each output again as another object of the same value: a digest kept by value
-    again = [(i, "".join(list(c)) if type(c) is str else c) for i, c in results]
+    again = [(i, "".join(list(c)) if type(c) is str else c, k) for i, c, k in results]
     with keys_shared():
-        inside = [result_key(i, c) for i, c in results + again]
-    assert inside == [by_definition(i, c) for i, c in results + again]
-    assert [result_key(i, c) for i, c in results] == inside[: len(results)]
+        inside = [result_key(i, c, kept=k) for i, c, k in results + again]
+    assert inside == [by_definition(i, c) for i, c, _k in results + again]
+    assert [result_key(i, c) for i, c, _k in results] == inside[: len(results)]
+
+
+def test_outputs_that_begin_alike_keep_their_own_digests() -> None:
+    outputs = ["a", "ab", "abc", "b", "ab"]
+    with keys_shared():
+        keys = [result_key("t", output, kept=True) for output in outputs]
+    assert keys == [by_definition("t", output) for output in outputs]
 
 
 def test_one_result_keyed_twice_is_one_string_and_the_scope_lets_go() -> None:
     output = "".join(["out", "put " * 1_000])  # an object of its own
     held = sys.getrefcount(output)
     with keys_shared():
-        first, second = result_key("t", output), result_key("t", "".join(list(output)))
+        first = result_key("t", output, kept=True)
+        second = result_key("t", "".join(list(output)), kept=True)
         assert first is second
         assert sys.getrefcount(output) > held  # its digest is kept while the request lasts
+        later = contextvars.copy_context()  # a callback's copy, run after the request
     assert sys.getrefcount(output) == held
+    assert later.run(result_key, "t", output, kept=True) == first
+    assert sys.getrefcount(output) == held  # the copy shares nothing once the request ended
+
+
+def test_an_output_read_back_or_cut_is_not_kept() -> None:
+    output = "".join(["read", " back" * 1_000])
+    held = sys.getrefcount(output)
+    with keys_shared():
+        result_key("t", output)
+        assert sys.getrefcount(output) == held

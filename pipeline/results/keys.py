@@ -89,9 +89,25 @@ def _without_cache_control(block: Any) -> Any:
     return block
 
 
-_SHARED: ContextVar[tuple[dict[str, str], dict[str, str]] | None] = ContextVar(
-    "sluicegate_result_keys", default=None
-)
+class _Shared:
+    """What one request's results share: their keys by value, the digests of the outputs it
+    holds. Closed at the request's end: a copy of its context that outlives it (a timer's
+    callback, a worker's task) shares nothing more."""
+
+    __slots__ = ("digests", "keys", "open")
+
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+        self.digests: dict[str, str] = {}
+        self.open = True
+
+    def close(self) -> None:
+        self.open = False
+        self.keys.clear()
+        self.digests.clear()
+
+
+_SHARED: ContextVar[_Shared | None] = ContextVar("sluicegate_result_keys", default=None)
 
 
 @contextmanager
@@ -103,33 +119,34 @@ def keys_shared() -> Iterator[None]:
     conversation is held (~110 bytes a result), while a digest is a pass of SHA-256 over the
     output (~10 % of such a request's work). What it shares is let go of at its end (also by
     a copy of its context that outlives it: a timer's callback holds one)."""
-    keys: dict[str, str] = {}
-    digests: dict[str, str] = {}
-    token = _SHARED.set((keys, digests))
+    shared = _Shared()
+    token = _SHARED.set(shared)
     try:
         yield
     finally:
-        keys.clear()
-        digests.clear()
+        shared.close()
         _SHARED.reset(token)
 
 
-def result_key(tool_use_id: str, core: Any) -> str:
+def result_key(tool_use_id: str, core: Any, *, kept: bool = False) -> str:
     """The ledger's key for a result: its id and the digest of its output,
     ``<tool_use_id>#<32 hex>`` (the same object for the same result within
-    :func:`keys_shared`)."""
+    :func:`keys_shared`). ``kept``: ``core`` is the very string the request holds (a block's
+    own output, not one read back from its bytes or cut from a longer one): within
+    :func:`keys_shared` its digest is taken once however often it is keyed, remembering it
+    keeping nothing alive that the request does not hold anyway."""
     shared = _SHARED.get()
-    if shared is None:
+    if shared is None or not shared.open:
         return f"{tool_use_id}{KEY_SEPARATOR}{content_digest(core)}"
-    keys, digests = shared
-    if type(core) is str:  # an output met again in the request: its digest, not another pass
+    if kept and type(core) is str:
+        digests = shared.digests
         digest = digests.get(core)
         if digest is None:
             digest = digests[core] = content_digest(core)
     else:
         digest = content_digest(core)
     key = f"{tool_use_id}{KEY_SEPARATOR}{digest}"
-    return keys.setdefault(key, key)
+    return shared.keys.setdefault(key, key)
 
 
 def tool_use_id_of(key: str) -> str:

@@ -113,7 +113,7 @@ def read_results(m: Message) -> Iterator[ResultSlot]:
         elif content_is_empty(core):
             yield ResultSlot(b, tid, core, True, None)
         elif is_candidate_content(core):
-            yield ResultSlot(b, tid, core, False, result_key(tid, core))
+            yield ResultSlot(b, tid, core, False, result_key(tid, core, kept=core is content))
         else:
             yield ResultSlot(b, tid, core, False, None)
 

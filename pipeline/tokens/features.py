@@ -289,13 +289,18 @@ def packed_vector(message: Message, weights: Sequence[float]) -> bytes:
                 continue
         elif not isinstance(block, Mapping):
             continue
-        try:
-            segments = list(_block_segments(block, error=False))
-        except RecursionError:  # a block built past what JSON can be written for
-            raise ValueError(
-                f"record {message.uuid!r}: a content block is nested too deeply to measure"
-            ) from None
-        for seg in segments:
+        # each segment priced as it comes, as iter_segments' reader does (the same error
+        # first when pricing one fails)
+        segments = _block_segments(block, error=False)
+        while True:
+            try:
+                seg = next(segments)
+            except StopIteration:
+                break
+            except RecursionError:  # a block built past what JSON can be written for
+                raise ValueError(
+                    f"record {message.uuid!r}: a content block is nested too deeply to measure"
+                ) from None
             _add_segment(data, seg, weights, tool_block)
     return _packed(data)
 
