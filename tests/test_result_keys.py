@@ -8,12 +8,19 @@ import contextvars
 import hashlib
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
+import anthropic
+import anyio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline import Message, Pipeline, SessionContext
+from pipeline.dropin.wrap import wrap
 from pipeline.results.keys import keys_shared, result_key
+from pipeline.testing import Reply, ScriptedMessagesServer
+from tests.sdk_support import sdk_client
 
 
 def by_definition(tool_use_id: str, core: Any) -> str:
@@ -77,3 +84,42 @@ def test_an_output_read_back_or_cut_is_not_kept() -> None:
     with keys_shared():
         result_key("t", output)
         assert sys.getrefcount(output) == held
+
+
+def test_a_pass_under_wrap_shares_its_keys(tmp_path: Path) -> None:
+    """A pass of a wrapped client -- synchronous, asynchronous, a long first pass on a loop of
+    its own -- keys one result as one string, as the proxy's requests do."""
+    seen: list[bool] = []
+
+    class Keys:
+        name = "keys"
+
+        async def __call__(self, messages: list[Message], ctx: SessionContext) -> list[Message]:
+            output = "".join(["out", "put"])
+            seen.append(result_key("t", output) is result_key("t", "".join(list(output))))
+            return messages
+
+    def script(_body: dict[str, Any]) -> Reply:
+        return Reply([{"type": "text", "text": "done"}])
+
+    ask = [{"role": "user", "content": "go"}]
+    with ScriptedMessagesServer(script) as server:
+        sync = wrap(
+            anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0),
+            root=tmp_path / "a",
+            pipeline=lambda: Pipeline([Keys()]),
+        )
+        sync.messages.create(model="m", max_tokens=5, messages=ask)  # type: ignore[arg-type]
+        for long_pass in (None, 1):
+            client = wrap(
+                sdk_client(server.base_url),
+                root=tmp_path / f"b{long_pass}",
+                pipeline=lambda: Pipeline([Keys()]),
+                long_pass=long_pass,
+            )
+
+            async def call(client: anthropic.AsyncAnthropic = client) -> None:
+                await client.messages.create(model="m", max_tokens=5, messages=ask)  # type: ignore[arg-type]
+
+            anyio.run(call)
+    assert seen == [True, True, True]

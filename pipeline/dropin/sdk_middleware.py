@@ -35,6 +35,7 @@ from pipeline.dropin.store_news import PLACE_ATTEMPTS
 from pipeline.dropin.sync_passes import LongPasses, in_worker, run_pass
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.dropin.wire_request import WireRequest
+from pipeline.results.keys import keys_shared
 from pipeline.spans import beside_sdk_call
 from pipeline.store.files import validate_session_id
 from pipeline.store.sessions import SessionStates
@@ -230,7 +231,7 @@ class SluicegateMiddleware(anthropic.Middleware):
             # the call: what the response answers, whatever is prepared meanwhile
             try:
                 if self.long_pass is None:
-                    body, call = await session.prepare_call(request.json)
+                    body, call = await _pass(session, request.json)
                 else:
                     body, call = await self._pass_maybe_elsewhere(branch, request.json)
             except UnreadableMessage as exc:
@@ -273,12 +274,12 @@ class SluicegateMiddleware(anthropic.Middleware):
             if running is not None:
                 await anyio.to_thread.run_sync(running.wait)
             if session.first_pass(body) < self.long_pass:
-                return await session.prepare_call(body)
+                return await _pass(session, body)
             through = self._elsewhere[branch.key] = threading.Event()
 
             async def long_pass() -> tuple[dict[str, Any], Call]:
                 try:
-                    return await session.prepare_call(body)
+                    return await _pass(session, body)
                 finally:
                     if self._elsewhere.get(branch.key) is through:
                         del self._elsewhere[branch.key]
@@ -310,7 +311,7 @@ class SluicegateMiddleware(anthropic.Middleware):
             passing = time.monotonic()
             try:
                 with session.sync_lock:
-                    body, call = run_pass(lambda: session.prepare_call(request.json))
+                    body, call = run_pass(lambda: _pass(session, request.json))
                     report = session.ctx.report
             except UnreadableMessage as exc:
                 _unread(session, exc)
@@ -334,6 +335,14 @@ class SluicegateMiddleware(anthropic.Middleware):
             settled_sync(session)  # the call's records made durable after it
         seen.end()
         return response
+
+
+async def _pass(session: WireSession, body: Mapping[str, Any]) -> tuple[dict[str, Any], Call]:
+    """``session``'s pass over ``body`` with its results' keys shared and each output the
+    request holds digested once (:func:`~pipeline.results.keys.keys_shared`), on whatever
+    loop runs it."""
+    with keys_shared():
+        return await session.prepare_call(body)
 
 
 def _headers_out(request: Any) -> dict[str, Any]:
