@@ -75,9 +75,12 @@ def iter_segments(message: Message) -> Iterator[Segment]:
             try:
                 yield from _block_segments(block, error=False)
             except RecursionError:  # a block built past what JSON can be written for
-                raise ValueError(
-                    f"record {message.uuid!r}: a content block is nested too deeply to measure"
-                ) from None
+                raise _too_deep(message) from None
+
+
+def _too_deep(message: Message) -> ValueError:
+    """The error for a block of ``message`` built past what JSON can be written for."""
+    return ValueError(f"record {message.uuid!r}: a content block is nested too deeply to measure")
 
 
 def block_segments(block: Mapping[str, Any]) -> Iterator[Segment]:
@@ -281,9 +284,7 @@ def packed_vector(message: Message, weights: Sequence[float]) -> bytes:
                 try:
                     call = _call_text(block)
                 except RecursionError:
-                    raise ValueError(
-                        f"record {message.uuid!r}: a content block is nested too deeply to measure"
-                    ) from None
+                    raise _too_deep(message) from None
                 data[_STRUCTURE] += tool_block
                 _add_text(data, call, "json", weights)
                 continue
@@ -298,9 +299,7 @@ def packed_vector(message: Message, weights: Sequence[float]) -> bytes:
             except StopIteration:
                 break
             except RecursionError:  # a block built past what JSON can be written for
-                raise ValueError(
-                    f"record {message.uuid!r}: a content block is nested too deeply to measure"
-                ) from None
+                raise _too_deep(message) from None
             _add_segment(data, seg, weights, tool_block)
     return _packed(data)
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import gc
 import itertools
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,14 @@ def _report(title: str, calls: int, total: float) -> None:
     SPENT.clear()
 
 
-async def _run(conversations_: int, messages: int, rounds: int) -> None:
+Call = Callable[[peers.Conversation], Awaitable[None]]
+"""Send a conversation's next body and take its answer into it."""
+
+
+@contextlib.asynccontextmanager
+async def in_process(app: Any = None, **build: Any) -> AsyncIterator[Call]:
+    """The proxy's app (``build_app`` with the default stages and an in-memory upstream, with
+    ``build``'s arguments besides) or ``app``, served in-process to an in-memory client."""
     ids = itertools.count()
 
     def upstream(request: httpx2.Request) -> httpx2.Response:
@@ -107,12 +115,14 @@ async def _run(conversations_: int, messages: int, rounds: int) -> None:
 
     headers = {"content-type": "application/json", "x-api-key": "k", "anthropic-version": "1"}
     with tempfile.TemporaryDirectory() as root:
-        app = build_app(
-            pipeline=lambda: Pipeline(default_stages()),
-            root=Path(root),
-            upstream="http://upstream",
-            transport=httpx2.MockTransport(upstream),
-        )
+        if app is None:
+            app = build_app(
+                pipeline=lambda: Pipeline(default_stages()),
+                root=Path(root),
+                upstream="http://upstream",
+                transport=httpx2.MockTransport(upstream),
+                **build,
+            )
         transport = httpx2.ASGITransport(app)
         async with httpx2.AsyncClient(transport=transport, base_url="http://proxy") as client:
 
@@ -124,22 +134,27 @@ async def _run(conversations_: int, messages: int, rounds: int) -> None:
                     raise RuntimeError(response.text[:200])
                 conv.answered(response.json())
 
-            for k in range(10):  # warm: imports, the first conversation's files
-                await call(peers.Conversation(messages, f"warm{k}"))
-            SPENT.clear()
-            convs = [peers.Conversation(messages, f"c{k}") for k in range(conversations_)]
-            gc.collect()
-            start = time.perf_counter()
+            yield call
+
+
+async def _run(conversations_: int, messages: int, rounds: int) -> None:
+    async with in_process() as call:
+        for k in range(10):  # warm: imports, the first conversation's files
+            await call(peers.Conversation(messages, f"warm{k}"))
+        SPENT.clear()
+        convs = [peers.Conversation(messages, f"c{k}") for k in range(conversations_)]
+        gc.collect()
+        start = time.perf_counter()
+        for conv in convs:
+            await call(conv)
+        _report(f"A first call ({messages} messages)", len(convs), time.perf_counter() - start)
+        gc.collect()
+        start = time.perf_counter()
+        for _ in range(rounds):
             for conv in convs:
                 await call(conv)
-            _report(f"A first call ({messages} messages)", len(convs), time.perf_counter() - start)
-            gc.collect()
-            start = time.perf_counter()
-            for _ in range(rounds):
-                for conv in convs:
-                    await call(conv)
-            calls = rounds * len(convs)
-            _report("A call that adds a round", calls, time.perf_counter() - start)
+        calls = rounds * len(convs)
+        _report("A call that adds a round", calls, time.perf_counter() - start)
 
 
 def main() -> int:

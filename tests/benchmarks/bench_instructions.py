@@ -24,7 +24,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +37,10 @@ def serve(kind: str, n: int, calls: int, trivial: bool) -> None:
 
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_call_parts as parts
     import bench_peers as peers
-    import httpx2
-
-    from pipeline.core import Pipeline
-    from pipeline.dropin.proxy import build_app
-    from stages import default_stages
 
     ids = itertools.count()
-
-    def upstream(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(200, json=peers.reply_to(next(ids), len(request.content)))
 
     async def answer(scope: Any, receive: Any, send: Any) -> None:
         more = True
@@ -58,25 +50,9 @@ def serve(kind: str, n: int, calls: int, trivial: bool) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": body})
 
-    async def run(root: str) -> None:
-        app: Any = answer
-        if not trivial:
-            app = build_app(
-                pipeline=lambda: Pipeline(default_stages()),
-                root=Path(root),
-                upstream="http://upstream",
-                transport=httpx2.MockTransport(upstream),
-                long_pass=None,
-            )
-        headers = {"content-type": "application/json", "x-api-key": "k"}
-        transport = httpx2.ASGITransport(app)
-        async with httpx2.AsyncClient(transport=transport, base_url="http://proxy") as client:
-
-            async def call(conv: Any) -> None:
-                r = await client.post("/v1/messages", content=conv.next_body(), headers=headers)
-                assert r.status_code == 200, r.text[:300]
-                conv.answered(r.json())
-
+    async def run() -> None:
+        served = parts.in_process(answer) if trivial else parts.in_process(long_pass=None)
+        async with served as call:
             if kind == "first":
                 for k in range(2 + calls):
                     await call(peers.Conversation(n, f"f{k}"))
@@ -89,8 +65,7 @@ def serve(kind: str, n: int, calls: int, trivial: bool) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)  # as the proxy command runs
-    with tempfile.TemporaryDirectory() as root:
-        asyncio.run(run(root))
+    asyncio.run(run())
 
 
 def instructions(kind: str, n: int, calls: int, trivial: bool) -> int:
