@@ -3,14 +3,26 @@ that adds a round, counted by valgrind (``callgrind``), which gives the same cou
 run where a timer moves with the machine (±25 % between runs on a shared 2-CPU machine).
 
     python tests/benchmarks/bench_instructions.py [--sizes 100,1000] [--rounds 10]
+        [--processes 160] [--skip app,processes]
 
-Not a test: it prints figures, and nothing where valgrind is not installed. The proxy's app
-is served in-process (an in-memory client and upstream, as ``bench_call_parts.py`` does); each
-figure is the difference of two runs that differ only in the calls made, so start-up cancels
-out, and the same runs against an app that only reads the body and answers give what the
-in-memory client and upstream cost, which is taken off. A count says nothing of what waits on
-memory (a copy of a long body costs few instructions and much time): ``bench_peers.py``
-measures what a user pays.
+Not a test: it prints figures, and nothing where valgrind is not installed.
+
+1. The proxy's app served in-process (an in-memory client and upstream, as
+   ``bench_call_parts.py`` does): each figure is the difference of two runs that differ only
+   in the calls made, so start-up cancels out, and the same runs against an app that only
+   reads the body and answers give what the in-memory client and upstream cost, which is
+   taken off.
+2. The whole process, as users run it: ``python -m pipeline proxy`` and the bare forwarder of
+   ``bench_peers.py`` (each under callgrind, its client and upstream not), sent the calls of
+   ``bench_peers.py`` part 2's load one after another (four conversations growing from 100
+   messages a round a call, each replaced by a new one past 140: one call in ~20 a first
+   call): the instructions a request of each, HTTP serving, the upstream client and the log
+   line included, and their ratio -- what part 2's "CPU a request" ratio measures in time,
+   without the machine's noise.
+
+A count says nothing of what waits on memory (a copy of a long body costs few instructions
+and much time) or on the kernel (a count is of the process's own instructions):
+``bench_peers.py`` measures what a user pays.
 """
 
 from __future__ import annotations
@@ -22,8 +34,12 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +109,103 @@ def per_call(kind: str, n: int, calls: int) -> tuple[float, float]:
     return both[0] - both[1], both[1]
 
 
+_VALGRIND = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+
+
+def _collected(log: str) -> int:
+    found = re.search(r"Collected\s*:\s*([\d,]+)", log)
+    if found is None:
+        raise RuntimeError(log[-2000:])
+    return int(found.group(1).replace(",", ""))
+
+
+def process_instructions(target: str, upstream: str, calls: int) -> tuple[int, int]:
+    """Instructions of one ``target`` process ("proxy" or "forwarder") over ``calls`` calls of
+    part 2's load sent one after another, start-up and shut-down included; and how many of the
+    calls were first calls."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_peers as peers
+    import httpx2
+
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    with tempfile.TemporaryDirectory() as root, open(Path(root) / "stderr", "w+") as err:
+        if target == "proxy":
+            with socket.socket() as probe:  # a free port (the proxy's own choice is logged)
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            command = [sys.executable, "-m", "pipeline", "proxy", "--port", str(port)]
+            command += ["--store", str(Path(root) / "store"), "--upstream", upstream]
+            url = f"http://127.0.0.1:{port}"
+            out = subprocess.DEVNULL
+        else:
+            command = [sys.executable, str(Path(__file__).parent / "bench_peers.py")]
+            command += ["--serve-forwarder", upstream]
+            out = subprocess.PIPE
+        # stderr to a file: a pipe nobody reads fills at ~160 log lines and stops the server
+        proc = subprocess.Popen(
+            [*_VALGRIND, *command], cwd=REPO, env=env, stdout=out, stderr=err, text=True
+        )
+        try:
+            if target != "proxy":
+                assert proc.stdout is not None
+                line = proc.stdout.readline()
+                found = re.search(r"(http://127\.0\.0\.1:\d+)", line)
+                if found is None:
+                    raise RuntimeError(f"the forwarder did not start: {line!r}")
+                url = found.group(1)
+            with httpx2.Client(timeout=300) as client:
+                for _ in range(600):  # start-up under callgrind takes a while
+                    try:
+                        client.get(url + "/")
+                        break
+                    except httpx2.TransportError:
+                        time.sleep(0.5)
+                convs = [peers.Conversation(100, f"i{k}") for k in range(4)]
+                firsts = min(4, calls)
+                for i in range(calls):
+                    conv = convs[i % 4]
+                    if len(conv.messages) > 140:  # as part 2 does: a new conversation
+                        conv = convs[i % 4] = peers.Conversation(100, f"i{i}")
+                        firsts += 1
+                    peers.call(client, url, conv, conv.next_body())
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(300)
+        err.seek(0)
+        return _collected(err.read()), firsts
+
+
+def processes(calls: int) -> None:
+    """Part 2: instructions a request of the proxy command and of the bare forwarder, and of
+    the proxy's calls that add a round and its first calls."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_peers as peers
+
+    print(
+        f"\n2. The whole process, {calls} calls of bench_peers.py part 2's load one after"
+        " another (millions of instructions a request)"
+    )
+    per: dict[str, float] = {}
+    with peers.process("--serve-upstream") as upstream:
+        for target in ("forwarder", "proxy"):
+            (few, f0), (many, f1) = (
+                process_instructions(target, upstream, n) for n in (8, 8 + calls)
+            )
+            per[target] = (many - few) / calls / 1e6
+            print(f"  {target:>9}: {per[target]:8.2f}  ({f1 - f0} of the calls first calls)")
+        # the first new conversation comes at the 85th call: up to it, every call adds a
+        # round (``few``: the proxy's, the loop's last target)
+        rounds, _ = process_instructions("proxy", upstream, 84)
+    round_ = (rounds - few) / 76 / 1e6
+    shown = f"  the proxy, a call that adds a round: {round_:.2f}"
+    firsts = f1 - f0
+    if firsts:  # what is left is the first calls'
+        first = (per["proxy"] * calls - round_ * (calls - firsts)) / firsts
+        shown += f"; a first call: {first:.1f}"
+    print(shown)
+    print(f"  the forwarder's over the proxy's: {per['forwarder'] / per['proxy']:.2f}x")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         kind, n, calls, trivial = sys.argv[2:6]
@@ -101,16 +214,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes", default="100,1000")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--processes", type=int, default=168, help="calls of part 2")
+    parser.add_argument("--skip", default="", help="parts to leave out: app,processes")
     args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: nothing to count (Debian: apt install valgrind)")
         return 0
     print(f"Python {sys.version.split()[0]}; millions of instructions a call (callgrind)")
-    for n in (int(x) for x in args.sizes.split(",")):
-        own, harness = per_call("first", n, 3)
-        print(f"  a first call of {n:>5} messages: {own:8.2f}  (client and upstream {harness:.2f})")
-    own, harness = per_call("round", 100, args.rounds)
-    print(f"  a call that adds a round at 100:  {own:8.2f}  (client and upstream {harness:.2f})")
+    if "app" not in skip:
+        print("\n1. The proxy's app in-process, its client and upstream taken off")
+        for n in (int(x) for x in args.sizes.split(",")):
+            own, harness = per_call("first", n, 3)
+            shown = f"{own:8.2f}  (client and upstream {harness:.2f})"
+            print(f"  a first call of {n:>5} messages: {shown}")
+        own, harness = per_call("round", 100, args.rounds)
+        shown = f"{own:8.2f}  (client and upstream {harness:.2f})"
+        print(f"  a call that adds a round at 100:  {shown}")
+    if "processes" not in skip:
+        processes(args.processes)
     return 0
 
 
