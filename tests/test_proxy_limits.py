@@ -4,6 +4,7 @@ memory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -698,6 +699,17 @@ def test_a_held_conversation_keeps_one_list_of_its_last_request_messages(tmp_pat
     assert held <= 2, held
 
 
+def _open_files(pid: int) -> list[str]:
+    """What process ``pid`` has open: a descriptor closed between the listing and its reading
+    (a file opened a moment to be synced, a socket) is one it does not hold."""
+    held = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        if fd.name.isdigit():
+            with contextlib.suppress(FileNotFoundError):
+                held.append(os.readlink(fd))
+    return held
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")
 def test_each_conversation_held_keeps_its_record_file_open(tmp_path: Path) -> None:
     """The command keeps a record file open for each conversation it holds (within an eighth
@@ -723,7 +735,6 @@ def test_each_conversation_held_keeps_its_record_file_open(tmp_path: Path) -> No
                 assert response.status_code == 200, response.text
         pid = process_running("pipeline", "proxy", str(store))
         assert pid is not None
-        fds = Path(f"/proc/{pid}/fd")
-        held = [os.readlink(fd) for fd in fds.iterdir() if fd.name.isdigit()]
+        held = _open_files(pid)
     # (a file's records are also opened a moment to be synced: each file counted once)
     assert len({t for t in held if t.endswith("decisions.jsonl")}) == conversations

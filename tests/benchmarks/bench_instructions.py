@@ -1,9 +1,11 @@
 """What a proxy call costs in machine instructions: a conversation's first call and a call
-that adds a round, counted by valgrind (``callgrind``), which gives the same count on every
-run where a timer moves with the machine (±25 % between runs on a shared 2-CPU machine).
+that adds a round, counted by valgrind (``callgrind``), whose count moves by ~0.01 % between
+runs where a timer moves with the machine's load (±25 % between runs on a shared 2-CPU
+machine). A count is this machine's: the C library and OpenSSL pick their copy and hash code
+by the CPU's features, and a server's periodic ticks add a little with the wall time.
 
     python tests/benchmarks/bench_instructions.py [--sizes 100,1000] [--rounds 10]
-        [--processes 160] [--skip app,processes]
+        [--processes 168] [--skip app,processes]
 
 Not a test: it prints figures, and nothing where valgrind is not installed.
 
@@ -15,10 +17,10 @@ Not a test: it prints figures, and nothing where valgrind is not installed.
 2. The whole process, as users run it: ``python -m pipeline proxy`` and the bare forwarder of
    ``bench_peers.py`` (each under callgrind, its client and upstream not), sent the calls of
    ``bench_peers.py`` part 2's load one after another (four conversations growing from 100
-   messages a round a call, each replaced by a new one past 140: one call in ~20 a first
+   messages a round a call, each replaced by a new one past 140: one call in 21 a first
    call): the instructions a request of each, HTTP serving, the upstream client and the log
    line included, and their ratio -- what part 2's "CPU a request" ratio measures in time,
-   without the machine's noise.
+   without the noise of the machine's load.
 
 A count says nothing of what waits on memory (a copy of a long body costs few instructions
 and much time) or on the kernel (a count is of the process's own instructions):
@@ -35,13 +37,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,66 +120,86 @@ def _collected(log: str) -> int:
     return int(found.group(1).replace(",", ""))
 
 
+def _serving(proc: subprocess.Popen[str], err: IO[str], target: str) -> str:
+    """The URL ``target`` serves on once it answers (start-up under callgrind takes a while);
+    ``RuntimeError`` with its last lines if it ends, or has not answered within ten minutes."""
+    import httpx2
+
+    url = None
+    if target == "forwarder":  # it prints the URL of the socket it has bound
+        assert proc.stdout is not None
+        found = re.search(r"(http://127\.0\.0\.1:\d+)", proc.stdout.readline())
+        url = found.group(1) if found else None
+    deadline = time.monotonic() + 600
+    with httpx2.Client(timeout=5) as client:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if url is None:  # the proxy chose its port: its start-up line names it
+                err.seek(0)
+                found = re.search(r"proxy on (http://127\.0\.0\.1:\d+)", err.read())
+                url = found.group(1) if found else None
+            if url is not None:
+                try:
+                    client.get(url + "/")
+                    return url
+                except httpx2.TransportError:
+                    pass
+            time.sleep(0.5)
+    err.seek(0)
+    raise RuntimeError(f"the {target} did not start: {err.read()[-2000:]}")
+
+
 def process_instructions(target: str, upstream: str, calls: int) -> tuple[int, int]:
     """Instructions of one ``target`` process ("proxy" or "forwarder") over ``calls`` calls of
     part 2's load sent one after another, start-up and shut-down included; and how many of the
     calls were first calls."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_peers as peers
     import httpx2
 
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as root, open(Path(root) / "stderr", "w+") as err:
         if target == "proxy":
-            with socket.socket() as probe:  # a free port (the proxy's own choice is logged)
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            command = [sys.executable, "-m", "pipeline", "proxy", "--port", str(port)]
+            command = [sys.executable, "-m", "pipeline", "proxy", "--port", "0"]
             command += ["--store", str(Path(root) / "store"), "--upstream", upstream]
-            url = f"http://127.0.0.1:{port}"
-            out = subprocess.DEVNULL
         else:
             command = [sys.executable, str(Path(__file__).parent / "bench_peers.py")]
             command += ["--serve-forwarder", upstream]
-            out = subprocess.PIPE
         # stderr to a file: a pipe nobody reads fills at ~160 log lines and stops the server
-        proc = subprocess.Popen(
+        out = subprocess.PIPE if target == "forwarder" else subprocess.DEVNULL
+        with subprocess.Popen(
             [*_VALGRIND, *command], cwd=REPO, env=env, stdout=out, stderr=err, text=True
-        )
-        try:
-            if target != "proxy":
-                assert proc.stdout is not None
-                line = proc.stdout.readline()
-                found = re.search(r"(http://127\.0\.0\.1:\d+)", line)
-                if found is None:
-                    raise RuntimeError(f"the forwarder did not start: {line!r}")
-                url = found.group(1)
-            with httpx2.Client(timeout=300) as client:
-                for _ in range(600):  # start-up under callgrind takes a while
-                    try:
-                        client.get(url + "/")
-                        break
-                    except httpx2.TransportError:
-                        time.sleep(0.5)
+        ) as proc:
+            try:
+                url = _serving(proc, err, target)
                 convs = [peers.Conversation(100, f"i{k}") for k in range(4)]
                 firsts = min(4, calls)
-                for i in range(calls):
-                    conv = convs[i % 4]
-                    if len(conv.messages) > 140:  # as part 2 does: a new conversation
-                        conv = convs[i % 4] = peers.Conversation(100, f"i{i}")
-                        firsts += 1
-                    peers.call(client, url, conv, conv.next_body())
-        finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(300)
+                with httpx2.Client(timeout=300) as client:
+                    for i in range(calls):
+                        conv = convs[i % 4]
+                        if len(conv.messages) > 140:  # as part 2 does: a new conversation
+                            conv = convs[i % 4] = peers.Conversation(100, f"i{i}")
+                            firsts += 1
+                        peers.call(client, url, conv, conv.next_body())
+            finally:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(300)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         err.seek(0)
         return _collected(err.read()), firsts
 
 
+_CYCLE = 84
+"""Calls of part 2's schedule in which each of the four conversations is replaced once (each
+makes 21 calls, from 99 messages to 139): a window of a multiple of it holds one first call
+in 21, as part 2's load does. The first replacement is the 85th call."""
+
+
 def processes(calls: int) -> None:
-    """Part 2: instructions a request of the proxy command and of the bare forwarder, and of
-    the proxy's calls that add a round and its first calls."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    """Part 2: instructions a request of the proxy command and of the bare forwarder, over the
+    calls after the first eight (a conversation's first and second); and of the proxy's calls
+    that add a round (the 9th to the 84th) and, what is left, its first calls."""
     import bench_peers as peers
 
     print(
@@ -193,16 +214,12 @@ def processes(calls: int) -> None:
             )
             per[target] = (many - few) / calls / 1e6
             print(f"  {target:>9}: {per[target]:8.2f}  ({f1 - f0} of the calls first calls)")
-        # the first new conversation comes at the 85th call: up to it, every call adds a
-        # round (``few``: the proxy's, the loop's last target)
-        rounds, _ = process_instructions("proxy", upstream, 84)
-    round_ = (rounds - few) / 76 / 1e6
-    shown = f"  the proxy, a call that adds a round: {round_:.2f}"
+        rounds, f2 = process_instructions("proxy", upstream, _CYCLE)
+    assert f2 == f0, "a first call among the rounds"
+    round_ = (rounds - few) / (_CYCLE - 8) / 1e6  # few: the proxy's (the loop's last target)
     firsts = f1 - f0
-    if firsts:  # what is left is the first calls'
-        first = (per["proxy"] * calls - round_ * (calls - firsts)) / firsts
-        shown += f"; a first call: {first:.1f}"
-    print(shown)
+    first = (per["proxy"] * calls - round_ * (calls - firsts)) / firsts
+    print(f"  the proxy: a call that adds a round {round_:.2f}, a first call {first:.1f}")
     print(f"  the forwarder's over the proxy's: {per['forwarder'] / per['proxy']:.2f}x")
 
 
@@ -214,10 +231,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes", default="100,1000")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--processes", type=int, default=168, help="calls of part 2")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=2 * _CYCLE,
+        help=f"calls of part 2 (a multiple of {_CYCLE})",
+    )
     parser.add_argument("--skip", default="", help="parts to leave out: app,processes")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.processes < _CYCLE or args.processes % _CYCLE:
+        parser.error(f"--processes must be a positive multiple of {_CYCLE}: one call in 21 a first")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: nothing to count (Debian: apt install valgrind)")
         return 0
