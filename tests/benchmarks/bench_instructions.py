@@ -85,18 +85,28 @@ def serve(kind: str, n: int, calls: int, trivial: bool) -> None:
     asyncio.run(run())
 
 
+_VALGRIND = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+
+
+def _env() -> dict[str, str]:
+    """The environment of a counted process: string hashing seeded alike in every run."""
+    return {**os.environ, "PYTHONHASHSEED": "0"}
+
+
+def _collected(log: str) -> int:
+    """The instructions callgrind says (in ``log``, its stderr) the process ran."""
+    found = re.search(r"Collected\s*:\s*([\d,]+)", log)
+    if found is None:
+        raise RuntimeError(log[-2000:])
+    return int(found.group(1).replace(",", ""))
+
+
 def instructions(kind: str, n: int, calls: int, trivial: bool) -> int:
     """Instructions of one run of :func:`serve` under callgrind."""
-    command = [
-        "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-        sys.executable, __file__, "--serve", kind, str(n), str(calls), str(int(trivial)),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
-    found = re.search(r"Collected\s*:\s*([\d,]+)", done.stderr)
-    if found is None:
-        raise RuntimeError(done.stderr[-2000:])
-    return int(found.group(1).replace(",", ""))
+    command = [*_VALGRIND, sys.executable, __file__, "--serve", kind, str(n), str(calls)]
+    command.append(str(int(trivial)))
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), check=True)
+    return _collected(done.stderr)
 
 
 def per_call(kind: str, n: int, calls: int) -> tuple[float, float]:
@@ -108,16 +118,6 @@ def per_call(kind: str, n: int, calls: int) -> tuple[float, float]:
         for trivial in (False, True)
     ]
     return both[0] - both[1], both[1]
-
-
-_VALGRIND = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
-
-
-def _collected(log: str) -> int:
-    found = re.search(r"Collected\s*:\s*([\d,]+)", log)
-    if found is None:
-        raise RuntimeError(log[-2000:])
-    return int(found.group(1).replace(",", ""))
 
 
 def _serving(proc: subprocess.Popen[str], err: IO[str], target: str) -> str:
@@ -155,7 +155,6 @@ def process_instructions(target: str, upstream: str, calls: int) -> tuple[int, i
     import bench_peers as peers
     import httpx2
 
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as root, open(Path(root) / "stderr", "w+") as err:
         if target == "proxy":
             command = [sys.executable, "-m", "pipeline", "proxy", "--port", "0"]
@@ -166,7 +165,7 @@ def process_instructions(target: str, upstream: str, calls: int) -> tuple[int, i
         # stderr to a file: a pipe nobody reads fills at ~160 log lines and stops the server
         out = subprocess.PIPE if target == "forwarder" else subprocess.DEVNULL
         with subprocess.Popen(
-            [*_VALGRIND, *command], cwd=REPO, env=env, stdout=out, stderr=err, text=True
+            [*_VALGRIND, *command], cwd=REPO, env=_env(), stdout=out, stderr=err, text=True
         ) as proc:
             try:
                 url = _serving(proc, err, target)
