@@ -673,6 +673,27 @@ def test_a_calibration_step_is_the_textbook_step_float_for_float(
         assert repr([row.tolist() for row in model.p]) == repr(p)
 
 
+def test_a_loaded_negative_zero_covariance_steps_as_the_textbook_step() -> None:
+    """A step leaves a row with no gain as it is, which is the textbook's result only where
+    no entry is -0.0 (-0.0 - -0.0 is 0.0): a model read from a state whose covariance holds
+    -0.0 holds 0.0 there (the same number), and steps float for float as the full step."""
+    prior = FamilyModel.from_prior([1.0] * _CLASS_COUNT, [0.1] * _CLASS_COUNT)
+    raw = prior.to_json()
+    raw["p"][1][2] = raw["p"][2][1] = -0.0
+    model = FamilyModel.from_json(json.loads(json.dumps(raw)), {})
+    assert all(repr(v) != "-0.0" for row in model.p for v in row)
+    mult, p = list(model.mult), [list(row) for row in model.p]
+    # class 0 alone: the rows of classes 1 and 2 get no gain, their -0.0 pairs a negative px
+    for x0, y in ((500.0, 900.0), (300.0, -50.0)):
+        x = [x0] + [0.0] * (_CLASS_COUNT - 1)
+        x[3] = 40.0
+        kw = {"abs_noise": 20.0, "rel_noise": 0.02, "clip_sigma": 3.0}
+        model.update(x, y, **kw)
+        mult, p = _textbook_step(mult, p, x, y, **kw)
+        assert repr(model.mult.tolist()) == repr(mult)
+        assert repr([row.tolist() for row in model.p]) == repr(p)
+
+
 def test_a_family_model_holds_its_numbers_as_doubles() -> None:
     """Every held conversation keeps a model per model family: its multipliers, covariance
     and counts are arrays of doubles (~2.4 KB a model after a step; lists of floats ~5.2 KB),

@@ -37,6 +37,14 @@ def dot(a: Sequence[float], b: Sequence[float]) -> float:
     return total
 
 
+def _no_negative_zero(row: Sequence[float]) -> array[float]:
+    """``row`` as doubles, -0.0 read as 0.0 (the same number): :meth:`FamilyModel.update`
+    leaves a row it has no gain for as it is, which is the step's own result only where no
+    entry is -0.0 (-0.0 - -0.0 is 0.0); a step itself never makes one from 0.0 and finite
+    numbers."""
+    return array("d", [v + 0.0 for v in row])
+
+
 class FamilyModel:
     """What one model family has learned in this session."""
 
@@ -48,7 +56,7 @@ class FamilyModel:
         # a model as lists, ~2.4 KB as arrays), and a double holds a float's value exactly
         self.mult = array("d", mult)
         """One multiplier per class, on the base tokens."""
-        self.p = [array("d", row) for row in p]
+        self.p = [_no_negative_zero(row) for row in p]
         """Covariance of the multipliers."""
         self.n_obs = 0
         self.chars = array("d", bytes(8 * len(CLASSES)))  # for the chars/token report
@@ -65,23 +73,29 @@ class FamilyModel:
     ) -> None:
         """One robust step of ``y ~ mult . x``: the innovation is clipped at ``clip_sigma``
         sigmas, so a hidden injection of a few thousand tokens cannot yank the ratios."""
-        d = len(CLASSES)
-        p = self.p
-        px = [dot(row, x) for row in p]
-        s = dot(x, px)
-        y_hat = dot(self.mult, x)
+        p, mul = self.p, operator.mul
+        if len(x) != len(CLASSES):
+            raise ValueError(f"dot of vectors of {len(CLASSES)} and {len(x)} elements")
+        # each sum as dot() adds it (in order, from 0.0): the same floats, without a call each
+        px = [sum(map(mul, row, x), 0.0) for row in p]
+        s = sum(map(mul, x, px), 0.0)
+        y_hat = sum(map(mul, self.mult, x), 0.0)
         s += abs_noise**2 + (rel_noise * max(y_hat, 0.0)) ** 2
         if not (math.isfinite(s) and s > 0.0 and math.isfinite(y)):
             return  # a degenerate step teaches nothing; raising here would fail the turn
         cut = clip_sigma * math.sqrt(s)
         innovation = max(-cut, min(cut, y - y_hat))
         gain = [v / s for v in px]
-        mult = [max(_MIN_MULTIPLIER, self.mult[i] + gain[i] * innovation) for i in range(d)]
-        if not all(math.isfinite(m) for m in mult):
+        stepped = zip(self.mult, gain, strict=True)
+        mult = [max(_MIN_MULTIPLIER, m + g * innovation) for m, g in stepped]
+        if not all(map(math.isfinite, mult)):
             return
         self.mult = array("d", mult)
+        # a row whose gain is 0.0 (a class no content of the step touches, nor any class
+        # correlated with one) would only have +-0.0 taken off each entry: left as it is, the
+        # same floats, since no entry is -0.0 (see _no_negative_zero)
         self.p = [
-            array("d", [pij - g * pxj for pij, pxj in zip(row, px, strict=True)])
+            row if not g else array("d", map(operator.sub, row, map(g.__mul__, px)))
             for row, g in zip(p, gain, strict=True)
         ]
 
