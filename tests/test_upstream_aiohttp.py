@@ -1,6 +1,6 @@
-"""The proxy's upstream calls on aiohttp go out and come back as on httpx2: the same request on
-the wire, the same answer read, the same failures -- against servers on 127.0.0.1 that see the
-raw bytes."""
+"""The proxy's upstream calls on its fast clients (httptools: asyncio's connections, answers read
+by llhttp; aiohttp) go out and come back as on httpx2: the same request on the wire, the same
+answer read, the same failures -- against servers on 127.0.0.1 that see the raw bytes."""
 
 from __future__ import annotations
 
@@ -23,11 +23,14 @@ import pytest
 
 from pipeline.dropin.upstream import Upstream
 from pipeline.dropin.upstream_aiohttp import AiohttpTransport
+from pipeline.dropin.upstream_httptools import HttptoolsTransport
 from pipeline.testing import Reply, ScriptedMessagesServer
 from tests.cli_support import clean_env
 from tests.wire_support import RawUpstream, proxy_process, read_request
 
-CLIENTS = ("aiohttp", "httpx2")
+FAST = ("httptools", "aiohttp")
+CLIENTS = (*FAST, "httpx2")
+TRANSPORTS = {"httptools": HttptoolsTransport, "aiohttp": AiohttpTransport}
 
 
 class _Scripted(RawUpstream):
@@ -159,17 +162,18 @@ def test_the_request_on_the_wire_is_the_one_httpx2_sends(
     bodies = {
         client: server.requests[0].partition(b"\r\n\r\n")[2] for client, (_, server) in seen.items()
     }
-    assert lines["aiohttp"][0] == lines["httpx2"][0]
-    if method == "POST" and body:
-        assert lines["aiohttp"][0] == b"POST /v1/messages?beta=true&x=%2Fa%20b HTTP/1.1"
     # the Host each names is its own server's
     for client, (_, server) in seen.items():
         assert (b"host", server.url.removeprefix("http://").encode()) in lines[client][1]
     fields = {c: sorted((n, b"" if n == b"host" else v) for n, v in lines[c][1]) for c in lines}
-    assert fields["aiohttp"] == fields["httpx2"]
-    names = {name for name, _ in lines["aiohttp"][1]}
-    assert not names & {b"user-agent", b"accept", b"cookie", b"connection"}  # none added
-    assert bodies["aiohttp"] == bodies["httpx2"] == body
+    for fast in FAST:
+        assert lines[fast][0] == lines["httpx2"][0], fast
+        if method == "POST" and body:
+            assert lines[fast][0] == b"POST /v1/messages?beta=true&x=%2Fa%20b HTTP/1.1"
+        assert fields[fast] == fields["httpx2"], fast
+        names = {name for name, _ in lines[fast][1]}
+        assert not names & {b"user-agent", b"accept", b"cookie", b"connection"}  # none added
+        assert bodies[fast] == bodies["httpx2"] == body
 
 
 def test_the_answer_is_read_as_httpx2_reads_it() -> None:
@@ -201,14 +205,15 @@ def test_the_answer_is_read_as_httpx2_reads_it() -> None:
         return out
 
     seen = _both(answers, run)
-    got, served = seen["aiohttp"]
-    assert got == seen["httpx2"][0]
-    assert got[0][0] == 201 and got[0][3] == text  # type: ignore[index]
-    assert got[1][3] == b"event: x\n\n"  # type: ignore[index]
-    assert got[2][0] == 307  # type: ignore[index]
-    # one connection for all three, and no cookie ever sent back
-    assert served.connections == 1
-    assert all(b"cookie:" not in r.lower().partition(b"\r\n\r\n")[0] for r in served.requests)
+    for fast in FAST:
+        got, served = seen[fast]
+        assert got == seen["httpx2"][0], fast
+        assert got[0][0] == 201 and got[0][3] == text  # type: ignore[index]
+        assert got[1][3] == b"event: x\n\n"  # type: ignore[index]
+        assert got[2][0] == 307  # type: ignore[index]
+        # one connection for all three, and no cookie ever sent back
+        assert served.connections == 1
+        assert all(b"cookie:" not in r.lower().partition(b"\r\n\r\n")[0] for r in served.requests)
 
 
 def test_a_connection_left_half_read_is_not_used_again() -> None:
@@ -299,9 +304,10 @@ def test_failures_are_httpx2s(client: str) -> None:
     assert issubclass(kind, httpx2.RemoteProtocolError | httpx2.ReadError)
 
 
-def test_a_request_the_upstream_never_reads_times_out() -> None:
+@pytest.mark.parametrize("client", FAST)
+def test_a_request_the_upstream_never_reads_times_out(client: str) -> None:
     # a body far past what the socket buffers hold: sending it waits on a server that never reads
-    kind, took = _failure(_Deaf(), "aiohttp", timeout=0.5, body=b"x" * (32 << 20))
+    kind, took = _failure(_Deaf(), client, timeout=0.5, body=b"x" * (32 << 20))
     assert issubclass(kind, httpx2.TimeoutException), kind
     assert took < 10
 
@@ -329,7 +335,7 @@ def test_hostile_header_values_go_as_the_client_sent_them_or_not_at_all(value: s
             server.sock.close()
     sent = [value.encode("latin-1")]  # a str from the server: each character one byte
     if value == "a\tb" or not value.isascii():  # HTTP allows both (obs-text): not as UTF-8
-        assert outcomes["aiohttp"] == outcomes["httpx2"] == sent
+        assert outcomes["httptools"] == outcomes["aiohttp"] == outcomes["httpx2"] == sent
     else:  # a control character: refused before it is sent (the proxy answers 502), or sent
         # as it came -- never sent otherwise, never a crash
         for outcome in outcomes.values():
@@ -355,14 +361,14 @@ class _Counting(_Scripted):
                 self.open -= 1
 
 
-def _most_at_once(bodies: list[bytes], max_connections: int) -> int:
+def _most_at_once(bodies: list[bytes], max_connections: int, client: str) -> int:
     """The most connections open at once while calls with ``bodies`` go out all together."""
     server = _Counting()
 
     async def run() -> None:
         upstream = Upstream(
             server.url, timeout=10, connect=5, max_connections=max_connections,
-            kept_alive=max_connections, client="aiohttp",
+            kept_alive=max_connections, client=client,
         )  # fmt: skip
         try:
             await asyncio.gather(*[_call(upstream, body=body) for body in bodies])
@@ -376,11 +382,12 @@ def _most_at_once(bodies: list[bytes], max_connections: int) -> int:
     return server.most
 
 
-def test_connections_are_bounded() -> None:
-    assert _most_at_once([b"{}"] * 6, 2) == 2
+@pytest.mark.parametrize("client", FAST)
+def test_connections_are_bounded(client: str) -> None:
+    assert _most_at_once([b"{}"] * 6, 2, client) == 2
 
 
-def test_auto_is_aiohttp_unless_the_environment_names_a_proxy(
+def test_auto_is_httptools_unless_the_environment_names_a_proxy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for name in (
@@ -392,11 +399,13 @@ def test_auto_is_aiohttp_unless_the_environment_names_a_proxy(
         "all_proxy",
     ):
         monkeypatch.delenv(name, raising=False)
-    assert _upstream("http://127.0.0.1:1", "auto").client == "aiohttp"
+    assert _upstream("http://127.0.0.1:1", "auto").client == "httptools"
+    assert _upstream("http://127.0.0.1:1", "aiohttp").client == "aiohttp"
     monkeypatch.setenv("https_proxy", "http://127.0.0.1:9")
     assert _upstream("http://127.0.0.1:1", "auto").client == "httpx2"
-    with pytest.raises(ValueError, match="names a proxy"):  # asked for: refused, not bypassed
-        _upstream("http://127.0.0.1:1", "aiohttp")
+    for fast in FAST:
+        with pytest.raises(ValueError, match="names a proxy"):  # asked for: refused, not bypassed
+            _upstream("http://127.0.0.1:1", fast)
     with pytest.raises(ValueError, match="client must be one of"):
         _upstream("http://127.0.0.1:1", "curl")
     given = Upstream(
@@ -406,16 +415,18 @@ def test_auto_is_aiohttp_unless_the_environment_names_a_proxy(
     assert given.client == "httpx2"  # a transport given is the way
 
 
-def test_the_transport_refuses_a_bound_below_one() -> None:
+@pytest.mark.parametrize("client", FAST)
+def test_the_transport_refuses_a_bound_below_one(client: str) -> None:
     with pytest.raises(ValueError, match="max_connections"):
-        AiohttpTransport(max_connections=0)
+        TRANSPORTS[client](max_connections=0)
 
 
-def test_on_another_event_loop_the_calls_go_by_httpx2() -> None:
+@pytest.mark.parametrize("client", FAST)
+def test_on_another_event_loop_the_calls_go_by_httpx2(client: str) -> None:
     trio = pytest.importorskip("trio")
     server = _Recording(_OK)
     try:
-        upstream = _upstream(server.url, "aiohttp")
+        upstream = _upstream(server.url, client)
 
         async def run() -> int:
             try:
@@ -587,47 +598,52 @@ def test_a_server_that_never_accepts_is_a_connect_timeout(client: str) -> None:
     assert kind is httpx2.ConnectTimeout  # unreachable (502), not slow (504)
 
 
-def test_the_two_pools_together_stay_within_max_connections() -> None:
-    # with a body: aiohttp's pool; without: httpx2's
-    assert _most_at_once([b"{}", b""] * 8, 8) <= 8
+@pytest.mark.parametrize("client", FAST)
+def test_the_two_pools_together_stay_within_max_connections(client: str) -> None:
+    # with a body: the fast client's pool; without: httpx2's
+    assert _most_at_once([b"{}", b""] * 8, 8, client) <= 8
 
 
-def test_aiohttp_asked_for_beside_a_proxy_of_the_environment_is_refused(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize("client", FAST)
+def test_a_fast_client_asked_for_beside_a_proxy_of_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, client: str
 ) -> None:
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
     with pytest.raises(ValueError, match="HTTPS_PROXY names a proxy"):
-        _upstream("http://127.0.0.1:1", "aiohttp")
+        _upstream("http://127.0.0.1:1", client)
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline", "proxy", "--upstream-client", "aiohttp",
+        [sys.executable, "-m", "pipeline", "proxy", "--upstream-client", client,
          "--store", str(tmp_path)],
         capture_output=True, text=True, timeout=60, env=clean_env(HTTPS_PROXY="http://127.0.0.1:9"),
     )  # fmt: skip
     assert done.returncode == 2
-    assert "--upstream-client aiohttp: HTTPS_PROXY names a proxy" in done.stderr
+    assert f"--upstream-client {client}: HTTPS_PROXY names a proxy" in done.stderr
 
 
-def test_an_upstream_url_with_credentials_goes_by_httpx2() -> None:
-    upstream = _upstream("http://user:secret@127.0.0.1:1", "aiohttp")
+@pytest.mark.parametrize("client", FAST)
+def test_an_upstream_url_with_credentials_goes_by_httpx2(client: str) -> None:
+    upstream = _upstream("http://user:secret@127.0.0.1:1", client)
     assert upstream.client == "httpx2"
 
 
-def test_a_connection_reset_while_the_answer_is_awaited_is_a_read_error() -> None:
+@pytest.mark.parametrize("client", FAST)
+def test_a_connection_reset_while_the_answer_is_awaited_is_a_read_error(client: str) -> None:
     def script(conn: socket.socket, n: int) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         conn.close()  # a reset, no answer
 
     server = _Scripted(script)
     try:
-        kind, _ = _failure(server, "aiohttp")
+        kind, _ = _failure(server, client)
     finally:
         server.sock.close()
     assert issubclass(kind, httpx2.ReadError | httpx2.RemoteProtocolError), kind
 
 
-def test_a_transport_serves_one_loop_at_a_time() -> None:
+@pytest.mark.parametrize("client", FAST)
+def test_a_transport_serves_one_loop_at_a_time(client: str) -> None:
     server = _Scripted(lambda conn, n: conn.sendall(_OK))  # a connection left open: no matter
-    transport = AiohttpTransport(max_connections=2)
+    transport = TRANSPORTS[client](max_connections=2)
     request = httpx2.Request("POST", server.url + "/v1/messages", content=b"{}")
 
     async def call() -> int:

@@ -231,9 +231,10 @@ def _add_proxy_parser(sub: Any) -> None:
         "--upstream-client",
         choices=UPSTREAM_CLIENTS,
         default="auto",
-        help="the HTTP client upstream calls go out with: aiohttp (less than half the CPU "
-        "a call) or httpx2; auto is aiohttp where it is installed and no proxy is named by "
-        "HTTP_PROXY, HTTPS_PROXY or ALL_PROXY (default %(default)s)",
+        help="the HTTP client upstream calls go out with: httptools (asyncio's connections, "
+        "answers read by llhttp: the least CPU a call), aiohttp or httpx2; auto is the first "
+        "of httptools and aiohttp that is installed, where no proxy is named by HTTP_PROXY, "
+        "HTTPS_PROXY or ALL_PROXY (default %(default)s)",
     )
     limits.add_argument(
         "--max-connections",

@@ -202,7 +202,7 @@ def event_loop(wanted: str) -> str:
 
 def _upstream_client(wanted: str) -> str:
     """``--upstream-client``, checked: the client the calls go out with on the proxy's loop;
-    aiohttp asked for by name must be there."""
+    httptools or aiohttp asked for by name must be there."""
     from pipeline.dropin.upstream import choose_client
 
     try:

@@ -58,8 +58,9 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 """The event loops the proxy serves on (``--loop``): ``auto`` is ``uvloop`` where it can be
 imported, else asyncio's own."""
 
-UPSTREAM_CLIENTS = ("auto", "aiohttp", "httpx2")
+UPSTREAM_CLIENTS = ("auto", "httptools", "aiohttp", "httpx2")
 """The HTTP clients the proxy's upstream calls may go out with (``--upstream-client``):
-``aiohttp`` (on asyncio; ``httpx2`` on another event loop), ``httpx2``, or ``auto``: aiohttp
-where it can be imported and no proxy is named by the environment (aiohttp would not honour it
-as ``httpx2`` does), else ``httpx2``."""
+``httptools`` (asyncio's connections, answers read by llhttp) or ``aiohttp`` (each on asyncio;
+``httpx2`` on another event loop), ``httpx2``, or ``auto``: the first of httptools and aiohttp
+that can be imported, where no proxy is named by the environment (neither would honour it as
+``httpx2`` does), else ``httpx2``."""

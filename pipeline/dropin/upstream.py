@@ -10,11 +10,13 @@ meant for and never sent again, so it cannot reach another API key's requests. R
 relayed, not followed. Proxies named by the environment (``HTTPS_PROXY``, ``NO_PROXY``, ...)
 and its certificate settings (``SSL_CERT_FILE``) are honoured as ``httpx2`` honours them.
 
-On asyncio the calls go out through aiohttp where it is installed
-(:mod:`pipeline.dropin.upstream_aiohttp`: the same requests and answers, at less than half the
-CPU), unless the environment names a proxy; ``httpx2`` otherwise (``client="httpx2"``
-always), and for a request without a body or with a header value past ASCII (aiohttp would
-add a ``Content-Length: 0``, write the value as UTF-8).
+On asyncio the calls go out on asyncio's own connections, their answers read by llhttp
+(:mod:`pipeline.dropin.upstream_httptools`: the same requests and answers, at about a third of
+the CPU of aiohttp's, itself less than half of ``httpx2``'s), where httptools is installed, else
+through aiohttp (:mod:`pipeline.dropin.upstream_aiohttp`), unless the environment names a
+proxy; ``httpx2`` otherwise (``client="httpx2"`` always), and for a request without a body or
+with a header value past ASCII (aiohttp would add a ``Content-Length: 0``, write the value as
+UTF-8).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from starlette.types import Receive
 
     from pipeline.dropin.upstream_aiohttp import AiohttpTransport
+    from pipeline.dropin.upstream_httptools import HttptoolsTransport
 
 __all__ = ["CLIENTS", "Outgoing", "Target", "Upstream", "choose_client", "unless_left"]
 
@@ -56,7 +59,8 @@ _URLS_KEPT = 64
 
 
 class Target(NamedTuple):
-    """Where a request goes: its URL parsed, and written out (what aiohttp is given)."""
+    """Where a request goes: its URL parsed, and written out (what the fast clients are
+    given)."""
 
     url: httpx2.URL
     text: str
@@ -80,9 +84,9 @@ class Outgoing(NamedTuple):
 class Upstream:
     """Requests to the upstream at ``base_url`` (its path, if any, comes before each request's),
     each allowed ``timeout`` seconds to answer (``connect`` to connect), at most
-    ``max_connections`` at once of which ``kept_alive`` are kept between requests (aiohttp:
-    idle ones closed after 5 s). ``transport``: how to reach it (tests pass one; default: the
-    network); ``client``: with which HTTP client (one of :data:`CLIENTS`)."""
+    ``max_connections`` at once of which ``kept_alive`` are kept between requests (httptools
+    and aiohttp: idle ones closed after 5 s). ``transport``: how to reach it (tests pass one;
+    default: the network); ``client``: with which HTTP client (one of :data:`CLIENTS`)."""
 
     def __init__(
         self,
@@ -98,13 +102,12 @@ class Upstream:
         base = httpx2.URL(base_url.rstrip("/"))
         if base.scheme not in ("http", "https") or not base.host:
             raise ValueError(f"the upstream must be an http:// or https:// URL, got {base_url!r}")
-        # both pools within max_connections: aiohttp's carries the calls with a body, httpx2's
+        # both pools within max_connections: the fast one's carries the calls with a body, httpx2's
         # the rest (a GET, a header value past ASCII) -- a few, an eighth (one at least: under
         # 8, one connection past max_connections)
         share = max_connections // 8
-        fast = (
-            None if base.userinfo else _fast_transport(client, transport, max_connections - share)
-        )
+        name = "httpx2" if base.userinfo else choose_client(client, transport)
+        fast = _fast_transport(name, max_connections - share)
         spare = max_connections if fast is None else max(1, share)
         limits = httpx2.Limits(
             max_connections=spare, max_keepalive_connections=min(kept_alive, spare)
@@ -123,8 +126,9 @@ class Upstream:
             # once
             known_sockets(self._client)
         self._fast = fast
-        """aiohttp's way, for calls on asyncio (None: ``httpx2``'s for every call; an upstream
+        """The fast way, for calls on asyncio (None: ``httpx2``'s for every call; an upstream
         URL with credentials in it goes by ``httpx2``, which sends them as before)."""
+        self._client_name = name
         self._origin = str(base.copy_with(raw_path=b"/")).rstrip("/")
         self._prefix = base.raw_path.decode("ascii").rstrip("/")
         self._timeout = timeouts.as_dict()
@@ -161,14 +165,16 @@ class Upstream:
 
     @property
     def client(self) -> str:
-        """Which HTTP client calls go out with on asyncio: ``aiohttp`` or ``httpx2``."""
-        return "httpx2" if self._fast is None else "aiohttp"
+        """Which HTTP client calls go out with on asyncio: ``httptools``, ``aiohttp`` or
+        ``httpx2``."""
+        return self._client_name
 
     async def send(self, request: Outgoing) -> httpx2.Response:
         """``request``'s answer, its body still to read (``aiter_bytes``, then ``aclose``)."""
         fast = self._fast
         # aiohttp would write a header value past ASCII as UTF-8, not as the client's bytes,
-        # and a Content-Length: 0 httpx2 leaves out (a GET's): those go by httpx2
+        # and a Content-Length: 0 httpx2 leaves out (a GET's): those go by httpx2 (on
+        # httptools too, which would send them alike: one rule, the fewest ways a call goes)
         if (
             fast is not None
             and request.content
@@ -205,26 +211,36 @@ _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 
 def choose_client(client: str, transport: httpx2.AsyncBaseTransport | None = None) -> str:
     """The HTTP client an :class:`Upstream` asked for ``client`` (one of :data:`CLIENTS`) calls
-    with on asyncio: ``aiohttp`` or ``httpx2`` (``transport`` given: ``httpx2``, its way).
-    ``ValueError`` for another name, or for ``aiohttp`` when it cannot be imported."""
+    with on asyncio: ``httptools``, ``aiohttp`` or ``httpx2`` (``transport`` given: ``httpx2``,
+    its way; ``auto``: the first of them that can serve). ``ValueError`` for another name, or
+    for ``httptools`` or ``aiohttp`` when it cannot be imported or a proxy is named."""
     if client not in CLIENTS:
         raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {client!r}")
     if client == "httpx2" or transport is not None:
         return "httpx2"
     named = [n for n in _PROXY_VARIABLES if os.environ.get(n) or os.environ.get(n.lower())]
-    if named:  # aiohttp would not go through it, httpx2 does
-        if client == "aiohttp":
+    if named:  # neither fast client would go through it, httpx2 does
+        if client != "auto":
             raise ValueError(
-                f"client 'aiohttp': {named[0]} names a proxy, which aiohttp would not go "
+                f"client {client!r}: {named[0]} names a proxy, which {client} would not go "
                 "through (httpx2 does)"
             )
         return "httpx2"
-    why = _aiohttp_unusable()
-    if why is not None:
-        if client == "aiohttp":
-            raise ValueError(f"client 'aiohttp': {why}")
-        return "httpx2"
-    return "aiohttp"
+    for name, why in (("httptools", _httptools_unusable), ("aiohttp", _aiohttp_unusable)):
+        if client not in ("auto", name):
+            continue
+        unusable = why()
+        if unusable is None:
+            return name
+        if client == name:
+            raise ValueError(f"client {name!r}: {unusable}")
+    return "httpx2"
+
+
+def _httptools_unusable() -> str | None:
+    if importlib.util.find_spec("httptools") is None:
+        return "httptools is not installed"
+    return None
 
 
 def _aiohttp_unusable() -> str | None:
@@ -236,13 +252,17 @@ def _aiohttp_unusable() -> str | None:
 
 
 def _fast_transport(
-    client: str, transport: httpx2.AsyncBaseTransport | None, max_connections: int
-) -> AiohttpTransport | None:
-    if choose_client(client, transport) == "httpx2":
-        return None
-    from pipeline.dropin.upstream_aiohttp import AiohttpTransport
+    name: str, max_connections: int
+) -> HttptoolsTransport | AiohttpTransport | None:
+    if name == "httptools":
+        from pipeline.dropin.upstream_httptools import HttptoolsTransport
 
-    return AiohttpTransport(max_connections=max(1, max_connections))
+        return HttptoolsTransport(max_connections=max(1, max_connections))
+    if name == "aiohttp":
+        from pipeline.dropin.upstream_aiohttp import AiohttpTransport
+
+        return AiohttpTransport(max_connections=max(1, max_connections))
+    return None
 
 
 def _on_asyncio() -> bool:

@@ -1,13 +1,14 @@
 """What the proxy's upstream calls cost it: :class:`~pipeline.dropin.upstream.Upstream` on
-``httpx2`` against on aiohttp, the CPU this process spends a call (sending a body of
-``--size`` bytes, reading the answer through), ``--concurrency`` calls at once.
+``httpx2``, on aiohttp and on httptools (asyncio's connections, answers read by llhttp), the
+CPU this process spends a call (sending a body of ``--size`` bytes, reading the answer
+through), ``--concurrency`` calls at once.
 
     python tests/benchmarks/bench_upstream.py [--calls 3200] [--concurrency 16]
         [--size 200000] [--rounds 3]
 
 Not a test: it prints figures. The upstream is ``bench_peers.py``'s, in its own process (its
-CPU is not counted); the two clients take turns, round after round, and the ratio is the
-median of the rounds' own.
+CPU is not counted); the clients take turns, round after round, and each ratio is the median
+of the rounds' own.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     body = b'{"model": "m", "max_tokens": 10, "messages": [' + b"0," * (args.size // 2) + b"0]}"
-    clients = ("httpx2", "aiohttp")
+    clients = ("httpx2", "aiohttp", "httptools")
     print(
         f"Upstream calls, {args.concurrency} at once, bodies of {len(body):,} bytes: CPU and "
         f"wall time a call (ms) of this process, {args.rounds} rounds taking turns"
@@ -84,12 +85,18 @@ def main() -> int:
                 used, took = asyncio.run(_run(url, client, body, args.calls, args.concurrency))
                 cpu[client].append(used)
                 print(f"  {client:>8}: CPU {used:.3f}, wall {took:.3f}")
-    ratios = [a / h for a, h in zip(cpu["aiohttp"], cpu["httpx2"], strict=True)]
-    print(
-        f"CPU a call, median: httpx2 {statistics.median(cpu['httpx2']):.3f} ms, aiohttp "
-        f"{statistics.median(cpu['aiohttp']):.3f} ms: {statistics.median(ratios):.2f}x "
-        f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
-    )
+    medians = ", ".join(f"{c} {statistics.median(cpu[c]):.3f}" for c in clients)
+    print(f"CPU a call (ms), median: {medians}")
+    for client, against in (
+        ("aiohttp", "httpx2"),
+        ("httptools", "httpx2"),
+        ("httptools", "aiohttp"),
+    ):
+        ratios = [a / h for a, h in zip(cpu[client], cpu[against], strict=True)]
+        print(
+            f"  {client} over {against}: {statistics.median(ratios):.2f}x"
+            f" (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        )
     return 0
 
 

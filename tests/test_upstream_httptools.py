@@ -1,0 +1,281 @@
+"""The httptools client's own ways (``pipeline.dropin.upstream_httptools``): how an answer's end
+is found, what it will not read, when a connection is used again -- and that with many calls on
+few connections each caller reads its own answer, against servers on 127.0.0.1 that see the raw
+bytes. What it shares with the other clients is in ``test_upstream_aiohttp.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import time
+
+import httpx2
+import pytest
+
+from pipeline.dropin.upstream import Upstream
+from pipeline.dropin.upstream_httptools import BODY_HELD, HEAD_FIELD, HEAD_FIELDS
+from tests.wire_support import RawUpstream, read_request
+
+
+class _Script(RawUpstream):
+    """Each connection in a thread of its own, each request on it answered by
+    ``script(conn, request, n)`` (n counting from 1 on each connection); counts connections."""
+
+    threaded = True
+
+    def __init__(self, script: object) -> None:
+        self.script, self.connections, self.requests = script, 0, []
+        self.lock = threading.Lock()
+        super().__init__()
+
+    def answer(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.connections += 1
+        n = 0
+        while True:
+            try:
+                request = read_request(conn)
+            except OSError:
+                return
+            if not request:
+                return
+            n += 1
+            self.requests.append(request)
+            try:
+                self.script(conn, request, n)  # type: ignore[operator]
+            except OSError:
+                return
+
+
+def _upstream(url: str, *, timeout: float = 10.0, connections: int = 4) -> Upstream:
+    upstream = Upstream(
+        url, timeout=timeout, connect=5, max_connections=connections, kept_alive=connections,
+        client="httptools",
+    )  # fmt: skip
+    assert upstream.client == "httptools"
+    return upstream
+
+
+async def _call(upstream: Upstream, key: str = "k", *, slow: float = 0.0) -> bytes:
+    request = upstream.request("POST", "/v1/messages", b"", {"x-api-key": key}, b"{}")
+    response = await upstream.send(request)
+    try:
+        parts = []
+        async for chunk in response.aiter_bytes():
+            parts.append(chunk)
+            if slow:
+                await asyncio.sleep(slow)
+        return b"".join(parts)
+    finally:
+        await response.aclose()
+
+
+def _run(server: RawUpstream, go: object) -> object:
+    try:
+        return asyncio.run(go)  # type: ignore[arg-type]
+    finally:
+        server.sock.close()
+
+
+def _answer(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\n" + extra + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+async def _calls(upstream: Upstream, count: int) -> list[bytes]:
+    try:
+        return [await _call(upstream) for _ in range(count)]
+    finally:
+        await upstream.aclose()
+
+
+def test_an_answer_that_ends_with_its_connection_is_read_whole_and_its_connection_closed() -> None:
+    def script(conn: socket.socket, _request: bytes, n: int) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it, %d" % n)
+        conn.shutdown(socket.SHUT_WR)
+
+    server = _Script(script)
+    got = _run(server, _calls(_upstream(server.url), 2))
+    assert got == [b"all of it, 1", b"all of it, 1"]
+    assert server.connections == 2  # it ended with its connection: none to use again
+
+
+def test_an_informational_answer_before_the_answer_is_passed_over() -> None:
+    def script(conn: socket.socket, _request: bytes, _n: int) -> None:
+        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" + _answer(b"the answer"))
+
+    server = _Script(script)
+    assert _run(server, _calls(_upstream(server.url), 2)) == [b"the answer"] * 2
+    assert server.connections == 1
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"".join(b"x-f%d: v\r\n" % k for k in range(HEAD_FIELDS + 1)),
+        b"x-long: " + b"v" * HEAD_FIELD + b"\r\n",
+        b"content-length: 3\r\ntransfer-encoding: chunked\r\n",  # two framings: which one?
+        b"content-length: 3\r\ncontent-length: 4\r\n",
+    ],
+    ids=["too-many-fields", "a-field-too-long", "length-and-chunked", "two-lengths"],
+)
+def test_an_answer_past_the_bounds_or_framed_two_ways_is_refused(head: bytes) -> None:
+    def script(conn: socket.socket, _request: bytes, _n: int) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\n" + head + b"\r\nabcd")
+
+    server = _Script(script)
+
+    async def go() -> type[BaseException]:
+        upstream = _upstream(server.url)
+        try:
+            await _call(upstream)
+        except httpx2.HTTPError as exc:
+            return type(exc)
+        finally:
+            await upstream.aclose()
+        raise AssertionError("read")
+
+    assert _run(server, go()) is httpx2.RemoteProtocolError
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
+def test_a_long_body_read_slowly_arrives_whole(chunked: bool) -> None:
+    body = bytes(random.Random(7).getrandbits(8) for _ in range(4 * BODY_HELD))
+
+    def script(conn: socket.socket, _request: bytes, _n: int) -> None:
+        if not chunked:
+            conn.sendall(_answer(body))
+            return
+        conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for start in range(0, len(body), 50_000):
+            piece = body[start : start + 50_000]
+            conn.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+        conn.sendall(b"0\r\n\r\n")
+
+    server = _Script(script)
+
+    async def go() -> list[bytes]:
+        upstream = _upstream(server.url)
+        try:  # the reader slower than the socket: the connection stops reading meanwhile
+            return [await _call(upstream, slow=0.01), await _call(upstream)]
+        finally:
+            await upstream.aclose()
+
+    assert _run(server, go()) == [body, body]
+    assert server.connections == 1
+
+
+def test_a_second_answer_to_one_request_is_never_read_as_the_next_ones() -> None:
+    def script(conn: socket.socket, _request: bytes, n: int) -> None:
+        conn.sendall(_answer(b"mine-%d" % n) + _answer(b"STRAY"))
+
+    server = _Script(script)
+    got = _run(server, _calls(_upstream(server.url), 3))
+    assert got == [b"mine-1"] * 3  # each on a connection of its own
+    assert server.connections == 3
+
+
+def _key(request: bytes) -> bytes:
+    return request.split(b"x-api-key: ", 1)[1].split(b"\r\n", 1)[0]
+
+
+def test_many_callers_on_few_connections_each_read_their_own_answer() -> None:
+    def script(conn: socket.socket, request: bytes, _n: int) -> None:
+        key = _key(request)
+        # a slow answer for some: their callers give up waiting while it comes
+        time.sleep(0.3 if key.endswith(b"7") else random.random() * 0.01)
+        conn.sendall(_answer(b"for " + key * 50))
+
+    server = _Script(script)
+
+    async def one(upstream: Upstream, key: str) -> bool:
+        if key.endswith("7"):  # its connection, its answer late: never another caller's
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.15):
+                    await _call(upstream, key)
+            return True
+        await asyncio.sleep(0.2)  # once the slow ones were given up, before their answers
+        return await _call(upstream, key) == b"for " + key.encode() * 50
+
+    async def go() -> list[bool]:
+        upstream = _upstream(server.url, connections=8)
+        try:
+            return list(await asyncio.gather(*[one(upstream, f"tenant-{k}") for k in range(60)]))
+        finally:
+            await upstream.aclose()
+
+    assert all(_run(server, go()))  # type: ignore[arg-type]
+
+
+def test_a_call_given_up_while_it_waits_frees_its_connection() -> None:
+    def script(conn: socket.socket, request: bytes, _n: int) -> None:
+        key = _key(request)
+        if key == b"first":
+            time.sleep(1)  # its caller gives up before this
+        conn.sendall(_answer(b"for " + key))
+
+    server = _Script(script)
+
+    async def go() -> list[bytes]:
+        upstream = _upstream(server.url, connections=1)
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await _call(upstream, "first")
+            # one connection in all: the given-up one is closed, not waited for
+            async with asyncio.timeout(5):
+                return [await _call(upstream, "second"), await _call(upstream, "third")]
+        finally:
+            await upstream.aclose()
+
+    assert _run(server, go()) == [b"for second", b"for third"]
+    assert server.connections == 2
+
+
+def test_an_idle_connection_is_closed_after_its_expiry() -> None:
+    from pipeline.dropin.upstream_httptools import HttptoolsTransport
+
+    server = _Script(lambda conn, _request, n: conn.sendall(_answer(b"%d" % n)))
+    transport = HttptoolsTransport(max_connections=2, keepalive_expiry=0.2)
+
+    async def call() -> bytes:
+        answer = await transport.send("POST", server.url + "/v1/messages", [], b"{}", {})
+        try:
+            return await answer.aread()
+        finally:
+            await answer.aclose()
+
+    async def go() -> list[bytes]:
+        got = [await call(), await call()]
+        await asyncio.sleep(0.5)
+        got.append(await call())
+        await transport.aclose()
+        return got
+
+    assert _run(server, go()) == [b"1", b"2", b"1"]
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize(
+    ("method", "headers"),
+    [("POST\r\nX", []), ("POST", [("x bad", "v")]), ("POST", [("x-ok", "a\r\nx-evil: 1")])],
+    ids=["method", "name", "value"],
+)
+def test_a_request_http_cannot_carry_is_refused_before_a_byte_goes(
+    method: str, headers: list[tuple[str, str]]
+) -> None:
+    from pipeline.dropin.upstream_httptools import HttptoolsTransport
+
+    server = _Script(lambda conn, _request, _n: conn.sendall(_answer(b"")))
+    transport = HttptoolsTransport(max_connections=1)
+
+    async def go() -> None:
+        try:
+            with pytest.raises(httpx2.LocalProtocolError):
+                await transport.send(method, server.url + "/v1/messages", headers, b"{}", {})
+        finally:
+            await transport.aclose()
+
+    _run(server, go())
+    assert server.connections == 0
