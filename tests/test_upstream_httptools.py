@@ -279,3 +279,175 @@ def test_a_request_http_cannot_carry_is_refused_before_a_byte_goes(
 
     _run(server, go())
     assert server.connections == 0
+
+
+# -- the review's findings: each fails on the version before its fix --------------------------
+
+
+def _failure_of(server: RawUpstream, method: str = "POST", timeout: float = 3.0) -> object:
+    """What a call to ``server`` ends in: the answer's status and body, or its error's type."""
+    from pipeline.dropin.upstream_httptools import HttptoolsTransport
+
+    transport = HttptoolsTransport(max_connections=2)
+    bounds = {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
+
+    async def go() -> object:
+        try:
+            answer = await transport.send(method, server.url + "/v1/x", [], b"{}", bounds)
+            try:
+                return answer.status_code, await answer.aread()
+            finally:
+                await answer.aclose()
+        except httpx2.HTTPError as exc:
+            return type(exc)
+        finally:
+            await transport.aclose()
+
+    return _run(server, go())
+
+
+def test_a_head_requests_answer_ends_at_its_head() -> None:
+    # llhttp is not told of HEAD: it waited for the body the length announces, until the timeout
+    server = _Script(
+        lambda conn, _r, _n: conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n")
+    )
+    start = time.monotonic()
+    assert _failure_of(server, "HEAD") == (200, b"")
+    assert time.monotonic() - start < 2
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        b"HTTP/1.1 199 Misc\r\ncontent-length: 9\r\n\r\nINJECTED!",
+        b"HTTP/1.1 150 X\r\ntransfer-encoding: chunked\r\n\r\n4\r\nEVIL\r\n0\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n",
+    ],
+    ids=["1xx-length", "1xx-chunked", "101"],
+)
+def test_an_informational_answer_with_a_body_or_a_switch_is_refused(first: bytes) -> None:
+    # the 1xx's body was read as the start of the answer's (b"INJECTED!ok")
+    server = _Script(lambda conn, _r, _n: conn.sendall(first + _answer(b"ok")))
+    assert _failure_of(server) is httpx2.RemoteProtocolError
+
+
+def test_trailers_are_bounded() -> None:
+    def script(conn: socket.socket, _request: bytes, _n: int) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nx-t: ")
+        for _ in range(8):  # a trailer that never ends: held whole until the read timeout
+            conn.sendall(b"a" * HEAD_FIELD)
+        time.sleep(5)
+
+    start = time.monotonic()
+    assert _failure_of(_Script(script), timeout=4) is httpx2.RemoteProtocolError
+    assert time.monotonic() - start < 3
+
+
+def test_a_head_past_its_bound_is_refused() -> None:
+    from pipeline.dropin.upstream_httptools import HEAD_BYTES
+
+    def script(conn: socket.socket, _request: bytes, _n: int) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        for k in range(HEAD_BYTES // 60_000 + 2):  # fields each within their bound
+            conn.sendall(b"x-f%d: " % k + b"v" * 60_000 + b"\r\n")
+        conn.sendall(b"content-length: 2\r\n\r\nok")
+
+    assert _failure_of(_Script(script)) is httpx2.RemoteProtocolError
+
+
+def test_bytes_waiting_unread_on_an_idle_connection_keep_it_from_the_next_call() -> None:
+    late = threading.Event()
+
+    def script(conn: socket.socket, request: bytes, n: int) -> None:
+        conn.sendall(_answer(b"for " + _key(request)))
+        if n == 1:
+            late.wait(5)  # while the connection is idle, and before the loop reads them
+            conn.sendall(_answer(b"a late copy for " + _key(request)))
+
+    server = _Script(script)
+
+    async def go() -> list[bytes]:
+        upstream = _upstream(server.url)
+        try:
+            first = await _call(upstream, "a")
+            late.set()
+            time.sleep(0.1)  # the loop busy: the bytes wait in the socket, unread
+            return [first, await _call(upstream, "b")]
+        finally:
+            await upstream.aclose()
+
+    assert _run(server, go()) == [b"for a", b"for b"]
+    assert server.connections == 2
+
+
+def test_an_answer_dropped_unread_gives_its_connection_back() -> None:
+    server = _Script(lambda conn, _r, n: conn.sendall(_answer(b"%d" % n)))
+
+    async def go() -> bytes:
+        upstream = _upstream(server.url, connections=1)
+        try:
+            request = upstream.request("POST", "/v1/messages", b"", {}, b"{}")
+            answer = await upstream.send(request)
+            del answer  # never read, never closed
+            await asyncio.sleep(0.05)
+            async with asyncio.timeout(2):
+                return await _call(upstream)
+        finally:
+            await upstream.aclose()
+
+    assert _run(server, go()) == b"1"  # on a new connection: the dropped one was closed
+    assert server.connections == 2
+
+
+def test_connections_given_up_as_they_open_are_counted_once() -> None:
+    from pipeline.dropin.upstream_httptools import HttptoolsTransport
+
+    server = _Script(lambda conn, _r, _n: conn.sendall(_answer(b"ok")))
+    transport = HttptoolsTransport(max_connections=50, keepalive_expiry=0)
+    rng = random.Random(3)
+
+    async def go() -> list[int]:
+        counts = []
+        for _ in range(400):  # a connect bound about what a connection takes here
+            bounds = {"connect": rng.uniform(0.00005, 0.0006), "read": 5, "write": 5, "pool": 5}
+            try:
+                answer = await transport.send("POST", server.url + "/x", [], b"{}", bounds)
+                await answer.aread()
+                await answer.aclose()
+            except httpx2.ConnectTimeout:
+                pass
+            await transport.aclose()
+            await asyncio.sleep(0)
+            counts.append(transport._open)
+        return counts
+
+    assert set(_run(server, go())) == {0}  # type: ignore[arg-type]
+
+
+def test_an_http_1_0_answer_kept_alive_is_not_used_again() -> None:
+    def script(conn: socket.socket, _request: bytes, n: int) -> None:
+        conn.sendall(
+            b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 1\r\n\r\n%d" % n
+        )
+
+    server = _Script(script)
+    assert _run(server, _calls(_upstream(server.url), 2)) == [b"1", b"1"]
+    assert server.connections == 2
+
+
+def test_a_header_value_that_starts_or_ends_blank_is_refused() -> None:
+    from pipeline.dropin.upstream_httptools import HttptoolsTransport
+
+    server = _Script(lambda conn, _r, _n: conn.sendall(_answer(b"")))
+    transport = HttptoolsTransport(max_connections=1)
+
+    async def go() -> None:
+        try:
+            for value in (" a", "a\t"):
+                with pytest.raises(httpx2.LocalProtocolError):
+                    await transport.send("POST", server.url + "/x", [("x-v", value)], b"{}", {})
+        finally:
+            await transport.aclose()
+
+    _run(server, go())
+    assert server.connections == 0

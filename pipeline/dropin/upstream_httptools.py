@@ -9,25 +9,34 @@ It sends what it is given and nothing else: the request's own headers (and ``Hos
 ``Content-Length``, as ``httpx2`` writes them), its URL's path and query as written, no cookies,
 no redirects followed, no proxy, the answer's body undecoded (``httpx2`` decodes it). A header
 that HTTP cannot carry as it is (a name that is not a token, a value with a control character
-but a tab) is refused before anything is sent (``httpx2.LocalProtocolError``).
-Certificates are checked against the same authorities as ``httpx2``'s (``SSL_CERT_FILE`` and
-``SSL_CERT_DIR`` honoured), and the answer is read as HTTP/1.1 whatever the server offers.
+but a tab, or one that starts or ends blank) is refused before anything is sent
+(``httpx2.LocalProtocolError``). Certificates are checked against the same authorities as
+``httpx2``'s (``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` honoured).
+
+What it reads: an answer as HTTP/1.1 frames it (a length, chunks, or the connection's end);
+an informational answer (``100 Continue``) before it passed over, one with a body refused, as
+is a ``101`` (nothing asks to switch); a HEAD request's answer ended at its head; trailers not
+read; an answer framed two ways, or a second answer to one request, never read
+(``httpx2.RemoteProtocolError``).
 
 Bounds: at most ``max_connections`` connections (a call past them waits for one, within its
-bound); an idle one closed after ``keepalive_expiry`` seconds, and never used again once its
-server said anything while it was idle (those bytes would be read as the next call's answer --
-another tenant's, maybe); a connection whose answer was not read to its end is closed. An
-answer's head may hold 256 fields of up to 64 KiB each; at most 256 KiB of its body wait to be
-read (the socket is not read meanwhile). Failures are ``httpx2``'s exceptions, so a caller
-tells a timeout from an unreachable upstream as before. It runs on asyncio only: a caller on
-another event loop uses ``httpx2``'s own transport (:class:`~pipeline.dropin.upstream.Upstream`
-chooses per call).
+bound: ``httpx2.PoolTimeout``); an idle one closed after ``keepalive_expiry`` seconds, and never
+used again once its server said anything while it was idle, read or still in the socket (those
+bytes would be read as the next call's answer -- another tenant's, maybe); a connection whose
+answer was not read to its end, whose call gave up, or whose answer came as HTTP/1.0 is closed,
+and one whose answer was dropped unread is closed when it is let go of. An answer's head may
+take 256 KiB (256 fields of up to 64 KiB each), a chunk's line or the trailers 64 KiB; at most
+256 KiB of its body wait to be read (the socket is not read meanwhile). Failures are
+``httpx2``'s exceptions, so a caller tells a timeout from an unreachable upstream as before.
+It runs on asyncio only: a caller on another event loop uses ``httpx2``'s own transport
+(:class:`~pipeline.dropin.upstream.Upstream` chooses per call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import select
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -39,11 +48,13 @@ import httpx2
 __all__ = ["HttptoolsTransport"]
 
 HEAD_FIELD = 64 * 1024
-"""The longest status line, and header field (name and value), of an answer read."""
+"""The longest status line, and header field (name and value), of an answer read; also the
+most bytes read past an answer's head with nothing of its body in them (a chunk's line)."""
 HEAD_FIELDS = 256
 """The most header fields an answer may have."""
-_HEAD_BYTES = (HEAD_FIELDS + 1) * (HEAD_FIELD + 4)
-"""The most bytes an answer's head may take (each field at its longest, and the status line)."""
+HEAD_BYTES = 256 * 1024
+"""The most bytes an answer's head may take, informational answers before it included (llhttp
+copies a field's value again with each piece of it: a head is kept short)."""
 BODY_HELD = 256 * 1024
 """Bytes of an answer's body held unread before its connection stops reading."""
 _JOINED = 64 * 1024
@@ -52,6 +63,7 @@ request); a longer one in a write of its own, not copied."""
 _TARGETS_KEPT = 64
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _UNSENDABLE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_BLANKS = (b" ", b"\t")
 """What a header value may not hold: a control character but the tab (a line break would
 start a header of the caller's making)."""
 
@@ -85,6 +97,11 @@ class _Connection(asyncio.Protocol):
         self.reason = b""
         self.fields: list[tuple[bytes, bytes]] = []
         self.head_bytes = 0
+        self.stalled = 0
+        """Bytes read past the head since the body last moved on."""
+        self.moved = False
+        self.head_only = False
+        """The answer to a HEAD request: its head is all of it."""
         self.head_done = False
         self.informational = False
         self.to_close = False
@@ -97,9 +114,11 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
 
     # -- the call's side ----------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        """A new answer to read on this connection: the future of its head."""
+    def start(self, loop: asyncio.AbstractEventLoop, method: str) -> asyncio.Future[None]:
+        """A new answer to read on this connection (to a ``method`` request): the future of
+        its head."""
         self._begin_answer()
+        self.head_only = method == "HEAD"
         self.busy = True
         self.head = loop.create_future()
         return self.head
@@ -133,9 +152,10 @@ class _Connection(asyncio.Protocol):
             return
         if not self.head_done:
             self.head_bytes += len(data)
-            if self.head_bytes > _HEAD_BYTES:
+            if self.head_bytes > HEAD_BYTES:
                 self._fail(httpx2.RemoteProtocolError("the answer's head is too long"))
                 return
+        self.moved = False
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
@@ -145,6 +165,12 @@ class _Connection(asyncio.Protocol):
                 self._fail(httpx2.RemoteProtocolError("the upstream switched protocols"))
             else:
                 self._fail(httpx2.RemoteProtocolError(f"not an HTTP/1.1 answer: {exc}"))
+            return
+        if self.head_done and not self.complete:
+            # a chunk's line, a trailer: bounded like a field of the head
+            self.stalled = 0 if self.moved else self.stalled + len(data)
+            if self.stalled > HEAD_FIELD:
+                self._fail(httpx2.RemoteProtocolError("the answer's framing is too long"))
 
     def eof_received(self) -> bool:
         return False  # the transport closes: connection_lost tells the rest
@@ -179,6 +205,8 @@ class _Connection(asyncio.Protocol):
             raise _Refused("the answer's status line is too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:  # a trailer: not read
+            return
         if len(self.fields) >= HEAD_FIELDS:
             raise _Refused(f"the answer has more than {HEAD_FIELDS} header fields")
         if len(name) + len(value) > HEAD_FIELD:
@@ -187,19 +215,33 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
+        framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.fields)
+        if status == 101:
+            raise _Refused("the upstream switched protocols unasked")
+        if 100 <= status < 200:
+            if framed:  # llhttp would read it a body, the next answer's start
+                raise _Refused("an informational answer with a body")
             # an informational answer (100 Continue...): the real one follows
             self.informational = True
             self.fields, self.reason = [], b""
             return
         self.status = status
         self.head_done = True
-        framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.fields)
-        self.to_close = not framed and status not in (204, 304)
+        self.moved = True
+        self.to_close = not framed and status not in (204, 304) and not self.head_only
+        if self.parser.get_http_version() != "1.1":
+            self.reusable = False  # HTTP/1.0 kept alive: as h11, never used again
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
+        if self.head_only:
+            # llhttp is not told of HEAD: it would wait for the body the length announces
+            self.reusable = False
+            self.on_message_complete()
 
     def on_body(self, body: bytes) -> None:
+        self.moved = True
+        if self.complete:  # (a HEAD's answer: its head was all of it)
+            return
         self.chunks.append(body)
         self.held += len(body)
         if self.held > BODY_HELD and not self.paused and self.transport is not None:
@@ -207,9 +249,17 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()
         self._wake()
 
+    def on_chunk_header(self) -> None:
+        self.moved = True
+
+    def on_chunk_complete(self) -> None:
+        self.moved = True
+
     def on_message_complete(self) -> None:
         if self.informational:
             self.informational = False
+            return
+        if self.complete:
             return
         self.complete = True
         if not self.parser.should_keep_alive() or self.to_close:
@@ -248,6 +298,15 @@ class _Body(httpx2.AsyncByteStream):
     def __init__(self, pool: HttptoolsTransport, conn: _Connection, read: float | None) -> None:
         self.pool, self.conn, self.read = pool, conn, read
         self.done = False
+
+    def __del__(self) -> None:
+        # an answer dropped unclosed (its reader failed before reading it): its connection
+        # is closed, not held out of the pool for ever -- on its loop, whichever thread
+        # lets go of it
+        if not self.done:
+            loop = self.pool.loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self.pool.discard, self.conn)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self.conn
@@ -344,7 +403,9 @@ class HttptoolsTransport(httpx2.AsyncBaseTransport):
         try:
             async with asyncio.timeout(bound):
                 conn = await self._connection(target.origin, timeouts.get("connect"), loop)
-                answered = conn.start(loop)
+                if conn.gone:  # closed as it opened
+                    raise httpx2.ConnectError("the upstream closed the connection at once")
+                answered = conn.start(loop, method)
                 transport = conn.transport
                 assert transport is not None
                 if len(content) <= _JOINED:
@@ -355,8 +416,9 @@ class HttptoolsTransport(httpx2.AsyncBaseTransport):
                 async with asyncio.timeout(timeouts.get("read")):  # no word for that long
                     await answered
         except TimeoutError:
-            if conn is not None:
-                self.discard(conn)
+            if conn is None:
+                raise httpx2.PoolTimeout("no connection to the upstream came free") from None
+            self.discard(conn)
             raise httpx2.ReadTimeout("the upstream did not answer in time") from None
         except BaseException:
             if conn is not None:
@@ -370,6 +432,11 @@ class HttptoolsTransport(httpx2.AsyncBaseTransport):
         )
 
     # -- the pool -----------------------------------------------------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop its connections are on (None before the first call)."""
+        return self._loop
+
     def _here(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
@@ -391,17 +458,11 @@ class HttptoolsTransport(httpx2.AsyncBaseTransport):
                 if conn.idle_timer is not None:
                     conn.idle_timer.cancel()
                     conn.idle_timer = None
-                if conn.reusable and not conn.gone:
+                if conn.reusable and not conn.gone and not _said_something(conn):
                     return conn
                 self.discard(conn)
             if self._open < self._limit:
-                self._open += 1
-                try:
-                    return await self._connect(origin, connect, loop)
-                except BaseException:
-                    self._open -= 1
-                    self._wake_one()
-                    raise
+                return await self._connect(origin, connect, loop)
             # all taken: an idle one elsewhere makes room, else wait for one to end
             other = next((c for kept in self._idle.values() for c in kept), None)
             if other is not None:
@@ -423,19 +484,33 @@ class HttptoolsTransport(httpx2.AsyncBaseTransport):
     ) -> _Connection:
         scheme, host, port = origin
         tls = self._ssl if scheme == "https" else None
+        made: list[_Connection] = []
+
+        def made_here() -> _Connection:
+            made.append(_Connection(self, origin))
+            return made[0]
+
+        self._open += 1  # counted out once by discard() when made, else here
         try:
             async with asyncio.timeout(bound):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(self, origin),
+                    made_here,
                     host,
                     port,
                     ssl=tls,
                     server_hostname=host if tls is not None else None,
                 )
-        except TimeoutError:
-            raise httpx2.ConnectTimeout(f"connecting to {host}:{port} took too long") from None
-        except OSError as exc:  # ssl.SSLError too: a certificate refused
-            raise httpx2.ConnectError(str(exc) or type(exc).__name__) from exc
+        except BaseException as exc:
+            if made:
+                self.discard(made[0])
+            else:
+                self._open -= 1
+                self._wake_one()
+            if isinstance(exc, TimeoutError):
+                raise httpx2.ConnectTimeout(f"connecting to {host}:{port} took too long") from None
+            if isinstance(exc, OSError):  # ssl.SSLError too: a certificate refused
+                raise httpx2.ConnectError(str(exc) or type(exc).__name__) from exc
+            raise
         return conn
 
     def release(self, conn: _Connection) -> None:
@@ -535,6 +610,24 @@ def _request_head(method: str, target: bytes, headers: list[tuple[str, str]], le
             raise httpx2.LocalProtocolError(f"not a header name HTTP can carry: {name[:40]!r}")
         if _UNSENDABLE.search(raw_value):
             raise httpx2.LocalProtocolError(f"header {name[:40]} holds a control character")
+        if raw_value[:1] in _BLANKS or raw_value[-1:] in _BLANKS:
+            raise httpx2.LocalProtocolError(f"header {name[:40]} starts or ends blank")
         lines += (raw_name, b": ", raw_value, b"\r\n")
     lines.append(b"Content-Length: %d\r\n\r\n" % length)
     return b"".join(lines)
+
+
+def _said_something(conn: _Connection) -> bool:
+    """Whether the server sent bytes on ``conn`` that the loop has not read yet (an idle
+    connection about to serve a call: those bytes would be read as its answer). A connection
+    whose socket cannot be polled counts as having spoken."""
+    transport = conn.transport
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is None:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True

@@ -33,7 +33,9 @@ def dot(a: Sequence[float], b: Sequence[float]) -> float:
     """The dot product of two equally long vectors (``ValueError`` if they are not)."""
     if len(a) != len(b):
         raise ValueError(f"dot of vectors of {len(a)} and {len(b)} elements")
-    total: float = sum(map(operator.mul, a, b))  # the products added in a loop's order
+    # the products added by sum(): in a loop's order (compensated from Python 3.12 on);
+    # FamilyModel.update adds its sums alike
+    total: float = sum(map(operator.mul, a, b))
     return total
 
 
@@ -76,7 +78,7 @@ class FamilyModel:
         p, mul = self.p, operator.mul
         if len(x) != len(CLASSES):
             raise ValueError(f"dot of vectors of {len(CLASSES)} and {len(x)} elements")
-        # each sum as dot() adds it (in order, from 0.0): the same floats, without a call each
+        # each sum as dot() adds it (by sum(), from 0.0): the same floats, without a call each
         px = [sum(map(mul, row, x), 0.0) for row in p]
         s = sum(map(mul, x, px), 0.0)
         y_hat = sum(map(mul, self.mult, x), 0.0)

@@ -37,12 +37,17 @@ BOM = "\ufeff"
 """A byte order mark some editors write at a file's start (read past, never written)."""
 
 
+_UNESCAPED = json.JSONEncoder(ensure_ascii=False).encode
+"""``json.dumps(value, ensure_ascii=False)``, its encoder made once (``json.dumps`` makes one
+per call for any option but its defaults)."""
+
+
 def _encode_line(record: Mapping[str, Any]) -> bytes:
     """One JSONL line. Text read from invalid UTF-8 (surrogate escapes) goes back as the same
     bytes; a lone surrogate from a JSON escape has no UTF-8 form, so such a record is written
     with ASCII escapes (it loads back as the same string)."""
     try:
-        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape")
+        return (_UNESCAPED(record) + "\n").encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
         return (json.dumps(record) + "\n").encode("ascii")
 

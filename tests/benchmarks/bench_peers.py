@@ -26,13 +26,14 @@ Code sends them (raw UTF-8, its system prompt with a character past U+FFFF), not
 2. **Throughput.** ``--concurrency`` conversations at 100 messages at once, each sending calls back
    to back for a few seconds: requests a second, p50/p99 latency and the CPU its process spent
    a request (Linux) per target; also the proxy with its store on tmpfs (``/dev/shm``, where an
-   fsync costs nothing), when there is one. 2b: the proxy's CPU a call under that load against
-   the same load where every call opens a new conversation (a first call): what a call that
-   adds a round costs, and the first calls' share of the load's CPU. On a machine the load
-   keeps busy, the ratio of requests a second follows the ratio of all three processes' CPU a
-   request (the load's client and the upstream share it); the ratio of the forwarder's own CPU
-   a request to the proxy's, printed beside it, is what the proxy would serve against the
-   forwarder where each alone was the bottleneck.
+   fsync costs nothing), when there is one, and the proxy with its upstream calls on aiohttp
+   (``--upstream-client aiohttp``) where aiohttp is installed. 2b: the proxy's CPU a call under
+   that load against the same load where every call opens a new conversation (a first call):
+   what a call that adds a round costs, and the first calls' share of the load's CPU. On a
+   machine the load keeps busy, the ratio of requests a second follows the ratio of all three
+   processes' CPU a request (the load's client and the upstream share it); the ratio of the
+   forwarder's own CPU a request to the proxy's, printed beside it, is what the proxy would
+   serve against the forwarder where each alone was the bottleneck.
 3. **Per-call work at the wire.** ``WireSession.prepare`` (the drop-in path, no HTTP) per call at
    1K-20K messages, and the exponent of its growth (log-log fit): 1.0 is linear in history.
    3b: the same once the history snip has acted, with a ``cache_control`` mark on the last
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -198,11 +200,16 @@ def cpu_seconds(pid: int | None) -> float | None:
 
 
 @contextlib.contextmanager
-def proxy_command(upstream: str, store: Path) -> Iterator[str]:
-    """``python -m pipeline proxy`` as users run it; yields its URL."""
+def proxy_command(upstream: str, store: Path, *extra: str) -> Iterator[str]:
+    """``python -m pipeline proxy`` as users run it (``extra``: more of its options); yields
+    its URL."""
     from tests.wire_support import process_running, proxy_process
 
-    with proxy_process(upstream, store, "--max-connections", "1024") as (url, _lines, _code):
+    with proxy_process(upstream, store, "--max-connections", "1024", *extra) as (
+        url,
+        _lines,
+        _code,
+    ):
         pid = process_running("pipeline", "proxy", str(store))
         if pid is not None:
             PIDS[url] = pid
@@ -829,6 +836,11 @@ def main() -> int:
                 shm = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=memory)))
                 loads["proxy (tmpfs store)"] = stack.enter_context(
                     proxy_command(upstream, shm / "p")
+                )
+            if importlib.util.find_spec("aiohttp") is not None:
+                # the upstream calls on aiohttp, as before httptools' client was the default
+                loads["proxy (aiohttp)"] = stack.enter_context(
+                    proxy_command(upstream, store / "a", "--upstream-client", "aiohttp")
                 )
             throughput(loads, args.concurrency, args.seconds, args.rounds)
         if "firstcpu" not in skip:
