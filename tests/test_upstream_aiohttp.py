@@ -26,40 +26,20 @@ from pipeline.dropin.upstream_aiohttp import AiohttpTransport
 from pipeline.dropin.upstream_httptools import HttptoolsTransport
 from pipeline.testing import Reply, ScriptedMessagesServer
 from tests.cli_support import clean_env
-from tests.wire_support import RawUpstream, proxy_process, read_request
+from tests.wire_support import RawUpstream, ScriptedUpstream, proxy_process, read_request
 
 FAST = ("httptools", "aiohttp")
 CLIENTS = (*FAST, "httpx2")
 TRANSPORTS = {"httptools": HttptoolsTransport, "aiohttp": AiohttpTransport}
 
 
-class _Scripted(RawUpstream):
+class _Scripted(ScriptedUpstream):
     """Answers requests on each connection by ``script(conn, n)``, n counting from 1 on each,
     each connection in a thread of its own; records each request's raw bytes and counts
     connections."""
 
-    threaded = True
-
     def __init__(self, script: Callable[[socket.socket, int], None]) -> None:
-        self.script, self.connections, self.requests = script, 0, []
-        super().__init__()
-
-    def answer(self, conn: socket.socket) -> None:
-        self.connections += 1
-        n = 0
-        while True:
-            try:
-                request = read_request(conn)
-            except OSError:
-                return
-            if not request:
-                return
-            n += 1
-            self.requests.append(request)
-            try:
-                self.script(conn, n)
-            except OSError:
-                return
+        super().__init__(lambda conn, _request, n: script(conn, n))
 
 
 class _Recording(_Scripted):

@@ -16,37 +16,9 @@ import pytest
 
 from pipeline.dropin.upstream import Upstream
 from pipeline.dropin.upstream_httptools import BODY_HELD, HEAD_FIELD, HEAD_FIELDS
-from tests.wire_support import RawUpstream, read_request
+from tests.wire_support import RawUpstream, ScriptedUpstream
 
-
-class _Script(RawUpstream):
-    """Each connection in a thread of its own, each request on it answered by
-    ``script(conn, request, n)`` (n counting from 1 on each connection); counts connections."""
-
-    threaded = True
-
-    def __init__(self, script: object) -> None:
-        self.script, self.connections, self.requests = script, 0, []
-        self.lock = threading.Lock()
-        super().__init__()
-
-    def answer(self, conn: socket.socket) -> None:
-        with self.lock:
-            self.connections += 1
-        n = 0
-        while True:
-            try:
-                request = read_request(conn)
-            except OSError:
-                return
-            if not request:
-                return
-            n += 1
-            self.requests.append(request)
-            try:
-                self.script(conn, request, n)  # type: ignore[operator]
-            except OSError:
-                return
+_Script = ScriptedUpstream
 
 
 def _upstream(url: str, *, timeout: float = 10.0, connections: int = 4) -> Upstream:

@@ -302,6 +302,38 @@ class RawUpstream:
         raise NotImplementedError
 
 
+class ScriptedUpstream(RawUpstream):
+    """Each connection in a thread of its own, each request on it answered by
+    ``script(conn, request, n)`` (``n`` counting from 1 on each connection); keeps every
+    request's raw bytes (``requests``) and counts connections (``connections``)."""
+
+    threaded = True
+
+    def __init__(self, script: Callable[[socket.socket, bytes, int], None]) -> None:
+        self.script, self.connections = script, 0
+        self.requests: list[bytes] = []
+        self._counting = threading.Lock()
+        super().__init__()
+
+    def answer(self, conn: socket.socket) -> None:
+        with self._counting:
+            self.connections += 1
+        n = 0
+        while True:
+            try:
+                request = read_request(conn)
+            except OSError:
+                return
+            if not request:
+                return
+            n += 1
+            self.requests.append(request)
+            try:
+                self.script(conn, request, n)
+            except OSError:
+                return
+
+
 def read_request(conn: socket.socket) -> bytes:
     """The whole of one request read from ``conn`` (its head, then as many bytes as its
     ``content-length`` says): a socket closed with bytes left unread resets the connection,

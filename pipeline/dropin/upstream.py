@@ -37,8 +37,7 @@ from pipeline.dropin.upstream_sockets import known_sockets
 if TYPE_CHECKING:
     from starlette.types import Receive
 
-    from pipeline.dropin.upstream_aiohttp import AiohttpTransport
-    from pipeline.dropin.upstream_httptools import HttptoolsTransport
+    from pipeline.dropin.upstream_fast import FastTransport
 
 __all__ = ["CLIENTS", "Outgoing", "Target", "Upstream", "choose_client", "unless_left"]
 
@@ -251,9 +250,7 @@ def _aiohttp_unusable() -> str | None:
     return usable()
 
 
-def _fast_transport(
-    name: str, max_connections: int
-) -> HttptoolsTransport | AiohttpTransport | None:
+def _fast_transport(name: str, max_connections: int) -> FastTransport | None:
     if name == "httptools":
         from pipeline.dropin.upstream_httptools import HttptoolsTransport
 

@@ -29,10 +29,10 @@ import aiohttp
 import httpx2
 import yarl
 
+from pipeline.dropin.upstream_fast import FastTransport, head_bound
+
 __all__ = ["AiohttpTransport"]
 
-_NOT_SENT = frozenset((b"host", b"content-length", b"transfer-encoding"))
-"""Headers aiohttp writes itself from the URL and the body (as ``httpx2`` does)."""
 _SSL_SHUTDOWN_LEAKS = sys.version_info < (3, 12, 8) or (3, 13, 0) <= sys.version_info < (3, 13, 1)
 """Whether asyncio keeps a TLS connection whose server never completes its shutdown (fixed in
 3.12.8 and 3.13.1): aiohttp then aborts such a connection after two seconds, if asked."""
@@ -80,7 +80,7 @@ def _spoke_unasked(protocol: Any) -> bool:
     return protocol is None or bool(protocol.should_close)
 
 
-class AiohttpTransport(httpx2.AsyncBaseTransport):
+class AiohttpTransport(FastTransport):
     """``httpx2.AsyncBaseTransport`` on an aiohttp session: at most ``max_connections``
     connections, idle ones closed after ``keepalive_expiry`` seconds; ``ssl_context``: the
     certificate checks (default: ``httpx2``'s). Each request's ``timeout`` extension (as
@@ -144,17 +144,6 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
             self._session, self._loop = session, loop
         return session
 
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        """Send ``request``; its answer with the body still to read."""
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in request.headers.raw
-            if k.lower() not in _NOT_SENT
-        ]
-        content = await request.aread()  # its content, read now if it was a stream
-        timeouts = request.extensions.get("timeout", {})
-        return await self.send(request.method, str(request.url), headers, content, timeouts)
-
     async def send(
         self,
         method: str,
@@ -163,9 +152,8 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         content: bytes,
         timeouts: Mapping[str, float | None],
     ) -> httpx2.Response:
-        """:meth:`handle_async_request` of a request already taken apart (``url``: as written,
-        sent without re-quoting; ``headers``: each value's characters its bytes, none of
-        ``Host``, ``Content-Length``; ``timeouts``: as ``httpx2`` writes them)."""
+        """:meth:`FastTransport.send <pipeline.dropin.upstream_fast.FastTransport.send>`
+        (the URL sent without re-quoting)."""
         head, bounds = self._bounds(timeouts)
         session = self._session_here()
         target = self._targets.get(url)
@@ -202,10 +190,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         last = self._last_bounds
         if last is not None and last[0] == timeouts:
             return last[1], last[2]
-        limits = [t for t in (timeouts.get(k) for k in ("read", "write", "pool")) if t is not None]
-        # past connecting's own bound: a server that never accepts is told by that one
-        # (ConnectTimeout: unreachable, 502), not by this (ReadTimeout: slow, 504)
-        head = max(limits) + (timeouts.get("connect") or 0.0) if limits else None
+        head = head_bound(timeouts)
         bounds = aiohttp.ClientTimeout(
             total=None,
             connect=None,

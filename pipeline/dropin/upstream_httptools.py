@@ -45,6 +45,8 @@ from typing import NamedTuple
 import httptools
 import httpx2
 
+from pipeline.dropin.upstream_fast import FastTransport, head_bound
+
 __all__ = ["HttptoolsTransport"]
 
 HEAD_FIELD = 64 * 1024
@@ -336,7 +338,7 @@ class _Body(httpx2.AsyncByteStream):
         self.pool.release(self.conn)
 
 
-class HttptoolsTransport(httpx2.AsyncBaseTransport):
+class HttptoolsTransport(FastTransport):
     """``httpx2.AsyncBaseTransport`` on asyncio's connections: at most ``max_connections``
     connections, idle ones closed after ``keepalive_expiry`` seconds; ``ssl_context``: the
     certificate checks (default: ``httpx2``'s). Each request's ``timeout`` extension (as
@@ -372,17 +374,6 @@ class HttptoolsTransport(httpx2.AsyncBaseTransport):
         closes its connection rather than keeping it."""
         self._last_bounds: tuple[dict[str, float | None], float | None] | None = None
 
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        """Send ``request``; its answer with the body still to read."""
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in request.headers.raw
-            if k.lower() not in (b"host", b"content-length", b"transfer-encoding")
-        ]
-        content = await request.aread()
-        timeouts = request.extensions.get("timeout", {})
-        return await self.send(request.method, str(request.url), headers, content, timeouts)
-
     async def send(
         self,
         method: str,
@@ -391,9 +382,7 @@ class HttptoolsTransport(httpx2.AsyncBaseTransport):
         content: bytes,
         timeouts: Mapping[str, float | None],
     ) -> httpx2.Response:
-        """:meth:`handle_async_request` of a request already taken apart (``url``: as written,
-        its path and query sent as they are; ``headers``: each value's characters its bytes,
-        none of ``Host``, ``Content-Length``; ``timeouts``: as ``httpx2`` writes them)."""
+        """:meth:`FastTransport.send <pipeline.dropin.upstream_fast.FastTransport.send>`."""
         loop = self._here()
         self._closing = False
         target = self._target(url)
@@ -580,10 +569,7 @@ class HttptoolsTransport(httpx2.AsyncBaseTransport):
         last = self._last_bounds
         if last is not None and last[0] == timeouts:
             return last[1]
-        limits = [t for t in (timeouts.get(k) for k in ("read", "write", "pool")) if t is not None]
-        # past connecting's own bound: a server that never accepts is told by that one
-        # (ConnectTimeout: unreachable, 502), not by this (ReadTimeout: slow, 504)
-        bound = max(limits) + (timeouts.get("connect") or 0.0) if limits else None
+        bound = head_bound(timeouts)
         self._last_bounds = (dict(timeouts), bound)
         return bound
 
