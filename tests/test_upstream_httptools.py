@@ -96,19 +96,7 @@ def test_an_answer_past_the_bounds_or_framed_two_ways_is_refused(head: bytes) ->
     def script(conn: socket.socket, _request: bytes, _n: int) -> None:
         conn.sendall(b"HTTP/1.1 200 OK\r\n" + head + b"\r\nabcd")
 
-    server = _Script(script)
-
-    async def go() -> type[BaseException]:
-        upstream = _upstream(server.url)
-        try:
-            await _call(upstream)
-        except httpx2.HTTPError as exc:
-            return type(exc)
-        finally:
-            await upstream.aclose()
-        raise AssertionError("read")
-
-    assert _run(server, go()) is httpx2.RemoteProtocolError
+    assert _failure_of(_Script(script)) is httpx2.RemoteProtocolError
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
