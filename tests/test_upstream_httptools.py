@@ -10,13 +10,14 @@ import random
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx2
 import pytest
 
 from pipeline.dropin.upstream import Upstream
 from pipeline.dropin.upstream_httptools import BODY_HELD, HEAD_FIELD, HEAD_FIELDS
-from tests.wire_support import RawUpstream, ScriptedUpstream
+from tests.wire_support import RawUpstream, ScriptedUpstream, read_request
 
 _Script = ScriptedUpstream
 
@@ -411,3 +412,38 @@ def test_a_header_value_that_starts_or_ends_blank_is_refused() -> None:
 
     _run(server, go())
     assert server.connections == 0
+
+
+def test_over_tls_it_offers_http_1_1_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a server that would pick h2 when offered it: this client speaks HTTP/1.1 only
+    import ssl
+
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ca.issue_cert("127.0.0.1").configure_cert(served)
+    served.set_alpn_protocols(["h2", "http/1.1"])
+    ca_file = f"{tmp_path}/ca.pem"
+    ca.cert_pem.write_to_path(ca_file)
+    monkeypatch.setenv("SSL_CERT_FILE", ca_file)
+    chosen: list[str | None] = []
+
+    class Tls(RawUpstream):
+        def answer(self, conn: socket.socket) -> None:
+            with served.wrap_socket(conn, server_side=True) as tls:
+                chosen.append(tls.selected_alpn_protocol())
+                read_request(tls)  # type: ignore[arg-type]
+                tls.sendall(_answer(b"ok"))
+
+    server = Tls()
+    url = server.url.replace("http://", "https://")
+
+    async def go() -> bytes:
+        upstream = _upstream(url)
+        try:
+            return await _call(upstream)
+        finally:
+            await upstream.aclose()
+
+    assert _run(server, go()) == b"ok"
+    assert chosen == ["http/1.1"]

@@ -362,7 +362,10 @@ class HttptoolsTransport(FastTransport):
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self._limit = max_connections
         self._expiry = keepalive_expiry
-        self._ssl = ssl_context if ssl_context is not None else httpx2.create_ssl_context()
+        if ssl_context is None:
+            ssl_context = httpx2.create_ssl_context()
+            ssl_context.set_alpn_protocols(["http/1.1"])  # the one this client speaks
+        self._ssl = ssl_context
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open = 0
         """Connections open or opening."""
