@@ -11,7 +11,8 @@ no redirects followed, no proxy, the answer's body undecoded (``httpx2`` decodes
 that HTTP cannot carry as it is (a name that is not a token, a value with a control character
 but a tab, or one that starts or ends blank) is refused before anything is sent
 (``httpx2.LocalProtocolError``). Certificates are checked against the same authorities as
-``httpx2``'s (``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` honoured).
+``httpx2``'s (``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` honoured), and over TLS it offers HTTP/1.1
+alone (ALPN), the one protocol it reads.
 
 What it reads: an answer as HTTP/1.1 frames it (a length, chunks, or the connection's end);
 an informational answer (``100 Continue``) before it passed over, one with a body refused, as
