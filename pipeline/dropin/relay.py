@@ -5,7 +5,6 @@ usage read on the way for the conversation's session, its end reported (see
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ from pipeline.dropin.event_stream import EventStreamUsage
 from pipeline.dropin.limits import MAX_ANSWER_BYTES
 from pipeline.dropin.wire_request import CLIENT_LEFT, WireRequest
 from pipeline.logs import get_logger
+from pipeline.wire.encoding import loads_body
 
 __all__ = ["relay"]
 
@@ -221,7 +221,7 @@ class _UsageReader:
     async def observe_json(self, body: bytes) -> None:
         """A JSON body's id and usage to the session (nothing when it holds none)."""
         try:
-            message = json.loads(body)
+            message, _ = loads_body(body)  # msgspec's, the standard library's where it refuses
         except ValueError:
             return
         if not isinstance(message, dict):
