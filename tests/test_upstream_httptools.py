@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from pipeline.dropin.h1_connection import BODY_HELD, HEAD_BYTES, HEAD_FIELD, HEAD_FIELDS
 from pipeline.dropin.upstream import Upstream
-from pipeline.dropin.upstream_httptools import BODY_HELD, HEAD_FIELD, HEAD_FIELDS
+from pipeline.dropin.upstream_httptools import HttptoolsTransport
 from tests.wire_support import RawUpstream, ScriptedUpstream, read_request
 
 _Script = ScriptedUpstream
@@ -195,8 +196,6 @@ def test_a_call_given_up_while_it_waits_frees_its_connection() -> None:
 
 
 def test_an_idle_connection_is_closed_after_its_expiry() -> None:
-    from pipeline.dropin.upstream_httptools import HttptoolsTransport
-
     server = _Script(lambda conn, _request, n: conn.sendall(_answer(b"%d" % n)))
     transport = HttptoolsTransport(max_connections=2, keepalive_expiry=0.2)
 
@@ -226,8 +225,6 @@ def test_an_idle_connection_is_closed_after_its_expiry() -> None:
 def test_a_request_http_cannot_carry_is_refused_before_a_byte_goes(
     method: str, headers: list[tuple[str, str]]
 ) -> None:
-    from pipeline.dropin.upstream_httptools import HttptoolsTransport
-
     server = _Script(lambda conn, _request, _n: conn.sendall(_answer(b"")))
     transport = HttptoolsTransport(max_connections=1)
 
@@ -247,8 +244,6 @@ def test_a_request_http_cannot_carry_is_refused_before_a_byte_goes(
 
 def _failure_of(server: RawUpstream, method: str = "POST", timeout: float = 3.0) -> object:
     """What a call to ``server`` ends in: the answer's status and body, or its error's type."""
-    from pipeline.dropin.upstream_httptools import HttptoolsTransport
-
     transport = HttptoolsTransport(max_connections=2)
     bounds = {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
 
@@ -305,8 +300,6 @@ def test_trailers_are_bounded() -> None:
 
 
 def test_a_head_past_its_bound_is_refused() -> None:
-    from pipeline.dropin.upstream_httptools import HEAD_BYTES
-
     def script(conn: socket.socket, _request: bytes, _n: int) -> None:
         conn.sendall(b"HTTP/1.1 200 OK\r\n")
         for k in range(HEAD_BYTES // 60_000 + 2):  # fields each within their bound
@@ -361,8 +354,6 @@ def test_an_answer_dropped_unread_gives_its_connection_back() -> None:
 
 
 def test_connections_given_up_as_they_open_are_counted_once() -> None:
-    from pipeline.dropin.upstream_httptools import HttptoolsTransport
-
     server = _Script(lambda conn, _r, _n: conn.sendall(_answer(b"ok")))
     transport = HttptoolsTransport(max_connections=50, keepalive_expiry=0)
     rng = random.Random(3)
@@ -397,8 +388,6 @@ def test_an_http_1_0_answer_kept_alive_is_not_used_again() -> None:
 
 
 def test_a_header_value_that_starts_or_ends_blank_is_refused() -> None:
-    from pipeline.dropin.upstream_httptools import HttptoolsTransport
-
     server = _Script(lambda conn, _r, _n: conn.sendall(_answer(b"")))
     transport = HttptoolsTransport(max_connections=1)
 

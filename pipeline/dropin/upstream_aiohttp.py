@@ -101,14 +101,14 @@ class AiohttpTransport(FastTransport):
         keepalive_expiry: float = 5.0,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        super().__init__(
+            max_connections=max_connections,
+            keepalive_expiry=keepalive_expiry,
+            ssl_context=ssl_context,
+        )
         unusable = usable()
         if unusable is not None:
             raise ValueError(unusable)
-        self._limit = max_connections
-        self._expiry = keepalive_expiry
-        self._ssl = ssl_context if ssl_context is not None else httpx2.create_ssl_context()
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._targets: dict[str, yarl.URL] = {}

@@ -4,6 +4,7 @@ transport whose calls come taken apart (:meth:`~FastTransport.send`), as
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 
 import httpx2
@@ -24,7 +25,23 @@ def head_bound(timeouts: Mapping[str, float | None]) -> float | None:
 
 
 class FastTransport(httpx2.AsyncBaseTransport):
-    """An ``httpx2`` transport whose work is :meth:`send`: a request taken apart."""
+    """An ``httpx2`` transport whose work is :meth:`send`: a request taken apart; at most
+    ``max_connections`` connections (``ValueError`` below 1), idle ones closed after
+    ``keepalive_expiry`` seconds; ``ssl_context``: the certificate checks (default:
+    ``httpx2``'s)."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        keepalive_expiry: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self._limit = max_connections
+        self._expiry = keepalive_expiry
+        self._ssl = ssl_context if ssl_context is not None else httpx2.create_ssl_context()
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         """Send ``request``; its answer with the body still to read."""
