@@ -72,6 +72,17 @@ def seconds(text: str) -> float:
     return _seconds_up_to(text, 3_600)
 
 
+def log_flush_seconds(text: str) -> float:
+    """``--log-flush``: 0 (each line at once) to 60 seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not math.isfinite(value) or not 0 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 60 s, got {text[:40]!r}")
+    return value
+
+
 def upstream_seconds(text: str) -> float:
     return _seconds_up_to(text, 86_400)
 

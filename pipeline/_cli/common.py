@@ -368,16 +368,23 @@ class Telemetry:
 
 @contextlib.contextmanager
 def telemetry(
-    args: argparse.Namespace, *, metrics: bool = False, verbosity: int = 0
+    args: argparse.Namespace,
+    *,
+    metrics: bool = False,
+    verbosity: int = 0,
+    log_flush: float = 0.0,
 ) -> Iterator[Telemetry]:
     """Logging, tracing and (``metrics=True``) metrics from the options and the standard
     ``OTEL_*`` variables -- the one set-up of every command -- flushed and undone on exit.
-    ``verbosity``: added to ``-v`` (a server logs its requests by default).
+    ``verbosity``: added to ``-v`` (a server logs its requests by default); ``log_flush``:
+    seconds an info line may wait to be written with others (a server's, ``--log-flush``).
 
     The logging set-up (a stderr handler on the ``sluicegate`` logger) is undone afterwards, so
     ``main()`` can be called in-process (tests, notebooks) without leaving a handler bound to
     this run's stderr."""
-    restore_logging = configure_logging(args.verbose + verbosity, args.log_json)
+    restore_logging = configure_logging(
+        args.verbose + verbosity, args.log_json, flush_every=log_flush
+    )
     tracer_provider: TracerProvider | None = None
     meter_provider: MeterProvider | None = None
     try:

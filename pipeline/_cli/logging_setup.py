@@ -21,6 +21,7 @@ from typing import IO, Any
 import structlog
 from structlog.typing import Processor
 
+from pipeline._cli.batched_lines import BatchedLines
 from pipeline._cli.log_lines import LogLines
 from pipeline._cli.safe_text import terminal_safe
 from pipeline.logs import LOGGER_NAME, get_logger
@@ -38,18 +39,20 @@ SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "asyncio")
 """Loggers whose own handlers (uvicorn's logging configuration from an earlier run in the
 process) are set aside under ``--log-json``: their lines reach the root logger's JSON handler."""
 
-_JSON_RUNS: list[bool] = []
-"""Whether each configuration in force (innermost last) writes JSON lines."""
+_RUNS: list[tuple[bool, logging.Handler]] = []
+"""Each configuration in force (innermost last): whether it writes JSON lines, its handler."""
 
 
 def say(text: str, event: str, *, error: bool = False) -> None:
     """A notice of the command's own on stderr: ``text`` as it is, or, while JSON lines are
     configured (``--log-json``), the ``event`` at warning (``error``: error) level with the
     text as its ``detail``."""
-    if _JSON_RUNS and _JSON_RUNS[-1]:
+    if _RUNS and _RUNS[-1][0]:
         log = get_logger()
         (log.error if error else log.warning)(event, detail=text)
     else:
+        if _RUNS:
+            _RUNS[-1][1].flush()  # the lines held before it go first
         print(text, file=sys.stderr, flush=True)
 
 
@@ -105,15 +108,22 @@ def _is_terminal(stream: IO[str]) -> bool:
         return False
 
 
-def configure_logging(verbosity: int, json_lines: bool) -> Callable[[], None]:
+def configure_logging(
+    verbosity: int, json_lines: bool, *, flush_every: float = 0.0
+) -> Callable[[], None]:
     """Send the library's events to stderr at the level of ``verbosity``; return the function
-    that undoes it (removes the handler, restores the logger's level and propagation, and the
-    structlog configuration).
+    that undoes it (removes the handler, writes what it holds, restores the logger's level and
+    propagation, and the structlog configuration).
 
     The stream is the ``sys.stderr`` of the moment (an in-process capture included).
+    ``flush_every`` (seconds, a server's): lines below ``WARNING`` are held up to that long
+    and written together (:class:`~pipeline._cli.batched_lines.BatchedLines`); 0 writes each
+    line as it comes.
     """
     stream = sys.stderr
-    handler = logging.StreamHandler(stream)
+    handler = (
+        BatchedLines(stream, flush_every) if flush_every > 0 else logging.StreamHandler(stream)
+    )
     handler.setFormatter(log_formatter(json_lines, colors=_is_terminal(stream)))
     logger = logging.getLogger(LOGGER_NAME)
     saved_level, saved_propagate = logger.level, logger.propagate
@@ -127,11 +137,11 @@ def configure_logging(verbosity: int, json_lines: bool) -> Callable[[], None]:
     # (pytest's, a notebook's) must not print them a second time
     logger.propagate = False
     undo_json = _json_everywhere(handler) if json_lines else None
-    _JSON_RUNS.append(json_lines)
+    _RUNS.append((json_lines, handler))
 
     def restore() -> None:
-        if _JSON_RUNS:
-            _JSON_RUNS.pop()
+        if _RUNS:
+            _RUNS.pop()
         logger.removeHandler(handler)
         if undo_json is not None:
             undo_json()

@@ -12,6 +12,7 @@ import pipeline._cli.demo_session as demo
 from pipeline._cli.agent_cmd import cmd_agent
 from pipeline._cli.arg_types import (
     duration,
+    log_flush_seconds,
     nonempty_path,
     pipelines,
     port,
@@ -21,6 +22,7 @@ from pipeline._cli.arg_types import (
     two_or_more,
     upstream_seconds,
 )
+from pipeline._cli.batched_lines import FLUSH_EVERY as LOG_FLUSH
 from pipeline._cli.demo_cmd import cmd_demo
 from pipeline._cli.options import (
     AGENT_STORE_HELP,
@@ -294,6 +296,16 @@ def _add_proxy_parser(sub: Any) -> None:
         "default records are written at once and made durable after the call's response, "
         "with those of the calls that end within 0.1 s of it (a power loss in that moment "
         "may lose those calls' records)",
+    )
+    limits.add_argument(
+        "--log-flush",
+        type=log_flush_seconds,
+        default=LOG_FLUSH,
+        metavar="SECONDS",
+        help="how long an info line (a request's wire.request) may wait to be written with "
+        "the others of that moment, in one write to stderr; a warning or error is written at "
+        "once, after them; 0 writes each line as it comes (default %(default)s; a proxy "
+        "killed outright loses the info lines of that moment)",
     )
     limits.add_argument(
         "--system-allocator",

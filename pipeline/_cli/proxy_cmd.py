@@ -83,7 +83,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             "objects under the prefix with the bucket's lifecycle rules instead"
         )
     # a server logs each request (INFO) unless told less: -v adds debug
-    with telemetry(args, metrics=True, verbosity=1) as set_up:
+    with telemetry(args, metrics=True, verbosity=1, log_flush=args.log_flush) as set_up:
         background = retention(args, root) if shared is None else []
         if shared is not None:
             _check_store(shared, args.log_json)
