@@ -12,6 +12,7 @@ from pipeline._cli.store_cmd import parse_duration, parse_size
 
 __all__ = [
     "duration",
+    "log_flush_seconds",
     "nonempty_path",
     "pipelines",
     "port",
@@ -46,15 +47,15 @@ def _int_from(text: str, least: int) -> int:
     return value
 
 
-def _seconds_up_to(text: str, most: int) -> float:
+def _seconds_up_to(text: str, most: int, *, zero: bool = False) -> float:
+    """Seconds above 0 (``zero``: from 0) up to ``most``."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
-    if not math.isfinite(value) or not 0 < value <= most:
-        raise argparse.ArgumentTypeError(
-            f"must be from 0 (exclusive) to {most} s, got {text[:40]!r}"
-        )
+    if not math.isfinite(value) or not (value >= 0 if zero else value > 0) or value > most:
+        low = "0" if zero else "0 (exclusive)"
+        raise argparse.ArgumentTypeError(f"must be from {low} to {most} s, got {text[:40]!r}")
     return value
 
 
@@ -74,13 +75,7 @@ def seconds(text: str) -> float:
 
 def log_flush_seconds(text: str) -> float:
     """``--log-flush``: 0 (each line at once) to 60 seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
-    if not math.isfinite(value) or not 0 <= value <= 60:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 60 s, got {text[:40]!r}")
-    return value
+    return _seconds_up_to(text, 60, zero=True)
 
 
 def upstream_seconds(text: str) -> float:
@@ -111,13 +106,7 @@ def store_timeout(text: str) -> float:
 
 
 def store_cool_down(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
-    if not math.isfinite(value) or not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 3600 s, got {text[:40]!r}")
-    return value
+    return _seconds_up_to(text, 3_600, zero=True)
 
 
 def store_retries(text: str) -> int:
