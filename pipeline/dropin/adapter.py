@@ -89,11 +89,6 @@ __all__ = [
 ]
 
 
-REBUILD_OFF_LOOP = 200
-"""Records (the request's and those loaded) from which a conversation's ledger is rebuilt in a
-worker thread, away from the event loop (~3 µs a record)."""
-
-
 class _Load(enum.Enum):
     NOW = "now"
     """Load the recorded decisions in the constructor (blocking)."""
@@ -291,12 +286,8 @@ class WireSession(ResponseObserving, FamilyPlacement, RequestRecords):
             async with self.ctx.lock:  # one rebuild, whatever other call of it runs
                 restored = self._restored
                 if restored is not None:
-                    # off the event loop where the records are many (a worker thread's hop
-                    # costs ~0.1 ms of CPU: more than a new conversation's rebuild)
-                    if len(records) + len(restored.stage_records) < REBUILD_OFF_LOOP:
-                        state, placed = rebuild(records, restored)
-                    else:
-                        state, placed = await anyio.to_thread.run_sync(rebuild, records, restored)
+                    # off the event loop: a long conversation's records are many
+                    state, placed = await anyio.to_thread.run_sync(rebuild, records, restored)
                     self.ctx.replacement_state = state
                     self._restored = None
                     rebuilt = True
