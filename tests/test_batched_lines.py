@@ -6,9 +6,15 @@ from __future__ import annotations
 import io
 import logging
 import logging.config
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -122,7 +128,83 @@ def test_close_writes_what_is_held_and_ends_the_thread(logged) -> None:  # type:
     (thread,) = [t for t in flushers() if t is handler._flusher.thread]  # type: ignore[union-attr]
     handler.close()
     assert stream.text() == "held\n"
-    assert not thread.is_alive()
+    assert until(lambda: not thread.is_alive())
+
+
+def test_close_under_the_handlers_lock_does_not_wait_for_the_thread(logged) -> None:  # type: ignore[no-untyped-def]
+    """``logging.shutdown`` (at exit, and in ``logging.config``) closes a handler holding its
+    lock, which a thread about to write waits on: close must not wait for that thread."""
+    logger, stream, made = logged
+
+    def slow(s: str) -> int:
+        time.sleep(0.2)
+        with stream.lock:
+            stream.writes.append(s)
+        return len(s)
+
+    stream.write = slow  # type: ignore[method-assign]
+    handler = attach(logger, stream, made, 0.05)
+    logger.info("one")
+    time.sleep(0.03)
+    began = time.monotonic()
+    logging.shutdown([weakref.ref(handler)])
+    took = time.monotonic() - began
+    assert stream.text() == "one\n"
+    assert took < 0.9, took  # one write of 0.2 s; waiting for the thread took the whole 1 s bound
+
+
+def test_a_forked_child_leaves_the_parents_held_lines_to_the_parent(tmp_path: Path) -> None:
+    path = tmp_path / "lines.txt"
+    with path.open("a", buffering=1) as stream:
+        handler = BatchedLines(stream, 30.0)
+        handler.setFormatter(logging.Formatter("%(process)d %(message)s"))
+        logger = logging.getLogger("sluicegate.test_batched_fork")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        try:
+            logger.info("parent's")
+            pid = os.fork()
+            if pid == 0:  # the child: its own line, written, then gone
+                try:
+                    logger.info("child's")
+                    handler.flush()
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+            handler.flush()
+        finally:
+            logger.removeHandler(handler)
+            handler.close()
+    lines = path.read_text().splitlines()
+    assert [line.split(" ", 1)[1] for line in lines].count("parent's") == 1, lines
+    assert [line.split(" ", 1)[1] for line in lines].count("child's") == 1, lines
+
+
+def test_a_line_logged_after_the_exits_logging_shutdown_is_written() -> None:
+    script = textwrap.dedent(
+        """
+        import atexit, sys
+
+        def late():
+            import logging
+            logging.getLogger("late").info("logged after logging.shutdown")
+
+        atexit.register(late)  # before logging's own hook: runs after it
+        import logging
+        from pipeline._cli.batched_lines import BatchedLines
+
+        handler = BatchedLines(sys.stderr, 30.0)
+        logger = logging.getLogger("late")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.info("during the run")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stderr.splitlines() == ["during the run", "logged after logging.shutdown"]
 
 
 def test_lines_after_a_close_are_held_again(logged) -> None:  # type: ignore[no-untyped-def]
@@ -189,6 +271,19 @@ def test_a_notice_goes_after_the_lines_held(capsys: pytest.CaptureFixture[str]) 
         restore()
     err = capsys.readouterr().err
     assert err.index("held.event") < err.index("the notice")
+
+
+def test_a_proxy_notice_goes_after_the_lines_held(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline._cli.proxy_cmd import _say
+
+    restore = configure_logging(1, False, flush_every=30.0)
+    try:
+        get_logger().info("held.event", k=1)
+        _say(False, "store.pruned", "the prune's report")
+    finally:
+        restore()
+    err = capsys.readouterr().err
+    assert err.index("held.event") < err.index("the prune's report")
 
 
 @pytest.mark.parametrize("value", ["-1", "61", "nan", "inf", "x", ""])

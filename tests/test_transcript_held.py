@@ -97,14 +97,23 @@ def test_a_sync_fsyncs_the_file_held_without_opening_it(
 
 
 def test_a_sync_after_the_file_moved_away_syncs_the_file_the_lines_went_to(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "c" / "t.jsonl"
     writer = _writer(path)
     writer.append_messages([Message.user("one", uuid="u1", timestamp="t")])
     moved = tmp_path / "moved.jsonl"
     path.rename(moved)
-    writer.sync()  # the held file, now at its new name: nothing made at the old one
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def recorded(fd: int) -> None:
+        synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    writer.sync()  # the held file, now at its new name (opening the old one finds nothing)
+    assert synced == [moved.stat().st_ino]
     assert not path.exists()
     assert _texts(moved) == ["one"]
     writer.close()

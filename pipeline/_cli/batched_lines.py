@@ -9,6 +9,7 @@ line. Held for a tenth of a second, the lines of many requests go in one ``write
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -26,7 +27,11 @@ HELD_MOST = 64 * 1024
 """Characters of lines held at most: past them, the lines are written at once."""
 
 _LIVE: weakref.WeakSet[BatchedLines] = weakref.WeakSet()
-"""Every handler of the process: a forked child has no flushing thread of its own."""
+"""Every handler of the process: a forked child has no flushing thread of its own, and the
+interpreter's exit writes what each holds."""
+_EXITING = False
+"""The interpreter is exiting: a line is written at once (no thread would outlive the exit
+to write it)."""
 
 
 def _after_fork() -> None:
@@ -34,7 +39,18 @@ def _after_fork() -> None:
         handler.forget_thread()
 
 
+def _at_exit() -> None:
+    # registered after logging's own exit hook, so run before it: a line logged by any exit
+    # hook after this one (logging.shutdown included) is written at once
+    global _EXITING
+    _EXITING = True
+    for handler in list(_LIVE):
+        with contextlib.suppress(Exception):  # a stream gone: nowhere to write, or to say so
+            handler.flush()
+
+
 os.register_at_fork(after_in_child=_after_fork)
+atexit.register(_at_exit)
 
 
 class _Flusher:
@@ -54,7 +70,8 @@ class _Flusher:
         self.due.set()  # wakes it to end
 
     def _run(self) -> None:
-        while True:
+        # (stopped between a wait and the clear below: the check ends it, as the set would)
+        while not self._stopped.is_set():
             self.due.wait()
             if self._stopped.wait(self._every):
                 return  # stopped: the handler wrote what was held
@@ -65,15 +82,17 @@ class _Flusher:
 class BatchedLines(logging.StreamHandler):  # type: ignore[type-arg]
     """A stream handler that holds lines below ``WARNING`` for up to ``flush_every``
     seconds and writes those held together (or sooner, once :data:`HELD_MOST` characters
-    are held). A line at ``WARNING`` or above is written at once, after those held, so the
-    stream keeps the order lines were logged in. :meth:`flush` and :meth:`close` write what
-    is held; so does the interpreter's exit (``logging.shutdown``). A process killed outright
-    (``SIGKILL``) loses the lines of its last ``flush_every`` seconds below ``WARNING``.
+    are held). A line at ``WARNING`` or above is written at once, after those held: the
+    lines of this handler keep the order they were logged in (what else writes to the stream
+    -- another handler, a ``print`` -- may come before lines held). :meth:`flush` and
+    :meth:`close` write what is held; so does the interpreter's exit, after which every line
+    is written at once. A process killed outright (``SIGKILL``) loses the lines of its last
+    ``flush_every`` seconds below ``WARNING``.
 
     A thread of its own writes the held lines: started by the first line held, it sleeps
     while none are; :meth:`close` ends it, and a line logged after (``logging.config`` closes
     every handler it replaces, and a logger may keep using one) starts another -- or, where
-    no thread can start (the interpreter exiting), is written at once."""
+    no thread can start, is written at once."""
 
     def __init__(self, stream: IO[str], flush_every: float) -> None:
         if not flush_every > 0:
@@ -95,7 +114,7 @@ class BatchedLines(logging.StreamHandler):  # type: ignore[type-arg]
         # (called under the handler's lock: logging.Handler.handle)
         self._held.append(line)
         self._held_chars += len(line)
-        at_once = record.levelno >= logging.WARNING or self._held_chars >= HELD_MOST
+        at_once = record.levelno >= logging.WARNING or self._held_chars >= HELD_MOST or _EXITING
         if not at_once:
             flusher = self._flusher
             if flusher is None:
@@ -120,7 +139,9 @@ class BatchedLines(logging.StreamHandler):  # type: ignore[type-arg]
             super().flush()
 
     def close(self) -> None:
-        """Write what is held and end the thread."""
+        """Write what is held and end the thread. The thread is not waited for: a caller may
+        hold the handler's lock (``logging.shutdown`` does), which the thread may be waiting
+        on; told to stop, it ends without writing anything more."""
         with self.lock:  # type: ignore[union-attr]
             flusher, self._flusher = self._flusher, None
         if flusher is not None:
@@ -128,14 +149,14 @@ class BatchedLines(logging.StreamHandler):  # type: ignore[type-arg]
         try:
             self.flush()
         finally:
-            if flusher is not None and flusher.thread is not threading.current_thread():
-                flusher.thread.join(timeout=1.0)
             super().close()
 
     def forget_thread(self) -> None:
-        """In a forked child: the parent's thread is not there; the next line held starts
-        one (the lock is reset by ``logging`` itself)."""
+        """In a forked child: the parent's thread is not there, and the lines it held are
+        the parent's to write (the lock is reset by ``logging`` itself)."""
         self._flusher = None
+        self._held = []
+        self._held_chars = 0
 
     def _write_from_thread(self) -> None:
         # a stream gone (stderr closed): there is nowhere to say so

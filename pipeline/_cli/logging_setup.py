@@ -30,6 +30,7 @@ __all__ = [
     "SERVER_LOGGERS",
     "configure_logging",
     "escape_controls",
+    "flush_held_lines",
     "level_for",
     "log_formatter",
     "say",
@@ -51,9 +52,15 @@ def say(text: str, event: str, *, error: bool = False) -> None:
         log = get_logger()
         (log.error if error else log.warning)(event, detail=text)
     else:
-        if _RUNS:
-            _RUNS[-1][1].flush()  # the lines held before it go first
+        flush_held_lines()
         print(text, file=sys.stderr, flush=True)
+
+
+def flush_held_lines() -> None:
+    """Write the log lines held for stderr now (before a ``print`` there, so that what was
+    logged first comes first)."""
+    if _RUNS:
+        _RUNS[-1][1].flush()
 
 
 def escape_controls(

@@ -32,6 +32,7 @@ from pipeline._cli.common import (
     object_store_states,
     telemetry,
 )
+from pipeline._cli.logging_setup import flush_held_lines
 from pipeline._cli.safe_text import terminal_safe
 from pipeline._cli.store_cmd import describe, warn_errors
 from pipeline.dropin.limits import MAX_HEAD_BYTES
@@ -141,6 +142,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                 )
                 return
             store = f"; store {terminal_safe(shared.location)}" if shared is not None else ""
+            flush_held_lines()
             print(
                 f"sluicegate proxy on {where} -> {args.upstream} "
                 f"(ANTHROPIC_BASE_URL={where}){store}",
@@ -303,6 +305,7 @@ def _say(log_json: bool, event: str, text: str, *, warning: bool = False, **fiel
         log = get_logger()
         (log.warning if warning else log.info)(event, **fields)
     else:
+        flush_held_lines()
         print(f"{_PREFIX}: {'warning: ' if warning else ''}{text}", file=sys.stderr)
 
 
