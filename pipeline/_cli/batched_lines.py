@@ -1,10 +1,10 @@
 """Log lines written to their stream in batches (:class:`BatchedLines`).
 
 A server logs a line per request. Written one at a time, each line is a ``write`` to stderr
-that wakes whoever reads it (a terminal, journald, a supervisor's pipe): under part 2 of
-``bench_peers.py`` that cost the proxy ~0.1 ms of CPU a request, as much as formatting the
-line. Held for a tenth of a second, the lines of many requests go in one ``write``, as nginx's
-``access_log ... buffer= flush=`` writes them.
+that wakes whoever reads it (a terminal, journald, a supervisor's pipe). Held for a tenth of a
+second, the lines of many requests go in one ``write``, as nginx's ``access_log ... buffer=
+flush=`` writes them: under part 2 of ``bench_peers.py``, against a write a line, 2.4 % more
+requests a second at the median of 16 paired rounds.
 """
 
 from __future__ import annotations
@@ -114,23 +114,28 @@ class BatchedLines(logging.StreamHandler):  # type: ignore[type-arg]
         # (called under the handler's lock: logging.Handler.handle)
         self._held.append(line)
         self._held_chars += len(line)
-        at_once = record.levelno >= logging.WARNING or self._held_chars >= HELD_MOST or _EXITING
-        if not at_once:
-            flusher = self._flusher
-            if flusher is None:
-                flusher = self._flusher = _Flusher(self._write_from_thread, self.flush_every)
-                try:
-                    flusher.thread.start()
-                except RuntimeError:  # no new thread (the interpreter is exiting)
-                    self._flusher, at_once = None, True
-            if not at_once:
-                if not flusher.due.is_set():
-                    flusher.due.set()
-                return
+        held = record.levelno < logging.WARNING and self._held_chars < HELD_MOST
+        if held and not _EXITING and self._wake():
+            return
         try:
             self._write_held()
         except Exception:
             self.handleError(record)
+
+    def _wake(self) -> bool:
+        """Have the thread write what is held within ``flush_every`` (started if there is
+        none); False where no thread can start (the interpreter exiting)."""
+        flusher = self._flusher
+        if flusher is None:
+            flusher = _Flusher(self._write_from_thread, self.flush_every)
+            try:
+                flusher.thread.start()
+            except RuntimeError:
+                return False
+            self._flusher = flusher
+        if not flusher.due.is_set():
+            flusher.due.set()
+        return True
 
     def flush(self) -> None:
         """Write what is held, then flush the stream."""
