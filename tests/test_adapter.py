@@ -189,6 +189,44 @@ def test_an_answer_the_session_did_not_observe_is_named_by_its_place(tmp_path: P
     anyio.run(run)
 
 
+class _Family:
+    """A family's other conversations, as a session asks them: how it asked."""
+
+    def __init__(self, alone: bool) -> None:
+        self.lone, self.asked = alone, list[set[str]]()
+
+    def __call__(self, keys: Any) -> tuple[list[Any], set[str]]:
+        self.asked.append(set(keys))
+        return [], set(keys)
+
+    def alone(self) -> bool:
+        return self.lone
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_results_answered_before_the_session_are_asked_of_the_family_only_if_it_has_others(
+    tmp_path: Path, alone: bool
+) -> None:
+    """Results the model answered before this session saw them: the family's other
+    conversations are asked how each was sent (in a worker thread) -- unless there is none,
+    and either way each is recorded as sent whole."""
+
+    async def run() -> tuple[list[set[str]], set[str]]:
+        client, session = Client(), _session(tmp_path)
+        family = session.elsewhere = _Family(alone)
+        for _ in range(2):
+            client.answer()
+        client.params.append({"role": "assistant", "content": "done"})
+        client.params.append({"role": "user", "content": "thanks"})
+        await session.prepare(client.params)
+        return family.asked, set(session.ctx.replacement_state.seen_ids)
+
+    asked, seen = anyio.run(run)
+    keys = {k for k in seen if k.startswith("toolu_")}
+    assert len(keys) == 3 + 4  # every result of the two answered calls
+    assert asked == ([] if alone else [keys])
+
+
 @pytest.mark.parametrize(
     "bad",
     [[1], [{"role": "system", "content": "x"}], [{"role": "user", "content": 5}]],

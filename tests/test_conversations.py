@@ -903,6 +903,40 @@ def test_a_family_with_a_held_call_is_not_let_go(tmp_path: Path) -> None:
     anyio.run(main)
 
 
+def test_a_conversation_alone_in_its_family_asks_no_other(tmp_path: Path) -> None:
+    """A family's first conversation has no other to ask how a result was sent: its first
+    call makes no worker-thread call for it. A second conversation of the family makes the
+    first one's next request ask again, and a family let go leaves nothing to ask."""
+    import gc
+
+    def turns(*texts: str) -> dict[str, Any]:
+        ok = {"role": "assistant", "content": "ok"}
+        return body([m for t in texts for m in (ok, user(t))][1:])
+
+    conversations = Conversations(
+        pipeline=lambda: Pipeline([]), root=tmp_path, max_held=2, tenancy=Tenancy(single=True)
+    )
+    asked: list[set[str]] = []
+
+    async def main() -> None:
+        first = await conversations.route(turns("x", "p"), {})
+        elsewhere = first.session.elsewhere
+        assert elsewhere is not None and elsewhere.alone()
+        sibling = await conversations.route(turns("x", "q"), {})
+        assert sibling.family is first.family
+        assert not elsewhere.alone() and not sibling.session.elsewhere.alone()  # type: ignore[union-attr]
+        sibling.session.decisions_on = (  # type: ignore[method-assign]
+            lambda keys: (asked.append(set(keys)), ([], set()))[1]
+        )
+        assert elsewhere({"k"}) == ([], set()) and asked == [{"k"}]
+        await conversations.route(turns("another"), {})  # past max_held: the family goes
+        del first, sibling
+        gc.collect()
+        assert elsewhere.alone()
+
+    anyio.run(main)
+
+
 def test_an_unsure_family_lasts_its_request(tmp_path: Path) -> None:
     """A family whose records a shared store could not give is held by no index, only by its
     branch: it must last the request (a reload once the store answers again reads it)."""

@@ -9,10 +9,11 @@ import hashlib
 import json
 import threading
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.results.keys import content_digest
@@ -119,6 +120,85 @@ def test_message_digest_is_unchanged() -> None:
     }
     expected = hashlib.blake2b(_reference(plain), digest_size=16).digest()
     assert message_digest(message) == expected
+
+
+def _stripped(content: Any) -> Any:
+    """Content with ``cache_control`` off every block and the blocks a block's content list
+    holds, each block a new dict (how the digest was always defined)."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for b in content:
+        if isinstance(b, Mapping):
+            plain = {k: v for k, v in b.items() if k != "cache_control"}
+            if isinstance(plain.get("content"), list):
+                plain["content"] = _stripped(plain["content"])
+            out.append(plain)
+        else:
+            out.append(b)
+    return out
+
+
+class _Blocks(list[Any]):
+    """A content list of a type of its own."""
+
+
+class _Block(Mapping[str, Any]):
+    """A block that is a mapping but not a dict."""
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self._items = items
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_BLOCK_KEYS = st.sampled_from(["type", "text", "content", "cache_control", "id", "é"])
+_CONTENT = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(_Blocks),
+        st.dictionaries(_BLOCK_KEYS, inner, max_size=4),
+        st.dictionaries(_BLOCK_KEYS, inner, max_size=4).map(_Block),
+    ),
+    max_leaves=12,
+)
+
+
+_MARK = {"type": "ephemeral"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(_CONTENT)
+@example([{"type": "tool_result", "content": _Blocks([{"text": "a", "cache_control": _MARK}])}])
+@example([{"content": [{"content": [{"text": "deep", "cache_control": _MARK}]}]}])
+@example([_Block({"type": "text", "text": "a", "cache_control": _MARK})])
+@example([_Block({"type": "text", "text": "a"})])
+@example(_Blocks([{"type": "text", "text": "a"}]))
+@example([{"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": _MARK}])
+def test_a_digest_is_of_the_content_less_its_breakpoints_whatever_shape_it_has(
+    content: Any,
+) -> None:
+    """Content left as it is where no block holds ``cache_control`` (no copy), and copied
+    where one does, digests as the content less every breakpoint always did."""
+    message = {"role": "user", "content": content}
+    reference = {"role": "user", "content": _stripped(content)}
+    try:
+        expected: bytes | str = hashlib.blake2b(_canonical(reference), digest_size=16).digest()
+    except (ValueError, TypeError, RecursionError) as exc:
+        expected = type(exc).__name__
+    try:
+        got: bytes | str = message_digest(message)
+    except (ValueError, TypeError, RecursionError) as exc:
+        got = type(exc).__name__
+    assert got == expected
 
 
 def _nested(depth: int) -> list[Any]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.wire.canonical import ALIKE, ASCII, OTHER, canonical_json, leaf_kinds
 from pipeline.wire.digests import message_digest
@@ -94,3 +96,36 @@ def test_a_lone_surrogate_is_still_written_by_the_standard_library() -> None:
     assert dumps_body(value) == json.dumps(value).encode()
     with pytest.raises(ValueError):
         fast_encode(value)
+
+
+_LEAF = st.one_of(
+    st.text(alphabet="ab\"\\\n"),
+    st.text(alphabet="aé😀"),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.none(),
+)
+_NESTED = st.recursive(
+    _LEAF,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.sampled_from("abé"), inner, max_size=3)
+    ),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_NESTED)
+def test_a_value_is_written_by_the_writer_its_leaves_call_for(value: Any) -> None:
+    """What a message is at a glance (ASCII text and numbers, a few levels deep) never changes
+    which writer writes it: a value with a string that is not ASCII, the standard library
+    (no UTF-8 copy); anything else, msgspec (its own way with a float)."""
+    if leaf_kinds(value) == ALIKE:
+        expected = json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    else:
+        expected = msgspec.json.encode(value)
+    assert fast_encode(value) == expected
+    assert fast_encode({"role": "user", "content": [value]}) == (
+        b'{"role":"user","content":[' + expected + b"]}"
+    )

@@ -16,7 +16,7 @@ from pipeline.replacement import ReplacementRecord, ReplacementState
 from pipeline.results.reading import read_results
 from pipeline.transcript import Transcript
 
-__all__ = ["Elsewhere", "decided_elsewhere", "inherited_by", "result_keys"]
+__all__ = ["Elsewhere", "FamilyDecisions", "decided_elsewhere", "inherited_by", "result_keys"]
 
 Elsewhere = Callable[
     [weakref.ref[Family], str | None, Collection[str]], tuple[list[ReplacementRecord], set[str]]
@@ -47,6 +47,32 @@ def decided_elsewhere(
         seen |= whole
         missing -= {r.key for r in found} | whole
     return records, seen
+
+
+class FamilyDecisions:
+    """How the family's conversations other than ``name`` decided results (called with their
+    keys: :func:`decided_elsewhere`, blocking), and whether it has any other (:meth:`alone`):
+    a conversation's :attr:`~pipeline.dropin.adapter.WireSession.elsewhere`. It holds the
+    family weakly: the family holds the session (a cycle would keep a conversation let go for
+    the collector, with all it holds)."""
+
+    __slots__ = ("_held", "_lock", "_name")
+
+    def __init__(self, lock: threading.Lock, family: Family, name: str | None) -> None:
+        self._lock, self._held, self._name = lock, weakref.ref(family), name
+
+    def __call__(self, keys: Collection[str]) -> tuple[list[ReplacementRecord], set[str]]:
+        return decided_elsewhere(self._lock, self._held, self._name, keys)
+
+    def alone(self) -> bool:
+        """Whether the family holds no conversation but this one now (or was let go): nothing
+        to ask, so no worker thread to ask it in. One step (a copy of the family's list),
+        without the lock, which a thread may hold while it loads."""
+        family = self._held()
+        if family is None:
+            return True
+        name = self._name
+        return all(b.name == name for b in list(family.recent))
 
 
 def inherited_by(

@@ -47,7 +47,7 @@ import anyio
 import anyio.to_thread
 
 from pipeline.dropin.adapter import WireSession
-from pipeline.dropin.branching import decided_elsewhere
+from pipeline.dropin.branching import FamilyDecisions, decided_elsewhere
 from pipeline.dropin.families import Branch, Family, named, new_to
 from pipeline.dropin.family_loading import load_family, records_of
 from pipeline.dropin.held_families import MAX_BRANCHES, MAX_HELD, MAX_HELD_BYTES, HeldFamilies
@@ -349,9 +349,7 @@ class Conversations(StoreNews, Placing):
             **options,
             **self.context,
         )
-        # the family weakly: it holds the session (a cycle would keep a conversation let go
-        # for the collector, with all it holds)
-        session.elsewhere = functools.partial(self._decided_elsewhere, weakref.ref(family), name)
+        session.elsewhere = FamilyDecisions(self._lock, family, name)
         return session
 
     def _decided_elsewhere(

@@ -7,7 +7,8 @@ this conversation decided (what another conversation of the family sent each as,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
+from typing import Protocol
 
 import anyio.to_thread
 
@@ -32,8 +33,16 @@ __all__ = ["REPLACEMENT_RECORD", "Decided", "FamilyPlacement"]
 REPLACEMENT_RECORD = "content-replacement"
 """What a failure to append replacement records is logged as (the transcript's own type)."""
 
-Decided = Callable[[Collection[str]], tuple[list[ReplacementRecord], set[str]]]
-"""How results were decided (their ledger keys): replacement records, keys sent whole."""
+
+class Decided(Protocol):
+    """How a conversation's family decided results elsewhere."""
+
+    def __call__(self, keys: Collection[str]) -> tuple[list[ReplacementRecord], set[str]]:
+        """How results were decided (their ledger keys): replacement records, keys sent whole
+        (blocking)."""
+
+    def alone(self) -> bool:
+        """Whether there is no other conversation to ask (nothing was decided elsewhere)."""
 
 
 class FamilyPlacement:
@@ -122,7 +131,7 @@ class FamilyPlacement:
         state = self.ctx.replacement_state
         adopted: list[ReplacementRecord] = []
         sent_whole: set[str] = set()
-        if self.elsewhere is not None:
+        if self.elsewhere is not None and not self.elsewhere.alone():
             found, sent_whole = await anyio.to_thread.run_sync(self.elsewhere, keys)
             adopted = [r for r in found if r.key in keys and r.key not in state.replacements]
         for record in adopted:

@@ -10,10 +10,8 @@ load the conversation again from its records, so that it sends what its records 
 
 from __future__ import annotations
 
-import functools
 import threading
-import weakref
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -21,8 +19,8 @@ import anyio.to_thread
 
 from pipeline.core import Pipeline
 from pipeline.dropin.adapter import WireSession
-from pipeline.dropin.families import Branch, Family
-from pipeline.replacement import ReplacementRecord
+from pipeline.dropin.branching import FamilyDecisions
+from pipeline.dropin.families import Branch
 from pipeline.store.sessions import SessionStates
 
 __all__ = ["PLACE_ATTEMPTS", "StoreNews"]
@@ -40,11 +38,6 @@ class StoreNews:
     pipeline: Callable[[], Pipeline]
     context: dict[str, Any]
     _lock: threading.Lock
-
-    _decided_elsewhere: Callable[
-        [weakref.ref[Family], str | None, Collection[str]],
-        tuple[list[ReplacementRecord], set[str]],
-    ]
 
     async def current(self, branch: Branch) -> bool:
         """Whether ``branch`` is as its records leave it. When another writer recorded calls
@@ -119,9 +112,7 @@ class StoreNews:
             opening=family.opening,
             **self.context,
         )
-        session.elsewhere = functools.partial(
-            self._decided_elsewhere, weakref.ref(family), branch.name
-        )
+        session.elsewhere = FamilyDecisions(self._lock, family, branch.name)
         with self._lock:
             branch.session = session
             branch.params = []

@@ -97,6 +97,10 @@ JavaScript's ``JSON.stringify`` writes it (the reference's count of a tool call'
 building an encoder per block (every new tool call is measured by each estimator)."""
 
 
+_AS_IS = frozenset({str, int, bool, type(None)})
+"""Values JavaScript writes as Python's encoder does, with nothing inside them."""
+
+
 def _as_javascript(value: Any) -> Any:
     """``value`` with the numbers JavaScript's ``JSON.stringify`` writes otherwise than
     Python's encoder made alike: an integral float as an integer (``1.0`` is written ``1``),
@@ -106,6 +110,8 @@ def _as_javascript(value: Any) -> Any:
         if not math.isfinite(value):
             return None
         return int(value) if value.is_integer() and abs(value) < 1e21 else value
+    if kind is dict and all(type(v) in _AS_IS for v in value.values()):
+        return value  # (most inputs: strings and integers, nothing to look into)
     if kind is dict:
         out = {k: _as_javascript(v) for k, v in value.items()}
         return value if all(out[k] is v for k, v in value.items()) else out

@@ -39,20 +39,38 @@ def _hash(data: bytes) -> bytes:
 
 
 def _plain_blocks(content: Any) -> Any:
-    """Content with ``cache_control`` off its blocks and off the blocks a tool_result holds."""
+    """Content with ``cache_control`` off its blocks and off the blocks a tool_result holds:
+    ``content`` itself when no block of it has one (the same JSON, no copy; a mapping that is
+    not a dict is still made one, as the canonical writer takes dicts alone)."""
     if not isinstance(content, list):
         return content
-    out = []
-    for b in content:
-        if type(b) is dict or isinstance(b, Mapping):
-            plain = {k: v for k, v in b.items() if k != "cache_control"}
-            inner = plain.get("content")
-            if isinstance(inner, list):
-                plain["content"] = _plain_blocks(inner)
+    out: list[Any] | None = None if type(content) is list else []
+    for i, b in enumerate(content):
+        plain = _plain_block(b)
+        if plain is not b and out is None:
+            out = content[:i]
+        if out is not None:
             out.append(plain)
-        else:
-            out.append(b)
-    return out
+    return content if out is None else out
+
+
+def _plain_block(b: Any) -> Any:
+    if type(b) is dict:
+        inner = b.get("content")
+        plain_inner = _plain_blocks(inner) if isinstance(inner, list) else inner
+        if "cache_control" not in b and plain_inner is inner:
+            return b
+        plain = {k: v for k, v in b.items() if k != "cache_control"}
+        if plain_inner is not inner:
+            plain["content"] = plain_inner
+        return plain
+    if not isinstance(b, Mapping):
+        return b
+    plain = {k: v for k, v in b.items() if k != "cache_control"}
+    inner = plain.get("content")
+    if isinstance(inner, list):
+        plain["content"] = _plain_blocks(inner)
+    return plain
 
 
 def message_digest(param: Any) -> bytes:

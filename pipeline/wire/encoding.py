@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.wire.canonical import ALIKE, leaf_kinds
+from pipeline.wire.canonical import ALIKE, NUMBERS, leaf_kinds, plain_ascii
 from pipeline.wire.deferred import text_or
 
 __all__ = [
@@ -64,15 +64,17 @@ def encodable(value: Any) -> Any:
         raise ValueError("content nested too deeply to clean of lone surrogates") from None
 
 
-def _plain(value: Any) -> bool:
-    """A dict of ASCII string keys and ASCII string values (a text block, or a tool_result
-    with string content)."""
-    if type(value) is not dict:
-        return False
-    try:
-        return all(map(str.isascii, value)) and all(map(str.isascii, value.values()))
-    except TypeError:  # a key or value that is not a string
-        return False
+_PLAIN_DEPTH = 3
+"""Levels of dicts and lists read at a glance within a block (a tool call's input) before the
+rest is left to the walk."""
+_MESSAGE_DEPTH = _PLAIN_DEPTH + 1
+"""The same for a whole message (its content list, its blocks)."""
+
+
+def _plain(value: Any, depth: int = _PLAIN_DEPTH) -> bool:
+    """A block of ASCII text and numbers (a text block, a tool_result with string content, a
+    tool call and its input): no lone surrogate in it (:func:`plain_ascii`)."""
+    return plain_ascii(value, depth, NUMBERS)
 
 
 def _has_surrogate(value: Any) -> bool:
@@ -172,8 +174,9 @@ _COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=_
 
 def _encode(value: Any) -> bytes:
     # a value whose strings are not all ASCII, the standard library writes: msgspec would leave
-    # a UTF-8 copy on each such string for as long as it lives (pipeline.wire.canonical)
-    if leaf_kinds(value) == ALIKE:
+    # a UTF-8 copy on each such string for as long as it lives (pipeline.wire.canonical); a
+    # message of ASCII text and numbers is told at a glance (_plain), anything else walked
+    if not _plain(value, _MESSAGE_DEPTH) and leaf_kinds(value) == ALIKE:
         return _COMPACT(value).encode("utf-8")
     return _msgspec_encode(value)
 
