@@ -160,3 +160,11 @@ def test_a_shared_message_holds_its_block_lists_at_their_size() -> None:
     assert content[0]["content"] == inner and content[0]["content"] is not inner
     many = shared_message({"role": "user", "content": [{"type": "text", "text": "a"}] * 5})
     assert sys.getsizeof(many["content"]) == sys.getsizeof([None] * 5)
+
+
+def test_keys_and_values_of_different_lengths_are_refused() -> None:
+    from pipeline.wire.shared_strings import keyed_alike
+
+    for keys, values in ((("type", "text"), ["t"]), (("type",), ["t", "x"])):
+        with pytest.raises(ValueError, match="keys for"):
+            keyed_alike(keys, values)

@@ -27,6 +27,8 @@ _FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 _ANY = msgspec.json.Decoder()
 _WS_BYTES = re.compile(rb"[ \t\n\r]*")
+_BLANK = frozenset((b" ", b"\t", b"\n", b"\r"))
+"""The bytes JSON allows between values (what :func:`_skip_bytes` skips), one at a time."""
 
 
 def worth_splitting(raw: bytes, start: int, kept_tail: int = 0) -> bool:
@@ -72,11 +74,13 @@ def split_new(
     at: list[int] = []
     for j, item in enumerate(items[k:], start=k):
         if j:
-            pos = _skip_bytes(raw, pos)
+            if raw[pos : pos + 1] in _BLANK:
+                pos = _skip_bytes(raw, pos)
             if raw[pos : pos + 1] != b",":
                 return None
             pos += 1
-        pos = _skip_bytes(raw, pos)
+        if raw[pos : pos + 1] in _BLANK:  # (compact JSON, as the SDKs write it, has none)
+            pos = _skip_bytes(raw, pos)
         try:
             value = _ANY.decode(item)
         except msgspec.DecodeError:

@@ -70,11 +70,13 @@ def keyed_alike(keys: tuple[str, ...], values: tuple[Any, ...] | list[Any]) -> d
     keeps every message parsed. A dict given a key it has not, or its keys in another order,
     takes a table of its own as any dict would. Keys other than lower-case names of up to 32
     characters, and dicts of more than eight keys, get a dict of their own."""
+    if len(keys) != len(values):  # (what zip's own check costs on every dict made)
+        raise ValueError(f"{len(keys)} keys for {len(values)} values")
     shape = _shapes.get(keys) or _shape(keys)
     if shape is None:
-        return {shared(k): v for k, v in zip(keys, values, strict=True)}
+        return {shared(k): v for k, v in zip(keys, values)}  # noqa: B905 - checked above
     attrs: dict[str, Any] = vars(shape())
-    attrs.update(zip(keys, values, strict=True))
+    attrs.update(zip(keys, values))  # noqa: B905 - checked above
     return attrs
 
 
