@@ -937,6 +937,45 @@ def test_a_conversation_alone_in_its_family_asks_no_other(tmp_path: Path) -> Non
     anyio.run(main)
 
 
+def test_a_sibling_routed_to_meanwhile_is_never_missed(tmp_path: Path) -> None:
+    """``alone()`` reads the family without the index's lock: a conversation routed to on
+    another thread (the synchronous ``wrap``'s callers) moves to the front of the family's
+    list, and a reader at that moment still sees it."""
+    import sys
+    import threading
+
+    from pipeline.dropin.branching import FamilyDecisions
+    from pipeline.dropin.families import Family
+
+    lock = threading.Lock()
+    family = Family("t", "f", b"o", SessionStates(tmp_path, fsync_each=False), tmp_path)
+    mine = Branch(family, None, session=None)  # type: ignore[arg-type]
+    sibling = Branch(family, "s", session=None)  # type: ignore[arg-type]
+    family.branches = {None: mine, "s": sibling}
+    for branch in (mine, sibling):
+        family.register(branch, [branch.name.encode() if branch.name else b"m"])
+    decisions = FamilyDecisions(lock, family, None)
+    stop = threading.Event()
+
+    def route() -> None:
+        while not stop.is_set():
+            for branch in (mine, sibling):
+                with lock:
+                    family.register(branch, list(branch.chain))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    router = threading.Thread(target=route)
+    router.start()
+    try:
+        missed = sum(decisions.alone() for _ in range(20_000))
+    finally:
+        stop.set()
+        router.join()
+        sys.setswitchinterval(interval)
+    assert missed == 0
+
+
 def test_an_unsure_family_lasts_its_request(tmp_path: Path) -> None:
     """A family whose records a shared store could not give is held by no index, only by its
     branch: it must last the request (a reload once the store answers again reads it)."""

@@ -66,8 +66,9 @@ class FamilyDecisions:
 
     def alone(self) -> bool:
         """Whether the family holds no conversation but this one now (or was let go): nothing
-        to ask, so no worker thread to ask it in. One step (a copy of the family's list),
-        without the lock, which a thread may hold while it loads."""
+        to ask, so no worker thread to ask it in. Read without the index's lock (on the event
+        loop): the family's list is copied in one step, and every change to it is one step
+        (:meth:`~pipeline.dropin.families.Family.register` puts a new list in place)."""
         family = self._held()
         if family is None:
             return True

@@ -124,9 +124,9 @@ class Family:
             if branch.name is not None and self.gone_ends.get(chain[-1]) == branch.name:
                 del self.gone_ends[chain[-1]]
         branch.chain = chain
-        if branch in self.recent:
-            self.recent.remove(branch)
-        self.recent.insert(0, branch)
+        # a new list in one step: a reader without the lock (FamilyDecisions.alone) never
+        # sees the family between the branch's removal and its return to the front
+        self.recent = [branch, *(b for b in self.recent if b is not branch)]
 
     def remember(self, name: str, chain: list[bytes]) -> None:
         """The conversation ``name``, not held, sent ``chain`` (read from its records): what
