@@ -11,6 +11,7 @@ whose strings it only reads."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -41,9 +42,9 @@ _SCALARS = _ALIKE - {str}
 NUMBERS = _SCALARS | {float}
 """The leaf types other than strings that JSON gives (what :func:`plain_ascii` may be told to
 take)."""
-_GLANCE = 5
-"""Levels a message is read at a glance before it is walked (:func:`plain_ascii`): its content
-list, a block, a tool call's input and two levels within it."""
+_GLANCE = 6
+"""Levels below a message read at a glance before it is walked (:func:`plain_ascii`): its
+content list, a block, a tool call's input and three levels within it."""
 _DEEPEST = 256
 """Levels of nesting the fast writer is used for: far above any message, far below where
 either writer gives up (the standard library's limit depends on the caller's stack)."""
@@ -118,40 +119,28 @@ def leaf_kinds(value: Any) -> int:
 
 def plain_ascii(value: Any, depth: int, scalars: frozenset[type]) -> bool:
     """Whether ``value`` is a dict of ASCII ``str`` keys whose values are ASCII strings,
-    leaves of the exact ``scalars`` types or, within ``depth`` levels, such dicts and lists of
-    them: what most messages are, told without :func:`leaf_kinds`' walk (about a third of its
-    cost). With :data:`NUMBERS`, a value msgspec writes without a UTF-8 copy of any string
-    and that holds no lone surrogate; without ``float``, one :func:`leaf_kinds` calls
-    :data:`ASCII` when it holds no more than its values (and that msgspec writes as the
+    leaves of the exact ``scalars`` types or, within ``depth`` levels below it, such dicts and
+    lists of them: what most messages are, told without :func:`leaf_kinds`' walk (about a
+    third of its cost). With :data:`NUMBERS`, a value msgspec writes without a UTF-8 copy of
+    any string and that holds no lone surrogate; without ``float``, one :func:`leaf_kinds`
+    calls :data:`ASCII` when it holds no more than its values (and that msgspec writes as the
     standard library does whatever their number). False says nothing: walk it."""
     if type(value) is not dict:
         return False
-    for key, v in value.items():
+    for key in value:
         if type(key) is not str or not key.isascii():
             return False
-        kind = type(v)
-        if kind is str:
-            if not v.isascii():
-                return False
-        elif kind is dict:
-            if not depth or not plain_ascii(v, depth - 1, scalars):
-                return False
-        elif kind is list:
-            if not depth or not _plain_items(v, depth - 1, scalars):
-                return False
-        elif kind not in scalars:
-            return False
-    return True
+    return _plain_items(value.values(), depth, scalars)
 
 
-def _plain_items(items: list[Any], depth: int, scalars: frozenset[type]) -> bool:
+def _plain_items(items: Iterable[Any], depth: int, scalars: frozenset[type]) -> bool:
     for v in items:
         kind = type(v)
         if kind is str:
             if not v.isascii():
                 return False
         elif kind is dict:
-            if not plain_ascii(v, depth, scalars):
+            if not depth or not plain_ascii(v, depth - 1, scalars):
                 return False
         elif kind is list:
             if not depth or not _plain_items(v, depth - 1, scalars):

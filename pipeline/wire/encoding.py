@@ -64,11 +64,11 @@ def encodable(value: Any) -> Any:
         raise ValueError("content nested too deeply to clean of lone surrogates") from None
 
 
-_PLAIN_DEPTH = 3
-"""Levels of dicts and lists read at a glance within a block (a tool call's input) before the
-rest is left to the walk."""
-_MESSAGE_DEPTH = _PLAIN_DEPTH + 1
-"""The same for a whole message (its content list, its blocks)."""
+_PLAIN_DEPTH = 4
+"""Levels of dicts and lists read at a glance below a block (a tool call's input and three
+levels within it) before the rest is left to the walk."""
+_MESSAGE_DEPTH = _PLAIN_DEPTH + 2
+"""The same below a whole message (its content list, its blocks)."""
 
 
 def _plain(value: Any, depth: int = _PLAIN_DEPTH) -> bool:
