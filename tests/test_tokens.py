@@ -533,3 +533,33 @@ def test_a_tool_calls_numbers_are_counted_as_javascript_writes_them() -> None:
     assert rough_tokens_for_block(call(1.0)) == rough_tokens_for_block(call(1))
     assert rough_tokens_for_block(call(float("nan"))) == rough_tokens_for_block(call(None))
     assert rough_tokens_for_block(call(2.5)) > rough_tokens_for_block(call(2))
+
+
+_INPUT_LEAVES = st.one_of(
+    st.text(alphabet='ab "\\\n\t\x00\x7f/'),
+    st.text(alphabet="aé😀"),
+    st.integers(),
+    st.integers(min_value=2**63, max_value=2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+)
+_INPUTS = st.recursive(
+    _INPUT_LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.sampled_from("abé"), inner, max_size=3)
+    ),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_INPUTS)
+def test_a_tool_calls_text_is_its_inputs_json_as_javascript_writes_it(given_input: Any) -> None:
+    """A tool call's input priced as ``JSON.stringify`` writes it, whichever way it is written
+    here (an input of ASCII strings and integers by msgspec, anything else through the
+    standard library): the same text."""
+    from pipeline.tokens.features import _JSON, _as_javascript, _call_text
+
+    block = {"type": "tool_use", "id": "t", "name": "Bash", "input": given_input}
+    assert _call_text(block) == "Bash" + _JSON.encode(_as_javascript(given_input))

@@ -21,10 +21,13 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequenc
 from operator import add, mul
 from typing import Any, Literal, NamedTuple
 
+import msgspec
+
 from pipeline.messages import Message
 from pipeline.tokens.media import IMAGE_TOKENS, image_tokens
 from pipeline.tokens.priors import CLASS_INDEX, CLASSES, FEATURE_INDEX
 from pipeline.tokens.text_stats import TextKind, text_class, text_stats
+from pipeline.wire.canonical import WRITTEN_ALIKE, plain_ascii
 from pipeline.wire.deferred import resolved, text_or
 
 __all__ = [
@@ -149,7 +152,21 @@ def _block_segments(block: Mapping[str, Any], *, error: bool) -> Iterator[Segmen
 
 def _call_text(block: Mapping[str, Any]) -> str:
     """What a tool_use costs as text: its name and its input's JSON."""
-    return str(block.get("name") or "") + _JSON.encode(_as_javascript(block.get("input")))
+    given = block.get("input")
+    name = str(block.get("name") or "")
+    if plain_ascii(given, _INPUT_DEPTH, WRITTEN_ALIKE):  # most inputs: strings and integers
+        try:
+            return name + _FAST_JSON(given).decode("ascii")
+        except (TypeError, ValueError, OverflowError):  # an integer past 64 bits
+            pass
+    return name + _JSON.encode(_as_javascript(given))
+
+
+_FAST_JSON = msgspec.json.Encoder().encode
+"""A tool call's input of ASCII strings and integers as :data:`_JSON` writes it (nothing in
+it for :func:`_as_javascript` to change), ~3 times as fast."""
+_INPUT_DEPTH = 4
+"""Levels below a tool call's input read at a glance (:func:`plain_ascii`)."""
 
 
 _NC = len(CLASSES)

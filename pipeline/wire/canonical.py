@@ -23,6 +23,7 @@ __all__ = [
     "ASCII",
     "NUMBERS",
     "OTHER",
+    "WRITTEN_ALIKE",
     "canonical_json",
     "leaf_kinds",
     "plain_ascii",
@@ -38,8 +39,10 @@ _ALIKE: frozenset[type] = frozenset({str, int, bool, type(None)})
 """The leaf types msgspec writes as the standard library does, byte for byte (a float is
 written differently by each in some cases; an enum, a date, bytes... by msgspec as a value and
 by the standard library as its ``repr``)."""
-_SCALARS = _ALIKE - {str}
-NUMBERS = _SCALARS | {float}
+WRITTEN_ALIKE = _ALIKE - {str}
+"""The leaf types other than strings that msgspec and the standard library write alike (what
+:func:`plain_ascii` may be told to take for a value either may write)."""
+NUMBERS = WRITTEN_ALIKE | {float}
 """The leaf types other than strings that JSON gives (what :func:`plain_ascii` may be told to
 take)."""
 _GLANCE = 6
@@ -59,7 +62,7 @@ def canonical_json(value: Any, *, what: str = "content") -> bytes:
     standard library's for one that holds itself. What msgspec writes alike
     (:func:`leaf_kinds` says :data:`ASCII`), it writes: ~3-7 times as fast, and digests are a new
     conversation's first cost (one per message)."""
-    if plain_ascii(value, _GLANCE, _SCALARS) or leaf_kinds(value) == ASCII:
+    if plain_ascii(value, _GLANCE, WRITTEN_ALIKE) or leaf_kinds(value) == ASCII:
         try:
             return _FAST.encode(value)
         except (TypeError, ValueError, RecursionError):
