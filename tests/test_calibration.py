@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pipeline.tokens.features as features
 import pipeline.tokens.priors as priors
 from pipeline import Message, Pipeline, SessionContext, TokenTracker, TranscriptWriter, Usage
 from pipeline._cli.app import main
@@ -277,8 +278,16 @@ def test_a_huge_session_is_never_serialised_to_json(monkeypatch: pytest.MonkeyPa
         dumped.append(len(out))
         return out
 
-    # what json.dumps and the estimators' own encoder both go through
+    def fast_spy(obj: Any) -> bytes:
+        out = real_fast(obj)
+        dumped.append(len(out))
+        return out
+
+    # what json.dumps and the estimators' own encoders go through (a tool call's input of
+    # ASCII strings and integers by msgspec)
     monkeypatch.setattr(json.JSONEncoder, "encode", spy)
+    real_fast = features._FAST_JSON
+    monkeypatch.setattr(features, "_FAST_JSON", fast_spy)
     big = "x = compute(1, 2)\n" * 50_000  # ~900 KB
     msgs: list[Message] = [user_text("go")]
     for i in range(12):
