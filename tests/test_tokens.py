@@ -29,6 +29,7 @@ from pipeline.tokens import (
 from pipeline.tokens.features import ContentVector
 from pipeline.tokens.text_stats import looks_like_json
 from tests.builders import assistant, results, tool_result, tool_use, user_text
+from tests.json_values import json_values
 
 METHODS = ("reference", "calibrated")
 U = Usage(
@@ -535,26 +536,8 @@ def test_a_tool_calls_numbers_are_counted_as_javascript_writes_them() -> None:
     assert rough_tokens_for_block(call(2.5)) > rough_tokens_for_block(call(2))
 
 
-_INPUT_LEAVES = st.one_of(
-    st.text(alphabet='ab "\\\n\t\x00\x7f/'),
-    st.text(alphabet="aé😀"),
-    st.integers(),
-    st.integers(min_value=2**63, max_value=2**80),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.booleans(),
-    st.none(),
-)
-_INPUTS = st.recursive(
-    _INPUT_LEAVES,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.sampled_from("abé"), inner, max_size=3)
-    ),
-    max_leaves=16,
-)
-
-
 @settings(max_examples=400, deadline=None)
-@given(_INPUTS)
+@given(json_values())
 def test_a_tool_calls_text_is_its_inputs_json_as_javascript_writes_it(given_input: Any) -> None:
     """A tool call's input priced as ``JSON.stringify`` writes it, whichever way it is written
     here (an input of ASCII strings and integers by msgspec, anything else through the
