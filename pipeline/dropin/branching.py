@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from pipeline.dropin.families import Family, NewBranch
@@ -16,45 +16,16 @@ from pipeline.replacement import ReplacementRecord, ReplacementState
 from pipeline.results.reading import read_results
 from pipeline.transcript import Transcript
 
-__all__ = ["Elsewhere", "FamilyDecisions", "decided_elsewhere", "inherited_by", "result_keys"]
-
-Elsewhere = Callable[
-    [weakref.ref[Family], str | None, Collection[str]], tuple[list[ReplacementRecord], set[str]]
-]
-"""How a family's conversations other than the one named decided results (their keys)."""
-
-
-def decided_elsewhere(
-    lock: threading.Lock, held: weakref.ref[Family], name: str | None, keys: Collection[str]
-) -> tuple[list[ReplacementRecord], set[str]]:
-    """How the family's conversations other than ``name`` decided the results ``keys`` (none
-    once the family was let go); ``lock`` guards the family's list. Each lookup is one step
-    whatever another thread does (:meth:`WireSession.decisions_on`), so no lock of theirs is
-    taken: one of them may be in a pass that asks the same of this one."""
-    family = held()
-    if family is None:
-        return [], set()
-    with lock:
-        others = [b for b in family.recent if b.name != name]
-    records: list[ReplacementRecord] = []
-    seen: set[str] = set()
-    missing = set(keys)
-    for other in others:
-        if not missing:
-            break
-        found, whole = other.session.decisions_on(missing)
-        records += found
-        seen |= whole
-        missing -= {r.key for r in found} | whole
-    return records, seen
+__all__ = ["FamilyDecisions", "inherited_by", "result_keys"]
 
 
 class FamilyDecisions:
     """How the family's conversations other than ``name`` decided results (called with their
-    keys: :func:`decided_elsewhere`, blocking), and whether it has any other (:meth:`alone`):
-    a conversation's :attr:`~pipeline.dropin.adapter.WireSession.elsewhere`. It holds the
-    family weakly: the family holds the session (a cycle would keep a conversation let go for
-    the collector, with all it holds)."""
+    keys; blocking), and whether it has any other (:meth:`alone`): a conversation's
+    :attr:`~pipeline.dropin.adapter.WireSession.elsewhere`, and what a new one inherits
+    besides its parent's. ``lock`` guards the family's list. It holds the family weakly: the
+    family holds the session (a cycle would keep a conversation let go for the collector,
+    with all it holds)."""
 
     __slots__ = ("_held", "_lock", "_name")
 
@@ -62,12 +33,31 @@ class FamilyDecisions:
         self._lock, self._held, self._name = lock, weakref.ref(family), name
 
     def __call__(self, keys: Collection[str]) -> tuple[list[ReplacementRecord], set[str]]:
-        return decided_elsewhere(self._lock, self._held, self._name, keys)
+        """How the others decided the results ``keys`` (none once the family was let go).
+        Each lookup is one step whatever another thread does
+        (:meth:`WireSession.decisions_on`), so no lock of theirs is taken: one of them may be
+        in a pass that asks the same of this one."""
+        family = self._held()
+        if family is None:
+            return [], set()
+        with self._lock:
+            others = [b for b in family.recent if b.name != self._name]
+        records: list[ReplacementRecord] = []
+        seen: set[str] = set()
+        missing = set(keys)
+        for other in others:
+            if not missing:
+                break
+            found, whole = other.session.decisions_on(missing)
+            records += found
+            seen |= whole
+            missing -= {r.key for r in found} | whole
+        return records, seen
 
     def alone(self) -> bool:
         """Whether the family holds no conversation but this one now (or was let go): nothing
-        to ask, so no worker thread to ask it in. Read without the index's lock (on the event
-        loop): the family's list is copied in one step, and every change to it is one step
+        to ask, so no worker thread to ask it in. Read without the lock (on the event loop):
+        the family's list is copied in one step, and every change to it is one step
         (:meth:`~pipeline.dropin.families.Family.register` puts a new list in place)."""
         family = self._held()
         if family is None:
@@ -82,12 +72,13 @@ def inherited_by(
     messages: Sequence[Any],
     sync: bool,
     via: Transcript | None,
-    elsewhere: Elsewhere,
+    lock: threading.Lock,
 ) -> Inherited:
     """What the conversation ``plan`` makes in ``family`` starts from: its parent's decisions
     on the results its first request holds (``sync``: taken under the parent's lock for
-    synchronous callers), then the family's others' (``elsewhere``) and those of ``via`` (the
-    records of the one not held it goes its own way from) on any its parent never decided."""
+    synchronous callers), then the family's others' (:class:`FamilyDecisions`; ``lock``
+    guards its list) and those of ``via`` (the records of the one not held it goes its own
+    way from) on any its parent never decided."""
     parent = plan.parent
     assert parent is not None
     keys = result_keys(messages)
@@ -102,7 +93,7 @@ def inherited_by(
     # was sent as
     missing = keys - inherited.decided_keys()
     if missing:
-        inherited.adopt(*elsewhere(weakref.ref(family), parent.name, missing))
+        inherited.adopt(*FamilyDecisions(lock, family, parent.name)(missing))
     missing = keys - inherited.decided_keys()
     if missing and via is not None:  # the one not held it goes its own way from
         inherited.adopt(*decisions(via, ReplacementState(), missing))

@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -47,7 +46,7 @@ import anyio
 import anyio.to_thread
 
 from pipeline.dropin.adapter import WireSession
-from pipeline.dropin.branching import FamilyDecisions, decided_elsewhere
+from pipeline.dropin.branching import FamilyDecisions
 from pipeline.dropin.families import Branch, Family, named, new_to
 from pipeline.dropin.family_loading import load_family, records_of
 from pipeline.dropin.held_families import MAX_BRANCHES, MAX_HELD, MAX_HELD_BYTES, HeldFamilies
@@ -56,7 +55,6 @@ from pipeline.dropin.placing import Placing
 from pipeline.dropin.store_news import StoreNews
 from pipeline.dropin.tenancy import Tenancy
 from pipeline.logs import get_logger
-from pipeline.replacement import ReplacementRecord
 from pipeline.store.sessions import SessionStates, SessionStorage
 from pipeline.transcript import Transcript
 from pipeline.wire.digests import OpeningMemo, chain_of, opening_digest
@@ -351,9 +349,3 @@ class Conversations(StoreNews, Placing):
         )
         session.elsewhere = FamilyDecisions(self._lock, family, name)
         return session
-
-    def _decided_elsewhere(
-        self, held: weakref.ref[Family], name: str | None, keys: Collection[str]
-    ) -> tuple[list[ReplacementRecord], set[str]]:
-        """:func:`~pipeline.dropin.branching.decided_elsewhere` under this index's lock."""
-        return decided_elsewhere(self._lock, held, name, keys)

@@ -6,8 +6,7 @@ that one's decisions (see :mod:`pipeline.dropin.conversations`)."""
 from __future__ import annotations
 
 import threading
-import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.dropin.adapter import WireSession
@@ -17,7 +16,6 @@ from pipeline.dropin.families import plan as place
 from pipeline.dropin.family_loading import records_of
 from pipeline.dropin.held_families import HeldFamilies
 from pipeline.logs import get_logger
-from pipeline.replacement import ReplacementRecord
 from pipeline.transcript import Transcript
 
 __all__ = ["Placing"]
@@ -29,11 +27,6 @@ class Placing:
 
     _lock: threading.Lock
     _holding: HeldFamilies
-
-    _decided_elsewhere: Callable[
-        [weakref.ref[Family], str | None, Collection[str]],
-        tuple[list[ReplacementRecord], set[str]],
-    ]
     _session: Callable[..., WireSession]
 
     def _place(
@@ -147,7 +140,7 @@ class Placing:
         storage = family.states.open(family.name, branch=plan.name, content_named=True)
         inherited = None
         if plan.parent is not None:
-            inherited = inherited_by(family, plan, messages, sync, via, self._decided_elsewhere)
+            inherited = inherited_by(family, plan, messages, sync, via, self._lock)
             get_logger(session_id=named(family.name, plan.name)).info(
                 "wire_session.forked",
                 parent=plan.parent.conversation_id,

@@ -5,11 +5,8 @@ the same lines for other sinks (:class:`JsonlRecordWriter`, :func:`encode_record
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,6 +16,7 @@ from typing import Any
 from pipeline.messages import REMINDER, Message, now_timestamp
 from pipeline.replacement import ReplacementRecord
 from pipeline.transcript.open_files import OPEN_FILES, HeldFile, OpenFiles
+from pipeline.transcript.safe_open import TranscriptPathError, open_to_append, open_transcript
 
 __all__ = [
     "BOM",
@@ -99,12 +97,6 @@ def message_to_record(
     else:
         rec["data"] = {}
     return rec
-
-
-class TranscriptPathError(OSError):
-    """The transcript cannot be written safely where it was asked for: the file or its
-    directory is a symbolic link, or not a regular file / a real directory. Nothing is written
-    there (following a planted link would append the conversation to another file)."""
 
 
 class JsonlRecordWriter:
@@ -224,7 +216,7 @@ class TranscriptWriter(JsonlRecordWriter):
         """Held while the file is written, or its descriptor closed (appends may run in worker
         threads)."""
         self._file = (
-            HeldFile(self.path, _open_to_append, self._lock, open_files) if hold_open else None
+            HeldFile(self.path, open_to_append, self._lock, open_files) if hold_open else None
         )
         self._waiting: list[bytes] = []
         """Lines held back (:meth:`append_stage_record_later`), written before the next ones."""
@@ -278,7 +270,7 @@ class TranscriptWriter(JsonlRecordWriter):
         try:
             fd = self._held_copy()
             if fd is None:
-                fd = _open_transcript(self.path, os.O_RDONLY)
+                fd = open_transcript(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return  # nothing left to make durable
         except BaseException:
@@ -313,7 +305,7 @@ class TranscriptWriter(JsonlRecordWriter):
             if not payload:
                 return
             if held is None:
-                fd = _open_to_append(self.path)
+                fd = open_to_append(self.path)
                 try:
                     self._append(fd, os.fstat(fd).st_size, payload)
                 finally:
@@ -382,68 +374,10 @@ class TranscriptWriter(JsonlRecordWriter):
                     self._file.close()
 
 
-def _open_to_append(path: Path) -> int:
-    return _open_transcript(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
-
-
-def _make_private_dirs(directory: Path) -> None:
-    """Create ``directory`` and any missing parent 0700 (``Path.mkdir(parents=True)`` would
-    give the parents the default mode, 0755 under the usual umask)."""
-    missing: list[Path] = []
-    d = directory
-    while not os.path.lexists(d) and d != d.parent:
-        missing.append(d)
-        d = d.parent
-    for d in reversed(missing):
-        # made meanwhile (another writer): what it is gets checked on opening it
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(d, 0o700)
-
-
-def _open_transcript(path: Path, flags: int) -> int:
-    """A descriptor for the transcript at ``path``, opened relative to its directory, which
-    itself is opened without following a link: no symbolic link at either place is ever
-    followed, even one planted between two appends. ``O_CREAT`` in ``flags`` creates what is
-    missing (the file 0600, directories 0700)."""
-    directory = path.parent
-    if flags & os.O_CREAT:
-        _make_private_dirs(directory)
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise TranscriptPathError(
-                errno.ENOTDIR,
-                "refusing the transcript's directory: it is a symbolic link or not a directory "
-                "(give the real path)",
-                str(directory),
-            ) from None
-        raise
-    try:
-        fd = os.open(
-            path.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=dir_fd
-        )
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise TranscriptPathError(
-                errno.ELOOP,
-                "refusing to write the transcript through a symbolic link (give the real path)",
-                str(path),
-            ) from None
-        raise
-    finally:
-        os.close(dir_fd)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise TranscriptPathError(errno.EINVAL, "the transcript is not a regular file", str(path))
-    os.set_blocking(fd, True)
-    return fd
-
-
 def _last_uuid(path: Path) -> str | None:
     """The uuid of the last record of an existing transcript (None for a new one)."""
     try:
-        fd = _open_transcript(path, os.O_RDONLY)
+        fd = open_transcript(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     last: str | None = None

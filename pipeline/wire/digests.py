@@ -55,21 +55,15 @@ def _plain_blocks(content: Any) -> Any:
 
 
 def _plain_block(b: Any) -> Any:
-    if type(b) is dict:
-        inner = b.get("content")
-        plain_inner = _plain_blocks(inner) if isinstance(inner, list) else inner
-        if "cache_control" not in b and plain_inner is inner:
-            return b
-        plain = {k: v for k, v in b.items() if k != "cache_control"}
-        if plain_inner is not inner:
-            plain["content"] = plain_inner
-        return plain
-    if not isinstance(b, Mapping):
+    if type(b) is not dict and not isinstance(b, Mapping):
+        return b
+    inner = b.get("content")
+    plain_inner = _plain_blocks(inner) if isinstance(inner, list) else inner
+    if type(b) is dict and "cache_control" not in b and plain_inner is inner:
         return b
     plain = {k: v for k, v in b.items() if k != "cache_control"}
-    inner = plain.get("content")
-    if isinstance(inner, list):
-        plain["content"] = _plain_blocks(inner)
+    if plain_inner is not inner:
+        plain["content"] = plain_inner
     return plain
 
 
